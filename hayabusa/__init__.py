@@ -1,0 +1,15 @@
+"""hayabusa: a fast LLM inference engine (PyTorch + Triton) with a vLLM-compatible API.
+
+    from hayabusa import LLM, SamplingParams
+"""
+
+from hayabusa.config import EngineArgs
+from hayabusa.entrypoints.llm import LLM
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.outputs import CompletionOutput, Logprob, RequestOutput
+from hayabusa.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineArgs",
+           "HayabusaValidationError", "__version__"]

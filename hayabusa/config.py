@@ -1,0 +1,324 @@
+"""Engine arguments -> frozen configs. Every derived value is computed here, once.
+
+``EngineArgs`` carries vLLM's argument names and defaults; ``EngineArgs.create_engine_config`` resolves the model
+folder or Hub id, reads its HF config, and returns a ``VllmConfig``-like bundle of ``ModelConfig``,
+``CacheConfig``, ``SchedulerConfig`` and ``DeviceConfig``. Unknown keyword arguments are rejected by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hayabusa.errors import HayabusaValidationError
+
+# CPU has no "memory utilization" to profile: the KV cache gets this many bytes unless kv_cache_memory_bytes says
+# otherwise (vLLM's CPU backend default, VLLM_CPU_KVCACHE_SPACE=4 GiB), capped at what max_num_seqs sequences of
+# max_model_len tokens can use.
+CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
+    return HayabusaValidationError(f"{parameter}={value!r}: {why}", parameter=parameter, value=value)
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of ``LLM(...)`` and ``AsyncEngineArgs`` (vLLM's names, defaults and meanings).
+
+    Args:
+        model: HF model folder (config.json + *.safetensors) or Hub id.
+        tokenizer: tokenizer folder or Hub id; defaults to ``model``.
+        dtype: "auto" (the checkpoint's dtype; float32 checkpoints run in bfloat16 on CUDA and float32 on CPU),
+            "float32", "float16", "bfloat16" (aliases accepted), or a ``torch.dtype``.
+        seed: seed of the default random generator (unseeded requests).
+        max_model_len: context length (prompt + output tokens); default: the model's max_position_embeddings.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: most tokens in one step (chunked prefill splits longer prompts); default 8192.
+        gpu_memory_utilization: fraction of total GPU memory the engine may use (weights + activations + KV).
+        block_size: tokens per KV-cache block.
+        enforce_eager: disable CUDA graphs.
+        skip_tokenizer_init: no tokenizer; prompts must be token ids and outputs carry no text.
+        trust_remote_code: allow code from the checkpoint (transformers' option); off by default.
+        download_dir: Hub cache folder.
+        kv_cache_memory_bytes: KV-cache size in bytes, bypassing profiling.
+        num_gpu_blocks_override: number of KV blocks, bypassing profiling.
+        device: "auto" (CUDA when available), "cuda", "cuda:N" or "cpu".
+        load_format: "auto"/"safetensors" (default, safe), or "pt" to allow pickle ``.bin`` checkpoints, which can
+            run arbitrary code: only for checkpoints you trust.
+        revision, tokenizer_revision, tokenizer_mode: passed to transformers / huggingface_hub.
+        tensor_parallel_size: only 1 is supported for now.
+        enable_prefix_caching: accepted; prefix caching is not implemented yet.
+        max_seq_len_to_capture / cuda_graph_sizes: largest decode batch captured in a CUDA graph.
+        disable_log_stats: no periodic stats.
+    """
+
+    model: str = ""
+    tokenizer: str | None = None
+    dtype: Any = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    enforce_eager: bool = False
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    download_dir: str | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    device: str = "auto"
+    load_format: str = "auto"
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    tokenizer_mode: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_prefix_caching: bool | None = None
+    max_seq_len_to_capture: int = 8192
+    cuda_graph_sizes: list[int] | None = None
+    disable_log_stats: bool = True
+    swap_space: float = 4
+    cpu_offload_gb: float = 0
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    enable_chunked_prefill: bool | None = None
+    disable_custom_all_reduce: bool = False
+    compilation_config: Any = None
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
+        """Build from keyword arguments; an unknown name raises HayabusaValidationError naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise HayabusaValidationError(
+                f"unknown engine argument(s): {', '.join(unknown)}. Known: {', '.join(sorted(names))}.",
+                parameter=unknown[0], value=kwargs[unknown[0]])
+        return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> "EngineConfig":
+        """Validate and derive every config. Reads the model's config.json (no weights)."""
+        self._verify_args()
+        device = resolve_device(self.device)
+        model_config = ModelConfig.from_args(self, device)
+        max_len = model_config.max_model_len
+        batched = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if batched < self.max_num_seqs:
+            raise _bad("max_num_batched_tokens", batched, f"must be >= max_num_seqs ({self.max_num_seqs}).")
+        scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+                                           max_model_len=max_len)
+        cache_config = CacheConfig(
+            block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes, num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype=self.kv_cache_dtype)
+        sizes = self.cuda_graph_sizes
+        capture_max = min(self.max_num_seqs, max(sizes) if sizes else 512)
+        return EngineConfig(model_config=model_config, cache_config=cache_config,
+                            scheduler_config=scheduler_config,
+                            device_config=DeviceConfig(device=device),
+                            enforce_eager=self.enforce_eager or device.type != "cuda",
+                            cuda_graph_sizes=sorted(set(sizes)) if sizes else None,
+                            max_cuda_graph_batch=capture_max, seed=self.seed or 0)
+
+    def _verify_args(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise _bad("model", self.model, "give a model folder or a Hugging Face Hub id.")
+        positive = ("max_num_seqs", "block_size")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise _bad(name, v, "must be a positive integer.")
+        if self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
+            raise _bad("block_size", self.block_size, "must be 1, 2, 4, 8 or a multiple of 16.")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise _bad(name, v, "must be a positive integer or None.")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1].")
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            name = "tensor_parallel_size" if self.tensor_parallel_size != 1 else "pipeline_parallel_size"
+            raise _bad(name, getattr(self, name), "only 1 is supported in this version.")
+        if self.load_format not in ("auto", "safetensors", "pt"):
+            raise _bad("load_format", self.load_format, "must be 'auto', 'safetensors' or 'pt'.")
+        if self.kv_cache_dtype != "auto":
+            raise _bad("kv_cache_dtype", self.kv_cache_dtype, "only 'auto' is supported in this version.")
+        if self.quantization is not None:
+            raise _bad("quantization", self.quantization, "quantization is not supported in this version.")
+        if self.cpu_offload_gb:
+            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "CPU offload is not supported in this version.")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda if available, else cpu. Raises HayabusaValidationError for CUDA without a GPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise _bad("device", device, f"not a torch device ({e}).") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise _bad("device", device, "CUDA is not available on this machine; use device='cpu'.")
+    if dev.type not in ("cuda", "cpu"):
+        raise _bad("device", device, "supported devices are 'cuda' and 'cpu'.")
+    return dev
+
+
+def resolve_dtype(dtype: Any, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise _bad("dtype", dtype, "must be float32, float16 or bfloat16.")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        if config_dtype in (None, torch.float32):
+            return torch.bfloat16
+        return config_dtype
+    if dtype not in _DTYPES:
+        raise _bad("dtype", dtype, f"must be 'auto' or one of {sorted(_DTYPES)}.")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about the model (read from its HF config)."""
+
+    model: str                 # local folder with the checkpoint (Hub ids resolved to the snapshot folder)
+    tokenizer: str | None
+    hf_config: Any             # transformers.PretrainedConfig
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    trust_remote_code: bool
+    skip_tokenizer_init: bool
+    load_format: str
+    revision: str | None
+    tokenizer_revision: str | None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, device: torch.device) -> "ModelConfig":
+        from hayabusa.model.loader import resolve_model_dir
+        from hayabusa.model.registry import resolve_architecture
+
+        model_dir = resolve_model_dir(args.model, revision=args.revision, download_dir=args.download_dir,
+                                      allow_pt=args.load_format == "pt")
+        hf_config = load_hf_config(model_dir, args.trust_remote_code, args.revision)
+        arch = resolve_architecture(hf_config)
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        derived = derive_max_model_len(text_config)
+        max_len = args.max_model_len or derived
+        if args.max_model_len and derived and args.max_model_len > derived:
+            raise _bad("max_model_len", args.max_model_len,
+                       f"is larger than the model's maximum context ({derived} tokens, from config.json).")
+        num_heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        config_dtype = getattr(text_config, "dtype", None)
+        if config_dtype is None and "torch_dtype" in getattr(text_config, "__dict__", {}):
+            config_dtype = text_config.__dict__["torch_dtype"]
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype)
+        eos = _eos_ids(model_dir, text_config)
+        return cls(model=model_dir, tokenizer=args.tokenizer or model_dir, hf_config=text_config,
+                   architecture=arch, dtype=resolve_dtype(args.dtype, config_dtype, device), max_model_len=max_len,
+                   vocab_size=text_config.vocab_size, num_layers=text_config.num_hidden_layers,
+                   num_heads=num_heads,
+                   num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+                   head_dim=head_dim, hidden_size=text_config.hidden_size,
+                   trust_remote_code=args.trust_remote_code, skip_tokenizer_init=args.skip_tokenizer_init,
+                   load_format=args.load_format, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
+                   eos_token_ids=eos)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V for one token over all layers: 2 x layers x kv_heads x head_dim x element size."""
+        elem = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def load_hf_config(model_dir: str, trust_remote_code: bool, revision: str | None = None) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code, revision=revision)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise _bad("trust_remote_code", trust_remote_code,
+                       f"the checkpoint needs custom code ({e}); pass trust_remote_code=True only if you trust it."
+                       ) from None
+        raise
+
+
+def derive_max_model_len(cfg: Any) -> int:
+    """The model's context length: the smallest of the usual config keys that are set."""
+    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+    values = [getattr(cfg, k) for k in keys if isinstance(getattr(cfg, k, None), int)]
+    return min(values) if values else 2048
+
+
+def _eos_ids(model_dir: str, cfg: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (may be a list, as in Llama 3 / Qwen2.5), else config.json."""
+    import json
+
+    ids: list[int] = []
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+    if not ids:
+        eos = getattr(cfg, "eos_token_id", None)
+        ids = eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    num_gpu_blocks_override: int | None
+    cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+    enforce_eager: bool
+    cuda_graph_sizes: list[int] | None
+    max_cuda_graph_batch: int
+    seed: int = 0
+    extra: dict = field(default_factory=dict)

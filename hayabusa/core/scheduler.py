@@ -1,0 +1,212 @@
+"""Scheduler: picks the requests and token counts of each step (continuous batching, chunked prefill,
+preemption by recompute). Plain Python; no tensors.
+
+There are no phases: every scheduled request gets ``num_tokens - num_computed_tokens`` new tokens (capped by the
+step's token budget), so a fresh prompt, a chunk of a long prompt, a decode step and the recompute of a preempted
+request are all the same rule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from hayabusa.config import SchedulerConfig
+from hayabusa.core.kv_cache_manager import KVCacheManager
+from hayabusa.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run in one step.
+
+    Attributes:
+        scheduled_reqs: requests in this step, in batch order (running ones first, then newly admitted).
+        scheduled_new_reqs: ids of requests that need fresh per-request state in the runner (first schedule, or
+            resumed after preemption).
+        num_scheduled_tokens: request id -> tokens computed this step (>= 1).
+        new_block_ids: request id -> block ids appended to its block table this step (all blocks when new).
+        total_num_scheduled_tokens: sum of num_scheduled_tokens.
+        finished_req_ids: requests that left since the previous step (finished, aborted or preempted); the runner
+            drops their state.
+    """
+
+    scheduled_reqs: list[Request]
+    scheduled_new_reqs: set[str]
+    num_scheduled_tokens: dict[str, int]
+    new_block_ids: dict[str, list[int]]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class FinishedRequest:
+    """A request that finished in ``update_from_output`` (for the output processor)."""
+
+    request: Request
+    new_token_ids: list[int]
+
+
+class Scheduler:
+    """Continuous batching under ``max_num_seqs`` and ``max_num_batched_tokens``.
+
+    Running requests are served first, in arrival order; then waiting requests are admitted while there are free
+    rows, token budget and KV blocks. When a running request needs a block and none is free, the most recently
+    admitted running request is preempted: its blocks are freed and it goes back to the front of the waiting
+    queue with ``num_computed_tokens = 0``; its prompt and outputs so far are recomputed when it is rescheduled.
+
+    Args:
+        config: limits of a step.
+        kv_cache_manager: the block owner.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._left_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, or a stop string found by the output processor)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        self._left_since_last_step.add(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating their KV blocks."""
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput([], set(), {}, {}, 0, self._left_since_last_step)
+        self._left_since_last_step = set()
+        budget, preempted = self._schedule_running(out, budget)
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        now = time.monotonic()
+        for req in out.scheduled_reqs:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                new_blocks = self.kv.allocate_slots(req, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break
+            out.scheduled_reqs.append(req)
+            out.num_scheduled_tokens[req.request_id] = num_new
+            out.new_block_ids[req.request_id] = new_blocks
+            budget -= num_new
+            i += 1
+        return budget, preempted
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.finished_req_ids.add(req.request_id)
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(req, num_new)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled_reqs.append(req)
+            out.scheduled_new_reqs.add(req.request_id)
+            out.num_scheduled_tokens[req.request_id] = num_new
+            out.new_block_ids[req.request_id] = list(self.kv.get_block_ids(req.request_id))
+            budget -= num_new
+
+    # ----------------------------------------------------------------- results
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[FinishedRequest]:
+        """Advance ``num_computed_tokens``, append sampled tokens, and finish requests that hit EOS, a stop token,
+        max_tokens or max_model_len.
+
+        Args:
+            out: the step's SchedulerOutput.
+            sampled: request id -> sampled token ids (empty for a request still in a partial prefill).
+
+        Returns:
+            Every request that produced tokens this step (finished or not), with its new tokens.
+        """
+        results: list[FinishedRequest] = []
+        for req in out.scheduled_reqs:
+            if req.is_finished():  # aborted between schedule and update
+                continue
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            new_ids = sampled.get(req.request_id) or []
+            if not new_ids:
+                continue
+            req.append_output_token_ids(new_ids)
+            status = self._check_stop(req)
+            if status is not None:
+                req.status = status
+                self.running.remove(req)
+                self._free(req)
+            results.append(FinishedRequest(req, new_ids))
+        return results
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.all_stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

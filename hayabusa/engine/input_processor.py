@@ -1,0 +1,96 @@
+"""InputProcessor: prompt (text, token ids or dict) + SamplingParams -> checked token ids.
+
+Checks that need the model happen here, once, with errors that name the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hayabusa.config import ModelConfig
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class InputProcessor:
+    """Turns one prompt into (prompt text or None, prompt token ids), and resolves ``max_tokens``.
+
+    Args:
+        model_config: the model's limits (max_model_len, vocab_size).
+        tokenizer: a transformers tokenizer, or None when skip_tokenizer_init (then prompts must be token ids).
+    """
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids).
+
+        Raises:
+            HayabusaValidationError: empty prompt, unknown prompt dict keys, token id outside the vocabulary,
+                text without a tokenizer, or a prompt longer than max_model_len.
+        """
+        text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
+        self._check(ids, params)
+        return text, ids
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            extra = set(prompt) - {"prompt", "prompt_token_ids"}
+            if extra:
+                raise HayabusaValidationError(
+                    f"prompt dict has unsupported key(s) {sorted(extra)}; use 'prompt' or 'prompt_token_ids'.",
+                    parameter="prompt", value=sorted(extra))
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._as_ids(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise HayabusaValidationError("prompt dict needs 'prompt' or 'prompt_token_ids'.",
+                                              parameter="prompt", value=prompt)
+            prompt = prompt["prompt"]
+        if isinstance(prompt, list):
+            return None, self._as_ids(prompt)
+        if not isinstance(prompt, str):
+            raise HayabusaValidationError(f"prompt must be a str, a list of token ids or a dict, got "
+                                          f"{type(prompt).__name__}.", parameter="prompt", value=type(prompt).__name__)
+        if self.tokenizer is None:
+            raise HayabusaValidationError("text prompts need a tokenizer (skip_tokenizer_init=True was given); "
+                                          "pass {'prompt_token_ids': [...]}.", parameter="prompt", value=prompt[:50])
+        return prompt, list(self.tokenizer(prompt).input_ids)
+
+    @staticmethod
+    def _as_ids(ids: Any) -> list[int]:
+        try:
+            out = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            raise HayabusaValidationError("prompt_token_ids must be a list of integers.",
+                                          parameter="prompt_token_ids", value=str(ids)[:80]) from None
+        return out
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        mc = self.model_config
+        if not ids:
+            raise HayabusaValidationError("the prompt is empty (0 tokens).", parameter="prompt", value="")
+        bad = [t for t in ids if t < 0 or t >= mc.vocab_size]
+        if bad:
+            raise HayabusaValidationError(
+                f"token id {bad[0]} is out of vocabulary (vocab_size={mc.vocab_size}).",
+                parameter="prompt_token_ids", value=bad[0])
+        if len(ids) > mc.max_model_len:
+            raise HayabusaValidationError(
+                f"prompt has {len(ids)} tokens, more than max_model_len={mc.max_model_len}.",
+                parameter="prompt", value=len(ids))
+        bad_stop = [t for t in params.stop_token_ids if t >= mc.vocab_size]
+        if bad_stop:
+            raise HayabusaValidationError(f"stop token id {bad_stop[0]} is out of vocabulary "
+                                          f"(vocab_size={mc.vocab_size}).", parameter="stop_token_ids",
+                                          value=bad_stop[0])
+
+    def max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """max_tokens, or what max_model_len leaves after the prompt when it is None."""
+        left = self.model_config.max_model_len - num_prompt_tokens
+        return params.max_tokens if params.max_tokens is not None else max(left, 1)

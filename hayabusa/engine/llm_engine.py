@@ -1,0 +1,138 @@
+"""LLMEngine: add_request / abort_request / step() -- the one place that calls the parts in order."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from hayabusa.config import EngineArgs, EngineConfig
+from hayabusa.core.kv_cache_manager import KVCacheManager
+from hayabusa.core.request import Request, RequestStatus
+from hayabusa.core.scheduler import Scheduler
+from hayabusa.engine.input_processor import InputProcessor, PromptType
+from hayabusa.engine.output_processor import OutputProcessor
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.outputs import RequestOutput
+from hayabusa.sampling_params import SamplingParams
+from hayabusa.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool, revision: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+
+
+class LLMEngine:
+    """The synchronous engine.
+
+    A step: ``Scheduler.schedule()`` -> ``ModelRunner.execute_model()`` -> ``Scheduler.update_from_output()`` ->
+    ``OutputProcessor.process()`` (text, stop strings, n > 1 fan-in). Bad requests are rejected in
+    ``add_request`` with a HayabusaValidationError and never reach the scheduler.
+
+    Args:
+        config: resolved engine config (``EngineArgs.create_engine_config()``).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        mc = config.model_config
+        torch.manual_seed(config.seed)  # default generator for unseeded requests (CPU and CUDA)
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(
+            mc.tokenizer, mc.trust_remote_code, mc.tokenizer_revision)
+        self.runner = ModelRunner(config)
+        self.num_blocks = self.runner.initialize_kv_cache()
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.input_processor = InputProcessor(mc, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.startup_seconds = time.perf_counter() - t0
+        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0}
+        logger.info("engine ready in %.2f s: %d KV blocks x %d tokens", self.startup_seconds, self.num_blocks,
+                    config.cache_config.block_size)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        """Tokens the KV cache can hold."""
+        return self.num_blocks * self.config.cache_config.block_size
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request (n > 1 becomes n child requests sharing the prompt).
+
+        Raises:
+            HayabusaValidationError: bad prompt or params, or a duplicate request_id; nothing is queued then.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise HayabusaValidationError("sampling_params must be a SamplingParams.", parameter="sampling_params",
+                                          value=type(params).__name__)
+        if request_id in self.output_processor.states:
+            raise HayabusaValidationError(f"request_id {request_id!r} is already in use.", parameter="request_id",
+                                          value=request_id)
+        text, ids = self.input_processor.process(prompt, params)
+        max_tokens = self.input_processor.max_tokens(len(ids), params)
+        eos = self.config.model_config.eos_token_ids
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            child_params.all_stop_token_ids = set(child_params.stop_token_ids)
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            children.append(Request(child_id, ids, child_params, eos, max_tokens, arrival_time))
+        self.output_processor.add_request(request_id, text, ids, params, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        self.stats["num_prompt_tokens"] += len(ids)
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests (by the ids given to add_request); their blocks are freed. Unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outs = []
+        for rid in request_ids:
+            state = self.output_processor.states.get(rid)
+            if state is None:
+                continue
+            self.scheduler.finish_requests([s.request.request_id for s in state.samples],
+                                           RequestStatus.FINISHED_ABORTED)
+            out = self.output_processor.abort(rid)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the (cumulative) outputs of the requests that changed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler could not schedule any request although some are waiting: the KV "
+                                   "cache is too small for one of them (raise kv_cache_memory_bytes).")
+            return []
+        result = self.runner.execute_model(sched)
+        updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        self.stats["num_steps"] += 1
+        self.stats["num_generation_tokens"] += sum(len(u.new_token_ids) for u in updates)
+        outputs, stop_hits = self.output_processor.process([(u.request, u.new_token_ids) for u in updates],
+                                                           result.logprobs)
+        if stop_hits:
+            self.scheduler.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
+        return outputs

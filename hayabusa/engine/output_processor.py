@@ -1,0 +1,160 @@
+"""OutputProcessor: new token ids -> text (incremental detokenization, stop strings), logprobs, n > 1 fan-in,
+-> RequestOutput."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hayabusa.core.request import Request, RequestStatus
+from hayabusa.engine.detokenizer import IncrementalDetokenizer
+from hayabusa.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from hayabusa.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleState:
+    """One completion (one child request) of a parent request."""
+
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    """A user request: its prompt and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    child_index: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    """Keeps per-request output state and builds RequestOutputs.
+
+    Args:
+        tokenizer: transformers tokenizer, or None (no text).
+    """
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, children: list[Request]) -> None:
+        samples = []
+        for i, child in enumerate(children):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.sampling_params)
+            want_lp = params.logprobs is not None
+            samples.append(SampleState(i, child, detok, [] if want_lp else None, 0.0 if want_lp else None))
+            self.child_to_parent[child.request_id] = request_id
+        state = RequestState(request_id, prompt, prompt_token_ids, params, samples,
+                             RequestMetrics(arrival_time=children[0].arrival_time))
+        state.child_index = {c.request_id: i for i, c in enumerate(children)}
+        self.states[request_id] = state
+
+    def process(self, updates: list[tuple[Request, list[int]]],
+                logprobs: dict[str, tuple[list[int], list[float], int]]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's new tokens.
+
+        Args:
+            updates: (child request, its new token ids) for every request that produced tokens.
+            logprobs: child request id -> (ids, logprobs, rank of the sampled token) for this step's token.
+
+        Returns:
+            (RequestOutputs of the parents that changed, child ids that hit a stop string and must be finished
+            in the scheduler).
+        """
+        changed: dict[str, RequestState] = {}
+        stop_hits: list[str] = []
+        now = time.monotonic()
+        for req, new_ids in updates:
+            parent = self.child_to_parent.get(req.request_id)
+            if parent is None:
+                continue
+            state = self.states[parent]
+            sample = state.samples[state.child_index[req.request_id]]
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            state.metrics.num_generation_tokens += len(new_ids)
+            if sample.logprobs is not None and req.request_id in logprobs:
+                self._add_logprobs(sample, logprobs[req.request_id])
+            stop_terminated = req.status == RequestStatus.FINISHED_STOPPED
+            stop_str = sample.detok.update(new_ids, stop_terminated)
+            if stop_str is not None and not req.is_finished():
+                sample.finish_reason, sample.stop_reason = "stop", stop_str
+                stop_hits.append(req.request_id)
+            elif req.is_finished():
+                sample.finish_reason = req.status.finish_reason
+                sample.stop_reason = stop_str if stop_str is not None else req.stop_reason
+                if stop_str is not None:
+                    sample.finish_reason = "stop"
+            changed[parent] = state
+        outputs = [self._make_output(s) for s in changed.values()]
+        for s in changed.values():
+            if s.finished:
+                self._drop(s)
+        return outputs, stop_hits
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark a parent request aborted; returns its final output (finish_reason 'abort')."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        out = self._make_output(state)
+        self._drop(state)
+        return out
+
+    def _drop(self, state: RequestState) -> None:
+        state.metrics.finished_time = time.monotonic()
+        self.states.pop(state.request_id, None)
+        for s in state.samples:
+            self.child_to_parent.pop(s.request.request_id, None)
+
+    def _add_logprobs(self, sample: SampleState, entry: tuple[list[int], list[float], int]) -> None:
+        ids, vals, rank = entry
+        d: dict[int, Logprob] = {}
+        for j, (tid, lp) in enumerate(zip(ids, vals)):
+            if tid in d:
+                continue
+            d[tid] = Logprob(lp, rank if j == 0 else j, self._decode_one(tid, sample.request.sampling_params))
+        sample.logprobs.append(d)
+        sample.cumulative_logprob += vals[0]
+
+    def _decode_one(self, token_id: int, params: SamplingParams) -> str | None:
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        finished = state.finished
+        completions = []
+        for s in state.samples:
+            done = s.finish_reason is not None
+            completions.append(CompletionOutput(
+                index=s.index, text=s.detok.get_next_output_text(done, delta=False),
+                token_ids=list(s.request.output_token_ids), cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None, finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason))
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
+                             metrics=state.metrics)

@@ -1,0 +1,150 @@
+"""The ``hayabusa`` command: ``hayabusa generate`` (offline batch generation from a JSONL file)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from importlib import resources
+from typing import Any
+
+from hayabusa.errors import HayabusaValidationError
+
+# Engine arguments exposed as flags (vLLM's flag names): name -> type.
+ENGINE_FLAGS: dict[str, Any] = {
+    "tokenizer": str, "dtype": str, "seed": int, "max_model_len": int, "max_num_seqs": int,
+    "max_num_batched_tokens": int, "gpu_memory_utilization": float, "block_size": int, "device": str,
+    "kv_cache_memory_bytes": int, "num_gpu_blocks_override": int, "download_dir": str, "load_format": str,
+}
+ENGINE_BOOL_FLAGS = ("enforce_eager", "trust_remote_code")
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(__import__("hayabusa.sampling_params",
+                                                                 fromlist=["SamplingParams"]).SamplingParams)
+                   if f.name != "all_stop_token_ids"}
+SAMPLING_FLAGS: dict[str, Any] = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                                  "max_tokens": int, "min_tokens": int, "n": int, "seed": None,
+                                  "repetition_penalty": float, "presence_penalty": float,
+                                  "frequency_penalty": float}
+
+
+def demo_model_dir() -> str:
+    """The bundled demo model: Karpathy's stories260K (Llama, 260K parameters, MIT)."""
+    return str(resources.files("hayabusa") / "assets" / "stories260K")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    for name, typ in ENGINE_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
+    for name in ENGINE_BOOL_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=None)
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    names = list(ENGINE_FLAGS) + list(ENGINE_BOOL_FLAGS)
+    return {n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hayabusa", description="hayabusa: fast LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts",
+                       description="Each input line is {\"prompt\": str} or {\"prompt_token_ids\": [...]}, with "
+                                   "optional SamplingParams fields (temperature, max_tokens, stop, ...) that "
+                                   "override the flags.")
+    g.add_argument("--model", default=None, help="HF model folder or Hub id (default: the bundled demo model)")
+    g.add_argument("--prompts", required=True, help="input JSONL file")
+    g.add_argument("--output", default=None, help="output JSONL file (default: stdout)")
+    g.add_argument("--no-tqdm", action="store_true", help="no progress bar")
+    for name, typ in SAMPLING_FLAGS.items():
+        if name != "seed":
+            g.add_argument("--" + name.replace("_", "-"), dest="sp_" + name, type=typ, default=None)
+    g.add_argument("--stop", dest="sp_stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", dest="sp_ignore_eos", action="store_true", default=None)
+    add_engine_args(g)
+    return parser
+
+
+def _read_prompts(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise HayabusaValidationError(f"{path}:{lineno}: not JSON ({e.msg}).", parameter="prompts",
+                                              value=lineno) from None
+            if isinstance(row, str):
+                row = {"prompt": row}
+            if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids"} & set(row)):
+                raise HayabusaValidationError(f"{path}:{lineno}: each line needs \"prompt\" or "
+                                              "\"prompt_token_ids\".", parameter="prompts", value=lineno)
+            unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id"}
+            if unknown:
+                raise HayabusaValidationError(f"{path}:{lineno}: unknown field(s) {sorted(unknown)}.",
+                                              parameter="prompts", value=sorted(unknown))
+            rows.append(row)
+    return rows
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from hayabusa import LLM, SamplingParams
+
+    rows = _read_prompts(ns.prompts)
+    model = ns.model
+    if model is None:
+        model = demo_model_dir()
+        print(f"hayabusa: no --model given; using the bundled demo model stories260K ({model}), a 260K-parameter "
+              "TinyStories Llama. Pass --model DIR for a real model.", file=sys.stderr)
+    defaults = {k[3:]: v for k, v in vars(ns).items() if k.startswith("sp_") and v is not None}
+    params = []
+    for row in rows:
+        fields = {**defaults, **{k: v for k, v in row.items() if k in SAMPLING_FIELDS}}
+        params.append(SamplingParams(**fields))
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r else r["prompt"]
+               for r in rows]
+    t0 = time.perf_counter()
+    llm = LLM(model, **engine_kwargs(ns))
+    t1 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not ns.no_tqdm)
+    t2 = time.perf_counter()
+    out_f = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout
+    try:
+        for row, out in zip(rows, outputs):
+            rec = {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+                   "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason} for c in out.outputs]}
+            if "id" in row:
+                rec["id"] = row["id"]
+            out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    finally:
+        if out_f is not sys.stdout:
+            out_f.close()
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    secs = t2 - t1
+    print(f"hayabusa: {len(outputs)} requests, {n_in} prompt tokens, {n_out} output tokens in {secs:.2f} s "
+          f"({n_out / secs if secs else 0:.1f} output tok/s; engine start {t1 - t0:.2f} s)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ns = _build_parser().parse_args(argv)
+    try:
+        if ns.command == "generate":
+            return cmd_generate(ns)
+    except HayabusaValidationError as e:
+        print(f"hayabusa: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"hayabusa: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""LLM: the offline entry point (vLLM's ``LLM``)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from hayabusa.config import EngineArgs
+from hayabusa.engine.input_processor import PromptType
+from hayabusa.engine.llm_engine import LLMEngine
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.outputs import RequestOutput
+from hayabusa.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate text for a batch of prompts with continuous batching (vLLM's ``LLM``).
+
+    Args:
+        model: HF model folder or Hub id.
+        **kwargs: engine arguments (see ``EngineArgs``): tokenizer, dtype, seed, max_model_len, max_num_seqs,
+            max_num_batched_tokens, gpu_memory_utilization, block_size, enforce_eager, skip_tokenizer_init,
+            trust_remote_code, download_dir, kv_cache_memory_bytes, num_gpu_blocks_override, device, ...
+
+    Raises:
+        HayabusaValidationError: an unknown engine argument (named), a bad value, or a model that cannot be
+            loaded; KVCacheCapacityError when one max_model_len sequence does not fit.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        args = EngineArgs.from_kwargs(model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None,
+                 **unsupported: Any) -> list[RequestOutput]:
+        """Generate completions for every prompt, in input order.
+
+        Args:
+            prompts: a str, a list of str, ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}`` or a list of
+                those.
+            sampling_params: one SamplingParams for all prompts, or one per prompt (default: SamplingParams()).
+            use_tqdm: show a progress bar.
+            prompt_token_ids: (old vLLM API) token-id prompts.
+
+        Returns:
+            One finished RequestOutput per prompt, in the order given.
+
+        Raises:
+            HayabusaValidationError: a bad prompt or parameter; no request of this call is left queued.
+        """
+        if unsupported:
+            name = next(iter(unsupported))
+            if unsupported[name] is not None:
+                raise HayabusaValidationError(f"generate() got an unsupported argument {name!r}.", parameter=name,
+                                              value=unsupported[name])
+        prompt_list = self._as_prompt_list(prompts, prompt_token_ids)
+        params = self._as_params_list(sampling_params, len(prompt_list))
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompt_list, params):
+                rid = str(next(self._counter))
+                engine.add_request(rid, p, sp)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[PromptType]:
+        if prompts is None and prompt_token_ids is not None:
+            return [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        if prompts is None:
+            raise HayabusaValidationError("generate() needs prompts.", parameter="prompts", value=None)
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):  # one prompt as token ids
+            return [{"prompt_token_ids": prompts}]
+        return prompts
+
+    @staticmethod
+    def _as_params_list(sp: Any, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise HayabusaValidationError(f"got {len(sp)} sampling_params for {n} prompts; pass one or one per "
+                                          "prompt.", parameter="sampling_params", value=len(sp))
+        return sp
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        missing = [i for i in ids if i not in finished]
+        if missing:  # cannot happen unless a request was aborted from outside
+            raise RuntimeError(f"requests {missing[:5]} did not finish")
+        return [finished[i] for i in ids]

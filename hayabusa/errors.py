@@ -1,0 +1,31 @@
+"""Errors raised by hayabusa.
+
+Bad input fails at the edge, once, naming the parameter: ``HayabusaValidationError`` is a ``ValueError``
+(the OpenAI server maps it to HTTP 400) that carries ``.parameter`` and ``.value``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HayabusaValidationError(ValueError):
+    """A user-supplied value is invalid.
+
+    Attributes:
+        parameter: name of the offending parameter (``"temperature"``, ``"prompt"``, ...).
+        value: the value that was rejected.
+    """
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+
+class KVCacheCapacityError(HayabusaValidationError):
+    """The KV cache cannot hold even one sequence of ``max_model_len`` tokens."""
+
+
+class UnsupportedModelError(HayabusaValidationError):
+    """The checkpoint's architecture (or a feature of it) is not supported."""

@@ -1,0 +1,31 @@
+"""RMSNorm (Zhang & Sennrich 2019) with the residual add fused in, matching HF Llama's numerics."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """out = weight * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (HF LlamaRMSNorm).
+
+    ``forward(x, residual)`` first adds the residual (x + residual, in the model dtype as HF does) and returns
+    ``(normed, new_residual)``; without residual it returns the normed tensor alone.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,148 @@
+"""Llama (and Llama-shaped: Qwen2, Mistral without window) decoder on the shared layers.
+
+forward(input_ids [T], positions [T], ctx) -> hidden [T, hidden]; compute_logits(hidden [R, hidden]) -> [R, V].
+Checkpoint names follow HF's; q/k/v and gate/up projections are merged into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hayabusa.attention.metadata import ForwardContext
+from hayabusa.model.layers.activation import silu_and_mul
+from hayabusa.model.layers.attention import Attention
+from hayabusa.model.layers.linear import Linear
+from hayabusa.model.layers.norm import RMSNorm
+from hayabusa.model.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias, dtype, device,
+                               shard_names=["q", "k", "v"])
+        self.o_proj = Linear(self.q_size, [cfg.hidden_size], o_bias, dtype, device)
+        self.rotary = rotary  # shared by all layers; not a registered submodule
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_idx,
+                              sliding_window=self._sliding_window(cfg, layer_idx))
+
+    @staticmethod
+    def _sliding_window(cfg: Any, layer_idx: int) -> int | None:
+        return None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)                                          # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)                # [T, H, D], [T, H_kv, D]
+        return self.o_proj(self.attn(q, k, v, ctx))                    # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], bias, dtype, device, shard_names=["gate", "up"])
+        self.down_proj = Linear(inter, [cfg.hidden_size], bias, dtype, device)
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            from hayabusa.errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)", parameter="hidden_act",
+                                        value=act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qkv_bias, o_bias, dtype, device)
+        self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, positions, x, residual, ctx):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, device: torch.device,
+                 max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(cfg, head_dim, max_position, dtype, device)
+        self.rotary_emb = rotary
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, qkv_bias, o_bias, dtype, device)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                                # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF ``LlamaForCausalLM``: RMSNorm, RoPE, SwiGLU MLP, GQA; optional attention/MLP biases; tied embeddings."""
+
+    qkv_bias_default = False
+    o_bias_follows_attention_bias = True
+    # (our parameter, checkpoint name, shard)
+    stacked_params_mapping = [
+        (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", "gate"), (".gate_up_proj.", ".up_proj.", "up"),
+    ]
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        attn_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = self.qkv_bias_default or attn_bias
+        o_bias = attn_bias if self.o_bias_follows_attention_bias else False
+        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, device, max(max_position, 1))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] -> logits [R, V] in the model dtype."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w)
+
+    def ignored_checkpoint_key(self, name: str) -> bool:
+        """Keys that are present in some checkpoints but carry nothing we need."""
+        if "rotary_emb.inv_freq" in name:
+            return True
+        return self.tie_word_embeddings and name == "lm_head.weight"

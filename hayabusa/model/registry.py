@@ -1,0 +1,42 @@
+"""HF architecture name -> model class."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hayabusa.errors import UnsupportedModelError
+
+# architecture -> (module, class)
+_MODELS = {
+    "LlamaForCausalLM": ("hayabusa.model.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("hayabusa.model.qwen2", "Qwen2ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_architecture(hf_config: Any) -> str:
+    """The first of the config's ``architectures`` that hayabusa supports.
+
+    Raises:
+        UnsupportedModelError: none is supported (the message lists the supported ones).
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _MODELS:
+            if arch == "Qwen2ForCausalLM" and getattr(hf_config, "use_sliding_window", False):
+                raise UnsupportedModelError(
+                    "Qwen2 with use_sliding_window=true is not supported yet.", parameter="use_sliding_window",
+                    value=True)
+            return arch
+    raise UnsupportedModelError(
+        f"architecture {archs or '(none in config.json)'} is not supported; supported: "
+        f"{', '.join(supported_architectures())}.", parameter="model", value=archs)
+
+
+def get_model_class(arch: str):
+    module, name = _MODELS[arch]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,86 @@
+"""Outputs returned by ``LLM.generate`` and ``AsyncLLMEngine.generate`` (vLLM's shapes and field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log probability of one token.
+
+    Attributes:
+        logprob: natural-log probability under the model's raw (unprocessed) distribution.
+        rank: 1-based rank of the token in that distribution.
+        decoded_token: the token as text (None when detokenize=False).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token plus the top-`logprobs` tokens).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (``n`` of them per request).
+
+    Attributes:
+        index: 0-based index among the request's ``n`` completions.
+        text: generated text (stop string removed unless include_stop_str_in_output).
+        token_ids: generated token ids.
+        cumulative_logprob: sum of the sampled tokens' logprobs; None unless logprobs were requested.
+        logprobs: per-token logprobs when ``SamplingParams.logprobs`` is set, else None.
+        finish_reason: "stop", "length" or "abort"; None while running.
+        stop_reason: the stop string (str) or stop token id (int) that ended it; None for EOS or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far.
+
+    Attributes:
+        request_id: the request's id.
+        prompt: prompt text (None when the prompt was given as token ids and not decoded).
+        prompt_token_ids: prompt token ids.
+        outputs: one CompletionOutput per sample (``n``).
+        finished: True when every completion has finished.
+        prompt_logprobs: not computed yet; always None.
+        metrics: timing of the request (seconds since the epoch), see ``RequestMetrics``.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: None = None
+    metrics: "RequestMetrics | None" = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request, in seconds (``time.monotonic``)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+    extra: dict = field(default_factory=dict)

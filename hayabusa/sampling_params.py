@@ -1,0 +1,158 @@
+"""SamplingParams: vLLM's fields, defaults and semantics.
+
+Checks that need nothing but the parameters themselves happen here, in ``__post_init__``; checks that need the
+model (vocabulary size, max_model_len) happen in the engine's input processor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from hayabusa.errors import HayabusaValidationError
+
+# Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
+    return HayabusaValidationError(f"{parameter} {why}, got {value!r}.", parameter=parameter, value=value)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt (vLLM's ``SamplingParams``).
+
+    Args:
+        n: number of completions returned for the prompt (>= 1).
+        presence_penalty: subtracted once from the logit of every token already generated, in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per time it was generated, in [-2, 2].
+        repetition_penalty: > 0; logits of tokens in the prompt or output are divided by it when positive and
+            multiplied when negative (CTRL, Keskar et al. 2019). 1.0 = off.
+        temperature: >= 0; 0 means greedy (argmax).
+        top_p: nucleus sampling (Holtzman et al. 2019) mass, in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 or -1 = off.
+        min_p: drop tokens whose probability is below min_p x the top probability, in [0, 1]; 0 = off.
+        seed: per-request seed: the request's tokens do not depend on what else is in the batch.
+        stop: string(s) that end the completion; not included in the text unless include_stop_str_in_output.
+        stop_token_ids: token ids that end the completion (kept in token_ids, not in the text when special).
+        ignore_eos: keep generating after EOS.
+        max_tokens: maximum generated tokens per completion (None = up to max_model_len). Default 16.
+        min_tokens: EOS and stop_token_ids are suppressed until this many tokens were generated.
+        logprobs: number of top logprobs to return per generated token (the sampled token is always included).
+        prompt_logprobs: accepted for compatibility; only None is supported.
+        detokenize: produce text; False returns token ids only.
+        skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: passed to the tokenizer when decoding.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        truncate_prompt_tokens: keep only the last k prompt tokens.
+
+    Raises:
+        HayabusaValidationError: a value is out of range; the error names the parameter and the value.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+    # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._verify()
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: the truncation knobs cannot change argmax.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:  # noqa: C901 - a flat list of checks reads best
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise _bad("n", self.n, "must be an integer >= 1")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            raise _bad("best_of", self.best_of, f"must be an integer >= n={self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise _bad(name, v, "must be in [-2, 2]")
+        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0.0:
+            raise _bad("repetition_penalty", self.repetition_penalty, "must be greater than zero")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
+            raise _bad("temperature", self.temperature, "must be non-negative")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise _bad("top_k", self.top_k, "must be 0 or -1 (disabled), or at least 1")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", self.max_tokens, "must be at least 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "must be greater than or equal to 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise _bad("logprobs", self.logprobs, "must be a non-negative integer")
+        if self.prompt_logprobs is not None:
+            raise _bad("prompt_logprobs", self.prompt_logprobs, "is not supported yet; pass None")
+        if self.seed is not None and not is_int(self.seed):
+            raise _bad("seed", self.seed, "must be an integer")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise _bad("stop", self.stop, "must be non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        if self.truncate_prompt_tokens is not None and (
+            not is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
+        ):
+            raise _bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "must be at least 1")
+        if self.bad_words:
+            raise _bad("bad_words", self.bad_words, "is not supported yet")
+        if self.logit_bias or self.allowed_token_ids:
+            name = "logit_bias" if self.logit_bias else "allowed_token_ids"
+            raise _bad(name, getattr(self, name), "is not supported yet")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature below 1e-5)."""
+        return self.temperature < SAMPLING_EPS
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        """A copy with some fields changed (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "all_stop_token_ids"}
+        values["stop"] = list(self.stop)
+        values["stop_token_ids"] = list(self.stop_token_ids)
+        values.update(changes)
+        return SamplingParams(**values)

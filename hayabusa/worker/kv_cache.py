@@ -1,0 +1,61 @@
+"""KV-cache sizing (memory profiling on CUDA, a budget on CPU) and allocation."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hayabusa.config import CPU_KV_CACHE_DEFAULT_BYTES, EngineConfig
+from hayabusa.errors import KVCacheCapacityError
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_per_block(cfg: EngineConfig) -> int:
+    """K + V bytes of one block over all layers."""
+    return cfg.model_config.kv_bytes_per_token() * cfg.cache_config.block_size
+
+
+def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non_torch_bytes: int = 0) -> int:
+    """Number of KV blocks.
+
+    Order: num_gpu_blocks_override; else kv_cache_memory_bytes; else on CUDA
+    ``total x gpu_memory_utilization - profiled peak (weights + activations) - non-torch memory``; on CPU
+    ``CPU_KV_CACHE_DEFAULT_BYTES`` capped at what max_num_seqs sequences of max_model_len tokens can use.
+
+    Raises:
+        KVCacheCapacityError: not even one max_model_len sequence fits; the message says which knob to turn.
+    """
+    cc, mc, sc = cfg.cache_config, cfg.model_config, cfg.scheduler_config
+    per_block = bytes_per_block(cfg)
+    blocks_per_seq = -(-sc.max_model_len // cc.block_size)
+    device = cfg.device_config.device
+    if cc.num_gpu_blocks_override is not None:
+        num_blocks, source = cc.num_gpu_blocks_override, "num_gpu_blocks_override"
+    elif cc.kv_cache_memory_bytes is not None:
+        num_blocks, source = cc.kv_cache_memory_bytes // per_block, "kv_cache_memory_bytes"
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * cc.gpu_memory_utilization) - (profiled_peak_bytes or 0) - non_torch_bytes
+        num_blocks, source = max(budget, 0) // per_block, "gpu_memory_utilization"
+    else:
+        num_blocks = CPU_KV_CACHE_DEFAULT_BYTES // per_block
+        num_blocks = min(num_blocks, blocks_per_seq * sc.max_num_seqs + 1)
+        source = "the CPU default budget (kv_cache_memory_bytes)"
+    if num_blocks < blocks_per_seq:
+        need = blocks_per_seq * per_block
+        raise KVCacheCapacityError(
+            f"the KV cache ({num_blocks} blocks of {cc.block_size} tokens, from {source}) cannot hold one sequence "
+            f"of max_model_len={sc.max_model_len} tokens ({blocks_per_seq} blocks, {need / 2**20:.1f} MiB for "
+            f"{mc.kv_bytes_per_token()} bytes/token). Lower max_model_len, raise gpu_memory_utilization, or set "
+            "kv_cache_memory_bytes / num_gpu_blocks_override.", parameter="max_model_len", value=sc.max_model_len)
+    return int(num_blocks)
+
+
+def allocate_kv_caches(cfg: EngineConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, H_kv, D] in the model dtype, zeroed."""
+    mc = cfg.model_config
+    shape = (mc.num_layers, 2, num_blocks, cfg.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
+    buf = torch.zeros(shape, dtype=mc.dtype, device=cfg.device_config.device)
+    return [(buf[i, 0], buf[i, 1]) for i in range(mc.num_layers)]

@@ -1,0 +1,254 @@
+"""ModelRunner: owns every device tensor; turns a SchedulerOutput into sampled tokens.
+
+Per step: update the persistent batch (rows, block tables), build positions / slot_mapping / query_start_loc
+with vectorised numpy on the host, copy them to persistent device buffers in one go, run the model (a CUDA
+graph when the step is decode-only and fits a captured size), compute logits only for requests whose prompt is
+fully computed, sample, and copy the sampled ids to the host: one sync per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hayabusa.attention.backends import get_attention_backend
+from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
+from hayabusa.config import EngineConfig
+from hayabusa.core.kv_cache_manager import cdiv
+from hayabusa.core.request import Request
+from hayabusa.core.scheduler import SchedulerOutput
+from hayabusa.model.loader import build_model
+from hayabusa.sample.metadata import build_sampling_metadata
+from hayabusa.sample.sampler import Sampler
+from hayabusa.worker.input_batch import InputBatch
+from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step (host lists).
+
+    Attributes:
+        sampled_token_ids: request id -> new token ids ([] for a request still in a partial prefill).
+        logprobs: request id -> (token ids [K+1], logprobs [K+1], rank of the sampled token) for requests that
+            asked for logprobs; column 0 is the sampled token.
+    """
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    """Host-side inputs of one step (numpy)."""
+
+    reqs: list[Request]
+    num_scheduled: np.ndarray   # [R] int32
+    query_start_loc: np.ndarray  # [R + 1] int32
+    seq_lens: np.ndarray        # [R] int32
+    positions: np.ndarray       # [T] int64
+    input_ids: np.ndarray       # [T] int64
+    slot_mapping: np.ndarray    # [T] int64
+    block_table: np.ndarray     # [R, max_blocks_in_step] int32
+    logits_rows: np.ndarray     # [R_s] int64, rows (in reqs) whose next token is sampled this step
+    logits_indices: np.ndarray  # [R_s] int64, token index of each such row's last token
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the KV cache, captures CUDA graphs, and runs steps.
+
+    Args:
+        cfg: the engine config.
+    """
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.device = cfg.device_config.device
+        mc, sc = cfg.model_config, cfg.scheduler_config
+        self.block_size = cfg.cache_config.block_size
+        self.vocab_size = mc.vocab_size
+        t0 = time.perf_counter()
+        self.model = build_model(mc, self.device)
+        self.load_seconds = time.perf_counter() - t0
+        self.backend = get_attention_backend(self.device)
+        self.sampler = Sampler()
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.max_blocks_per_req = cdiv(sc.max_model_len, self.block_size)
+        self.batch = InputBatch(self.max_num_reqs, self.max_blocks_per_req)
+        self._alloc_device_buffers()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.graphs = None
+        self._eos = mc.eos_token_ids[0] if mc.eos_token_ids else None
+
+    def _alloc_device_buffers(self) -> None:
+        d, T, R = self.device, self.max_num_tokens, self.max_num_reqs
+        self.input_ids = torch.zeros(T, dtype=torch.int64, device=d)
+        self.positions = torch.zeros(T, dtype=torch.int64, device=d)
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=d)
+        self.query_start_loc = torch.zeros(R + 1, dtype=torch.int32, device=d)
+        self.seq_lens = torch.zeros(R, dtype=torch.int32, device=d)
+        self.block_table = torch.zeros(R, self.max_blocks_per_req, dtype=torch.int32, device=d)
+
+    # ------------------------------------------------------------------ KV cache + graphs
+    def initialize_kv_cache(self) -> int:
+        """Profile peak memory (CUDA), size and allocate the KV cache, capture CUDA graphs. Returns num_blocks."""
+        peak, non_torch = None, 0
+        if self.device.type == "cuda" and self.cfg.cache_config.num_gpu_blocks_override is None \
+                and self.cfg.cache_config.kv_cache_memory_bytes is None:
+            peak, non_torch = self._profile_peak_memory()
+        self.num_blocks = determine_num_blocks(self.cfg, peak, non_torch)
+        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
+        if not self.cfg.enforce_eager:
+            from hayabusa.worker.cuda_graph import CUDAGraphRunner
+
+            self.graphs = CUDAGraphRunner(self)
+            self.graphs.capture()
+        return self.num_blocks
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> tuple[int, int]:
+        """Run the largest step without a KV cache; returns (torch peak bytes, non-torch bytes in use)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        T = self.max_num_tokens
+        ctx = ForwardContext(None, None, self.backend)
+        hidden = self.model(self.input_ids[:T], self.positions[:T], ctx)
+        idx = torch.arange(min(self.max_num_reqs, T), device=self.device)
+        logits = self.model.compute_logits(hidden[idx]).float()
+        # The sampler's top-p/top-k path sorts the fp32 logits: keep that peak in the profile.
+        torch.sort(logits, dim=-1)
+        del hidden, logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        torch.cuda.empty_cache()
+        return peak, non_torch
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_batch(out)
+        if out.is_empty:
+            return ModelRunnerOutput({})
+        inp = self._prepare_inputs(out)
+        logits = self._run_model(inp)                       # [R_s, V]
+        return self._sample(inp, logits)
+
+    def _update_batch(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_req_ids:
+            self.batch.remove(rid)
+        for req in out.scheduled_reqs:
+            rid = req.request_id
+            if rid in out.scheduled_new_reqs:
+                self.batch.add(rid, out.new_block_ids[rid])
+            else:
+                self.batch.append_blocks(rid, out.new_block_ids[rid])
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        reqs = out.scheduled_reqs
+        R = len(reqs)
+        rows = np.fromiter((self.batch.row_of[r.request_id] for r in reqs), dtype=np.int64, count=R)
+        num_sched = np.fromiter((out.num_scheduled_tokens[r.request_id] for r in reqs), dtype=np.int32, count=R)
+        num_computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=R)
+        num_tokens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=R)
+        qsl = np.zeros(R + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=qsl[1:])
+        T = int(qsl[-1])
+        #  |<-- num_computed -->|<-- num_sched -->|
+        #  | KV already cached  | computed now     |   positions = num_computed + 0..num_sched-1
+        positions = np.repeat(num_computed - qsl[:-1], num_sched) + np.arange(T, dtype=np.int64)
+        input_ids = np.fromiter(
+            (t for r, c, n in zip(reqs, num_computed.tolist(), num_sched.tolist())
+             for t in r.all_token_ids[c:c + n]), dtype=np.int64, count=T)
+        seq_lens = (num_computed + num_sched).astype(np.int32)
+        tok_rows = np.repeat(rows, num_sched)
+        bt = self.batch.block_table
+        slot_mapping = bt[tok_rows, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
+        sampled_rows = np.nonzero(seq_lens >= num_tokens)[0]
+        return StepInputs(reqs, num_sched, qsl, seq_lens, positions, input_ids, slot_mapping,
+                          bt[rows, :max_blocks], sampled_rows.astype(np.int64),
+                          (qsl[1:][sampled_rows] - 1).astype(np.int64))
+
+    def _copy_inputs(self, inp: StepInputs) -> None:
+        """Host -> persistent device buffers."""
+        T, R = len(inp.input_ids), len(inp.reqs)
+        nb = inp.block_table.shape[1]
+        nb_dev = self.block_table.shape[1]
+        nb = min(nb, nb_dev)
+        self.input_ids[:T].copy_(torch.from_numpy(inp.input_ids), non_blocking=True)
+        self.positions[:T].copy_(torch.from_numpy(inp.positions), non_blocking=True)
+        self.slot_mapping[:T].copy_(torch.from_numpy(inp.slot_mapping), non_blocking=True)
+        self.query_start_loc[:R + 1].copy_(torch.from_numpy(inp.query_start_loc), non_blocking=True)
+        self.seq_lens[:R].copy_(torch.from_numpy(inp.seq_lens), non_blocking=True)
+        self.block_table[:R, :nb].copy_(torch.from_numpy(np.ascontiguousarray(inp.block_table[:, :nb])),
+                                        non_blocking=True)
+
+    def attn_metadata(self, R: int, T: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
+        return AttentionMetadata(query_start_loc=self.query_start_loc[:R + 1], seq_lens=self.seq_lens[:R],
+                                 block_table=self.block_table[:R], slot_mapping=self.slot_mapping[:T], num_reqs=R,
+                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
+
+    def _run_model(self, inp: StepInputs) -> torch.Tensor:
+        T, R = len(inp.input_ids), len(inp.reqs)
+        max_q = int(inp.num_scheduled.max())
+        if self.graphs is not None and max_q == 1 and self.graphs.can_run(R):
+            logits = self.graphs.run(inp)                   # [R, V], every row is a decode row
+            return logits[torch.from_numpy(inp.logits_rows).to(self.device)] if len(inp.logits_rows) < R \
+                else logits
+        self._copy_inputs(inp)
+        ctx = ForwardContext(self.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend)
+        hidden = self.model(self.input_ids[:T], self.positions[:T], ctx)           # [T, hidden]
+        if len(inp.logits_indices) == 0:
+            return hidden.new_empty(0, self.vocab_size)
+        idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[idx])                               # [R_s, V]
+
+    def _sample(self, inp: StepInputs, logits: torch.Tensor) -> ModelRunnerOutput:
+        result = ModelRunnerOutput({r.request_id: [] for r in inp.reqs})
+        if logits.shape[0] == 0:
+            return result
+        reqs = [inp.reqs[i] for i in inp.logits_rows.tolist()]
+        meta = build_sampling_metadata(
+            [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs], [self._generator(r) for r in reqs],
+            eos_token_id=self._eos, vocab_size=self.vocab_size, device=self.device)
+        sampled = self.sampler(logits, meta)
+        ids = sampled.sampled_token_ids.to("cpu", non_blocking=True)
+        lp = None
+        if sampled.logprobs is not None:
+            lp = (sampled.logprob_token_ids.to("cpu", non_blocking=True),
+                  sampled.logprobs.to("cpu", non_blocking=True),
+                  sampled.sampled_token_ranks.to("cpu", non_blocking=True))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()   # the step's one sync
+        for req, tok in zip(reqs, ids.tolist()):
+            result.sampled_token_ids[req.request_id] = [tok]
+        if lp is not None:
+            lp_ids, lp_vals, ranks = (t.tolist() for t in lp)
+            for i, req in enumerate(reqs):
+                k = req.sampling_params.logprobs
+                if k is not None:
+                    result.logprobs[req.request_id] = (lp_ids[i][:k + 1], lp_vals[i][:k + 1], ranks[i])
+        return result
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        gen = getattr(req, "generator", None)
+        if gen is None:  # lives on the request, so it survives preemption
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            req.generator = gen
+        return gen

@@ -1,0 +1,91 @@
+"""Shared fixtures: real assets from ../shared/assets and tiny random-weight HF checkpoints of the real
+architectures (built once per session in a temp dir, with real tokenizers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+ASSETS = Path(os.environ.get("HAYABUSA_ASSETS", REPO.parent / "shared" / "assets"))
+STORIES = ASSETS / "models" / "stories260K"
+STORIES_QWEN2 = ASSETS / "models" / "stories260K-qwen2"
+TOKENIZERS = ASSETS / "tokenizers"
+
+EN_PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "In 1905, Albert Einstein published",
+]
+JA_PROMPTS = [
+    "吾輩は猫である。名前はまだ無い。",
+    "東京は日本の首都で、",
+    "今日はいい天気ですね。",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> str:
+    if not STORIES.exists():
+        pytest.skip(f"assets not found at {STORIES}; set HAYABUSA_ASSETS")
+    return str(STORIES)
+
+
+@pytest.fixture(scope="session")
+def stories_qwen2_dir() -> str:
+    if not STORIES_QWEN2.exists():
+        pytest.skip(f"assets not found at {STORIES_QWEN2}; set HAYABUSA_ASSETS")
+    return str(STORIES_QWEN2)
+
+
+def _save_tiny(arch: str, tokenizer_dir: Path, out: Path) -> str:
+    """A 2-layer random-weight checkpoint of `arch` whose vocab matches the real tokenizer in tokenizer_dir."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False)
+        model = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # HF initialises biases to zero; make them matter
+            for name, p in model.named_parameters():
+                if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                    p.normal_(0.0, 0.5)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """Random 2-layer Llama with the Japanese llm-jp-v3.1 SentencePiece tokenizer."""
+    return _save_tiny("llama", TOKENIZERS / "llm-jp-v3.1", tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    """Random 2-layer Qwen2 (non-zero qkv biases, tied embeddings) with the Qwen2.5/3 BPE tokenizer."""
+    return _save_tiny("qwen2", TOKENIZERS / "qwen3", tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def example_prompts() -> list[str]:
+    return EN_PROMPTS + JA_PROMPTS
