@@ -5,18 +5,27 @@ from __future__ import annotations
 import torch
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations from HF Transformers (float32, CPU, batch 1, EOS ignored)."""
+def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new_tokens: int,
+              stop_ids: set[int] | None = None) -> list[list[int]]:
+    """Greedy continuations from HF Transformers (float32, CPU, batch 1): a plain argmax loop over the model's
+    forward with its KV cache, so no logits processor (e.g. min_new_tokens' EOS mask) is involved. Stops after a
+    token in ``stop_ids`` (kept in the output, as hayabusa keeps EOS)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     outs = []
     with torch.no_grad():
         for ids in prompt_ids:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
-                               min_new_tokens=max_new_tokens, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+            x, past, new = torch.tensor([ids]), None, []
+            for _ in range(max_new_tokens):
+                o = model(input_ids=x, past_key_values=past, use_cache=True)
+                past = o.past_key_values
+                tok = int(o.logits[0, -1].argmax())
+                new.append(tok)
+                if stop_ids and tok in stop_ids:
+                    break
+                x = torch.tensor([[tok]])
+            outs.append(new)
     return outs
 
 
@@ -28,3 +37,17 @@ def hf_top_logprobs(model_dir: str, ids: list[int], k: int = 5) -> list[int]:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1]
     return logits.topk(k).indices.tolist()
+
+
+def assert_greedy_close(model_dir: str, prompt_ids: list[int], ours: list[int], ref: list[int],
+                        our_logprobs=None) -> None:
+    """STYLE.md's parity rule: token ids equal; where they first differ, each side's token must be in the other's
+    top-5 (a near-tie flipped by float rounding), and comparison stops there."""
+    if ours == ref:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    assert i < min(len(ours), len(ref)), f"lengths differ: {len(ours)} vs {len(ref)}"
+    hf_top = hf_top_logprobs(model_dir, prompt_ids + ref[:i])
+    assert ours[i] in hf_top, f"position {i}: ours {ours[i]} not in HF top-5 {hf_top}"
+    if our_logprobs is not None:
+        assert ref[i] in our_logprobs[i], f"position {i}: HF {ref[i]} not in our top-5 {list(our_logprobs[i])}"

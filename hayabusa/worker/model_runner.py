@@ -86,7 +86,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graphs = None
-        self._eos = mc.eos_token_ids[0] if mc.eos_token_ids else None
+        self._eos = list(mc.eos_token_ids)
 
     def _alloc_device_buffers(self) -> None:
         d, T, R = self.device, self.max_num_tokens, self.max_num_reqs

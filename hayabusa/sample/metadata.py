@@ -1,0 +1,154 @@
+"""SamplingMetadata: the per-step batch the Sampler reads, one row per request.
+
+``build_sampling_metadata`` turns the step's ``SamplingParams`` (plus each request's prompt, outputs so far and
+generator) into device tensors, and precomputes host flags (``all_greedy``, ``no_penalties``, ...) so that the
+sampler never has to look at a device tensor from the host to decide which path to take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Any
+
+import torch
+
+from hayabusa.sampling_params import SAMPLING_EPS, SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """What the Sampler needs for one step of R requests. Optional tensors are None when no row uses the knob.
+
+    Args:
+        temperature: [R] fp32; rows with temperature < 1e-5 (SAMPLING_EPS) are greedy.
+        all_greedy: host flag, every row is greedy (the random path is skipped).
+        all_random: host flag, no row is greedy (the argmax path is skipped).
+        top_p: [R] fp32 nucleus mass, 1.0 = off for that row.
+        top_k: [R] int64, V = off for that row.
+        min_p: [R] fp32, 0.0 = off for that row.
+        generators: row -> per-request generator (seeded requests only; on the logits' device).
+        max_num_logprobs: max over rows of SamplingParams.logprobs; None when no row wants logprobs.
+        no_penalties: host flag, no row has a presence / frequency / repetition penalty.
+        presence_penalties: [R] fp32, 0.0 = off.
+        frequency_penalties: [R] fp32, 0.0 = off.
+        repetition_penalties: [R] fp32, 1.0 = off.
+        prompt_token_ids: [R, max_prompt_len] int64, padded with V (out of vocab, dropped by the penalties).
+        output_token_ids: tokens generated so far per row (before this step).
+        min_tokens: row -> token ids masked to -inf because the row has fewer than min_tokens outputs.
+    """
+
+    temperature: torch.Tensor  # [R] fp32; rows with temperature < 1e-5 are greedy
+    all_greedy: bool
+    all_random: bool
+    top_p: torch.Tensor | None  # [R] fp32, None when no row uses it
+    top_k: torch.Tensor | None  # [R] int64 (V = off), None when unused
+    min_p: torch.Tensor | None  # [R] fp32, None when unused
+    generators: dict[int, torch.Generator]  # row -> per-request generator (seeded requests only)
+    max_num_logprobs: int | None  # max over rows of SamplingParams.logprobs, None if no row wants them
+    no_penalties: bool
+    presence_penalties: torch.Tensor | None  # [R] fp32
+    frequency_penalties: torch.Tensor | None  # [R] fp32
+    repetition_penalties: torch.Tensor | None  # [R] fp32
+    prompt_token_ids: torch.Tensor | None  # [R, max_prompt_len] int64, padded with V (out of vocab)
+    output_token_ids: list[list[int]]  # tokens generated so far per row (before this step)
+    min_tokens: dict[int, set[int]]  # row -> token ids to mask (-inf): EOS + stop_token_ids before min_tokens
+
+
+def to_device(data: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on ``device``: through pinned memory and a non-blocking copy on CUDA (no sync)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def pad_token_ids(token_ids: list[list[int]], pad: int) -> list[list[int]]:
+    """Rows padded with ``pad`` to the longest row (at least one column, so scatter has a shape)."""
+    width = max([len(t) for t in token_ids] + [1])
+    return [list(t) + [pad] * (width - len(t)) for t in token_ids]
+
+
+def _as_id_set(ids: int | Sequence[int] | None) -> set[int]:
+    if ids is None:
+        return set()
+    return {ids} if isinstance(ids, int) else set(ids)
+
+
+def _min_tokens_mask(
+    params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_id: int | Sequence[int] | None, vocab_size: int
+) -> dict[int, set[int]]:
+    mask: dict[int, set[int]] = {}
+    eos_ids = _as_id_set(eos_token_id)
+    for row, (p, out) in enumerate(zip(params, output_token_ids)):
+        if len(out) >= p.min_tokens:
+            continue
+        ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            ids.update(eos_ids)
+        # Ids past the logits' width cannot be sampled anyway (the input processor checks them against the vocab).
+        ids = {t for t in ids if t < vocab_size}
+        if ids:
+            mask[row] = ids
+    return mask
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+    eos_token_id: int | Sequence[int] | None,
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """Build the step's SamplingMetadata from per-request host state (plain Python; one H2D copy per tensor).
+
+    Args:
+        params: one SamplingParams per row (R rows).
+        prompt_token_ids: each row's prompt token ids (used by the repetition penalty only).
+        output_token_ids: each row's generated token ids before this step.
+        generators: each row's generator (seeded requests) or None (the device's default generator is used).
+        eos_token_id: the model's EOS id(s) (Llama 3 and Qwen2.5 have several), masked while a row has fewer than min_tokens outputs (unless ignore_eos).
+        vocab_size: V, the width of the logits.
+        device: where the tensors go (the logits' device).
+
+    Returns:
+        SamplingMetadata with R rows.
+    """
+    R = len(params)
+    assert len(prompt_token_ids) == R and len(output_token_ids) == R and len(generators) == R
+    temps = [p.temperature for p in params]
+    num_greedy = sum(t < SAMPLING_EPS for t in temps)
+    top_p = [p.top_p for p in params]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]  # 0 (or >= V) = off
+    min_p = [p.min_p for p in params]
+    presence = [p.presence_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    repetition = [p.repetition_penalty for p in params]
+    no_penalties = all(pp == 0.0 for pp in presence) and all(f == 0.0 for f in frequency) and all(
+        r == 1.0 for r in repetition
+    )
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+
+    def fp32(values: list[float]) -> torch.Tensor:
+        return to_device(values, torch.float32, device)
+
+    return SamplingMetadata(
+        temperature=fp32(temps),
+        all_greedy=num_greedy == R,
+        all_random=num_greedy == 0,
+        top_p=fp32(top_p) if any(p < 1.0 for p in top_p) else None,
+        top_k=to_device(top_k, torch.int64, device) if any(k < vocab_size for k in top_k) else None,
+        min_p=fp32(min_p) if any(m > 0.0 for m in min_p) else None,
+        generators={row: g for row, g in enumerate(generators) if g is not None},
+        max_num_logprobs=max(wanted) if wanted else None,
+        no_penalties=no_penalties,
+        presence_penalties=None if no_penalties else fp32(presence),
+        frequency_penalties=None if no_penalties else fp32(frequency),
+        repetition_penalties=None if no_penalties else fp32(repetition),
+        prompt_token_ids=None
+        if no_penalties
+        else to_device(pad_token_ids(prompt_token_ids, vocab_size), torch.int64, device),
+        output_token_ids=output_token_ids,
+        min_tokens=_min_tokens_mask(params, output_token_ids, eos_token_id, vocab_size),
+    )

@@ -1,0 +1,123 @@
+"""Scheduler: continuous batching, chunked prefill, token budget, preemption by recompute (no model)."""
+
+from hayabusa.config import SchedulerConfig
+from hayabusa.core.kv_cache_manager import KVCacheManager
+from hayabusa.core.request import Request, RequestStatus
+from hayabusa.core.scheduler import Scheduler
+from hayabusa.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64):
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
+
+
+def req(rid, n_prompt, max_tokens=4, **kw):
+    params = SamplingParams(max_tokens=max_tokens, **kw)
+    return Request(rid, list(range(100, 100 + n_prompt)), params, eos_token_ids=(2,), max_tokens=max_tokens)
+
+
+def step(s, token=7):
+    out = s.schedule()
+    sampled = {r.request_id: ([token] if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
+                              >= r.num_tokens else []) for r in out.scheduled_reqs}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def test_prefill_then_decode_then_length_finish():
+    s = make_scheduler()
+    a = req("a", 6, max_tokens=3)
+    s.add_request(a)
+    out = step(s)
+    assert out.num_scheduled_tokens == {"a": 6} and out.scheduled_new_reqs == {"a"}
+    assert out.new_block_ids == {"a": [0, 1]}
+    assert a.output_token_ids == [7] and a.num_computed_tokens == 6
+    out = step(s)
+    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_reqs == set()
+    out = step(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [7, 7, 7]
+    assert s.kv.num_free_blocks == 16
+    out = s.schedule()
+    assert out.is_empty and out.finished_req_ids == {"a"}
+
+
+def test_token_budget_chunks_long_prompt_and_mixes_with_decode():
+    s = make_scheduler(max_num_batched_tokens=8)
+    a, b = req("a", 3), req("b", 20)
+    s.add_request(a)
+    s.add_request(b)
+    out = step(s)                                  # a: 3 prompt tokens, b: first 5-token chunk
+    assert out.num_scheduled_tokens == {"a": 3, "b": 5}
+    assert b.output_token_ids == [] and a.output_token_ids == [7]
+    out = step(s)                                  # a decodes 1, b gets 7 more
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+    out = step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+    out = step(s)                                  # b's last prompt token + sampled token
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert b.num_computed_tokens == 20 and b.output_token_ids == [7]
+
+
+def test_max_num_seqs_limits_running():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 2))
+    out = step(s)
+    assert [r.request_id for r in out.scheduled_reqs] == ["r0", "r1"]
+    assert len(s.waiting) == 1
+
+
+def test_preemption_by_recompute_frees_blocks_and_requeues_first():
+    # 4 blocks of 2 tokens. a and b each take 2 blocks for 3-token prompts; decoding needs more.
+    s = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=4)
+    a, b = req("a", 3, max_tokens=8), req("b", 3, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)                                       # both prefilled: 4 tokens each incl. sampled
+    assert s.kv.num_free_blocks == 0
+    out = step(s)                                 # a's 4th token fits block 1; b too -> no new blocks
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    out = step(s)                                 # a needs a 3rd block: b (last admitted) is preempted
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert "b" in out.finished_req_ids
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert s.waiting[0] is b and b.output_token_ids == [7, 7]      # outputs kept, recomputed later
+    assert s.kv.get_block_ids("a") == [0, 1, 3]
+
+
+def test_stop_token_and_eos_and_min_tokens():
+    s = make_scheduler()
+    a = req("a", 2, max_tokens=10, stop_token_ids=[9])
+    b = req("b", 2, max_tokens=10, min_tokens=2)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    s.update_from_output(out, {"a": [9], "b": [2]})   # b's EOS before min_tokens is not a stop
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == 9
+    assert b.status == RequestStatus.RUNNING
+    out = s.schedule()
+    s.update_from_output(out, {"b": [2]})
+    assert b.status == RequestStatus.FINISHED_STOPPED and b.stop_reason is None
+
+
+def test_ignore_eos_and_max_model_len():
+    s = make_scheduler(max_model_len=5)
+    a = req("a", 3, max_tokens=10, ignore_eos=True)
+    s.add_request(a)
+    step(s, token=2)
+    assert a.status == RequestStatus.RUNNING           # EOS ignored
+    step(s, token=2)
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.num_tokens == 5
+
+
+def test_abort_waiting_and_running():
+    s = make_scheduler(max_num_seqs=1)
+    a, b = req("a", 2), req("b", 2)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert a.status == b.status == RequestStatus.FINISHED_ABORTED
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 16
