@@ -68,8 +68,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, output_kind: str = "cumulative") -> None:
         """Validate and queue a request (n > 1 becomes n child requests sharing the prompt).
+
+        output_kind: "cumulative" (step() returns the request's output so far whenever it changes) or "final"
+        (only once finished; text is then detokenized once at the end unless stop strings need it earlier).
 
         Raises:
             HayabusaValidationError: bad prompt or params, or a duplicate request_id; nothing is queued then.
@@ -91,7 +94,7 @@ class LLMEngine:
             child_params.all_stop_token_ids = set(child_params.stop_token_ids)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(child_id, ids, child_params, eos, max_tokens, arrival_time))
-        self.output_processor.add_request(request_id, text, ids, params, children)
+        self.output_processor.add_request(request_id, text, ids, params, children, output_kind)
         for child in children:
             self.scheduler.add_request(child)
         self.stats["num_prompt_tokens"] += len(ids)

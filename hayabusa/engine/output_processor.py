@@ -24,6 +24,8 @@ class SampleState:
     cumulative_logprob: float | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Ids not yet given to the detokenizer (only when text is needed at the end alone, see RequestState.lazy).
+    pending_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -37,6 +39,13 @@ class RequestState:
     samples: list[SampleState]
     metrics: RequestMetrics
     child_index: dict[str, int] = field(default_factory=dict)
+    # "final": only the finished output is wanted (LLM.generate); "cumulative" / "delta": every step's output.
+    output_kind: str = "cumulative"
+
+    @property
+    def lazy(self) -> bool:
+        """Detokenize once at the end: nothing reads the text before then and no stop string needs it."""
+        return self.output_kind == "final" and not self.params.stop
 
     @property
     def finished(self) -> bool:
@@ -56,7 +65,7 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, children: list[Request]) -> None:
+                    params: SamplingParams, children: list[Request], output_kind: str = "cumulative") -> None:
         samples = []
         for i, child in enumerate(children):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.sampling_params)
@@ -64,7 +73,7 @@ class OutputProcessor:
             samples.append(SampleState(i, child, detok, [] if want_lp else None, 0.0 if want_lp else None))
             self.child_to_parent[child.request_id] = request_id
         state = RequestState(request_id, prompt, prompt_token_ids, params, samples,
-                             RequestMetrics(arrival_time=children[0].arrival_time))
+                             RequestMetrics(arrival_time=children[0].arrival_time), output_kind=output_kind)
         state.child_index = {c.request_id: i for i, c in enumerate(children)}
         self.states[request_id] = state
 
@@ -96,6 +105,12 @@ class OutputProcessor:
             if sample.logprobs is not None and req.request_id in logprobs:
                 self._add_logprobs(sample, logprobs[req.request_id])
             stop_terminated = req.status == RequestStatus.FINISHED_STOPPED
+            if state.lazy and not req.is_finished():
+                sample.pending_ids.extend(new_ids)
+                changed[parent] = state
+                continue
+            if sample.pending_ids:
+                new_ids, sample.pending_ids = sample.pending_ids + new_ids, []
             stop_str = sample.detok.update(new_ids, stop_terminated)
             if stop_str is not None and not req.is_finished():
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
@@ -106,7 +121,7 @@ class OutputProcessor:
                 if stop_str is not None:
                     sample.finish_reason = "stop"
             changed[parent] = state
-        outputs = [self._make_output(s) for s in changed.values()]
+        outputs = [self._make_output(s) for s in changed.values() if s.finished or s.output_kind != "final"]
         for s in changed.values():
             if s.finished:
                 self._drop(s)

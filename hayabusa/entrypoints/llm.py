@@ -67,7 +67,7 @@ class LLM:
         try:
             for p, sp in zip(prompt_list, params):
                 rid = str(next(self._counter))
-                engine.add_request(rid, p, sp)
+                engine.add_request(rid, p, sp, output_kind="final")
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)
@@ -82,6 +82,10 @@ class LLM:
             raise HayabusaValidationError("generate() needs prompts.", parameter="prompts", value=None)
         if isinstance(prompts, (str, dict)):
             return [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise HayabusaValidationError(
+                f"prompts must be a str, a dict, or a list of those, got {type(prompts).__name__}.",
+                parameter="prompt", value=type(prompts).__name__)
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):  # one prompt as token ids
             return [{"prompt_token_ids": prompts}]

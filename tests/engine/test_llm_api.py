@@ -165,3 +165,21 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FancyForCausalLM"], "model_type": "gpt2"}))
     with pytest.raises(HayabusaValidationError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
         LLM(str(tmp_path))
+
+
+def test_streamed_text_equals_final_text(llm):
+    """LLM.generate detokenizes once at the end; the step-by-step (streaming) path must give the same text."""
+    prompts = ["Once upon a time", "Lily and her mom", "The cat"]
+    params = SamplingParams(temperature=0.8, max_tokens=30, seed=3)
+    final = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, params)
+    streamed = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id] = out
+    for i, f in enumerate(final):
+        s = streamed[f"s{i}"]
+        assert s.finished and s.outputs[0].token_ids == f.outputs[0].token_ids
+        assert s.outputs[0].text == f.outputs[0].text
