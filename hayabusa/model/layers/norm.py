@@ -25,6 +25,11 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda:  # one Triton kernel instead of ~8 torch ops
+            from hayabusa.kernels.fused_norm import fused_add_rms_norm
+
+            out, res = fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, res)
         if residual is None:
             return self._norm(x)
         x = x + residual

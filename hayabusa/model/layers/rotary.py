@@ -76,6 +76,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([xr * cos + RotaryEmbedding._rotate_half(xr) * sin, xp], dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if q.is_cuda and self.rot_dim == q.shape[-1]:  # rotate in place, one kernel for q and k
+            from hayabusa.kernels.rotary import rotary_embedding
+
+            rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, rot]
         sin = self.sin[positions].unsqueeze(1)
         return self._rope(q, cos, sin), self._rope(k, cos, sin)

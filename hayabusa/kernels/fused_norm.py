@@ -1,0 +1,66 @@
+"""Fused residual add + RMSNorm (kernel + launcher + reference).
+
+Numerics follow HF LlamaRMSNorm: h = x + residual rounded to the model dtype; normalised in fp32; cast back to the
+model dtype; multiplied by the weight in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hayabusa.kernels._triton import tl, triton
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                               stride_ro, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like HF's add
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x, residual [T, N] (same dtype), weight [N] -> (rmsnorm(x + residual) [T, N], x + residual [T, N]).
+
+    Without residual returns (rmsnorm(x), None). Inputs need a unit stride on the last dim. Raises ValueError on
+    shape or dtype mismatch.
+    """
+    if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],):
+        raise ValueError(f"x must be [T, N] with unit last stride and weight [N]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("residual must match x in shape and dtype")
+    T, N = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if T == 0:
+        return out, res_out
+    BLOCK = triton.next_power_of_2(N)
+    r = residual if residual is not None else x
+    ro = res_out if res_out is not None else out
+    _fused_add_rms_norm_kernel[(T,)](x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
+                                     N, eps, HAS_RES=residual is not None, BLOCK=BLOCK,
+                                     num_warps=4 if BLOCK <= 4096 else 8)
+    return out, res_out
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain-torch fused_add_rms_norm (the CPU path; same semantics)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, (x if residual is not None else None)

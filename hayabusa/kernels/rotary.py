@@ -1,0 +1,65 @@
+"""Rotary embedding applied in place to q and k (HF rotate-half layout): kernel + launcher + reference."""
+
+from __future__ import annotations
+
+import torch
+
+from hayabusa.kernels._triton import tl, triton
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_c, NQ: tl.constexpr, NK: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr,
+                 HALF_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    offs_d = tl.arange(0, HALF_PAD)
+    offs_h = tl.arange(0, H_PAD)
+    dmask = offs_d < HALF
+    cos = tl.load(cos_ptr + pos * stride_c + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_c + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    # q heads
+    m = (offs_h[:, None] < NQ) & dmask[None, :]
+    p = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.store(p, (x1 * cos[None, :] - x2 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(p + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=m)
+    # k heads
+    m = (offs_h[:, None] < NK) & dmask[None, :]
+    p = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.store(p, (x1 * cos[None, :] - x2 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=m)
+    tl.store(p + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=m)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, H_kv, D] in place (views with unit last stride are fine).
+
+    positions [T] int64; cos, sin [max_position, D] (rotate-half layout: the two halves repeat). Only full
+    rotary (rot_dim == D) is handled here; partial rotary uses the reference. Raises ValueError otherwise.
+    """
+    T, NQ, D = q.shape
+    if cos.shape[1] != D or k.shape[2] != D or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"rotary_embedding needs full-width rotary and unit last strides; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, cos {tuple(cos.shape)}")
+    if T == 0:
+        return
+    NK, HALF = k.shape[1], D // 2
+    _rope_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                       cos.stride(0), NQ=NQ, NK=NK, HALF=HALF, H_PAD=triton.next_power_of_2(max(NQ, NK)),
+                       HALF_PAD=triton.next_power_of_2(HALF))
+
+
+def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> None:
+    """In-place reference with the kernel's math (fp32 rotation, one rounding)."""
+    c = cos[positions].float().unsqueeze(1)
+    s = sin[positions].float().unsqueeze(1)
+    half = c.shape[-1] // 2
+    for x in (q, k):
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        x.copy_(torch.cat([x1 * c[..., :half] - x2 * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:]], -1))
