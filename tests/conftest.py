@@ -6,8 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
+
+# Without a GPU the Triton kernel tests run in Triton's interpreter, which must be switched on before anything
+# imports triton (see tests/kernels/conftest.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = Path(os.environ.get("HAYABUSA_ASSETS", REPO.parent / "shared" / "assets"))

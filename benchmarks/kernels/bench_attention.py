@@ -1,0 +1,154 @@
+"""Time paged_attention (decode, prefill) and store_kv on a CUDA GPU; print a table with achieved GB/s.
+
+    python benchmarks/kernels/bench_attention.py [--json FILE] [--dtype bf16] [--block-size 16]
+
+Shapes are Qwen2.5-7B's (H=28, H_kv=4, D=128). GB/s counts the bytes a perfect kernel must move: every K/V row a
+request attends to, read once, plus q read and out written (store_kv: k/v read and written). Prefill also reports
+TFLOP/s (causal: 4 * D * sum over queries of visible keys) and the dense torch SDPA time for the same batch.
+GB/s and TFLOP/s use the time of a CUDA-graph replay (as the engine runs decode; it also checks that the launch
+captures); 'eager us' adds the Python launch cost. Needs CUDA (the Triton interpreter would take hours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+
+from hayabusa.kernels.paged_attention import paged_attention  # noqa: E402
+from hayabusa.kernels.store_kv import store_kv  # noqa: E402
+
+H, H_KV, D = 28, 4, 128
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Paged-attention arguments with a shuffled block table (blocks of one request are scattered)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    block_table = torch.zeros(len(q_lens), max(need), dtype=torch.int32, device="cuda")
+    off = 0
+    for r, n in enumerate(need):
+        block_table[r, :n] = perm[off:off + n]
+        off += n
+    shape = (num_blocks, block_size, H_KV, D)
+    T = sum(q_lens)
+    qsl = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    return dict(
+        q=torch.randn(T, H, D, device="cuda", dtype=dtype, generator=gen),
+        k_cache=torch.randn(shape, device="cuda", dtype=dtype, generator=gen),
+        v_cache=torch.randn(shape, device="cuda", dtype=dtype, generator=gen),
+        out=torch.empty(T, H, D, device="cuda", dtype=dtype),
+        query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_table=block_table, scale=D ** -0.5, max_query_len=max(q_lens))
+
+
+def attention_bytes(q_lens: list[int], seq_lens: list[int], elem: int) -> int:
+    kv = sum(seq_lens) * H_KV * D * 2 * elem
+    return kv + sum(q_lens) * H * D * 2 * elem
+
+
+def causal_flops(q_lens: list[int], seq_lens: list[int]) -> int:
+    visible = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(q_lens, seq_lens))
+    return 4 * H * D * visible
+
+
+def time_ms(fn) -> tuple[float, float]:
+    """(CUDA-graph replay ms, eager ms), medians."""
+    graph = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return graph, eager
+
+
+def row(op: str, case: str, times: tuple[float, float], nbytes: int, flops: int) -> dict:
+    ms, eager_ms = times
+    return dict(op=op, case=case, ms=ms, eager_ms=eager_ms, gb_s=nbytes / ms / 1e6, tflop_s=flops / ms / 1e9)
+
+
+def bench_decode(R: int, ctx: int, block_size: int, dtype: torch.dtype, splits: int | None) -> dict:
+    q_lens, seq_lens = [1] * R, [ctx] * R
+    batch = make_batch(q_lens, seq_lens, block_size, dtype)
+    times = time_ms(lambda: paged_attention(**batch, num_kv_splits=splits))
+    name = f"decode R={R} ctx={ctx}" + (f" splits={splits}" if splits else "")
+    return row("paged_attention", name, times, attention_bytes(q_lens, seq_lens, batch["q"].element_size()),
+               causal_flops(q_lens, seq_lens))
+
+
+def bench_prefill(R: int, q_len: int, block_size: int, dtype: torch.dtype) -> list[dict]:
+    q_lens, seq_lens = [q_len] * R, [q_len] * R
+    batch = make_batch(q_lens, seq_lens, block_size, dtype)
+    flops, nbytes = causal_flops(q_lens, seq_lens), attention_bytes(q_lens, seq_lens, batch["q"].element_size())
+    rows = [row("paged_attention", f"prefill R={R} x {q_len}", time_ms(lambda: paged_attention(**batch)),
+                nbytes, flops)]
+    q = batch["q"].view(R, q_len, H, D).transpose(1, 2)            # [R, H, q_len, D]
+    k = torch.randn(R, H_KV, q_len, D, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    rows.append(row("torch_sdpa (dense, baseline)", f"prefill R={R} x {q_len}", time_ms(sdpa), nbytes, flops))
+    return rows
+
+
+def bench_store_kv(T: int, block_size: int, dtype: torch.dtype) -> dict:
+    num_blocks = -(-T // block_size) * 2
+    qkv = torch.randn(T, (H + 2 * H_KV) * D, device="cuda", dtype=dtype)  # k, v are strided views, as in a model
+    k = qkv[:, H * D:(H + H_KV) * D].view(T, H_KV, D)
+    v = qkv[:, (H + H_KV) * D:].view(T, H_KV, D)
+    k_cache = torch.empty(num_blocks, block_size, H_KV, D, device="cuda", dtype=dtype)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:T]
+    nbytes = 2 * 2 * T * H_KV * D * k.element_size()  # k and v, each read once and written once
+    return row("store_kv", f"T={T}", time_ms(lambda: store_kv(k, v, k_cache, v_cache, slots)), nbytes, 0)
+
+
+def run_all(args) -> list[dict]:
+    dtype = DTYPES[args.dtype]
+    rows = []
+    for R in (1, 64, 256):
+        for ctx in (512, 2048):
+            rows.append(bench_decode(R, ctx, args.block_size, dtype, None))
+    for ctx in (4096, 16384):  # the split-KV ("flash decoding") path vs one pass
+        for splits in (None, 1):
+            rows.append(bench_decode(1, ctx, args.block_size, dtype, splits))
+    rows += bench_prefill(16, 512, args.block_size, dtype)
+    for T in (256, 8192):
+        rows.append(bench_store_kv(T, args.block_size, dtype))
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'op':<30} {'case':<30} {'graph us':>9} {'eager us':>9} {'GB/s':>8} {'TFLOP/s':>8}")
+    for r in rows:
+        print(f"{r['op']:<30} {r['case']:<30} {r['ms'] * 1e3:>9.1f} {r['eager_ms'] * 1e3:>9.1f} "
+              f"{r['gb_s']:>8.1f} {r['tflop_s']:>8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention needs a CUDA GPU")
+    rows = run_all(args)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"H={H} H_kv={H_KV} D={D} {args.dtype} block_size={args.block_size}")
+    print_table(rows)
+    if args.json:
+        setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                     H=H, H_kv=H_KV, D=D, dtype=args.dtype, block_size=args.block_size)
+        args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()

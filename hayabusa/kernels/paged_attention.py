@@ -1,0 +1,413 @@
+"""paged_attention: one causal attention kernel over the paged KV cache for prefill, chunked prefill and decode.
+
+Kernel + launcher + reference, like vLLM's Triton "unified attention". One program owns one tile of query rows of
+one request and one KV head, and loops over that request's keys with an online softmax in fp32.
+
+GQA packing: a tile's BLOCK_M rows are (query token, query head of this KV head's group) pairs, so a decode step
+of Qwen2.5-7B (28 q heads / 4 KV heads, group 7) puts 7 heads of one token into the M dimension of tl.dot and reads
+each K/V tile once per group:
+
+    row m  ->  token  qt * BLOCK_Q + m // GROUP,   q head  kv_head * GROUP + m % GROUP
+    BLOCK_Q = BLOCK_M // GROUP tokens per tile; rows m >= BLOCK_Q * GROUP are idle (masked)
+
+Positions of request r after this step (the new tokens' K/V are already in the cache):
+
+    |<------ ctx_len = seq_len - q_len ------>|<------- q_len -------->|
+    | cached keys                             | this step's queries    |
+    0                                      ctx_len                 seq_len
+    query i has position p = ctx_len + i and sees keys 0..p (with sliding window W: p-W+1..p)
+
+Split-KV ("flash decoding"): when the grid is too small to fill the GPU (few requests, decode), each
+(request, tile, KV head) is cut into NUM_SPLITS ranges of key tiles, partial (m, l, acc) go to fp32 scratch,
+and a second kernel merges them. The split count depends only on host ints, so both paths are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hayabusa.kernels._triton import tl, triton
+
+_LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _tanh(x):
+    # exp form instead of libdevice so it also runs under TRITON_INTERPRET; saturates to +-1, never NaN
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _tile_range(qt, q_len, seq_len, window, split,
+                BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+                NUM_SPLITS: tl.constexpr):
+    """Key tiles [tile_lo, tile_hi) that query tile qt needs (this split's share), and kv_end (exclusive)."""
+    ctx_len = seq_len - q_len
+    kv_end = ctx_len + tl.minimum(qt * BLOCK_Q + BLOCK_Q, q_len)  # last query position + 1
+    tile_lo = 0
+    if USE_WINDOW:
+        tile_lo = tl.maximum(ctx_len + qt * BLOCK_Q - window + 1, 0) // TILE_N
+    tile_hi = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+    return ctx_len, kv_end, tile_lo, tile_hi
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_b, stride_s, stride_h, offs_d, d_mask,
+                  TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """Keys tile*TILE_N .. +TILE_N of one KV head: [D_PAD, TILE_N] if TRANSPOSED else [TILE_N, D_PAD]."""
+    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+    n_mask = offs_n < kv_end
+    if BLOCK_SIZE % TILE_N == 0:  # the tile lies inside one cache block: one block-table read
+        blk = tl.load(bt_row_ptr + (tile * TILE_N) // BLOCK_SIZE).to(tl.int64)
+        in_blk = (tile * TILE_N) % BLOCK_SIZE + tl.arange(0, TILE_N)
+    else:  # the tile spans blocks: one block id per key
+        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_blk = offs_n % BLOCK_SIZE
+    rows = blk * stride_b + in_blk * stride_s + kv_head * stride_h  # [TILE_N] int64 element offsets
+    if TRANSPOSED:
+        ptrs = cache_ptr + rows[None, :] + offs_d[:, None]
+        mask = n_mask[None, :] & d_mask[:, None]
+    else:
+        ptrs = cache_ptr + rows[:, None] + offs_d[None, :]
+        mask = n_mask[:, None] & d_mask[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scores(q, k, offs_n, pos, pre_scale, post_scale, window,
+            USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """Scores in log2 units: [BLOCK_M, TILE_N] fp32; if MASKED, -inf where a key is not visible."""
+    s = tl.dot(q, k, input_precision="ieee") * pre_scale
+    if USE_SOFTCAP:
+        s = post_scale * _tanh(s)  # post_scale = softcap * log2(e), pre_scale = scale / softcap
+    if MASKED:
+        visible = offs_n[None, :] <= pos[:, None]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc):
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that saw no key yet: exp2(-inf) = 0, no NaN
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tiles(q, m_i, l_i, acc, tile_start, tile_end, kv_end, pos, kv_head, bt_row_ptr,
+                  k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  offs_d, d_mask, pre_scale, post_scale, window,
+                  TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
+                  USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) over key tiles [tile_start, tile_end)."""
+    for tile in range(tile_start, tile_end):
+        k = _load_kv_tile(k_cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_kb, stride_ks, stride_kh,
+                          offs_d, d_mask, TILE_N, BLOCK_SIZE, True, DOT_FP32)
+        s = _scores(q, k, tile * TILE_N + tl.arange(0, TILE_N), pos, pre_scale, post_scale, window,
+                    USE_WINDOW, USE_SOFTCAP, MASKED)
+        v = _load_kv_tile(v_cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_vb, stride_vs, stride_vh,
+                          offs_d, d_mask, TILE_N, BLOCK_SIZE, False, DOT_FP32)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr,                  # [R + 1] int32, [R] int32, [R, max_blocks] int32
+    part_acc_ptr, part_m_ptr, part_l_ptr,            # split scratch [T, H, S, D_PAD] / [T, H, S] fp32
+    pre_scale, post_scale, window, num_q_tiles,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    r = tl.program_id(0) // num_q_tiles
+    qt = tl.program_id(0) % num_q_tiles
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + r)
+    if (qt * BLOCK_Q >= q_len) | (seq_len <= 0):  # tile past this request's queries, or an empty row
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    tok = qt * BLOCK_Q + offs_m // GROUP                       # [BLOCK_M] token index inside the request
+    head = kv_head * GROUP + offs_m % GROUP                    # [BLOCK_M] query head
+    row_mask = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    t64 = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + (t64 * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    ctx_len, kv_end, tile_lo, tile_hi = _tile_range(qt, q_len, seq_len, window, split,
+                                                    BLOCK_Q, TILE_N, USE_WINDOW, NUM_SPLITS)
+    pos = ctx_len + tok
+    bt_row_ptr = bt_ptr + r.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # Tiles below full_hi hold only keys <= the tile's first query position: no row needs the causal mask.
+    # With a sliding window every tile is masked (simpler; window layers are the minority).
+    if USE_WINDOW:
+        full_hi = tile_lo
+    else:
+        full_hi = (ctx_len + qt * BLOCK_Q + 1) // TILE_N
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tile_lo, tl.minimum(tile_hi, full_hi), kv_end, pos, kv_head,
+                                  bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                                  stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
+                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, False, DOT_FP32)
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(tile_lo, full_hi), tile_hi, kv_end, pos, kv_head,
+                                  bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
+                                  stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
+                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, True, DOT_FP32)
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + (t64 * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    else:
+        idx = (t64 * NUM_HEADS + head) * NUM_SPLITS + split    # [BLOCK_M] (token, head, split)
+        tl.store(part_m_ptr + idx, m_i, mask=row_mask)
+        tl.store(part_l_ptr + idx, l_i, mask=row_mask)
+        tl.store(part_acc_ptr + idx[:, None] * D_PAD + offs_d[None, :], acc, mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr, seq_lens_ptr,
+    max_query_len, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    r = tl.program_id(0) // max_query_len
+    i = tl.program_id(0) % max_query_len
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + r)
+    if (i >= q_len) | (seq_len <= 0):  # same rows the attention kernel skipped
+        return
+    t64 = (q_start + i).to(tl.int64)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    idx = (t64 * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + idx, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + idx, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + idx[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0))  # empty split: m = -inf -> weight 0
+    denom = tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, num_seqs) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need q [T, H, D] and k_cache == v_cache shape [num_blocks, block_size, H_kv, D], got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    H, D, H_kv = q.shape[1], q.shape[2], k_cache.shape[2]
+    if k_cache.shape[3] != D or H % H_kv != 0:
+        raise ValueError(f"head dims differ or H={H} is not a multiple of H_kv={H_kv}")
+    if q.dtype not in _SUPPORTED_DTYPES or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
+        raise ValueError(f"q, caches and out need one dtype of {_SUPPORTED_DTYPES}, got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}, {out.dtype}")
+    if out.shape != q.shape or not out.is_contiguous() or q.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous with q's shape and q.stride(-1) == 1, got out "
+                         f"{tuple(out.shape)} stride {out.stride()}, q stride {q.stride()}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need a unit stride on the last dim")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+        if t.dtype != torch.int32 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be int32 with a unit last stride, got {t.dtype} stride {t.stride()}")
+    if (query_start_loc.dim() != 1 or query_start_loc.numel() < num_seqs + 1 or seq_lens.dim() != 1
+            or seq_lens.numel() < num_seqs or block_table.dim() != 2 or block_table.shape[0] < num_seqs):
+        raise ValueError(f"metadata too short for num_seqs={num_seqs}: query_start_loc "
+                         f"{tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}, "
+                         f"block_table {tuple(block_table.shape)}")
+    devices = {t.device for t in (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _auto_num_splits(num_programs: int, device: torch.device) -> int:
+    """Split KV only when the grid cannot fill the GPU; aim at about two programs per SM."""
+    if device.type != "cuda":
+        return 1
+    sms = _num_sms(device)
+    if num_programs >= sms:
+        return 1
+    return min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, num_programs)))
+
+
+def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int) -> dict:
+    """BLOCK_M (rows = tokens x group heads), TILE_N (keys per step), warps, stages; from host ints only.
+
+    Tuned on an H200 (bf16, D=128, block_size 16, graph replay): decode wants long key tiles (TILE_N 128:
+    3.9 TB/s at R=64, ctx 2048, against 2.6 with 32); prefill wants BLOCK_M 64 x TILE_N 32, 4 warps, 2 stages
+    (about 186 TFLOP/s on 16 x 512 tokens; 8 warps or 3 stages were 20-50% slower).
+    """
+    rows = group * max_query_len
+    block_m = max(triton.next_power_of_2(group), min(64, max(16, triton.next_power_of_2(rows))))
+    tile_n, num_stages = (128, 2) if max_query_len == 1 else (32, 2)
+    while tile_n > 16 and 2 * tile_n * d_pad * elem_size * num_stages > 160 * 1024:  # K + V tiles in smem
+        tile_n //= 2
+    num_warps = 8 if block_m * d_pad >= 64 * 256 else 4
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n, num_warps=num_warps,
+                num_stages=num_stages)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    scale: float, max_query_len: int, num_seqs: int | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    *, num_kv_splits: int | None = None) -> None:
+    """Causal attention of this step's queries over the paged KV cache; writes out in place.
+
+    Args:
+        q: [T, H, D] fp32/fp16/bf16, stride(-1) == 1 (may be a view into a fused qkv output).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D], same dtype as q, H % H_kv == 0. Must already hold
+            this step's keys/values (store_kv runs first). Any block_size >= 1 (typical 16).
+        out: [T, H, D] contiguous, same dtype; rows of skipped/padding tokens are left untouched.
+        query_start_loc: [R + 1] int32, cumulative query lengths (request r owns tokens qsl[r]..qsl[r+1]-1).
+        seq_lens: [R] int32, context length of each request after this step (cached + new tokens).
+        block_table: [R, max_blocks] int32; key j of request r is at block block_table[r, j // block_size],
+            offset j % block_size.
+        scale: softmax scale (usually D ** -0.5).
+        max_query_len: host int >= every request's query length; sizes the grid only.
+        num_seqs: host int R (default query_start_loc.numel() - 1). Rows with seq_len 0 or no queries are skipped.
+        sliding_window: W; query at position p sees keys p-W+1 .. p (W keys, itself included; HF / Mistral
+            convention, vLLM's window (W-1, 0)). None or <= 0 = full causal.
+        softcap: c; scores = c * tanh(scale * q.k / c) before softmax (Gemma 2). None or <= 0 = off.
+        num_kv_splits: split-KV count (1 = single pass); None picks one from (R, max_query_len, H_kv) on CUDA.
+    Raises:
+        ValueError: on a shape, dtype, stride or device mismatch.
+    The grid depends only on (num_seqs, max_query_len, H_kv, num_kv_splits), all per-request lengths are read
+    on the device, so a captured CUDA graph replays correctly for new lengths and block tables.
+    """
+    R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
+    _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, R)
+    T, H, D = q.shape
+    H_kv = k_cache.shape[2]
+    if R <= 0 or T == 0 or max_query_len <= 0:
+        return
+    use_window = sliding_window is not None and sliding_window > 0
+    use_softcap = softcap is not None and softcap > 0
+    d_pad = max(16, triton.next_power_of_2(D))
+    cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
+    num_q_tiles = triton.cdiv(max_query_len, cfg["BLOCK_Q"])
+    splits = num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, q.device)
+    if splits > 1:
+        part_acc = torch.empty((T, H, splits, d_pad), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    pre_scale = scale / softcap if use_softcap else scale * _LOG2E
+    post_scale = softcap * _LOG2E if use_softcap else 1.0
+    _paged_attn_kernel[(R * num_q_tiles, H_kv, splits)](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, part_acc, part_m, part_l,
+        pre_scale, post_scale, sliding_window if use_window else 0, num_q_tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+        NUM_HEADS=H, GROUP=H // H_kv, HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
+        USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
+        # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
+        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", **cfg)
+    if splits > 1:
+        _merge_splits_kernel[(R * max_query_len, H)](
+            out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
+            NUM_HEADS=H, HEAD_DIM=D, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
+            num_warps=4)
+
+
+def _gather(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Keys/values at positions lo..hi-1 of one request: [hi - lo, H_kv, D]."""
+    bs = cache.shape[1]
+    first = lo // bs
+    blocks = block_row[first: -(-hi // bs)].long()
+    return cache[blocks].flatten(0, 1)[lo - first * bs: hi - first * bs]
+
+
+def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_row: torch.Tensor,
+                seq_len: int, scale: float, window: int, softcap: float, chunk: int = 256) -> torch.Tensor:
+    """fp32 attention of one request's queries q [q_len, H, D] -> [q_len, H, D] (chunks bound the memory)."""
+    q_len, H, D = q.shape
+    H_kv = k_cache.shape[2]
+    G = H // H_kv
+    ctx = seq_len - q_len
+    lo = max(0, ctx - window + 1) if window > 0 else 0
+    k = _gather(k_cache, block_row, lo, seq_len).float().permute(1, 2, 0)  # [H_kv, D, S]
+    v = _gather(v_cache, block_row, lo, seq_len).float().permute(1, 0, 2)  # [H_kv, S, D]
+    key_pos = torch.arange(lo, seq_len, device=q.device)
+    out = torch.empty((q_len, H, D), dtype=torch.float32, device=q.device)
+    for c0 in range(0, q_len, chunk):
+        c1 = min(q_len, c0 + chunk)
+        n = c1 - c0
+        hi = ctx + c1 - lo  # keys past the chunk's last position are never visible
+        pos = torch.arange(ctx + c0, ctx + c1, device=q.device)
+        visible = key_pos[None, :hi] <= pos[:, None]  # [n, S']
+        if window > 0:
+            visible &= key_pos[None, :hi] > pos[:, None] - window
+        qh = q[c0:c1].float().reshape(n, H_kv, G, D).permute(1, 2, 0, 3).reshape(H_kv, G * n, D)
+        s = torch.bmm(qh, k[:, :, :hi]) * scale  # [H_kv, G * n, S']
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.view(H_kv, G, n, hi).masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s, dim=-1).view(H_kv, G * n, hi)
+        o = torch.bmm(p, v[:, :hi])  # [H_kv, G * n, D]
+        out[c0:c1] = o.view(H_kv, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+    return out
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                        scale: float, max_query_len: int, num_seqs: int | None = None,
+                        sliding_window: int | None = None, softcap: float | None = None,
+                        *, num_kv_splits: int | None = None) -> None:
+    """Plain-torch paged_attention (same arguments and semantics; max_query_len and num_kv_splits are unused).
+
+    A per-request loop that gathers K/V through the block table and runs a masked fp32 softmax; the CPU engine's
+    attention path. Reads query_start_loc / seq_lens on the host (a sync on CUDA).
+    """
+    R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
+    qsl = query_start_loc[: R + 1].tolist()
+    lens = seq_lens[:R].tolist()
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    cap = softcap if softcap is not None and softcap > 0 else 0.0
+    for r in range(R):
+        q_start, q_end, seq_len = qsl[r], qsl[r + 1], lens[r]
+        if q_end <= q_start or seq_len <= 0:
+            continue
+        o = _attend_one(q[q_start:q_end], k_cache, v_cache, block_table[r], seq_len, scale, window, cap)
+        out[q_start:q_end] = o.to(out.dtype)

@@ -1,0 +1,66 @@
+"""Kernel tests run on CUDA when present, else under the Triton interpreter on CPU.
+
+TRITON_INTERPRET is read when @triton.jit decorates a function, including triton's own (tl.max, tl.cdiv, ...),
+so on CPU it must be set before anything imports triton. It is set here, which is early enough when only this
+directory runs or nothing before it imported triton; otherwise (the CPU engine imports hayabusa.kernels for the
+*_ref functions) set it at the top of tests/conftest.py, else these tests skip with that reason.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _kernels_usable() -> str | None:
+    """None if the Triton kernels can run here, else the reason to skip."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if DEVICE == "cpu":
+        from triton import knobs
+
+        if not knobs.runtime.interpret:
+            return "no CUDA device and TRITON_INTERPRET is not 1"
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(tl.max, InterpretedFunction):  # triton's own @jit helpers were built uninterpreted
+            return "triton was imported before TRITON_INTERPRET=1 was set: set it at the top of tests/conftest.py"
+    return None
+
+
+def _fix_interpreter_for_numpy_2_4() -> None:
+    """Triton <= 3.6's interpreter turns 1-element arrays into ints with int(array), which numpy >= 2.4 rejects
+    (triton-lang/triton#9171: every `for i in range(0, tensor)` fails). Re-register __index__ with a squeeze."""
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor
+    if getattr(original, "_hayabusa_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._hayabusa_fixed = True
+    interp._patch_lang_tensor = patched
+
+
+SKIP_REASON = _kernels_usable()
+if SKIP_REASON is None and DEVICE == "cpu":
+    _fix_interpreter_for_numpy_2_4()
+
+
+@pytest.fixture
+def device() -> str:
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    return DEVICE
