@@ -1,4 +1,5 @@
-"""The ``hayabusa`` command: ``hayabusa generate`` (offline batch generation from a JSONL file)."""
+"""The ``hayabusa`` command: ``hayabusa generate`` (offline batch generation from a JSONL file) and
+``hayabusa bench`` (the workloads of BENCHMARKS.md, with the HF baseline)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", dest="sp_stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", dest="sp_ignore_eos", action="store_true", default=None)
     add_engine_args(g)
+    from hayabusa.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -137,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "generate":
             return cmd_generate(ns)
+        if ns.command == "bench":
+            from hayabusa.bench.cli import run_bench
+
+            return run_bench(ns)
     except HayabusaValidationError as e:
         print(f"hayabusa: error: {e}", file=sys.stderr)
         return 2

@@ -32,11 +32,12 @@ class CUDAGraphRunner:
         runner: the ModelRunner (its persistent buffers are the graphs' static inputs).
     """
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, use_graphs: bool = True) -> None:
         self.runner = runner
+        self.use_graphs = use_graphs
         self.sizes = capture_sizes(min(runner.cfg.max_cuda_graph_batch, runner.max_num_reqs),
                                    runner.cfg.cuda_graph_sizes)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # empty when use_graphs is False (enforce_eager)
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
@@ -73,8 +74,7 @@ class CUDAGraphRunner:
         r = self.runner
         for bs in sorted(self.sizes, reverse=True):
             self._fill_padding(0, bs)
-            for _ in range(2):  # warm up: compiles Triton kernels, settles the allocator
-                self._forward(bs)
+            self._forward(bs)  # warm up: compiles Triton kernels, settles the allocator
             torch.cuda.synchronize(r.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -94,6 +94,8 @@ class CUDAGraphRunner:
         bs = self._padded(R)
         r._copy_inputs(inp)
         self._fill_padding(R, bs)
+        if not self.use_graphs:  # enforce_eager: the same padded shapes, run eagerly
+            return self._forward(bs)[:R]
         self.graphs[bs].replay()
         return self.logits[bs][:R]
 

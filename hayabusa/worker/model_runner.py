@@ -86,6 +86,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graphs = None
+        self.decode_runner = None
         self._eos = list(mc.eos_token_ids)
 
     def _alloc_device_buffers(self) -> None:
@@ -96,6 +97,16 @@ class ModelRunner:
         self.query_start_loc = torch.zeros(R + 1, dtype=torch.int32, device=d)
         self.seq_lens = torch.zeros(R, dtype=torch.int32, device=d)
         self.block_table = torch.zeros(R, self.max_blocks_per_req, dtype=torch.int32, device=d)
+        self.staging = None
+        if d.type == "cuda":  # pinned host buffers: H2D copies from them are asynchronous
+            def pinned(n: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(n, dtype=dtype, pin_memory=True)
+
+            self.staging = {"input_ids": pinned(T, torch.int64), "positions": pinned(T, torch.int64),
+                            "slot_mapping": pinned(T, torch.int64), "query_start_loc": pinned(R + 1, torch.int32),
+                            "seq_lens": pinned(R, torch.int32),
+                            "block_table": pinned(R * self.max_blocks_per_req, torch.int32)}
+            self.block_table_staging = torch.empty(R * self.max_blocks_per_req, dtype=torch.int32, device=d)
 
     # ------------------------------------------------------------------ KV cache + graphs
     def initialize_kv_cache(self) -> int:
@@ -106,11 +117,13 @@ class ModelRunner:
             peak, non_torch = self._profile_peak_memory()
         self.num_blocks = determine_num_blocks(self.cfg, peak, non_torch)
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
-        if not self.cfg.enforce_eager:
+        if self.device.type == "cuda":
             from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
-            self.graphs = CUDAGraphRunner(self)
-            self.graphs.capture()
+            self.decode_runner = CUDAGraphRunner(self, use_graphs=not self.cfg.enforce_eager)
+            if self.decode_runner.use_graphs:
+                self.decode_runner.capture()
+                self.graphs = self.decode_runner
         return self.num_blocks
 
     @torch.inference_mode()
@@ -181,18 +194,28 @@ class ModelRunner:
                           (qsl[1:][sampled_rows] - 1).astype(np.int64))
 
     def _copy_inputs(self, inp: StepInputs) -> None:
-        """Host -> persistent device buffers."""
+        """Host -> persistent device buffers (through pinned staging buffers on CUDA: truly async copies)."""
         T, R = len(inp.input_ids), len(inp.reqs)
-        nb = inp.block_table.shape[1]
-        nb_dev = self.block_table.shape[1]
-        nb = min(nb, nb_dev)
-        self.input_ids[:T].copy_(torch.from_numpy(inp.input_ids), non_blocking=True)
-        self.positions[:T].copy_(torch.from_numpy(inp.positions), non_blocking=True)
-        self.slot_mapping[:T].copy_(torch.from_numpy(inp.slot_mapping), non_blocking=True)
-        self.query_start_loc[:R + 1].copy_(torch.from_numpy(inp.query_start_loc), non_blocking=True)
-        self.seq_lens[:R].copy_(torch.from_numpy(inp.seq_lens), non_blocking=True)
-        self.block_table[:R, :nb].copy_(torch.from_numpy(np.ascontiguousarray(inp.block_table[:, :nb])),
-                                        non_blocking=True)
+        nb = min(inp.block_table.shape[1], self.block_table.shape[1])
+        st = self.staging
+        pairs = [(self.input_ids[:T], inp.input_ids), (self.positions[:T], inp.positions),
+                 (self.slot_mapping[:T], inp.slot_mapping), (self.query_start_loc[:R + 1], inp.query_start_loc),
+                 (self.seq_lens[:R], inp.seq_lens)]
+        if st is None:  # CPU: plain copies
+            for dst, src in pairs:
+                dst.copy_(torch.from_numpy(src))
+            self.block_table[:R, :nb].copy_(torch.from_numpy(inp.block_table[:, :nb]))
+            return
+        for (dst, src), name in zip(pairs, ("input_ids", "positions", "slot_mapping", "query_start_loc",
+                                            "seq_lens")):
+            host = st[name][:len(src)]
+            host.numpy()[:] = src
+            dst.copy_(host, non_blocking=True)
+        bt_host = st["block_table"][:R * nb].view(R, nb)
+        bt_host.numpy()[:] = inp.block_table[:, :nb]
+        bt_dev = self.block_table_staging[:R * nb].view(R, nb)
+        bt_dev.copy_(bt_host, non_blocking=True)
+        self.block_table[:R, :nb].copy_(bt_dev)      # strided device-side copy into the static table
 
     def attn_metadata(self, R: int, T: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(query_start_loc=self.query_start_loc[:R + 1], seq_lens=self.seq_lens[:R],
@@ -202,10 +225,13 @@ class ModelRunner:
     def _run_model(self, inp: StepInputs) -> torch.Tensor:
         T, R = len(inp.input_ids), len(inp.reqs)
         max_q = int(inp.num_scheduled.max())
-        if self.graphs is not None and max_q == 1 and self.graphs.can_run(R):
-            logits = self.graphs.run(inp)                   # [R, V], every row is a decode row
-            return logits[torch.from_numpy(inp.logits_rows).to(self.device)] if len(inp.logits_rows) < R \
-                else logits
+        if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R):
+            # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
+            # shapes with enforce_eager, so both give the same numbers).
+            logits = self.decode_runner.run(inp)            # [R, V]
+            if len(inp.logits_rows) < R:
+                logits = logits[torch.from_numpy(inp.logits_rows).to(self.device)]
+            return logits
         self._copy_inputs(inp)
         ctx = ForwardContext(self.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend)
         hidden = self.model(self.input_ids[:T], self.positions[:T], ctx)           # [T, hidden]
@@ -214,11 +240,28 @@ class ModelRunner:
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[idx])                               # [R_s, V]
 
+    @staticmethod
+    def _is_plain_greedy(reqs: list[Request]) -> bool:
+        """Every row is greedy with nothing that needs the sampler (logprobs, penalties, pending min_tokens)."""
+        for r in reqs:
+            p = r.sampling_params
+            if not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
+                    or p.frequency_penalty != 0.0 or r.num_output_tokens < p.min_tokens:
+                return False
+        return True
+
     def _sample(self, inp: StepInputs, logits: torch.Tensor) -> ModelRunnerOutput:
         result = ModelRunnerOutput({r.request_id: [] for r in inp.reqs})
         if logits.shape[0] == 0:
             return result
         reqs = [inp.reqs[i] for i in inp.logits_rows.tolist()]
+        if self._is_plain_greedy(reqs):  # fast path: argmax, no sampling metadata
+            ids = logits.argmax(dim=-1).to("cpu", non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()   # the step's one sync
+            for req, tok in zip(reqs, ids.tolist()):
+                result.sampled_token_ids[req.request_id] = [tok]
+            return result
         meta = build_sampling_metadata(
             [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs], [self._generator(r) for r in reqs],

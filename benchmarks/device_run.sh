@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The one benchmark call on the GPU box: GPU tests, ceilings, model shapes, the BENCHMARKS.md workloads.
+#
+#   PYTHONPATH=$PWD OUT=/some/dir bash benchmarks/device_run.sh
+#
+# Every step runs under its own `timeout`, clipped to what is left of BENCH_BUDGET_S; a failed or timed-out step
+# is logged and the next one runs. Steps are ordered by priority (hayabusa numbers first, the HF baseline after),
+# and results are merged into $OUT/results.json after every step, so a call cut short still returns them.
+# Files under $OUT (<= 5): device_run.log, gpu_tests.log, results.json, summary.txt, steps.tsv.
+#
+# Environment (all optional):
+#   BENCH_BUDGET_S  seconds for the whole script (default 530: the call has ~9-10 minutes)
+#   GPU_TESTS_S     most seconds for `pytest -m cuda` (default 150; 0 skips the GPU tests)
+#   BENCH_HF        1 = HF baseline on qwen2.5-0.5b-shape (W3 batch 1, W1 full batch) (default 1)
+#   BENCH_HF_7B     1 = also on qwen2.5-7b-shape, 0 = never, auto = if >= 200 s are left at that point (default)
+#   BENCH_SCALE     workload scale (default 1 = the workloads of record)
+#   MODEL_DIR       where checkpoints are made/reused (default /tmp/hayabusa_models)
+#   SHAPE_SMALL / SHAPE_LARGE  the two shapes (default qwen2.5-0.5b-shape / qwen2.5-7b-shape; tiny-llama and
+#                   tiny-qwen2 make a CPU dry run of this script possible)
+#   HAYABUSA_COMMIT recorded as the commit when the tree has no .git (else "unknown")
+set -u
+set -x
+OUT=${OUT:?set OUT to the output folder}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/device_run.log") 2>&1
+
+T0=$SECONDS
+BUDGET=${BENCH_BUDGET_S:-530}
+GPU_TESTS_S=${GPU_TESTS_S:-150}
+BENCH_HF=${BENCH_HF:-1}
+BENCH_HF_7B=${BENCH_HF_7B:-auto}
+SCALE=${BENCH_SCALE:-1}
+MODELS=${MODEL_DIR:-/tmp/hayabusa_models}
+WORK=/tmp/hayabusa_bench_json
+RESERVE=15                      # seconds kept for the final merge
+mkdir -p "$MODELS" "$WORK"
+rm -f "$WORK"/*.json
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+printf 'step\trc\tseconds\n' > "$OUT/steps.tsv"
+
+left() { echo $((BUDGET - (SECONDS - T0) - RESERVE)); }
+
+merge() {  # all step JSONs -> $OUT/results.json, the table -> $OUT/summary.txt
+  timeout -k 5 30 python -m hayabusa.bench.report "$OUT/results.json" "$WORK"/*.json > "$OUT/summary.txt" 2>&1
+}
+
+# step NAME MAX_S MIN_S CMD... : run CMD under timeout min(MAX_S, left); skip when fewer than MIN_S remain.
+step() {
+  local name=$1 max=$2 min=$3; shift 3
+  local t; t=$(left)
+  if [ "$t" -lt "$min" ]; then
+    echo "=== SKIP $name: $t s left, needs $min"; printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"
+    LAST_RC=skipped; return 0
+  fi
+  [ "$t" -gt "$max" ] && t=$max
+  echo "=== STEP $name (timeout $t s, $(left) s left)"
+  local s=$SECONDS rc=0
+  timeout -k 10 "$t" "$@" || rc=$?
+  LAST_RC=$rc
+  [ "$rc" -eq 124 ] && echo "=== TIMEOUT $name after $t s"
+  printf '%s\t%s\t%s\n' "$name" "$rc" $((SECONDS - s)) >> "$OUT/steps.tsv"
+  merge
+  return 0
+}
+
+BENCH="python -m hayabusa.bench.cli --no-tqdm --scale $SCALE"
+SMALL=${SHAPE_SMALL:-qwen2.5-0.5b-shape}
+LARGE=${SHAPE_LARGE:-qwen2.5-7b-shape}
+Q05=$MODELS/$SMALL
+Q7=$MODELS/$LARGE
+LAST_RC=0
+CEIL=$WORK/ceilings.json
+
+# bench_step NAME MAX_S MIN_S ARGS... : a bench run writing $WORK/NAME.json; on timeout, one retry at 1/4 scale
+bench_step() {
+  local name=$1 max=$2 min=$3; shift 3
+  local ceil=(); [ -s "$CEIL" ] && ceil=(--ceilings-from "$CEIL")
+  step "$name" "$max" "$min" $BENCH "$@" "${ceil[@]}" --json "$WORK/$name.json"
+  if [ "$LAST_RC" = 124 ] && [ ! -s "$WORK/$name.json" ] && [ "$(left)" -gt 60 ]; then
+    local small; small=$(python -c "print($SCALE / 4)")
+    step "$name-scale$small" $((max / 2)) 30 python -m hayabusa.bench.cli --no-tqdm --scale "$small" "$@" \
+      "${ceil[@]}" --json "$WORK/$name-small.json"
+  fi
+}
+
+# ---------------------------------------------------------------------------------------------- 1. machine
+step info 30 5 bash -c 'nvidia-smi; python -c "import sys, torch, transformers; print(sys.version); \
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); \
+print(\"transformers\", transformers.__version__); import triton; print(\"triton\", triton.__version__)"; \
+git rev-parse HEAD 2>/dev/null || echo "no .git: commit recorded as ${HAYABUSA_COMMIT:-unknown}"; df -h /tmp; free -g'
+
+# ---------------------------------------------------------------------------------------------- 2. GPU tests
+if [ "$GPU_TESTS_S" -gt 0 ]; then
+  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 300)
+  step gpu_tests "$GPU_TESTS_S" 20 bash -c "python -m pytest -q -m cuda tests/ -x ${PT_TIMEOUT[*]} 2>&1 \
+    | tee '$OUT/gpu_tests.log'; exit \${PIPESTATUS[0]}"
+fi
+
+# ---------------------------------------------------------------------------------------------- 3. ceilings
+step ceilings 60 10 python -m hayabusa.bench.cli --ceilings --json "$CEIL"
+
+# ---------------------------------------------------------------------------------------------- 4. hayabusa
+[ -s "$Q05/bench_shape.json" ] || step make_0.5b 90 20 python -m hayabusa.bench.cli --make-model "$SMALL" "$Q05"
+bench_step q05_W3 90 30 --workload W3 --model "$Q05"
+bench_step q05_W1 150 40 --workload W1 --model "$Q05"
+[ -s "$Q7/bench_shape.json" ] || step make_7b 150 40 python -m hayabusa.bench.cli --make-model "$LARGE" "$Q7"
+bench_step q7_W3 100 40 --workload W3 --model "$Q7"
+bench_step q7_W1 150 60 --workload W1 --model "$Q7"
+
+# ---------------------------------------------------------------------------------------------- 5. HF baseline
+if [ "$BENCH_HF" = 1 ]; then
+  bench_step q05_W3_hf 90 30 --workload W3 --model "$Q05" --engine hf
+  bench_step q05_W1_hf 150 40 --workload W1 --model "$Q05" --engine hf
+fi
+
+# ---------------------------------------------------------------------------------------------- 6. more hayabusa
+bench_step q7_W2 150 60 --workload W2 --model "$Q7"
+bench_step q7_startup 90 40 --workload startup --model "$Q7"
+
+if [ "$BENCH_HF_7B" = 1 ] || { [ "$BENCH_HF_7B" = auto ] && [ "$(left)" -ge 200 ]; }; then
+  bench_step q7_W3_hf 120 60 --workload W3 --model "$Q7" --engine hf
+  bench_step q7_W1_hf 200 80 --workload W1 --model "$Q7" --engine hf
+fi
+
+# ---------------------------------------------------------------------------------------------- 7. summary
+merge
+cat "$OUT/summary.txt" "$OUT/steps.tsv"
+echo "=== device_run.sh done in $((SECONDS - T0)) s"

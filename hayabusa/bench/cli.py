@@ -1,0 +1,308 @@
+"""``hayabusa bench``: the workloads of BENCHMARKS.md on hayabusa or the HF baseline, ceilings, model shapes.
+
+    hayabusa bench --workload W1 --model DIR [--engine hayabusa|hf|both] [--json out.json] [--scale 0.05]
+    hayabusa bench --workload W4 --model DIR --plot w4.png          # W4 sweeps max_num_seqs by itself
+    hayabusa bench --workload W1 --model DIR --sweep max_num_seqs=64,128,256 --plot w1.png
+    hayabusa bench --make-model qwen2.5-7b-shape /tmp/q7b
+    hayabusa bench --ceilings [--workload W3 --model DIR]           # GB/s and TFLOP/s; fractions in the rows
+
+The lead's ``hayabusa`` CLI wires ``add_bench_parser(subparsers)`` and ``run_bench(ns)``; ``python -m
+hayabusa.bench.cli ARGS`` runs the same thing without the ``bench`` word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from hayabusa.bench import report
+from hayabusa.bench.ceilings import measure_ceilings
+from hayabusa.bench.models import SHAPES, make_model, model_name, model_stats
+from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, get_workload
+
+# Engine flags of `hayabusa bench` (vLLM names): name -> type.
+ENGINE_FLAGS: dict[str, Any] = {
+    "max_num_seqs": int, "max_num_batched_tokens": int, "gpu_memory_utilization": float, "dtype": str,
+    "device": str, "max_model_len": int, "seed": int, "block_size": int, "kv_cache_memory_bytes": int,
+    "num_gpu_blocks_override": int,
+}
+HF_ONLY_KEYS = ("hf_batch_size",)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", help=f"comma-separated: {', '.join(WORKLOADS)} (see --list)")
+    p.add_argument("--model", help="checkpoint folder (make one with --make-model SHAPE DIR)")
+    p.add_argument("--engine", default="hayabusa", choices=("hayabusa", "hf", "both"),
+                   help="hayabusa, the HF Transformers baseline, or both side by side (default hayabusa)")
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="HF baseline batch size in sequences (default: the whole workload; W3 is 1 request)")
+    for name, typ in ENGINE_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
+    p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    p.add_argument("--sweep", metavar="KEY=V1,V2", help="one run per value of an engine argument "
+                   "(e.g. max_num_seqs=64,128,256; hf_batch_size=8,32 for the HF baseline)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="shrink request counts and lengths by this factor (1 = the workload of record)")
+    p.add_argument("--json", metavar="FILE", help="write the records (a JSON list), rewritten after every run")
+    p.add_argument("--plot", metavar="FILE.png", help="plot a sweep (needs matplotlib)")
+    p.add_argument("--make-model", nargs=2, metavar=("SHAPE", "DIR"),
+                   help=f"write a random-weight bf16 checkpoint; shapes: {', '.join(SHAPES)}")
+    p.add_argument("--ceilings", action="store_true",
+                   help="measure copy GB/s and bf16 matmul TFLOP/s on this GPU (and report fractions of them)")
+    p.add_argument("--ceilings-from", metavar="FILE",
+                   help="reuse ceilings from a JSON file written by an earlier --ceilings --json run")
+    p.add_argument("--no-warmup", action="store_true", help="time the very first requests too")
+    p.add_argument("--no-tqdm", action="store_true", help="no progress bars")
+    p.add_argument("--list", action="store_true", help="list workloads and model shapes")
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to an argparse subparsers object; dispatch to ``run_bench(ns)``."""
+    p = subparsers.add_parser("bench", help="run the benchmark workloads (BENCHMARKS.md)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ variants
+def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
+    if not spec:
+        return None
+    if "=" not in spec:
+        raise ValueError(f"--sweep {spec!r}: write KEY=V1,V2 (e.g. max_num_seqs=64,128,256).")
+    key, values = spec.split("=", 1)
+    key = key.strip().replace("-", "_")
+    typ = ENGINE_FLAGS.get(key, int if key == "hf_batch_size" else None)
+    if key in ("enforce_eager", "enable_prefix_caching"):
+        typ = lambda s: s.strip().lower() in ("1", "true", "on", "yes")  # noqa: E731
+    if typ is None:
+        raise ValueError(f"--sweep key {key!r} is not a bench engine argument; use one of "
+                         f"{', '.join(list(ENGINE_FLAGS) + ['enforce_eager', 'enable_prefix_caching', 'hf_batch_size'])}.")
+    return key, [typ(v) for v in values.split(",") if v.strip()]
+
+
+def _variants(workload: Workload, sweep: tuple[str, list[Any]] | None, engine: str) -> list[dict[str, Any]]:
+    """Engine-argument overrides, one timed run each (workload variants x sweep values, deduplicated).
+
+    For the HF baseline, max_num_seqs maps to the batch size and engine-only keys are dropped."""
+    base = workload.variants
+    if sweep:
+        key, values = sweep
+        base = [{**v, key: x} for x in values for v in base]
+    out: list[dict[str, Any]] = []
+    for v in base:
+        if engine == "hf":
+            v = {"hf_batch_size": v.get("hf_batch_size", v.get("max_num_seqs"))} \
+                if ("hf_batch_size" in v or "max_num_seqs" in v) else {}
+        else:
+            v = {k: x for k, x in v.items() if k not in HF_ONLY_KEYS}
+        if v not in out:
+            out.append(v)
+    return out or [{}]
+
+
+def _engine_args(ns: argparse.Namespace, workload: Workload, variant: dict[str, Any]) -> dict[str, Any]:
+    """The kwargs of LLM(...): the user's flags, the variant, skip_tokenizer_init, and on CPU a max_model_len
+    that fits the workload (the CPU KV cache is sized for max_num_seqs x max_model_len)."""
+    args = {n: getattr(ns, n) for n in ENGINE_FLAGS if getattr(ns, n, None) is not None}
+    for flag in ("enforce_eager", "enable_prefix_caching"):
+        if getattr(ns, flag, None):
+            args[flag] = True
+    args.update(variant)
+    args["skip_tokenizer_init"] = True
+    device = args.get("device", "auto")
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and "max_model_len" not in args:
+        args["max_model_len"] = -(-workload.max_seq_len // 16) * 16
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ running
+def _hint(e: BaseException) -> str:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "out of GPU memory: lower --max-num-seqs / --hf-batch-size / --gpu-memory-utilization."
+    if isinstance(e, (FileNotFoundError, OSError)) and "config.json" in str(e):
+        return "no checkpoint there: make one with `hayabusa bench --make-model qwen2.5-0.5b-shape DIR`."
+    return "see the traceback above; rerun this workload alone with --no-tqdm to see the full log."
+
+
+def _run_one(ns: argparse.Namespace, engine: str, workload: Workload, variant: dict[str, Any]
+             ) -> tuple[Any, dict[str, Any]]:
+    from hayabusa.bench.runner import run_hayabusa, run_hf
+
+    tqdm_on = not ns.no_tqdm
+    if engine == "hf":
+        bs = variant.get("hf_batch_size") or ns.hf_batch_size or (1 if workload.name == "W3" else None)
+        hf_args = {"dtype": ns.dtype, "device": ns.device, "seed": ns.seed or 0, "hf_batch_size": bs,
+                   "attn_implementation": "sdpa"}
+        res = run_hf(ns.model, workload, batch_size=bs, dtype=ns.dtype, device=ns.device, seed=ns.seed or 0,
+                     warmup=not ns.no_warmup, use_tqdm=tqdm_on)
+        return res, hf_args
+    args = _engine_args(ns, workload, variant)
+    return run_hayabusa(ns.model, workload, args, warmup=not ns.no_warmup, use_tqdm=tqdm_on), args
+
+
+def _summary(rec: dict[str, Any]) -> str:
+    if rec.get("error"):
+        return f"[{rec['workload']} {rec['engine']} {rec['variant']}] FAILED: {rec['error']}"
+    frac = rec["fraction_of_ceiling"]
+    return (f"[{rec['workload']} {rec['engine']} {rec['variant'] or ''}] {rec['output_throughput']:.1f} out tok/s, "
+            f"{rec['total_throughput']:.1f} total tok/s, TTFT {rec['ttft_ms']} ms, TPOT {rec['tpot_ms']} ms, "
+            f"{rec['elapsed_s']:.2f} s, startup {rec['startup_s']:.2f} s"
+            + (f", {100 * frac:.1f}% of {rec['ceiling_kind']} ceiling" if frac is not None else ""))
+
+
+def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[dict[str, Any]]) -> int:
+    """Run every (workload, engine, variant); append records (rewriting --json after each). Returns #failures."""
+    env = report.environment(ns.device)
+    sweep = _parse_sweep(ns.sweep)
+    stats = model_stats(ns.model)
+    name = model_name(ns.model)
+    elem = 4 if str(ns.dtype) in ("float32", "float", "fp32") else 2
+    engines = ("hayabusa", "hf") if ns.engine == "both" else (ns.engine,)
+    failures = 0
+    for wname in [w for w in ns.workload.split(",") if w.strip()]:
+        workload = get_workload(wname, ns.scale)
+        for engine in engines:
+            variants = _variants(workload, sweep, engine)
+            for i, variant in enumerate(variants):
+                print(f"hayabusa bench: {workload.name} on {engine} [{i + 1}/{len(variants)}] {variant or ''} "
+                      f"({len(workload.requests)} requests, scale {ns.scale})", flush=True)
+                try:
+                    res, args = _run_one(ns, engine, workload, variant)
+                    rec = report.make_record(workload, res, engine=engine, model=name, engine_args=args, env=env,
+                                             variant=variant, stats=stats, ceilings=ceilings, elem_bytes=elem)
+                except Exception as e:  # noqa: BLE001 -- one failed run must not lose the others
+                    traceback.print_exc()
+                    print(f"hayabusa bench: {workload.name} on {engine} failed: {e}\n  next: {_hint(e)}",
+                          file=sys.stderr, flush=True)
+                    rec = report.error_record(workload.name, engine=engine, model=name, engine_args={}, env=env,
+                                              variant=variant, error=f"{type(e).__name__}: {e}")
+                    failures += 1
+                records.append(rec)
+                print(_summary(rec), flush=True)
+                if ns.json:
+                    report.write_json(ns.json, records)
+    return failures
+
+
+def _load_ceilings(path: str) -> dict | None:
+    """Ceilings from an earlier JSON (a record list, a ceilings record, or the bare dict); None if absent."""
+    with open(path) as f:
+        data = json.load(f)
+    items = data if isinstance(data, list) else [data]
+    for item in items:
+        if isinstance(item, dict) and "copy_bandwidth_gbs" in item:
+            return item
+        if isinstance(item, dict) and isinstance(item.get("ceilings"), dict):
+            return item["ceilings"]
+    return None
+
+
+def _get_ceilings(ns: argparse.Namespace, records: list[dict[str, Any]]) -> dict | None:
+    ceilings = None
+    if ns.ceilings_from:
+        ceilings = _load_ceilings(ns.ceilings_from)
+        here = report.gpu_name(ns.device)
+        if ceilings and ceilings.get("gpu") != here:
+            print(f"hayabusa bench: ceilings in {ns.ceilings_from} are for {ceilings.get('gpu')}, not {here}; "
+                  "ignored.", file=sys.stderr)
+            ceilings = None
+    if ns.ceilings and ceilings is None:
+        ceilings = measure_ceilings(ns.device)
+        if ceilings:
+            print(f"hayabusa bench: ceilings on {ceilings['gpu']}: copy {ceilings['copy_bandwidth_gbs']} GB/s "
+                  f"(read+write), bf16 matmul {ceilings['matmul_tflops']} TFLOP/s", flush=True)
+            env = report.environment(ns.device)
+            records.append({**{k: None for k in report.REQUIRED_KEYS}, **env, "workload": "ceilings",
+                            "engine": None, "model": None, "ceilings": ceilings})
+    return ceilings
+
+
+def _list() -> None:
+    print("workloads:")
+    for k, v in DESCRIPTIONS.items():
+        print(f"  {k:8s} {v}")
+    print("model shapes (--make-model SHAPE DIR):")
+    for k, v in SHAPES.items():
+        print(f"  {k:20s} {v[0]} hidden {v[1]} intermediate {v[2]} layers {v[3]} heads {v[4]}/{v[5]} "
+              f"vocab {v[6]} tied {v[7]}")
+
+
+def run_bench(ns: argparse.Namespace) -> int:
+    """Run what the ``bench`` flags ask for. Returns the exit code (0 ok, 1 a run failed, 2 bad arguments)."""
+    if ns.list:
+        _list()
+        return 0
+    if ns.make_model:
+        shape, out_dir = ns.make_model
+        if shape not in SHAPES:
+            print(f"hayabusa bench: unknown shape {shape!r}; choose one of {', '.join(SHAPES)}.", file=sys.stderr)
+            return 2
+        print(json.dumps(make_model(shape, out_dir, device=ns.device if ns.device != "auto" else None)), flush=True)
+        if not ns.workload:
+            return 0
+        ns.model = ns.model or out_dir
+    if not ns.workload and not ns.ceilings:
+        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|startup with --model DIR, --ceilings, or "
+              "--make-model SHAPE DIR (see --list).", file=sys.stderr)
+        return 2
+    if ns.workload and not (ns.model and os.path.isfile(os.path.join(ns.model, "config.json"))):
+        print(f"hayabusa bench: --model {ns.model!r} is not a checkpoint folder (no config.json); make one with "
+              "`hayabusa bench --make-model qwen2.5-0.5b-shape DIR`.", file=sys.stderr)
+        return 2
+    try:
+        if ns.workload:
+            for w in ns.workload.split(","):
+                get_workload(w, ns.scale)       # fail on a bad name before loading anything
+            _parse_sweep(ns.sweep)
+    except ValueError as e:
+        print(f"hayabusa bench: {e}", file=sys.stderr)
+        return 2
+    return _run(ns)
+
+
+def _run(ns: argparse.Namespace) -> int:
+    records: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    failures = 0
+    try:
+        ceilings = _get_ceilings(ns, records)
+        if ns.json and records:
+            report.write_json(ns.json, records)
+        if ns.workload:
+            failures = _run_workloads(ns, ceilings, records)
+    except KeyboardInterrupt:
+        print("hayabusa bench: interrupted; the records so far follow.", file=sys.stderr)
+        failures = 130
+    rows = [r for r in records if r["workload"] != "ceilings"]
+    if rows:
+        print("\n" + report.format_table(rows))
+    if ns.json:
+        report.write_json(ns.json, records)
+        print(f"hayabusa bench: {len(records)} record(s) -> {ns.json}")
+    if ns.plot and rows:
+        msg = report.plot_sweep(rows, ns.plot)
+        print(f"hayabusa bench: {msg}" if msg else f"hayabusa bench: plot -> {ns.plot}", file=sys.stderr)
+    print(f"hayabusa bench: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 130 if failures == 130 else (1 if failures else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(prog="python -m hayabusa.bench.cli", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Random-weight checkpoints of real model shapes (BENCHMARKS.md "Models"), for speed runs without network.
+
+``make_model("qwen2.5-7b-shape", DIR)`` writes ``config.json`` + bf16 safetensors (+ ``generation_config.json``)
+and a small ``bench_shape.json`` that names the shape for the benchmark records. No tokenizer is written: every
+workload uses token ids (run the engine with ``skip_tokenizer_init=True``).
+
+The model is built on the ``meta`` device (no memory, no init), materialised with ``to_empty`` on the GPU when
+there is one (else the CPU), and filled with ``torch.manual_seed(0)`` draws: normal(0, 0.02) for matrices and
+embeddings, ones for norm weights, zeros for biases. A 7B checkpoint takes seconds on a GPU; on a CPU the draws
+cost ~1-2 s per billion parameters per core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+# name -> (architecture, hidden, intermediate, layers, heads, kv heads, vocab, tied)
+SHAPES: dict[str, tuple[str, int, int, int, int, int, int, bool]] = {
+    "qwen2.5-0.5b-shape": ("Qwen2ForCausalLM", 896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-7b-shape": ("Qwen2ForCausalLM", 3584, 18944, 28, 28, 4, 152064, False),
+    "llama-3-8b-shape": ("LlamaForCausalLM", 4096, 14336, 32, 32, 8, 128256, False),
+    # tiny shapes for tests and CPU smoke runs: vocab >= 10000 because workload token ids are in [100, 10000)
+    "tiny-llama": ("LlamaForCausalLM", 64, 128, 2, 4, 2, 10240, False),
+    "tiny-qwen2": ("Qwen2ForCausalLM", 64, 128, 2, 4, 2, 10240, True),
+}
+INIT_STD = 0.02
+SHAPE_FILE = "bench_shape.json"
+
+
+def shape_config(name: str) -> Any:
+    """The transformers config of shape `name` (bf16, max_position_embeddings 32768).
+
+    Raises:
+        ValueError: an unknown shape (the message lists the known ones).
+    """
+    from transformers import LlamaConfig, Qwen2Config
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known shapes: {', '.join(SHAPES)}.")
+    arch, hidden, inter, layers, heads, kv_heads, vocab, tied = SHAPES[name]
+    common = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                  tie_word_embeddings=tied, max_position_embeddings=32768, initializer_range=INIT_STD,
+                  hidden_act="silu", attention_dropout=0.0, dtype="bfloat16")
+    if arch == "Qwen2ForCausalLM":
+        # Qwen2.5's special ids when the vocab is the real one; 0 otherwise (tiny shapes)
+        eos = 151643 if vocab > 151643 else 1
+        cfg = Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False,
+                          bos_token_id=eos, eos_token_id=eos)
+    else:
+        bos, eos = (128000, 128001) if vocab > 128001 else (1, 2)
+        cfg = LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=5e5, bos_token_id=bos, eos_token_id=eos,
+                          attention_bias=False, mlp_bias=False)
+    cfg.architectures = [arch]
+    _set_rope_theta(cfg, 1e6 if arch == "Qwen2ForCausalLM" else 5e5)
+    return cfg
+
+
+def _set_rope_theta(cfg: Any, theta: float) -> None:
+    """transformers 5 keeps rope_theta in ``rope_parameters``; older versions in ``rope_theta``. Set both."""
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict):
+        params["rope_theta"] = theta
+    cfg.rope_theta = theta
+
+
+def shape_stats(name_or_config: Any) -> dict[str, int]:
+    """Parameter counts of a shape, computed from the config (no weights).
+
+    Returns:
+        {"params": unique parameters, "embedding_params": vocab x hidden, "non_embedding_params": params minus
+        the input embedding and (untied) lm_head, "vocab_size", "hidden_size", "num_layers", "num_heads",
+        "num_kv_heads", "head_dim", "tied": 0/1}.
+    """
+    cfg = shape_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    h, i, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    bias = h_bias = 0
+    if getattr(cfg, "model_type", "") == "qwen2" or getattr(cfg, "attention_bias", False):
+        bias = heads * d + 2 * kv * d                       # q, k, v biases
+        h_bias = h if getattr(cfg, "attention_bias", False) else 0   # o_proj bias (Llama attention_bias)
+    attn = h * heads * d + 2 * h * kv * d + heads * d * h + bias + h_bias
+    layer = attn + 3 * h * i + 2 * h                        # attention + gate/up/down + two norms
+    emb = cfg.vocab_size * h
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    non_emb = n_layers * layer + h                          # + final norm
+    return {"params": non_emb + emb * (1 if tied else 2), "embedding_params": emb, "non_embedding_params": non_emb,
+            "vocab_size": cfg.vocab_size, "hidden_size": h, "num_layers": n_layers, "num_heads": heads,
+            "num_kv_heads": kv, "head_dim": d, "tied": int(tied)}
+
+
+def _fill_random(model: torch.nn.Module, seed: int) -> None:
+    """normal(0, INIT_STD) matrices, ones for norms, zeros for biases; one seeded generator, fixed order."""
+    gen_device = next(model.parameters()).device
+    gen = torch.Generator(device=gen_device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # shared (tied) parameters appear once
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, INIT_STD, generator=gen)
+
+
+def make_model(name: str, out_dir: str, device: str | None = None, seed: int = 0) -> dict[str, Any]:
+    """Write a random-weight bf16 checkpoint of shape `name` into `out_dir` (created if needed).
+
+    Args:
+        name: a key of SHAPES.
+        out_dir: target folder.
+        device: where the weights are drawn ("cuda" when available, else "cpu").
+        seed: torch seed of the draws.
+
+    Returns:
+        {"shape", "dir", "params", "bytes", "seconds", "device"}.
+    """
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    cfg = shape_config(name)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    _fill_random(model, seed)
+    # rotary inv_freq and other buffers are not saved but must be sane if anyone uses this in-process object
+    model = model.to("cpu")
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, max_shard_size="100GB")
+    n_params = sum(p.numel() for p in model.parameters())
+    info = {"shape": name, "dir": out_dir, "params": n_params, "bytes": 2 * n_params,
+            "seconds": round(time.perf_counter() - t0, 2), "device": device, "seed": seed}
+    with open(os.path.join(out_dir, SHAPE_FILE), "w") as f:
+        json.dump({**shape_stats(cfg), "shape": name, "seed": seed}, f, indent=1)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return info
+
+
+def model_name(model_dir: str) -> str:
+    """The shape name written by make_model, else the folder's base name."""
+    path = os.path.join(model_dir, SHAPE_FILE)
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                return json.load(f)["shape"]
+        except (OSError, ValueError, KeyError):
+            pass
+    return os.path.basename(os.path.normpath(model_dir))
+
+
+def model_stats(model_dir: str) -> dict[str, int] | None:
+    """shape_stats of the checkpoint's config.json, or None when it cannot be read."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_dir)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return shape_stats(cfg)
+    except Exception:  # noqa: BLE001 -- stats are optional decoration of the record
+        return None

@@ -1,0 +1,236 @@
+"""Benchmark records (one JSON schema for every engine and workload), the stdout table, and sweep plots.
+
+A record is a flat dict; REQUIRED_KEYS are always present (None where a metric does not apply). Throughputs are
+tokens per second of wall time between submitting the first request and the last one finishing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+from hayabusa.bench.ceilings import floor_seconds
+from hayabusa.bench.runner import RunResult
+from hayabusa.bench.workloads import Workload
+
+REQUIRED_KEYS = ("workload", "model", "engine", "gpu", "commit", "date", "output_throughput", "total_throughput",
+                 "tpot_ms", "ttft_ms", "startup_s", "peak_memory_bytes", "kv_cache_tokens", "engine_args",
+                 "versions", "ceilings", "fraction_of_ceiling")
+
+
+def git_commit() -> str:
+    """HAYABUSA_COMMIT if set, else ``git rev-parse HEAD`` of the source tree (+ "-dirty"), else "unknown"."""
+    if os.environ.get("HAYABUSA_COMMIT"):
+        return os.environ["HAYABUSA_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str | None]:
+    """torch, triton, transformers, python versions (None for a missing package)."""
+    out: dict[str, str | None] = {"torch": torch.__version__, "python": platform.python_version()}
+    for name in ("triton", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 -- a missing or broken package is just "None"
+            out[name] = None
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def gpu_name(device: str | None) -> str:
+    """The CUDA device name, or "cpu"."""
+    if device not in (None, "auto") and not str(device).startswith("cuda"):
+        return "cpu"
+    return torch.cuda.get_device_name(torch.device(device) if device not in (None, "auto") else None) \
+        if torch.cuda.is_available() else "cpu"
+
+
+def environment(device: str | None) -> dict[str, Any]:
+    """The fields every record of one process shares."""
+    return {"gpu": gpu_name(device), "commit": git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "versions": versions(),
+            "command": " ".join(sys.argv) if sys.argv else None}
+
+
+def _fraction(workload: Workload, res: RunResult, stats: dict | None, ceilings: dict | None,
+              elem_bytes: int) -> tuple[float | None, float | None]:
+    """(floor, fraction_of_ceiling): floor in s per token (bandwidth) or s per run (matmul)."""
+    seqs = [(len(r.prompt_token_ids), r.max_tokens) for r in workload.requests for _ in range(r.n)]
+    floor = floor_seconds(workload.ceiling, stats, ceilings, seqs, elem_bytes)
+    if floor is None:
+        return None, None
+    measured = res.tpot_ms / 1e3 if workload.ceiling == "bandwidth" else res.elapsed_s
+    if not measured:
+        return floor, None
+    return floor, round(floor / measured, 4)
+
+
+def make_record(workload: Workload, res: RunResult, *, engine: str, model: str, engine_args: dict[str, Any],
+                env: dict[str, Any], variant: dict[str, Any], stats: dict | None = None,
+                ceilings: dict | None = None, elem_bytes: int = 2) -> dict[str, Any]:
+    """One JSON record for one timed run (see REQUIRED_KEYS; the rest describe the run in more detail)."""
+    secs = res.elapsed_s or float("nan")
+    floor, frac = _fraction(workload, res, stats, ceilings, elem_bytes)
+    rec = {
+        "workload": workload.name, "model": model, "engine": engine, **{k: env[k] for k in ("gpu", "commit", "date")},
+        "output_throughput": round(res.output_tokens / secs, 2),
+        "total_throughput": round((res.prompt_tokens + res.output_tokens) / secs, 2),
+        "tpot_ms": res.tpot_ms if workload.name == "W3" else None, "ttft_ms": res.ttft_ms,
+        "startup_s": round(res.startup_s, 3), "peak_memory_bytes": res.peak_memory_bytes,
+        "kv_cache_tokens": res.kv_cache_tokens, "engine_args": engine_args, "versions": env["versions"],
+        "ceilings": ceilings, "fraction_of_ceiling": frac,
+        "ceiling_kind": workload.ceiling if frac is not None else None,
+        "floor_s": floor, "variant": variant, "scale": workload.scale, "elapsed_s": round(res.elapsed_s, 4),
+        "seconds_per_request": round(res.elapsed_s / max(res.num_requests, 1), 4),
+        "num_requests": res.num_requests, "num_sequences": res.num_sequences,
+        "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens,
+        "notes": res.notes, "extra": res.extra, "command": env.get("command"),
+    }
+    return rec
+
+
+def error_record(workload: str, *, engine: str, model: str, engine_args: dict[str, Any], env: dict[str, Any],
+                 variant: dict[str, Any], error: str) -> dict[str, Any]:
+    """A record for a run that failed (every metric None; "error" says what happened)."""
+    rec: dict[str, Any] = {k: None for k in REQUIRED_KEYS}
+    rec.update({"workload": workload, "model": model, "engine": engine, "engine_args": engine_args,
+                "variant": variant, "error": error, **{k: env[k] for k in ("gpu", "commit", "date", "versions")}})
+    return rec
+
+
+def write_json(path: str, records: list[dict[str, Any]]) -> None:
+    """Write the list of records (atomically: a killed run leaves the previous complete file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(records, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def _variant_label(rec: dict[str, Any]) -> str:
+    v = dict(rec.get("variant") or {})
+    if rec.get("engine") == "hf" and "hf_batch_size" not in v and (rec.get("extra") or {}).get("hf_batch_size"):
+        v["batch"] = rec["extra"]["hf_batch_size"]
+    return ",".join(f"{k}={val}" for k, val in v.items()) or "-"
+
+
+TABLE_COLUMNS = ("workload", "model", "engine", "config", "out tok/s", "total tok/s", "TTFT ms", "TPOT ms", "s/req",
+                 "startup s", "peak GiB", "KV tokens", "% ceiling")
+
+
+def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in records:
+        if r.get("error"):
+            rows.append([r["workload"], str(r["model"]), r["engine"], _variant_label(r),
+                         "ERROR: " + str(r["error"])[:60]] + [""] * (len(TABLE_COLUMNS) - 5))
+            continue
+        peak = r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None
+        frac = 100 * r["fraction_of_ceiling"] if r.get("fraction_of_ceiling") is not None else None
+        rows.append([r["workload"], str(r["model"]), r["engine"], _variant_label(r), _fmt(r["output_throughput"]),
+                     _fmt(r["total_throughput"]), _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"], 2),
+                     _fmt(r.get("seconds_per_request"), 3), _fmt(r["startup_s"], 2), _fmt(peak, 2),
+                     _fmt(r["kv_cache_tokens"]), _fmt(frac) + ("" if frac is None else f" ({r['ceiling_kind']})")])
+    return rows
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    """A fixed-width text table of the records (one row each)."""
+    rows = [list(TABLE_COLUMNS)] + table_rows(records)
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(TABLE_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if j >= 4 else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def plot_sweep(records: list[dict[str, Any]], path: str) -> str | None:
+    """PNG of output tok/s (and s/request for W4) against the swept engine argument.
+
+    Returns:
+        None on success, else a message saying why nothing was written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: pip install matplotlib, or drop --plot (the JSON has every number)."
+    ok = [r for r in records if not r.get("error") and r.get("variant")]
+    if len({json.dumps(r["variant"], sort_keys=True) for r in ok}) < 2:
+        return "nothing to plot: --plot needs a sweep (--sweep key=v1,v2 or workload W4)."
+    key = next(iter(ok[0]["variant"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    w4 = ok[0]["workload"] == "W4"
+    for (wl, eng), group in _groups(ok).items():
+        xs = [r["variant"].get(key) for r in group]
+        ys = [r["seconds_per_request"] if w4 else r["output_throughput"] for r in group]
+        ax.plot([str(x) for x in xs], ys, marker="o", label=f"{eng} {wl}")
+    ax.set_xlabel(key)
+    ax.set_ylabel("seconds per request" if w4 else "output tok/s")
+    r0 = ok[0]
+    ax.set_title(f"{r0['workload']} on {r0['model']} ({r0['gpu']}, {str(r0['commit'])[:10]})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _groups(records: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        out.setdefault((r["workload"], r["engine"]), []).append(r)
+    return out
+
+
+def merge_files(out_path: str, paths: list[str]) -> list[dict[str, Any]]:
+    """Concatenate the record lists of `paths` (unreadable files are skipped with a message) into out_path."""
+    records: list[dict[str, Any]] = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                data = json.load(f)
+            records.extend(data if isinstance(data, list) else [data])
+        except (OSError, ValueError) as e:
+            print(f"hayabusa bench: skipped {p}: {e}", file=sys.stderr)
+    write_json(out_path, records)
+    return records
+
+
+if __name__ == "__main__":  # python -m hayabusa.bench.report OUT.json IN1.json IN2.json ...: merge + table
+    if len(sys.argv) < 2:
+        print("usage: python -m hayabusa.bench.report OUT.json IN.json ...", file=sys.stderr)
+        sys.exit(2)
+    merged = merge_files(sys.argv[1], sys.argv[2:])
+    print(format_table([r for r in merged if r.get("workload") != "ceilings"]))
+    for r in merged:
+        if r.get("workload") == "ceilings" and r.get("ceilings"):
+            print(f"ceilings on {r['ceilings']['gpu']}: copy {r['ceilings']['copy_bandwidth_gbs']} GB/s, "
+                  f"bf16 matmul {r['ceilings']['matmul_tflops']} TFLOP/s")

@@ -1,0 +1,288 @@
+"""Run one workload on one engine: hayabusa (``LLM.generate``) or the HF Transformers baseline (``generate``).
+
+Both return a ``RunResult`` with the same token accounting: prompt tokens once per request, output tokens = the
+generated ids of every sample, each cut at the request's max_tokens. Times exclude a short warm-up (a few
+requests of the same lengths with fresh random ids, 2 output tokens) so one-off JIT / autotune costs do not land
+in the measurement; startup_s is the wall time of engine construction (``LLM(...)`` / ``from_pretrained``).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hayabusa.bench.workloads import TOKEN_HIGH, TOKEN_LOW, BenchRequest, Workload
+
+WARMUP_REQUESTS = 4
+WARMUP_TOKENS = 2
+
+
+@dataclass
+class RunResult:
+    """What one timed run measured. Times in seconds unless the name says ms."""
+
+    elapsed_s: float                 # first request submitted -> last request finished
+    num_requests: int
+    num_sequences: int               # requests x n
+    prompt_tokens: int
+    output_tokens: int
+    startup_s: float                 # engine construction (wall)
+    ttft_ms: float | None = None     # median over requests, from submission of the whole batch
+    tpot_ms: float | None = None     # median over sequences of (last - first token time) / (tokens - 1)
+    peak_memory_bytes: int | None = None   # torch.cuda.max_memory_allocated since construction; None on CPU
+    kv_cache_tokens: int | None = None
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_cuda(device: str | None) -> bool:
+    if device in (None, "auto"):
+        return torch.cuda.is_available()
+    return str(device).startswith("cuda")
+
+
+def _reset_peak(cuda: bool) -> None:
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(cuda: bool) -> int | None:
+    return int(torch.cuda.max_memory_allocated()) if cuda else None
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def warmup_requests(workload: Workload) -> list[BenchRequest]:
+    """Up to WARMUP_REQUESTS greedy requests with the workload's first prompt lengths and fresh ids (seed 1),
+    WARMUP_TOKENS output tokens each (fresh ids so a prefix cache is not primed with the workload's prompts)."""
+    rng = np.random.default_rng(1)
+    return [BenchRequest(rng.integers(TOKEN_LOW, TOKEN_HIGH, size=len(r.prompt_token_ids)).tolist(),
+                         min(WARMUP_TOKENS, r.max_tokens))
+            for r in workload.requests[:WARMUP_REQUESTS]]
+
+
+# ---------------------------------------------------------------------------------------------------- hayabusa
+def _sampling_params(r: BenchRequest) -> Any:
+    from hayabusa import SamplingParams
+
+    return SamplingParams(n=r.n, temperature=r.temperature, seed=r.seed, max_tokens=r.max_tokens,
+                          ignore_eos=True, detokenize=False)
+
+
+def _generate(llm: Any, reqs: list[BenchRequest], use_tqdm: bool) -> list[Any]:
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    return llm.generate(prompts, [_sampling_params(r) for r in reqs], use_tqdm=use_tqdm)
+
+
+def _engine_latencies(outs: list[Any], t_start: float) -> tuple[list[float], list[float]]:
+    """(TTFT ms per request from t_start, TPOT ms per request) from RequestOutput.metrics (time.monotonic)."""
+    ttft, tpot = [], []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        if m is None or m.first_token_time is None:
+            continue
+        ttft.append(1e3 * (m.first_token_time - t_start))
+        n = max(len(c.token_ids) for c in o.outputs)
+        if n > 1 and m.last_token_time is not None:
+            tpot.append(1e3 * (m.last_token_time - m.first_token_time) / (n - 1))
+    return ttft, tpot
+
+
+def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    engine = llm.llm_engine
+    notes: list[str] = []
+    if engine_args.get("enable_prefix_caching") and not getattr(engine.kv_cache_manager,
+                                                                "enable_prefix_caching", False):
+        notes.append("enable_prefix_caching was accepted but this engine build has no prefix caching: "
+                     "'on' and 'off' run the same code.")
+    graphs = getattr(engine.runner, "graphs", None)
+    extra = {"engine_startup_s": round(getattr(engine, "startup_seconds", float("nan")), 3),
+             "cuda_graphs": len(getattr(graphs, "sizes", []) or []) if graphs is not None else 0,
+             "cuda_graph_capture_s": round(getattr(graphs, "capture_seconds", 0.0), 3) if graphs else None,
+             "num_steps": engine.stats.get("num_steps") if hasattr(engine, "stats") else None}
+    return notes, extra
+
+
+def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any], warmup: bool = True,
+                 use_tqdm: bool = True) -> RunResult:
+    """Construct ``LLM(model_dir, **engine_args)``, warm up, and time ``generate`` over the workload.
+
+    The engine is deleted (and CUDA memory released) before returning, so sweeps can build the next one.
+    """
+    from hayabusa import LLM
+
+    cuda = _is_cuda(engine_args.get("device"))
+    _reset_peak(cuda)
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, **engine_args)
+    startup_s = time.perf_counter() - t0
+    try:
+        if warmup and workload.name != "startup":
+            _generate(llm, warmup_requests(workload), use_tqdm=False)
+        _sync(cuda)
+        t_mono, t1 = time.monotonic(), time.perf_counter()
+        outs = _generate(llm, workload.requests, use_tqdm)
+        _sync(cuda)
+        elapsed = time.perf_counter() - t1
+        ttft, tpot = _engine_latencies(outs, t_mono)
+        notes, extra = _engine_notes(llm, engine_args)
+        return RunResult(
+            elapsed_s=elapsed, num_requests=len(outs), num_sequences=sum(len(o.outputs) for o in outs),
+            prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+            output_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs), startup_s=startup_s,
+            ttft_ms=_median(ttft), tpot_ms=_median(tpot), peak_memory_bytes=_peak(cuda),
+            kv_cache_tokens=int(llm.llm_engine.kv_cache_capacity_tokens), notes=notes, extra=extra)
+    finally:
+        del llm
+        _reset_peak(cuda)
+
+
+# ---------------------------------------------------------------------------------------------------- HF
+@dataclass
+class _Seq:
+    request_index: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+
+
+def _expand(reqs: list[BenchRequest]) -> list[_Seq]:
+    """One sequence per sample: a request with n samples becomes n sequences (HF num_return_sequences)."""
+    return [_Seq(i, r.prompt_token_ids, r.max_tokens, r.temperature) for i, r in enumerate(reqs) for _ in range(r.n)]
+
+
+def _clock_criteria(cuda: bool, times: list[float]) -> Any:
+    """A StoppingCriteria that never stops and records the time each new token exists (after a sync)."""
+    from transformers import StoppingCriteria
+
+    class _Clock(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            _sync(cuda)
+            times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return _Clock()
+
+
+def _hf_batch(model: Any, seqs: list[_Seq], device: torch.device, pad_id: int = 0
+              ) -> tuple[list[list[int]], list[float], float]:
+    """Generate a left-padded batch. Returns (output ids per sequence cut at its max_tokens, token times, start)."""
+    from transformers import StoppingCriteriaList
+
+    width = max(len(s.prompt) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, width - len(s.prompt):] = torch.tensor(s.prompt)
+        mask[row, width - len(s.prompt):] = 1
+    temps = {s.temperature for s in seqs}
+    assert len(temps) == 1, "one temperature per HF batch"
+    temp = temps.pop()
+    new = max(s.max_tokens for s in seqs)
+    kw: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)
+    kw.update(dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp > 0 else dict(do_sample=False))
+    times: list[float] = []
+    cuda = device.type == "cuda"
+    _sync(cuda)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids.to(device), attention_mask=mask.to(device),
+                             stopping_criteria=StoppingCriteriaList([_clock_criteria(cuda, times)]), **kw)
+    out = out[:, width:].tolist()
+    return [o[: s.max_tokens] for o, s in zip(out, seqs)], times, start
+
+
+def _hf_import(model_dir: str) -> None:
+    """Import the model's transformers module now, so startup_s times loading, not Python imports."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
+
+
+def _hf_load(model_dir: str, dtype: str | None, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from hayabusa.config import _DTYPES
+
+    if dtype in (None, "auto"):
+        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif dtype in _DTYPES:
+        torch_dtype = _DTYPES[dtype]
+    else:
+        raise ValueError(f"--dtype {dtype!r}: use auto, float32, float16 or bfloat16.")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def run_hf(model_dir: str, workload: Workload, batch_size: int | None = None, dtype: str | None = None,
+           device: str | None = None, seed: int = 0, warmup: bool = True, use_tqdm: bool = True) -> RunResult:
+    """Time HF ``generate`` over the workload in consecutive left-padded batches of `batch_size` sequences
+    (default: all sequences at once, 1 for W3), greedy or sampled as the workload says, EOS suppressed by
+    ``min_new_tokens = max_new_tokens``. A batch runs to its longest max_tokens; shorter requests keep only their
+    own max_tokens ids (the extra steps are in the time: that is static batching's cost)."""
+    dev = torch.device(device if device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    _hf_import(model_dir)
+    _reset_peak(cuda)
+    t0 = time.perf_counter()
+    model = _hf_load(model_dir, dtype, dev)
+    startup_s = time.perf_counter() - t0
+    torch.manual_seed(seed)
+    try:
+        if warmup and workload.name != "startup":
+            _hf_batch(model, _expand(warmup_requests(workload))[:1], dev)
+        seqs = _expand(workload.requests)
+        bs = batch_size or len(seqs)
+        batches = [seqs[i: i + bs] for i in range(0, len(seqs), bs)]
+        if use_tqdm and len(batches) > 1:
+            from tqdm.auto import tqdm
+
+            batches = tqdm(batches, desc=f"HF {workload.name} batches of {bs}", dynamic_ncols=True)
+        outputs, ttft, tpot, elapsed = _hf_run_batches(model, batches, dev)
+        first_by_request: dict[int, float] = {}
+        for s, t in zip(seqs, ttft):
+            first_by_request[s.request_index] = min(t, first_by_request.get(s.request_index, t))
+        return RunResult(
+            elapsed_s=elapsed, num_requests=len(workload.requests), num_sequences=len(seqs),
+            prompt_tokens=workload.num_prompt_tokens, output_tokens=sum(len(o) for o in outputs),
+            startup_s=startup_s, ttft_ms=_median(list(first_by_request.values())), tpot_ms=_median(tpot),
+            peak_memory_bytes=_peak(cuda), kv_cache_tokens=None,
+            extra={"hf_batch_size": bs, "attn_implementation": "sdpa", "dtype": str(model.dtype)})
+    finally:
+        del model
+        _reset_peak(cuda)
+
+
+def _hf_run_batches(model: Any, batches: Any, dev: torch.device
+                    ) -> tuple[list[list[int]], list[float], list[float], float]:
+    """Run batches back to back. Returns (outputs per sequence, TTFT ms per sequence from the start of the
+    first batch, TPOT ms per sequence, elapsed s)."""
+    outputs: list[list[int]] = []
+    ttft: list[float] = []
+    tpot: list[float] = []
+    _sync(dev.type == "cuda")
+    t_start = time.perf_counter()
+    for batch in batches:
+        outs, times, _ = _hf_batch(model, batch, dev)
+        outputs.extend(outs)
+        for s in batch:
+            ttft.append(1e3 * (times[0] - t_start))
+            if s.max_tokens > 1:
+                tpot.append(1e3 * (times[s.max_tokens - 1] - times[0]) / (s.max_tokens - 1))
+    return outputs, ttft, tpot, time.perf_counter() - t_start

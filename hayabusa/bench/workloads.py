@@ -1,0 +1,155 @@
+"""The fixed workloads of BENCHMARKS.md, as lists of token-id requests.
+
+Every workload draws from one ``numpy.random.default_rng(0)``: first the lengths (where they vary), then the
+token ids, uniform in [100, 10000). Decoding is greedy with EOS ignored, except W7 (temperature 0.9, n=64,
+per-request seed). ``scale`` shrinks request counts and lengths proportionally (each at least 1) for quick CPU
+runs; scale 1 is the workload of record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TOKEN_LOW, TOKEN_HIGH = 100, 10000
+W4_MAX_NUM_SEQS = [1, 4, 8, 14, 16, 32, 64]
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W7", "startup")
+DESCRIPTIONS = {
+    "W1": "offline batch throughput: 256 x (512 prompt, 256 output)",
+    "W2": "offline mixed lengths: 256 x (U[100,1024] prompt, U[100,1024] output)",
+    "W3": "one stream, decode-bound: 1 x (128 prompt, 512 output)",
+    "W4": "document extraction: 100 x (2048 prompt, 128 output) at max_num_seqs 1,4,8,14,16,32,64",
+    "W5": "shared prefix: 256 x (1024 shared + 128 own prompt, 64 output), prefix caching on vs off",
+    "W6": "online serving with Poisson arrivals (not implemented in hayabusa bench yet)",
+    "W7": "many samples: 8 prompts x n=64, 256 prompt, 256 output, temperature 0.9",
+    "startup": "engine construction (load, profile, CUDA graphs) and the first request",
+}
+
+
+@dataclass
+class BenchRequest:
+    """One request of a workload."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    n: int = 1
+    temperature: float = 0.0
+    seed: int | None = None     # per-request seed (sampled workloads)
+
+
+@dataclass
+class Workload:
+    """A named list of requests plus how to run it.
+
+    Attributes:
+        name: "W1" ... "startup".
+        requests: the requests, in submission order.
+        scale: the scale it was built with (1.0 = the workload of record).
+        variants: engine-argument overrides, one run each (W4: max_num_seqs list; W5: prefix caching on/off);
+            [{}] = one run with the user's arguments.
+        ceiling: "matmul" (compute floor), "bandwidth" (decode floor) or None (no fraction reported).
+    """
+
+    name: str
+    requests: list[BenchRequest]
+    scale: float = 1.0
+    variants: list[dict] = field(default_factory=lambda: [{}])
+    ceiling: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens counted once per request (n samples share one prompt)."""
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens the workload asks for (every sample runs to max_tokens: EOS is ignored)."""
+        return sum(r.max_tokens * r.n for r in self.requests)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest prompt + output of any request (tokens)."""
+        return max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
+
+
+def _n(x: int, scale: float) -> int:
+    return max(1, int(round(x * scale)))
+
+
+def _tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(TOKEN_LOW, TOKEN_HIGH, size=n).tolist()
+
+
+def _fixed(rng: np.random.Generator, num: int, prompt: int, out: int) -> list[BenchRequest]:
+    return [BenchRequest(_tokens(rng, prompt), out) for _ in range(num)]
+
+
+def w1(scale: float = 1.0) -> Workload:
+    rng = np.random.default_rng(0)
+    return Workload("W1", _fixed(rng, _n(256, scale), _n(512, scale), _n(256, scale)), scale, ceiling="matmul")
+
+
+def w2(scale: float = 1.0) -> Workload:
+    rng = np.random.default_rng(0)
+    num = _n(256, scale)
+    lo, hi = _n(100, scale), _n(1024, scale)
+    prompt_lens = rng.integers(lo, hi + 1, size=num)          # U[100, 1024], inclusive
+    out_lens = rng.integers(lo, hi + 1, size=num)
+    reqs = [BenchRequest(_tokens(rng, int(p)), int(o)) for p, o in zip(prompt_lens, out_lens)]
+    return Workload("W2", reqs, scale, ceiling="matmul")
+
+
+def w3(scale: float = 1.0) -> Workload:
+    rng = np.random.default_rng(0)
+    return Workload("W3", _fixed(rng, 1, _n(128, scale), _n(512, scale)), scale, ceiling="bandwidth")
+
+
+def w4(scale: float = 1.0) -> Workload:
+    rng = np.random.default_rng(0)
+    reqs = _fixed(rng, _n(100, scale), _n(2048, scale), _n(128, scale))
+    return Workload("W4", reqs, scale, variants=[{"max_num_seqs": m} for m in W4_MAX_NUM_SEQS], ceiling="matmul")
+
+
+def w5(scale: float = 1.0) -> Workload:
+    rng = np.random.default_rng(0)
+    shared = _tokens(rng, _n(1024, scale))
+    own = _n(128, scale)
+    reqs = [BenchRequest(shared + _tokens(rng, own), _n(64, scale)) for _ in range(_n(256, scale))]
+    return Workload("W5", reqs, scale,
+                    variants=[{"enable_prefix_caching": True}, {"enable_prefix_caching": False}])
+
+
+def w7(scale: float = 1.0) -> Workload:
+    rng = np.random.default_rng(0)
+    n = _n(64, scale)
+    reqs = [BenchRequest(_tokens(rng, _n(256, scale)), _n(256, scale), n=n, temperature=0.9, seed=i)
+            for i in range(_n(8, scale))]
+    return Workload("W7", reqs, scale)
+
+
+def startup(scale: float = 1.0) -> Workload:
+    """One short request after construction: 'the first request can run' (16 prompt tokens, 1 output)."""
+    rng = np.random.default_rng(0)
+    return Workload("startup", _fixed(rng, 1, 16, 1), scale)
+
+
+BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W7": w7, "startup": startup}
+
+
+def get_workload(name: str, scale: float = 1.0) -> Workload:
+    """Build workload `name` ("W1", "w1", ... or "startup") at `scale` (0 < scale <= 1 typically).
+
+    Raises:
+        ValueError: unknown name or non-positive scale (the message says which names exist).
+    """
+    key = name.strip()
+    key = key.upper() if key.lower() != "startup" else "startup"
+    if key == "W6":
+        raise ValueError("W6 (online serving, Poisson arrivals) needs the async engine / server and is not in "
+                         "hayabusa bench yet; run W1-W5, W7 or startup.")
+    if key not in BUILDERS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}.")
+    if not scale > 0:
+        raise ValueError(f"--scale must be > 0, got {scale}.")
+    return BUILDERS[key](scale)

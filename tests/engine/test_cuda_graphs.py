@@ -1,0 +1,55 @@
+"""On a GPU: greedy output is identical with CUDA graphs on and off, on a random bf16 qwen2.5-0.5b-shape
+checkpoint (HAYABUSA_Q05_DIR, or made here with `hayabusa bench --make-model`), and the KV cache returns to empty."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hayabusa import LLM, SamplingParams
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def q05_dir(tmp_path_factory) -> str:
+    path = os.environ.get("HAYABUSA_Q05_DIR")
+    if path and os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from hayabusa.bench.models import make_model
+
+    out = str(tmp_path_factory.mktemp("q05"))
+    make_model("qwen2.5-0.5b-shape", out)
+    return out
+
+
+def _prompts(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [{"prompt_token_ids": rng.integers(100, 10000, size=int(rng.integers(8, 300))).tolist()}
+            for _ in range(n)]
+
+
+def _run(model_dir: str, **kwargs) -> list[list[int]]:
+    llm = LLM(model_dir, kv_cache_memory_bytes=4 << 30, max_num_seqs=64, max_model_len=1024, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(40), params, use_tqdm=False)]
+    engine = llm.llm_engine
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    if not kwargs.get("enforce_eager"):
+        assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return outs
+
+
+def test_cuda_graphs_do_not_change_greedy_output(q05_dir):
+    eager = _run(q05_dir, enforce_eager=True)
+    graphs = _run(q05_dir, enforce_eager=False)
+    assert all(len(o) == 48 for o in graphs)
+    same = sum(a == b for a, b in zip(eager, graphs))
+    assert same == len(eager), f"{len(eager) - same} of {len(eager)} sequences differ"

@@ -1,0 +1,145 @@
+"""hayabusa bench on CPU at toy scale: every workload runs and writes the record schema; HF and hayabusa count
+tokens the same way; --make-model writes checkpoints transformers loads; floors are the numbers one can check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hayabusa.bench import cli
+from hayabusa.bench.ceilings import decode_bytes_per_token, floor_seconds, request_flops
+from hayabusa.bench.models import SHAPES, make_model, shape_stats
+from hayabusa.bench.report import REQUIRED_KEYS
+from hayabusa.bench.workloads import get_workload
+
+
+@pytest.fixture(scope="module")
+def tiny_bench_model(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("bench") / "tiny-llama")
+    assert cli.main(["--make-model", "tiny-llama", out, "--device", "cpu"]) == 0
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny CPU ops are dominated by thread-pool wake-ups on a shared 2-core box
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _bench(tmp_path, *args: str) -> list[dict]:
+    path = tmp_path / "out.json"
+    rc = cli.main([*args, "--device", "cpu", "--no-tqdm", "--json", str(path)])
+    assert rc == 0
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("workload,scale,num_records", [
+    ("W1", 0.02, 1), ("W2", 0.02, 1), ("W3", 0.02, 1), ("W5", 0.02, 2), ("W7", 0.04, 1), ("startup", 1.0, 1)])
+def test_workload_writes_records(tmp_path, tiny_bench_model, workload, scale, num_records):
+    recs = _bench(tmp_path, "--workload", workload, "--model", tiny_bench_model, "--scale", str(scale))
+    assert len(recs) == num_records
+    for r in recs:
+        assert set(REQUIRED_KEYS) <= set(r) and not r.get("error")
+        assert r["workload"] == workload and r["model"] == "tiny-llama" and r["engine"] == "hayabusa"
+        assert r["gpu"] == "cpu" and r["peak_memory_bytes"] is None and r["kv_cache_tokens"] > 0
+        assert r["output_throughput"] > 0 and r["total_throughput"] > r["output_throughput"]
+        assert r["output_tokens"] == get_workload(workload, scale).num_output_tokens
+        assert (r["tpot_ms"] is not None) == (workload == "W3")
+        assert r["versions"]["torch"] == torch.__version__
+
+
+def test_w4_sweeps_max_num_seqs(tmp_path, tiny_bench_model):
+    recs = _bench(tmp_path, "--workload", "W4", "--model", tiny_bench_model, "--scale", "0.02",
+                  "--sweep", "max_num_seqs=1,2")
+    assert [r["variant"] for r in recs] == [{"max_num_seqs": 1}, {"max_num_seqs": 2}]
+    assert [r["engine_args"]["max_num_seqs"] for r in recs] == [1, 2]
+    assert all(r["seconds_per_request"] > 0 for r in recs)
+
+
+def test_w5_reports_prefix_caching_honestly(tmp_path, tiny_bench_model):
+    on, off = _bench(tmp_path, "--workload", "W5", "--model", tiny_bench_model, "--scale", "0.02")
+    assert on["engine_args"]["enable_prefix_caching"] is True and off["engine_args"]["enable_prefix_caching"] is False
+    assert on["prompt_tokens"] == off["prompt_tokens"] and on["output_tokens"] == off["output_tokens"]
+
+
+@pytest.mark.parametrize("workload,scale", [("W2", 0.03), ("W7", 0.04)])
+def test_hf_and_hayabusa_count_tokens_alike(tmp_path, tiny_bench_model, workload, scale):
+    recs = _bench(tmp_path, "--workload", workload, "--model", tiny_bench_model, "--scale", str(scale),
+                  "--engine", "both", "--hf-batch-size", "3")
+    ours, hf = recs
+    assert (ours["engine"], hf["engine"]) == ("hayabusa", "hf")
+    for key in ("prompt_tokens", "output_tokens", "num_requests", "num_sequences"):
+        assert ours[key] == hf[key], key
+    assert hf["extra"]["hf_batch_size"] == 3 and hf["kv_cache_tokens"] is None
+    assert set(REQUIRED_KEYS) <= set(hf)
+
+
+def test_ceilings_from_file_give_fractions(tmp_path, tiny_bench_model):
+    ceil = tmp_path / "ceil.json"
+    ceil.write_text(json.dumps({"gpu": "cpu", "copy_bandwidth_gbs": 1.0, "matmul_tflops": 1e-3}))
+    w3, = _bench(tmp_path, "--workload", "W3", "--model", tiny_bench_model, "--scale", "0.02",
+                 "--ceilings-from", str(ceil))
+    assert w3["ceilings"]["copy_bandwidth_gbs"] == 1.0 and w3["ceiling_kind"] == "bandwidth"
+    assert w3["fraction_of_ceiling"] == pytest.approx(w3["floor_s"] / (w3["tpot_ms"] / 1e3), rel=1e-2)
+
+
+def test_make_model_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "q")
+    make_model("tiny-qwen2", out, device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    cfg = model.config
+    _, hidden, inter, layers, heads, kv, vocab, tied = SHAPES["tiny-qwen2"]
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.bfloat16
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (hidden, inter, layers)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (heads, kv, vocab)
+    assert cfg.tie_word_embeddings is tied and cfg.max_position_embeddings == 32768 and cfg.rms_norm_eps == 1e-6
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == shape_stats("tiny-qwen2")["params"]
+    assert model.model.norm.weight.float().eq(1).all()
+
+
+@pytest.mark.parametrize("shape,params", [("qwen2.5-0.5b-shape", 494_032_768), ("qwen2.5-7b-shape", 7_615_616_512),
+                                          ("llama-3-8b-shape", 8_030_261_248)])
+def test_real_shapes_have_the_published_sizes(shape, params):
+    assert shape_stats(shape)["params"] == params
+
+
+def test_floors_by_hand():
+    stats = {"non_embedding_params": 100, "embedding_params": 20, "num_layers": 2, "num_kv_heads": 1,
+             "head_dim": 4, "num_heads": 2}
+    # weights: 2 B x (100 + 20); KV: 2 x 2 layers x 1 x 4 x 2 B = 32 B per token, mean context 10 + 1.5
+    assert decode_bytes_per_token(stats, 10, 4) == 240 + 32 * 11.5
+    # fed tokens 3 + 2 - 1 = 4: dense 2 x 100 x 4 + 2 x 20 x 2; attention 4 x 2 x 2 x 4 x (4 x 5 / 2)
+    assert request_flops(stats, 3, 2) == 800 + 80 + 64 * 10
+    ceil = {"copy_bandwidth_gbs": 1e-9, "matmul_tflops": 1e-12}   # 1 B/s and 1 FLOP/s
+    assert floor_seconds("matmul", stats, ceil, [(3, 2), (3, 2)]) == 2 * 1520
+    assert floor_seconds(None, stats, ceil, [(3, 2)]) is None
+
+
+def test_scale_shrinks_proportionally():
+    w = get_workload("W1", 0.5)
+    assert len(w.requests) == 128 and len(w.requests[0].prompt_token_ids) == 256 and w.requests[0].max_tokens == 128
+    full = get_workload("w2")
+    assert len(full.requests) == 256
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.max_tokens <= 1024 for r in full.requests)
+    assert all(100 <= t < 10000 for r in full.requests for t in r.prompt_token_ids)
+    assert get_workload("W2").requests[0].prompt_token_ids == full.requests[0].prompt_token_ids  # seed 0
+    w5 = get_workload("W5")
+    assert w5.requests[0].prompt_token_ids[:1024] == w5.requests[1].prompt_token_ids[:1024]
+    assert len(w5.requests[0].prompt_token_ids) == 1152
+    with pytest.raises(ValueError, match="W6"):
+        get_workload("W6")
+
+
+def test_bad_arguments_say_what_to_do(tmp_path, capsys):
+    assert cli.main(["--workload", "W1", "--model", str(tmp_path)]) == 2
+    assert "--make-model" in capsys.readouterr().err
+    assert cli.main(["--workload", "W9", "--model", str(tmp_path)]) == 2
+    assert cli.main(["--make-model", "gpt-5-shape", str(tmp_path)]) == 2
