@@ -58,7 +58,7 @@ class EngineArgs:
             run arbitrary code: only for checkpoints you trust.
         revision, tokenizer_revision, tokenizer_mode: passed to transformers / huggingface_hub.
         tensor_parallel_size: only 1 is supported for now.
-        enable_prefix_caching: accepted; prefix caching is not implemented yet.
+        enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
         max_seq_len_to_capture / cuda_graph_sizes: largest decode batch captured in a CUDA graph.
         disable_log_stats: no periodic stats.
     """
@@ -122,7 +122,8 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, num_gpu_blocks_override=self.num_gpu_blocks_override,
-            cache_dtype=self.kv_cache_dtype)
+            cache_dtype=self.kv_cache_dtype,
+            enable_prefix_caching=True if self.enable_prefix_caching is None else bool(self.enable_prefix_caching))
         sizes = self.cuda_graph_sizes
         capture_max = min(self.max_num_seqs, max(sizes) if sizes else 512)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
@@ -297,6 +298,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     num_gpu_blocks_override: int | None
     cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

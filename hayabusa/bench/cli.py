@@ -47,6 +47,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     p.add_argument("--enable-prefix-caching", action="store_true", default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--sweep", metavar="KEY=V1,V2", help="one run per value of an engine argument "
                    "(e.g. max_num_seqs=64,128,256; hf_batch_size=8,32 for the HF baseline)")
     p.add_argument("--scale", type=float, default=1.0,
@@ -114,8 +115,8 @@ def _engine_args(ns: argparse.Namespace, workload: Workload, variant: dict[str, 
     that fits the workload (the CPU KV cache is sized for max_num_seqs x max_model_len)."""
     args = {n: getattr(ns, n) for n in ENGINE_FLAGS if getattr(ns, n, None) is not None}
     for flag in ("enforce_eager", "enable_prefix_caching"):
-        if getattr(ns, flag, None):
-            args[flag] = True
+        if getattr(ns, flag, None) is not None:
+            args[flag] = bool(getattr(ns, flag))
     args.update(variant)
     args["skip_tokenizer_init"] = True
     device = args.get("device", "auto")

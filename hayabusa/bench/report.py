@@ -101,6 +101,7 @@ def make_record(workload: Workload, res: RunResult, *, engine: str, model: str, 
         "num_requests": res.num_requests, "num_sequences": res.num_sequences,
         "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens,
         "notes": res.notes, "extra": res.extra, "command": env.get("command"),
+        "prefix_cache_hit_rate": (res.extra or {}).get("prefix_cache_hit_rate"),
     }
     return rec
 
@@ -139,7 +140,7 @@ def _variant_label(rec: dict[str, Any]) -> str:
 
 
 TABLE_COLUMNS = ("workload", "model", "engine", "config", "out tok/s", "total tok/s", "TTFT ms", "TPOT ms", "s/req",
-                 "startup s", "peak GiB", "KV tokens", "% ceiling")
+                 "startup s", "peak GiB", "KV tokens", "prefix hit %", "% ceiling")
 
 
 def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
@@ -154,7 +155,9 @@ def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
         rows.append([r["workload"], str(r["model"]), r["engine"], _variant_label(r), _fmt(r["output_throughput"]),
                      _fmt(r["total_throughput"]), _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"], 2),
                      _fmt(r.get("seconds_per_request"), 3), _fmt(r["startup_s"], 2), _fmt(peak, 2),
-                     _fmt(r["kv_cache_tokens"]), _fmt(frac) + ("" if frac is None else f" ({r['ceiling_kind']})")])
+                     _fmt(r["kv_cache_tokens"]),
+                     _fmt(100 * r["prefix_cache_hit_rate"] if r.get("prefix_cache_hit_rate") is not None else None),
+                     _fmt(frac) + ("" if frac is None else f" ({r['ceiling_kind']})")])
     return rows
 
 

@@ -106,15 +106,15 @@ def _engine_latencies(outs: list[Any], t_start: float) -> tuple[list[float], lis
 def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     engine = llm.llm_engine
     notes: list[str] = []
-    if engine_args.get("enable_prefix_caching") and not getattr(engine.kv_cache_manager,
-                                                                "enable_prefix_caching", False):
-        notes.append("enable_prefix_caching was accepted but this engine build has no prefix caching: "
-                     "'on' and 'off' run the same code.")
+    kv = engine.kv_cache_manager
     graphs = getattr(engine.runner, "graphs", None)
     extra = {"engine_startup_s": round(getattr(engine, "startup_seconds", float("nan")), 3),
              "cuda_graphs": len(getattr(graphs, "sizes", []) or []) if graphs is not None else 0,
              "cuda_graph_capture_s": round(getattr(graphs, "capture_seconds", 0.0), 3) if graphs else None,
-             "num_steps": engine.stats.get("num_steps") if hasattr(engine, "stats") else None}
+             "num_steps": engine.stats.get("num_steps") if hasattr(engine, "stats") else None,
+             "enable_prefix_caching": kv.enable_prefix_caching,
+             "prefix_cache_hit_rate": round(kv.prefix_hit_rate, 4),
+             "num_preemptions": engine.scheduler.num_preemptions}
     return notes, extra
 
 

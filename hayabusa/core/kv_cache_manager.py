@@ -1,4 +1,5 @@
-"""KVCacheManager: the sole owner of block ids; maps requests to their blocks (plain Python)."""
+"""KVCacheManager: the sole owner of block ids; maps requests to their blocks and finds cached prefixes
+(plain Python)."""
 
 from __future__ import annotations
 
@@ -11,43 +12,130 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Allocates and frees KV-cache blocks for requests.
+    """Allocates and frees KV-cache blocks for requests; with prefix caching, reuses blocks across requests.
 
     A request's blocks form its block table: token position p lives in block ``blocks[p // block_size]`` at
     offset ``p % block_size``. The table only grows while the request runs; it is freed whole when the request
     finishes or is preempted.
 
+    Prefix caching (vLLM's automatic prefix caching): a full block is identified by a chained hash of its tokens
+    and of every token before it, ``hash((parent_hash, tokens))``. A new request reuses the longest run of cached
+    full blocks that starts its token sequence (at most ``num_tokens - 1`` tokens: the last token is always
+    recomputed, since sampling needs its logits). Shared blocks are reference counted; a block whose count drops
+    to 0 keeps its content in the LRU free queue until a new allocation evicts it.
+
     Args:
         num_blocks: blocks in the cache.
         block_size: tokens per block.
+        enable_prefix_caching: reuse cached prefixes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}  # request id -> how many of its blocks are in the cache index
+        self.num_query_tokens = 0              # prompt tokens looked up (prefix-hit statistics)
+        self.num_hit_tokens = 0
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Reserve blocks so that ``num_computed_tokens + num_new_tokens`` tokens fit.
+    # ------------------------------------------------------------------ prefix cache
+    def block_hashes(self, request: Request) -> list[int]:
+        """Chained hashes of the request's full blocks (kept on the request, extended as it grows)."""
+        hashes: list[int] = request.block_hashes
+        bs, tokens = self.block_size, request.all_token_ids
+        while len(hashes) < len(tokens) // bs:
+            i = len(hashes)
+            hashes.append(hash((hashes[-1] if i else None, tuple(tokens[i * bs:(i + 1) * bs]))))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request, in whole blocks.
 
         Returns:
-            The newly added block ids (appended to the request's block table; may be empty), or None if the pool
-            is short (nothing is taken then).
+            (block ids, number of tokens they hold). Nothing is taken: ``allocate_slots`` adds the references.
         """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs, tokens = self.block_size, request.all_token_ids
+        hashes = self.block_hashes(request)
+        # NOTE: when the whole prompt hits the cache we still recompute its last token,
+        # because sampling needs that token's logits.
+        max_blocks = (request.num_tokens - 1) // bs
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block_id = self.block_pool.lookup(hashes[i], hashes[i - 1] if i else None,
+                                              tuple(tokens[i * bs:(i + 1) * bs]))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * bs
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup in the prefix-hit statistics."""
+        self.num_query_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Enter the request's blocks that are full within its first ``num_tokens`` tokens (default: all the
+        tokens its blocks hold) into the prefix-cache index."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        bs = self.block_size
+        if num_tokens is None:
+            num_tokens = min(request.num_tokens, len(blocks) * bs)
+        num_full = min(num_tokens // bs, len(blocks))
+        start = self._num_cached.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes, tokens = self.block_hashes(request), request.all_token_ids
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None,
+                                        tuple(tokens[i * bs:(i + 1) * bs]))
+        self._num_cached[request.request_id] = num_full
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Cached tokens / looked-up tokens since start (0 when nothing was looked up)."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; False (nothing done) while requests hold blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Reserve blocks so that ``num_computed_tokens + (cached tokens) + num_new_tokens`` tokens fit.
+
+        Args:
+            request: the request.
+            num_new_tokens: tokens to compute this step.
+            new_computed_blocks: prefix-hit blocks (from get_computed_blocks) to append first, when admitting.
+
+        Returns:
+            The newly allocated block ids (may be empty), or None if the pool is short (nothing is taken then).
+        """
+        hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        num_new = num_needed - len(blocks)
-        if num_new <= 0:
-            return []
-        if num_new > self.block_pool.num_free_blocks:
+        total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        num_new = cdiv(total, self.block_size) - len(blocks) - len(hits)
+        # Hit blocks that sit in the free queue are not available for new content.
+        num_hits_free = sum(1 for b in hits if self.block_pool.is_free(b))
+        if max(num_new, 0) + num_hits_free > self.block_pool.num_free_blocks:
             return None
-        new_ids = self.block_pool.take(num_new)
+        self.block_pool.touch(hits)
+        blocks.extend(hits)
+        new_ids = self.block_pool.take(num_new) if num_new > 0 else []
         blocks.extend(new_ids)
+        self.cache_full_blocks(request, total)
         return new_ids
 
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks to the pool (last block first, so the tail is reused last)."""
+        """Drop the request's references (last block first, so its tail is evicted before its prefix)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
         self.block_pool.give_back(blocks[::-1])
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -56,6 +56,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.block_hashes: list[int] = []      # chained hashes of full blocks (KVCacheManager.block_hashes)
+        self.num_cached_tokens = 0             # prompt tokens served from the prefix cache at admission
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -156,10 +156,14 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(req, num_new)
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)    # num_computed_tokens is 0 here
+            num_new = min(req.num_tokens - num_hit, budget)
+            new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)
             if new_blocks is None:
                 break
+            req.num_computed_tokens = num_hit
+            req.num_cached_tokens = num_hit
+            self.kv.record_lookup(req.num_tokens, num_hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -48,7 +48,8 @@ class LLMEngine:
             mc.tokenizer, mc.trust_remote_code, mc.tokenizer_revision)
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.initialize_kv_cache()
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size,
+                                               config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.input_processor = InputProcessor(mc, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -114,6 +115,10 @@ class LLMEngine:
             if out is not None:
                 outs.append(out)
         return outs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Returns False (nothing done) while requests are running."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -40,10 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
     for name in ENGINE_BOOL_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=None)
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    names = list(ENGINE_FLAGS) + list(ENGINE_BOOL_FLAGS)
+    names = list(ENGINE_FLAGS) + list(ENGINE_BOOL_FLAGS) + ["enable_prefix_caching"]
     return {n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None}
 
 
@@ -130,8 +132,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     secs = t2 - t1
+    kv = llm.llm_engine.kv_cache_manager
+    cache = f"prefix cache hit rate {100 * kv.prefix_hit_rate:.1f}%" if kv.enable_prefix_caching \
+        else "prefix caching off"
     print(f"hayabusa: {len(outputs)} requests, {n_in} prompt tokens, {n_out} output tokens in {secs:.2f} s "
-          f"({n_out / secs if secs else 0:.1f} output tok/s; engine start {t1 - t0:.2f} s)", file=sys.stderr)
+          f"({n_out / secs if secs else 0:.1f} output tok/s; {cache}; engine start {t1 - t0:.2f} s)",
+          file=sys.stderr)
     return 0
 
 

@@ -36,6 +36,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache). Returns False while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None,
