@@ -117,9 +117,16 @@ class KVCacheManager:
         Returns:
             The newly allocated block ids (may be empty), or None if the pool is short (nothing is taken then).
         """
-        hits = new_computed_blocks or []
+        bs = self.block_size
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        if not new_computed_blocks:  # the common decode step: its slot is already in the last block
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * bs:
+                if self.enable_prefix_caching and total % bs == 0:
+                    self.cache_full_blocks(request, total)
+                return []
+        hits = new_computed_blocks or []
+        total = request.num_computed_tokens + len(hits) * bs + num_new_tokens
         num_new = cdiv(total, self.block_size) - len(blocks) - len(hits)
         # Hit blocks that sit in the free queue are not available for new content.
         num_hits_free = sum(1 for b in hits if self.block_pool.is_free(b))

@@ -186,14 +186,17 @@ class Scheduler:
             Every request that produced tokens this step (finished or not), with its new tokens.
         """
         results: list[FinishedRequest] = []
+        num_scheduled = out.num_scheduled_tokens
         for req in out.scheduled_reqs:
-            if req.is_finished():  # aborted between schedule and update
+            if req.status.finished:  # aborted between schedule and update
                 continue
-            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
-            new_ids = sampled.get(req.request_id) or []
+            rid = req.request_id
+            req.num_computed_tokens += num_scheduled[rid]
+            new_ids = sampled.get(rid)
             if not new_ids:
                 continue
-            req.append_output_token_ids(new_ids)
+            req.output_token_ids.extend(new_ids)
+            req.all_token_ids.extend(new_ids)
             status = self._check_stop(req)
             if status is not None:
                 req.status = status
@@ -204,13 +207,14 @@ class Scheduler:
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         params = req.sampling_params
+        num_out = len(req.output_token_ids)
         last = req.output_token_ids[-1]
-        if req.num_output_tokens >= params.min_tokens:
+        if num_out >= params.min_tokens:
             if not params.ignore_eos and last in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in params.all_stop_token_ids:
                 req.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_out >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

@@ -92,22 +92,27 @@ class OutputProcessor:
         changed: dict[str, RequestState] = {}
         stop_hits: list[str] = []
         now = time.monotonic()
+        child_to_parent, states = self.child_to_parent, self.states
         for req, new_ids in updates:
-            parent = self.child_to_parent.get(req.request_id)
+            parent = child_to_parent.get(req.request_id)
             if parent is None:
                 continue
-            state = self.states[parent]
+            state = states[parent]
             sample = state.samples[state.child_index[req.request_id]]
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
-            state.metrics.num_generation_tokens += len(new_ids)
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.num_generation_tokens += len(new_ids)
+            if state.lazy and not req.status.finished and sample.logprobs is None:
+                # nothing reads the text before the end: keep the ids, detokenize once when finished
+                sample.pending_ids.extend(new_ids)
+                continue
             if sample.logprobs is not None and req.request_id in logprobs:
                 self._add_logprobs(sample, logprobs[req.request_id])
             stop_terminated = req.status == RequestStatus.FINISHED_STOPPED
             if state.lazy and not req.is_finished():
                 sample.pending_ids.extend(new_ids)
-                changed[parent] = state
                 continue
             if sample.pending_ids:
                 new_ids, sample.pending_ids = sample.pending_ids + new_ids, []
