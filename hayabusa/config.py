@@ -61,6 +61,8 @@ class EngineArgs:
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
         max_seq_len_to_capture / cuda_graph_sizes: largest decode batch captured in a CUDA graph.
         disable_log_stats: no periodic stats.
+        async_scheduling: schedule and launch step N+1 before step N's tokens are back, so host work overlaps
+            the GPU (vLLM's async scheduling). Default: on for CUDA, off on CPU (nothing to overlap there).
     """
 
     model: str = ""
@@ -96,6 +98,7 @@ class EngineArgs:
     enable_chunked_prefill: bool | None = None
     disable_custom_all_reduce: bool = False
     compilation_config: Any = None
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -131,7 +134,9 @@ class EngineArgs:
                             device_config=DeviceConfig(device=device),
                             enforce_eager=self.enforce_eager or device.type != "cuda",
                             cuda_graph_sizes=sorted(set(sizes)) if sizes else None,
-                            max_cuda_graph_batch=capture_max, seed=self.seed or 0)
+                            max_cuda_graph_batch=capture_max, seed=self.seed or 0,
+                            async_scheduling=(device.type == "cuda") if self.async_scheduling is None
+                            else bool(self.async_scheduling))
 
     def _verify_args(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -269,10 +274,21 @@ def load_hf_config(model_dir: str, trust_remote_code: bool, revision: str | None
 
 
 def derive_max_model_len(cfg: Any) -> int:
-    """The model's context length: the smallest of the usual config keys that are set."""
+    """The model's context length: the smallest of the usual config keys that are set, times the RoPE scaling
+    factor for the types whose config keeps the pre-scaling length there (vLLM's rule: linear, yarn (from
+    ``original_max_position_embeddings``); not llama3 / longrope, whose configs hold the scaled length)."""
     keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
     values = [getattr(cfg, k) for k in keys if isinstance(getattr(cfg, k, None), int)]
-    return min(values) if values else 2048
+    length = min(values) if values else 2048
+    if values and (getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None)):
+        from hayabusa.model.layers.rotary import rope_parameters
+
+        rope = rope_parameters(cfg)
+        if rope["rope_type"] in ("linear", "yarn") and rope.get("factor"):
+            if rope["rope_type"] == "yarn" and rope.get("original_max_position_embeddings"):
+                length = rope["original_max_position_embeddings"]
+            length = int(length * rope["factor"])
+    return length
 
 
 def _eos_ids(model_dir: str, cfg: Any) -> tuple[int, ...]:
@@ -323,4 +339,5 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None
     max_cuda_graph_batch: int
     seed: int = 0
+    async_scheduling: bool = False
     extra: dict = field(default_factory=dict)

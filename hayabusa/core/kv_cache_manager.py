@@ -85,7 +85,8 @@ class KVCacheManager:
         bs = self.block_size
         if num_tokens is None:
             num_tokens = min(request.num_tokens, len(blocks) * bs)
-        num_full = min(num_tokens // bs, len(blocks))
+        # only blocks whose tokens are all known: a token sampled by a step still in flight has no value yet
+        num_full = min(num_tokens // bs, len(blocks), request.num_tokens // bs)
         start = self._num_cached.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -122,7 +123,8 @@ class KVCacheManager:
         if not new_computed_blocks:  # the common decode step: its slot is already in the last block
             total = request.num_computed_tokens + num_new_tokens
             if total <= len(blocks) * bs:
-                if self.enable_prefix_caching and total % bs == 0:
+                if self.enable_prefix_caching and \
+                        request.num_tokens // bs > self._num_cached.get(request.request_id, 0):
                     self.cache_full_blocks(request, total)
                 return []
         hits = new_computed_blocks or []

@@ -26,6 +26,9 @@ class SchedulerOutput:
         scheduled_new_reqs: ids of requests that need fresh per-request state in the runner (first schedule, or
             resumed after preemption).
         num_scheduled_tokens: request id -> tokens computed this step (>= 1).
+        num_computed_tokens: request id -> its num_computed_tokens before this step (the scheduler advances the
+            request's own counter when it schedules, so the next step can be scheduled before this one's
+            results are back).
         new_block_ids: request id -> block ids appended to its block table this step (all blocks when new).
         total_num_scheduled_tokens: sum of num_scheduled_tokens.
         finished_req_ids: requests that left since the previous step (finished, aborted or preempted); the runner
@@ -38,6 +41,8 @@ class SchedulerOutput:
     new_block_ids: dict[str, list[int]]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    sampling_req_ids: set[str] = field(default_factory=set)  # requests whose step ends their sequence: sample
 
     @property
     def is_empty(self) -> bool:
@@ -118,14 +123,40 @@ class Scheduler:
         for req in out.scheduled_reqs:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+            self._advance(req, out)
         return out
+
+    @staticmethod
+    def _advance(req: Request, out: SchedulerOutput) -> None:
+        """Count this step's tokens as computed now; a step that completes the sequence will sample a token,
+        which stays a placeholder until update_from_output brings its value."""
+        rid = req.request_id
+        n = out.num_scheduled_tokens[rid]
+        out.num_computed_tokens[rid] = req.num_computed_tokens
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            req.num_output_placeholders += 1
+            out.sampling_req_ids.add(rid)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute for a running request now; 0 when its next token must not be sampled (a pending
+        token already reaches max_tokens / max_model_len: the pending update finishes it)."""
+        pending = req.num_output_placeholders
+        num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+        if pending and (req.num_output_tokens + pending >= req.max_tokens
+                        or req.num_tokens + pending >= self.config.max_model_len):
+            return 0
+        return num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(req, budget)
+            if num_new <= 0:
+                i += 1
+                continue
             while True:
                 new_blocks = self.kv.allocate_slots(req, num_new)
                 if new_blocks is not None:
@@ -156,6 +187,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted with a token still in flight: wait for its value
+                break
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)    # num_computed_tokens is 0 here
             num_new = min(req.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)
@@ -175,7 +208,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[FinishedRequest]:
-        """Advance ``num_computed_tokens``, append sampled tokens, and finish requests that hit EOS, a stop token,
+        """Append sampled tokens (resolving placeholders), and finish requests that hit EOS, a stop token,
         max_tokens or max_model_len.
 
         Args:
@@ -186,21 +219,19 @@ class Scheduler:
             Every request that produced tokens this step (finished or not), with its new tokens.
         """
         results: list[FinishedRequest] = []
-        num_scheduled = out.num_scheduled_tokens
         for req in out.scheduled_reqs:
-            if req.status.finished:  # aborted between schedule and update
+            if req.status.finished:  # aborted / stopped between schedule and update: drop its token
                 continue
-            rid = req.request_id
-            req.num_computed_tokens += num_scheduled[rid]
-            new_ids = sampled.get(rid)
+            new_ids = sampled.get(req.request_id)
             if not new_ids:
                 continue
+            req.num_output_placeholders -= len(new_ids)
             req.output_token_ids.extend(new_ids)
             req.all_token_ids.extend(new_ids)
             status = self._check_stop(req)
             if status is not None:
+                (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
                 req.status = status
-                self.running.remove(req)
                 self._free(req)
             results.append(FinishedRequest(req, new_ids))
         return results

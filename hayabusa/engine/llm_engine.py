@@ -55,6 +55,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - t0
         self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0}
+        self.async_scheduling = config.async_scheduling
+        self._pending = None                 # (SchedulerOutput, StepHandle) launched but not collected
+        self._num_need_history = 0           # unfinished requests whose sampling needs exact token history
         logger.info("engine ready in %.2f s: %d KV blocks x %d tokens", self.startup_seconds, self.num_blocks,
                     config.cache_config.block_size)
 
@@ -98,6 +101,8 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, ids, params, children, output_kind)
         for child in children:
             self.scheduler.add_request(child)
+            if self._needs_history(child.sampling_params):
+                self._num_need_history += 1
         self.stats["num_prompt_tokens"] += len(ids)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -109,8 +114,7 @@ class LLMEngine:
             state = self.output_processor.states.get(rid)
             if state is None:
                 continue
-            self.scheduler.finish_requests([s.request.request_id for s in state.samples],
-                                           RequestStatus.FINISHED_ABORTED)
+            self._finish_children([s.request.request_id for s in state.samples], RequestStatus.FINISHED_ABORTED)
             out = self.output_processor.abort(rid)
             if out is not None:
                 outs.append(out)
@@ -121,26 +125,66 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the (cumulative) outputs of the requests that changed."""
+        """Run one scheduling step; returns the (cumulative) outputs of the requests that changed.
+
+        With async scheduling the next step is scheduled and launched before the previous step's tokens are
+        collected, so the host's bookkeeping overlaps the device's work; outputs then trail by one step. Steps
+        fall back to synchronous while a request needs its exact token history to sample (penalties,
+        min_tokens).
+        """
+        overlap = self.async_scheduling and self._num_need_history == 0
+        if not overlap and self._pending is not None:
+            return self._collect(*self._drain())
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        handle = self.runner.launch(sched) if not sched.is_empty else None
+        if handle is None and self._pending is None:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler could not schedule any request although some are waiting: the KV "
                                    "cache is too small for one of them (raise kv_cache_memory_bytes).")
             return []
-        result = self.runner.execute_model(sched)
+        if not overlap:
+            return self._collect(sched, self.runner.finish(handle))
+        previous = self._drain()
+        self._pending = (sched, handle) if handle is not None else None
+        return self._collect(*previous) if previous is not None else []
+
+    def _drain(self):
+        """Wait for the pending step, if any: (its SchedulerOutput, its ModelRunnerOutput) or None."""
+        if self._pending is None:
+            return None
+        sched, handle = self._pending
+        self._pending = None
+        return sched, self.runner.finish(handle)
+
+    def _collect(self, sched, result) -> list[RequestOutput]:
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         self.stats["num_steps"] += 1
         self.stats["num_generation_tokens"] += sum(len(u.new_token_ids) for u in updates)
+        for u in updates:
+            if u.request.is_finished() and self._needs_history(u.request.sampling_params):
+                self._num_need_history -= 1
         outputs, stop_hits = self.output_processor.process([(u.request, u.new_token_ids) for u in updates],
                                                            result.logprobs)
         if stop_hits:
-            self.scheduler.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
+            self._finish_children(stop_hits, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _finish_children(self, child_ids: list[str], status: RequestStatus) -> None:
+        for cid in child_ids:
+            req = self.scheduler.requests.get(cid)
+            if req is not None and not req.is_finished() and self._needs_history(req.sampling_params):
+                self._num_need_history -= 1
+        self.scheduler.finish_requests(child_ids, status)
+
+    @staticmethod
+    def _needs_history(params: SamplingParams) -> bool:
+        """Sampling reads the request's generated tokens (so a step cannot start before the last one is back)."""
+        return (params.min_tokens > 0 or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                or params.frequency_penalty != 0.0)

@@ -45,6 +45,17 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class StepHandle:
+    """A launched step: what ``finish`` needs to collect its tokens."""
+
+    reqs: list[Request]                   # every request in the step
+    sampled_reqs: list[Request]           # those that sample a token, in the order of `ids`
+    ids: torch.Tensor | None              # [R_s] int64 on the host (pinned), valid once `event` completes
+    event: torch.cuda.Event | None        # recorded after the device-to-host copies (CUDA)
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
 class StepInputs:
     """Host-side inputs of one step (numpy)."""
 
@@ -58,6 +69,8 @@ class StepInputs:
     block_table: np.ndarray     # [R, max_blocks_in_step] int32
     logits_rows: np.ndarray     # [R_s] int64, rows (in reqs) whose next token is sampled this step
     logits_indices: np.ndarray  # [R_s] int64, token index of each such row's last token
+    placeholder_dst: np.ndarray  # [P] int64, token indices whose id comes from the previous step's samples
+    placeholder_src: np.ndarray  # [P] int64, rows of the previous step's sampled-token tensor
 
 
 class ModelRunner:
@@ -87,6 +100,10 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs = None
         self.decode_runner = None
+        # The previous launched step's sampled tokens (device) and each sampling request's row in them: a
+        # placeholder input token of this step is read from there.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_sample_row: dict[str, int] = {}
         self._eos = list(mc.eos_token_ids)
 
     def _alloc_device_buffers(self) -> None:
@@ -102,10 +119,14 @@ class ModelRunner:
             def pinned(n: int, dtype: torch.dtype) -> torch.Tensor:
                 return torch.empty(n, dtype=dtype, pin_memory=True)
 
-            self.staging = {"input_ids": pinned(T, torch.int64), "positions": pinned(T, torch.int64),
-                            "slot_mapping": pinned(T, torch.int64), "query_start_loc": pinned(R + 1, torch.int32),
-                            "seq_lens": pinned(R, torch.int32),
-                            "block_table": pinned(R * self.max_blocks_per_req, torch.int32)}
+            # Two sets, alternating per step: with async scheduling step N+1 is prepared while step N's copies
+            # may still be queued.
+            self._staging_sets = [
+                {"input_ids": pinned(T, torch.int64), "positions": pinned(T, torch.int64),
+                 "slot_mapping": pinned(T, torch.int64), "query_start_loc": pinned(R + 1, torch.int32),
+                 "seq_lens": pinned(R, torch.int32), "block_table": pinned(R * self.max_blocks_per_req, torch.int32),
+                 "sampled": pinned(R, torch.int64)} for _ in range(2)]
+            self.staging = self._staging_sets[0]
             self.block_table_staging = torch.empty(R * self.max_blocks_per_req, dtype=torch.int32, device=d)
 
     # ------------------------------------------------------------------ KV cache + graphs
@@ -147,14 +168,43 @@ class ModelRunner:
         return peak, non_torch
 
     # ------------------------------------------------------------------ one step
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.finish(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> "StepHandle":
+        """Queue one step's work on the device without waiting for it (the host is free until ``finish``).
+
+        A decode row whose input token was sampled by the previous step but is not back on the host yet
+        (a placeholder) reads it from that step's sampled-token tensor on the device.
+        """
         self._update_batch(out)
         if out.is_empty:
-            return ModelRunnerOutput({})
+            self._prev_sampled, self._prev_sample_row = None, {}
+            return StepHandle([], [], None, None, None)
+        if self.staging is not None:
+            self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
         inp = self._prepare_inputs(out)
         logits = self._run_model(inp)                       # [R_s, V]
         return self._sample(inp, logits)
+
+    def finish(self, handle: "StepHandle") -> ModelRunnerOutput:
+        """Wait for a launched step (the step's one sync) and return its tokens as host lists."""
+        result = ModelRunnerOutput({r.request_id: [] for r in handle.reqs})
+        if handle.ids is None:
+            return result
+        if handle.event is not None:
+            handle.event.synchronize()
+        for req, tok in zip(handle.sampled_reqs, handle.ids.tolist()):
+            result.sampled_token_ids[req.request_id] = [tok]
+        if handle.logprobs is not None:
+            lp_ids, lp_vals, ranks = (t.tolist() for t in handle.logprobs)
+            for i, req in enumerate(handle.sampled_reqs):
+                k = req.sampling_params.logprobs
+                if k is not None:
+                    result.logprobs[req.request_id] = (lp_ids[i][:k + 1], lp_vals[i][:k + 1], ranks[i])
+        return result
 
     def _update_batch(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
@@ -171,27 +221,45 @@ class ModelRunner:
         R = len(reqs)
         rows = np.fromiter((self.batch.row_of[r.request_id] for r in reqs), dtype=np.int64, count=R)
         num_sched = np.fromiter((out.num_scheduled_tokens[r.request_id] for r in reqs), dtype=np.int32, count=R)
-        num_computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=R)
-        num_tokens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=R)
+        computed = [out.num_computed_tokens[r.request_id] for r in reqs]
+        num_computed = np.array(computed, dtype=np.int64)
         qsl = np.zeros(R + 1, dtype=np.int32)
         np.cumsum(num_sched, out=qsl[1:])
         T = int(qsl[-1])
         #  |<-- num_computed -->|<-- num_sched -->|
         #  | KV already cached  | computed now     |   positions = num_computed + 0..num_sched-1
         positions = np.repeat(num_computed - qsl[:-1], num_sched) + np.arange(T, dtype=np.int64)
-        input_ids = np.fromiter(
-            (t for r, c, n in zip(reqs, num_computed.tolist(), num_sched.tolist())
-             for t in r.all_token_ids[c:c + n]), dtype=np.int64, count=T)
+        input_ids, ph_dst, ph_src = self._gather_input_ids(reqs, computed, num_sched.tolist(), qsl, T)
+        sampling = out.sampling_req_ids
+        sampled_rows = [i for i, r in enumerate(reqs) if r.request_id in sampling]
         seq_lens = (num_computed + num_sched).astype(np.int32)
         tok_rows = np.repeat(rows, num_sched)
         bt = self.batch.block_table
         slot_mapping = bt[tok_rows, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
         max_blocks = cdiv(int(seq_lens.max()), self.block_size)
-        sampled_rows = np.nonzero(seq_lens >= num_tokens)[0]
+        sampled_rows = np.array(sampled_rows, dtype=np.int64)
         return StepInputs(reqs, num_sched, qsl, seq_lens, positions, input_ids, slot_mapping,
-                          bt[rows, :max_blocks], sampled_rows.astype(np.int64),
-                          (qsl[1:][sampled_rows] - 1).astype(np.int64))
+                          bt[rows, :max_blocks], sampled_rows, (qsl[1:][sampled_rows] - 1).astype(np.int64),
+                          np.array(ph_dst, dtype=np.int64), np.array(ph_src, dtype=np.int64))
+
+    def _gather_input_ids(self, reqs: list[Request], computed: list[int], num_sched: list[int], qsl: np.ndarray,
+                          T: int) -> tuple[np.ndarray, list[int], list[int]]:
+        """Input ids of the step ([T] int64, 0 where a placeholder goes) and the placeholders' (dst, src)
+        pairs: dst indexes this step's tokens, src the previous step's sampled-token tensor."""
+        ids = np.zeros(T, dtype=np.int64)
+        ph_dst: list[int] = []
+        ph_src: list[int] = []
+        prev = self._prev_sample_row
+        for i, (r, c, n) in enumerate(zip(reqs, computed, num_sched)):
+            toks = r.all_token_ids[c:c + n]
+            start = int(qsl[i])
+            ids[start:start + len(toks)] = toks
+            if len(toks) < n:  # the last input token was sampled by the previous step, still on the device
+                assert len(toks) == n - 1 and r.request_id in prev, (r, c, n)
+                ph_dst.append(start + n - 1)
+                ph_src.append(prev[r.request_id])
+        return ids, ph_dst, ph_src
 
     def _copy_inputs(self, inp: StepInputs) -> None:
         """Host -> persistent device buffers (through pinned staging buffers on CUDA: truly async copies)."""
@@ -205,6 +273,7 @@ class ModelRunner:
             for dst, src in pairs:
                 dst.copy_(torch.from_numpy(src))
             self.block_table[:R, :nb].copy_(torch.from_numpy(inp.block_table[:, :nb]))
+            self._fill_placeholders(inp)
             return
         for (dst, src), name in zip(pairs, ("input_ids", "positions", "slot_mapping", "query_start_loc",
                                             "seq_lens")):
@@ -216,6 +285,15 @@ class ModelRunner:
         bt_dev = self.block_table_staging[:R * nb].view(R, nb)
         bt_dev.copy_(bt_host, non_blocking=True)
         self.block_table[:R, :nb].copy_(bt_dev)      # strided device-side copy into the static table
+        self._fill_placeholders(inp)
+
+    def _fill_placeholders(self, inp: StepInputs) -> None:
+        """Input ids that the previous step sampled and the host does not know yet, copied on the device."""
+        if len(inp.placeholder_dst) == 0:
+            return
+        dst = torch.from_numpy(inp.placeholder_dst).to(self.device, non_blocking=True)
+        src = torch.from_numpy(inp.placeholder_src).to(self.device, non_blocking=True)
+        self.input_ids[dst] = self._prev_sampled[src]
 
     def attn_metadata(self, R: int, T: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(query_start_loc=self.query_start_loc[:R + 1], seq_lens=self.seq_lens[:R],
@@ -250,40 +328,35 @@ class ModelRunner:
                 return False
         return True
 
-    def _sample(self, inp: StepInputs, logits: torch.Tensor) -> ModelRunnerOutput:
-        result = ModelRunnerOutput({r.request_id: [] for r in inp.reqs})
-        if logits.shape[0] == 0:
-            return result
+    def _sample(self, inp: StepInputs, logits: torch.Tensor) -> StepHandle:
+        """Sample on the device and queue the copy of the tokens to the host (no wait here)."""
         reqs = [inp.reqs[i] for i in inp.logits_rows.tolist()]
-        if self._is_plain_greedy(reqs):  # fast path: argmax, no sampling metadata
-            ids = logits.argmax(dim=-1).to("cpu", non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()   # the step's one sync
-            for req, tok in zip(reqs, ids.tolist()):
-                result.sampled_token_ids[req.request_id] = [tok]
-            return result
-        meta = build_sampling_metadata(
-            [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs], [self._generator(r) for r in reqs],
-            eos_token_id=self._eos, vocab_size=self.vocab_size, device=self.device)
-        sampled = self.sampler(logits, meta)
-        ids = sampled.sampled_token_ids.to("cpu", non_blocking=True)
+        self._prev_sample_row = {r.request_id: i for i, r in enumerate(reqs)}
+        if logits.shape[0] == 0:
+            self._prev_sampled = None
+            return StepHandle(inp.reqs, [], None, None, None)
         lp = None
-        if sampled.logprobs is not None:
-            lp = (sampled.logprob_token_ids.to("cpu", non_blocking=True),
-                  sampled.logprobs.to("cpu", non_blocking=True),
-                  sampled.sampled_token_ranks.to("cpu", non_blocking=True))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()   # the step's one sync
-        for req, tok in zip(reqs, ids.tolist()):
-            result.sampled_token_ids[req.request_id] = [tok]
+        if self._is_plain_greedy(reqs):  # fast path: argmax, no sampling metadata
+            ids = logits.argmax(dim=-1)
+        else:
+            meta = build_sampling_metadata(
+                [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
+                [r.output_token_ids for r in reqs], [self._generator(r) for r in reqs],
+                eos_token_id=self._eos, vocab_size=self.vocab_size, device=self.device)
+            sampled = self.sampler(logits, meta)
+            ids = sampled.sampled_token_ids
+            if sampled.logprobs is not None:
+                lp = (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)
+        self._prev_sampled = ids                               # [R_s] int64, read by the next step's placeholders
+        if self.device.type != "cuda":
+            return StepHandle(inp.reqs, reqs, ids, None, lp)
+        host = self.staging["sampled"][:len(reqs)]
+        host.copy_(ids, non_blocking=True)
         if lp is not None:
-            lp_ids, lp_vals, ranks = (t.tolist() for t in lp)
-            for i, req in enumerate(reqs):
-                k = req.sampling_params.logprobs
-                if k is not None:
-                    result.logprobs[req.request_id] = (lp_ids[i][:k + 1], lp_vals[i][:k + 1], ranks[i])
-        return result
+            lp = tuple(t.to("cpu", non_blocking=True) for t in lp)
+        event = torch.cuda.Event()
+        event.record()
+        return StepHandle(inp.reqs, reqs, host, event, lp)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         seed = req.sampling_params.seed

@@ -108,6 +108,7 @@ def test_scheduler_admits_with_hits_and_counts_them():
     s.add_request(b)
     out = s.schedule()
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}    # b: 12 cached tokens, only its own token computed
-    assert b.num_computed_tokens == 12 and b.num_cached_tokens == 12
+    assert out.num_computed_tokens["b"] == 12 and b.num_cached_tokens == 12
+    assert b.num_computed_tokens == 13 and b.num_output_placeholders == 1   # advanced when scheduled
     assert out.new_block_ids["b"][:3] == kv.get_block_ids("a")[:3]
     assert kv.prefix_hit_rate == 12 / (14 + 13)

@@ -20,8 +20,8 @@ def req(rid, n_prompt, max_tokens=4, **kw):
 
 def step(s, token=7):
     out = s.schedule()
-    sampled = {r.request_id: ([token] if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
-                              >= r.num_tokens else []) for r in out.scheduled_reqs}
+    # a request whose scheduled tokens complete its sequence samples one token (a placeholder until updated)
+    sampled = {r.request_id: [token] * r.num_output_placeholders for r in out.scheduled_reqs}
     s.update_from_output(out, sampled)
     return out
 
@@ -121,3 +121,37 @@ def test_abort_waiting_and_running():
     s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     assert a.status == b.status == RequestStatus.FINISHED_ABORTED
     assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 16
+
+
+def test_async_scheduling_runs_one_step_ahead_with_placeholders():
+    """The next step is scheduled before this step's token is back: decode rows carry a placeholder token."""
+    s = make_scheduler()
+    a = req("a", 3, max_tokens=3)
+    s.add_request(a)
+    out0 = s.schedule()                                  # prefill, samples token 1
+    assert out0.num_scheduled_tokens == {"a": 3} and a.num_output_placeholders == 1
+    out1 = s.schedule()                                  # decode of token 1 (value still on the device)
+    assert out1.num_scheduled_tokens == {"a": 1} and out1.num_computed_tokens == {"a": 3}
+    assert a.num_output_placeholders == 2 and a.num_computed_tokens == 4
+    s.update_from_output(out0, {"a": [11]})
+    assert a.output_token_ids == [11] and a.num_output_placeholders == 1
+    out2 = s.schedule()                                  # token 3 would be the last allowed
+    assert out2.num_scheduled_tokens == {"a": 1}
+    out3 = s.schedule()                                  # 1 known + 2 pending = max_tokens: nothing more
+    assert out3.is_empty
+    s.update_from_output(out1, {"a": [12]})
+    s.update_from_output(out2, {"a": [13]})
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [11, 12, 13]
+    assert s.kv.num_free_blocks == 16 and not s.has_unfinished_requests()
+
+
+def test_token_of_a_request_stopped_in_between_is_dropped():
+    s = make_scheduler()
+    a = req("a", 3, max_tokens=10)
+    s.add_request(a)
+    out0 = s.schedule()
+    out1 = s.schedule()
+    s.update_from_output(out0, {"a": [2]})               # EOS
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert s.update_from_output(out1, {"a": [5]}) == []
+    assert a.output_token_ids == [2]

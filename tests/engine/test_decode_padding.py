@@ -14,10 +14,14 @@ def test_capture_sizes():
     assert capture_sizes(64, [3, 100]) == [3, 64]
 
 
-def test_padded_decode_gives_same_greedy_output(tiny_qwen2, example_prompts):
+import pytest
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_decode_gives_same_greedy_output(tiny_qwen2, example_prompts, async_scheduling):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     base = [o.outputs[0].token_ids for o in LLM(tiny_qwen2).generate(example_prompts, params, use_tqdm=False)]
-    llm = LLM(tiny_qwen2, max_num_seqs=8, cuda_graph_sizes=[4, 8])
+    llm = LLM(tiny_qwen2, max_num_seqs=8, cuda_graph_sizes=[4, 8], async_scheduling=async_scheduling)
     runner = llm.llm_engine.runner
     runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)
     calls = []

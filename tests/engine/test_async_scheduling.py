@@ -1,0 +1,69 @@
+"""Async scheduling (step N+1 scheduled and launched before step N's tokens are back) gives the same tokens
+as synchronous steps: greedy, seeded sampling, stop strings, max_tokens, preemption, prefix caching, n > 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from hayabusa import LLM, SamplingParams
+
+
+def _params(stop_word: str | None = None):
+    return [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0.9, top_p=0.9, max_tokens=17, seed=5),
+            SamplingParams(temperature=0.0, max_tokens=1),
+            SamplingParams(temperature=1.0, top_k=20, max_tokens=25, seed=11, n=2),
+            SamplingParams(temperature=0.0, max_tokens=30, stop=[stop_word] if stop_word else None),
+            SamplingParams(temperature=0.0, max_tokens=9, logprobs=2)]
+
+
+def _run(model_dir, prompts, params, **kw):
+    llm = LLM(model_dir, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs], engine
+
+
+@pytest.mark.parametrize("extra", [{}, {"block_size": 4, "num_gpu_blocks_override": 12, "max_model_len": 48,
+                                        "max_num_batched_tokens": 24, "max_num_seqs": 8}], ids=["roomy", "preempt_and_chunk"])
+def test_async_equals_sync(stories_dir, extra):
+    prompts = ["Once upon a time", "Lily and her mom", "The cat sat on the mat.", "One day, Tom", "She saw a",
+               "The sun was"]
+    params = _params(stop_word=".")
+    sync, _ = _run(stories_dir, prompts, params, async_scheduling=False, **extra)
+    async_, engine = _run(stories_dir, prompts, params, async_scheduling=True, **extra)
+    assert async_ == sync
+    assert engine.async_scheduling
+    if extra:
+        assert engine.scheduler.num_preemptions > 0
+    assert sync[4][0][2] == "stop" and sync[2][0][2] == "length" and len(sync[2][0][0]) == 1
+
+
+def test_requests_needing_history_run_synchronously(stories_dir):
+    prompts = ["Once upon a time", "The dog"]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, stop_token_ids=[13])]
+    sync, _ = _run(stories_dir, prompts, params, async_scheduling=False)
+    async_, engine = _run(stories_dir, prompts, params, async_scheduling=True)
+    assert async_ == sync
+    assert engine._num_need_history == 0
+
+
+def test_abort_while_a_step_is_in_flight(stories_dir):
+    llm = LLM(stories_dir, async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request("a", "Once upon a time", SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("b", "The dog", SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    engine.step()
+    assert engine._pending is not None
+    engine.abort_request("a")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert finished["b"].outputs[0].finish_reason == "length" and len(finished["b"].outputs[0].token_ids) == 5
+    assert "a" not in finished
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
