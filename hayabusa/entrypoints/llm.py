@@ -78,6 +78,38 @@ class LLM:
             raise
         return self._run_engine(ids, use_tqdm)
 
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (vLLM's ``LLM.chat``).
+
+        Each conversation is rendered with the chat template (``chat_template`` -- a Jinja string or a file --
+        or the tokenizer's) and tokenized without adding special tokens, as vLLM does; then ``generate``.
+        ``RequestOutput.prompt`` is the rendered text.
+
+        Args:
+            messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such conversations.
+            sampling_params, use_tqdm: as in ``generate``.
+            add_generation_prompt / continue_final_message: open a new assistant turn / continue the last message.
+            tools, chat_template_kwargs: passed to the template (e.g. ``{"enable_thinking": False}``).
+
+        Raises:
+            HayabusaValidationError: no chat template, bad messages, or what ``generate`` raises.
+        """
+        from hayabusa.entrypoints.chat_utils import chat_prompt, is_conversation_list
+
+        if lora_request is not None:
+            raise HayabusaValidationError("LoRA is not supported.", parameter="lora_request", value=lora_request)
+        conversations = messages if is_conversation_list(messages) else [messages]
+        prompts = [chat_prompt(self.get_tokenizer(), conv, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template_kwargs=chat_template_kwargs,
+                               content_format=chat_template_content_format) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     @staticmethod
     def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[PromptType]:
         if prompts is None and prompt_token_ids is not None:

@@ -1,7 +1,8 @@
-"""Llama (and Llama-shaped: Qwen2, Mistral without window) decoder on the shared layers.
+"""Llama (and Llama-shaped: Qwen2, Qwen3, Mistral) decoder on the shared layers.
 
 forward(input_ids [T], positions [T], ctx) -> hidden [T, hidden]; compute_logits(hidden [R, hidden]) -> [R, V].
 Checkpoint names follow HF's; q/k/v and gate/up projections are merged into one matmul each at load time.
+Subclasses change the per-layer sliding window (``sliding_window``) and the attention module (``attention_cls``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hayabusa.model.layers.rotary import RotaryEmbedding
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -33,11 +34,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, [cfg.hidden_size], o_bias, dtype, device)
         self.rotary = rotary  # shared by all layers; not a registered submodule
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_idx,
-                              sliding_window=self._sliding_window(cfg, layer_idx))
-
-    @staticmethod
-    def _sliding_window(cfg: Any, layer_idx: int) -> int | None:
-        return None
+                              sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
@@ -68,10 +65,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, arch: type, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qkv_bias, o_bias, dtype, device)
+        qkv_bias, o_bias = arch.attention_biases(cfg)
+        self.self_attn = arch.attention_cls(cfg, layer_idx, rotary, qkv_bias, o_bias, dtype, device,
+                                            sliding_window=arch.sliding_window(cfg, layer_idx))
         self.mlp = LlamaMLP(cfg, getattr(cfg, "mlp_bias", False), dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -88,15 +87,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, device: torch.device,
-                 max_position: int) -> None:
+    def __init__(self, cfg: Any, arch: type, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(cfg, head_dim, max_position, dtype, device)
         self.rotary_emb = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, qkv_bias, o_bias, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, arch, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -114,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias_default = False
     o_bias_follows_attention_bias = True
+    attention_cls = LlamaAttention
     # (our parameter, checkpoint name, shard)
     stacked_params_mapping = [
         (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
@@ -123,15 +122,24 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        attn_bias = bool(getattr(cfg, "attention_bias", False))
-        qkv_bias = self.qkv_bias_default or attn_bias
-        o_bias = attn_bias if self.o_bias_follows_attention_bias else False
-        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, device, max(max_position, 1))
+        self.model = LlamaModel(cfg, type(self), dtype, device, max(max_position, 1))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype, device)
+
+    @classmethod
+    def attention_biases(cls, cfg: Any) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias)."""
+        attn_bias = bool(getattr(cfg, "attention_bias", False))
+        return cls.qkv_bias_default or attn_bias, attn_bias if cls.o_bias_follows_attention_bias else False
+
+    @classmethod
+    def sliding_window(cls, cfg: Any, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s sliding window W (query at p sees keys p-W+1..p), None = full attention.
+        HF Llama ignores ``sliding_window`` even when a config.json carries one."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

@@ -94,7 +94,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     loaded: set[str] = set()
     unused: list[str] = []
     mapping = getattr(model, "stacked_params_mapping", [])
+    rename = getattr(model, "rename_checkpoint_key", None)  # e.g. GPT-2 files without the "transformer." prefix
     for name, tensor in weights:
+        if rename is not None:
+            name = rename(name)
         if model.ignored_checkpoint_key(name):
             continue
         target, shard = name, None

@@ -11,6 +11,10 @@ from hayabusa.errors import UnsupportedModelError
 _MODELS = {
     "LlamaForCausalLM": ("hayabusa.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("hayabusa.model.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("hayabusa.model.qwen3", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("hayabusa.model.mistral", "MistralForCausalLM"),
+    "Gemma2ForCausalLM": ("hayabusa.model.gemma2", "Gemma2ForCausalLM"),
+    "GPT2LMHeadModel": ("hayabusa.model.gpt2", "GPT2LMHeadModel"),
 }
 
 
@@ -27,10 +31,6 @@ def resolve_architecture(hf_config: Any) -> str:
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
         if arch in _MODELS:
-            if arch == "Qwen2ForCausalLM" and getattr(hf_config, "use_sliding_window", False):
-                raise UnsupportedModelError(
-                    "Qwen2 with use_sliding_window=true is not supported yet.", parameter="use_sliding_window",
-                    value=True)
             return arch
     raise UnsupportedModelError(
         f"architecture {archs or '(none in config.json)'} is not supported; supported: "

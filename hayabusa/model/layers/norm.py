@@ -34,3 +34,41 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(nn.Module):
+    """out = x / sqrt(mean(x^2) + eps) * (1 + weight), all in fp32 and cast back once (HF Gemma2RMSNorm: Gemma
+    stores weight - 1, and multiplies before the cast where Llama multiplies after). Same ``(x, residual)``
+    interface as RMSNorm; plain torch on every device."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class LayerNorm(nn.Module):
+    """torch LayerNorm (weight and bias; GPT-2) with RMSNorm's ``(x, residual)`` interface."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        out = torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return out if residual is None else (out, x)

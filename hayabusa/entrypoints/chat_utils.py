@@ -1,0 +1,130 @@
+"""Chat messages -> prompt, as vLLM renders them (``vllm/entrypoints/chat_utils.py``).
+
+The conversation is rendered to text with the tokenizer's chat template (transformers' ``apply_chat_template``,
+``tokenize=False``), then tokenized with ``add_special_tokens=False``: the template already writes every special
+token it wants (``{{ bos_token }}`` included), so the tokenizer must not add a second BOS. Shared by ``LLM.chat``,
+``hayabusa generate`` ``{"messages": ...}`` lines and the OpenAI server.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from hayabusa.errors import HayabusaValidationError
+
+Conversation = list[dict[str, Any]]
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def load_chat_template(chat_template: str | os.PathLike | None) -> str | None:
+    """A template string, or the contents of a file when ``chat_template`` is a path to one (vLLM's
+    ``--chat-template`` accepts both)."""
+    if chat_template is None:
+        return None
+    text = os.fspath(chat_template)
+    if isinstance(chat_template, os.PathLike) or not any(c in text for c in "{}\n"):  # a path, not Jinja
+        if not os.path.isfile(text):
+            raise HayabusaValidationError(f"chat_template {text!r} looks like a file path, but there is no such "
+                                          "file.", parameter="chat_template", value=text)
+        with open(text, encoding="utf-8") as f:
+            return f.read()
+    return text
+
+
+def normalize_conversation(messages: Any, content_format: str = "auto") -> Conversation:
+    """Check the messages and flatten OpenAI-style content parts: ``[{"type": "text", "text": ...}, ...]`` becomes
+    the texts joined by newlines ("string" content format, vLLM's choice for text-only templates; "auto" means
+    "string" here). With "openai" the parts are passed to the template unchanged.
+
+    Raises:
+        HayabusaValidationError: not a list of {"role": ..., ...} dicts, or a non-text content part.
+    """
+    if content_format not in CONTENT_FORMATS:
+        raise HayabusaValidationError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, got "
+                                      f"{content_format!r}.", parameter="chat_template_content_format",
+                                      value=content_format)
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise HayabusaValidationError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.",
+                                      parameter="messages", value=type(messages).__name__)
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise HayabusaValidationError(f"messages[{i}] must be a dict with a string 'role'.",
+                                          parameter="messages", value=str(msg)[:80])
+        content = msg.get("content")
+        if isinstance(content, (list, tuple)) and content_format != "openai":
+            texts = []
+            for part in content:
+                if isinstance(part, str):
+                    texts.append(part)
+                elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
+                    texts.append(part["text"])
+                else:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise HayabusaValidationError(f"messages[{i}]: content part of type {kind!r} is not supported "
+                                                  "(text only).", parameter="messages", value=kind)
+            msg = {**msg, "content": "\n".join(texts)}
+        out.append(dict(msg))
+    return out
+
+
+def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None,
+                content_format: str = "auto") -> str:
+    """One conversation -> prompt text (transformers ``apply_chat_template(..., tokenize=False)``).
+
+    Args:
+        chat_template: a Jinja template string or a path to one; default: the tokenizer's.
+        chat_template_kwargs: extra template variables (``{"enable_thinking": False}`` for Qwen3); they override
+            the named arguments, as in vLLM.
+
+    Raises:
+        HayabusaValidationError: no tokenizer, no chat template, bad messages, incompatible flags, or a template
+            that fails to render (its message is passed on).
+    """
+    if tokenizer is None:
+        raise HayabusaValidationError("chat needs a tokenizer (skip_tokenizer_init=True was given).",
+                                      parameter="messages", value=None)
+    template = load_chat_template(chat_template)
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise HayabusaValidationError(
+            "the tokenizer has no chat template, so chat messages cannot be turned into a prompt; pass "
+            "chat_template=<Jinja template string or file> (or use generate() with a text prompt).",
+            parameter="chat_template", value=None)
+    kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                  tools=tools)
+    reserved = sorted({"conversation", "chat_template", "tokenize", "return_dict"} & set(chat_template_kwargs or {}))
+    if reserved:
+        raise HayabusaValidationError(f"chat_template_kwargs may not set {reserved}.",
+                                      parameter="chat_template_kwargs", value=reserved)
+    kwargs.update(chat_template_kwargs or {})
+    if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+        raise HayabusaValidationError("continue_final_message=True continues the last message instead of starting "
+                                      "a new one: pass add_generation_prompt=False with it.",
+                                      parameter="continue_final_message", value=True)
+    conversation = normalize_conversation(messages, content_format)
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+    except HayabusaValidationError:
+        raise
+    except Exception as e:  # jinja2 errors, raise_exception() in templates, HF's own checks
+        raise HayabusaValidationError(f"the chat template failed to render the messages: {type(e).__name__}: {e}",
+                                      parameter="messages", value=None) from None
+    if not isinstance(text, str):  # some tokenizers return a list for a batch of one
+        text = text[0]
+    return text
+
+
+def chat_prompt(tokenizer: Any, messages: Any, **kwargs: Any) -> dict[str, Any]:
+    """``{"prompt": rendered text, "prompt_token_ids": ids}`` for the engine; ids come from
+    ``tokenizer.encode(text, add_special_tokens=False)`` (vLLM: the template holds the special tokens)."""
+    text = render_chat(tokenizer, messages, **kwargs)
+    return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+
+
+def is_conversation_list(messages: Any) -> bool:
+    """True for a list of conversations (``[[{...}, ...], ...]``), False for one conversation."""
+    return isinstance(messages, Sequence) and not isinstance(messages, (str, dict)) and bool(messages) \
+        and all(isinstance(m, (list, tuple)) for m in messages)
