@@ -108,6 +108,7 @@ class IncrementalDetokenizer:
         # run of them would otherwise stay pending.
         self._skip_ids = frozenset(self._tokenizer.all_special_ids) if params.skip_special_tokens else frozenset()
         self._window, self._prefix_text = self._prompt_context(prompt_token_ids)
+        self._bulk = False
         self._read_offset = len(self._window)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
@@ -194,6 +195,7 @@ class IncrementalDetokenizer:
         kept = [i for i in ids if i not in self._skip_ids]
         if kept:
             self._window.extend(kept)
+            self._bulk = len(kept) > 1
             self.output_text += self._decode_pending()
 
     def _decode_pending(self) -> str:
@@ -202,15 +204,18 @@ class IncrementalDetokenizer:
         text = self._decode(window)
         if self._is_complete(text):
             return self._emit(text, len(window))
-        if len(window) - read_offset <= MAX_PENDING_TOKENS:
+        held_too_long = len(window) - read_offset > MAX_PENDING_TOKENS
+        if held_too_long or self._bulk:
+            # Emit all but a possible split character at the end if that much is clean. Needed when ids come
+            # in bulk (the whole output at once, LLM.generate), and when ids were held back too long (invalid
+            # bytes, not a split character).
+            for end in range(len(window) - 1, max(read_offset, len(window) - _MAX_SPLIT_CHAR_TOKENS - 1), -1):
+                head = self._decode(window[:end])
+                if self._is_complete(head):
+                    return self._emit(head, end)
+        if not held_too_long:
             return ""
-        # Held back too long: invalid bytes, not a split character. Emit all but a possible split character
-        # at the end if that much is clean, else everything (U+FFFD included, as decode() would show it).
-        for end in range(len(window) - 1, max(read_offset, len(window) - _MAX_SPLIT_CHAR_TOKENS - 1), -1):
-            head = self._decode(window[:end])
-            if self._is_complete(head):
-                return self._emit(head, end)
-        return self._emit(text, len(window))
+        return self._emit(text, len(window))  # U+FFFD included, as decode() would show it
 
     def _is_complete(self, text: str) -> bool:
         return len(text) > len(self._prefix_text) and not text.endswith(REPLACEMENT_CHAR)

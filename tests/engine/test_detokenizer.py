@@ -446,3 +446,19 @@ def test_detokenize_false_or_no_tokenizer_only_collects_ids():
     assert e.value.parameter == "stop"
     with pytest.raises(HayabusaValidationError):
         IncrementalDetokenizer(None, [464], SamplingParams(stop=["x"]))
+
+
+def test_bulk_update_ending_in_a_split_character_keeps_the_complete_text():
+    """LLM.generate detokenizes the whole output at once: a last token that leaves a character incomplete must
+    cost only that character, not the whole text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizers" / "qwen3"))
+    text = "吾輩は猫である🐈‍⬛鰻丼"
+    ids = tok(text).input_ids
+    # find a prefix of ids whose decode ends inside a character
+    cut = next(k for k in range(2, len(ids) + 1) if tok.decode(ids[:k]).endswith("\ufffd"))
+    det = IncrementalDetokenizer(tok, [], SamplingParams(max_tokens=64))
+    det.update(ids[:cut], stop_terminated=False)
+    want = tok.decode(ids[:cut]).rstrip("\ufffd")
+    assert want and det.get_next_output_text(finished=True, delta=False) == want
