@@ -4,6 +4,7 @@
 """
 
 from hayabusa.config import EngineArgs
+from hayabusa.entrypoints.async_engine import AsyncEngineArgs, AsyncLLMEngine
 from hayabusa.entrypoints.llm import LLM
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.outputs import CompletionOutput, Logprob, RequestOutput
@@ -12,4 +13,5 @@ from hayabusa.sampling_params import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineArgs",
+           "AsyncLLMEngine", "AsyncEngineArgs",
            "HayabusaValidationError", "__version__"]

@@ -14,14 +14,14 @@ import numpy as np
 
 TOKEN_LOW, TOKEN_HIGH = 100, 10000
 W4_MAX_NUM_SEQS = [1, 4, 8, 14, 16, 32, 64]
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W7", "startup")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "startup")
 DESCRIPTIONS = {
     "W1": "offline batch throughput: 256 x (512 prompt, 256 output)",
     "W2": "offline mixed lengths: 256 x (U[100,1024] prompt, U[100,1024] output)",
     "W3": "one stream, decode-bound: 1 x (128 prompt, 512 output)",
     "W4": "document extraction: 100 x (2048 prompt, 128 output) at max_num_seqs 1,4,8,14,16,32,64",
     "W5": "shared prefix: 256 x (1024 shared + 128 own prompt, 64 output), prefix caching on vs off",
-    "W6": "online serving with Poisson arrivals (not implemented in hayabusa bench yet)",
+    "W6": "online serving: 512 x (512 prompt, 128 output), Poisson arrivals at 1,4,16,64,inf req/s (--base-url)",
     "W7": "many samples: 8 prompts x n=64, 256 prompt, 256 output, temperature 0.9",
     "startup": "engine construction (load, profile, CUDA graphs) and the first request",
 }
@@ -120,6 +120,12 @@ def w5(scale: float = 1.0) -> Workload:
                     variants=[{"enable_prefix_caching": True}, {"enable_prefix_caching": False}])
 
 
+def w6(scale: float = 1.0) -> Workload:
+    """Sent to a running server by serve_bench.py (hayabusa bench --workload W6 --base-url URL)."""
+    rng = np.random.default_rng(0)
+    return Workload("W6", _fixed(rng, _n(512, scale), _n(512, scale), _n(128, scale)), scale)
+
+
 def w7(scale: float = 1.0) -> Workload:
     rng = np.random.default_rng(0)
     n = _n(64, scale)
@@ -134,7 +140,7 @@ def startup(scale: float = 1.0) -> Workload:
     return Workload("startup", _fixed(rng, 1, 16, 1), scale)
 
 
-BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W7": w7, "startup": startup}
+BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "startup": startup}
 
 
 def get_workload(name: str, scale: float = 1.0) -> Workload:
@@ -145,9 +151,6 @@ def get_workload(name: str, scale: float = 1.0) -> Workload:
     """
     key = name.strip()
     key = key.upper() if key.lower() != "startup" else "startup"
-    if key == "W6":
-        raise ValueError("W6 (online serving, Poisson arrivals) needs the async engine / server and is not in "
-                         "hayabusa bench yet; run W1-W5, W7 or startup.")
     if key not in BUILDERS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}.")
     if not scale > 0:

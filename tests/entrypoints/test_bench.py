@@ -134,8 +134,9 @@ def test_scale_shrinks_proportionally():
     w5 = get_workload("W5")
     assert w5.requests[0].prompt_token_ids[:1024] == w5.requests[1].prompt_token_ids[:1024]
     assert len(w5.requests[0].prompt_token_ids) == 1152
-    with pytest.raises(ValueError, match="W6"):
-        get_workload("W6")
+    w6 = get_workload("W6")
+    assert len(w6.requests) == 512 and len(w6.requests[0].prompt_token_ids) == 512
+    assert w6.requests[0].max_tokens == 128
 
 
 def test_bad_arguments_say_what_to_do(tmp_path, capsys):

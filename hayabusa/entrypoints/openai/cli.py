@@ -1,0 +1,101 @@
+"""``hayabusa serve MODEL``: the OpenAI-compatible server (vLLM's ``vllm serve`` flags).
+
+    hayabusa serve Qwen/Qwen2.5-0.5B-Instruct --host 127.0.0.1 --port 8000 --api-key sk-local \\
+        --max-model-len 4096 --max-num-seqs 128 --gpu-memory-utilization 0.9
+
+Every ``EngineArgs`` field is a flag (``--max-num-seqs``, ``--dtype``, ``--enable-prefix-caching`` /
+``--no-enable-prefix-caching``, ...). The ``hayabusa`` CLI wires ``add_serve_parser(subparsers)`` and
+``run_serve(ns)``; this module imports nothing of the server (fastapi, uvicorn) until ``run_serve`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any
+
+from hayabusa.config import EngineArgs
+
+# EngineArgs fields that are not flags here (set otherwise, or not expressible on a command line).
+_NOT_FLAGS = {"model", "compilation_config"}
+
+
+def _flag_type(annotation: str) -> Any:
+    first = str(annotation).split("|")[0].strip()
+    return {"int": int, "float": float}.get(first, str)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field (vLLM's spelling); unset flags keep EngineArgs' defaults."""
+    g = p.add_argument_group("engine arguments (see EngineArgs)")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag, ann = "--" + f.name.replace("_", "-"), str(f.type)
+        if ann.startswith("bool"):
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif ann.startswith("list[int]"):
+            g.add_argument(flag, dest=f.name, type=int, nargs="+", default=None)
+        else:
+            g.add_argument(flag, dest=f.name, type=_flag_type(ann), default=None)
+
+
+def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
+            if f.name not in _NOT_FLAGS and getattr(ns, f.name, None) is not None}
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to an argparse subparsers object; dispatch to ``run_serve(ns)``."""
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, help="HF model folder or Hub id")
+    p.add_argument("--model", dest="serve_model", metavar="MODEL", default=None, help="same as the positional MODEL")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("HAYABUSA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HAYABUSA_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in the 'model' field (default: MODEL as given)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (or template text) replacing the tokenizer's")
+    p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_flags(p)
+    return p
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    """Start the engine and serve until interrupted. Returns the exit code (2: bad arguments or missing extras)."""
+    model = ns.serve_model or ns.model_tag
+    if not model:
+        print("hayabusa serve: give a model: hayabusa serve MODEL (an HF folder or Hub id).", file=sys.stderr)
+        return 2
+    try:
+        from hayabusa.entrypoints.openai.server import build_app, run_server
+    except ImportError as e:
+        print(f"hayabusa serve: the server needs the 'serve' extras ({e}); run: pip install 'hayabusa[serve]'",
+              file=sys.stderr)
+        return 2
+    from hayabusa.entrypoints.async_engine import AsyncEngineArgs, AsyncLLMEngine
+    from hayabusa.entrypoints.chat_utils import load_chat_template
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    chat_template = load_chat_template(ns.chat_template)
+    args = AsyncEngineArgs(model=model, disable_log_requests=ns.disable_log_requests, **engine_args_from(ns))
+    engine = AsyncLLMEngine.from_engine_args(args)
+    names = ns.served_model_name or [model]
+    app = build_app(engine, names, api_key=ns.api_key, chat_template=chat_template, model_path=model)
+    print(f"hayabusa serve: {names[0]} on http://{ns.host}:{ns.port} (OpenAI API under /v1; Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    try:
+        run_server(app, ns.host, ns.port, log_level=ns.uvicorn_log_level,
+                   access_log=not ns.disable_uvicorn_access_log)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, API-key check, OpenAI-shaped errors, SSE, metrics, uvicorn.
+
+    app = build_app(engine, ["my-model"], api_key="sk-...", chat_template=None)
+    run_server(app, host="127.0.0.1", port=8000)          # or ServerThread(app).start() in a test
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, GET /version.
+Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: bad JSON, a failed field check, a
+HayabusaValidationError (its ``.parameter`` becomes ``param``) -> 400; a wrong or missing key -> 401 (only routes
+under /v1, as vLLM); a dead engine -> 503; anything else -> 500 (a bug, logged with its traceback).
+
+A client that disconnects -- mid-stream or while waiting for a non-streamed answer -- cancels its handler, and
+that aborts its engine requests (their KV blocks are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from typing import Any, Awaitable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hayabusa import __version__
+from hayabusa.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
+from hayabusa.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hayabusa.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, error_body
+from hayabusa.errors import HayabusaValidationError
+
+logger = logging.getLogger(__name__)
+
+# Histogram buckets (seconds), as vLLM's.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+class ServerMetrics:
+    """Prometheus metrics (vLLM's names with the ``hayabusa:`` prefix), in a registry of this app's own.
+
+    Engine state (running / waiting sequences, KV usage, token and preemption counters, prefix-cache lookups) is
+    read from ``AsyncLLMEngine.get_stats()`` at scrape time; per-request latencies are observed when a request
+    ends: TTFT (arrival at the server -> first token), TPOT (first -> last token, per token after the first),
+    end-to-end latency.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = {"model_name": model_name}
+        names = list(self.labels)
+        self.ttft = Histogram("hayabusa:time_to_first_token_seconds", "Time to first token (server side).", names,
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("hayabusa:time_per_output_token_seconds", "Time per output token after the first.",
+                              names, buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("hayabusa:e2e_request_latency_seconds", "End-to-end request latency.", names,
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.success = Counter("hayabusa:request_success", "Finished completions by finish reason.",
+                               names + ["finished_reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(engine, self.labels))
+
+    def on_request_finished(self, *, ttft: float | None, tpot: float | None, e2e: float, prompt_tokens: int,
+                            generation_tokens: int, finish_reasons: list[str]) -> None:
+        if ttft is not None:
+            self.ttft.labels(**self.labels).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(**self.labels).observe(tpot)
+        self.e2e.labels(**self.labels).observe(e2e)
+        for reason in finish_reasons:
+            self.success.labels(**self.labels, finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads the engine's stats snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncLLMEngine, labels: dict[str, str]) -> None:
+        self.engine = engine
+        self.labels = labels
+
+    def collect(self):
+        s = self.engine.get_stats()
+        keys, values = list(self.labels), list(self.labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=keys)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=keys)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("hayabusa:num_requests_running", "Sequences in the running batch.", s["num_requests_running"])
+        yield gauge("hayabusa:num_requests_waiting", "Sequences waiting to be scheduled.", s["num_requests_waiting"])
+        yield gauge("hayabusa:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s["kv_cache_usage"])
+        yield counter("hayabusa:prompt_tokens", "Prompt tokens received.", s["num_prompt_tokens"])
+        yield counter("hayabusa:generation_tokens", "Tokens generated.", s["num_generation_tokens"])
+        yield counter("hayabusa:num_preemptions", "Preemptions (recompute).", s["num_preemptions"])
+        if "prefix_cache_queries" in s:
+            queries, hits = s["prefix_cache_queries"], s.get("prefix_cache_hits", 0)
+            yield counter("hayabusa:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+            yield counter("hayabusa:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+            yield gauge("hayabusa:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.",
+                        hits / queries if queries else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------- ASGI pieces
+class APIKeyMiddleware:
+    """401 for requests under /v1 without ``Authorization: Bearer <key>`` (a pure ASGI middleware: it does not
+    wrap ``receive``, so disconnects still reach the handlers)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if hmac.compare_digest(auth, self.expected):
+            return await self.app(scope, receive, send)
+        msg = "Incorrect API key provided." if auth else "Missing API key: send 'Authorization: Bearer <key>'."
+        response = JSONResponse(error_body(msg, "authentication_error", None, "invalid_api_key"), status_code=401)
+        await response(scope, receive, send)
+
+
+async def _wait_for_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-events response that watches for the client going away: then the stream is cancelled and
+    its body closed, which aborts the engine requests behind it."""
+
+    def __init__(self, body: SSEStream) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.sse_body = body
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.sse_body:
+                await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        streamer = asyncio.ensure_future(stream())
+        listener = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (streamer, listener):
+                t.cancel()
+            results = await asyncio.gather(streamer, listener, return_exceptions=True)
+            await self.sse_body.aclose()
+        err = results[0]
+        if isinstance(err, Exception) and not isinstance(err, OSError):
+            logger.error("streaming response failed", exc_info=err)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client disconnects first, cancel it (its finally blocks abort the engine requests)."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await task
+    return None
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e.errors()) from None
+
+
+def _validation_error(errors: list[dict]) -> OpenAIError:
+    """The first failing field; a value that fits none of a union's types gets all of their complaints."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    same = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
+    if len(same) > 1:
+        msgs = "; ".join(dict.fromkeys(str(e.get("msg")) for e in same))
+        return OpenAIError(400, f"{param}: invalid value ({msgs}); got {str(first.get('input'))[:100]!r}",
+                           param=param)
+    where = ".".join(loc) or "body"
+    return OpenAIError(400, f"{where}: {first.get('msg')} (got {str(first.get('input'))[:100]!r})", param=param)
+
+
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+# ---------------------------------------------------------------------------------------------------- the app
+def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | None = None,
+              chat_template: str | None = None, model_path: str | None = None) -> FastAPI:
+    """The FastAPI app over a running AsyncLLMEngine.
+
+    Args:
+        engine: the engine (the caller owns it and shuts it down).
+        model_names: served model names; requests must name one of them (or none: the first).
+        api_key: when set, /v1 routes need ``Authorization: Bearer <api_key>``.
+        chat_template: a Jinja template text that replaces the tokenizer's chat template.
+        model_path: reported as ``root`` by /v1/models.
+    """
+    metrics = ServerMetrics(engine, model_names[0])
+    serving = OpenAIServing(engine, model_names, chat_template, metrics.on_request_finished)
+    app = FastAPI(title="hayabusa", version=__version__)
+    app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    created = int(time.time())
+    max_model_len = engine.engine.config.model_config.max_model_len
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(HayabusaValidationError)
+    async def _validation(_: Request, e: HayabusaValidationError) -> JSONResponse:
+        return _error_response(OpenAIError(400, str(e), param=e.parameter))
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(list(e.errors())))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return _error_response(OpenAIError(503, f"The engine is not running: {e}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return _error_response(OpenAIError(500, f"Internal server error: {type(e).__name__}: {e}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            return _error_response(OpenAIError(503, str(e)))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [ModelCard(id=name, created=created, root=model_path or name, max_model_len=max_model_len)
+                 for name in model_names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        return _respond(await _until_disconnect(request, serving.completions(req)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        return _respond(await _until_disconnect(request, serving.chat(req)))
+
+    return app
+
+
+def _respond(result: Any) -> Response:
+    if result is None:                       # the client went away; nobody reads this
+        return Response(status_code=499)
+    if isinstance(result, SSEStream):
+        return SSEResponse(result)
+    return Response(json.dumps(result, ensure_ascii=False), media_type="application/json")
+
+
+# ---------------------------------------------------------------------------------------------------- running
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               access_log: bool = True) -> None:
+    """Serve until interrupted (SIGINT / SIGTERM)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
+
+
+class ServerThread:
+    """Serve an app on a background thread (tests, notebooks): ``with ServerThread(app) as s: s.url``.
+
+    Binds ``host:port`` first (port 0 = a free one), so the port is known before the server starts.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
+                                                    timeout_keep_alive=5, timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self._run, name="hayabusa-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,484 @@
+"""OpenAI requests -> prompts + SamplingParams -> AsyncLLMEngine -> OpenAI responses and SSE chunks.
+
+One handler per endpoint: ``OpenAIServing.completions`` and ``.chat``. Each validates the request (model name,
+prompt length, sampling fields), adds one engine request per prompt, and returns either the finished response
+(a dict) or an async generator of SSE lines. Bad input raises ``OpenAIError`` or ``HayabusaValidationError``
+before anything is sent; server.py turns both into OpenAI's JSON error with status 400.
+
+Streaming: the engine's outputs are cumulative, so each choice's delta is ``text[len(sent):]`` and
+``token_ids[n_sent:]`` (the engine's text only grows, and holds back split UTF-8 characters and partial stop
+strings). A chunk goes out whenever a choice has new tokens or finishes, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from hayabusa.entrypoints.async_engine import AsyncLLMEngine, RequestStream
+from hayabusa.entrypoints.chat_utils import render_chat
+from hayabusa.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.outputs import Logprob, RequestOutput
+from hayabusa.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Most completions per request (n x prompts): a bound on what one HTTP request can ask of the engine.
+MAX_CHOICES = 1024
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             503: "service_unavailable"}.get(status, "internal_server_error")
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: Any = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class SSEStream:
+    """The body of a streaming response: SSE lines; ``aclose()`` aborts its engine requests that have not
+    finished, even when iteration never started (a client gone before the first chunk)."""
+
+    def __init__(self, chunks: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        self.chunks = chunks
+        self.streams = streams
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.chunks
+
+    async def aclose(self) -> None:
+        try:
+            await self.chunks.aclose()
+        finally:
+            for s in self.streams:
+                s.close()
+
+
+class RequestTimer:
+    """Server-side latencies of one HTTP request (all its prompts and choices), reported once at the end."""
+
+    def __init__(self, on_finish: Callable[..., None] | None) -> None:
+        self.on_finish = on_finish
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens: dict[tuple[int, int], int] = {}
+
+    def update(self, prompt_index: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        for c in out.outputs:
+            key = (prompt_index, c.index)
+            if len(c.token_ids) > self.num_tokens.get(key, 0):
+                self.num_tokens[key] = len(c.token_ids)
+                self.first_token = self.first_token or now
+                self.last_token = now
+
+    def finish(self, outputs: list[RequestOutput]) -> None:
+        if self.on_finish is None:
+            return
+        end = time.monotonic()
+        longest = max(self.num_tokens.values(), default=0)
+        ttft = None if self.first_token is None else self.first_token - self.start
+        tpot = (self.last_token - self.first_token) / (longest - 1) if longest > 1 else None
+        self.on_finish(ttft=ttft, tpot=tpot, e2e=end - self.start,
+                       prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+                       generation_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                       finish_reasons=[c.finish_reason or "abort" for o in outputs for c in o.outputs])
+
+
+def _clamp(lp: float) -> float:
+    return max(lp, -9999.0)   # JSON has no -inf (vLLM clamps the same way)
+
+
+def _token_str(token_id: int, lp: Logprob) -> str:
+    """The token's text, or vLLM's "token_id:N" when there is none (no tokenizer)."""
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def _ranked(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+
+
+class OpenAIServing:
+    """The /v1/completions and /v1/chat/completions handlers.
+
+    Args:
+        engine: the running AsyncLLMEngine.
+        model_names: names accepted in the ``model`` field (the first is reported in responses).
+        chat_template: a Jinja chat template that replaces the tokenizer's, or None.
+        on_request_finished: called with the request's latencies and token counts (metrics), or None.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], chat_template: str | None = None,
+                 on_request_finished: Callable[..., None] | None = None) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.chat_template = chat_template
+        self.on_request_finished = on_request_finished
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.config.model_config.max_model_len
+
+    # ------------------------------------------------------------------ /v1/completions
+    async def completions(self, req: CompletionRequest) -> dict[str, Any] | SSEStream:
+        model = self._check_common(req)
+        if req.suffix:
+            raise OpenAIError(400, "suffix is not supported.", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(400, f"best_of={req.best_of} is not supported; leave it unset or equal to n.",
+                              param="best_of")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.",
+                              param="logprobs")
+        if req.echo and req.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs needs prompt logprobs, which are not supported.",
+                              param="echo")
+        prompts = self._completion_prompts(req)
+        self._check_num_choices(req.n * len(prompts))
+        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        params = [self._sampling_params(req, len(ids), req.max_tokens, req.logprobs) for _, ids in prompts]
+        echo_texts = [self._prompt_text(t, ids) if req.echo else "" for t, ids in prompts]
+        streams = await self._add_all(rid, prompts, params)
+        header = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+        if req.stream:
+            return SSEStream(self._stream_completion(header, req, streams, echo_texts), streams)
+        outs = await self._collect(streams)
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                lp = None if req.logprobs is None else self._completion_logprobs(c.logprobs or [], 0)
+                choices.append({"index": i * req.n + c.index, "text": echo_texts[i] + c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {**header, "choices": choices, "usage": self._usage(outs), "system_fingerprint": None}
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
+        if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise OpenAIError(400, "prompt must not be empty.", param="prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self._tokenize(item, req.add_special_tokens, "prompt")
+                text = item
+            else:
+                ids, text = list(item), None
+            out.append((text, self._truncate_and_check(ids, req, "prompt")))
+        return out
+
+    async def _stream_completion(self, header: dict, req: CompletionRequest, streams: list[RequestStream],
+                                 echo_texts: list[str]) -> AsyncIterator[str]:
+        usage_opts = req.stream_options
+        timer = RequestTimer(self.on_request_finished)
+        sent_text: dict[tuple[int, int], int] = {}
+        sent_ids: dict[tuple[int, int], int] = {}
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for pi, out in self._merge(streams, timer):
+                last[pi] = out
+                for c in out.outputs:
+                    key = (pi, c.index)
+                    n_ids = sent_ids.get(key, 0)
+                    echo = echo_texts[pi] if key not in sent_text else ""
+                    if n_ids < 0 or not (len(c.token_ids) > n_ids or c.finish_reason or echo):
+                        continue                      # finished already, or nothing new for this choice
+                    n_text = sent_text.get(key, 0)
+                    lp = None if req.logprobs is None else self._completion_logprobs(
+                        (c.logprobs or [])[n_ids:], n_text)
+                    sent_text[key] = len(c.text)
+                    sent_ids[key] = -1 if c.finish_reason is not None else len(c.token_ids)
+                    chunk = {**header, "choices": [{"index": pi * req.n + c.index, "text": echo + c.text[n_text:],
+                                                    "logprobs": lp, "finish_reason": c.finish_reason,
+                                                    "stop_reason": c.stop_reason}]}
+                    if usage_opts and usage_opts.continuous_usage_stats:
+                        chunk["usage"] = self._usage([out])
+                    yield sse(chunk)
+            outs = [last[i] for i in sorted(last)]
+            if usage_opts and usage_opts.include_usage:
+                yield sse({**header, "choices": [], "usage": self._usage(outs)})
+            timer.finish(outs)
+        except (HayabusaValidationError, RuntimeError) as e:
+            yield sse(error_body(str(e), "internal_server_error" if isinstance(e, RuntimeError) else
+                                 "invalid_request_error"))
+        finally:
+            for s in streams:
+                s.close()
+        yield sse("[DONE]")
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | SSEStream:
+        model = self._check_common(req)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise OpenAIError(400, f"response_format {req.response_format.get('type')!r} (structured output) is "
+                              "not supported; use 'text'.", param="response_format")
+        if req.tools and req.tool_choice not in (None, "none", "auto"):
+            raise OpenAIError(400, "tool calling is not supported (tool_choice must be 'none' or 'auto').",
+                              param="tool_choice")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
+                              param="top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        self._check_num_choices(req.n)
+        text = self._render_chat(req)
+        ids = self._truncate_and_check(self._tokenize(text, req.add_special_tokens, "messages"), req, "messages")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._sampling_params(req, len(ids), max_tokens, k, max_tokens_param=(
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"))
+        rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            streams = await self._add_all(rid, [(text, ids)], [params])
+        except HayabusaValidationError as e:
+            if e.parameter == "prompt":
+                e.parameter = "messages"
+            raise
+        header = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
+        if req.stream:
+            return SSEStream(self._stream_chat({**header, "object": "chat.completion.chunk"}, req, streams[0], k),
+                             streams)
+        out = (await self._collect(streams))[0]
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None if k is None else {"content": self._chat_logprobs(c.logprobs or [], k)},
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {**header, "choices": choices, "usage": self._usage([out]), "system_fingerprint": None}
+
+    def _render_chat(self, req: ChatCompletionRequest) -> str:
+        """The conversation as prompt text, rendered exactly as LLM.chat renders it (chat_utils.render_chat)."""
+        if self.tokenizer is not None and not (self.chat_template or getattr(self.tokenizer, "chat_template", None)):
+            raise OpenAIError(400, "this model has no chat template; start the server with --chat-template FILE "
+                              "(or use /v1/completions).", param="messages")
+        messages = []
+        for m in req.messages:
+            d = m.model_dump(exclude_none=True)
+            d.setdefault("content", None)
+            messages.append(d)
+        return render_chat(self.tokenizer, messages, chat_template=self.chat_template,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message, tools=req.tools or None,
+                           chat_template_kwargs=req.chat_template_kwargs)
+
+    async def _stream_chat(self, header: dict, req: ChatCompletionRequest, stream: RequestStream,
+                           k: int | None) -> AsyncIterator[str]:
+        usage_opts = req.stream_options
+        timer = RequestTimer(self.on_request_finished)
+        sent_text: dict[int, int] = {}
+        sent_ids: dict[int, int] = {}
+        out = None
+        try:
+            async for _, out in self._merge([stream], timer):
+                for c in out.outputs:
+                    i = c.index
+                    if i not in sent_text:
+                        sent_text[i], sent_ids[i] = 0, 0
+                        yield sse({**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                          "logprobs": None, "finish_reason": None}]})
+                    n_ids = sent_ids[i]
+                    if n_ids < 0 or (len(c.token_ids) == n_ids and c.finish_reason is None):
+                        continue
+                    delta = c.text[sent_text[i]:]
+                    lp = None if k is None else {"content": self._chat_logprobs((c.logprobs or [])[n_ids:], k)}
+                    sent_text[i] = len(c.text)
+                    sent_ids[i] = -1 if c.finish_reason is not None else len(c.token_ids)
+                    chunk = {**header, "choices": [{"index": i, "delta": {"content": delta}, "logprobs": lp,
+                                                    "finish_reason": c.finish_reason,
+                                                    "stop_reason": c.stop_reason}]}
+                    if usage_opts and usage_opts.continuous_usage_stats:
+                        chunk["usage"] = self._usage([out])
+                    yield sse(chunk)
+            if usage_opts and usage_opts.include_usage and out is not None:
+                yield sse({**header, "choices": [], "usage": self._usage([out])})
+            timer.finish([out] if out is not None else [])
+        except (HayabusaValidationError, RuntimeError) as e:
+            yield sse(error_body(str(e), "internal_server_error" if isinstance(e, RuntimeError) else
+                                 "invalid_request_error"))
+        finally:
+            stream.close()
+        yield sse("[DONE]")
+
+    # ------------------------------------------------------------------ shared steps
+    def _check_common(self, req: SamplingFields) -> str:
+        if req.model is not None and req.model not in self.model_names:
+            raise OpenAIError(400, f"The model `{req.model}` does not exist; this server serves "
+                              f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError(400, "stream_options can only be given with stream=true.", param="stream_options")
+        if req.model_extra:
+            logger.warning("ignoring unknown request field(s): %s", ", ".join(sorted(req.model_extra)))
+        return req.model or self.model_names[0]
+
+    @staticmethod
+    def _check_num_choices(num: int) -> None:
+        if num > MAX_CHOICES:
+            raise OpenAIError(400, f"a request may ask for at most {MAX_CHOICES} completions (n x prompts), "
+                              f"got {num}.", param="n")
+
+    def _tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError(400, "text prompts need a tokenizer (the server was started with "
+                              "skip_tokenizer_init); send token ids.", param=param)
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def _truncate_and_check(self, ids: list[int], req: SamplingFields, param: str) -> list[int]:
+        k = req.truncate_prompt_tokens
+        if k is not None and isinstance(k, int) and k >= 1:
+            ids = ids[-k:]
+        if len(ids) >= self.max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"your prompt has {len(ids)} tokens, which leaves no room for the completion.",
+                              param=param, code="context_length_exceeded")
+        return ids
+
+    def _sampling_params(self, req: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
+                         logprobs: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+        """vLLM's mapping; max_tokens is capped at what max_model_len leaves after the prompt (None: all of it)."""
+        left = self.max_model_len - num_prompt_tokens
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise HayabusaValidationError(f"{max_tokens_param} must be at least 1, got {max_tokens}.",
+                                          parameter=max_tokens_param, value=max_tokens)
+        bias = None
+        if req.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise OpenAIError(400, "logit_bias keys must be token ids.", param="logit_bias") from None
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            max_tokens=left if max_tokens is None else min(max_tokens, left), min_tokens=req.min_tokens,
+            logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=bias)
+
+    async def _add_all(self, rid: str, prompts: list[tuple[str | None, list[int]]],
+                       params: list[SamplingParams]) -> list[RequestStream]:
+        """Add one engine request per prompt; if one is refused, the others are aborted and the error raised."""
+        streams: list[RequestStream] = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+                prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                streams.append(await self.engine.add_request(sub_id, prompt, sp))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    async def _merge(self, streams: list[RequestStream], timer: RequestTimer
+                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all streams as they come, until every one has finished."""
+        if len(streams) == 1:
+            while True:
+                out = await streams[0].get()
+                timer.update(0, out)
+                yield 0, out
+                if out.finished:
+                    return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                while True:
+                    out = await s.get()
+                    q.put_nowait((i, out, None))
+                    if out.finished:
+                        return
+            except Exception as e:  # noqa: BLE001 -- re-raised by the consumer below
+                q.put_nowait((i, None, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, out, err = await q.get()
+                if err is not None:
+                    raise err
+                timer.update(i, out)
+                yield i, out
+                remaining -= out.finished
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Wait for every stream's final output (non-streaming responses)."""
+        timer = RequestTimer(self.on_request_finished)
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in self._merge(streams, timer):
+                last[i] = out
+        finally:
+            for s in streams:
+                s.close()
+        outs = [last[i] for i in range(len(streams))]
+        timer.finish(outs)
+        return outs
+
+    def _prompt_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    @staticmethod
+    def _usage(outs: list[RequestOutput]) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @staticmethod
+    def _completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> dict[str, Any]:
+        """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (one per token)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for entry in entries:
+            (tid, lp), *_ = entry.items()              # the sampled token comes first
+            tok = _token_str(tid, lp)
+            tokens.append(tok)
+            token_lps.append(_clamp(lp.logprob))
+            tops.append({_token_str(t, p): _clamp(p.logprob) for t, p in _ranked(entry)})
+            offsets.append(text_offset)
+            text_offset += len(lp.decoded_token or "")
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _chat_logprobs(entries: list[dict[int, Logprob]], k: int) -> list[dict[str, Any]]:
+        def one(tid: int, p: Logprob) -> dict[str, Any]:
+            tok = _token_str(tid, p)
+            return {"token": tok, "logprob": _clamp(p.logprob), "bytes": list(tok.encode("utf-8", "replace"))}
+
+        content = []
+        for entry in entries:
+            (tid, sampled), *_ = entry.items()
+            content.append({**one(tid, sampled), "top_logprobs": [one(t, p) for t, p in _ranked(entry)[:k]]})
+        return content
+

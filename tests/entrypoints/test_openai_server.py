@@ -1,0 +1,284 @@
+"""The OpenAI-compatible server through the official `openai` client (and raw httpx for what the client cannot
+send): completions, chat, streaming = non-streaming text (Japanese included), usage, stop strings, n = 2,
+logprobs, errors in OpenAI's shape with the parameter named, API keys, disconnects freeing KV blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from tests.conftest import JA_PROMPTS  # noqa: E402
+from tests.entrypoints.conftest import API_KEY, QWEN_TEMPLATE, repo_root, wait_idle  # noqa: E402
+
+MSG_JA = [{"role": "system", "content": "あなたは親切なアシスタントです。"},
+          {"role": "user", "content": "吾輩は猫である。名前は？"}]
+
+
+def _stream_text(chunks, n: int = 1) -> tuple[list[str], list, object]:
+    texts, finish, usage = [""] * n, [None] * n, None
+    for ch in chunks:
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] += piece
+            finish[c.index] = c.finish_reason or finish[c.index]
+    return texts, finish, usage
+
+
+# ------------------------------------------------------------------------------------------------ happy paths
+def test_models_health_metrics(qwen_server):
+    models = qwen_server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny-qwen"]
+    assert httpx.get(qwen_server.url + "/health").status_code == 200          # no key needed
+    text = httpx.get(qwen_server.url + "/metrics").text
+    for name in ("hayabusa:num_requests_running", "hayabusa:num_requests_waiting", "hayabusa:kv_cache_usage_perc",
+                 "hayabusa:generation_tokens_total", "hayabusa:prompt_tokens_total"):
+        assert name in text
+
+
+@pytest.mark.parametrize("server,prompt", [("qwen_server", "The capital of France is"),
+                                           ("qwen_server", JA_PROMPTS[0]),
+                                           ("llama_server", JA_PROMPTS[1])])
+def test_completion_stream_equals_non_stream(request, server, prompt):
+    s = request.getfixturevalue(server)
+    c = s.client()
+    kw = dict(model=s.name, prompt=prompt, max_tokens=24, temperature=0.0)
+    full = c.completions.create(**kw)
+    texts, finish, usage = _stream_text(c.completions.create(**kw, stream=True,
+                                                             stream_options={"include_usage": True}))
+    assert texts == [full.choices[0].text] and finish == [full.choices[0].finish_reason]
+    n_prompt = len(s.tokenizer(prompt).input_ids)
+    assert full.usage.prompt_tokens == usage.prompt_tokens == n_prompt
+    assert full.usage.completion_tokens == usage.completion_tokens
+    assert 1 <= full.usage.completion_tokens <= 24
+    assert full.usage.total_tokens == n_prompt + full.usage.completion_tokens
+    assert full.model == s.name and full.id.startswith("cmpl-")
+
+
+@pytest.mark.parametrize("server", ["qwen_server", "llama_server"])
+def test_chat_stream_equals_non_stream(request, server):
+    s = request.getfixturevalue(server)   # llama_server: the chat template comes from --chat-template
+    c = s.client()
+    kw = dict(model=s.name, messages=MSG_JA, max_tokens=20, temperature=0.0)
+    full = c.chat.completions.create(**kw)
+    chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts, finish, usage = _stream_text(chunks)
+    assert texts == [full.choices[0].message.content] and finish == [full.choices[0].finish_reason]
+    assert full.choices[0].message.role == "assistant"
+    template = None if server == "qwen_server" else QWEN_TEMPLATE.read_text()
+    rendered = s.tokenizer.apply_chat_template(MSG_JA, tokenize=False, add_generation_prompt=True,
+                                               chat_template=template)
+    assert full.usage.prompt_tokens == len(s.tokenizer(rendered, add_special_tokens=False).input_ids)
+    assert usage.completion_tokens == full.usage.completion_tokens and 1 <= usage.completion_tokens <= 20
+
+def test_stop_strings(qwen_server):
+    c = qwen_server.client()
+    kw = dict(model=qwen_server.name, prompt="Once upon a time", max_tokens=24, temperature=0.0)
+    text = c.completions.create(**kw).choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text.find(stop)
+    r = c.completions.create(**kw, stop=[stop])
+    assert r.choices[0].text == text[:cut]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+    streamed, _, _ = _stream_text(c.completions.create(**kw, stop=[stop], stream=True))
+    assert streamed == [text[:cut]]
+    inc = c.completions.create(**kw, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert inc.choices[0].text == text[:cut + len(stop)]
+
+
+def test_n2_seeded_sampling_streams_alike(qwen_server):
+    c = qwen_server.client()
+    kw = dict(model=qwen_server.name, prompt=JA_PROMPTS[2], max_tokens=12, temperature=1.0, n=2, seed=7)
+    full = c.completions.create(**kw)
+    assert sorted(ch.index for ch in full.choices) == [0, 1]
+    texts, _, usage = _stream_text(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}),
+                                   n=2)
+    by_index = {ch.index: ch.text for ch in full.choices}
+    assert texts == [by_index[0], by_index[1]]
+    assert usage.completion_tokens == full.usage.completion_tokens == 24   # 2 x max_tokens (random weights)
+    chat_kw = dict(model=qwen_server.name, messages=MSG_JA, max_tokens=6, n=2, seed=3)
+    chat = c.chat.completions.create(**chat_kw)
+    texts, _, _ = _stream_text(c.chat.completions.create(**chat_kw, stream=True), n=2)
+    assert texts == [ch.message.content for ch in sorted(chat.choices, key=lambda ch: ch.index)]
+
+
+def test_several_prompts_in_one_request(qwen_server):
+    c = qwen_server.client()
+    for prompts in (["Once upon a time", JA_PROMPTS[1]], [[100, 200, 300], [7, 8]]):
+        kw = dict(model=qwen_server.name, prompt=prompts, max_tokens=5, temperature=0.0, n=2)
+        full = c.completions.create(**kw)
+        assert sorted(ch.index for ch in full.choices) == [0, 1, 2, 3]
+        texts, _, usage = _stream_text(c.completions.create(**kw, stream=True,
+                                                            stream_options={"include_usage": True}), n=4)
+        assert texts == [ch.text for ch in sorted(full.choices, key=lambda ch: ch.index)]
+        n_prompt = sum(len(p) if isinstance(p, list) else len(qwen_server.tokenizer(p).input_ids) for p in prompts)
+        assert usage.prompt_tokens == full.usage.prompt_tokens == n_prompt and usage.completion_tokens == 20
+    echo = c.completions.create(model=qwen_server.name, prompt="Hello there", max_tokens=3, echo=True)
+    assert echo.choices[0].text.startswith("Hello there")
+
+
+def test_logprobs(qwen_server):
+    c = qwen_server.client()
+    r = c.completions.create(model=qwen_server.name, prompt="Hello", max_tokens=6, temperature=0.0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
+    for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and tok_lp <= 0.0
+        assert tok_lp == pytest.approx(max(top.values()))     # greedy: the sampled token is the most likely
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chat = c.chat.completions.create(model=qwen_server.name, messages=MSG_JA, max_tokens=5, temperature=0.0,
+                                     logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+    streamed = c.chat.completions.create(model=qwen_server.name, messages=MSG_JA, max_tokens=5, temperature=0.0,
+                                         logprobs=True, top_logprobs=2, stream=True)
+    tokens = [t.token for ch in streamed for c_ in ch.choices if c_.logprobs for t in c_.logprobs.content]
+    assert tokens == [t.token for t in content]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+BAD_COMPLETIONS = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"model": "no-such-model"}, "model"),
+    ({"prompt": "word " * 400}, "prompt"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"prompt": [999999999]}, "prompt_token_ids"),
+    ({"prompt": []}, "prompt"),
+    ({"stop": [""]}, "stop"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"suffix": "x"}, "suffix"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("bad,param", BAD_COMPLETIONS)
+def test_bad_completion_is_400_naming_the_parameter(qwen_server, bad, param, stream):
+    body = {"model": qwen_server.name, "prompt": "hi", "max_tokens": 4, "stream": stream, **bad}
+    r = httpx.post(qwen_server.url + "/v1/completions", json=body, headers=qwen_server.headers())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+BAD_CHAT = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "gpt-4o"}, "model"),
+]
+
+
+@pytest.mark.parametrize("bad,param", BAD_CHAT)
+def test_bad_chat_is_400_naming_the_parameter(qwen_server, bad, param):
+    body = {"model": qwen_server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **bad}
+    r = httpx.post(qwen_server.url + "/v1/chat/completions", json=body, headers=qwen_server.headers())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_malformed_bodies_and_routes(qwen_server):
+    url, h = qwen_server.url, qwen_server.headers()
+    for raw in (b"{not json", b"[1, 2]", "\u00ff".encode("latin-1"), b""):
+        r = httpx.post(url + "/v1/completions", content=raw, headers={**h, "Content-Type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(url + "/v1/completions", json={"model": qwen_server.name}, headers=h)   # no prompt
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.get(url + "/v1/nothing", headers=h)
+    assert r.status_code == 404 and "error" in r.json()
+    # the openai client maps a 400 to BadRequestError, and the server still answers afterwards
+    c = qwen_server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=qwen_server.name, prompt="hi", max_tokens=-5)
+    assert e.value.body["param"] == "max_tokens"
+    assert c.completions.create(model=qwen_server.name, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    wait_idle(qwen_server.engine)
+
+
+def test_api_key(qwen_server):
+    url = qwen_server.url
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+    r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------ disconnects
+def test_disconnect_mid_stream_frees_kv_blocks(qwen_server):
+    c = qwen_server.client()
+    before = qwen_server.engine.get_stats()["num_generation_tokens"]
+    stream = c.completions.create(model=qwen_server.name, prompt="Once", max_tokens=240, temperature=0.0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    stats = wait_idle(qwen_server.engine)
+    assert 3 <= stats["num_generation_tokens"] - before < 240         # aborted before max_tokens
+
+
+def test_disconnect_while_waiting_non_streamed(qwen_server):
+    body = {"model": qwen_server.name, "prompt": "Once", "max_tokens": 240, "ignore_eos": True}
+    before = qwen_server.engine.get_stats()["num_generation_tokens"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(qwen_server.url + "/v1/completions", json=body, headers=qwen_server.headers(), timeout=0.3)
+    stats = wait_idle(qwen_server.engine)
+    assert stats["num_generation_tokens"] - before < 240         # aborted before max_tokens
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def test_hayabusa_serve_cli(stories_dir, tmp_path):
+    pytest.importorskip("uvicorn")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "hayabusa.entrypoints.cli", "serve", stories_dir, "--port", str(port),
+           "--served-model-name", "stories", "--max-model-len", "128", "--max-num-seqs", "4",
+           "--disable-log-requests", "--disable-uvicorn-access-log"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=repo_root())
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "stories", "prompt": "Once upon a time",
+                                                      "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert json.loads(httpx.get(url + "/v1/models").text)["data"][0]["max_model_len"] == 128
+    finally:
+        proc.terminate()
+        proc.wait(20)
