@@ -1,0 +1,239 @@
+"""``hayabusa eval`` (task accuracy over settings, fidelity of logits) and ``hayabusa plan`` (what fits on a GPU).
+
+  hayabusa eval --model M --data FILE.jsonl --task extraction|choice|majority [--sweep key=v1,v2 ...]
+                [--reference hf] [--tolerance 0.02] [--output results.jsonl] [--json summary.json]
+                [--plot acc_vs_latency.png] [--wandb] [engine args] [sampling args]
+  hayabusa eval --fidelity --model M --text FILE [--reference hf|hayabusa-bf16] [--reference-dtype D] [engine args]
+  hayabusa plan --model M|HUB_ID|SHAPE [--gpu NAME | --gpu-memory GiB] [--max-model-len N] [--json] ...
+
+Exit codes: 0 ok, 1 a setting failed (its row says why), 2 bad arguments or data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from hayabusa.errors import HayabusaValidationError
+
+TASK_DEFAULTS = {"extraction": {"temperature": 0.0, "max_tokens": 256, "n": 1},
+                 "choice": {"temperature": 0.0, "max_tokens": 32, "n": 1},
+                 "majority": {"temperature": 0.8, "max_tokens": 512, "n": 8}}
+EXTRA_ENGINE_FLAGS = {"quantization": str, "kv_cache_dtype": str}
+EXTRA_ENGINE_BOOL_FLAGS = ("enable_prefix_caching",)
+SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int, "n": int,
+                  "repetition_penalty": float}
+
+
+def _has_option(p: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in p._option_string_actions  # noqa: SLF001 -- shared flags may be added by entrypoints.cli
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    from hayabusa.entrypoints.cli import add_engine_args
+
+    add_engine_args(p)
+    for name, typ in EXTRA_ENGINE_FLAGS.items():
+        if not _has_option(p, "--" + name.replace("_", "-")):
+            p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
+    for name in EXTRA_ENGINE_BOOL_FLAGS:
+        if not _has_option(p, "--" + name.replace("_", "-")):
+            p.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=None)
+
+
+def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    from hayabusa.entrypoints.cli import engine_kwargs
+
+    args = engine_kwargs(ns)
+    for name in list(EXTRA_ENGINE_FLAGS) + list(EXTRA_ENGINE_BOOL_FLAGS):
+        if getattr(ns, name, None) is not None:
+            args[name] = getattr(ns, name)
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ eval
+def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``eval`` subcommand; dispatch to ``run_eval(ns)``."""
+    p = subparsers.add_parser("eval", help="task accuracy across settings (and logit fidelity with --fidelity)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF model folder or Hub id (default: the bundled demo model)")
+    p.add_argument("--data", help="JSONL: prompt or messages + gold (see hayabusa/eval/data.py)")
+    p.add_argument("--task", choices=("extraction", "choice", "majority"), default="extraction")
+    p.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
+                   help="engine or sampling argument values (repeatable: the grid is the product)")
+    p.add_argument("--reference", default=None,
+                   help="eval: 'hf' (Transformers greedy); fidelity: 'hf' (default) or 'hayabusa-bf16'")
+    p.add_argument("--tolerance", type=float, default=0.02, help="flag settings this far below the reference")
+    p.add_argument("--output", help="per-item results (JSONL: one line per setting and item)")
+    p.add_argument("--json", dest="summary_json", metavar="FILE", help="the table rows + environment as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="accuracy vs latency per setting (needs matplotlib)")
+    p.add_argument("--wandb", action="store_true", help="log the table to Weights & Biases (needs wandb)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N items")
+    p.add_argument("--hf-batch-size", type=int, default=1, help="items per HF generate call (default 1)")
+    p.add_argument("--sampling-seed", type=int, default=0,
+                   help="sampled runs seed item i with this + i (reproducible, batch-invariant)")
+    p.add_argument("--no-warmup", action="store_true", help="no 2-token warm-up before timing")
+    p.add_argument("--no-tqdm", action="store_true", help="no progress bar")
+    for name, typ in SAMPLING_FLAGS.items():
+        defaults = ", ".join(f"{t}={d.get(name)}" for t, d in TASK_DEFAULTS.items())
+        p.add_argument("--" + name.replace("_", "-"), dest="sp_" + name, type=typ, default=None,
+                       help=f"sampling (default per task: {defaults})" if name in ("temperature", "max_tokens", "n")
+                       else f"sampling {name}")
+    f = p.add_argument_group("fidelity")
+    f.add_argument("--fidelity", action="store_true", help="compare next-token distributions on --text")
+    f.add_argument("--text", help="UTF-8 text file for --fidelity")
+    f.add_argument("--reference-dtype", default=None, help="reference dtype (default bfloat16 on CUDA, float32 on CPU)")
+    f.add_argument("--chunk-len", type=int, default=None, help="tokens per chunk (default: max_model_len)")
+    f.add_argument("--fidelity-tokens", type=int, default=None, help="use only the first N tokens of the text")
+    _add_engine_flags(p)
+    return p
+
+
+def _model(ns: argparse.Namespace) -> str:
+    if ns.model:
+        return ns.model
+    from hayabusa.entrypoints.cli import demo_model_dir
+
+    model = demo_model_dir()
+    print(f"hayabusa: no --model given; using the bundled demo model stories260K ({model}).", file=sys.stderr)
+    return model
+
+
+def run_eval(ns: argparse.Namespace) -> int:
+    """Run ``hayabusa eval``. Returns the exit code."""
+    try:
+        if ns.fidelity:
+            return _run_fidelity(ns)
+        if not ns.data:
+            raise HayabusaValidationError("give --data FILE.jsonl (or --fidelity --text FILE).", parameter="data")
+        return _run_tasks(ns)
+    except HayabusaValidationError as e:
+        print(f"hayabusa eval: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError) as e:
+        print(f"hayabusa eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_tasks(ns: argparse.Namespace) -> int:
+    from hayabusa.eval import data, report
+    from hayabusa.eval.sweep import evaluate, parse_sweeps
+
+    model = _model(ns)
+    items = data.load_items(ns.data, ns.task)[: ns.limit]
+    parse_sweeps(ns.sweep)                              # bad sweep specs fail before anything loads
+    engine_args = _engine_kwargs(ns)
+    tok = data.load_tokenizer(model, engine_args.get("tokenizer"), bool(engine_args.get("trust_remote_code")))
+    data.render_items(items, tok)
+    sampling = {**TASK_DEFAULTS[ns.task],
+                **{k[3:]: v for k, v in vars(ns).items() if k.startswith("sp_") and v is not None}}
+    res = evaluate(model, items, ns.task, engine_args, sampling, ns.sweep, ns.reference, ns.tolerance, tok,
+                   ns.hf_batch_size, ns.sampling_seed, warmup=not ns.no_warmup, use_tqdm=not ns.no_tqdm)
+    ref = f"reference: {res.reference} (accuracy {res.reference_accuracy:.3f})" if res.reference else "no reference"
+    print(f"\nhayabusa eval: {ns.task} on {len(items)} items of {ns.data}; {ref}; tolerance {ns.tolerance}")
+    print(report.format_table(res.rows))
+    _print_fields(res.rows)
+    if ns.output:
+        report.write_jsonl(ns.output, res.records)
+        report.say(f"{len(res.records)} per-item results -> {ns.output}")
+    if ns.summary_json:
+        from hayabusa.bench.report import environment
+
+        env = environment(engine_args.get("device"))
+        with open(ns.summary_json, "w", encoding="utf-8") as f:
+            json.dump({"task": ns.task, "data": ns.data, "model": model, "engine_args": engine_args,
+                       "sampling": sampling, "reference": res.reference, "tolerance": ns.tolerance, **env,
+                       "rows": res.rows}, f, indent=1, ensure_ascii=False, default=str)
+    if ns.plot:
+        msg = report.plot_accuracy_vs_latency(res.rows, ns.plot, f"{ns.task}: {model} ({len(items)} items)")
+        report.say(msg or f"plot -> {ns.plot}")
+    if ns.wandb:
+        msg = report.log_wandb(res.rows, {"task": ns.task, "model": model, "engine_args": engine_args,
+                                          "sampling": sampling, "sweep": ns.sweep, "reference": ns.reference})
+        report.say(msg or "logged to wandb")
+    return 1 if any(r.get("error") for r in res.rows) else 0
+
+
+def _print_fields(rows: list[dict[str, Any]]) -> None:
+    """Per-field accuracy of each extraction setting (one line per setting)."""
+    for r in rows:
+        if r.get("per_field"):
+            fields = ", ".join(f"{k} {v:.2f}" for k, v in r["per_field"].items())
+            print(f"  per field [{r['setting']}]: {fields}")
+
+
+def _run_fidelity(ns: argparse.Namespace) -> int:
+    from hayabusa.eval.fidelity import format_result, run_fidelity
+
+    if not ns.text:
+        raise HayabusaValidationError("--fidelity needs --text FILE.", parameter="text")
+    with open(ns.text, encoding="utf-8") as f:
+        text = f.read()
+    res = run_fidelity(_model(ns), text, _engine_kwargs(ns), reference=ns.reference or "hf",
+                       reference_dtype=ns.reference_dtype, chunk_len=ns.chunk_len,
+                       max_text_tokens=ns.fidelity_tokens)
+    print(format_result(res))
+    if ns.summary_json:
+        with open(ns.summary_json, "w", encoding="utf-8") as f:
+            json.dump(res.as_dict(), f, indent=1)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ plan
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand; dispatch to ``run_plan(ns)``."""
+    from hayabusa.eval.plan import GPUS
+
+    p = subparsers.add_parser("plan", help="weights, KV bytes per token and what fits on a GPU (config.json only)",
+                              description="Reads config.json only (a folder, a Hub id, or a bench shape name such "
+                                          "as qwen2.5-7b-shape) and prints what fits. See hayabusa/eval/plan.py "
+                                          "for every formula.")
+    p.add_argument("--model", required=True, help="model folder, Hub id, or bench shape name")
+    p.add_argument("--gpu", help=f"one of {', '.join(GPUS)}")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="total GPU memory in GiB")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--quantization", default=None, help="e.g. fp8, int8, awq, gptq, bitsandbytes, gguf-q4_0")
+    p.add_argument("--kv-cache-dtype", default=None, help="auto, fp8, fp8_e4m3, fp8_e5m2")
+    p.add_argument("--dtype", default=None, help="auto (default), float16, bfloat16, float32")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    """Run ``hayabusa plan``. Returns 0, or 2 for bad arguments (the plan itself never fails on "does not fit")."""
+    from hayabusa.eval.plan import PlanInputs, format_plan, load_config, make_plan, plan_json
+
+    try:
+        cfg = load_config(ns.model, ns.trust_remote_code)
+        inp = PlanInputs(dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
+                         max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
+                         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+                         block_size=ns.block_size, tp=ns.tp)
+        plan = make_plan(cfg, inp, ns.gpu, ns.gpu_memory, model=ns.model)
+    except HayabusaValidationError as e:
+        print(f"hayabusa plan: error: {e}", file=sys.stderr)
+        return 2
+    print(plan_json(plan) if ns.json else format_plan(plan))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hayabusa.eval.cli eval|plan ...`` (the same as ``hayabusa eval|plan``)."""
+    parser = argparse.ArgumentParser(prog="python -m hayabusa.eval.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_eval_parser(sub)
+    add_plan_parser(sub)
+    ns = parser.parse_args(argv)
+    return run_eval(ns) if ns.command == "eval" else run_plan(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Run the eval items on one setting: hayabusa (``LLM.generate``, one engine per setting) or the HF Transformers
+reference (``generate``, greedy).
+
+Timing follows the extraction users' method: the whole set is submitted at once and latency per item is the
+wall time of that batch divided by the number of items (after a 2-token warm-up, so Triton autotuning and CUDA
+graph warm-up are not charged to the first setting). Peak memory is ``torch.cuda.max_memory_allocated`` from
+engine construction to the end (it includes the KV cache the engine reserves); None on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from hayabusa.bench.runner import _hf_load, _is_cuda, _peak, _reset_peak, _sync
+from hayabusa.eval.data import EvalItem
+
+
+@dataclass
+class RunOutput:
+    """What one setting produced. texts[i] is None for an item that did not run (see item_errors)."""
+
+    label: str
+    engine: str                                   # "hayabusa" or "hf"
+    setting: dict[str, Any]
+    texts: list[list[str] | None] = field(default_factory=list)
+    item_errors: dict[int, str] = field(default_factory=dict)
+    elapsed_s: float | None = None
+    startup_s: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    peak_memory_bytes: int | None = None
+    kv_cache_tokens: int | None = None
+    error: str | None = None                      # the setting failed as a whole (engine rejected it, OOM, ...)
+
+
+def _sampling_params(sampling: dict[str, Any], index: int, sampling_seed: int) -> Any:
+    from hayabusa import SamplingParams
+
+    kw = dict(sampling)
+    if kw.get("temperature", 1.0) > 0 and kw.get("seed") is None:
+        kw["seed"] = sampling_seed + index          # sampled tasks: reproducible per item, batch-invariant
+    elif kw.get("seed") is not None:
+        kw["seed"] = kw["seed"] + index
+    return SamplingParams(**kw)
+
+
+def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any], sampling: dict[str, Any],
+                 label: str, setting: dict[str, Any], sampling_seed: int = 0, warmup: bool = True,
+                 use_tqdm: bool = False) -> RunOutput:
+    """Build ``LLM(model, **engine_args)``, generate every item, and release the engine. Never raises for a bad
+    setting: the error is returned in ``RunOutput.error``."""
+    from hayabusa import LLM, SamplingParams
+
+    run = RunOutput(label, "hayabusa", setting)
+    cuda = _is_cuda(engine_args.get("device"))
+    _reset_peak(cuda)
+    llm = None
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(model, **engine_args)
+        run.startup_s = time.perf_counter() - t0
+        max_len = llm.llm_engine.config.model_config.max_model_len
+        ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < max_len]
+        run.item_errors = {i: f"prompt has {len(it.prompt_token_ids)} tokens; max_model_len={max_len} leaves no "
+                              "room for an answer" for i, it in enumerate(items) if len(it.prompt_token_ids) >= max_len}
+        prompts = [{"prompt_token_ids": items[i].prompt_token_ids} for i in ok]
+        params = [_sampling_params(sampling, i, sampling_seed) for i in ok]
+        if warmup and ok:
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+            if hasattr(llm, "reset_prefix_cache"):
+                llm.reset_prefix_cache()                # the warm-up prompt must not be a prefix-cache hit
+        _sync(cuda)
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=use_tqdm) if ok else []
+        _sync(cuda)
+        run.elapsed_s = time.perf_counter() - t1
+        run.texts = [None] * len(items)
+        for i, out in zip(ok, outs):
+            run.texts[i] = [c.text for c in out.outputs]
+        run.prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        run.output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        run.peak_memory_bytes = _peak(cuda)
+        run.kv_cache_tokens = int(llm.llm_engine.kv_cache_capacity_tokens)
+    except Exception as e:  # noqa: BLE001 -- one bad setting must not lose the others
+        if not isinstance(e, ValueError):
+            traceback.print_exc()
+        run.error = f"{type(e).__name__}: {e}"
+        run.texts = [None] * len(items)
+    finally:
+        del llm
+        _reset_peak(cuda)
+    return run
+
+
+def _hf_eos_and_pad(model_dir: str, tokenizer: Any) -> tuple[list[int], int]:
+    from hayabusa.config import _eos_ids, load_hf_config
+
+    eos = list(_eos_ids(model_dir, load_hf_config(model_dir, False)))     # the ids the engine stops at
+    if not eos and tokenizer.eos_token_id is not None:
+        eos = [tokenizer.eos_token_id]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    return eos, pad
+
+
+def _decode_continuation(tokenizer: Any, prompt: list[int], ids: list[int]) -> str:
+    """The text the ids add after the prompt (as an incremental detokenizer sees it: SentencePiece's leading
+    space of the first word is kept), falling back to decoding the ids alone."""
+    full = tokenizer.decode(prompt + ids, skip_special_tokens=True)
+    head = tokenizer.decode(prompt, skip_special_tokens=True)
+    return full[len(head):] if full.startswith(head) else tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, dtype: str | None = None,
+           device: str | None = None, batch_size: int = 1, max_model_len: int | None = None) -> RunOutput:
+    """Greedy HF ``generate`` on the same prompt token ids (EOS from generation_config.json, the model's own
+    generation defaults such as repetition_penalty cleared), ``batch_size`` items at a time (left-padded)."""
+    import torch
+
+    from hayabusa.model.loader import resolve_model_dir
+
+    run = RunOutput("hf (reference)", "hf", {"engine": "hf", "batch_size": batch_size})
+    dev = torch.device(device if device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    _reset_peak(cuda)
+    hf = None
+    try:
+        model_dir = resolve_model_dir(model)
+        t0 = time.perf_counter()
+        hf = _hf_load(model_dir, dtype, dev)
+        run.startup_s = time.perf_counter() - t0
+        eos, pad = _hf_eos_and_pad(model_dir, tokenizer)
+        run.texts = [None] * len(items)
+        limit = max_model_len or _max_position(model_dir)
+        ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < limit]
+        run.item_errors = {i: f"prompt has {len(it.prompt_token_ids)} tokens; max_model_len={limit} leaves no room "
+                              "for an answer" for i, it in enumerate(items) if i not in set(ok)}
+        _sync(cuda)
+        t1 = time.perf_counter()
+        for start in range(0, len(ok), batch_size):
+            idx = ok[start:start + batch_size]
+            outs = _hf_generate(hf, [items[i].prompt_token_ids for i in idx], max_tokens, eos, pad, dev)
+            for i, ids in zip(idx, outs):
+                run.texts[i] = [_decode_continuation(tokenizer, items[i].prompt_token_ids, ids)]
+                run.output_tokens += len(ids)
+                run.prompt_tokens += len(items[i].prompt_token_ids)
+        _sync(cuda)
+        run.elapsed_s = time.perf_counter() - t1
+        run.peak_memory_bytes = _peak(cuda)
+    except Exception as e:  # noqa: BLE001 -- the table still shows the hayabusa settings
+        traceback.print_exc()
+        run.error = f"{type(e).__name__}: {e}"
+        run.texts = [None] * len(items)
+    finally:
+        del hf
+        _reset_peak(cuda)
+    return run
+
+
+def _max_position(model_dir: str) -> int:
+    from hayabusa.config import derive_max_model_len, load_hf_config
+
+    cfg = load_hf_config(model_dir, False)
+    return derive_max_model_len(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
+
+
+def _hf_generate(model: Any, prompts: list[list[int]], max_tokens: int, eos: list[int], pad: int,
+                 dev: Any) -> list[list[int]]:
+    """Greedy ids per prompt, cut after the first EOS (the EOS itself dropped, as hayabusa's text does)."""
+    import torch
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    model.generation_config = GenerationConfig(eos_token_id=eos or None, pad_token_id=pad)
+    with torch.inference_mode():
+        out = model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=pad, eos_token_id=eos or None)
+    result = []
+    for row in out[:, width:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in eos), len(row))
+        result.append(row[:cut])
+    return result

@@ -1,0 +1,148 @@
+"""``evaluate``: run a task over a grid of settings (engine arguments x sampling settings), optionally against the
+HF reference, and return one row per setting plus the per-item records.
+
+``--sweep key=v1,v2`` may be given several times; the grid is their product, in the order given. A key is an
+engine argument (any ``EngineArgs`` field: max_num_seqs, enforce_eager, enable_prefix_caching, quantization,
+kv_cache_dtype, dtype, ...) or a ``SamplingParams`` field (temperature, top_p, max_tokens, n, ...). Values:
+``none``/``null`` -> None, ``true/false/on/off/yes/no`` -> bool, then int, float, else the string.
+
+Accuracy of a setting is compared with the reference accuracy: the HF run with ``--reference hf``, else the first
+setting that ran; a setting more than ``tolerance`` below it is flagged. Agreement is measured against the same
+reference's answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from hayabusa.config import EngineArgs
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.eval import report, tasks
+from hayabusa.eval.data import EvalItem
+from hayabusa.eval.runner import RunOutput, run_hayabusa, run_hf
+from hayabusa.sampling_params import SamplingParams
+
+ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {"all_stop_token_ids"}
+
+
+def parse_value(text: str) -> Any:
+    t = text.strip()
+    low = t.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "on", "yes"):
+        return True
+    if low in ("false", "off", "no"):
+        return False
+    for conv in (int, float):
+        try:
+            return conv(t)
+        except ValueError:
+            pass
+    return t
+
+
+def parse_sweeps(specs: list[str] | None) -> list[dict[str, Any]]:
+    """["max_num_seqs=1,16", "enforce_eager=true,false"] -> the grid of overrides ([{}] without sweeps).
+
+    Raises:
+        HayabusaValidationError: a spec without "=", no values, or a key that is neither an engine argument nor
+            a sampling parameter.
+    """
+    axes: list[tuple[str, list[Any]]] = []
+    for spec in specs or []:
+        if "=" not in spec:
+            raise HayabusaValidationError(f"--sweep {spec!r}: write KEY=V1,V2 (e.g. max_num_seqs=1,4,16).",
+                                          parameter="sweep", value=spec)
+        key, values = spec.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if key not in ENGINE_KEYS | SAMPLING_KEYS:
+            raise HayabusaValidationError(
+                f"--sweep key {key!r} is neither an engine argument nor a sampling parameter. Engine: "
+                f"{', '.join(sorted(ENGINE_KEYS))}. Sampling: {', '.join(sorted(SAMPLING_KEYS))}.",
+                parameter="sweep", value=key)
+        vals = [parse_value(v) for v in values.split(",") if v.strip()]
+        if not vals:
+            raise HayabusaValidationError(f"--sweep {spec!r} has no values.", parameter="sweep", value=spec)
+        axes.append((key, vals))
+    if not axes:
+        return [{}]
+    return [dict(zip([k for k, _ in axes], combo)) for combo in itertools.product(*[v for _, v in axes])]
+
+
+def setting_label(setting: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
+
+
+@dataclass
+class EvalResult:
+    rows: list[dict[str, Any]]                        # one per run, reference first when there is one
+    records: list[dict[str, Any]]                     # one per (run, item)
+    reference: str | None                             # label of the reference run
+    reference_accuracy: float | None
+    runs: list[RunOutput] = field(default_factory=list)
+
+
+def evaluate(model: str, items: list[EvalItem], task: str, engine_args: dict[str, Any],
+             sampling: dict[str, Any], sweeps: list[str] | None = None, reference: str | None = None,
+             tolerance: float = 0.02, tokenizer: Any = None, hf_batch_size: int = 1, sampling_seed: int = 0,
+             warmup: bool = True, use_tqdm: bool = False) -> EvalResult:
+    """Run every setting of the grid (and the HF reference when reference == "hf"); score, compare, flag.
+
+    Items must already carry prompt_token_ids (``data.render_items``). Settings that fail become error rows."""
+    grid = parse_sweeps(sweeps)
+    runs: list[RunOutput] = []
+    if reference == "hf":
+        report.say("running the HF Transformers reference (greedy) ...")
+        runs.append(run_hf(model, items, tokenizer, sampling.get("max_tokens") or 256,
+                           dtype=_engine_dtype(model, engine_args), device=engine_args.get("device"),
+                           batch_size=hf_batch_size, max_model_len=engine_args.get("max_model_len")))
+    elif reference not in (None, "first"):
+        raise HayabusaValidationError(f"--reference must be 'hf' (or omitted), got {reference!r}.",
+                                      parameter="reference", value=reference)
+    for k, setting in enumerate(grid):
+        label = setting_label(setting)
+        report.say(f"setting {k + 1}/{len(grid)}: {label}")
+        eng = {**engine_args, **{key: v for key, v in setting.items() if key in ENGINE_KEYS}}
+        samp = {**sampling, **{key: v for key, v in setting.items() if key in SAMPLING_KEYS}}
+        runs.append(run_hayabusa(model, items, eng, samp, label, setting, sampling_seed, warmup, use_tqdm))
+        if runs[-1].error:
+            report.say(f"setting {label} failed: {runs[-1].error}")
+    return _score_runs(task, items, runs, tolerance)
+
+
+def _score_runs(task: str, items: list[EvalItem], runs: list[RunOutput], tolerance: float) -> EvalResult:
+    results = [tasks.score_run(task, items, r.texts, r.item_errors) if not r.error else None for r in runs]
+    ref_idx = next((i for i, r in enumerate(runs) if not r.error), None)
+    if runs and runs[0].engine == "hf" and runs[0].error:
+        ref_idx = None                                  # a failed HF reference is not replaced silently
+    rows, records = [], []
+    for run, res in zip(runs, results):
+        summary = agree = text_agree = None
+        if res is not None:
+            summary = tasks.summarize(task, res)
+            if ref_idx is not None:
+                agree = tasks.agreement(task, items, res, results[ref_idx])
+                text_agree = tasks.text_agreement(run.texts, runs[ref_idx].texts)
+            for i, (it, r) in enumerate(zip(items, res)):
+                records.append({"setting": run.label, "engine": run.engine, "index": i, "id": it.id,
+                                "outputs": run.texts[i], "gold": it.gold, **r,
+                                "agreement": agree[i] if agree else None})
+        rows.append(report.make_row(run, summary, agree, text_agree))
+    ref_acc = rows[ref_idx].get("accuracy") if ref_idx is not None else None
+    report.flag_rows(rows, ref_acc, tolerance)
+    return EvalResult(rows, records, runs[ref_idx].label if ref_idx is not None else None, ref_acc, runs)
+
+
+def _engine_dtype(model: str, engine_args: dict[str, Any]) -> str | None:
+    """The dtype the engine runs in (so the HF reference runs in the same one), or None to let HF choose."""
+    try:
+        args = {k: v for k, v in engine_args.items() if k not in ("quantization", "kv_cache_dtype")}
+        dtype = EngineArgs.from_kwargs(model, **args).create_engine_config().model_config.dtype
+        return str(dtype).replace("torch.", "")
+    except Exception:  # noqa: BLE001 -- the engine's own error is reported by its row
+        return engine_args.get("dtype")

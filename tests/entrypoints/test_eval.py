@@ -1,0 +1,213 @@
+"""hayabusa eval: scoring on hand-made answers, majority vote, multiple choice, the sweep table (flags, agreement,
+error rows) and, on tiny checkpoints on CPU, a max_num_seqs sweep with identical accuracy and logit fidelity of
+hayabusa fp32 against HF fp32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hayabusa.eval import scoring, tasks
+from hayabusa.eval.data import EvalItem, load_items
+from hayabusa.eval.runner import RunOutput
+from hayabusa.eval.sweep import _score_runs, parse_sweeps, parse_value
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "examples" / "extraction" / "receipts_personnel.jsonl"
+GOLD = {"store": "こむぎ堂", "total": 1200}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------------------ extraction
+@pytest.mark.parametrize("answer,correct,parsable,note", [
+    ('{"store": "こむぎ堂", "total": 1200}', 2, True, "exact"),
+    ('{"store": "こむぎ堂"}', 1, True, "missing"),
+    ('{"store": "こむぎ堂", "total": 1200, "tax": 88}', 2, True, "extra"),
+    ('{"store": "こむぎ堂", "total": "1200"}', 1, True, "wrong_type"),
+    ('{"store": "こむぎ堂", "total": 1200.0}', 2, True, "number"),
+    ('Here it is:\n```json\n{"store": "こむぎ堂", "total": 1200}\n```\nAnything else?', 2, True, "fenced"),
+    ('Sure! The data is {"store": "こむぎ堂", "total": 1200} as requested.', 2, True, "prose"),
+    ('{"store": "こむぎ堂", "total": 1200', 0, False, "truncated"),
+    ("I could not read the receipt.", 0, False, "not_json"),
+])
+def test_score_extraction_hand_made(answer, correct, parsable, note):
+    s = scoring.score_extraction(answer, GOLD)
+    assert (s.correct, s.total, s.parsable) == (correct, 2, parsable)
+    assert s.accuracy == correct / 2
+    if note == "missing":
+        assert s.missing == ["total"] and s.fields == {"store": True, "total": False}
+    if note == "extra":
+        assert s.extra == ["tax"]                      # counted, not penalised
+    if note == "wrong_type":
+        assert s.wrong_type == ["total"] and s.missing == []
+
+
+def test_score_extraction_types_nulls_and_lists():
+    assert not scoring.score_extraction('{"ok": 1}', {"ok": True}).fields["ok"]          # 1 is not true
+    assert scoring.score_extraction('{"p": null}', {"p": None}).fields["p"]
+    assert not scoring.score_extraction('{"p": "cash"}', {"p": None}).fields["p"]
+    assert not scoring.score_extraction("{}", {"p": None}).fields["p"]                   # missing != null
+    gold = {"people": [{"name": "高橋"}, {"name": "中村"}]}
+    s = scoring.score_extraction('{"people": [{"name": "高橋"}]}', gold)
+    assert s.fields == {"people[0].name": True, "people[1].name": False}
+    assert scoring.field_key("people[1].name") == "people[].name"
+    # a fence without a JSON object falls back to the prose; the first object wins
+    assert scoring.parse_json_answer('```\nno\n```\n{"a": 1} {"a": 2}') == {"a": 1}
+
+
+def test_summarize_extraction_counts_fields_and_unparsable():
+    items = [EvalItem("1", "p", None, GOLD), EvalItem("2", "p", None, GOLD), EvalItem("3", "p", None, GOLD)]
+    texts = [['{"store": "こむぎ堂", "total": 1200}'], ['{"store": "x", "total": 1200}'], ["no json"]]
+    res = tasks.score_run("extraction", items, texts, {})
+    s = tasks.summarize("extraction", res)
+    assert s["accuracy"] == 3 / 6 and s["unparsable"] == 1 and s["items_all_correct"] == 1
+    assert s["per_field"] == {"store": round(1 / 3, 4), "total": round(2 / 3, 4)}
+    err = tasks.score_run("extraction", items[:1], [None], {0: "prompt too long"})
+    assert err[0]["error"] == "prompt too long" and tasks.summarize("extraction", err)["num_errors"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ majority, choice
+def test_final_answer_extraction_and_majority_vote():
+    assert scoring.extract_final_answer("3 + 4 = 7\n#### 7") == "7"
+    assert scoring.extract_final_answer(r"so \boxed{\frac{1}{2}} is it") == r"\frac{1}{2}"
+    assert scoring.extract_final_answer("The answer is 1,250.") == "1250"
+    assert scoring.extract_final_answer("答えは 42 個です") == "42"
+    assert scoring.extract_final_answer("x = 3, then y = 12.50") == "12.5"
+    assert scoring.extract_final_answer("no numbers") is None
+    assert scoring.normalize_answer("$3.0") == "3" and scoring.normalize_answer("１２") == "12"
+    assert scoring.majority_vote(["3", "4", "3", None]) == "3"
+    assert scoring.majority_vote(["4", "3", "3", "4"]) == "4"        # tie: the first seen
+    assert scoring.majority_vote([None, None]) is None
+    item = EvalItem("m", "p", None, "7")
+    r = tasks.score_item("majority", item, ["#### 7", "#### 8", "the answer is 7", "no idea"])
+    assert r["answer"] == "7" and r["correct"] == 1.0 and r["sample_answers"] == ["7", "8", "7", None]
+
+
+def test_choice_parsing_and_accuracy():
+    ch = ["Tokyo", "Osaka", "Kyoto", "Nagoya"]
+    assert scoring.parse_choice("Answer: C", ch) == "C"
+    assert scoring.parse_choice("(B) Osaka", ch) == "B"
+    assert scoring.parse_choice("I think it is Kyoto.", ch) == "C"           # the choice's text
+    assert scoring.parse_choice("正解は D です", ch) == "D"
+    assert scoring.parse_choice("none of them", ch) is None
+    assert scoring.choice_letter(1, ch) == "B" and scoring.choice_letter("osaka".title(), ch) == "B"
+    assert scoring.choice_letter("(c)") == "C"
+    items = [EvalItem(str(i), "q", None, g, ch) for i, g in enumerate("ABCD")]
+    res = tasks.score_run("choice", items, [["A"], ["Answer: B"], ["D"], ["?"]], {})
+    s = tasks.summarize("choice", res)
+    assert s["accuracy"] == 0.5 and s["unparsable"] == 1
+
+
+def test_load_items_checks_lines(tmp_path):
+    items = load_items(str(DATA), "extraction")
+    assert len(items) == 12 and all(isinstance(it.gold, dict) and it.messages for it in items)
+    langs = {it.id.split("-")[1] for it in items}
+    assert langs == {"ja", "en"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "answer": "B", "choices": ["a", "b"]}\n{"prompt": "y"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: no gold answer"):
+        load_items(str(bad), "choice")
+
+
+# ------------------------------------------------------------------------------------------------ sweep table
+def test_parse_sweeps_is_a_grid():
+    assert parse_sweeps(None) == [{}]
+    grid = parse_sweeps(["max_num_seqs=1,16", "quantization=none,fp8"])
+    assert grid == [{"max_num_seqs": 1, "quantization": None}, {"max_num_seqs": 1, "quantization": "fp8"},
+                    {"max_num_seqs": 16, "quantization": None}, {"max_num_seqs": 16, "quantization": "fp8"}]
+    assert parse_value("off") is False and parse_value("0.7") == 0.7 and parse_value("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="neither an engine argument nor a sampling parameter"):
+        parse_sweeps(["max_num_seq=1"])
+
+
+def test_score_runs_flags_drops_and_keeps_error_rows():
+    items = [EvalItem(str(i), "p", None, {"a": i}) for i in range(4)]
+    good = [[json.dumps({"a": i})] for i in range(4)]
+    ref = RunOutput("hf (reference)", "hf", {}, texts=good, elapsed_s=4.0, output_tokens=40)
+    same = RunOutput("max_num_seqs=14", "hayabusa", {}, texts=good, elapsed_s=1.0, output_tokens=40)
+    broken = RunOutput("max_num_seqs=16", "hayabusa", {}, texts=[["!!!!"]] * 4, elapsed_s=0.5, output_tokens=40)
+    failed = RunOutput("quantization=awq", "hayabusa", {}, texts=[None] * 4, error="HayabusaValidationError: no")
+    res = _score_runs("extraction", items, [ref, same, broken, failed], tolerance=0.02)
+    acc = {r["setting"]: r.get("accuracy") for r in res.rows}
+    assert acc == {"hf (reference)": 1.0, "max_num_seqs=14": 1.0, "max_num_seqs=16": 0.0, "quantization=awq": None}
+    assert [r["flag"] for r in res.rows] == ["", "", "DROP >0.02", "ERROR"]
+    assert res.rows[1]["agreement"] == 1.0 and res.rows[2]["agreement"] == 0.0
+    assert res.rows[1]["seconds_per_item"] == 0.25 and res.rows[1]["output_throughput"] == 40.0
+    assert len(res.records) == 12                          # 3 runs that produced output x 4 items
+    from hayabusa.eval.report import format_table
+
+    table = format_table(res.rows)
+    assert "error: HayabusaValidationError: no" in table and "DROP" in table
+
+
+def test_plot_and_wandb_say_what_is_missing(monkeypatch, tmp_path):
+    import sys
+
+    from hayabusa.eval.report import log_wandb, plot_accuracy_vs_latency
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    assert "pip install matplotlib" in plot_accuracy_vs_latency([], str(tmp_path / "p.png"), "t")
+    assert "pip install wandb" in log_wandb([], {})
+
+
+# ------------------------------------------------------------------------------------------------ engine runs
+def test_sweep_max_num_seqs_same_accuracy_and_error_row(tiny_qwen2, tmp_path, capsys):
+    from hayabusa.entrypoints.cli import main
+
+    out, summary = tmp_path / "results.jsonl", tmp_path / "summary.json"
+    rc = main(["eval", "--model", tiny_qwen2, "--data", str(DATA), "--task", "extraction", "--device", "cpu",
+               "--max-tokens", "12", "--sweep", "max_num_seqs=1,5", "--sweep", "quantization=none,fp8",
+               "--output", str(out), "--json", str(summary), "--no-tqdm", "--plot", str(tmp_path / "p.png")])
+    assert rc == 1                                        # the fp8 rows are errors (quantization not supported)
+    rows = json.loads(summary.read_text())["rows"]
+    by = {r["setting"]: r for r in rows}
+    a, b = by["max_num_seqs=1,quantization=None"], by["max_num_seqs=5,quantization=None"]
+    assert a["accuracy"] == b["accuracy"] and a["unparsable"] == b["unparsable"] and a["num_errors"] == 0
+    assert b["text_agreement"] == 1.0 and b["agreement"] == 1.0        # greedy: same answers at any batch size
+    assert "quantization" in by["max_num_seqs=1,quantization=fp8"]["error"]
+    assert by["max_num_seqs=1,quantization=fp8"]["flag"] == "ERROR"
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 2 * 12 and {r["id"] for r in recs} == {it.id for it in load_items(str(DATA), "extraction")}
+    assert "error: HayabusaValidationError" in capsys.readouterr().out
+
+
+def test_hf_reference_agrees_with_hayabusa_fp32(stories_dir, tmp_path):
+    from hayabusa.eval.data import load_tokenizer, render_items
+    from hayabusa.eval.sweep import evaluate
+
+    data = tmp_path / "stories.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "gold": {"name": "Lily"}}) + "\n" for p in
+                            ["Once upon a time", "Tom had a red ball.", "The sun was hot and"]))
+    items = load_items(str(data), "extraction")
+    tok = load_tokenizer(stories_dir)
+    render_items(items, tok)
+    res = evaluate(stories_dir, items, "extraction", {"device": "cpu", "dtype": "float32"},
+                   {"temperature": 0.0, "max_tokens": 24}, ["max_num_seqs=2"], reference="hf", tokenizer=tok)
+    hf, hy = res.rows
+    assert hf["engine"] == "hf" and res.reference == "hf (reference)"
+    assert hy["text_agreement"] == 1.0 and hy["flag"] == ""
+
+
+def test_fidelity_fp32_matches_hf_fp32(stories_dir):
+    from hayabusa.eval.fidelity import run_fidelity
+
+    text = ("Once upon a time, there was a little girl named Lily. She liked to play in the park with her dog. "
+            "One day the dog found a big red ball under a tree. Lily and the dog played until the sun went down. ") * 4
+    res = run_fidelity(stories_dir, text, {"device": "cpu", "dtype": "float32", "max_num_seqs": 4,
+                                           "max_num_batched_tokens": 48},          # chunks run in 48-token pieces
+                       reference="hf", reference_dtype="float32", chunk_len=100, max_text_tokens=250)
+    assert res.num_tokens == 250 and res.num_chunks == 3
+    assert res.mean_kl < 1e-6 and res.max_kl < 1e-5
+    assert res.top1_agreement == 1.0
+    assert abs(res.ppl - res.ppl_reference) < 1e-3 * res.ppl_reference and res.ppl < 50

@@ -1,0 +1,134 @@
+"""hayabusa plan: the numbers for qwen2.5-7b-shape worked out by hand, parameter counts against the real HF
+modules (built on the meta device), quantization / KV dtype / TP arithmetic, advice when nothing fits, the CLI,
+and (on a GPU) agreement with the engine's profiled KV capacity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hayabusa.eval.plan import GPUS, NON_TORCH_BYTES, PlanInputs, count_params, load_config, make_plan
+
+GiB = 2**30
+
+
+def test_qwen25_7b_shape_by_hand():
+    # qwen2.5-7b-shape: hidden 3584, intermediate 18944, 28 layers, 28 heads, 4 kv heads (head dim 3584/28 = 128),
+    # vocab 152064, untied, q/k/v biases, bf16, max_position_embeddings 32768.
+    h, i, L, d, kv, V = 3584, 18944, 28, 128, 4, 152064
+    attn = h * h + 2 * h * (kv * d) + h * h            # q, k, v, o = 12,845,056 + 3,670,016 + 12,845,056
+    assert attn == 29_360_128
+    bias = h + 2 * kv * d                              # q, k, v biases = 4,608
+    mlp = 3 * h * i                                    # gate, up, down = 203,685,888
+    norms = 2 * h                                      # two RMSNorms = 7,168
+    per_layer = attn + bias + mlp + norms
+    assert per_layer == 233_057_792
+    embeddings = 2 * V * h                             # embed_tokens + lm_head (untied) = 1,089,994,752
+    params = L * per_layer + h + embeddings            # + final norm
+    assert params == 7_615_616_512
+    weight_bytes = 2 * params                          # bf16
+    assert weight_bytes == 15_231_233_024
+    kv_per_token = 2 * L * kv * d * 2                  # K and V x layers x kv heads x head dim x 2 bytes
+    assert kv_per_token == 57_344
+
+    # 80 GiB GPU, gpu_memory_utilization 0.9, defaults max_num_seqs 256, max_num_batched_tokens 8192, block 16
+    T, R = 8192, 256
+    act_layer = T * (2 * h + h + 2 * kv * d + 3 * i) * 2          # one layer's live tensors for 8192 tokens
+    act_logits = T * h * 2 + R * V * (2 + 4 + 4 + 8)                 # hidden + logits bf16/fp32 + sort values/ids
+    activations = max(act_layer, act_logits)
+    assert (act_layer, act_logits, activations) == (1_124_073_472, 759_431_168, 1_124_073_472)
+    budget = int(80 * GiB * 0.9)                                     # 77,309,411,328
+    kv_bytes = budget - weight_bytes - activations - 1 * GiB         # 59,880,363,008
+    assert kv_bytes == 59_880_363_008
+    blocks = kv_bytes // (kv_per_token * 16)                         # 917,504 bytes per block
+    tokens = blocks * 16
+    assert (blocks, tokens, tokens // 32768) == (65_264, 1_044_224, 31)
+
+    plan = make_plan(load_config("qwen2.5-7b-shape"), PlanInputs(), gpu_memory_gib=80)
+    assert plan["params"] == params and plan["weight_bytes"] == weight_bytes
+    assert plan["kv_bytes_per_token"] == kv_per_token and plan["activation_bytes"] == activations
+    assert plan["overhead_bytes"] == NON_TORCH_BYTES == GiB
+    assert plan["max_model_len"] == 32768 and plan["kv_cache_bytes"] == kv_bytes
+    assert plan["max_num_tokens"] == 1_044_224 and plan["max_num_seqs_at_max_model_len"] == 31
+    assert plan["fits"] and "31 sequences" in plan["advice"][0]
+
+
+def test_quantization_kv_dtype_and_tp_arithmetic():
+    cfg = load_config("qwen2.5-7b-shape")
+    p = count_params(cfg)
+    base = make_plan(cfg, PlanInputs(), gpu_memory_gib=80)
+    awq = make_plan(cfg, PlanInputs(quantization="awq"), gpu_memory_gib=80)
+    # AWQ: linear weights at 4 bits + an fp16 scale and a 4-bit zero per 128 weights; the rest stays bf16
+    assert awq["weight_bytes"] == int(p["linear"] * (4 + 20 / 128) / 8 + (p["total"] - p["linear"]) * 2)
+    assert awq["max_num_tokens"] > base["max_num_tokens"] and any("quantization" in n for n in awq["notes"])
+    fp8kv = make_plan(cfg, PlanInputs(kv_cache_dtype="fp8"), gpu_memory_gib=80)
+    assert fp8kv["kv_bytes_per_token"] == base["kv_bytes_per_token"] // 2
+    tp2 = make_plan(cfg, PlanInputs(tp=2), gpu_memory_gib=80)
+    assert tp2["weight_bytes_per_gpu"] == base["weight_bytes"] // 2
+    assert tp2["kv_bytes_per_token_per_gpu"] == base["kv_bytes_per_token"] // 2      # 4 kv heads -> 2 per GPU
+
+
+def test_does_not_fit_gives_advice():
+    cfg = load_config("qwen2.5-7b-shape")
+    t4 = make_plan(cfg, PlanInputs(max_model_len=8192), gpu="T4")
+    assert not t4["weights_fit"] and not t4["fits"] and t4["max_num_tokens"] == 0
+    text = " ".join(t4["advice"])
+    assert "quantization=fp8" in text and "tensor_parallel_size=2" in text and "float16" in text
+    l4 = make_plan(load_config("llama-3-8b-shape"), PlanInputs(), gpu="l4")          # 32768 tokens do not fit
+    assert l4["weights_fit"] and not l4["fits"] and l4["gpu"] == "L4"
+    text = " ".join(l4["advice"])
+    assert f"max_model_len={l4['max_num_tokens'] // 16 * 16}" in text and "kv_cache_dtype=fp8" in text
+    assert {g["gpu"] for g in l4["gpus"]} == set(GPUS)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-shape", "llama-3-8b-shape"])
+def test_param_count_matches_hf_modules(name):
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())   # tied weights once
+
+
+def test_plan_reads_folders_and_the_cli_json(stories_dir, tiny_qwen2, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from hayabusa.entrypoints.cli import main
+
+    for model in (stories_dir, tiny_qwen2):
+        cfg = load_config(model)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+        assert count_params(cfg)["total"] == n
+    assert main(["plan", "--model", stories_dir, "--gpu", "H200", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("weight_bytes", "kv_bytes_per_token", "max_num_tokens", "max_num_seqs_at_max_model_len"):
+        assert isinstance(plan[key], int)
+    assert plan["dtype"] == "bfloat16" and plan["kv_bytes_per_token"] == 2 * 5 * 4 * 8 * 2   # fp32 ckpt -> bf16
+    assert main(["plan", "--model", stories_dir, "--gpu", "V100"]) == 2
+    assert "unknown GPU" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["tiny_qwen2", "qwen2.5-0.5b-shape"])
+def test_plan_matches_profiled_kv_capacity(which, tiny_qwen2, tmp_path):
+    from hayabusa import LLM
+
+    if which == "tiny_qwen2":
+        model = tiny_qwen2
+    else:
+        from hayabusa.bench.models import make_model
+
+        model = str(tmp_path / which)
+        make_model(which, model)
+    total = torch.cuda.get_device_properties(0).total_memory
+    plan = make_plan(load_config(model), PlanInputs(max_model_len=4096), gpu_memory_gib=total / GiB)
+    llm = LLM(model, max_model_len=4096, gpu_memory_utilization=0.9, skip_tokenizer_init=which != "tiny_qwen2")
+    got = llm.llm_engine.kv_cache_capacity_tokens
+    print(f"{which}: plan {plan['max_num_tokens']} tokens (activations {plan['activation_bytes'] / GiB:.2f} GiB + "
+          f"overhead {plan['overhead_bytes'] / GiB:.2f} GiB), engine {got} tokens")
+    del llm
+    assert abs(plan["max_num_tokens"] - got) <= 0.1 * got
