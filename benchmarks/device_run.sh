@@ -90,17 +90,17 @@ print(\"transformers\", transformers.__version__); import triton; print(\"triton
 git rev-parse HEAD 2>/dev/null || echo "no .git: commit recorded as ${HAYABUSA_COMMIT:-unknown}"; df -h /tmp; free -g'
 
 # ---------------------------------------------------------------------------------------------- 2. GPU tests
+[ -s "$Q05/bench_shape.json" ] || step make_0.5b 90 20 python -m hayabusa.bench.cli --make-model "$SMALL" "$Q05"
 if [ "$GPU_TESTS_S" -gt 0 ]; then
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 300)
-  step gpu_tests "$GPU_TESTS_S" 20 bash -c "python -m pytest -q -m cuda tests/ -x ${PT_TIMEOUT[*]} 2>&1 \
-    | tee '$OUT/gpu_tests.log'; exit \${PIPESTATUS[0]}"
+  step gpu_tests "$GPU_TESTS_S" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -m cuda tests/ \
+    ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/gpu_tests.log'; exit \${PIPESTATUS[0]}"
 fi
 
 # ---------------------------------------------------------------------------------------------- 3. ceilings
 step ceilings 60 10 python -m hayabusa.bench.cli --ceilings --json "$CEIL"
 
 # ---------------------------------------------------------------------------------------------- 4. hayabusa
-[ -s "$Q05/bench_shape.json" ] || step make_0.5b 90 20 python -m hayabusa.bench.cli --make-model "$SMALL" "$Q05"
 bench_step q05_W3 90 30 --workload W3 --model "$Q05"
 bench_step q05_W1 150 40 --workload W1 --model "$Q05"
 [ -s "$Q7/bench_shape.json" ] || step make_7b 150 40 python -m hayabusa.bench.cli --make-model "$LARGE" "$Q7"
@@ -109,17 +109,21 @@ bench_step q7_W1 150 60 --workload W1 --model "$Q7"
 
 # ---------------------------------------------------------------------------------------------- 5. HF baseline
 if [ "$BENCH_HF" = 1 ]; then
-  bench_step q05_W3_hf 90 30 --workload W3 --model "$Q05" --engine hf
-  bench_step q05_W1_hf 150 40 --workload W1 --model "$Q05" --engine hf
+  bench_step q05_W3_hf 60 25 --workload W3 --model "$Q05" --engine hf --scale 0.25
+  bench_step q05_W1_hf 120 40 --workload W1 --model "$Q05" --engine hf
 fi
 
-# ---------------------------------------------------------------------------------------------- 6. more hayabusa
-bench_step q7_W2 150 60 --workload W2 --model "$Q7"
-bench_step q7_startup 90 40 --workload startup --model "$Q7"
+# ---------------------------------------------------------------------------------------------- 6. prefix caching
+bench_step q05_W5 120 40 --workload W5 --model "$Q05"
+bench_step q05_W7 120 40 --workload W7 --model "$Q05" --sweep enable_prefix_caching=true,false
+bench_step q05_W3_sync 60 25 --workload W3 --model "$Q05" --no-async-scheduling
 
-if [ "$BENCH_HF_7B" = 1 ] || { [ "$BENCH_HF_7B" = auto ] && [ "$(left)" -ge 200 ]; }; then
-  bench_step q7_W3_hf 120 60 --workload W3 --model "$Q7" --engine hf
-  bench_step q7_W1_hf 200 80 --workload W1 --model "$Q7" --engine hf
+# ---------------------------------------------------------------------------------------------- 7. more
+bench_step q7_W2 150 60 --workload W2 --model "$Q7"
+bench_step q7_W1_nocache 150 60 --workload W1 --model "$Q7" --no-enable-prefix-caching
+bench_step q7_startup 90 40 --workload startup --model "$Q7"
+if [ "$BENCH_HF_7B" = 1 ] || { [ "$BENCH_HF_7B" = auto ] && [ "$(left)" -ge 60 ]; }; then
+  bench_step q7_W3_hf 60 30 --workload W3 --model "$Q7" --engine hf --scale 0.1
 fi
 
 # ---------------------------------------------------------------------------------------------- 7. summary

@@ -24,7 +24,7 @@ import torch
 
 from hayabusa.bench import report
 from hayabusa.bench.ceilings import measure_ceilings
-from hayabusa.bench.models import SHAPES, make_model, model_name, model_stats
+from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, make_model, model_name, model_stats
 from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, get_workload
 
 # Engine flags of `hayabusa bench` (vLLM names): name -> type.
@@ -48,6 +48,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     p.add_argument("--enable-prefix-caching", action="store_true", default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--async-scheduling", action="store_true", default=None)
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--sweep", metavar="KEY=V1,V2", help="one run per value of an engine argument "
                    "(e.g. max_num_seqs=64,128,256; hf_batch_size=8,32 for the HF baseline)")
     p.add_argument("--scale", type=float, default=1.0,
@@ -55,7 +57,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the records (a JSON list), rewritten after every run")
     p.add_argument("--plot", metavar="FILE.png", help="plot a sweep (needs matplotlib)")
     p.add_argument("--make-model", nargs=2, metavar=("SHAPE", "DIR"),
-                   help=f"write a random-weight bf16 checkpoint; shapes: {', '.join(SHAPES)}")
+                   help="write a random-weight bf16 checkpoint; shapes: "
+                        f"{', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}")
     p.add_argument("--ceilings", action="store_true",
                    help="measure copy GB/s and bf16 matmul TFLOP/s on this GPU (and report fractions of them)")
     p.add_argument("--ceilings-from", metavar="FILE",
@@ -63,6 +66,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true", help="time the very first requests too")
     p.add_argument("--no-tqdm", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list workloads and model shapes")
+    from hayabusa.bench.serve_bench import add_w6_args
+
+    add_w6_args(p)
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -82,7 +88,7 @@ def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
     key, values = spec.split("=", 1)
     key = key.strip().replace("-", "_")
     typ = ENGINE_FLAGS.get(key, int if key == "hf_batch_size" else None)
-    if key in ("enforce_eager", "enable_prefix_caching"):
+    if key in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
         typ = lambda s: s.strip().lower() in ("1", "true", "on", "yes")  # noqa: E731
     if typ is None:
         raise ValueError(f"--sweep key {key!r} is not a bench engine argument; use one of "
@@ -114,7 +120,7 @@ def _engine_args(ns: argparse.Namespace, workload: Workload, variant: dict[str, 
     """The kwargs of LLM(...): the user's flags, the variant, skip_tokenizer_init, and on CPU a max_model_len
     that fits the workload (the CPU KV cache is sized for max_num_seqs x max_model_len)."""
     args = {n: getattr(ns, n) for n in ENGINE_FLAGS if getattr(ns, n, None) is not None}
-    for flag in ("enforce_eager", "enable_prefix_caching"):
+    for flag in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
         if getattr(ns, flag, None) is not None:
             args[flag] = bool(getattr(ns, flag))
     args.update(variant)
@@ -245,13 +251,18 @@ def run_bench(ns: argparse.Namespace) -> int:
         return 0
     if ns.make_model:
         shape, out_dir = ns.make_model
-        if shape not in SHAPES:
-            print(f"hayabusa bench: unknown shape {shape!r}; choose one of {', '.join(SHAPES)}.", file=sys.stderr)
+        if shape not in SHAPES and shape not in ARCH_SHAPE_NAMES:
+            print(f"hayabusa bench: unknown shape {shape!r}; choose one of "
+                  f"{', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}.", file=sys.stderr)
             return 2
         print(json.dumps(make_model(shape, out_dir, device=ns.device if ns.device != "auto" else None)), flush=True)
         if not ns.workload:
             return 0
         ns.model = ns.model or out_dir
+    if ns.workload and "W6" in [w.strip().upper() for w in ns.workload.split(",")]:
+        from hayabusa.bench.serve_bench import run_w6
+
+        return run_w6(ns)     # a client of a running server: --model is its served name, not a folder
     if not ns.workload and not ns.ceilings:
         print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|startup with --model DIR, --ceilings, or "
               "--make-model SHAPE DIR (see --list).", file=sys.stderr)

@@ -32,6 +32,38 @@ INIT_STD = 0.02
 SHAPE_FILE = "bench_shape.json"
 
 
+def _arch_shapes() -> dict[str, Any]:
+    """Real shapes of the other supported architectures (from the models' public config.json files)."""
+    from transformers import Gemma2Config, GPT2Config, MistralConfig, Qwen3Config
+
+    return {
+        # rinna/japanese-gpt-1b: GPT-2 layout, 24 x 2048, vocab 44928, 1024 positions
+        "rinna-gpt-1b-shape": lambda: GPT2Config(n_embd=2048, n_layer=24, n_head=16, vocab_size=44928,
+                                                 n_positions=1024, activation_function="gelu_fast",
+                                                 bos_token_id=1, eos_token_id=2),
+        # Qwen/Qwen3-0.6B
+        "qwen3-0.6b-shape": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                                num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                                vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                                max_position_embeddings=32768, rope_theta=1e6,
+                                                bos_token_id=151643, eos_token_id=151645),
+        # google/gemma-2-2b
+        "gemma-2-2b-shape": lambda: Gemma2Config(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                                 vocab_size=256000, sliding_window=4096, max_position_embeddings=8192,
+                                                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                                 query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=1),
+        # mistralai/Mistral-7B-v0.1
+        "mistral-7b-shape": lambda: MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                                  sliding_window=4096, max_position_embeddings=32768,
+                                                  bos_token_id=1, eos_token_id=2),
+    }
+
+
+ARCH_SHAPE_NAMES = ("rinna-gpt-1b-shape", "qwen3-0.6b-shape", "gemma-2-2b-shape", "mistral-7b-shape")
+
+
 def shape_config(name: str) -> Any:
     """The transformers config of shape `name` (bf16, max_position_embeddings 32768).
 
@@ -40,8 +72,15 @@ def shape_config(name: str) -> Any:
     """
     from transformers import LlamaConfig, Qwen2Config
 
+    if name in ARCH_SHAPE_NAMES:
+        cfg = _arch_shapes()[name]()
+        cfg.architectures = [{"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                              "mistral": "MistralForCausalLM"}[cfg.model_type]]
+        cfg.dtype = "bfloat16"
+        return cfg
     if name not in SHAPES:
-        raise ValueError(f"unknown model shape {name!r}; known shapes: {', '.join(SHAPES)}.")
+        raise ValueError(f"unknown model shape {name!r}; known shapes: "
+                         f"{', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}.")
     arch, hidden, inter, layers, heads, kv_heads, vocab, tied = SHAPES[name]
     common = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
@@ -78,6 +117,8 @@ def shape_stats(name_or_config: Any) -> dict[str, int]:
         "num_kv_heads", "head_dim", "tied": 0/1}.
     """
     cfg = shape_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    if getattr(cfg, "model_type", "") not in ("llama", "qwen2"):
+        return _counted_stats(cfg)
     h, i, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or h // heads
@@ -93,6 +134,23 @@ def shape_stats(name_or_config: Any) -> dict[str, int]:
     return {"params": non_emb + emb * (1 if tied else 2), "embedding_params": emb, "non_embedding_params": non_emb,
             "vocab_size": cfg.vocab_size, "hidden_size": h, "num_layers": n_layers, "num_heads": heads,
             "num_kv_heads": kv, "head_dim": d, "tied": int(tied)}
+
+
+def _counted_stats(cfg: Any) -> dict[str, int]:
+    """shape_stats by counting the parameters of the HF model built on the meta device (any architecture)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    heads = cfg.num_attention_heads
+    non_emb = params - emb * (1 if tied else 2)
+    return {"params": params, "embedding_params": emb, "non_embedding_params": non_emb,
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
+            "num_heads": heads, "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, "tied": int(tied)}
 
 
 def _fill_random(model: torch.nn.Module, seed: int) -> None:

@@ -53,7 +53,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hayabusa", description="hayabusa: fast LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts",
-                       description="Each input line is {\"prompt\": str} or {\"prompt_token_ids\": [...]}, with "
+                       description="Each input line is {\"prompt\": str}, {\"prompt_token_ids\": [...]} or "
+                                   "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]} (chat template), with "
                                    "optional SamplingParams fields (temperature, max_tokens, stop, ...) that "
                                    "override the flags.")
     g.add_argument("--model", default=None, help="HF model folder or Hub id (default: the bundled demo model)")
@@ -65,10 +66,19 @@ def _build_parser() -> argparse.ArgumentParser:
             g.add_argument("--" + name.replace("_", "-"), dest="sp_" + name, type=typ, default=None)
     g.add_argument("--stop", dest="sp_stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", dest="sp_ignore_eos", action="store_true", default=None)
+    g.add_argument("--chat-template", default=None, help="Jinja chat template (string or file) for \"messages\" "
+                   "lines (default: the tokenizer's)")
     add_engine_args(g)
     from hayabusa.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from hayabusa.entrypoints.openai.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    from hayabusa.eval.cli import add_eval_parser, add_plan_parser
+
+    add_eval_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -85,15 +95,26 @@ def _read_prompts(path: str) -> list[dict[str, Any]]:
                                               value=lineno) from None
             if isinstance(row, str):
                 row = {"prompt": row}
-            if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids"} & set(row)):
-                raise HayabusaValidationError(f"{path}:{lineno}: each line needs \"prompt\" or "
-                                              "\"prompt_token_ids\".", parameter="prompts", value=lineno)
-            unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id"}
+            if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids", "messages"} & set(row)):
+                raise HayabusaValidationError(f"{path}:{lineno}: each line needs \"prompt\", \"prompt_token_ids\" "
+                                              "or \"messages\".", parameter="prompts", value=lineno)
+            if "messages" in row:
+                _check_messages(row["messages"], f"{path}:{lineno}")
+            unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "messages", "id"}
             if unknown:
                 raise HayabusaValidationError(f"{path}:{lineno}: unknown field(s) {sorted(unknown)}.",
                                               parameter="prompts", value=sorted(unknown))
             rows.append(row)
     return rows
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    from hayabusa.entrypoints.chat_utils import normalize_conversation
+
+    try:
+        normalize_conversation(messages)
+    except HayabusaValidationError as e:
+        raise HayabusaValidationError(f"{where}: {e}", parameter="messages", value=e.value) from None
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -110,10 +131,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     for row in rows:
         fields = {**defaults, **{k: v for k, v in row.items() if k in SAMPLING_FIELDS}}
         params.append(SamplingParams(**fields))
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r else r["prompt"]
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r else r.get("prompt")
                for r in rows]
     t0 = time.perf_counter()
     llm = LLM(model, **engine_kwargs(ns))
+    if any("messages" in r for r in rows):  # rendered and tokenized as LLM.chat does
+        from hayabusa.entrypoints.chat_utils import chat_prompt
+
+        prompts = [chat_prompt(llm.get_tokenizer(), r["messages"], chat_template=ns.chat_template)
+                   if "messages" in r else p for r, p in zip(rows, prompts)]
     t1 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not ns.no_tqdm)
     t2 = time.perf_counter()
@@ -151,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
             from hayabusa.bench.cli import run_bench
 
             return run_bench(ns)
+        if ns.command == "serve":
+            from hayabusa.entrypoints.openai.cli import run_serve
+
+            return run_serve(ns)
+        if ns.command in ("eval", "plan"):
+            from hayabusa.eval.cli import run_eval, run_plan
+
+            return run_eval(ns) if ns.command == "eval" else run_plan(ns)
     except HayabusaValidationError as e:
         print(f"hayabusa: error: {e}", file=sys.stderr)
         return 2
