@@ -126,6 +126,35 @@ if [ "$BENCH_HF_7B" = 1 ] || { [ "$BENCH_HF_7B" = auto ] && [ "$(left)" -ge 60 ]
   bench_step q7_W3_hf 60 30 --workload W3 --model "$Q7" --engine hf --scale 0.1
 fi
 
+# ---------------------------------------------------------------------------------------------- 8. serving (W6)
+w6() {  # server on the 0.5b shape in the background, the Poisson client against it, then stop the server
+  python -m hayabusa.entrypoints.cli serve "$Q05" --skip-tokenizer-init --served-model-name q05 \
+    --disable-log-requests --disable-uvicorn-access-log --max-model-len 1024 --port 8011 > "$WORK/serve.log" 2>&1 &
+  local pid=$! rc=0
+  python - <<'PY' || rc=$?
+import time, urllib.request
+for _ in range(120):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=1); break
+    except Exception:
+        time.sleep(0.5)
+PY
+  python -m hayabusa.bench.cli --workload W6 --base-url http://127.0.0.1:8011 --model q05 \
+    --request-rate 16,64,inf --num-prompts 200 --goodput ttft:500 tpot:50 --json "$OUT/w6.json" || rc=$?
+  kill "$pid"; wait "$pid" 2>/dev/null; tail -5 "$WORK/serve.log"
+  return $rc
+}
+export -f w6
+export Q05 WORK OUT
+step q05_W6 150 60 bash -c w6
+
+# ---------------------------------------------------------------------------------------------- 9. other architectures
+for shape in qwen3-0.6b-shape rinna-gpt-1b-shape gemma-2-2b-shape; do
+  [ -s "$MODELS/$shape/bench_shape.json" ] || step "make_$shape" 60 30 python -m hayabusa.bench.cli --make-model "$shape" "$MODELS/$shape"
+  bench_step "${shape}_W3" 45 25 --workload W3 --model "$MODELS/$shape" --scale 0.25
+  bench_step "${shape}_W1" 60 30 --workload W1 --model "$MODELS/$shape" --scale 0.25
+done
+
 # ---------------------------------------------------------------------------------------------- 7. summary
 merge
 cat "$OUT/summary.txt" "$OUT/steps.tsv"
