@@ -21,10 +21,10 @@ from torch import nn
 from hayabusa.attention.metadata import ForwardContext
 from hayabusa.errors import UnsupportedModelError
 from hayabusa.model.layers.activation import gelu_tanh_and_mul
-from hayabusa.model.layers.attention import Attention
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import GemmaRMSNorm
 from hayabusa.model.layers.rotary import RotaryEmbedding
+from hayabusa.model.llama import LlamaAttention
 
 
 def gemma2_sliding_window(cfg: Any, layer_idx: int) -> int | None:
@@ -37,32 +37,16 @@ def gemma2_sliding_window(cfg: Any, layer_idx: int) -> int | None:
     return window if layer_idx % 2 == 0 else None  # transformers < 4.53: even layers slide
 
 
-class Gemma2Attention(nn.Module):
+class Gemma2Attention(LlamaAttention):
+    """Llama attention with Gemma 2's scale (query_pre_attn_scalar ** -0.5), soft-capping and per-layer window."""
+
     def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype,
                  device: torch.device) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, dtype, device,
-                               shard_names=["q", "k", "v"])
-        self.o_proj = Linear(self.q_size, [cfg.hidden_size], bias, dtype, device)
-        self.rotary = rotary  # shared by all layers; not a registered submodule
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.query_pre_attn_scalar ** -0.5,
-                              layer_idx, sliding_window=gemma2_sliding_window(cfg, layer_idx),
-                              softcap=getattr(cfg, "attn_logit_softcapping", None))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)                             # [T, H, D], [T, H_kv, D]
-        return self.o_proj(self.attn(q, k, v, ctx))                    # [T, hidden]
+        super().__init__(cfg, layer_idx, rotary, bias, bias, dtype, device,
+                         sliding_window=gemma2_sliding_window(cfg, layer_idx),
+                         scale=cfg.query_pre_attn_scalar ** -0.5,
+                         softcap=getattr(cfg, "attn_logit_softcapping", None))
 
 
 class Gemma2MLP(nn.Module):

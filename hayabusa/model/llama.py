@@ -22,7 +22,8 @@ from hayabusa.model.layers.rotary import RotaryEmbedding
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 dtype: torch.dtype, device: torch.device, sliding_window: int | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, sliding_window: int | None = None,
+                 scale: float | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -33,8 +34,9 @@ class LlamaAttention(nn.Module):
                                shard_names=["q", "k", "v"])
         self.o_proj = Linear(self.q_size, [cfg.hidden_size], o_bias, dtype, device)
         self.rotary = rotary  # shared by all layers; not a registered submodule
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_idx,
-                              sliding_window=sliding_window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5 if scale is None else scale, layer_idx,
+                              sliding_window=sliding_window, softcap=softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
