@@ -34,6 +34,13 @@ JA_PROMPTS = [
 ]
 
 
+def require_asset(path: Path) -> Path:
+    """The asset at `path`, or skip the test saying where assets are expected."""
+    if not Path(path).exists():
+        pytest.skip(f"asset not found at {path}; set HAYABUSA_ASSETS=/path/to/shared/assets")
+    return Path(path)
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")
@@ -60,7 +67,7 @@ def _save_tiny(arch: str, tokenizer_dir: Path, out: Path) -> str:
     """A 2-layer random-weight checkpoint of `arch` whose vocab matches the real tokenizer in tokenizer_dir."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok = AutoTokenizer.from_pretrained(str(require_asset(tokenizer_dir)))
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)

@@ -73,7 +73,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to an argparse subparsers object; dispatch to ``run_bench(ns)``."""
-    p = subparsers.add_parser("bench", help="run the benchmark workloads (BENCHMARKS.md)",
+    p = subparsers.add_parser("bench", allow_abbrev=False, help="run the benchmark workloads (BENCHMARKS.md)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_args(p)
     return p

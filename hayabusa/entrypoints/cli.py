@@ -50,9 +50,10 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hayabusa", description="hayabusa: fast LLM inference.")
+    parser = argparse.ArgumentParser(prog="hayabusa", description="hayabusa: fast LLM inference.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts",
+    g = sub.add_parser("generate", allow_abbrev=False, help="generate completions for a JSONL file of prompts",
                        description="Each input line is {\"prompt\": str}, {\"prompt_token_ids\": [...]} or "
                                    "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]} (chat template), with "
                                    "optional SamplingParams fields (temperature, max_tokens, stop, ...) that "
@@ -91,8 +92,8 @@ def _read_prompts(path: str) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise HayabusaValidationError(f"{path}:{lineno}: not JSON ({e.msg}).", parameter="prompts",
-                                              value=lineno) from None
+                raise HayabusaValidationError(f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno}).",
+                                              parameter="prompts", value=lineno) from None
             if isinstance(row, str):
                 row = {"prompt": row}
             if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids", "messages"} & set(row)):

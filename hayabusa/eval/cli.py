@@ -56,7 +56,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ eval
 def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` subcommand; dispatch to ``run_eval(ns)``."""
-    p = subparsers.add_parser("eval", help="task accuracy across settings (and logit fidelity with --fidelity)",
+    p = subparsers.add_parser("eval", allow_abbrev=False, help="task accuracy across settings (and logit fidelity with --fidelity)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF model folder or Hub id (default: the bundled demo model)")
     p.add_argument("--data", help="JSONL: prompt or messages + gold (see hayabusa/eval/data.py)")
@@ -186,7 +186,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand; dispatch to ``run_plan(ns)``."""
     from hayabusa.eval.plan import GPUS
 
-    p = subparsers.add_parser("plan", help="weights, KV bytes per token and what fits on a GPU (config.json only)",
+    p = subparsers.add_parser("plan", allow_abbrev=False, help="weights, KV bytes per token and what fits on a GPU (config.json only)",
                               description="Reads config.json only (a folder, a Hub id, or a bench shape name such "
                                           "as qwen2.5-7b-shape) and prints what fits. See hayabusa/eval/plan.py "
                                           "for every formula.")

@@ -13,7 +13,7 @@ import torch
 
 from hayabusa import LLM, SamplingParams
 from hayabusa.errors import HayabusaValidationError, UnsupportedModelError
-from tests.conftest import EN_PROMPTS, JA_PROMPTS, TOKENIZERS
+from tests.conftest import EN_PROMPTS, JA_PROMPTS, TOKENIZERS, require_asset
 from tests.helpers import assert_greedy_close, hf_greedy
 
 WINDOW = 8
@@ -43,7 +43,7 @@ def _build(arch: str, out) -> str:
     import transformers as tf
 
     tok_name = {"gpt2": "gpt2", "qwen3": "qwen3", "mistral": "llm-jp-v2.2", "gemma2": "llm-jp-v3.1"}[arch]
-    tok = tf.AutoTokenizer.from_pretrained(str(TOKENIZERS / tok_name))
+    tok = tf.AutoTokenizer.from_pretrained(str(require_asset(TOKENIZERS / tok_name)))
     ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                initializer_range=0.2)
     llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

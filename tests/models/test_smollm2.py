@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hayabusa import LLM, SamplingParams
-from tests.conftest import ASSETS
+from tests.conftest import ASSETS, require_asset
 from tests.helpers import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def smollm2_dir() -> str:
 
 
 def test_plain_prompts_match_hf_reference(smollm2_dir):
-    cases = json.loads((REF_DIR / "expected_greedy.json").read_text())["cases"]
+    cases = json.loads(require_asset(REF_DIR / "expected_greedy.json").read_text())["cases"]
     llm = LLM(smollm2_dir, max_num_seqs=4, max_model_len=1024)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = llm.generate([c["prompt"] for c in cases], params, use_tqdm=False)

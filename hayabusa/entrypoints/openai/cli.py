@@ -50,7 +50,7 @@ def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to an argparse subparsers object; dispatch to ``run_serve(ns)``."""
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+    p = subparsers.add_parser("serve", allow_abbrev=False, help="run the OpenAI-compatible HTTP server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, help="HF model folder or Hub id")
     p.add_argument("--model", dest="serve_model", metavar="MODEL", default=None, help="same as the positional MODEL")
