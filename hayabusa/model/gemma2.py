@@ -24,7 +24,7 @@ from hayabusa.model.layers.activation import gelu_tanh_and_mul
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import GemmaRMSNorm
 from hayabusa.model.layers.rotary import RotaryEmbedding
-from hayabusa.model.llama import LlamaAttention
+from hayabusa.model.llama import MERGED_QKV_GATE_UP, LlamaAttention
 
 
 def gemma2_sliding_window(cfg: Any, layer_idx: int) -> int | None:
@@ -87,11 +87,7 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2ForCausalLM(nn.Module):
     """HF ``Gemma2ForCausalLM`` (see the module docstring for the numerics)."""
 
-    # (our parameter, checkpoint name, shard)
-    stacked_params_mapping = [
-        (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", "gate"), (".gate_up_proj.", ".up_proj.", "up"),
-    ]
+    stacked_params_mapping = MERGED_QKV_GATE_UP
 
     def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
         super().__init__()

@@ -20,6 +20,13 @@ from hayabusa.model.layers.norm import RMSNorm
 from hayabusa.model.layers.rotary import RotaryEmbedding
 
 
+# Checkpoint q/k/v and gate/up projections load into one merged matrix each: (our parameter, theirs, shard).
+MERGED_QKV_GATE_UP = [
+    (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", "gate"), (".gate_up_proj.", ".up_proj.", "up"),
+]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                  dtype: torch.dtype, device: torch.device, sliding_window: int | None = None,
@@ -115,11 +122,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
     o_bias_follows_attention_bias = True
     attention_cls = LlamaAttention
-    # (our parameter, checkpoint name, shard)
-    stacked_params_mapping = [
-        (".qkv_proj.", ".q_proj.", "q"), (".qkv_proj.", ".k_proj.", "k"), (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", "gate"), (".gate_up_proj.", ".up_proj.", "up"),
-    ]
+    stacked_params_mapping = MERGED_QKV_GATE_UP
 
     def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
         super().__init__()
