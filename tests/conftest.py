@@ -49,6 +49,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The models under test are tiny: on a small shared CPU box, intra-op threads only add wake-up latency and
+    contend with other processes. One thread for the whole run (HF references and hayabusa alike)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> str:
     if not STORIES.exists():

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import TOKENIZERS
 
@@ -64,7 +63,6 @@ class Served:
 @pytest.fixture(scope="session")
 def qwen_server(tiny_qwen2):
     """Tiny random Qwen2 with the Qwen2.5 BPE tokenizer and its own chat template; --api-key set."""
-    torch.set_num_threads(1)
     s = Served(tiny_qwen2, "tiny-qwen", api_key=API_KEY, max_model_len=256)
     yield s
     s.close()
@@ -74,7 +72,6 @@ def qwen_server(tiny_qwen2):
 def llama_server(tiny_llama):
     """Tiny random Llama with the Japanese llm-jp SentencePiece tokenizer (byte fallback; no chat template of its
     own), given the Qwen2.5 template as --chat-template; no API key."""
-    torch.set_num_threads(1)
     from hayabusa.entrypoints.chat_utils import load_chat_template
 
     s = Served(tiny_llama, "tiny-llama", chat_template=load_chat_template(str(QWEN_TEMPLATE)), max_model_len=256)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from hayabusa import AsyncEngineArgs, AsyncLLMEngine, HayabusaValidationError, SamplingParams
 from hayabusa.entrypoints.async_engine import EngineDeadError, EngineStepError
@@ -18,7 +17,6 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(stories_dir):
-    torch.set_num_threads(1)
     eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=stories_dir, disable_log_requests=True,
                                                           max_model_len=512, max_num_seqs=16))
     yield eng

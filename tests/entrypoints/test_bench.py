@@ -22,14 +22,6 @@ def tiny_bench_model(tmp_path_factory) -> str:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny CPU ops are dominated by thread-pool wake-ups on a shared 2-core box
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _bench(tmp_path, *args: str) -> list[dict]:
     path = tmp_path / "out.json"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from hayabusa import LLM, SamplingParams
 from hayabusa.entrypoints.chat_utils import render_chat
@@ -21,13 +20,6 @@ CONVERSATIONS = [
      {"role": "assistant", "content": "7"}, {"role": "user", "content": "Another one?"}],
 ]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from hayabusa.eval import scoring, tasks
 from hayabusa.eval.data import EvalItem, load_items
@@ -19,13 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "extraction" / "receipts_personnel.jsonl"
 GOLD = {"store": "こむぎ堂", "total": 1200}
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------------------------------------ extraction

@@ -78,14 +78,6 @@ EXPECTED_WINDOWS = {"gpt2": [None, None], "qwen3": [None, WINDOW], "mistral": [W
                     "gemma2": [WINDOW, None]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: threads only contend with the other tests and developers on a small box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
