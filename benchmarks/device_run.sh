@@ -6,17 +6,16 @@
 # Every step runs under its own `timeout`, clipped to what is left of BENCH_BUDGET_S; a failed or timed-out step
 # is logged and the next one runs. Steps are ordered by priority (hayabusa numbers first, the HF baseline after),
 # and results are merged into $OUT/results.json after every step, so a call cut short still returns them.
-# Files under $OUT (<= 5): device_run.log, gpu_tests.log, results.json, summary.txt, steps.tsv.
+# Files under $OUT: device_run.log, gpu_tests.log, results.json, summary.txt, steps.tsv, w6.json, profile_q7.json.
 #
 # Environment (all optional):
 #   BENCH_BUDGET_S  seconds for the whole script (default 530: the call has ~9-10 minutes)
 #   GPU_TESTS_S     most seconds for `pytest -m cuda` (default 150; 0 skips the GPU tests)
-#   BENCH_HF        1 = HF baseline on qwen2.5-0.5b-shape (W3 batch 1, W1 full batch) (default 1)
-#   BENCH_HF_7B     1 = also on qwen2.5-7b-shape, 0 = never, auto = if >= 200 s are left at that point (default)
 #   BENCH_SCALE     workload scale (default 1 = the workloads of record)
 #   MODEL_DIR       where checkpoints are made/reused (default /tmp/hayabusa_models)
 #   SHAPE_SMALL / SHAPE_LARGE  the two shapes (default qwen2.5-0.5b-shape / qwen2.5-7b-shape; tiny-llama and
 #                   tiny-qwen2 make a CPU dry run of this script possible)
+#   PLAN           step groups to run, in order (default: all; see the g_* functions)
 #   HAYABUSA_COMMIT recorded as the commit when the tree has no .git (else "unknown")
 set -u
 set -x
@@ -27,8 +26,6 @@ exec > >(tee -a "$OUT/device_run.log") 2>&1
 T0=$SECONDS
 BUDGET=${BENCH_BUDGET_S:-530}
 GPU_TESTS_S=${GPU_TESTS_S:-150}
-BENCH_HF=${BENCH_HF:-1}
-BENCH_HF_7B=${BENCH_HF_7B:-auto}
 SCALE=${BENCH_SCALE:-1}
 MODELS=${MODEL_DIR:-/tmp/hayabusa_models}
 WORK=/tmp/hayabusa_bench_json
@@ -89,44 +86,60 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
 print(\"transformers\", transformers.__version__); import triton; print(\"triton\", triton.__version__)"; \
 git rev-parse HEAD 2>/dev/null || echo "no .git: commit recorded as ${HAYABUSA_COMMIT:-unknown}"; df -h /tmp; free -g'
 
-# ---------------------------------------------------------------------------------------------- 2. GPU tests
-[ -s "$Q05/bench_shape.json" ] || step make_0.5b 90 20 python -m hayabusa.bench.cli --make-model "$SMALL" "$Q05"
-if [ "$GPU_TESTS_S" -gt 0 ]; then
+# Step groups; PLAN (env) lists the groups to run, in order. Default: everything, most important first.
+ensure_q05() { [ -s "$Q05/bench_shape.json" ] || step make_0.5b 90 20 python -m hayabusa.bench.cli --make-model "$SMALL" "$Q05"; }
+ensure_q7() { [ -s "$Q7/bench_shape.json" ] || step make_7b 150 40 python -m hayabusa.bench.cli --make-model "$LARGE" "$Q7"; }
+
+g_gpu_tests() {
+  ensure_q05
+  [ "$GPU_TESTS_S" -gt 0 ] || return 0
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 300)
   step gpu_tests "$GPU_TESTS_S" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -m cuda tests/ \
     ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/gpu_tests.log'; exit \${PIPESTATUS[0]}"
-fi
-
-# ---------------------------------------------------------------------------------------------- 3. ceilings
-step ceilings 60 10 python -m hayabusa.bench.cli --ceilings --json "$CEIL"
-
-# ---------------------------------------------------------------------------------------------- 4. hayabusa
-bench_step q05_W3 90 30 --workload W3 --model "$Q05"
-bench_step q05_W1 150 40 --workload W1 --model "$Q05"
-[ -s "$Q7/bench_shape.json" ] || step make_7b 150 40 python -m hayabusa.bench.cli --make-model "$LARGE" "$Q7"
-bench_step q7_W3 100 40 --workload W3 --model "$Q7"
-bench_step q7_W1 150 60 --workload W1 --model "$Q7"
-
-# ---------------------------------------------------------------------------------------------- 5. HF baseline
-if [ "$BENCH_HF" = 1 ]; then
+}
+g_ceilings() { step ceilings 60 10 python -m hayabusa.bench.cli --ceilings --json "$CEIL"; }
+g_q05() {
+  ensure_q05
+  bench_step q05_W3 90 30 --workload W3 --model "$Q05"
+  bench_step q05_W1 150 40 --workload W1 --model "$Q05"
+}
+g_q7() {
+  ensure_q7
+  bench_step q7_W3 100 40 --workload W3 --model "$Q7"
+  bench_step q7_W1 150 60 --workload W1 --model "$Q7"
+}
+g_hf05() {
+  ensure_q05
   bench_step q05_W3_hf 60 25 --workload W3 --model "$Q05" --engine hf --scale 0.25
   bench_step q05_W1_hf 120 40 --workload W1 --model "$Q05" --engine hf
-fi
-
-# ---------------------------------------------------------------------------------------------- 6. prefix caching
-bench_step q05_W5 120 40 --workload W5 --model "$Q05"
-bench_step q05_W7 120 40 --workload W7 --model "$Q05" --sweep enable_prefix_caching=true,false
-bench_step q05_W3_sync 60 25 --workload W3 --model "$Q05" --no-async-scheduling
-
-# ---------------------------------------------------------------------------------------------- 7. more
-bench_step q7_W2 150 60 --workload W2 --model "$Q7"
-bench_step q7_W1_nocache 150 60 --workload W1 --model "$Q7" --no-enable-prefix-caching
-bench_step q7_startup 90 40 --workload startup --model "$Q7"
-if [ "$BENCH_HF_7B" = 1 ] || { [ "$BENCH_HF_7B" = auto ] && [ "$(left)" -ge 60 ]; }; then
+}
+g_prefix() {
+  ensure_q05
+  bench_step q05_W5 120 40 --workload W5 --model "$Q05"
+  bench_step q05_W7 120 40 --workload W7 --model "$Q05" --sweep enable_prefix_caching=true,false
+  bench_step q05_W3_sync 60 25 --workload W3 --model "$Q05" --no-async-scheduling
+}
+g_q7more() {
+  ensure_q7
+  bench_step q7_W2 150 60 --workload W2 --model "$Q7"
+  bench_step q7_W1_nocache 150 60 --workload W1 --model "$Q7" --no-enable-prefix-caching
+  bench_step q7_startup 90 40 --workload startup --model "$Q7"
+}
+g_q05more() {
+  ensure_q05
+  bench_step q05_W2 120 40 --workload W2 --model "$Q05"
+}
+g_hf7() {
+  ensure_q7
   bench_step q7_W3_hf 60 30 --workload W3 --model "$Q7" --engine hf --scale 0.1
-fi
+  bench_step q7_W1_hf 150 60 --workload W1 --model "$Q7" --engine hf --scale 0.25
+}
+g_profile() {
+  ensure_q7
+  step profile_q7 120 60 python benchmarks/profile_decode.py --model "$Q7" --batch 1,256 --decode-steps 48 \
+    --json "$OUT/profile_q7.json"
+}
 
-# ---------------------------------------------------------------------------------------------- 8. serving (W6)
 w6() {  # server on the 0.5b shape in the background, the Poisson client against it, then stop the server
   python -m hayabusa.entrypoints.cli serve "$Q05" --skip-tokenizer-init --served-model-name q05 \
     --disable-log-requests --disable-uvicorn-access-log --max-model-len 1024 --port 8011 > "$WORK/serve.log" 2>&1 &
@@ -140,19 +153,25 @@ for _ in range(120):
         time.sleep(0.5)
 PY
   python -m hayabusa.bench.cli --workload W6 --base-url http://127.0.0.1:8011 --model q05 \
-    --request-rate 16,64,inf --num-prompts 200 --goodput ttft:500 tpot:50 --json "$OUT/w6.json" || rc=$?
+    --request-rate 1,4,16,64,inf --num-prompts 200 --goodput ttft:500 tpot:50 --json "$OUT/w6.json" || rc=$?
   kill "$pid"; wait "$pid" 2>/dev/null; tail -5 "$WORK/serve.log"
   return $rc
 }
 export -f w6
 export Q05 WORK OUT
-step q05_W6 150 60 bash -c w6
+g_w6() { ensure_q05; step q05_W6 200 60 bash -c w6; }
 
-# ---------------------------------------------------------------------------------------------- 9. other architectures
-for shape in qwen3-0.6b-shape rinna-gpt-1b-shape gemma-2-2b-shape; do
-  [ -s "$MODELS/$shape/bench_shape.json" ] || step "make_$shape" 60 30 python -m hayabusa.bench.cli --make-model "$shape" "$MODELS/$shape"
-  bench_step "${shape}_W3" 45 25 --workload W3 --model "$MODELS/$shape" --scale 0.25
-  bench_step "${shape}_W1" 60 30 --workload W1 --model "$MODELS/$shape" --scale 0.25
+g_arch() {
+  for shape in qwen3-0.6b-shape rinna-gpt-1b-shape gemma-2-2b-shape mistral-7b-shape; do
+    [ -s "$MODELS/$shape/bench_shape.json" ] || step "make_$shape" 90 30 python -m hayabusa.bench.cli --make-model "$shape" "$MODELS/$shape"
+    bench_step "${shape}_W3" 45 25 --workload W3 --model "$MODELS/$shape" --scale 0.25
+    bench_step "${shape}_W1" 60 30 --workload W1 --model "$MODELS/$shape" --scale 0.25
+  done
+}
+
+PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
+for g in $PLAN; do
+  if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi
 done
 
 # ---------------------------------------------------------------------------------------------- 7. summary

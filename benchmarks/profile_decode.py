@@ -1,0 +1,124 @@
+"""Where the time of one decode step goes: torch.profiler over a W3-style stream (batch 1) and a batch-256 decode.
+
+    python benchmarks/profile_decode.py --model /tmp/hayabusa_models/qwen2.5-7b-shape [--batch 1,256] [--json F]
+
+For each batch size it runs the same greedy requests twice: once with CUDA graphs (what W1/W3 measure; the
+profiler still records every kernel inside a replayed graph) and once with ``enforce_eager=True``. It prints, per
+run, the wall time per decode step, the summed GPU kernel time per step, and the top kernels by GPU time grouped
+into families (GEMM, attention, norm, rotary, store_kv, activation, sampling, copies, other), so the gap between
+kernel time and wall time (launch overhead, host work) and the share of each kernel family are visible.
+Needs CUDA. Numbers go to BENCHMARKS.md with the date, commit and GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+FAMILIES = [  # (family, substrings of the kernel name, lower case); first match wins
+    ("attention", ("paged_attn", "merge_splits", "flash", "attention", "fmha")),
+    ("store_kv", ("store_kv",)),
+    ("norm", ("rms", "norm")),
+    ("rotary", ("rotary", "rope")),
+    ("activation", ("silu", "gelu", "act_and_mul")),
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "sm90_xmma", "matmul", "splitk", "nvjet", "_mm_")),
+    ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial", "exponential", "argmax")),
+    ("copy/index", ("copy", "index", "gather", "scatter", "fill", "cat", "memcpy", "memset", "embedding")),
+]
+
+
+def family(name: str) -> str:
+    n = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in n for k in keys):
+            return fam
+    return "other"
+
+
+def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eager: bool) -> dict:
+    from hayabusa import LLM, SamplingParams
+
+    llm = LLM(model, skip_tokenizer_init=True, enforce_eager=eager, max_num_seqs=max(batch, 1),
+              max_model_len=prompt_len + decode_steps + 16, gpu_memory_utilization=0.85)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(100, 10000, size=prompt_len).tolist()} for _ in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True, detokenize=False)
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    # The warm-up leaves the prompts in the prefix cache, so the measured runs prefill one token per request
+    # and the profile is (almost) decode only. Wall time of decode: the full run minus a max_tokens=1 run.
+    llm.generate(prompts, warm, use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    total_s = time.perf_counter() - t0
+    step_ms = (total_s - prefill_s) / max(decode_steps - 1, 1) * 1e3
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[ev.name]
+            k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            k[1] += 1
+    total_us = sum(v[0] for v in kernels.values())
+    fams: dict[str, float] = defaultdict(float)
+    for name, (us, _) in kernels.items():
+        fams[family(name)] += us
+    steps = decode_steps  # one prefill step + (decode_steps - 1) decode steps, all in the profile
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    del llm
+    torch.cuda.empty_cache()
+    return {
+        "batch": batch, "eager": eager, "prompt_len": prompt_len, "decode_steps": decode_steps,
+        "wall_ms_per_decode_step": round(step_ms, 4),
+        "kernel_ms_per_step": round(total_us / steps / 1e3, 4),
+        "families_ms_per_step": {f: round(us / steps / 1e3, 4) for f, us in sorted(fams.items(), key=lambda x: -x[1])},
+        "top_kernels": [{"name": n[:120], "ms_per_step": round(us / steps / 1e3, 4), "calls_per_step":
+                         round(c / steps, 2), "family": family(n)} for n, (us, c) in top],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch", default="1,256")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--eager", default="false,true", help="which modes: false (CUDA graphs), true (eager)")
+    ap.add_argument("--json", default=None)
+    ns = ap.parse_args()
+    results = []
+    for b in (int(x) for x in ns.batch.split(",")):
+        for eager in (x.strip() == "true" for x in ns.eager.split(",")):
+            r = profile_run(ns.model, b, ns.prompt_len, ns.decode_steps, eager)
+            results.append(r)
+            print(f"\n=== batch {b} {'eager' if eager else 'cuda graphs'}: wall {r['wall_ms_per_decode_step']:.3f} "
+                  f"ms/step, GPU kernels {r['kernel_ms_per_step']:.3f} ms/step")
+            for f, ms in r["families_ms_per_step"].items():
+                print(f"  {f:<12} {ms:8.4f} ms/step")
+            for k in r["top_kernels"][:15]:
+                print(f"  {k['ms_per_step']:8.4f} ms  x{k['calls_per_step']:<6} {k['family']:<10} {k['name']}")
+            if ns.json:
+                with open(ns.json, "w") as f:
+                    json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "model": ns.model, "runs": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
