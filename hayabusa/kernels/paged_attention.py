@@ -20,6 +20,11 @@ Positions of request r after this step (the new tokens' K/V are already in the c
 Split-KV ("flash decoding"): when the grid is too small to fill the GPU (few requests, decode), each
 (request, tile, KV head) is cut into NUM_SPLITS ranges of key tiles, partial (m, l, acc) go to fp32 scratch,
 and a second kernel merges them. The split count depends only on host ints, so both paths are CUDA-graph safe.
+
+FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2): K/V tiles are loaded as fp8 and upcast to q's dtype
+(exact: every fp8 value is an fp16/bf16 value), and the per-layer scales are folded in where they cost one
+multiply per program: softmax(q.(k8 * ks) * scale) = softmax(q.k8 * (scale * ks)), and sum_j p_j (v8_j * vs) =
+vs * sum_j p_j v8_j, so k_scale joins the softmax scale and v_scale multiplies the accumulator once at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import functools
 import torch
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.fp8 import check_scale, dequantize_fp8_ref, is_fp8, unit_scale
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -116,15 +122,21 @@ def _attend_tiles(q, m_i, l_i, acc, tile_start, tile_end, kv_end, pos, kv_head, 
                   k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   offs_d, d_mask, pre_scale, post_scale, window,
                   TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
-                  USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Online-softmax update of (m_i, l_i, acc) over key tiles [tile_start, tile_end)."""
+                  USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
+                  KV_FP8: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) over key tiles [tile_start, tile_end).
+    With KV_FP8 the tiles are upcast to q's dtype (the scales are applied by the caller)."""
     for tile in range(tile_start, tile_end):
         k = _load_kv_tile(k_cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_kb, stride_ks, stride_kh,
                           offs_d, d_mask, TILE_N, BLOCK_SIZE, True, DOT_FP32)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = _scores(q, k, tile * TILE_N + tl.arange(0, TILE_N), pos, pre_scale, post_scale, window,
                     USE_WINDOW, USE_SOFTCAP, MASKED)
         v = _load_kv_tile(v_cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_vb, stride_vs, stride_vh,
                           offs_d, d_mask, TILE_N, BLOCK_SIZE, False, DOT_FP32)
+        if KV_FP8:
+            v = v.to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc)
     return m_i, l_i, acc
 
@@ -134,12 +146,14 @@ def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,                  # [R + 1] int32, [R] int32, [R, max_blocks] int32
     part_acc_ptr, part_m_ptr, part_l_ptr,            # split scratch [T, H, S, D_PAD] / [T, H, S] fp32
+    k_scale_ptr, v_scale_ptr,                        # [1] fp32 each, read only when KV_FP8
     pre_scale, post_scale, window, num_q_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     r = tl.program_id(0) // num_q_tiles
     qt = tl.program_id(0) % num_q_tiles
@@ -167,6 +181,8 @@ def _paged_attn_kernel(
                                                     BLOCK_Q, TILE_N, USE_WINDOW, NUM_SPLITS)
     pos = ctx_len + tok
     bt_row_ptr = bt_ptr + r.to(tl.int64) * stride_bt
+    if KV_FP8:  # fold k_scale into the softmax scale (before the soft-cap's tanh, as q.k * scale is)
+        pre_scale = pre_scale * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -179,11 +195,13 @@ def _paged_attn_kernel(
     m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tile_lo, tl.minimum(tile_hi, full_hi), kv_end, pos, kv_head,
                                   bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                   stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
-                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, False, DOT_FP32)
+                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, False, DOT_FP32, KV_FP8)
     m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(tile_lo, full_hi), tile_hi, kv_end, pos, kv_head,
                                   bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                   stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
-                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, True, DOT_FP32)
+                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, True, DOT_FP32, KV_FP8)
+    if KV_FP8:  # v_scale once on the (unnormalised) accumulator; the split merge is linear in acc
+        acc = acc * tl.load(v_scale_ptr)
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -234,9 +252,11 @@ def _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     H, D, H_kv = q.shape[1], q.shape[2], k_cache.shape[2]
     if k_cache.shape[3] != D or H % H_kv != 0:
         raise ValueError(f"head dims differ or H={H} is not a multiple of H_kv={H_kv}")
-    if q.dtype not in _SUPPORTED_DTYPES or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
-        raise ValueError(f"q, caches and out need one dtype of {_SUPPORTED_DTYPES}, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}, {out.dtype}")
+    if q.dtype not in _SUPPORTED_DTYPES or q.dtype != out.dtype or k_cache.dtype != v_cache.dtype \
+            or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
+        raise ValueError(f"q and out need one dtype of {_SUPPORTED_DTYPES}, the caches that dtype or fp8 "
+                         f"(float8_e4m3fn / float8_e5m2); got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}, "
+                         f"{out.dtype}")
     if out.shape != q.shape or not out.is_contiguous() or q.stride(-1) != 1:
         raise ValueError(f"out must be contiguous with q's shape and q.stride(-1) == 1, got out "
                          f"{tuple(out.shape)} stride {out.stride()}, q stride {q.stride()}")
@@ -291,13 +311,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     scale: float, max_query_len: int, num_seqs: int | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    *, num_kv_splits: int | None = None) -> None:
+                    *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     """Causal attention of this step's queries over the paged KV cache; writes out in place.
 
     Args:
         q: [T, H, D] fp32/fp16/bf16, stride(-1) == 1 (may be a view into a fused qkv output).
-        k_cache, v_cache: [num_blocks, block_size, H_kv, D], same dtype as q, H % H_kv == 0. Must already hold
-            this step's keys/values (store_kv runs first). Any block_size >= 1 (typical 16).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D], q's dtype or fp8 (torch.float8_e4m3fn /
+            float8_e5m2, read as fp8 * scale), H % H_kv == 0. Must already hold this step's keys/values
+            (store_kv runs first). Any block_size >= 1 (typical 16).
         out: [T, H, D] contiguous, same dtype; rows of skipped/padding tokens are left untouched.
         query_start_loc: [R + 1] int32, cumulative query lengths (request r owns tokens qsl[r]..qsl[r+1]-1).
         seq_lens: [R] int32, context length of each request after this step (cached + new tokens).
@@ -310,6 +332,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             convention, vLLM's window (W-1, 0)). None or <= 0 = full causal.
         softcap: c; scores = c * tanh(scale * q.k / c) before softmax (Gemma 2). None or <= 0 = off.
         num_kv_splits: split-KV count (1 = single pass); None picks one from (R, max_query_len, H_kv) on CUDA.
+        k_scale, v_scale: [1] fp32 device tensors, the fp8 cache's dequantization scales (None = 1.0); read on
+            the device (CUDA-graph safe); ignored unless the caches are fp8.
     Raises:
         ValueError: on a shape, dtype, stride or device mismatch.
     The grid depends only on (num_seqs, max_query_len, H_kv, num_kv_splits), all per-request lengths are read
@@ -317,6 +341,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
     _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, R)
+    check_scale("k_scale", k_scale, q.device)
+    check_scale("v_scale", v_scale, q.device)
     T, H, D = q.shape
     H_kv = k_cache.shape[2]
     if R <= 0 or T == 0 or max_query_len <= 0:
@@ -335,15 +361,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_acc = part_m = part_l = out  # unused
     pre_scale = scale / softcap if use_softcap else scale * _LOG2E
     post_scale = softcap * _LOG2E if use_softcap else 1.0
+    kv_fp8 = is_fp8(k_cache.dtype)
+    unit = unit_scale(q.device) if kv_fp8 else seq_lens  # never read unless kv_fp8
     _paged_attn_kernel[(R * num_q_tiles, H_kv, splits)](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, part_acc, part_m, part_l,
+        unit if k_scale is None else k_scale, unit if v_scale is None else v_scale,
         pre_scale, post_scale, sliding_window if use_window else 0, num_q_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         NUM_HEADS=H, GROUP=H // H_kv, HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
         # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
-        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", **cfg)
+        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, **cfg)
     if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
@@ -351,24 +380,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_warps=4)
 
 
-def _gather(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Keys/values at positions lo..hi-1 of one request: [hi - lo, H_kv, D]."""
+def _gather(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int, scale) -> torch.Tensor:
+    """Keys/values at positions lo..hi-1 of one request: [hi - lo, H_kv, D] fp32 (fp8 caches dequantized)."""
     bs = cache.shape[1]
     first = lo // bs
     blocks = block_row[first: -(-hi // bs)].long()
-    return cache[blocks].flatten(0, 1)[lo - first * bs: hi - first * bs]
+    if is_fp8(cache.dtype):  # gather through a uint8 view: not every torch build indexes fp8 tensors
+        rows = cache.view(torch.uint8)[blocks].view(cache.dtype).flatten(0, 1)[lo - first * bs: hi - first * bs]
+        return dequantize_fp8_ref(rows, 1.0 if scale is None else scale)
+    return cache[blocks].flatten(0, 1)[lo - first * bs: hi - first * bs].float()
 
 
 def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_row: torch.Tensor,
-                seq_len: int, scale: float, window: int, softcap: float, chunk: int = 256) -> torch.Tensor:
+                seq_len: int, scale: float, window: int, softcap: float, k_scale=None, v_scale=None,
+                chunk: int = 256) -> torch.Tensor:
     """fp32 attention of one request's queries q [q_len, H, D] -> [q_len, H, D] (chunks bound the memory)."""
     q_len, H, D = q.shape
     H_kv = k_cache.shape[2]
     G = H // H_kv
     ctx = seq_len - q_len
     lo = max(0, ctx - window + 1) if window > 0 else 0
-    k = _gather(k_cache, block_row, lo, seq_len).float().permute(1, 2, 0)  # [H_kv, D, S]
-    v = _gather(v_cache, block_row, lo, seq_len).float().permute(1, 0, 2)  # [H_kv, S, D]
+    k = _gather(k_cache, block_row, lo, seq_len, k_scale).permute(1, 2, 0)  # [H_kv, D, S] fp32
+    v = _gather(v_cache, block_row, lo, seq_len, v_scale).permute(1, 0, 2)  # [H_kv, S, D] fp32
     key_pos = torch.arange(lo, seq_len, device=q.device)
     out = torch.empty((q_len, H, D), dtype=torch.float32, device=q.device)
     for c0 in range(0, q_len, chunk):
@@ -394,11 +427,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                         scale: float, max_query_len: int, num_seqs: int | None = None,
                         sliding_window: int | None = None, softcap: float | None = None,
-                        *, num_kv_splits: int | None = None) -> None:
+                        *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> None:
     """Plain-torch paged_attention (same arguments and semantics; max_query_len and num_kv_splits are unused).
 
-    A per-request loop that gathers K/V through the block table and runs a masked fp32 softmax; the CPU engine's
-    attention path. Reads query_start_loc / seq_lens on the host (a sync on CUDA).
+    A per-request loop that gathers K/V through the block table (fp8 caches dequantized to fp32 as fp8 * scale)
+    and runs a masked fp32 softmax; the CPU engine's attention path. Reads query_start_loc / seq_lens on the host
+    (a sync on CUDA).
     """
     R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
     qsl = query_start_loc[: R + 1].tolist()
@@ -409,5 +444,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q_start, q_end, seq_len = qsl[r], qsl[r + 1], lens[r]
         if q_end <= q_start or seq_len <= 0:
             continue
-        o = _attend_one(q[q_start:q_end], k_cache, v_cache, block_table[r], seq_len, scale, window, cap)
+        o = _attend_one(q[q_start:q_end], k_cache, v_cache, block_table[r], seq_len, scale, window, cap,
+                        k_scale, v_scale)
         out[q_start:q_end] = o.to(out.dtype)
