@@ -61,6 +61,9 @@ class EngineArgs:
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
         max_seq_len_to_capture / cuda_graph_sizes: largest decode batch captured in a CUDA graph.
         disable_log_stats: no periodic stats.
+        quantization: "fp8" (FP8 W8A8; FP8 checkpoints are detected), "int8" / "int4" (weight-only W8A16 /
+            W4A16 g128), "compressed-tensors" (detected); default: the checkpoint's quantization_config, if any.
+            See hayabusa/quantization/.
         async_scheduling: schedule and launch step N+1 before step N's tokens are back, so host work overlaps
             the GPU (vLLM's async scheduling). Default: on for CUDA, off on CPU (nothing to overlap there).
     """
@@ -162,7 +165,9 @@ class EngineArgs:
         if self.kv_cache_dtype != "auto":
             raise _bad("kv_cache_dtype", self.kv_cache_dtype, "only 'auto' is supported in this version.")
         if self.quantization is not None:
-            raise _bad("quantization", self.quantization, "quantization is not supported in this version.")
+            from hayabusa.quantization import normalize_method_name
+
+            normalize_method_name(self.quantization)   # unknown names fail here, listing the known ones
         if self.cpu_offload_gb:
             raise _bad("cpu_offload_gb", self.cpu_offload_gb, "CPU offload is not supported in this version.")
 
@@ -220,6 +225,8 @@ class ModelConfig:
     revision: str | None
     tokenizer_revision: str | None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: str | None = None    # the method that runs ("fp8", "int4", ...; None = unquantized)
+    quant_config: Any = None           # hayabusa.quantization.QuantizationConfig, checked against the device
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> "ModelConfig":
@@ -244,6 +251,11 @@ class ModelConfig:
         if isinstance(config_dtype, str):
             config_dtype = _DTYPES.get(config_dtype)
         eos = _eos_ids(model_dir, text_config)
+        from hayabusa.quantization import get_quantization_config
+
+        quant_config = get_quantization_config(args.quantization, hf_config)
+        if quant_config is not None:
+            quant_config.check_device(device)
         return cls(model=model_dir, tokenizer=args.tokenizer or model_dir, hf_config=text_config,
                    architecture=arch, dtype=resolve_dtype(args.dtype, config_dtype, device), max_model_len=max_len,
                    vocab_size=text_config.vocab_size, num_layers=text_config.num_hidden_layers,
@@ -252,7 +264,8 @@ class ModelConfig:
                    head_dim=head_dim, hidden_size=text_config.hidden_size,
                    trust_remote_code=args.trust_remote_code, skip_tokenizer_init=args.skip_tokenizer_init,
                    load_format=args.load_format, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
-                   eos_token_ids=eos)
+                   eos_token_ids=eos, quantization=quant_config.name if quant_config else None,
+                   quant_config=quant_config)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V for one token over all layers: 2 x layers x kv_heads x head_dim x element size."""

@@ -85,10 +85,16 @@ def iterate_weights(model_dir: str, allow_pt: bool, device: torch.device) -> Ite
 
 
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into ``model``'s parameters (casting dtype).
+    """Copy checkpoint tensors into ``model``'s parameters.
+
+    Floating-point tensors are cast to the parameter's dtype (a bf16 checkpoint into an fp32 model, bf16 scales
+    into fp32 scale parameters); fp8 tensors load only into fp8 parameters of the same format, and integer
+    (packed) tensors only into integer parameters, never cast to a float. Parameters marked ``optional`` (see
+    ``hayabusa/quantization/base.py``) may be absent from the checkpoint altogether.
 
     Raises:
-        HayabusaValidationError: a checkpoint key has no parameter, or a parameter got no tensor.
+        HayabusaValidationError: a checkpoint key has no parameter, a parameter got no tensor, or a tensor's
+            dtype cannot go into its parameter.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -110,7 +116,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             unused.append(name)
             continue
         loader = getattr(param, "weight_loader", None)
-        data = tensor.to(dtype=param.dtype)
+        data = _cast_for(param, tensor, name)
         if loader is not None:
             loader(param, data, shard)
         else:
@@ -123,7 +129,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     for pname, p in params.items():
         owner = _owner_of(model, pname)
         names = getattr(owner, "shard_names", None) if owner is not None else None
-        expected |= {f"{pname}#{s}" for s in names} if names else {f"{pname}#None"}
+        keys = {f"{pname}#{s}" for s in names} if names else {f"{pname}#None"}
+        if getattr(p, "optional", False) and not keys & loaded:
+            continue
+        expected |= keys
     missing = sorted(expected - loaded)
     if unused or missing:
         raise HayabusaValidationError(
@@ -131,6 +140,26 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             + (f"unused checkpoint tensors {unused[:8]}{'...' if len(unused) > 8 else ''}; " if unused else "")
             + (f"parameters not in the checkpoint {missing[:8]}{'...' if len(missing) > 8 else ''}" if missing
                else ""), parameter="model", value=(unused or missing)[0])
+
+
+_FP8_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+               if hasattr(torch, n)}
+
+
+def _cast_for(param: torch.Tensor, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` in ``param``'s dtype where that is a plain float-to-float or int-to-int cast; else an error."""
+    if tensor.dtype == param.dtype:
+        return tensor
+    src_fp8, dst_fp8 = tensor.dtype in _FP8_DTYPES, param.dtype in _FP8_DTYPES
+    src_float, dst_float = tensor.dtype.is_floating_point, param.dtype.is_floating_point
+    if (src_float and dst_float and not src_fp8 and not dst_fp8) or (not src_float and not dst_float):
+        return tensor.to(dtype=param.dtype)
+    why = ("an fp8 tensor needs its scales: is the checkpoint quantized but its quantization_config missing, "
+           "or does this layer's format differ?" if src_fp8 else "the checkpoint and the model disagree on "
+           "how this layer is quantized (check quantization= and the checkpoint's quantization_config).")
+    raise HayabusaValidationError(f"checkpoint tensor {name} is {str(tensor.dtype).replace('torch.', '')}; the "
+                                  f"model parameter is {str(param.dtype).replace('torch.', '')}: {why}",
+                                  parameter="model", value=name)
 
 
 def _owner_of(model: nn.Module, param_name: str) -> nn.Module | None:
@@ -142,12 +171,57 @@ def _owner_of(model: nn.Module, param_name: str) -> nn.Module | None:
 
 
 def build_model(model_config, device: torch.device) -> nn.Module:
-    """Instantiate the architecture's class on ``device`` and load its weights."""
+    """Instantiate the architecture's class on ``device``, give each Linear its quantization method, load the
+    weights and let each method process them (see ``hayabusa/quantization/base.py``)."""
     from hayabusa.model.registry import get_model_class
+    from hayabusa.quantization import set_quantization_config
 
     cls = get_model_class(model_config.architecture)
-    with torch.device(device):
+    quant_config = getattr(model_config, "quant_config", None)
+    with torch.device(device), set_quantization_config(quant_config):
         model = cls(model_config.hf_config, model_config.dtype, device, model_config.max_model_len)
+    if quant_config is not None:
+        create_linear_weights(model, quant_config)
     allow_pt = model_config.load_format == "pt"
     load_weights(model, iterate_weights(model_config.model, allow_pt, device))
+    process_weights_after_loading(model)
+    if quant_config is not None and device.type == "cuda":
+        torch.cuda.empty_cache()   # the high-precision copies that online schemes freed
     return model.eval()
+
+
+def create_linear_weights(model: nn.Module, quant_config) -> None:
+    """Ask ``quant_config`` for each deferred Linear's method, by module name; lm_head is never quantized (as in
+    vLLM: the logits keep the model dtype). ``layer.checkpoint_prefixes`` gives the config each shard's
+    checkpoint module name (our merged ``qkv_proj`` is q_proj / k_proj / v_proj there) for its ignore lists."""
+    from hayabusa.model.layers.linear import Linear
+    from hayabusa.quantization import UnquantizedLinearMethod
+
+    mapping = getattr(model, "stacked_params_mapping", [])
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.quant_method is not None:
+            continue
+        module.checkpoint_prefixes = _checkpoint_prefixes(name, module, mapping)
+        method = None
+        if name != "lm_head" and not name.endswith(".lm_head"):
+            method = quant_config.get_linear_method(name, module)
+        module.create_weights(method or UnquantizedLinearMethod())
+
+
+def _checkpoint_prefixes(name: str, layer: nn.Module, mapping: list[tuple[str, str, str]]) -> list[str]:
+    """Checkpoint module name of each shard of the Linear ``name`` (in ``shard_names`` order)."""
+    dotted = name + "."
+    by_shard = {shard: dotted.replace(ours, theirs)[:-1] for ours, theirs, shard in mapping if ours in dotted}
+    shards = getattr(layer, "shard_names", [])
+    if shards and all(s in by_shard for s in shards):
+        return [by_shard[s] for s in shards]
+    return [name]
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Each Linear's quantization method turns its loaded parameters into what it runs with."""
+    from hayabusa.model.layers.linear import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            module.quant_method.process_weights_after_loading(module)

@@ -159,16 +159,16 @@ def test_sweep_max_num_seqs_same_accuracy_and_error_row(tiny_qwen2, tmp_path, ca
 
     out, summary = tmp_path / "results.jsonl", tmp_path / "summary.json"
     rc = main(["eval", "--model", tiny_qwen2, "--data", str(DATA), "--task", "extraction", "--device", "cpu",
-               "--max-tokens", "12", "--sweep", "max_num_seqs=1,5", "--sweep", "quantization=none,fp8",
+               "--max-tokens", "12", "--sweep", "max_num_seqs=1,5", "--sweep", "quantization=none,no-such-method",
                "--output", str(out), "--json", str(summary), "--no-tqdm", "--plot", str(tmp_path / "p.png")])
-    assert rc == 1                                        # the fp8 rows are errors (quantization not supported)
+    assert rc == 1                                        # the no-such-method rows are errors (unknown name)
     rows = json.loads(summary.read_text())["rows"]
     by = {r["setting"]: r for r in rows}
     a, b = by["max_num_seqs=1,quantization=None"], by["max_num_seqs=5,quantization=None"]
     assert a["accuracy"] == b["accuracy"] and a["unparsable"] == b["unparsable"] and a["num_errors"] == 0
     assert b["text_agreement"] == 1.0 and b["agreement"] == 1.0        # greedy: same answers at any batch size
-    assert "quantization" in by["max_num_seqs=1,quantization=fp8"]["error"]
-    assert by["max_num_seqs=1,quantization=fp8"]["flag"] == "ERROR"
+    assert "quantization" in by["max_num_seqs=1,quantization=no-such-method"]["error"]
+    assert by["max_num_seqs=1,quantization=no-such-method"]["flag"] == "ERROR"
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) == 2 * 12 and {r["id"] for r in recs} == {it.id for it in load_items(str(DATA), "extraction")}
     assert "error: HayabusaValidationError" in capsys.readouterr().out

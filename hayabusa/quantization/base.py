@@ -1,0 +1,231 @@
+"""The quantization interface: a ``QuantizationConfig`` per scheme hands each ``Linear`` a ``LinearMethod``.
+
+How a model gets quantized (model files never mention a scheme):
+  1. ``build_model`` constructs the model inside ``set_quantization_config(cfg)``; every ``Linear`` built there
+     defers creating its weights (it does not know its own module name yet).
+  2. ``build_model`` walks ``model.named_modules()``: each ``Linear`` asks ``cfg.get_linear_method(name, layer)``
+     (None = leave it unquantized; lm_head is never asked) and the method's ``create_weights`` registers the
+     layer's parameters: what the checkpoint holds (fp8 ``weight`` + ``weight_scale``, packed int ``qweight``...)
+     or, for online schemes, the high-precision ``weight``.
+  3. ``load_weights`` fills them shard by shard through each parameter's ``weight_loader``.
+  4. ``process_weights_after_loading`` turns them into what ``apply`` uses (online schemes quantize here and free
+     the high-precision copy).
+  5. ``Linear.forward(x)`` = ``layer.quant_method.apply(layer, x)``.
+
+Parameter attributes read by ``Linear``'s shard loader (``hayabusa/model/layers/linear.py``) and by
+``load_weights``:
+  ``output_dim``     the dimension that holds output features (0 for a [N, K] weight, 1 for AWQ's [K, N/8]
+                     ``qweight``); None = not split by shard: every shard's checkpoint tensor is the whole
+                     parameter (e.g. GPTQ ``g_idx [K]``, identical for q/k/v).
+  ``packed_factor``  output features per element along ``output_dim`` (8 for AWQ int4 packed in int32, else 1):
+                     shard [start, end) of the outputs is elements [start / f, end / f).
+  ``shard_indexed``  the parameter has one entry per shard ([num_shards]) and each shard's checkpoint tensor is a
+                     scalar (per-tensor fp8 scales of merged q/k/v or gate/up).
+  ``optional``       ``load_weights`` does not require it when the checkpoint has none of its tensors.
+  ``weight_loader``  ``loader(param, tensor, shard_name | None)``; set by ``make_param`` to the layer's loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from abc import ABC, abstractmethod
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hayabusa.errors import HayabusaValidationError
+
+_CURRENT: contextvars.ContextVar["QuantizationConfig | None"] = contextvars.ContextVar("hayabusa_quant_config",
+                                                                                        default=None)
+
+
+@contextlib.contextmanager
+def set_quantization_config(cfg: "QuantizationConfig | None") -> Iterator[None]:
+    """While active, ``Linear`` layers defer their weights to ``build_model`` (see the module docstring)."""
+    token = _CURRENT.set(cfg)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_quantization_config() -> "QuantizationConfig | None":
+    return _CURRENT.get()
+
+
+def make_param(layer: nn.Module, name: str, data: torch.Tensor, output_dim: int | None = 0, packed_factor: int = 1,
+               **attrs: Any) -> nn.Parameter:
+    """Register ``data`` as parameter ``name`` of ``layer`` (no grad) with the loader attributes above; the
+    ``weight_loader`` is ``layer.weight_loader`` (shard-aware, overridable e.g. by GPT-2's transposing Conv1D)."""
+    p = nn.Parameter(data, requires_grad=False)
+    p.output_dim = output_dim  # type: ignore[attr-defined]
+    p.packed_factor = packed_factor  # type: ignore[attr-defined]
+    for k, v in attrs.items():
+        setattr(p, k, v)
+    p.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+    layer.register_parameter(name, p)
+    return p
+
+
+def replace_param(layer: nn.Module, name: str, data: torch.Tensor | None) -> None:
+    """Swap parameter ``name`` for ``data`` (or remove it) after loading; the old storage is freed with it."""
+    if name in layer._parameters:  # noqa: SLF001
+        del layer._parameters[name]  # noqa: SLF001
+    if data is None:
+        setattr(layer, name, None)
+    else:
+        layer.register_parameter(name, nn.Parameter(data, requires_grad=False))
+
+
+class LinearMethod(ABC):
+    """How one ``Linear`` stores and multiplies its weight. ``layer`` is the ``Linear``: it already has ``bias``
+    ([N] in the model dtype, or None), ``in_features`` K, ``output_sizes`` (shards), ``out_features`` N."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int], dtype: torch.dtype,
+                       device: torch.device | None) -> None:
+        """Register the parameters the checkpoint (or, for online schemes, the high-precision weight) loads into.
+
+        Args:
+            layer: the Linear.
+            in_features: K.
+            output_sizes: output features of each shard (sum N).
+            dtype: the model dtype (activations, bias, unquantized weights).
+            device: where to allocate.
+        """
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded parameters into what ``apply`` uses (quantize, repack, expand scales)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] (model dtype) -> y [T, N] (model dtype) = x W^T + bias."""
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Today's Linear: weight [N, K] in the model dtype, ``F.linear``."""
+
+    def create_weights(self, layer, in_features, output_sizes, dtype, device):
+        make_param(layer, "weight", torch.empty(sum(output_sizes), in_features, dtype=dtype, device=device))
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class QuantizationConfig(ABC):
+    """One quantization scheme, as read from a checkpoint's ``quantization_config`` or asked for by name.
+
+    Subclasses set ``name`` (vLLM's method name), ``cpu_supported`` and ``min_capability`` (lowest CUDA compute
+    capability, None = no CUDA support), and implement ``from_hf_config`` / ``online`` / ``get_linear_method``.
+    """
+
+    name: str = ""
+    cpu_supported: bool = True
+    min_capability: tuple[int, int] | None = (7, 0)
+    capability_note: str = ""   # e.g. "(Ada, Hopper)", printed after the required capability
+
+    @classmethod
+    @abstractmethod
+    def from_hf_config(cls, qc: dict[str, Any]) -> "QuantizationConfig":
+        """The scheme of a checkpoint whose config.json has ``"quantization_config": qc``.
+
+        Raises:
+            HayabusaValidationError: a variant of the scheme that hayabusa does not run (the message says which
+                variants it does run).
+        """
+
+    @classmethod
+    def online(cls) -> "QuantizationConfig":
+        """``quantization=<name>`` on an unquantized checkpoint (quantize after loading).
+
+        Raises:
+            HayabusaValidationError: the scheme needs a checkpoint saved in its format.
+        """
+        raise HayabusaValidationError(
+            f"quantization={cls.name!r} needs a checkpoint saved in that format (its config.json has a "
+            f"quantization_config with quant_method {cls.name!r}); this checkpoint has none. To quantize an "
+            "unquantized checkpoint while loading, use quantization='fp8', 'int8' or 'int4'.",
+            parameter="quantization", value=cls.name)
+
+    @abstractmethod
+    def get_linear_method(self, layer_prefix: str, layer: nn.Module) -> LinearMethod | None:
+        """The method for the Linear named ``layer_prefix`` (our module name; ``layer.checkpoint_prefixes`` holds
+        the checkpoint's module name of each shard, e.g. q_proj/k_proj/v_proj for our qkv_proj). None = leave the
+        layer unquantized (e.g. it is in the checkpoint's ignore list)."""
+
+    # ------------------------------------------------------------------ devices
+    @classmethod
+    def supports(cls, device: torch.device) -> bool:
+        if device.type == "cpu":
+            return cls.cpu_supported
+        if device.type == "cuda":
+            return cls.min_capability is not None and torch.cuda.get_device_capability(device) >= cls.min_capability
+        return False
+
+    @classmethod
+    def supported_devices(cls) -> str:
+        """In words, e.g. "CPU, and CUDA GPUs with compute capability >= 8.9 (Ada, Hopper)"."""
+        parts = ["CPU"] if cls.cpu_supported else []
+        if cls.min_capability is not None:
+            cap = ".".join(map(str, cls.min_capability))
+            parts.append(f"CUDA GPUs with compute capability >= {cap} {cls.capability_note}".rstrip())
+        return ", and ".join(parts) or "no device"
+
+    def check_device(self, device: torch.device) -> None:
+        """Raises HayabusaValidationError when the scheme cannot run on ``device``; the message names the scheme,
+        the device (and its compute capability) and the schemes that do run there."""
+        if self.supports(device):
+            return
+        from hayabusa.quantization.registry import methods_supported_on
+
+        if device.type == "cuda":
+            cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+            where = f"{device} ({torch.cuda.get_device_name(device)}, compute capability {cap})"
+        else:
+            where = str(device)
+        runs = methods_supported_on(device)
+        raise HayabusaValidationError(
+            f"quantization={self.name!r} runs on {self.supported_devices()}, not on {where}. On this device "
+            f"hayabusa runs: {', '.join(runs) if runs else 'no quantization scheme'}.",
+            parameter="quantization", value=self.name)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+# ---------------------------------------------------------------------------------------------- layer names
+def layer_names(layer_prefix: str, layer: nn.Module) -> list[str]:
+    """The checkpoint module name of each shard of ``layer`` (set by ``build_model``), else [layer_prefix]."""
+    return list(getattr(layer, "checkpoint_prefixes", None) or [layer_prefix])
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """compressed-tensors / vLLM matching: ``re:<regex>`` matches by ``re.match``; otherwise the module name
+    equals the pattern, ends with ``.pattern`` (``"lm_head"``, ``"down_proj"``) or lies under it
+    (``"model.layers.0"`` covers that layer's projections)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
+
+
+def is_ignored(layer_prefix: str, layer: nn.Module, patterns: list[str] | tuple[str, ...]) -> bool:
+    """Whether the checkpoint left this layer unquantized (``ignore`` / ``ignored_layers`` /
+    ``modules_to_not_convert``). A merged layer whose shards disagree (q_proj ignored, k_proj not) cannot be one
+    matrix.
+
+    Raises:
+        HayabusaValidationError: the shards of a merged layer disagree.
+    """
+    names = layer_names(layer_prefix, layer)
+    hits = [any(name_matches(n, p) for p in patterns) for n in names]
+    if any(hits) and not all(hits):
+        raise HayabusaValidationError(
+            f"the checkpoint's quantization_config leaves {[n for n, h in zip(names, hits) if h]} unquantized but "
+            f"not {[n for n, h in zip(names, hits) if not h]}; hayabusa runs them as one merged matrix "
+            f"({layer_prefix}), which must be all quantized or all not.", parameter="model", value=layer_prefix)
+    return bool(hits) and all(hits)

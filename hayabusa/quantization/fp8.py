@@ -1,0 +1,230 @@
+"""FP8 W8A8: e4m3 weights with per-output-channel scales, activations quantized per token at run time.
+
+Format: float8 e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, no infinities, largest finite
+value 448; Micikevicius et al., "FP8 Formats for Deep Learning", arXiv:2209.05433). A tensor t is stored as
+q = round_e4m3(t / s) with a float32 scale s = amax / 448, and read back as q * s.
+
+  y [M, N] = (x_q [M, K] @ w_q^T [K, N]) * s_x [M, 1] * s_w [1, N]   (+ bias)
+
+with s_x one scale per token (row of x), computed for every call from that row's amax ("dynamic"), or one
+calibrated scalar from the checkpoint (``input_scale``, "static"); s_w one scale per output channel.
+
+Where the matmul runs:
+  * CUDA, compute capability >= 8.9 (Ada, Hopper): ``torch._scaled_mm`` with row-wise scales (scale_a [M, 1]
+    fp32, scale_b [1, N] fp32, w_q^T column-major, K and N multiples of 16: other shapes are zero-padded once at
+    load and per call for x's K).
+  * CPU: an exact emulation of the same numerics (same quantized x_q, s_x; the e4m3 products summed in fp32,
+    then both scales), so ``hayabusa eval --fidelity`` on CPU measures the real quantization error.
+  * CUDA below 8.9: refused at engine creation (``check_device``); int8 / int4 weight-only run there.
+
+Checkpoints (their config.json ``quantization_config``):
+  * ``{"quant_method": "fp8", "activation_scheme": "dynamic" | "static", "ignored_layers": [...]}`` (vLLM's
+    Fp8Config, AutoFP8 / llm-compressor "fp8" exports): ``weight`` e4m3 [N, K], ``weight_scale`` one fp32 per
+    tensor (so a merged q/k/v has three: they become a per-channel vector, exactly), ``input_scale`` per tensor
+    when static (merged shards take the largest, as vLLM does). ``weight_block_size`` (block-wise fp8, e.g.
+    DeepSeek-V3 / Qwen3-FP8) is refused.
+  * compressed-tensors (``compressed_tensors.py``): per-channel ``weight_scale [N, 1]`` or per-tensor.
+  * ``quantization="fp8"`` on a bf16 / fp16 / fp32 checkpoint: each weight is quantized per channel after
+    loading and its high-precision copy freed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.quantization.base import LinearMethod, QuantizationConfig, is_ignored, make_param, replace_param
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)          # 448.0
+# Smallest dynamic scale: an all-zero row would otherwise divide by zero (vLLM uses the same floor).
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+FP8_MIN_CAPABILITY = (8, 9)
+# Fast accumulation on Hopper (fewer promotions of the partial sums to fp32 inside the tensor-core pipeline):
+# the inference default of torchao's float8 path. Set False to trade speed for bit-closer agreement with the
+# emulation.
+USE_FAST_ACCUM = True
+
+
+# ---------------------------------------------------------------------------------------------- numerics
+def quantize_fp8_rows(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of t [M, K] to e4m3.
+
+    Args:
+        t: [M, K], any float dtype.
+        scale: optional fp32 scalar (static per-tensor scale); default one scale per row, amax / 448 (>= MIN_SCALE).
+    Returns:
+        (q [M, K] float8_e4m3fn, s [M, 1] float32 contiguous), t ~= q * s.
+    """
+    tf = t.float()
+    if scale is None:
+        s = (tf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    else:
+        s = scale.float().reshape(1, 1).expand(t.shape[0], 1).contiguous()
+    q = (tf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, s
+
+
+def fp8_matmul_emulated(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """What ``torch._scaled_mm`` computes, in plain torch: (xq [M, K] @ wq [N, K]^T) in fp32 (each e4m3 product is
+    exact in fp32) times sx [M, 1] and sw [N] fp32, cast to ``out_dtype``. Any device."""
+    acc = xq.float() @ wq.float().t()                  # [M, N] fp32
+    return (acc * sx * sw.view(1, -1)).to(out_dtype)
+
+
+def fp8_matmul_cuda(xq: torch.Tensor, sx: torch.Tensor, wq_t: torch.Tensor, sw_row: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` with row-wise scales (CUDA, compute capability >= 8.9).
+
+    Args:
+        xq: [M, K] e4m3, row-major; K % 16 == 0.
+        sx: [M, 1] fp32 contiguous.
+        wq_t: [K, N] e4m3, column-major (the transpose of a contiguous [N, K]); N % 16 == 0.
+        sw_row: [1, N] fp32 contiguous.
+        out_dtype: bfloat16 / float16 / float32.
+    Returns:
+        [M, N] out_dtype.
+    """
+    return torch._scaled_mm(xq, wq_t, scale_a=sx, scale_b=sw_row, out_dtype=out_dtype,
+                            use_fast_accum=USE_FAST_ACCUM)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+
+
+# ---------------------------------------------------------------------------------------------- linear method
+class Fp8LinearMethod(LinearMethod):
+    """FP8 W8A8 on one Linear (module docstring).
+
+    Args:
+        checkpoint_fp8: the checkpoint holds e4m3 weights and scales (else: a high-precision weight quantized
+            after loading).
+        weight_strategy: "tensor" (one ``weight_scale`` per checkpoint tensor) or "channel" (``weight_scale``
+            [N, 1]); only read when ``checkpoint_fp8``.
+        static_input: the checkpoint has calibrated ``input_scale`` scalars (else per-token dynamic scales).
+
+    After loading the layer holds ``weight`` [N', K'] e4m3 (N', K' = N, K rounded up to 16 on the _scaled_mm
+    path, zero-padded), ``weight_scale`` [N'] fp32 and ``input_scale`` (fp32 scalar) or None.
+    """
+
+    def __init__(self, checkpoint_fp8: bool, weight_strategy: str = "channel", static_input: bool = False) -> None:
+        assert weight_strategy in ("tensor", "channel")
+        self.checkpoint_fp8 = checkpoint_fp8
+        self.weight_strategy = weight_strategy
+        self.static_input = static_input
+
+    def create_weights(self, layer, in_features, output_sizes, dtype, device):
+        N, S = sum(output_sizes), len(output_sizes)
+        if not self.checkpoint_fp8:
+            make_param(layer, "weight", torch.empty(N, in_features, dtype=dtype, device=device))
+            return
+        make_param(layer, "weight", torch.empty(N, in_features, dtype=FP8_DTYPE, device=device))
+        if self.weight_strategy == "channel":
+            make_param(layer, "weight_scale", torch.empty(N, 1, dtype=torch.float32, device=device))
+        else:
+            make_param(layer, "weight_scale", torch.empty(S, dtype=torch.float32, device=device), output_dim=None,
+                       shard_indexed=True)
+        if self.static_input:
+            make_param(layer, "input_scale", torch.empty(S, dtype=torch.float32, device=device), output_dim=None,
+                       shard_indexed=True)
+
+    def process_weights_after_loading(self, layer):
+        w = layer.weight.data
+        if not self.checkpoint_fp8:
+            wq, sw = quantize_fp8_rows(w)                       # [N, K] e4m3, [N, 1] fp32
+            sw = sw.view(-1)
+        else:
+            wq = w
+            if self.weight_strategy == "channel":
+                sw = layer.weight_scale.data.float().reshape(-1)
+            else:   # per-shard scalars -> per-channel vector (exact, no requantization)
+                sizes = torch.tensor(layer.output_sizes, device=w.device)
+                sw = torch.repeat_interleave(layer.weight_scale.data.float(), sizes)
+        si = layer.input_scale.data.float().max() if self.static_input else None
+        layer.fp8_scaled_mm = has_fp8_matmul(w.device)
+        N, K = wq.shape
+        if layer.fp8_scaled_mm and (N % 16 or K % 16):          # _scaled_mm needs K, N multiples of 16
+            Np, Kp = _round_up(N, 16), _round_up(K, 16)
+            wq = F.pad(wq.view(torch.uint8), (0, Kp - K, 0, Np - N)).view(FP8_DTYPE)   # zero bytes = +0.0
+            sw = F.pad(sw, (0, Np - N), value=1.0)
+        replace_param(layer, "weight", wq.contiguous())
+        replace_param(layer, "weight_scale", sw.contiguous())
+        replace_param(layer, "input_scale", si)
+
+    def apply(self, layer, x):
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, K)
+        xq, sx = quantize_fp8_rows(x2, layer.input_scale)
+        N = layer.out_features
+        w = layer.weight
+        if layer.fp8_scaled_mm:
+            if w.shape[1] != K:
+                xq = F.pad(xq.view(torch.uint8), (0, w.shape[1] - K)).view(FP8_DTYPE)
+            y = fp8_matmul_cuda(xq, sx, w.t(), layer.weight_scale.view(1, -1), x.dtype)
+            if y.shape[1] != N:
+                y = y[:, :N].contiguous()
+        else:
+            y = fp8_matmul_emulated(xq, sx, w, layer.weight_scale, x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.reshape(*lead, N)
+
+
+# ---------------------------------------------------------------------------------------------- config
+class Fp8Config(QuantizationConfig):
+    """vLLM's "fp8": an FP8 checkpoint (``{"quant_method": "fp8", ...}``) or online quantization.
+
+    Args:
+        checkpoint_fp8: weights are stored in e4m3 (else quantized after loading).
+        activation_scheme: "dynamic" (per-token scales at run time) or "static" (checkpoint ``input_scale``).
+        ignored_layers: checkpoint module names (or ``re:`` patterns) left unquantized.
+    """
+
+    name = "fp8"
+    cpu_supported = True
+    min_capability = FP8_MIN_CAPABILITY
+    capability_note = "(Ada, Hopper: FP8 tensor cores)"
+
+    def __init__(self, checkpoint_fp8: bool, activation_scheme: str = "dynamic",
+                 ignored_layers: list[str] | tuple[str, ...] = ()) -> None:
+        self.checkpoint_fp8 = checkpoint_fp8
+        self.activation_scheme = activation_scheme
+        self.ignored_layers = list(ignored_layers)
+
+    @classmethod
+    def from_hf_config(cls, qc: dict[str, Any]) -> "Fp8Config":
+        block = qc.get("weight_block_size")
+        if block:
+            raise HayabusaValidationError(
+                f"block-wise FP8 checkpoints (weight_block_size={block}) are not supported yet; hayabusa runs FP8 "
+                "checkpoints with per-tensor or per-channel weight scales.", parameter="quantization", value="fp8")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise HayabusaValidationError(f"fp8 activation_scheme {scheme!r} is not supported (dynamic or static).",
+                                          parameter="quantization", value="fp8")
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise HayabusaValidationError(f"fp8 checkpoints in format {fmt!r} are not supported (only e4m3).",
+                                          parameter="quantization", value="fp8")
+        ignored = list(qc.get("ignored_layers") or []) + list(qc.get("modules_to_not_convert") or [])
+        return cls(True, scheme, ignored)
+
+    @classmethod
+    def online(cls) -> "Fp8Config":
+        return cls(False, "dynamic")
+
+    def get_linear_method(self, layer_prefix: str, layer: nn.Module) -> LinearMethod | None:
+        if is_ignored(layer_prefix, layer, self.ignored_layers):
+            return None
+        return Fp8LinearMethod(self.checkpoint_fp8, "tensor" if self.checkpoint_fp8 else "channel",
+                               static_input=self.activation_scheme == "static")

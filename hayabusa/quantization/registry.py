@@ -1,0 +1,123 @@
+"""Quantization method names (vLLM's, plus hayabusa's online "int8" / "int4") -> config classes, and the choice
+between the ``quantization=`` engine argument and the checkpoint's ``quantization_config``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.quantization.base import QuantizationConfig
+from hayabusa.quantization.compressed_tensors import CompressedTensorsConfig
+from hayabusa.quantization.fp8 import Fp8Config
+from hayabusa.quantization.weight_only import Int4Config, Int8Config
+
+
+class _NotImplementedYet(QuantizationConfig):
+    """A vLLM method name that hayabusa knows but does not run yet: any use says so."""
+
+    cpu_supported = False
+    min_capability = None
+
+    @classmethod
+    def _refuse(cls) -> HayabusaValidationError:
+        return HayabusaValidationError(
+            f"quantization={cls.name!r} is not implemented in hayabusa yet. Implemented: "
+            f"{', '.join(implemented_methods())} (fp8 and compressed-tensors FP8 checkpoints; online fp8, int8, "
+            "int4 of unquantized checkpoints).", parameter="quantization", value=cls.name)
+
+    @classmethod
+    def from_hf_config(cls, qc: dict[str, Any]) -> QuantizationConfig:
+        raise cls._refuse()
+
+    @classmethod
+    def online(cls) -> QuantizationConfig:
+        raise cls._refuse()
+
+    def get_linear_method(self, layer_prefix, layer):  # pragma: no cover - never constructed
+        raise self._refuse()
+
+
+def _pending(method: str) -> type[QuantizationConfig]:
+    return type(f"Pending_{method}", (_NotImplementedYet,), {"name": method})
+
+
+# name -> config class. The config classes' ``name`` equals the key.
+QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
+    "fp8": Fp8Config,
+    "compressed-tensors": CompressedTensorsConfig,
+    "int8": Int8Config,
+    "int4": Int4Config,
+    "awq": _pending("awq"),
+    "gptq": _pending("gptq"),
+    "bitsandbytes": _pending("bitsandbytes"),
+}
+
+# Spellings of quant_method found in config.json files -> our name.
+_ALIASES = {"compressed_tensors": "compressed-tensors"}
+
+
+def implemented_methods() -> list[str]:
+    return [n for n, c in QUANTIZATION_METHODS.items() if not issubclass(c, _NotImplementedYet)]
+
+
+def methods_supported_on(device: torch.device) -> list[str]:
+    """Implemented method names that run on ``device``."""
+    return [n for n in implemented_methods() if QUANTIZATION_METHODS[n].supports(device)]
+
+
+def normalize_method_name(name: str) -> str:
+    """Lower-cased registry name of ``name``.
+
+    Raises:
+        HayabusaValidationError: not a known method (the message lists the known ones).
+    """
+    key = str(name).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in QUANTIZATION_METHODS:
+        raise HayabusaValidationError(
+            f"unknown quantization method {name!r}; known: {', '.join(QUANTIZATION_METHODS)}.",
+            parameter="quantization", value=name)
+    return key
+
+
+def checkpoint_quantization_config(hf_config: Any) -> dict[str, Any] | None:
+    """The ``quantization_config`` dict of an HF config (object or dict), or None."""
+    qc = hf_config.get("quantization_config") if isinstance(hf_config, dict) else \
+        getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    return qc
+
+
+def get_quantization_config(quantization: str | None, hf_config: Any) -> QuantizationConfig | None:
+    """The quantization to run: from the ``quantization`` engine argument and/or the checkpoint's
+    ``quantization_config`` (vLLM's rule: the checkpoint's method is used when the argument is None; both given
+    must agree).
+
+    Args:
+        quantization: a registry name or None.
+        hf_config: the checkpoint's HF config (``transformers.PretrainedConfig``) or its dict.
+    Returns:
+        The config, or None for an unquantized run.
+    Raises:
+        HayabusaValidationError: unknown name; the argument disagrees with the checkpoint (both named); the
+            checkpoint's variant of the scheme is not supported; the scheme needs a quantized checkpoint.
+    """
+    qc = checkpoint_quantization_config(hf_config)
+    name = normalize_method_name(quantization) if quantization is not None else None
+    if qc is None:
+        return None if name is None else QUANTIZATION_METHODS[name].online()
+    if "quant_method" not in qc:
+        raise HayabusaValidationError("the checkpoint's quantization_config has no quant_method.",
+                                      parameter="quantization", value=qc)
+    ckpt = normalize_method_name(qc["quant_method"])
+    if name is not None and name != ckpt:
+        raise HayabusaValidationError(
+            f"quantization={quantization!r} does not match the checkpoint, which is quantized with "
+            f"{qc['quant_method']!r} (config.json quantization_config). Leave quantization unset to use the "
+            "checkpoint's method, or pass an unquantized checkpoint.", parameter="quantization", value=quantization)
+    return QUANTIZATION_METHODS[ckpt].from_hf_config(qc)
