@@ -31,7 +31,7 @@ from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, get_work
 ENGINE_FLAGS: dict[str, Any] = {
     "max_num_seqs": int, "max_num_batched_tokens": int, "gpu_memory_utilization": float, "dtype": str,
     "device": str, "max_model_len": int, "seed": int, "block_size": int, "kv_cache_memory_bytes": int,
-    "num_gpu_blocks_override": int,
+    "num_gpu_blocks_override": int, "quantization": str,
 }
 HF_ONLY_KEYS = ("hf_batch_size",)
 
@@ -90,6 +90,8 @@ def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
     typ = ENGINE_FLAGS.get(key, int if key == "hf_batch_size" else None)
     if key in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
         typ = lambda s: s.strip().lower() in ("1", "true", "on", "yes")  # noqa: E731
+    if key == "quantization":   # quantization=none,fp8,int4: "none" is the unquantized run
+        typ = lambda s: None if s.strip().lower() == "none" else s.strip()  # noqa: E731
     if typ is None:
         raise ValueError(f"--sweep key {key!r} is not a bench engine argument; use one of "
                          f"{', '.join(list(ENGINE_FLAGS) + ['enforce_eager', 'enable_prefix_caching', 'hf_batch_size'])}.")

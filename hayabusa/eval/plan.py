@@ -52,9 +52,11 @@ GPUS: dict[str, tuple[float, str, str, int, bool, bool, str]] = {
 # quantization -> bits per linear-layer weight, scales included. 4-bit group-128 formats (AWQ, GPTQ) store an fp16
 # scale and a 4-bit zero point per 128 weights: 4 + 20/128 bits. bitsandbytes nf4 keeps an fp32 absmax per 64
 # weights: 4 + 32/64. GGUF blocks of 32: Q4_0 18 bytes, Q4_1 20 bytes, Q8_0 34 bytes. FP8 / INT8 per-channel
-# scales are negligible.
+# scales are negligible. hayabusa's int4 keeps a 16-bit scale and zero per 128 weights: 4 + 32/128;
+# compressed-tensors counts as its FP8 scheme (the one hayabusa runs).
 QUANT_BITS: dict[str, float] = {
     "fp8": 8.0, "int8": 8.0, "w8a8": 8.0, "smoothquant": 8.0, "bitsandbytes-8bit": 8.0,
+    "int4": 4 + 32 / 128, "compressed-tensors": 8.0,
     "awq": 4 + 20 / 128, "gptq": 4 + 20 / 128, "awq_marlin": 4 + 20 / 128, "gptq_marlin": 4 + 20 / 128,
     "bitsandbytes": 4.5, "bitsandbytes-4bit": 4.5, "nf4": 4.5,
     "gguf-q4_0": 4.5, "gguf-q4_1": 5.0, "gguf-q8_0": 8.5,
@@ -329,8 +331,12 @@ def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib:
 def _notes(plan: dict[str, Any]) -> list[str]:
     notes = []
     if plan["quantization"]:
+        from hayabusa.quantization import implemented_methods
+
+        runs = implemented_methods()
         notes.append(f"quantization={plan['quantization']} is planned at {plan['weight_bits']:.2f} bits per linear "
-                     "weight; hayabusa does not run quantized checkpoints yet.")
+                     "weight" + (" (hayabusa runs it)." if plan["quantization"] in runs else
+                                 f"; hayabusa does not run it yet (it runs {', '.join(runs)})."))
     if plan["kv_cache_dtype"] != "auto":
         notes.append(f"kv_cache_dtype={plan['kv_cache_dtype']} is planned; hayabusa runs only 'auto' today.")
     if plan["tp"] > 1:

@@ -1,0 +1,139 @@
+"""Choosing the quantization: the registry, automatic detection from config.json, conflicts, refused variants and
+devices. No model weights are needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hayabusa.config import EngineArgs
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.quantization import QUANTIZATION_METHODS, get_quantization_config, methods_supported_on
+from hayabusa.quantization.compressed_tensors import CompressedTensorsConfig
+from hayabusa.quantization.fp8 import Fp8Config
+from hayabusa.quantization.weight_only import Int4Config, Int8Config
+
+CT_FP8_DYNAMIC = {  # RedHatAI ...-FP8-dynamic (llm-compressor), trimmed to what hayabusa reads
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "kv_cache_scheme": None, "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                              "dynamic": True}}},
+}
+
+
+def test_registry_names_are_vllms():
+    assert list(QUANTIZATION_METHODS) == ["fp8", "compressed-tensors", "int8", "int4", "awq", "gptq",
+                                          "bitsandbytes"]
+    assert all(cls.name == name for name, cls in QUANTIZATION_METHODS.items())
+
+
+def test_argument_alone_gives_the_online_schemes():
+    assert get_quantization_config(None, {}) is None
+    fp8 = get_quantization_config("FP8", {})
+    assert isinstance(fp8, Fp8Config) and not fp8.checkpoint_fp8 and fp8.activation_scheme == "dynamic"
+    assert isinstance(get_quantization_config("int8", {}), Int8Config)
+    assert get_quantization_config("int4", {}).group_size == 128 and isinstance(get_quantization_config("int4", {}),
+                                                                                Int4Config)
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(HayabusaValidationError, match="unknown quantization method 'fp4'; known: fp8, "
+                                                      "compressed-tensors, int8, int4, awq, gptq, bitsandbytes"):
+        get_quantization_config("fp4", {})
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model="m", quantization="squeezellm").create_engine_config()
+    assert e.value.parameter == "quantization" and "known: fp8" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq", "bitsandbytes"])
+def test_reserved_names_say_not_implemented(name):
+    for qc in ({}, {"quantization_config": {"quant_method": name, "bits": 4, "group_size": 128}}):
+        with pytest.raises(HayabusaValidationError, match=f"quantization='{name}' is not implemented in hayabusa "
+                                                          "yet. Implemented: fp8, compressed-tensors, int8, int4"):
+            get_quantization_config(name if not qc else None, qc)
+
+
+def test_detected_from_the_checkpoint():
+    fp8 = get_quantization_config(None, {"quantization_config": {"quant_method": "fp8",
+                                                                 "activation_scheme": "static",
+                                                                 "ignored_layers": ["model.layers.0.mlp.down_proj"]}})
+    assert isinstance(fp8, Fp8Config) and fp8.checkpoint_fp8 and fp8.activation_scheme == "static"
+    assert fp8.ignored_layers == ["model.layers.0.mlp.down_proj"]
+    ct = get_quantization_config(None, {"quantization_config": CT_FP8_DYNAMIC})
+    assert isinstance(ct, CompressedTensorsConfig) and ct.groups == [(["Linear"], "channel", False)]
+    assert ct.ignore == ["lm_head"]
+    # the argument may repeat the checkpoint's method
+    assert isinstance(get_quantization_config("compressed-tensors", {"quantization_config": CT_FP8_DYNAMIC}),
+                      CompressedTensorsConfig)
+
+
+def test_argument_that_disagrees_with_the_checkpoint_names_both():
+    with pytest.raises(HayabusaValidationError, match=r"quantization='int8' does not match the checkpoint, which "
+                                                      r"is quantized with 'compressed-tensors'"):
+        get_quantization_config("int8", {"quantization_config": CT_FP8_DYNAMIC})
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise FP8 checkpoints \(weight_block_size="
+                                                                 r"\[128, 128\]\) are not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "per-group"}, "activation_scheme 'per-group' is not supported"),
+    ({**CT_FP8_DYNAMIC, "format": "pack-quantized"}, "format 'pack-quantized'"),
+    ({**CT_FP8_DYNAMIC, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({**CT_FP8_DYNAMIC, "config_groups": {"g": {**CT_FP8_DYNAMIC["config_groups"]["group_0"],
+                                                "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                            "group_size": 128}}}},
+     "weights of 4 bits of type 'int'"),
+    ({**CT_FP8_DYNAMIC, "config_groups": {"g": {**CT_FP8_DYNAMIC["config_groups"]["group_0"],
+                                                "input_activations": None}}}, "weight-only fp8"),
+    ({**CT_FP8_DYNAMIC, "config_groups": {"g": {**CT_FP8_DYNAMIC["config_groups"]["group_0"],
+                                                "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                            "block_structure": [128, 128]}}}},
+     "weight strategy 'block'"),
+])
+def test_unsupported_checkpoint_variants_are_refused_by_name(qc, message):
+    with pytest.raises(HayabusaValidationError, match=message) as e:
+        get_quantization_config(None, {"quantization_config": qc})
+    assert e.value.parameter == "quantization"
+
+
+def test_online_only_schemes_refuse_checkpoints_and_checkpoint_schemes_need_one():
+    with pytest.raises(HayabusaValidationError, match="quantizes an unquantized checkpoint while loading"):
+        get_quantization_config(None, {"quantization_config": {"quant_method": "int4"}})
+    with pytest.raises(HayabusaValidationError, match="needs a checkpoint saved in that format"):
+        get_quantization_config("compressed-tensors", {})
+
+
+def test_every_implemented_scheme_runs_on_cpu():
+    assert methods_supported_on(torch.device("cpu")) == ["fp8", "compressed-tensors", "int8", "int4"]
+    for name in ("fp8", "int8", "int4"):
+        get_quantization_config(name, {}).check_device(torch.device("cpu"))
+
+
+def test_fp8_on_a_gpu_without_fp8_names_the_gpu_and_what_runs_there(monkeypatch):
+    """An A100 (8.0) has no FP8 tensor cores: fp8 is refused, naming the capability and the schemes that run."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    dev = torch.device("cuda", 0)
+    with pytest.raises(HayabusaValidationError) as e:
+        get_quantization_config("fp8", {}).check_device(dev)
+    msg = str(e.value)
+    assert "quantization='fp8' runs on CPU, and CUDA GPUs with compute capability >= 8.9 (Ada, Hopper" in msg
+    assert "not on cuda:0 (NVIDIA A100-SXM4-80GB, compute capability 8.0)" in msg
+    assert msg.endswith("On this device hayabusa runs: int8, int4.")
+    get_quantization_config("int4", {}).check_device(dev)                           # weight-only runs there
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    get_quantization_config("fp8", {}).check_device(dev)
+
+
+def test_plan_notes_say_what_runs():
+    from hayabusa.eval.plan import PlanInputs, load_config, make_plan
+
+    cfg = load_config("qwen2.5-7b-shape")
+    int4 = make_plan(cfg, PlanInputs(quantization="int4"), gpu_memory_gib=80)
+    assert int4["weight_bits"] == 4.25 and "quantization=int4 is planned at 4.25 bits per linear weight (hayabusa " \
+                                           "runs it)." in int4["notes"]
+    awq = make_plan(cfg, PlanInputs(quantization="awq"), gpu_memory_gib=80)
+    assert any("hayabusa does not run it yet (it runs fp8, compressed-tensors, int8, int4)" in n for n in awq["notes"])
