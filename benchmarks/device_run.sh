@@ -94,8 +94,10 @@ g_gpu_tests() {
   ensure_q05
   [ "$GPU_TESTS_S" -gt 0 ] || return 0
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 300)
+  # the cuda-marked tests, then every kernel test (they pick CUDA when it is there and carry no marker)
   step gpu_tests "$GPU_TESTS_S" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -m cuda tests/ \
-    ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/gpu_tests.log'; exit \${PIPESTATUS[0]}"
+    ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/gpu_tests.log'; a=\${PIPESTATUS[0]}; python -m pytest -q tests/kernels \
+    ${PT_TIMEOUT[*]} 2>&1 | tee -a '$OUT/gpu_tests.log'; exit \$((a | \${PIPESTATUS[0]}))"
 }
 g_ceilings() { step ceilings 60 10 python -m hayabusa.bench.cli --ceilings --json "$CEIL"; }
 g_q05() {
@@ -129,6 +131,16 @@ g_q05more() {
   ensure_q05
   bench_step q05_W2 120 40 --workload W2 --model "$Q05"
 }
+g_prefix7() {  # the prefix-caching workloads where prefill is a real cost: the 7b shape
+  ensure_q7
+  bench_step q7_W5 120 40 --workload W5 --model "$Q7"
+  bench_step q7_W7 150 40 --workload W7 --model "$Q7" --sweep enable_prefix_caching=true,false
+}
+g_q7pair() {  # W1 with prefix caching on and off in the same run (nothing shared: must be within 2 %)
+  ensure_q7
+  bench_step q7_W1_pair 150 60 --workload W1 --model "$Q7" --sweep enable_prefix_caching=true,false
+}
+g_diag() { step diag_gemma2 60 20 python benchmarks/diag_cuda_vs_cpu.py gemma2 mistral; }
 g_hf7() {
   ensure_q7
   bench_step q7_W3_hf 60 30 --workload W3 --model "$Q7" --engine hf --scale 0.1
@@ -153,7 +165,7 @@ for _ in range(120):
         time.sleep(0.5)
 PY
   python -m hayabusa.bench.cli --workload W6 --base-url http://127.0.0.1:8011 --model q05 \
-    --request-rate 1,4,16,64,inf --num-prompts 200 --goodput ttft:500 tpot:50 --json "$OUT/w6.json" || rc=$?
+    --request-rate 4,16,64,inf --num-prompts 200 --goodput ttft:500 tpot:50 --json "$OUT/w6.json" || rc=$?
   kill "$pid"; wait "$pid" 2>/dev/null; tail -5 "$WORK/serve.log"
   return $rc
 }

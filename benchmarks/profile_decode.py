@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -54,8 +57,7 @@ def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eage
     llm.generate(prompts, warm, use_tqdm=False)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False),
-                 use_tqdm=False)
+    llm.generate(prompts, one, use_tqdm=False)
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
     torch.cuda.synchronize()
@@ -102,12 +104,27 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--eager", default="false,true", help="which modes: false (CUDA graphs), true (eager)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: one run, JSON to this file
     ns = ap.parse_args()
+    if ns.single:  # a child process: one engine per process, so each run gets the whole GPU
+        r = profile_run(ns.model, int(ns.batch), ns.prompt_len, ns.decode_steps, ns.eager == "true")
+        with open(ns.single, "w") as f:
+            json.dump(r, f)
+        return
     results = []
     for b in (int(x) for x in ns.batch.split(",")):
-        for eager in (x.strip() == "true" for x in ns.eager.split(",")):
-            r = profile_run(ns.model, b, ns.prompt_len, ns.decode_steps, eager)
+        for eager in (x.strip() for x in ns.eager.split(",")):
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                rc = subprocess.run([sys.executable, __file__, "--model", ns.model, "--batch", str(b), "--eager",
+                                     eager, "--prompt-len", str(ns.prompt_len), "--decode-steps",
+                                     str(ns.decode_steps), "--single", tmp.name]).returncode
+                if rc != 0:
+                    print(f"=== batch {b} eager={eager}: failed (exit {rc})")
+                    continue
+                with open(tmp.name) as f:
+                    r = json.load(f)
             results.append(r)
+            eager = r["eager"]
             print(f"\n=== batch {b} {'eager' if eager else 'cuda graphs'}: wall {r['wall_ms_per_decode_step']:.3f} "
                   f"ms/step, GPU kernels {r['kernel_ms_per_step']:.3f} ms/step")
             for f, ms in r["families_ms_per_step"].items():

@@ -124,9 +124,10 @@ def test_plan_matches_profiled_kv_capacity(which, tiny_qwen2, tmp_path):
 
         model = str(tmp_path / which)
         make_model(which, model)
+    max_len = 512 if which == "tiny_qwen2" else 4096   # the tiny checkpoint's max_position_embeddings is 512
     total = torch.cuda.get_device_properties(0).total_memory
-    plan = make_plan(load_config(model), PlanInputs(max_model_len=4096), gpu_memory_gib=total / GiB)
-    llm = LLM(model, max_model_len=4096, gpu_memory_utilization=0.9, skip_tokenizer_init=which != "tiny_qwen2")
+    plan = make_plan(load_config(model), PlanInputs(max_model_len=max_len), gpu_memory_gib=total / GiB)
+    llm = LLM(model, max_model_len=max_len, gpu_memory_utilization=0.9, skip_tokenizer_init=which != "tiny_qwen2")
     got = llm.llm_engine.kv_cache_capacity_tokens
     print(f"{which}: plan {plan['max_num_tokens']} tokens (activations {plan['activation_bytes'] / GiB:.2f} GiB + "
           f"overhead {plan['overhead_bytes'] / GiB:.2f} GiB), engine {got} tokens")
