@@ -219,6 +219,12 @@ def _reference(model: str, reference: str, reference_dtype: str | None, engine_a
         args = {k: v for k, v in engine_args.items() if k not in ("quantization", "kv_cache_dtype")}
         args["dtype"] = reference_dtype or "bfloat16"
         ref = _fidelity_engine(model, args, chunk_len)
+        quantized = ref.llm_engine.config.model_config.quantization
+        if quantized is not None:   # the checkpoint itself is quantized: the "reference" would be the same model
+            raise HayabusaValidationError(
+                f"{model} is quantized ({quantized}), so the hayabusa-bf16 reference would run quantized too. Use "
+                "--reference hf, or measure the scheme on the unquantized checkpoint with --quantization.",
+                parameter="reference", value=reference)
         return ref, _engine_logits_fn(ref), str(ref.llm_engine.config.model_config.dtype).replace("torch.", "")
     from hayabusa.bench.runner import _hf_load
     from hayabusa.model.loader import resolve_model_dir

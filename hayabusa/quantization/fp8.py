@@ -12,7 +12,8 @@ calibrated scalar from the checkpoint (``input_scale``, "static"); s_w one scale
 Where the matmul runs:
   * CUDA, compute capability >= 8.9 (Ada, Hopper): ``torch._scaled_mm`` with row-wise scales (scale_a [M, 1]
     fp32, scale_b [1, N] fp32, w_q^T column-major, K and N multiples of 16: other shapes are zero-padded once at
-    load and per call for x's K).
+    load and per call for x's K; output bf16, cast to the model dtype: older torch builds accept only bf16 for
+    row-wise scaling on their CUTLASS path).
   * CPU: an exact emulation of the same numerics (same quantized x_q, s_x; the e4m3 products summed in fp32,
     then both scales), so ``hayabusa eval --fidelity`` on CPU measures the real quantization error.
   * CUDA below 8.9: refused at engine creation (``check_device``); int8 / int4 weight-only run there.
@@ -86,7 +87,7 @@ def fp8_matmul_cuda(xq: torch.Tensor, sx: torch.Tensor, wq_t: torch.Tensor, sw_r
         sx: [M, 1] fp32 contiguous.
         wq_t: [K, N] e4m3, column-major (the transpose of a contiguous [N, K]); N % 16 == 0.
         sw_row: [1, N] fp32 contiguous.
-        out_dtype: bfloat16 / float16 / float32.
+        out_dtype: bfloat16 (float16 / float32 only on newer torch or the cuBLAS path: the caller passes bf16).
     Returns:
         [M, N] out_dtype.
     """
@@ -170,9 +171,12 @@ class Fp8LinearMethod(LinearMethod):
         if layer.fp8_scaled_mm:
             if w.shape[1] != K:
                 xq = F.pad(xq.view(torch.uint8), (0, w.shape[1] - K)).view(FP8_DTYPE)
-            y = fp8_matmul_cuda(xq, sx, w.t(), layer.weight_scale.view(1, -1), x.dtype)
+            # bf16 out whatever the model dtype: the one row-wise output type every torch version (CUTLASS or
+            # cuBLAS path) accepts; its rounding (2^-9) is far below the e4m3 error (2^-4).
+            y = fp8_matmul_cuda(xq, sx, w.t(), layer.weight_scale.view(1, -1), torch.bfloat16)
             if y.shape[1] != N:
-                y = y[:, :N].contiguous()
+                y = y[:, :N]
+            y = y.to(x.dtype).contiguous()
         else:
             y = fp8_matmul_emulated(xq, sx, w, layer.weight_scale, x.dtype)
         if layer.bias is not None:
