@@ -27,6 +27,12 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 
+# kv_cache_dtype (vLLM's names) -> dtype of the KV-cache tensors; "auto" = the model dtype. "fp8" means e4m3.
+# FP8 formats: arXiv:2209.05433; scales and semantics: vLLM's kv_cache_dtype (see model/layers/attention.py).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+
 
 def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
     return HayabusaValidationError(f"{parameter}={value!r}: {why}", parameter=parameter, value=value)
@@ -52,6 +58,9 @@ class EngineArgs:
         trust_remote_code: allow code from the checkpoint (transformers' option); off by default.
         download_dir: Hub cache folder.
         kv_cache_memory_bytes: KV-cache size in bytes, bypassing profiling.
+        kv_cache_dtype: "auto" (the model dtype), "fp8" = "fp8_e4m3" (torch.float8_e4m3fn) or "fp8_e5m2"
+            (torch.float8_e5m2): the KV cache stores fp8(x / scale) with per-layer k/v scales from the checkpoint
+            (1.0 when it has none), halving KV bytes per token against bf16 (vLLM's names and semantics).
         num_gpu_blocks_override: number of KV blocks, bypassing profiling.
         device: "auto" (CUDA when available), "cuda", "cuda:N" or "cpu".
         load_format: "auto"/"safetensors" (default, safe), or "pt" to allow pickle ``.bin`` checkpoints, which can
@@ -129,6 +138,7 @@ class EngineArgs:
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
+            kv_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype, device),
             enable_prefix_caching=True if self.enable_prefix_caching is None else bool(self.enable_prefix_caching))
         sizes = self.cuda_graph_sizes
         capture_max = min(self.max_num_seqs, max(sizes) if sizes else 512)
@@ -162,8 +172,9 @@ class EngineArgs:
             raise _bad(name, getattr(self, name), "only 1 is supported in this version.")
         if self.load_format not in ("auto", "safetensors", "pt"):
             raise _bad("load_format", self.load_format, "must be 'auto', 'safetensors' or 'pt'.")
-        if self.kv_cache_dtype != "auto":
-            raise _bad("kv_cache_dtype", self.kv_cache_dtype, "only 'auto' is supported in this version.")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("kv_cache_dtype", self.kv_cache_dtype,
+                       f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}.")
         if self.quantization is not None:
             from hayabusa.quantization import normalize_method_name
 
@@ -185,6 +196,16 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type not in ("cuda", "cpu"):
         raise _bad("device", device, "supported devices are 'cuda' and 'cpu'.")
     return dev
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV-cache tensors' dtype. Raises HayabusaValidationError for e4m3 on a CUDA GPU older than compute
+    capability 8.9 (Ada / Hopper): Triton has no fp8e4nv there; fp8_e5m2 is the format it can convert."""
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+    if dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise _bad("kv_cache_dtype", kv_cache_dtype, "fp8 e4m3 needs compute capability >= 8.9 (Ada, Hopper); this "
+                   f"GPU is {torch.cuda.get_device_capability(device)}. Use 'fp8_e5m2' or 'auto'.")
+    return dtype
 
 
 def resolve_dtype(dtype: Any, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -326,8 +347,9 @@ class CacheConfig:
     gpu_memory_utilization: float
     kv_cache_memory_bytes: int | None
     num_gpu_blocks_override: int | None
-    cache_dtype: str = "auto"
+    cache_dtype: str = "auto"                 # kv_cache_dtype as given ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     enable_prefix_caching: bool = True
+    kv_dtype: torch.dtype | None = None       # dtype of the cache tensors (resolved; None = the model dtype)
 
 
 @dataclass(frozen=True)

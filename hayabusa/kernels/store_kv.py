@@ -35,8 +35,10 @@ def _store_kv_kernel(
     # int64: a large cache holds more than 2**31 elements
     dst = slot.to(tl.int64) * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
     if FP8_MAX > 0:  # quantize: fp8(clamp(x / scale)), saturating at the format's largest finite value
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX), FP8_MAX)
+        # div_rn: IEEE division as torch does it (plain `/` is the approximate div.full.f32 on NVIDIA), so the
+        # stored bits equal store_kv_ref's
+        k = tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX), FP8_MAX)
         if SOFT_ROUND:  # the CPU interpreter's fp8 cast does not round correctly (see kernels/fp8.py)
             k = round_to_fp8_grid(k, FP8_MANT, FP8_EMIN)
             v = round_to_fp8_grid(v, FP8_MANT, FP8_EMIN)

@@ -12,9 +12,19 @@ from hayabusa.errors import KVCacheCapacityError
 logger = logging.getLogger(__name__)
 
 
+def kv_cache_dtype(cfg: EngineConfig) -> torch.dtype:
+    """dtype of the cache tensors: the model dtype ("auto") or fp8 (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2)."""
+    return cfg.cache_config.kv_dtype or cfg.model_config.dtype
+
+
+def bytes_per_token(cfg: EngineConfig) -> int:
+    """K + V bytes of one token over all layers, in the cache dtype (an fp8 cache halves bf16's)."""
+    return cfg.model_config.kv_bytes_per_token(kv_cache_dtype(cfg))
+
+
 def bytes_per_block(cfg: EngineConfig) -> int:
     """K + V bytes of one block over all layers."""
-    return cfg.model_config.kv_bytes_per_token() * cfg.cache_config.block_size
+    return bytes_per_token(cfg) * cfg.cache_config.block_size
 
 
 def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non_torch_bytes: int = 0) -> int:
@@ -27,7 +37,7 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
     Raises:
         KVCacheCapacityError: not even one max_model_len sequence fits; the message says which knob to turn.
     """
-    cc, mc, sc = cfg.cache_config, cfg.model_config, cfg.scheduler_config
+    cc, sc = cfg.cache_config, cfg.scheduler_config
     per_block = bytes_per_block(cfg)
     blocks_per_seq = -(-sc.max_model_len // cc.block_size)
     device = cfg.device_config.device
@@ -48,14 +58,15 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
         raise KVCacheCapacityError(
             f"the KV cache ({num_blocks} blocks of {cc.block_size} tokens, from {source}) cannot hold one sequence "
             f"of max_model_len={sc.max_model_len} tokens ({blocks_per_seq} blocks, {need / 2**20:.1f} MiB for "
-            f"{mc.kv_bytes_per_token()} bytes/token). Lower max_model_len, raise gpu_memory_utilization, or set "
+            f"{bytes_per_token(cfg)} bytes/token). Lower max_model_len, raise gpu_memory_utilization, or set "
             "kv_cache_memory_bytes / num_gpu_blocks_override.", parameter="max_model_len", value=sc.max_model_len)
     return int(num_blocks)
 
 
 def allocate_kv_caches(cfg: EngineConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), each [num_blocks, block_size, H_kv, D] in the model dtype, zeroed."""
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, H_kv, D] in the cache dtype (the model dtype,
+    or float8_e4m3fn / float8_e5m2), zeroed."""
     mc = cfg.model_config
     shape = (mc.num_layers, 2, num_blocks, cfg.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
-    buf = torch.zeros(shape, dtype=mc.dtype, device=cfg.device_config.device)
+    buf = torch.zeros(shape, dtype=kv_cache_dtype(cfg), device=cfg.device_config.device)
     return [(buf[i, 0], buf[i, 1]) for i in range(mc.num_layers)]
