@@ -31,7 +31,7 @@ from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, get_work
 ENGINE_FLAGS: dict[str, Any] = {
     "max_num_seqs": int, "max_num_batched_tokens": int, "gpu_memory_utilization": float, "dtype": str,
     "device": str, "max_model_len": int, "seed": int, "block_size": int, "kv_cache_memory_bytes": int,
-    "num_gpu_blocks_override": int, "quantization": str,
+    "num_gpu_blocks_override": int, "quantization": str, "kv_cache_dtype": str,
 }
 HF_ONLY_KEYS = ("hf_batch_size",)
 

@@ -19,7 +19,7 @@ ENGINE_FLAGS: dict[str, Any] = {
     "tokenizer": str, "dtype": str, "seed": int, "max_model_len": int, "max_num_seqs": int,
     "max_num_batched_tokens": int, "gpu_memory_utilization": float, "block_size": int, "device": str,
     "kv_cache_memory_bytes": int, "num_gpu_blocks_override": int, "download_dir": str, "load_format": str,
-    "quantization": str,
+    "quantization": str, "kv_cache_dtype": str,
 }
 ENGINE_BOOL_FLAGS = ("enforce_eager", "trust_remote_code")
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(__import__("hayabusa.sampling_params",

@@ -338,7 +338,12 @@ def _notes(plan: dict[str, Any]) -> list[str]:
                      "weight" + (" (hayabusa runs it)." if plan["quantization"] in runs else
                                  f"; hayabusa does not run it yet (it runs {', '.join(runs)})."))
     if plan["kv_cache_dtype"] != "auto":
-        notes.append(f"kv_cache_dtype={plan['kv_cache_dtype']} is planned; hayabusa runs only 'auto' today.")
+        from hayabusa.config import KV_CACHE_DTYPES
+
+        runs = plan["kv_cache_dtype"] in KV_CACHE_DTYPES
+        notes.append(f"kv_cache_dtype={plan['kv_cache_dtype']}: {plan['kv_bytes_per_token']:,} KV bytes per token"
+                     + (" (hayabusa runs it)." if runs else f"; hayabusa does not run it (it runs "
+                                                            f"{', '.join(KV_CACHE_DTYPES)})."))
     if plan["tp"] > 1:
         notes.append("tensor parallelism is planned per GPU (weights / tp, KV heads / tp); hayabusa runs tp=1 "
                      "today.")

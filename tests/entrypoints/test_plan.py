@@ -65,6 +65,9 @@ def test_quantization_kv_dtype_and_tp_arithmetic():
     assert awq["max_num_tokens"] > base["max_num_tokens"] and any("quantization" in n for n in awq["notes"])
     fp8kv = make_plan(cfg, PlanInputs(kv_cache_dtype="fp8"), gpu_memory_gib=80)
     assert fp8kv["kv_bytes_per_token"] == base["kv_bytes_per_token"] // 2
+    assert any("kv_cache_dtype=fp8" in n and "hayabusa runs it" in n for n in fp8kv["notes"])
+    int8kv = make_plan(cfg, PlanInputs(kv_cache_dtype="int8"), gpu_memory_gib=80)
+    assert any("does not run it" in n for n in int8kv["notes"])
     tp2 = make_plan(cfg, PlanInputs(tp=2), gpu_memory_gib=80)
     assert tp2["weight_bytes_per_gpu"] == base["weight_bytes"] // 2
     assert tp2["kv_bytes_per_token_per_gpu"] == base["kv_bytes_per_token"] // 2      # 4 kv heads -> 2 per GPU
@@ -110,6 +113,18 @@ def test_plan_reads_folders_and_the_cli_json(stories_dir, tiny_qwen2, capsys):
     assert plan["dtype"] == "bfloat16" and plan["kv_bytes_per_token"] == 2 * 5 * 4 * 8 * 2   # fp32 ckpt -> bf16
     assert main(["plan", "--model", stories_dir, "--gpu", "V100"]) == 2
     assert "unknown GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_plan_kv_bytes_match_the_engine(tiny_qwen2, kv_cache_dtype):
+    """plan's KV bytes per token and the engine's KV sizing agree for every kv_cache_dtype the engine runs."""
+    from hayabusa.config import EngineArgs
+    from hayabusa.worker.kv_cache import bytes_per_token
+
+    plan = make_plan(load_config(tiny_qwen2), PlanInputs(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype),
+                     gpu_memory_gib=16)
+    cfg = EngineArgs(model=tiny_qwen2, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype).create_engine_config()
+    assert plan["kv_bytes_per_token"] == bytes_per_token(cfg) == 2 * 2 * 2 * 16 * (2 if kv_cache_dtype == "auto" else 1)
 
 
 @pytest.mark.cuda
