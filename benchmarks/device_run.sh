@@ -154,19 +154,20 @@ g_profile() {
 
 w6() {  # server on the 0.5b shape in the background, the Poisson client against it, then stop the server
   python -m hayabusa.entrypoints.cli serve "$Q05" --skip-tokenizer-init --served-model-name q05 \
-    --disable-log-requests --disable-uvicorn-access-log --max-model-len 1024 --port 8011 > "$WORK/serve.log" 2>&1 &
-  local pid=$! rc=0
-  python - <<'PY' || rc=$?
-import time, urllib.request
-for _ in range(120):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=1); break
-    except Exception:
-        time.sleep(0.5)
-PY
+    --disable-log-requests --disable-uvicorn-access-log --max-model-len 1024 --port 8011 > "$OUT/serve.log" 2>&1 &
+  local pid=$! rc=0 up=0
+  for _ in $(seq 1 120); do
+    kill -0 "$pid" 2>/dev/null || { echo "=== server exited:"; tail -40 "$OUT/serve.log"; return 1; }
+    curl -sf -m 1 http://127.0.0.1:8011/health > /dev/null 2>&1 && { up=1; break; }
+    python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=1)" \
+      2>/dev/null && { up=1; break; }
+    sleep 0.5
+  done
+  echo "=== server up=$up after $SECONDS s"; tail -5 "$OUT/serve.log"
+  [ "$up" = 1 ] || { kill "$pid"; tail -40 "$OUT/serve.log"; return 1; }
   python -m hayabusa.bench.cli --workload W6 --base-url http://127.0.0.1:8011 --model q05 \
     --request-rate 4,16,64,inf --num-prompts 200 --goodput ttft:500 tpot:50 --json "$OUT/w6.json" || rc=$?
-  kill "$pid"; wait "$pid" 2>/dev/null; tail -5 "$WORK/serve.log"
+  kill "$pid"; wait "$pid" 2>/dev/null; tail -20 "$OUT/serve.log"
   return $rc
 }
 export -f w6

@@ -142,3 +142,32 @@ def test_validation_of_params_and_shutdown(stories_dir):
 
     asyncio.run(main())
     assert eng.errored and not eng.is_running
+
+
+@pytest.mark.cuda
+def test_cuda_engine_thread_replays_graphs(stories_dir):
+    """On CUDA the engine steps (and replays CUDA graphs) in its background thread: the text equals LLM.generate's
+    on the same GPU, and a hang fails within 120 s instead of stalling the suite."""
+    from hayabusa import LLM
+
+    prompts = ["Once upon a time", "Lily had a red ball", "The sun was", "Tom and his dog"]
+    llm = LLM(stories_dir, device="cuda", max_model_len=512, max_num_seqs=16)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    del llm
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=stories_dir, device="cuda", max_model_len=512,
+                                                          max_num_seqs=16, disable_log_requests=True))
+    try:
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(
+                *[_final(eng, p, GREEDY, f"cuda-{i}") for i, p in enumerate(prompts)]), timeout=120)
+
+        outs = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    assert [o[-1].outputs[0].token_ids for o in outs] == ref
