@@ -148,8 +148,10 @@ g_hf7() {
 }
 g_profile() {
   ensure_q7
-  step profile_q7 120 60 python benchmarks/profile_decode.py --model "$Q7" --batch 1,256 --decode-steps 48 \
-    --json "$OUT/profile_q7.json"
+  step profile_q7 100 40 python benchmarks/profile_decode.py --model "$Q7" --batch 1,256 --eager false \
+    --decode-steps 48 --json "$OUT/profile_q7.json"
+  step profile_q7_W5 60 30 python benchmarks/profile_decode.py --model "$Q7" --workload W5 --scale 0.5 \
+    --json "$OUT/profile_q7_W5.json"
 }
 
 w6() {  # server on the 0.5b shape in the background, the Poisson client against it, then stop the server

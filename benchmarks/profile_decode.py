@@ -96,6 +96,47 @@ def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eage
     }
 
 
+def profile_workload(model: str, workload: str, scale: float, engine_args: dict) -> dict:
+    """Profile one timed ``hayabusa bench`` workload run (after the bench's own warm-up): kernel families, top
+    kernels, wall time and engine steps, to see where e.g. W5's prefix-hit prefill spends its time."""
+    from hayabusa import LLM
+    from hayabusa.bench.runner import _generate, warmup_requests
+    from hayabusa.bench.workloads import get_workload
+
+    wl = get_workload(workload, scale)
+    llm = LLM(model, skip_tokenizer_init=True, **engine_args)
+    warm = warmup_requests(wl)
+    _generate(llm, warm[:1], use_tqdm=False)
+    _generate(llm, warm[1:], use_tqdm=False)
+    steps0 = llm.llm_engine.stats.get("num_steps", 0) if hasattr(llm.llm_engine, "stats") else 0
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        outs = _generate(llm, wl.requests, use_tqdm=False)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    steps = (llm.llm_engine.stats.get("num_steps", 0) if hasattr(llm.llm_engine, "stats") else 0) - steps0
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[ev.name]
+            k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            k[1] += 1
+    fams: dict[str, float] = defaultdict(float)
+    for name, (us, _) in kernels.items():
+        fams[family(name)] += us
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"workload": workload, "scale": scale, "engine_args": engine_args, "wall_s": round(wall, 4),
+            "engine_steps": steps, "output_tokens": out_tokens,
+            "kernel_s": round(sum(v[0] for v in kernels.values()) / 1e6, 4),
+            "families_s": {f: round(us / 1e6, 4) for f, us in sorted(fams.items(), key=lambda x: -x[1])},
+            "top_kernels": [{"name": n[:120], "s": round(us / 1e6, 4), "calls": c, "family": family(n)}
+                            for n, (us, c) in top]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -105,7 +146,23 @@ def main() -> None:
     ap.add_argument("--eager", default="false,true", help="which modes: false (CUDA graphs), true (eager)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: one run, JSON to this file
+    ap.add_argument("--workload", default=None, help="profile one bench workload run instead (e.g. W5)")
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--no-enable-prefix-caching", action="store_true")
     ns = ap.parse_args()
+    if ns.workload:
+        args = {"enable_prefix_caching": False} if ns.no_enable_prefix_caching else {}
+        r = profile_workload(ns.model, ns.workload, ns.scale, args)
+        print(f"=== {ns.workload} x{ns.scale} {args}: wall {r['wall_s']:.3f} s, GPU kernels {r['kernel_s']:.3f} s, "
+              f"{r['engine_steps']} engine steps, {r['output_tokens']} output tokens")
+        for f, sec in r["families_s"].items():
+            print(f"  {f:<12} {sec:8.4f} s")
+        for k in r["top_kernels"][:20]:
+            print(f"  {k['s']:8.4f} s  x{k['calls']:<6} {k['family']:<10} {k['name']}")
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return
     if ns.single:  # a child process: one engine per process, so each run gets the whole GPU
         r = profile_run(ns.model, int(ns.batch), ns.prompt_len, ns.decode_steps, ns.eager == "true")
         with open(ns.single, "w") as f:
