@@ -1,0 +1,160 @@
+"""Time the weight-only int8 / int4 linears against torch's bf16 F.linear on a CUDA GPU; print a table and JSON.
+
+    python benchmarks/kernels/bench_quant_linear.py [--json FILE] [--m 1,8,64,256,2048] [--group-size 128]
+                                                    [--sweep] [--layers qkv,o,gate_up,down]
+
+Shapes are Qwen2.5-7B's linears, (K, N): qkv (3584, 4608), o (3584, 3584), gate_up (3584, 37888),
+down (18944, 3584). GB/s counts the bytes a perfect kernel moves: the weights as stored (int4: packed nibbles plus
+bf16 scales and zeros; int8: bytes plus bf16 scales; bf16: 2 bytes each), x read once and the output written once.
+TFLOP/s = 2 M N K / time. 'vs bf16' = bf16 time / kernel time (> 1: faster). Times are CUDA-graph replays (how the
+engine runs decode; this also checks that the launch captures), 'eager us' adds the Python launch cost.
+--sweep also times a grid of launch configs per case and prints the best next to pick_config's choice (the input
+for retuning pick_config); it compiles and times hundreds of launches, so split it with --layers / --m to stay
+under a 10-minute run. Every case is checked against the torch reference first. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+
+from hayabusa.kernels.quant_linear import (  # noqa: E402
+    LaunchConfig, _launch, int4_weight_only_linear_ref, int8_weight_only_linear_ref, pick_config,
+    quantize_int4_grouped, quantize_int8_per_channel,
+)
+
+LAYERS = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
+
+
+def time_ms(fn) -> tuple[float, float]:
+    """(CUDA-graph replay ms, eager ms), medians."""
+    graph = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return graph, eager
+
+
+def sweep_configs(M: int, G: int | None) -> list[LaunchConfig]:
+    """Candidate launches for --sweep (about 40-200 per case): GEMV shapes and K splits for M <= 16, tl.dot tiles
+    at the two row-tile sizes nearest M (with K splits up to M = 256)."""
+    cands = []
+    if M <= 16:
+        for bn in (64, 128, 256, 512, 1024):
+            for bk in ((32, 64, 128) if G is not None else (64, 128, 256)):
+                if G is not None and G % bk:
+                    continue
+                for warps in (4, 8):
+                    if bn * bk // (32 * warps) > 512:  # weight elements per thread: keep registers sane
+                        continue
+                    for split in (1, 4, 16, 32):
+                        cands.append(LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                                                  num_stages=1))
+    bms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, triton.next_power_of_2(M))][-2:]
+    for bm in bms:
+        for bn in (64, 128, 256):
+            for bk in (32, 64, 128):
+                if G is not None and G % bk:
+                    continue
+                for split in (1, 2, 4, 8) if M <= 256 else (1,):
+                    for warps, stages in ((4, 3), (8, 3)):
+                        cands.append(LaunchConfig("gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                                                  num_warps=warps, num_stages=stages))
+    return cands
+
+
+def best_of(fn_for_cfg, cands: list[LaunchConfig]) -> tuple[LaunchConfig | None, float]:
+    best, best_ms = None, float("inf")
+    for cfg in cands:
+        try:
+            ms = triton.testing.do_bench_cudagraph(lambda: fn_for_cfg(cfg), rep=20, return_mode="median")
+        except Exception:  # noqa: BLE001 - out of shared memory / registers: not a candidate on this GPU
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best, best_ms
+
+
+def bench_case(layer: str, M: int, G: int, sweep: bool) -> list[dict]:
+    K, N = LAYERS[layer]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    q8, s8 = quantize_int8_per_channel(w)
+    q4, s4, z4 = quantize_int4_grouped(w, G)
+    io = (M * K + M * N) * 2
+    schemes = {
+        "bf16 F.linear": (lambda cfg=None: F.linear(x, w), N * K * 2 + io, None),
+        "int8 W8A16": (lambda cfg=None: _launch(x, q8, s8, None, None, N, None, cfg), N * K + N * 2 + io, None),
+        f"int4 W4A16 g{G}": (lambda cfg=None: _launch(x, q4, s4, z4, None, N, G, cfg),
+                             N * K // 2 + 2 * (K // G) * N * 2 + io, G),
+    }
+    torch.testing.assert_close(schemes["int8 W8A16"][0](), int8_weight_only_linear_ref(x, q8, s8), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(schemes[f"int4 W4A16 g{G}"][0](), int4_weight_only_linear_ref(x, q4, s4, z4, G),
+                               atol=0.05, rtol=0.02)
+    rows = []
+    for name, (fn, nbytes, group) in schemes.items():
+        ms, eager_ms = time_ms(fn)
+        row = dict(layer=layer, K=K, N=N, M=M, scheme=name, ms=ms, eager_ms=eager_ms, gb_s=nbytes / ms / 1e6,
+                   tflop_s=2 * M * N * K / ms / 1e9)
+        if not name.startswith("bf16"):
+            cfg = pick_config(M, N, K, group, x.device)
+            row["config"] = cfg.__dict__
+            if sweep:
+                best, best_ms = best_of(fn, sweep_configs(M, group))
+                row.update(sweep_best=best.__dict__ if best else None, sweep_best_ms=best_ms)
+        rows.append(row)
+    base = rows[0]["ms"]
+    for r in rows:
+        r["vs_bf16"] = base / r["ms"]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'layer':<8} {'K':>6} {'N':>6} {'M':>5} {'scheme':<16} {'graph us':>9} {'eager us':>9} {'GB/s':>8} "
+          f"{'TFLOP/s':>8} {'vs bf16':>8}  config")
+    for r in rows:
+        cfg = r.get("config")
+        desc = "" if cfg is None else (f"{cfg['kind']} {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
+                                       f"split {cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']}")
+        if r.get("sweep_best"):
+            b = r["sweep_best"]
+            desc += (f" | best {b['kind']} {b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']} split {b['SPLIT_K']} "
+                     f"w{b['num_warps']} s{b['num_stages']}: {r['sweep_best_ms'] * 1e3:.1f} us")
+        print(f"{r['layer']:<8} {r['K']:>6} {r['N']:>6} {r['M']:>5} {r['scheme']:<16} {r['ms'] * 1e3:>9.1f} "
+              f"{r['eager_ms'] * 1e3:>9.1f} {r['gb_s']:>8.1f} {r['tflop_s']:>8.2f} {r['vs_bf16']:>8.2f}  {desc}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
+    parser.add_argument("--m", default="1,8,64,256,2048", help="comma-separated batch sizes M")
+    parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated subset of {list(LAYERS)}")
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--sweep", action="store_true", help="also search launch configs (slow: many compiles)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_quant_linear needs a CUDA GPU")
+    rows = []
+    for layer in args.layers.split(","):
+        for M in (int(m) for m in args.m.split(",")):
+            rows += bench_case(layer, M, args.group_size, args.sweep)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"Qwen2.5-7B linears, bf16 activations, int4 group size {args.group_size}")
+    print_table(rows)
+    setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                 group_size=args.group_size, sweep=args.sweep)
+    print(json.dumps(dict(setup=setup, rows=rows)))
+    if args.json:
+        args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()

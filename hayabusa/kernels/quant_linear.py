@@ -1,0 +1,525 @@
+"""Weight-only quantized linear layers, W8A16 and W4A16: kernels + launchers + torch references + quantizers.
+
+int8 (per output channel, symmetric): qweight [N, K] int8, scales [N]; W[n, k] = qweight[n, k] * scales[n].
+int4 (grouped along K, asymmetric): qweight [K // 8, N] int32, scales and zeros [K // G, N];
+W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]. The packing is GPTQ's (Frantar et al.,
+arXiv:2210.17323: eight consecutive input rows per int32, low nibble first, unsigned); AWQ (Lin et al.,
+arXiv:2306.00978) packs along N in an interleaved order and GPTQ checkpoints store zeros packed (and off by one in
+the v1 format): their loaders convert to this layout once, at load time.
+
+    qweight[i, n] (int32):  bits 31..28 | 27..24 | ... | 7..4      | 3..0
+                            k = 8i + 7  | 8i + 6 | ... | k = 8i + 1 | k = 8i
+
+Two kernels, launch chosen on the host from (M, N, K, G) and the device's SM count and shared memory (no autotune:
+the launch must be CUDA-graph safe and the same every run; retune pick_config with bench_quant_linear.py --sweep):
+- GEMV (M <= _GEMV_MAX_M, decode): bandwidth-bound, and at 4.8 TB/s an H200 has ~3.5 instructions per int4 weight,
+  so dequantization avoids int->float conversions (1/8 of the FMA rate): int4 nibbles become 1 + q/16 with one
+  shift and one LOP3 (see _int4_gemv_tile), int8 bytes 2**23 + q + 128 with one OR. One program per (row, N tile,
+  K split); fp32 FMAs; split-K spreads a narrow N over all SMs, partial sums go to an fp32 workspace that a second
+  kernel adds in a fixed order (deterministic, unlike atomics: greedy decoding stays reproducible).
+- GEMM (prefill, batches): tl.dot of activation tiles against the weight tile dequantized in registers to the
+  activation dtype as exact integers (q - zero, or q), fp32 accumulation; the scale multiplies the fp32 partial sum
+  once per K tile (int4: BLOCK_K divides G, so a tile lies in one group) or once at the end (int8). Same split-K
+  when the tiles cannot fill the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hayabusa.kernels._triton import tl, triton
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_GEMV_MAX_M = 4     # GEMV up to here (rows after the first re-read the weights from L2), then 16-row tl.dot
+_MAX_SPLIT_K = 64
+
+
+# ----------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _f32_plus_2p23(u):
+    """int32 u in [0, 2**23) -> float32 2**23 + u, exactly, with one OR instead of an int->float conversion."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unpack_int4_tile(qw_ptr, k0, offs_n, n_mask, N, BLOCK_K: tl.constexpr):
+    """Packed rows k0 // 8 .. (k0 + BLOCK_K) // 8 of qweight, each int32 loaded once, unpacked in registers to
+    nibbles u^T [BLOCK_N, BLOCK_K] (k on the last axis): u^T[n, 8i + j] = plane j of word i. Three rounds of
+    interleave (2m + b <- b ? second[m] : first[m]) put plane j at 8i + j: b = j % 2, then j // 2 % 2, then j // 4.
+    """
+    offs_i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    q = tl.load(qw_ptr + offs_i[None, :] * N + offs_n[:, None], mask=n_mask[:, None], other=0)  # [BN, BK // 8]
+    p0, p1, p2, p3 = q & 0xF, (q >> 4) & 0xF, (q >> 8) & 0xF, (q >> 12) & 0xF
+    p4, p5, p6, p7 = (q >> 16) & 0xF, (q >> 20) & 0xF, (q >> 24) & 0xF, (q >> 28) & 0xF
+    even = tl.interleave(tl.interleave(p0, p4), tl.interleave(p2, p6))
+    odd = tl.interleave(tl.interleave(p1, p5), tl.interleave(p3, p7))
+    return tl.interleave(even, odd)
+
+
+@triton.jit
+def _int_tile(qw_ptr, zeros_ptr, k0, offs_k, offs_n, n_mask, k_mask, N, K,
+              INT4: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr):
+    """Weight tile [BLOCK_K, BLOCK_N] as exact fp32 integers: q - zero (int4, one group) or q (int8)."""
+    if INT4:
+        u = tl.trans(_unpack_int4_tile(qw_ptr, k0, offs_n, n_mask, N, BLOCK_K=offs_k.shape[0]))  # [BK, BN]
+        z = tl.load(zeros_ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        return _f32_plus_2p23(u) - (z + 8388608.0)[None, :]
+    else:
+        ptrs = qw_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # qweight is [N, K]: K is contiguous
+        if EVEN_K:
+            q = tl.load(ptrs, mask=n_mask[None, :], other=0)
+        else:
+            q = tl.load(ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0)
+        return _f32_plus_2p23(q.to(tl.int32) + 128) - 8388736.0  # 2**23 + 128
+
+
+@triton.jit
+def _int4_gemv_tile(qw_ptr, zeros_ptr, scales_ptr, x_row, stride_xk, k0, offs_i, offs_n, n_mask, N, one_bits,
+                    GROUP_SIZE: tl.constexpr):
+    """One int4 GEMV tile, sum over its k of x * (q - zero) * scale, left per packed row: [BLOCK_K // 8, BLOCK_N].
+
+    Each packed int32 is loaded once; its nibble plane j meets x[k0 + 8i + j]. Decode is ALU-bound at 4.8 TB/s
+    unless a nibble costs ~3 instructions, so a nibble becomes the float 1 + q/16 with one shift and one
+    AND-OR (q lands in the top mantissa bits of 1.0: no int->float conversion, no zero subtraction) and one FMA:
+        t[i] = sum_j x_j (1 + q_j / 16)   =>   sum_j x_j (q_j - zero) = 16 t[i] - (16 + zero) sum_j x_j
+    The offset is 1, not 2**23, so the subtraction keeps ~22 bits. one_bits = 0x3F800000 (1.0f) arrives as a
+    run-time argument: in a register, ptxas fuses the AND and the OR into one LOP3 (it takes one immediate).
+    """
+    #  q[i, n] = | nibble 7 | ... | nibble 0 |  -> nibble j shifted to bits 19..22 (mantissa top) | 0x3F800000
+    q = tl.load(qw_ptr + (k0 // 8 + offs_i)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+    x_i = x_row + (k0 + 8 * offs_i) * stride_xk
+    x0 = tl.load(x_i).to(tl.float32)
+    t = ((q << 19) & 0x00780000 | one_bits).to(tl.float32, bitcast=True) * x0[:, None]
+    xsum = x0
+    for j in tl.static_range(1, 8):
+        xj = tl.load(x_i + j * stride_xk).to(tl.float32)
+        if j <= 4:
+            qj = q << (19 - 4 * j)
+        else:
+            qj = q >> (4 * j - 19)
+        t += (qj & 0x00780000 | one_bits).to(tl.float32, bitcast=True) * xj[:, None]
+        xsum += xj
+    g = k0 // GROUP_SIZE
+    s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    return t * (16.0 * s)[None, :] - xsum[:, None] * (s * (16.0 + z))[None, :]
+
+
+@triton.jit
+def _epilogue(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+              HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """acc [BM, BN] fp32 -> out (+ bias, cast), or the fp32 partial of split pid_k (workspace [splits, M, N])."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (pid_k * M + rows)[:, None] * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wo_gemv_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr,
+                    M, N, K, k_per_split, stride_xm, stride_xk, stride_om, one_bits,
+                    INT4: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # grid (M, N tiles, splits): the rows of one weight tile are neighbours in launch order, so rows after the
+    # first find the tile in L2
+    m = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    # per-thread partial sums, reduced across threads once after the loop (not once per tile)
+    if INT4:
+        acc2 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    else:
+        acc2 = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if INT4:  # BLOCK_K divides G and K: no K mask, one group per tile
+            acc2 += _int4_gemv_tile(qw_ptr, zeros_ptr, scales_ptr, x_row, stride_xk, k0,
+                                    tl.arange(0, BLOCK_K // 8), offs_n, n_mask, N, one_bits, GROUP_SIZE)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_end
+            if EVEN_K:
+                x = tl.load(x_row + offs_k * stride_xk).to(tl.float32)
+            else:
+                x = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
+            w = _int_tile(qw_ptr, zeros_ptr, k0, offs_k, offs_n, n_mask, k_mask, N, K, INT4, GROUP_SIZE, EVEN_K)
+            acc2 += w * x[:, None]
+    acc = tl.sum(acc2, axis=0)
+    if not INT4:
+        acc *= tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    rows = m.to(tl.int64) + tl.arange(0, 1)
+    _epilogue(acc[None, :], rows, rows < M, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+              HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _wo_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr,
+                    M, N, K, k_per_split, stride_xm, stride_xk, stride_om,
+                    INT4: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # grouped launch order: GROUP_M row tiles sweep the N tiles together, so weight tiles are reused from L2
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_n)) // group_rows
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = rows < M, offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _int_tile(qw_ptr, zeros_ptr, k0, offs_k, offs_n, n_mask, k_mask, N, K, INT4, GROUP_SIZE, EVEN_K)
+        if DOT_FP32:  # the CPU interpreter (numpy) computes a bf16 tl.dot on raw bits: give it fp32 operands
+            x = x.to(tl.float32)
+        else:
+            w = w.to(x_ptr.dtype.element_ty)  # integers in [-127, 127]: exact in fp16 and bf16
+        if INT4:
+            s = tl.load(scales_ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s[None, :]
+        else:
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if not INT4:
+        acc *= tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _epilogue(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+              HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_om,
+                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[m, :] = sum over splits of part[s, m, :] in split order (+ bias): the deterministic second pass."""
+    m = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    acc = tl.load(part_ptr + m * N + offs_n, mask=mask, other=0.0)
+    for s in range(1, num_splits):
+        acc += tl.load(part_ptr + (s * M + m) * N + offs_n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------- launcher
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch: kernel kind ("gemv" | "gemm"), tile sizes, requested K splits (the launcher drops empty ones)."""
+    kind: str
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int = 1
+    BLOCK_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@functools.lru_cache(maxsize=8)
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(SM count, shared memory a block may opt into, bytes). The interpreter gets a small fixed "GPU", so CPU
+    tests see split-K."""
+    if device.type != "cuda":
+        return 4, 99 * 1024
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 99 * 1024)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n."""
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def _split_k(num_tiles: int, k_tiles: int, target_programs: int) -> int:
+    """K splits so that num_tiles * splits reaches target_programs, each split keeping >= 2 K tiles."""
+    if num_tiles >= target_programs:
+        return 1
+    return max(1, min(_MAX_SPLIT_K, k_tiles // 2, triton.cdiv(target_programs, num_tiles)))
+
+
+def _gemm_stages(bm: int, bn: int, bk: int, x_bytes: int, w_bits: int, smem: int) -> int:
+    """Deepest pipeline (<= 3) whose buffers fit: per stage the x tile, the packed weight tile and the dequantized
+    tile that tl.dot reads from shared memory (what Triton 3.6 allocates for sm_80/89/90, within a few KB)."""
+    per_stage = bm * bk * x_bytes + bk * bn * w_bits // 8 + bk * bn * x_bytes
+    for stages in (3, 2):
+        if stages * per_stage + bk * bn * x_bytes <= smem:
+            return stages
+    return 1
+
+
+def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.device,
+                x_bytes: int = 2) -> LaunchConfig:
+    """The launch for [M, K] x [K, N]; int4 when group_size is given. Host ints and device properties only.
+
+    Starting points, not yet tuned on the device. GEMV: about 4 programs per SM, 8 KB of weights per program and
+    step (int4 128 k x 128 n, int8 128 k x 64 n). GEMM: 128-row tiles for prefill, 16-64 rows with split-K when
+    the tiles do not fill the SMs; int4 K tiles stay inside one group (tl.dot also needs K >= 16).
+    """
+    sms, smem = _device_limits(device)
+    k_cap = _pow2_divisor(group_size, 128) if group_size is not None else 128
+    if M <= _GEMV_MAX_M or k_cap < 16:
+        bn, bk, warps = (128, k_cap, 4) if group_size is not None else (64, 128, 8)
+        split = _split_k(M * triton.cdiv(N, bn), triton.cdiv(K, bk), 4 * sms)
+        return LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    bn, bk = 128, min(k_cap, 64)
+    split = _split_k(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), sms)
+    stages = _gemm_stages(bm, bn, bk, x_bytes, 4 if group_size is not None else 8, smem)
+    return LaunchConfig("gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                        num_warps=8 if bm == 128 else 4, num_stages=stages)
+
+
+def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            bias: torch.Tensor | None, N: int, group_size: int | None, cfg: LaunchConfig | None) -> torch.Tensor:
+    """Run the Triton kernels (inputs already checked). Allocates the output and, with split-K, an fp32
+    workspace [splits, M, N]; the grid depends on (M, N, K, G) only, so a captured CUDA graph stays valid."""
+    M, K = x.shape
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    int4 = group_size is not None
+    cfg = cfg or pick_config(M, N, K, group_size, x.device, x.element_size())
+    k_tiles = triton.cdiv(K, cfg.BLOCK_K)
+    tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
+    splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    args = (x, qweight, scales, zeros if int4 else scales, bias if bias is not None else out, out, part,
+            M, N, K, tiles_per_split * cfg.BLOCK_K, x.stride(0), x.stride(1), out.stride(0))
+    flags = dict(INT4=int4, GROUP_SIZE=group_size or 1, EVEN_K=K % cfg.BLOCK_K == 0, HAS_BIAS=bias is not None,
+                 SPLIT=splits > 1, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages)
+    if cfg.kind == "gemv":
+        _wo_gemv_kernel[(M, triton.cdiv(N, cfg.BLOCK_N), splits)](*args, 0x3F800000, **flags)
+    else:
+        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), splits)
+        _wo_gemm_kernel[grid](*args, **flags, BLOCK_M=cfg.BLOCK_M, GROUP_M=8,
+                              DOT_FP32=x.dtype == torch.bfloat16 and x.device.type == "cpu",
+                              DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if splits > 1:
+        _splitk_reduce_kernel[(M, triton.cdiv(N, 512))](
+            part, bias if bias is not None else out, out, M, N, splits, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=512, num_warps=4)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- validation
+def _check_common(x: torch.Tensor, named: dict[str, torch.Tensor | None], N: int) -> None:
+    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be [M, K] float16/bfloat16/float32, got {tuple(x.shape)} {x.dtype}")
+    if x.shape[1] == 0:
+        raise ValueError("x has K = 0 input features")
+    bias = named.get("bias")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [N={N}] {x.dtype} or None, got {tuple(bias.shape)} {bias.dtype}")
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _check_int8(x, qweight, scales, bias) -> None:
+    if qweight.dtype != torch.int8 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be [N, K] int8, got {tuple(qweight.shape)} {qweight.dtype}")
+    N = qweight.shape[0]
+    _check_common(x, dict(qweight=qweight, scales=scales, bias=bias), N)
+    if qweight.shape[1] != x.shape[1]:
+        raise ValueError(f"qweight is [N, K] = {tuple(qweight.shape)} but x has K = {x.shape[1]}")
+    if scales.shape != (N,) or scales.dtype != x.dtype:
+        raise ValueError(f"scales must be [N={N}] {x.dtype} (x's dtype), got {tuple(scales.shape)} {scales.dtype}")
+
+
+def _check_int4(x, qweight, scales, zeros, group_size, bias) -> None:
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be [K // 8, N] int32, got {tuple(qweight.shape)} {qweight.dtype}")
+    N = qweight.shape[1]
+    _check_common(x, dict(qweight=qweight, scales=scales, zeros=zeros, bias=bias), N)
+    K = x.shape[1]
+    if K % 8 != 0 or qweight.shape[0] != K // 8:
+        raise ValueError(f"qweight must be [K // 8, N] with K = {K} (a multiple of 8), got {tuple(qweight.shape)}")
+    _check_group(K, group_size)
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if t.shape != (K // group_size, N) or t.dtype != x.dtype:
+            raise ValueError(f"{name} must be [K // group_size, N] = [{K // group_size}, {N}] {x.dtype}, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+
+
+def _check_group(K: int, group_size: int) -> None:
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % 8 != 0 or K % group_size != 0:
+        raise ValueError(f"group_size must be a positive multiple of 8 that divides K; got group_size (G) = "
+                         f"{group_size}, K = {K}")
+
+
+# ------------------------------------------------------------------------------------------------ public linears
+def int8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias with W = qweight * scales[:, None] (W8A16; Triton on CUDA, the reference on CPU).
+
+    Args:
+        x: [M, K] float16/bfloat16/float32, any strides; M may be 0.
+        qweight: [N, K] int8, contiguous (from quantize_int8_per_channel).
+        scales: [N], x's dtype.
+        bias: [N], x's dtype, or None.
+    Returns:
+        [M, N] in x's dtype (fp32 accumulation).
+    Raises:
+        ValueError: on a shape, dtype, contiguity or device mismatch (the message names the argument).
+    """
+    _check_int8(x, qweight, scales, bias)
+    if x.is_cuda:
+        return _launch(x, qweight, scales, None, bias, qweight.shape[0], None, None)
+    return int8_weight_only_linear_ref(x, qweight, scales, bias)
+
+
+def int4_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W + bias with W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] (W4A16, GPTQ packing).
+
+    Args:
+        x: [M, K] float16/bfloat16/float32, any strides; K a multiple of 8 and of group_size.
+        qweight: [K // 8, N] int32, contiguous; the int32 at [i, n] holds k = 8i + j in bits 4j..4j+3.
+        scales, zeros: [K // G, N], x's dtype; zeros hold integers 0..15.
+        group_size: G, consecutive k sharing a scale and zero: 32, 64, 128, or K (any multiple of 8 dividing K).
+        bias: [N], x's dtype, or None.
+    Returns:
+        [M, N] in x's dtype (fp32 accumulation).
+    Raises:
+        ValueError: on a shape, dtype, contiguity, device or group-size mismatch (the message names the argument).
+    """
+    _check_int4(x, qweight, scales, zeros, group_size, bias)
+    if x.is_cuda:
+        return _launch(x, qweight, scales, zeros, bias, qweight.shape[1], group_size, None)
+    return int4_weight_only_linear_ref(x, qweight, scales, zeros, group_size, bias)
+
+
+# ----------------------------------------------------------------------------------------------- references
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """qweight [N, K] int8, scales [N] -> W [N, K] float32."""
+    return qweight.float() * scales.float()[:, None]
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    """qweight [K // 8, N] int32, scales/zeros [K // G, N] -> W [N, K] float32 (nn.Linear's orientation)."""
+    q = unpack_int4(qweight).float()                                   # [K, N]
+    s = scales.float().repeat_interleave(group_size, dim=0)            # [K, N]
+    z = zeros.float().repeat_interleave(group_size, dim=0)
+    return ((q - z) * s).t()
+
+
+def int8_weight_only_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch int8_weight_only_linear: dequantize, F.linear in fp32, cast back (also the CPU path)."""
+    b = bias.float() if bias is not None else None
+    return F.linear(x.float(), dequantize_int8(qweight, scales), b).to(x.dtype)
+
+
+def int4_weight_only_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch int4_weight_only_linear: dequantize, F.linear in fp32, cast back (also the CPU path)."""
+    b = bias.float() if bias is not None else None
+    return F.linear(x.float(), dequantize_int4(qweight, scales, zeros, group_size), b).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ quantize and pack
+def _round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scale (> 0) -> dtype, rounded up, so that |w| / stored scale never exceeds the integer range."""
+    s = scale.to(dtype)
+    if dtype == torch.float32:
+        return s
+    bumped = (s.view(torch.int16) + 1).view(dtype)  # next representable value (positive, finite)
+    return torch.where(s.float() < scale, bumped, s)
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w [N, K] float -> (qweight [N, K] int8, scales [N] w.dtype).
+
+    scale = absmax / 127 (rounded up to w.dtype, at least its smallest normal: an all-zero row gets q = 0 and a
+    tiny scale), q = round(w / scale) in [-127, 127]; |w - q * scale| <= scale / 2.
+    Raises:
+        ValueError: w is not a 2-D float tensor.
+    """
+    if w.dim() != 2 or w.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"w must be [N, K] float16/bfloat16/float32, got {tuple(w.shape)} {w.dtype}")
+    wf = w.float()
+    absmax = wf.abs().amax(dim=1).clamp_min(torch.finfo(w.dtype).tiny * 127)
+    scales = _round_up_to(absmax / 127.0, w.dtype)
+    q = torch.round(wf / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4_grouped(w: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest int4 over groups of G consecutive k (GPTQ's min/max grid without GPTQ's error
+    feedback): w [N, K] float -> (qweight [K // 8, N] int32, scales [K // G, N], zeros [K // G, N]), w.dtype.
+
+    Per group and output channel: lo = min(w, 0), hi = max(w, 0) (zero stays representable), scale =
+    (hi - lo) / 15 rounded up to w.dtype, zero = round(-lo / scale) in 0..15, q = clamp(round(w / scale) + zero,
+    0, 15); |w - (q - zero) * scale| <= scale / 2.
+    Raises:
+        ValueError: w is not a 2-D float tensor, or G is not a multiple of 8 dividing K (names K and G).
+    """
+    if w.dim() != 2 or w.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"w must be [N, K] float16/bfloat16/float32, got {tuple(w.shape)} {w.dtype}")
+    N, K = w.shape
+    _check_group(K, group_size)
+    wg = w.float().t().reshape(K // group_size, group_size, N)          # [groups, G, N]
+    lo = wg.amin(dim=1).clamp_max(0.0)
+    hi = wg.amax(dim=1).clamp_min(0.0)
+    scales = _round_up_to(((hi - lo) / 15.0).clamp_min(torch.finfo(w.dtype).tiny), w.dtype)   # [groups, N]
+    sf = scales.float()
+    zeros = torch.round(-lo / sf).clamp_(0, 15)
+    q = (torch.round(wg / sf[:, None, :]) + zeros[:, None, :]).clamp_(0, 15)
+    return pack_int4(q.reshape(K, N).to(torch.uint8)), scales, zeros.to(w.dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [K, N] integers 0..15 (uint8 or any int dtype) -> int32 [K // 8, N], k = 8i + j in bits 4j..4j+3.
+
+    Raises:
+        ValueError: q is not 2-D integer, K is not a multiple of 8, or a value is outside 0..15.
+    """
+    if q.dim() != 2 or q.dtype.is_floating_point or q.dtype == torch.bool or q.shape[0] % 8 != 0:
+        raise ValueError(f"q must be [K, N] integers with K a multiple of 8, got {tuple(q.shape)} {q.dtype}")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError(f"q values must be in 0..15, got min {int(q.min())} max {int(q.max())}")
+    K, N = q.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
+    packed = (q.to(torch.int64).view(K // 8, 8, N) << shifts[None, :, None]).sum(dim=1)  # [K // 8, N], < 2**32
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [K // 8, N] (pack_int4's layout) -> uint8 [K, N] values 0..15.
+
+    Raises:
+        ValueError: packed is not a 2-D int32 tensor.
+    """
+    if packed.dim() != 2 or packed.dtype != torch.int32:
+        raise ValueError(f"packed must be [K // 8, N] int32, got {tuple(packed.shape)} {packed.dtype}")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF                   # [K // 8, 8, N]
+    return q.reshape(-1, packed.shape[1]).to(torch.uint8)
