@@ -5,6 +5,15 @@ from __future__ import annotations
 import torch
 
 
+def _hf_model(model_dir: str):
+    """float32 HF model with eager attention: the reference for soft-capping and sliding windows in every
+    transformers version (Gemma 2's softcap is not applied by all versions' SDPA path; transformers 5.17 on the GPU
+    box and 5.24 here disagreed on the tiny Gemma 2 until this was pinned)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new_tokens: int,
               stop_ids: set[int] | None = None) -> list[list[int]]:
     """Greedy continuations from HF Transformers (float32, CPU, batch 1): a plain argmax loop over the model's
@@ -12,7 +21,7 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new_tokens: int,
     token in ``stop_ids`` (kept in the output, as hayabusa keeps EOS)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _hf_model(model_dir)
     outs = []
     with torch.no_grad():
         for ids in prompt_ids:
@@ -33,7 +42,7 @@ def hf_top_logprobs(model_dir: str, ids: list[int], k: int = 5) -> list[int]:
     """Top-k token ids of HF's next-token distribution after `ids`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _hf_model(model_dir)
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1]
     return logits.topk(k).indices.tolist()
