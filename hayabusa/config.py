@@ -71,8 +71,8 @@ class EngineArgs:
         max_seq_len_to_capture / cuda_graph_sizes: largest decode batch captured in a CUDA graph.
         disable_log_stats: no periodic stats.
         quantization: "fp8" (FP8 W8A8; FP8 checkpoints are detected), "int8" / "int4" (weight-only W8A16 /
-            W4A16 g128), "compressed-tensors" (detected); default: the checkpoint's quantization_config, if any.
-            See hayabusa/quantization/.
+            W4A16 g128), "compressed-tensors", "awq", "gptq", "bitsandbytes" (checkpoint formats, detected);
+            default: the checkpoint's quantization_config, if any. See hayabusa/quantization/.
         async_scheduling: schedule and launch step N+1 before step N's tokens are back, so host work overlaps
             the GPU (vLLM's async scheduling). Default: on for CUDA, off on CPU (nothing to overlap there).
     """

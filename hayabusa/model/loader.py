@@ -183,7 +183,10 @@ def build_model(model_config, device: torch.device) -> nn.Module:
     if quant_config is not None:
         create_linear_weights(model, quant_config)
     allow_pt = model_config.load_format == "pt"
-    load_weights(model, iterate_weights(model_config.model, allow_pt, device))
+    weights = iterate_weights(model_config.model, allow_pt, device)
+    if quant_config is not None:
+        weights = ((quant_config.checkpoint_key(name), t) for name, t in weights)
+    load_weights(model, weights)
     process_weights_after_loading(model)
     if quant_config is not None and device.type == "cuda":
         torch.cuda.empty_cache()   # the high-precision copies that online schemes freed

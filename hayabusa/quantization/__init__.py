@@ -5,7 +5,12 @@ Schemes (vLLM's method names):
                       with ``{"quant_method": "fp8"}``, or ``quantization="fp8"`` on an unquantized checkpoint
   compressed-tensors  FP8 W8A8 checkpoints in compressed-tensors format
   int8, int4          hayabusa's online weight-only schemes (W8A16 per channel; W4A16 group 128)
-  awq, gptq, bitsandbytes   names reserved, not implemented yet
+  awq                 AWQ 4-bit checkpoints (AutoAWQ GEMM packing), repacked at load for the int4 kernel
+  gptq                GPTQ checkpoints: 4-bit (int4 kernel; act-order by a row permutation), 8-bit (int8 kernel, or
+                      dequantized when grouped / asymmetric); v1 and v2 zero points
+  bitsandbytes        8-bit (int8 kernel, no bitsandbytes needed) and 4-bit NF4 / FP4 (through bitsandbytes)
+                      checkpoints
+("awq_marlin" / "gptq_marlin", vLLM's kernel-specific names, mean awq / gptq.)
 """
 
 from hayabusa.quantization.base import (

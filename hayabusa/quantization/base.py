@@ -157,6 +157,11 @@ class QuantizationConfig(ABC):
         the checkpoint's module name of each shard, e.g. q_proj/k_proj/v_proj for our qkv_proj). None = leave the
         layer unquantized (e.g. it is in the checkpoint's ignore list)."""
 
+    def checkpoint_key(self, name: str) -> str:
+        """The parameter name a checkpoint tensor loads into, where the scheme's tensor names cannot be parameter
+        names as they are (bitsandbytes' ``weight.absmax``: a parameter name has no dots). Default: unchanged."""
+        return name
+
     # ------------------------------------------------------------------ devices
     @classmethod
     def supports(cls, device: torch.device) -> bool:

@@ -8,39 +8,13 @@ from typing import Any
 import torch
 
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.quantization.awq import AwqConfig
 from hayabusa.quantization.base import QuantizationConfig
+from hayabusa.quantization.bitsandbytes import BitsAndBytesConfig
 from hayabusa.quantization.compressed_tensors import CompressedTensorsConfig
 from hayabusa.quantization.fp8 import Fp8Config
+from hayabusa.quantization.gptq import GptqConfig
 from hayabusa.quantization.weight_only import Int4Config, Int8Config
-
-
-class _NotImplementedYet(QuantizationConfig):
-    """A vLLM method name that hayabusa knows but does not run yet: any use says so."""
-
-    cpu_supported = False
-    min_capability = None
-
-    @classmethod
-    def _refuse(cls) -> HayabusaValidationError:
-        return HayabusaValidationError(
-            f"quantization={cls.name!r} is not implemented in hayabusa yet. Implemented: "
-            f"{', '.join(implemented_methods())} (fp8 and compressed-tensors FP8 checkpoints; online fp8, int8, "
-            "int4 of unquantized checkpoints).", parameter="quantization", value=cls.name)
-
-    @classmethod
-    def from_hf_config(cls, qc: dict[str, Any]) -> QuantizationConfig:
-        raise cls._refuse()
-
-    @classmethod
-    def online(cls) -> QuantizationConfig:
-        raise cls._refuse()
-
-    def get_linear_method(self, layer_prefix, layer):  # pragma: no cover - never constructed
-        raise self._refuse()
-
-
-def _pending(method: str) -> type[QuantizationConfig]:
-    return type(f"Pending_{method}", (_NotImplementedYet,), {"name": method})
 
 
 # name -> config class. The config classes' ``name`` equals the key.
@@ -49,17 +23,19 @@ QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     "compressed-tensors": CompressedTensorsConfig,
     "int8": Int8Config,
     "int4": Int4Config,
-    "awq": _pending("awq"),
-    "gptq": _pending("gptq"),
-    "bitsandbytes": _pending("bitsandbytes"),
+    "awq": AwqConfig,
+    "gptq": GptqConfig,
+    "bitsandbytes": BitsAndBytesConfig,
 }
 
-# Spellings of quant_method found in config.json files -> our name.
-_ALIASES = {"compressed_tensors": "compressed-tensors"}
+# Spellings of quant_method found in config.json files, and vLLM's kernel-specific names of the same checkpoint
+# formats (it picks marlin kernels on its own) -> our name.
+_ALIASES = {"compressed_tensors": "compressed-tensors", "awq_marlin": "awq", "gptq_marlin": "gptq"}
 
 
 def implemented_methods() -> list[str]:
-    return [n for n, c in QUANTIZATION_METHODS.items() if not issubclass(c, _NotImplementedYet)]
+    """Every registry name (each one runs; the list is kept for callers that ask which do)."""
+    return list(QUANTIZATION_METHODS)
 
 
 def methods_supported_on(device: torch.device) -> list[str]:

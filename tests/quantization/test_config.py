@@ -48,12 +48,12 @@ def test_unknown_name_lists_the_known_ones():
     assert e.value.parameter == "quantization" and "known: fp8" in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq", "bitsandbytes"])
-def test_reserved_names_say_not_implemented(name):
-    for qc in ({}, {"quantization_config": {"quant_method": name, "bits": 4, "group_size": 128}}):
-        with pytest.raises(HayabusaValidationError, match=f"quantization='{name}' is not implemented in hayabusa "
-                                                          "yet. Implemented: fp8, compressed-tensors, int8, int4"):
-            get_quantization_config(name if not qc else None, qc)
+def test_checkpoint_formats_need_a_checkpoint_in_that_format():
+    """awq / gptq / bitsandbytes name a checkpoint format: asked for on an unquantized checkpoint they say so."""
+    for name in ("awq", "gptq", "bitsandbytes"):
+        with pytest.raises(HayabusaValidationError, match=f"quantization='{name}' needs a checkpoint saved in that "
+                                                          "format"):
+            get_quantization_config(name, {})
 
 
 def test_detected_from_the_checkpoint():
@@ -107,7 +107,8 @@ def test_online_only_schemes_refuse_checkpoints_and_checkpoint_schemes_need_one(
 
 
 def test_every_implemented_scheme_runs_on_cpu():
-    assert methods_supported_on(torch.device("cpu")) == ["fp8", "compressed-tensors", "int8", "int4"]
+    assert methods_supported_on(torch.device("cpu")) == ["fp8", "compressed-tensors", "int8", "int4", "awq", "gptq",
+                                                         "bitsandbytes"]
     for name in ("fp8", "int8", "int4"):
         get_quantization_config(name, {}).check_device(torch.device("cpu"))
 
@@ -122,7 +123,7 @@ def test_fp8_on_a_gpu_without_fp8_names_the_gpu_and_what_runs_there(monkeypatch)
     msg = str(e.value)
     assert "quantization='fp8' runs on CPU, and CUDA GPUs with compute capability >= 8.9 (Ada, Hopper" in msg
     assert "not on cuda:0 (NVIDIA A100-SXM4-80GB, compute capability 8.0)" in msg
-    assert msg.endswith("On this device hayabusa runs: int8, int4.")
+    assert msg.endswith("On this device hayabusa runs: int8, int4, awq, gptq, bitsandbytes.")
     get_quantization_config("int4", {}).check_device(dev)                           # weight-only runs there
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     get_quantization_config("fp8", {}).check_device(dev)
@@ -136,4 +137,8 @@ def test_plan_notes_say_what_runs():
     assert int4["weight_bits"] == 4.25 and "quantization=int4 is planned at 4.25 bits per linear weight (hayabusa " \
                                            "runs it)." in int4["notes"]
     awq = make_plan(cfg, PlanInputs(quantization="awq"), gpu_memory_gib=80)
-    assert any("hayabusa does not run it yet (it runs fp8, compressed-tensors, int8, int4)" in n for n in awq["notes"])
+    assert any("quantization=awq is planned at 4.16 bits per linear weight (hayabusa runs it)." in n
+               for n in awq["notes"])
+    sq = make_plan(cfg, PlanInputs(quantization="smoothquant"), gpu_memory_gib=80)
+    assert any("hayabusa does not run it yet (it runs fp8, compressed-tensors, int8, int4, awq, gptq, "
+               "bitsandbytes)" in n for n in sq["notes"])
