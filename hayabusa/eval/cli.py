@@ -3,7 +3,8 @@
   hayabusa eval --model M --data FILE.jsonl --task extraction|choice|majority [--sweep key=v1,v2 ...]
                 [--reference hf] [--tolerance 0.02] [--output results.jsonl] [--json summary.json]
                 [--plot acc_vs_latency.png] [--wandb] [engine args] [sampling args]
-  hayabusa eval --fidelity --model M --text FILE [--reference hf|hayabusa-bf16] [--reference-dtype D] [engine args]
+  hayabusa eval --fidelity --model M --text FILE [--reference hf|hayabusa-bf16] [--reference-dtype D]
+                [--reference-model UNQUANTIZED] [engine args]
   hayabusa plan --model M|HUB_ID|SHAPE [--gpu NAME | --gpu-memory GiB] [--max-model-len N] [--json] ...
 
 Exit codes: 0 ok, 1 a setting failed (its row says why), 2 bad arguments or data.
@@ -85,6 +86,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     f.add_argument("--fidelity", action="store_true", help="compare next-token distributions on --text")
     f.add_argument("--text", help="UTF-8 text file for --fidelity")
     f.add_argument("--reference-dtype", default=None, help="reference dtype (default bfloat16 on CUDA, float32 on CPU)")
+    f.add_argument("--reference-model", default=None,
+                   help="run the reference on this checkpoint instead of --model (e.g. the unquantized original)")
     f.add_argument("--chunk-len", type=int, default=None, help="tokens per chunk (default: max_model_len)")
     f.add_argument("--fidelity-tokens", type=int, default=None, help="use only the first N tokens of the text")
     _add_engine_flags(p)
@@ -173,7 +176,7 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
         text = f.read()
     res = run_fidelity(_model(ns), text, _engine_kwargs(ns), reference=ns.reference or "hf",
                        reference_dtype=ns.reference_dtype, chunk_len=ns.chunk_len,
-                       max_text_tokens=ns.fidelity_tokens)
+                       max_text_tokens=ns.fidelity_tokens, reference_model=ns.reference_model)
     print(format_result(res))
     if ns.summary_json:
         with open(ns.summary_json, "w", encoding="utf-8") as f:

@@ -14,7 +14,8 @@ hand-built one-request ``AttentionMetadata`` (block ids 0..n-1 of a private engi
 kernels are all measured; the scheduler, CUDA graphs (decode only) and the sampler are not involved.
 
 References: ``hf`` (Transformers ``AutoModelForCausalLM``; default dtype bfloat16 on CUDA, float32 on CPU) or
-``hayabusa-bf16`` (a second engine on the same checkpoint in bfloat16 without quantization or KV-cache dtype).
+``hayabusa-bf16`` (a second engine on the same checkpoint in bfloat16 without quantization or KV-cache dtype), on
+the same checkpoint or on ``--reference-model`` (e.g. the unquantized original of an AWQ / GPTQ checkpoint).
 Both models are resident at once; each engine gets only the KV blocks of one chunk.
 """
 
@@ -181,8 +182,10 @@ def _fidelity_engine(model: str, engine_args: dict[str, Any], chunk_len: int | N
 
 def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: str = "hf",
                  reference_dtype: str | None = None, chunk_len: int | None = None,
-                 max_text_tokens: int | None = None) -> FidelityResult:
-    """Compare hayabusa (built from `engine_args`) with the reference over `text`. See the module docstring."""
+                 max_text_tokens: int | None = None, reference_model: str | None = None) -> FidelityResult:
+    """Compare hayabusa (built from `engine_args`) with the reference over `text`. See the module docstring.
+    ``reference_model``: the reference runs this checkpoint instead of ``model`` (the unquantized original of a
+    quantized checkpoint; same tokenizer)."""
     if reference not in REFERENCES:
         raise HayabusaValidationError(f"--reference for --fidelity must be one of {', '.join(REFERENCES)}, got "
                                       f"{reference!r}.", parameter="reference", value=reference)
@@ -199,7 +202,8 @@ def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: 
     if len(ids) < 2:
         raise HayabusaValidationError("the text has fewer than 2 tokens.", parameter="text", value=len(ids))
     chunks, nxt = chunk_text(ids, chunk_len)
-    ref_obj, ref_fn, ref_dtype = _reference(model, reference, reference_dtype, engine_args, chunk_len, dev)
+    ref_obj, ref_fn, ref_dtype = _reference(reference_model or model, reference, reference_dtype, engine_args,
+                                            chunk_len, dev)
     try:
         sums = compare_chunks(chunks, nxt, _engine_logits_fn(llm), ref_fn)
     finally:
@@ -223,7 +227,8 @@ def _reference(model: str, reference: str, reference_dtype: str | None, engine_a
         if quantized is not None:   # the checkpoint itself is quantized: the "reference" would be the same model
             raise HayabusaValidationError(
                 f"{model} is quantized ({quantized}), so the hayabusa-bf16 reference would run quantized too. Use "
-                "--reference hf, or measure the scheme on the unquantized checkpoint with --quantization.",
+                "--reference hf or --reference-model UNQUANTIZED_DIR, or measure the scheme on the unquantized "
+                "checkpoint with --quantization.",
                 parameter="reference", value=reference)
         return ref, _engine_logits_fn(ref), str(ref.llm_engine.config.model_config.dtype).replace("torch.", "")
     from hayabusa.bench.runner import _hf_load

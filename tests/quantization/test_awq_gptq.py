@@ -305,3 +305,18 @@ def test_cuda_kernels_run_the_checkpoint(fmt, kw, tiny, tmp_path):
         if a != b:
             i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
             assert a[i] in c.outputs[0].logprobs[i] and b[i] in o.outputs[0].logprobs[i], (i, a, b)
+
+
+def test_eval_fidelity_of_a_packed_checkpoint_against_its_original(stories_dir, tmp_path, capsys):
+    """``--reference-model``: the reference runs the unquantized original (HF cannot load the packed folder
+    without AutoAWQ / GPTQModel, and the hayabusa-bf16 reference on it would be quantized too)."""
+    from hayabusa.entrypoints.cli import main
+
+    pk.write_quantized(stories_dir, tmp_path / "q", "gptq", group_size=32, desc_act=True, skip=STORIES_MLP)
+    text = tmp_path / "t.txt"
+    text.write_text(require_asset(TEXT).read_text(encoding="utf-8")[:3000], encoding="utf-8")
+    rc = main(["eval", "--fidelity", "--model", str(tmp_path / "q"), "--reference-model", stories_dir,
+               "--text", str(text), "--device", "cpu", "--fidelity-tokens", "256", "--json", str(tmp_path / "r.json")])
+    assert rc == 0 and "top-1 agreement" in capsys.readouterr().out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["num_tokens"] == 256 and 0 < r["mean_kl"] < 0.2 and r["top1_agreement"] > 0.7, r
