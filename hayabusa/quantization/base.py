@@ -75,6 +75,7 @@ def replace_param(layer: nn.Module, name: str, data: torch.Tensor | None) -> Non
     """Swap parameter ``name`` for ``data`` (or remove it) after loading; the old storage is freed with it."""
     if name in layer._parameters:  # noqa: SLF001
         del layer._parameters[name]  # noqa: SLF001
+    layer.__dict__.pop(name, None)   # a plain attribute left by an earlier replace_param(..., None)
     if data is None:
         setattr(layer, name, None)
     else:

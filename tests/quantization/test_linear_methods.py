@@ -256,3 +256,14 @@ def test_linear_without_a_config_is_the_plain_layer():
     lin.bias.weight_loader(lin.bias, torch.zeros(8), "a")
     y = lin(torch.ones(1, 16))
     assert y.tolist() == [[0.0] * 8 + [16.0, 17.0, 18.0, 19.0]]
+
+
+def test_replace_param_swaps_removes_and_restores():
+    from hayabusa.quantization.base import replace_param
+
+    m = torch.nn.Module()
+    m.register_parameter("w", torch.nn.Parameter(torch.zeros(2), requires_grad=False))
+    replace_param(m, "w", None)
+    assert m.w is None and "w" not in dict(m.named_parameters())
+    replace_param(m, "w", torch.ones(3))
+    assert m.w.shape == (3,) and not m.w.requires_grad and "w" in dict(m.named_parameters())
