@@ -168,13 +168,13 @@ w6() {  # server on the 0.5b shape in the background, the Poisson client against
   echo "=== server up=$up after $SECONDS s"; tail -5 "$OUT/serve.log"
   [ "$up" = 1 ] || { kill "$pid"; tail -40 "$OUT/serve.log"; return 1; }
   python -m hayabusa.bench.cli --workload W6 --base-url http://127.0.0.1:8011 --model q05 \
-    --request-rate 4,16,64,inf --num-prompts 100 --goodput ttft:500 tpot:50 --json "$OUT/w6.json" || rc=$?
+    --request-rate ${W6_RATES:-4,16,64,inf} --num-prompts ${W6_PROMPTS:-100} --goodput ttft:500 tpot:50 --json "$OUT/w6.json" || rc=$?
   kill "$pid"; wait "$pid" 2>/dev/null; tail -20 "$OUT/serve.log"
   return $rc
 }
 export -f w6
-export Q05 WORK OUT
-g_w6() { ensure_q05; step q05_W6 200 60 bash -c w6; }
+export Q05 WORK OUT W6_RATES W6_PROMPTS
+g_w6() { ensure_q05; step q05_W6 "${W6_MAX_S:-200}" 40 bash -c w6; }
 
 g_arch() {
   for shape in qwen3-0.6b-shape rinna-gpt-1b-shape gemma-2-2b-shape mistral-7b-shape; do
@@ -193,9 +193,9 @@ g_bg_make() {  # make the 7b and architecture checkpoints in the background whil
 wait_bg_make() { [ -n "${BG_MAKE:-}" ] && { wait "$BG_MAKE"; BG_MAKE=; tail -3 "$OUT/bg_make.log"; }; return 0; }
 g_quant() {  # weight quantization and the fp8 KV cache on the 7b shape, bf16 in the same process as reference
   wait_bg_make; ensure_q7
-  bench_step q7_W3_quant 150 60 --workload W3 --model "$Q7" --sweep quantization=none,fp8,int8,int4
-  bench_step q7_W1_quant 150 60 --workload W1 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8,int4
-  bench_step q7_W1_kvfp8 60 30 --workload W1 --model "$Q7" --scale 0.5 --kv-cache-dtype fp8
+  bench_step q7_W3_quant 100 50 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8,int8,int4
+  bench_step q7_W1_quant 100 40 --workload W1 --model "$Q7" --scale 0.25 --sweep quantization=none,fp8,int8,int4
+  [ "${QUANT_KV:-0}" = 1 ] && bench_step q7_W1_kvfp8 60 30 --workload W1 --model "$Q7" --scale 0.5 --kv-cache-dtype fp8
 }
 g_w5_7b() { wait_bg_make; ensure_q7; bench_step q7_W5 90 40 --workload W5 --model "$Q7"; }
 g_arch1() {  # each architecture shape: W3 and W1 (scale 0.25) in one process
