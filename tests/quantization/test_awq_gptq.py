@@ -287,18 +287,22 @@ def test_modules_in_block_to_quantize_leaves_the_others_float(tiny, tmp_path):
 @pytest.mark.parametrize("fmt, kw", [("awq", dict(group_size=64)), ("gptq", dict(group_size=64, desc_act=True)),
                                      ("gptq", dict(group_size=-1, bits=8, sym=True))])
 def test_cuda_kernels_run_the_checkpoint(fmt, kw, tiny, tmp_path):
-    """On the GPU (Triton int4 / int8 kernels, fp16 activations, CUDA graphs): the first 16 greedy tokens of the
-    packed checkpoint agree with the same checkpoint run on CPU in fp32 up to near-ties (top-5), and the layers
-    hold the same dequantized weights on both devices."""
+    """On the GPU (Triton int4 / int8 kernels, fp16 activations, CUDA graphs for decode): the layers hold the
+    checkpoint's dequantized weights (its fp16 scales kept as they are), and 16 greedy tokens per prompt agree
+    with the same checkpoint on CPU in fp32 up to near-ties (each side's token in the other's top-5)."""
+    import gc
+
     ckpt = tmp_path / "q"
     deq = pk.write_quantized(tiny("llama"), ckpt, fmt, **kw)
-    gpu = LLM(str(ckpt), device="cuda", dtype="float16", max_model_len=256, gpu_memory_utilization=0.3)
+    gpu = LLM(str(ckpt), device="cuda", dtype="float16", max_model_len=256, kv_cache_memory_bytes=1 << 28)
     layer = gpu.llm_engine.runner.model.model.layers[1].self_attn.qkv_proj
     ref = torch.cat([deq[p] for p in layer.checkpoint_prefixes]).cuda()
-    w = layer.quant_method.dequantized_weight(layer)
-    assert torch.allclose(w, ref, rtol=2e-3, atol=1e-6)           # scales rounded to fp16: rtol 2^-11
+    assert torch.allclose(layer.quant_method.dequantized_weight(layer), ref, rtol=1e-6, atol=0)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
     outs = gpu.generate(PROMPTS, params, use_tqdm=False)
+    del gpu, layer
+    gc.collect()
+    torch.cuda.empty_cache()
     cpu = LLM(str(ckpt), device="cpu", max_model_len=256).generate(PROMPTS, params, use_tqdm=False)
     for o, c in zip(outs, cpu):
         a, b = list(o.outputs[0].token_ids), list(c.outputs[0].token_ids)
