@@ -120,6 +120,14 @@ class RequestStream:
         self._engine._drop_stream(self)
 
 
+def cuda_device_index(device: torch.device) -> int | None:
+    """The CUDA device index a thread should make current for ``device``; None for non-CUDA devices.
+    ``torch.device("cuda")`` (no index) means the caller's current device, read here in the caller's thread."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class AsyncLLMEngine:
     """vLLM's async engine: many concurrent ``generate()`` calls share one continuously batched LLMEngine.
 
@@ -138,6 +146,10 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._stats: dict[str, Any] = {}
+        # The engine thread's CUDA device, as an index: torch.cuda.set_device refuses a bare torch.device("cuda")
+        # (no index), which is what device="auto"/"cuda" resolve to; that error killed the engine thread on GPUs.
+        device = engine.config.device_config.device
+        self._cuda_index = cuda_device_index(device)
         self._update_stats()
         if start_engine_loop:
             self.start_background_loop()
@@ -285,9 +297,8 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        device = self.engine.config.device_config.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)   # the current device is per thread
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)   # the current device is per thread
         try:
             self._loop_forever()
         except BaseException as e:  # noqa: BLE001 -- the thread must report why it died

@@ -171,3 +171,16 @@ def test_cuda_engine_thread_replays_graphs(stories_dir):
     finally:
         eng.shutdown()
     assert [o[-1].outputs[0].token_ids for o in outs] == ref
+
+
+def test_cuda_device_index_is_explicit():
+    """torch.cuda.set_device rejects torch.device("cuda") without an index (the engine thread died of it on the
+    H200): the engine thread is given an index, or None off CUDA."""
+    import torch
+
+    from hayabusa.entrypoints.async_engine import cuda_device_index
+
+    assert cuda_device_index(torch.device("cpu")) is None
+    assert cuda_device_index(torch.device("cuda", 3)) == 3
+    if torch.cuda.is_available():
+        assert cuda_device_index(torch.device("cuda")) == torch.cuda.current_device()
