@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.model.layers.attention import load_kv_scale
 
 
 def resolve_model_dir(model: str, revision: str | None = None, download_dir: str | None = None,
@@ -106,6 +107,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             name = rename(name)
         if model.ignored_checkpoint_key(name):
             continue
+        if load_kv_scale(model, name, tensor):  # an Attention layer's k_scale / v_scale (optional buffers)
+            continue
         target, shard = name, None
         for ours, theirs, shard_id in mapping:
             if theirs in name:
@@ -113,7 +116,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                 break
         param = params.get(target)
         if param is None:
-            unused.append(name)
+            if not _is_zero_bias_of_biasless_linear(model, target, tensor):
+                unused.append(name)
             continue
         loader = getattr(param, "weight_loader", None)
         data = _cast_for(param, tensor, name)
@@ -160,6 +164,17 @@ def _cast_for(param: torch.Tensor, tensor: torch.Tensor, name: str) -> torch.Ten
     raise HayabusaValidationError(f"checkpoint tensor {name} is {str(tensor.dtype).replace('torch.', '')}; the "
                                   f"model parameter is {str(param.dtype).replace('torch.', '')}: {why}",
                                   parameter="model", value=name)
+
+
+def _is_zero_bias_of_biasless_linear(model: nn.Module, target: str, tensor: torch.Tensor) -> bool:
+    """An all-zero ``bias`` for one of our Linear layers that has no bias (AutoGPTQ writes these for every
+    quantized layer): adding zero changes nothing, so it is skipped instead of refused, as vLLM skips it."""
+    if not target.endswith(".bias") or tensor.is_floating_point() is False:
+        return False
+    from hayabusa.model.layers.linear import Linear
+
+    owner = _owner_of(model, target)
+    return isinstance(owner, Linear) and owner.bias is None and not bool(tensor.any())
 
 
 def _owner_of(model: nn.Module, param_name: str) -> nn.Module | None:

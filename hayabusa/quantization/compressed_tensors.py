@@ -15,7 +15,8 @@ Tensors per quantized layer: ``weight`` e4m3 [N, K]; ``weight_scale`` fp32/bf16 
 ``targets`` entries: "Linear" (every linear layer), a module name, or ``re:<regex>`` (matched with ``re.match``).
 A layer matched by no group, or in ``ignore``, stays unquantized. Dynamic activations are quantized per token
 (for "tensor" dynamic too: finer than the checkpoint asks, never coarser). Anything else (int8 / int4 schemes,
-weight-only fp8, block or group strategies, sparsity, a ``kv_cache_scheme``) is refused by name.
+weight-only fp8, block or group strategies, sparsity, a non-fp8 ``kv_cache_scheme``) is refused by name. An fp8
+``kv_cache_scheme`` is accepted: its k/v scales load into the Attention layers (used with kv_cache_dtype="fp8").
 """
 
 from __future__ import annotations
@@ -81,8 +82,11 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     @classmethod
     def from_hf_config(cls, qc: dict[str, Any]) -> "CompressedTensorsConfig":
-        if qc.get("kv_cache_scheme"):
-            raise _refuse("kv_cache_scheme (an fp8 KV cache with checkpoint scales)")
+        kv = qc.get("kv_cache_scheme")
+        if kv and not (kv.get("num_bits") == 8 and kv.get("type") == "float"):
+            # an fp8 KV scheme only carries per-layer k/v scales: the loader puts them into the Attention layers,
+            # and they are used when the engine runs with kv_cache_dtype="fp8" (vLLM's behaviour)
+            raise _refuse(f"kv_cache_scheme {kv} (only an fp8 one: num_bits 8, type float)")
         if qc.get("sparsity_config"):
             raise _refuse("sparsity_config")
         groups = qc.get("config_groups") or {}

@@ -85,7 +85,6 @@ def test_load_kv_scale_maps_checkpoint_names(stories_dir):
         load_kv_scale(model, "model.layers.0.self_attn.v_scale", t(-1.0))
 
 
-@pytest.mark.xfail(strict=True, reason="needs the load_kv_scale hook in model/loader.py's load_weights")
 def test_checkpoint_kv_scales_are_loaded(stories_dir, tmp_path):
     """A checkpoint carrying self_attn.k_scale / v_scale (vLLM / llm-compressor naming) loads them."""
     from safetensors.torch import load_file, save_file

@@ -81,7 +81,7 @@ def test_argument_that_disagrees_with_the_checkpoint_names_both():
                                                                  r"\[128, 128\]\) are not supported"),
     ({"quant_method": "fp8", "activation_scheme": "per-group"}, "activation_scheme 'per-group' is not supported"),
     ({**CT_FP8_DYNAMIC, "format": "pack-quantized"}, "format 'pack-quantized'"),
-    ({**CT_FP8_DYNAMIC, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({**CT_FP8_DYNAMIC, "kv_cache_scheme": {"num_bits": 8, "type": "int"}}, "kv_cache_scheme"),
     ({**CT_FP8_DYNAMIC, "config_groups": {"g": {**CT_FP8_DYNAMIC["config_groups"]["group_0"],
                                                 "weights": {"num_bits": 4, "type": "int", "strategy": "group",
                                                             "group_size": 128}}}},
@@ -142,3 +142,10 @@ def test_plan_notes_say_what_runs():
     sq = make_plan(cfg, PlanInputs(quantization="smoothquant"), gpu_memory_gib=80)
     assert any("hayabusa does not run it yet (it runs fp8, compressed-tensors, int8, int4, awq, gptq, "
                "bitsandbytes)" in n for n in sq["notes"])
+
+
+def test_fp8_kv_cache_scheme_is_accepted():
+    """An fp8 kv_cache_scheme carries per-layer k/v scales, which the loader puts into the Attention layers."""
+    qc = get_quantization_config(None, {"quantization_config": {**CT_FP8_DYNAMIC, "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}})
+    assert qc is not None and qc.name == "compressed-tensors"
