@@ -49,15 +49,16 @@ GPUS: dict[str, tuple[float, str, str, int, bool, bool, str]] = {
     "H200": (139.80, "141 GB", "HBM3e", 4800, True, True, "https://www.nvidia.com/en-us/data-center/h200/"),
 }
 
-# quantization -> bits per linear-layer weight, scales included. 4-bit group-128 formats (AWQ, GPTQ) store an fp16
-# scale and a 4-bit zero point per 128 weights: 4 + 20/128 bits. bitsandbytes nf4 keeps an fp32 absmax per 64
+# quantization -> bits per linear-layer weight in hayabusa's memory, scales included. 4-bit group-128 formats (AWQ,
+# GPTQ) store an fp16 scale and a 4-bit zero point per 128 weights (4 + 20/128 bits on disk); hayabusa repacks them
+# for its int4 kernel with the zero point in 16 bits: 4 + 32/128 in memory. bitsandbytes nf4 keeps an fp32 absmax per 64
 # weights: 4 + 32/64. GGUF blocks of 32: Q4_0 18 bytes, Q4_1 20 bytes, Q8_0 34 bytes. FP8 / INT8 per-channel
 # scales are negligible. hayabusa's int4 keeps a 16-bit scale and zero per 128 weights: 4 + 32/128;
 # compressed-tensors counts as its FP8 scheme (the one hayabusa runs).
 QUANT_BITS: dict[str, float] = {
     "fp8": 8.0, "int8": 8.0, "w8a8": 8.0, "smoothquant": 8.0, "bitsandbytes-8bit": 8.0,
     "int4": 4 + 32 / 128, "compressed-tensors": 8.0,
-    "awq": 4 + 20 / 128, "gptq": 4 + 20 / 128, "awq_marlin": 4 + 20 / 128, "gptq_marlin": 4 + 20 / 128,
+    "awq": 4 + 32 / 128, "gptq": 4 + 32 / 128, "awq_marlin": 4 + 32 / 128, "gptq_marlin": 4 + 32 / 128,
     "bitsandbytes": 4.5, "bitsandbytes-4bit": 4.5, "nf4": 4.5,
     "gguf-q4_0": 4.5, "gguf-q4_1": 5.0, "gguf-q8_0": 8.5,
 }
@@ -198,7 +199,7 @@ def quant_bits(quantization: str | None, cfg: Any) -> tuple[str | None, float | 
     method = str(method).lower()
     if qc and not quantization and qc.get("bits") and qc.get("group_size"):
         b, g = qc["bits"], qc["group_size"]
-        return method, b + (20 / g if g and g > 0 else 0)
+        return method, b + (32 / g if g and g > 0 else 0)   # 16-bit scale + 16-bit zero per group in memory
     if method not in QUANT_BITS:
         raise HayabusaValidationError(f"unknown quantization {method!r}; known: {', '.join(QUANT_BITS)}.",
                                       parameter="quantization", value=method)

@@ -60,8 +60,9 @@ def test_quantization_kv_dtype_and_tp_arithmetic():
     p = count_params(cfg)
     base = make_plan(cfg, PlanInputs(), gpu_memory_gib=80)
     awq = make_plan(cfg, PlanInputs(quantization="awq"), gpu_memory_gib=80)
-    # AWQ: linear weights at 4 bits + an fp16 scale and a 4-bit zero per 128 weights; the rest stays bf16
-    assert awq["weight_bytes"] == int(p["linear"] * (4 + 20 / 128) / 8 + (p["total"] - p["linear"]) * 2)
+    # AWQ in hayabusa's memory: linear weights at 4 bits + a 16-bit scale and a 16-bit zero per 128 weights (the
+    # int4 kernel's layout); the rest stays bf16
+    assert awq["weight_bytes"] == int(p["linear"] * (4 + 32 / 128) / 8 + (p["total"] - p["linear"]) * 2)
     assert awq["max_num_tokens"] > base["max_num_tokens"] and any("quantization" in n for n in awq["notes"])
     fp8kv = make_plan(cfg, PlanInputs(kv_cache_dtype="fp8"), gpu_memory_gib=80)
     assert fp8kv["kv_bytes_per_token"] == base["kv_bytes_per_token"] // 2
