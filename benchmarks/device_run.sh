@@ -95,8 +95,8 @@ g_gpu_tests() {
   [ "$GPU_TESTS_S" -gt 0 ] || return 0
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 300)
   # the cuda-marked tests, then every kernel test (they pick CUDA when it is there and carry no marker)
-  step gpu_tests "$GPU_TESTS_S" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -m cuda tests/ \
-    ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/gpu_tests.log'; a=\${PIPESTATUS[0]}; python -m pytest -q tests/kernels \
+  step gpu_tests "$GPU_TESTS_S" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=15 -m cuda tests/ \
+    ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/gpu_tests.log'; a=\${PIPESTATUS[0]}; python -m pytest -q -rfE --durations=10 tests/kernels \
     ${PT_TIMEOUT[*]} 2>&1 | tee -a '$OUT/gpu_tests.log'; exit \$((a | \${PIPESTATUS[0]}))"
 }
 g_ceilings() { step ceilings 60 10 python -m hayabusa.bench.cli --ceilings --json "$CEIL"; }
