@@ -43,6 +43,29 @@ def family(name: str) -> str:
     return "other"
 
 
+def kernel_table(prof) -> tuple[float, dict[str, float], list[tuple[str, float, int]]]:
+    """(total GPU kernel µs, µs per family, top 25 kernels as (name, µs, calls)) from a finished torch.profiler."""
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[ev.name]
+            k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            k[1] += 1
+    fams: dict[str, float] = defaultdict(float)
+    for name, (us, _) in kernels.items():
+        fams[family(name)] += us
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    return (sum(v[0] for v in kernels.values()), dict(sorted(fams.items(), key=lambda x: -x[1])),
+            [(n, us, int(c)) for n, (us, c) in top])
+
+
+def print_table(families: dict[str, float], top: list[dict], unit: str, key: str, calls: str, n: int) -> None:
+    for f, v in families.items():
+        print(f"  {f:<12} {v:8.4f} {unit}")
+    for k in top[:n]:
+        print(f"  {k[key]:8.4f} {unit}  x{k[calls]:<6} {k['family']:<10} {k['name']}")
+
+
 def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eager: bool) -> dict:
     from hayabusa import LLM, SamplingParams
 
@@ -55,6 +78,8 @@ def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eage
     # The warm-up leaves the prompts in the prefix cache, so the measured runs prefill one token per request
     # and the profile is (almost) decode only. Wall time of decode: the full run minus a max_tokens=1 run.
     llm.generate(prompts, warm, use_tqdm=False)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    llm.generate(prompts, one, use_tqdm=False)  # the 1-token path warm too (its first run compiles)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     llm.generate(prompts, one, use_tqdm=False)
@@ -72,27 +97,17 @@ def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eage
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, sp, use_tqdm=False)
         torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels[ev.name]
-            k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            k[1] += 1
-    total_us = sum(v[0] for v in kernels.values())
-    fams: dict[str, float] = defaultdict(float)
-    for name, (us, _) in kernels.items():
-        fams[family(name)] += us
+    total_us, fams, top = kernel_table(prof)
     steps = decode_steps  # one prefill step + (decode_steps - 1) decode steps, all in the profile
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
     del llm
     torch.cuda.empty_cache()
     return {
         "batch": batch, "eager": eager, "prompt_len": prompt_len, "decode_steps": decode_steps,
         "wall_ms_per_decode_step": round(step_ms, 4),
         "kernel_ms_per_step": round(total_us / steps / 1e3, 4),
-        "families_ms_per_step": {f: round(us / steps / 1e3, 4) for f, us in sorted(fams.items(), key=lambda x: -x[1])},
+        "families_ms_per_step": {f: round(us / steps / 1e3, 4) for f, us in fams.items()},
         "top_kernels": [{"name": n[:120], "ms_per_step": round(us / steps / 1e3, 4), "calls_per_step":
-                         round(c / steps, 2), "family": family(n)} for n, (us, c) in top],
+                         round(c / steps, 2), "family": family(n)} for n, us, c in top],
     }
 
 
@@ -118,23 +133,14 @@ def profile_workload(model: str, workload: str, scale: float, engine_args: dict)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     steps = (llm.llm_engine.stats.get("num_steps", 0) if hasattr(llm.llm_engine, "stats") else 0) - steps0
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels[ev.name]
-            k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            k[1] += 1
-    fams: dict[str, float] = defaultdict(float)
-    for name, (us, _) in kernels.items():
-        fams[family(name)] += us
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    total_us, fams, top = kernel_table(prof)
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"workload": workload, "scale": scale, "engine_args": engine_args, "wall_s": round(wall, 4),
             "engine_steps": steps, "output_tokens": out_tokens,
-            "kernel_s": round(sum(v[0] for v in kernels.values()) / 1e6, 4),
-            "families_s": {f: round(us / 1e6, 4) for f, us in sorted(fams.items(), key=lambda x: -x[1])},
+            "kernel_s": round(total_us / 1e6, 4),
+            "families_s": {f: round(us / 1e6, 4) for f, us in fams.items()},
             "top_kernels": [{"name": n[:120], "s": round(us / 1e6, 4), "calls": c, "family": family(n)}
-                            for n, (us, c) in top]}
+                            for n, us, c in top]}
 
 
 def main() -> None:
@@ -155,10 +161,7 @@ def main() -> None:
         r = profile_workload(ns.model, ns.workload, ns.scale, args)
         print(f"=== {ns.workload} x{ns.scale} {args}: wall {r['wall_s']:.3f} s, GPU kernels {r['kernel_s']:.3f} s, "
               f"{r['engine_steps']} engine steps, {r['output_tokens']} output tokens")
-        for f, sec in r["families_s"].items():
-            print(f"  {f:<12} {sec:8.4f} s")
-        for k in r["top_kernels"][:20]:
-            print(f"  {k['s']:8.4f} s  x{k['calls']:<6} {k['family']:<10} {k['name']}")
+        print_table(r["families_s"], r["top_kernels"], "s", "s", "calls", 20)
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump(r, f, indent=1)
@@ -184,10 +187,7 @@ def main() -> None:
             eager = r["eager"]
             print(f"\n=== batch {b} {'eager' if eager else 'cuda graphs'}: wall {r['wall_ms_per_decode_step']:.3f} "
                   f"ms/step, GPU kernels {r['kernel_ms_per_step']:.3f} ms/step")
-            for f, ms in r["families_ms_per_step"].items():
-                print(f"  {f:<12} {ms:8.4f} ms/step")
-            for k in r["top_kernels"][:15]:
-                print(f"  {k['ms_per_step']:8.4f} ms  x{k['calls_per_step']:<6} {k['family']:<10} {k['name']}")
+            print_table(r["families_ms_per_step"], r["top_kernels"], "ms", "ms_per_step", "calls_per_step", 15)
             if ns.json:
                 with open(ns.json, "w") as f:
                     json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
