@@ -112,3 +112,17 @@ def tiny_qwen2(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def example_prompts() -> list[str]:
     return EN_PROMPTS + JA_PROMPTS
+
+
+@pytest.fixture(scope="session")
+def q05_dir(tmp_path_factory) -> str:
+    """A random bf16 qwen2.5-0.5b-shape checkpoint for the CUDA tests: $HAYABUSA_Q05_DIR when it holds one (the
+    device run makes it once), else made here (~1 GB)."""
+    path = os.environ.get("HAYABUSA_Q05_DIR")
+    if path and os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from hayabusa.bench.models import make_model
+
+    out = str(tmp_path_factory.mktemp("q05"))
+    make_model("qwen2.5-0.5b-shape", out)
+    return out

@@ -4,7 +4,6 @@ checkpoint (HAYABUSA_Q05_DIR, or made here with `hayabusa bench --make-model`), 
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -13,18 +12,6 @@ import torch
 from hayabusa import LLM, SamplingParams
 
 pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(scope="module")
-def q05_dir(tmp_path_factory) -> str:
-    path = os.environ.get("HAYABUSA_Q05_DIR")
-    if path and os.path.exists(os.path.join(path, "config.json")):
-        return path
-    from hayabusa.bench.models import make_model
-
-    out = str(tmp_path_factory.mktemp("q05"))
-    make_model("qwen2.5-0.5b-shape", out)
-    return out
 
 
 def _prompts(n: int) -> list[dict]:

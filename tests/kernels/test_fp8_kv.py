@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hayabusa.kernels.fp8 import FP8_FORMATS, dequantize_fp8_ref, quantize_fp8_ref
-from hayabusa.kernels.paged_attention import paged_attention, paged_attention_ref
+from hayabusa.kernels.paged_attention import paged_attention_ref
 from hayabusa.kernels.store_kv import store_kv, store_kv_ref
 
-from tests.kernels.test_paged_attention import MIXED, SENTINEL, TOL, make_case
+from tests.kernels.test_paged_attention import MIXED, SENTINEL, TOL, make_case, run_both
 from tests.kernels.test_store_kv import _fused_kv, _slots
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -122,13 +122,7 @@ def _fp8_case(case: dict, cache_dtype: torch.dtype, k_scale: float, v_scale: flo
     return out
 
 
-def _run_both(case: dict, **kwargs) -> list[torch.Tensor]:
-    outs = []
-    for fn in (paged_attention, paged_attention_ref):
-        out = torch.full(case["q"].shape, SENTINEL, dtype=case["q"].dtype, device=case["q"].device)
-        fn(out=out, **case, **kwargs)
-        outs.append(out)
-    return outs
+_run_both = run_both   # (kernel out, ref out), both pre-filled with SENTINEL
 
 
 def _check(case: dict, **kwargs) -> None:

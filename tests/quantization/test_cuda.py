@@ -5,7 +5,6 @@ engines with CUDA graphs against enforce_eager (greedy ids identical), on a real
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -72,18 +71,6 @@ def test_scaled_mm_static_input_scale_matches_emulation():
 
 
 # ---------------------------------------------------------------------------------------------- engines
-@pytest.fixture(scope="module")
-def q05_dir(tmp_path_factory) -> str:
-    path = os.environ.get("HAYABUSA_Q05_DIR")
-    if path and os.path.exists(os.path.join(path, "config.json")):
-        return path
-    from hayabusa.bench.models import make_model
-
-    out = str(tmp_path_factory.mktemp("q05"))
-    make_model("qwen2.5-0.5b-shape", out)
-    return out
-
-
 def _greedy(model_dir: str, **kwargs) -> list[list[int]]:
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 500, size=int(rng.integers(4, 200))).tolist()}
