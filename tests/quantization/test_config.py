@@ -137,7 +137,7 @@ def test_plan_notes_say_what_runs():
     assert int4["weight_bits"] == 4.25 and "quantization=int4 is planned at 4.25 bits per linear weight (hayabusa " \
                                            "runs it)." in int4["notes"]
     awq = make_plan(cfg, PlanInputs(quantization="awq"), gpu_memory_gib=80)
-    assert any("quantization=awq is planned at 4.16 bits per linear weight (hayabusa runs it)." in n
+    assert any("quantization=awq is planned at 4.25 bits per linear weight (hayabusa runs it)." in n
                for n in awq["notes"])
     sq = make_plan(cfg, PlanInputs(quantization="smoothquant"), gpu_memory_gib=80)
     assert any("hayabusa does not run it yet (it runs fp8, compressed-tensors, int8, int4, awq, gptq, "
