@@ -140,7 +140,7 @@ def _variant_label(rec: dict[str, Any]) -> str:
 
 
 TABLE_COLUMNS = ("workload", "model", "engine", "config", "out tok/s", "total tok/s", "TTFT ms", "TPOT ms", "s/req",
-                 "startup s", "peak GiB", "KV tokens", "prefix hit %", "% ceiling")
+                 "startup s", "weights GiB", "peak GiB", "KV tokens", "prefix hit %", "% ceiling")
 
 
 def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
@@ -151,10 +151,12 @@ def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
                          "ERROR: " + str(r["error"])[:60]] + [""] * (len(TABLE_COLUMNS) - 5))
             continue
         peak = r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None
+        wb = (r.get("extra") or {}).get("weight_bytes")
+        weights = wb / 2**30 if wb else None
         frac = 100 * r["fraction_of_ceiling"] if r.get("fraction_of_ceiling") is not None else None
         rows.append([r["workload"], str(r["model"]), r["engine"], _variant_label(r), _fmt(r["output_throughput"]),
                      _fmt(r["total_throughput"]), _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"], 2),
-                     _fmt(r.get("seconds_per_request"), 3), _fmt(r["startup_s"], 2), _fmt(peak, 2),
+                     _fmt(r.get("seconds_per_request"), 3), _fmt(r["startup_s"], 2), _fmt(weights, 2), _fmt(peak, 2),
                      _fmt(r["kv_cache_tokens"]),
                      _fmt(100 * r["prefix_cache_hit_rate"] if r.get("prefix_cache_hit_rate") is not None else None),
                      _fmt(frac) + ("" if frac is None else f" ({r['ceiling_kind']})")])

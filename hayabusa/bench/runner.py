@@ -116,6 +116,12 @@ def _engine_latencies(outs: list[Any], t_start: float) -> tuple[list[float], lis
     return ttft, tpot
 
 
+def model_weight_bytes(model: Any) -> int:
+    """Bytes of the model's parameters and buffers as held on the device (quantized weights at their packed size,
+    scales included; the KV cache is not part of the model)."""
+    return int(sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())))
+
+
 def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     engine = llm.llm_engine
     notes: list[str] = []
@@ -127,7 +133,8 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
              "num_steps": engine.stats.get("num_steps") if hasattr(engine, "stats") else None,
              "enable_prefix_caching": kv.enable_prefix_caching,
              "prefix_cache_hit_rate": round(kv.prefix_hit_rate, 4),
-             "num_preemptions": engine.scheduler.num_preemptions}
+             "num_preemptions": engine.scheduler.num_preemptions,
+             "weight_bytes": model_weight_bytes(engine.runner.model)}
     return notes, extra
 
 
