@@ -4,6 +4,7 @@ tokens the same way; --make-model writes checkpoints transformers loads; floors 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +52,21 @@ def test_w4_sweeps_max_num_seqs(tmp_path, tiny_bench_model):
     assert [r["variant"] for r in recs] == [{"max_num_seqs": 1}, {"max_num_seqs": 2}]
     assert [r["engine_args"]["max_num_seqs"] for r in recs] == [1, 2]
     assert all(r["seconds_per_request"] > 0 for r in recs)
+
+
+def test_quantization_sweep_reports_weight_bytes(tmp_path, tiny_bench_model):
+    """weight_bytes is what the model holds: with int8 every Linear but lm_head keeps 1 byte per weight plus one
+    fp32 scale per output row, instead of 4 bytes per weight (fp32 on CPU); the rest is unchanged."""
+    none, int8 = _bench(tmp_path, "--workload", "W3", "--model", tiny_bench_model, "--scale", "0.02",
+                        "--sweep", "quantization=none,int8")
+    assert none["variant"] == {"quantization": None} and int8["variant"] == {"quantization": "int8"}
+    cfg = json.loads((Path(tiny_bench_model) / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    linear = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter)        # q, k, v, o, gate, up, down
+    saved = none["extra"]["weight_bytes"] - int8["extra"]["weight_bytes"]
+    rows = layers * ((h + 2 * kv) + h + 2 * inter + h)                   # one fp32 scale per output row
+    assert saved == linear * 4 - (linear + rows * 4)
 
 
 def test_w5_reports_prefix_caching_honestly(tmp_path, tiny_bench_model):
