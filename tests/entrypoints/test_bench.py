@@ -152,3 +152,18 @@ def test_bad_arguments_say_what_to_do(tmp_path, capsys):
     assert "--make-model" in capsys.readouterr().err
     assert cli.main(["--workload", "W9", "--model", str(tmp_path)]) == 2
     assert cli.main(["--make-model", "gpt-5-shape", str(tmp_path)]) == 2
+
+
+def test_warmup_shares_a_fresh_prefix_when_the_workload_does():
+    """W5's warm-up requests share a prefix as long as the workload's (so the prefix-hit prefill runs before the
+    timed part), made of fresh ids (so the workload's own prefix is not cached by the warm-up)."""
+    from hayabusa.bench.runner import _common_prefix_len, warmup_requests
+
+    w5 = get_workload("W5", 0.25)
+    warm = warmup_requests(w5)
+    shared = _common_prefix_len([r.prompt_token_ids for r in w5.requests])
+    assert shared == 256 and _common_prefix_len([r.prompt_token_ids for r in warm]) == shared
+    assert [len(r.prompt_token_ids) for r in warm] == [len(r.prompt_token_ids) for r in w5.requests[:len(warm)]]
+    assert warm[0].prompt_token_ids[:shared] != w5.requests[0].prompt_token_ids[:shared]
+    w1 = get_workload("W1", 0.05)
+    assert _common_prefix_len([r.prompt_token_ids for r in warmup_requests(w1)]) == 0
