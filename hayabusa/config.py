@@ -111,6 +111,7 @@ class EngineArgs:
     disable_custom_all_reduce: bool = False
     compilation_config: Any = None
     async_scheduling: bool | None = None
+    max_logprobs: int = 20
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -161,6 +162,8 @@ class EngineArgs:
                 raise _bad(name, v, "must be a positive integer.")
         if self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise _bad("block_size", self.block_size, "must be 1, 2, 4, 8 or a multiple of 16.")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise _bad("max_logprobs", self.max_logprobs, "must be a non-negative integer.")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -248,6 +251,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quantization: str | None = None    # the method that runs ("fp8", "int4", ...; None = unquantized)
     quant_config: Any = None           # hayabusa.quantization.QuantizationConfig, checked against the device
+    max_logprobs: int = 20             # most logprobs a request may ask for (vLLM's engine argument)
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> "ModelConfig":
@@ -286,7 +290,7 @@ class ModelConfig:
                    trust_remote_code=args.trust_remote_code, skip_tokenizer_init=args.skip_tokenizer_init,
                    load_format=args.load_format, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
                    eos_token_ids=eos, quantization=quant_config.name if quant_config else None,
-                   quant_config=quant_config)
+                   quant_config=quant_config, max_logprobs=args.max_logprobs)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V for one token over all layers: 2 x layers x kv_heads x head_dim x element size."""

@@ -84,6 +84,11 @@ class InputProcessor:
             raise HayabusaValidationError(
                 f"prompt has {len(ids)} tokens, more than max_model_len={mc.max_model_len}.",
                 parameter="prompt", value=len(ids))
+        if params.logprobs is not None and params.logprobs > min(mc.max_logprobs, mc.vocab_size):
+            raise HayabusaValidationError(
+                f"logprobs={params.logprobs} is more than the engine allows (max_logprobs={mc.max_logprobs}, "
+                f"vocab_size={mc.vocab_size}); ask for fewer or raise the engine argument max_logprobs.",
+                parameter="logprobs", value=params.logprobs)
         bad_stop = [t for t in params.stop_token_ids if t >= mc.vocab_size]
         if bad_stop:
             raise HayabusaValidationError(f"stop token id {bad_stop[0]} is out of vocabulary "

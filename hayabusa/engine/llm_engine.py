@@ -120,6 +120,17 @@ class LLMEngine:
                 outs.append(out)
         return outs
 
+    def abort_all_after_error(self) -> list[str]:
+        """Recover from a step that raised or was interrupted (an exception, Ctrl-C): forget the step in flight
+        and abort every unfinished request, freeing its blocks, so the engine serves new requests. Requests that
+        were mid-step may have advanced their state without their tokens; aborting them is the only consistent
+        way on. Returns the aborted request ids."""
+        self._pending = None
+        self.runner.forget_previous_step()
+        ids = list(self.output_processor.states)
+        self.abort_request(ids)
+        return ids
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Returns False (nothing done) while requests are running."""
         return self.kv_cache_manager.reset_prefix_cache()

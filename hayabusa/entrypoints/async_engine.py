@@ -366,7 +366,7 @@ class AsyncLLMEngine:
         err = EngineStepError(f"engine step failed: {type(error).__name__}: {error}")
         err.__cause__ = error
         ids = list(self._req_loops)
-        self.engine.abort_request(ids)      # frees their blocks; raising here kills the thread (engine dead)
+        self.engine.abort_all_after_error()  # frees their blocks; raising here kills the thread (engine dead)
         outbox.extend((rid, err) for rid in ids)
 
     def _send(self, outbox: list[tuple[str, RequestOutput | BaseException]]) -> None:

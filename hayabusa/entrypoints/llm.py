@@ -157,6 +157,10 @@ class LLM:
                             out_tokens += sum(len(c.token_ids) for c in out.outputs)
                             bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
                             bar.update(1)
+        except BaseException:
+            # A failed step or Ctrl-C: abort what is in flight so this LLM still serves the next generate().
+            engine.abort_all_after_error()
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -189,6 +189,11 @@ class ModelRunner:
         logits = self._run_model(inp)                       # [R_s, V]
         return self._sample(inp, logits)
 
+    def forget_previous_step(self) -> None:
+        """Drop the link to the previous step's sampled tokens (after a failed step whose requests are aborted):
+        no later step may read placeholders from it."""
+        self._prev_sampled, self._prev_sample_row = None, {}
+
     def finish(self, handle: "StepHandle") -> ModelRunnerOutput:
         """Wait for a launched step (the step's one sync) and return its tokens as host lists."""
         result = ModelRunnerOutput({r.request_id: [] for r in handle.reqs})
