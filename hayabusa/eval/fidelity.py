@@ -132,7 +132,10 @@ def compare_chunks(chunks: list[list[int]], next_ids: list[list[int]], model_fn:
     kl_max = 0.0
     nll = nll_ref = 0.0
     n_next = 0
-    for ids, nxt in zip(chunks, next_ids):
+    from tqdm.auto import tqdm
+
+    for ids, nxt in tqdm(list(zip(chunks, next_ids)), desc="Fidelity chunks", unit="chunk",
+                         disable=len(chunks) < 2, dynamic_ncols=True):
         mlog, rlog = model_fn(ids), ref_fn(ids)
         for s in range(0, len(ids), LOGITS_SLICE):
             e = min(s + LOGITS_SLICE, len(ids))
@@ -235,7 +238,15 @@ def _reference(model: str, reference: str, reference_dtype: str | None, engine_a
     from hayabusa.model.loader import resolve_model_dir
 
     dtype = reference_dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    hf = _hf_load(resolve_model_dir(model), dtype, dev)
+    model_dir = resolve_model_dir(model)
+    try:
+        hf = _hf_load(model_dir, dtype, dev)
+    except (ImportError, ValueError) as e:   # e.g. an AWQ / GPTQ / FP8 folder: HF needs gptqmodel / optimum
+        raise HayabusaValidationError(
+            f"the HF reference cannot load {model} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}). "
+            "For a quantized checkpoint pass its unquantized original with --reference-model DIR (same "
+            "tokenizer), or use --reference hayabusa-bf16 on an unquantized checkpoint with --quantization.",
+            parameter="reference_model", value=model) from None
     return hf, _hf_logits_fn(hf, dev), str(hf.dtype).replace("torch.", "")
 
 

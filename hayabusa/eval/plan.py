@@ -398,8 +398,13 @@ def advice(cfg: Any, inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
     spec = GPUS.get(str(plan["gpu"]))
     if spec and not spec[4] and plan["dtype"] == "bfloat16":
         out.append(f"{plan['gpu']} has no bfloat16 support: run with dtype=float16.")
-    if spec and not spec[5] and (plan["quantization"] == "fp8" or plan["kv_cache_dtype"].startswith("fp8")):
-        out.append(f"{plan['gpu']} has no FP8 tensor cores: fp8 saves memory there but is not faster.")
+    if spec and not spec[5]:  # below compute capability 8.9: what the engine refuses there (config.py, fp8.py)
+        if plan["quantization"] in ("fp8", "compressed-tensors"):
+            out.append(f"{plan['gpu']} has no FP8 tensor cores: hayabusa refuses quantization=fp8 there; use "
+                       "int8 or int4 (weight-only), which run on it.")
+        if plan["kv_cache_dtype"] in ("fp8", "fp8_e4m3"):
+            out.append(f"{plan['gpu']} cannot convert e4m3: hayabusa refuses kv_cache_dtype={plan['kv_cache_dtype']}"
+                       " there; kv_cache_dtype=fp8_e5m2 gives the same memory and runs on it.")
     bigger = [g["gpu"] for g in plan["gpus"] if g["fits"] and g["gpu_memory_bytes"] > total]
     if not plan["fits"] and bigger:
         out.append(f"GPUs where it fits as configured: {', '.join(bigger)}.")

@@ -140,10 +140,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     missing = sorted(expected - loaded)
     if unused or missing:
         raise HayabusaValidationError(
-            "checkpoint does not match the model: "
-            + (f"unused checkpoint tensors {unused[:8]}{'...' if len(unused) > 8 else ''}; " if unused else "")
-            + (f"parameters not in the checkpoint {missing[:8]}{'...' if len(missing) > 8 else ''}" if missing
-               else ""), parameter="model", value=(unused or missing)[0])
+            "checkpoint does not match the model: " + "; ".join(
+                part for part in (
+                    f"unused checkpoint tensors {unused[:8]}{'...' if len(unused) > 8 else ''}" if unused else "",
+                    f"parameters not in the checkpoint {missing[:8]}{'...' if len(missing) > 8 else ''}" if missing
+                    else "") if part) + ".", parameter="model", value=(unused or missing)[0])
 
 
 _FP8_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")

@@ -105,7 +105,7 @@ class AwqConfig(QuantizationConfig):
         return cls(group_size, qc.get("modules_to_not_convert") or ())
 
     def get_linear_method(self, layer_prefix: str, layer: nn.Module) -> LinearMethod | None:
-        if is_ignored(layer_prefix, layer, self.modules_to_not_convert):
+        if is_ignored(layer_prefix, layer, self.modules_to_not_convert, substring=True):
             return None
         K = layer.in_features
         G = K if self.group_size == -1 else self.group_size

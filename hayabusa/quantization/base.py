@@ -210,16 +210,21 @@ def layer_names(layer_prefix: str, layer: nn.Module) -> list[str]:
     return list(getattr(layer, "checkpoint_prefixes", None) or [layer_prefix])
 
 
-def name_matches(name: str, pattern: str) -> bool:
+def name_matches(name: str, pattern: str, substring: bool = False) -> bool:
     """compressed-tensors / vLLM matching: ``re:<regex>`` matches by ``re.match``; otherwise the module name
     equals the pattern, ends with ``.pattern`` (``"lm_head"``, ``"down_proj"``) or lies under it
-    (``"model.layers.0"`` covers that layer's projections)."""
+    (``"model.layers.0"`` covers that layer's projections). With ``substring`` (AutoAWQ / GPTQ / bitsandbytes
+    ``modules_to_not_convert``, as vLLM's ``is_layer_skipped_awq``), any substring of the name matches:
+    ``"mlp"`` covers every MLP projection."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
+    if substring:
+        return pattern in name
     return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
 
 
-def is_ignored(layer_prefix: str, layer: nn.Module, patterns: list[str] | tuple[str, ...]) -> bool:
+def is_ignored(layer_prefix: str, layer: nn.Module, patterns: list[str] | tuple[str, ...],
+               substring: bool = False) -> bool:
     """Whether the checkpoint left this layer unquantized (``ignore`` / ``ignored_layers`` /
     ``modules_to_not_convert``). A merged layer whose shards disagree (q_proj ignored, k_proj not) cannot be one
     matrix.
@@ -228,7 +233,7 @@ def is_ignored(layer_prefix: str, layer: nn.Module, patterns: list[str] | tuple[
         HayabusaValidationError: the shards of a merged layer disagree.
     """
     names = layer_names(layer_prefix, layer)
-    hits = [any(name_matches(n, p) for p in patterns) for n in names]
+    hits = [any(name_matches(n, p, substring) for p in patterns) for n in names]
     if any(hits) and not all(hits):
         raise HayabusaValidationError(
             f"the checkpoint's quantization_config leaves {[n for n, h in zip(names, hits) if h]} unquantized but "

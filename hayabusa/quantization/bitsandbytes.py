@@ -230,7 +230,7 @@ class BitsAndBytesConfig(QuantizationConfig):
         return f"{head}.{_PIECES[piece]}" if piece in _PIECES else name
 
     def get_linear_method(self, layer_prefix: str, layer: nn.Module) -> LinearMethod | None:
-        if is_ignored(layer_prefix, layer, self.skip_modules):
+        if is_ignored(layer_prefix, layer, self.skip_modules, substring=True):
             return None
         if not self.load_in_4bit:
             return Bnb8bitLinearMethod()

@@ -234,7 +234,7 @@ class GptqConfig(QuantizationConfig):
         return cls(bits, group_size, 1 if _FORMATS[fmt] == 1 else 0, blocks, qc.get("modules_to_not_convert") or ())
 
     def get_linear_method(self, layer_prefix: str, layer: nn.Module) -> LinearMethod | None:
-        if is_ignored(layer_prefix, layer, self.modules_to_not_convert):
+        if is_ignored(layer_prefix, layer, self.modules_to_not_convert, substring=True):
             return None
         # all shards listed = quantized; none = stored unquantized; some = an error (is_ignored names them)
         if self.modules_in_block_to_quantize is not None and \

@@ -53,7 +53,7 @@ def normalize_method_name(name: str) -> str:
     key = _ALIASES.get(key, key)
     if key not in QUANTIZATION_METHODS:
         raise HayabusaValidationError(
-            f"unknown quantization method {name!r}; known: {', '.join(QUANTIZATION_METHODS)}.",
+            f"quantization={name!r} is not a known method; known: {', '.join(QUANTIZATION_METHODS)}.",
             parameter="quantization", value=name)
     return key
 

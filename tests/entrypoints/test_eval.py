@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hayabusa.errors import HayabusaValidationError
 from hayabusa.eval import scoring, tasks
 from hayabusa.eval.data import EvalItem, load_items
 from hayabusa.eval.runner import RunOutput
@@ -203,3 +204,21 @@ def test_fidelity_fp32_matches_hf_fp32(stories_dir):
     assert res.mean_kl < 1e-6 and res.max_kl < 1e-5
     assert res.top1_agreement == 1.0
     assert abs(res.ppl - res.ppl_reference) < 1e-3 * res.ppl_reference and res.ppl < 50
+
+
+def test_fidelity_on_a_checkpoint_hf_cannot_load_says_use_reference_model(tmp_path, monkeypatch):
+    """HF needs extra packages for AWQ / GPTQ / FP8 folders: the fidelity command names --reference-model instead
+    of ending in an ImportError traceback."""
+    from hayabusa.bench import runner
+    from hayabusa.eval import fidelity
+    from tests.conftest import ASSETS, require_asset
+
+    model = str(require_asset(ASSETS / "models" / "stories260K"))
+
+    def no_hf(*a, **k):
+        raise ImportError("Loading an AWQ quantized model requires gptqmodel")
+
+    monkeypatch.setattr(runner, "_hf_load", no_hf)
+    with pytest.raises(HayabusaValidationError, match="--reference-model") as e:
+        fidelity.run_fidelity(model, "Once upon a time there was a little girl.", {}, reference="hf")
+    assert e.value.parameter == "reference_model"

@@ -155,3 +155,15 @@ def test_plan_matches_profiled_kv_capacity(which, tiny_qwen2, tmp_path):
     gc.collect()
     torch.cuda.empty_cache()
     assert abs(plan["max_num_tokens"] - got) <= 0.1 * got
+
+
+def test_plan_says_what_the_engine_refuses_below_sm89():
+    """A100 / A10G / T4 / RTX 3090 have no FP8: the plan must not promise quantization=fp8 or an e4m3 KV cache
+    there (the engine refuses both), and names what runs instead."""
+    cfg = load_config("qwen2.5-7b-shape")
+    plan = make_plan(cfg, PlanInputs(quantization="fp8", kv_cache_dtype="fp8"), gpu="A100-80G")
+    text = " ".join(plan["advice"] if "advice" in plan else plan["notes"])
+    assert "refuses quantization=fp8" in text and "int8 or int4" in text
+    assert "refuses kv_cache_dtype=fp8" in text and "fp8_e5m2" in text
+    h200 = make_plan(cfg, PlanInputs(quantization="fp8", kv_cache_dtype="fp8"), gpu="H200")
+    assert "refuses" not in " ".join(h200.get("advice", []) + h200["notes"])

@@ -40,7 +40,7 @@ def test_argument_alone_gives_the_online_schemes():
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(HayabusaValidationError, match="unknown quantization method 'fp4'; known: fp8, "
+    with pytest.raises(HayabusaValidationError, match="quantization='fp4' is not a known method; known: fp8, "
                                                       "compressed-tensors, int8, int4, awq, gptq, bitsandbytes"):
         get_quantization_config("fp4", {})
     with pytest.raises(HayabusaValidationError) as e:
@@ -149,3 +149,19 @@ def test_fp8_kv_cache_scheme_is_accepted():
     qc = get_quantization_config(None, {"quantization_config": {**CT_FP8_DYNAMIC, "kv_cache_scheme": {
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}})
     assert qc is not None and qc.name == "compressed-tensors"
+
+
+def test_modules_to_not_convert_match_by_substring_as_autoawq_and_vllm():
+    """AutoAWQ / GPTQ / bitsandbytes list modules by any part of their name ("mlp", "visual"); compressed-tensors'
+    ``ignore`` keeps whole-name matching (so "mlp" there does not silently cover every MLP projection)."""
+    from torch import nn
+
+    from hayabusa.quantization.base import is_ignored
+
+    layer = nn.Module()
+    layer.checkpoint_prefixes = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert is_ignored("model.layers.0.mlp.gate_up_proj", layer, ["mlp"], substring=True)
+    assert not is_ignored("model.layers.0.mlp.gate_up_proj", layer, ["mlp"])
+    assert not is_ignored("model.layers.0.mlp.gate_up_proj", layer, ["self_attn"], substring=True)
+    with pytest.raises(HayabusaValidationError, match="merged matrix"):
+        is_ignored("model.layers.0.mlp.gate_up_proj", layer, ["gate_proj"], substring=True)
