@@ -198,7 +198,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="total GPU memory in GiB")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--quantization", default=None, help="e.g. fp8, int8, awq, gptq, bitsandbytes, gguf-q4_0")
+    p.add_argument("--quantization", default=None, help="e.g. fp8, int8, int4, awq, gptq, bitsandbytes, gguf-q4_0")
     p.add_argument("--kv-cache-dtype", default=None, help="auto, fp8, fp8_e4m3, fp8_e5m2")
     p.add_argument("--dtype", default=None, help="auto (default), float16, bfloat16, float32")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
