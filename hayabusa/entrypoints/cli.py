@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"hayabusa: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # `hayabusa plan ... | head`: the reader left; stop quietly like other CLI tools
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())   # so the interpreter's final flush does not raise again
+        return 0
     return 1
 
 
