@@ -205,7 +205,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
     """The KV-cache tensors' dtype. Raises HayabusaValidationError for e4m3 on a CUDA GPU older than compute
     capability 8.9 (Ada / Hopper): Triton has no fp8e4nv there; fp8_e5m2 is the format it can convert."""
     dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
-    if dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    from hayabusa.quantization.fp8 import FP8_MIN_CAPABILITY
+
+    if (dtype == torch.float8_e4m3fn and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY):
         raise _bad("kv_cache_dtype", kv_cache_dtype, "fp8 e4m3 needs compute capability >= 8.9 (Ada, Hopper); this "
                    f"GPU is {torch.cuda.get_device_capability(device)}. Use 'fp8_e5m2' or 'auto'.")
     return dtype

@@ -170,7 +170,7 @@ def _cast_for(param: torch.Tensor, tensor: torch.Tensor, name: str) -> torch.Ten
 def _is_zero_bias_of_biasless_linear(model: nn.Module, target: str, tensor: torch.Tensor) -> bool:
     """An all-zero ``bias`` for one of our Linear layers that has no bias (AutoGPTQ writes these for every
     quantized layer): adding zero changes nothing, so it is skipped instead of refused, as vLLM skips it."""
-    if not target.endswith(".bias") or tensor.is_floating_point() is False:
+    if not target.endswith(".bias") or not tensor.is_floating_point():
         return False
     from hayabusa.model.layers.linear import Linear
 

@@ -38,10 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.kernels.fp8 import fp8_max, quantize_fp8_ref
 from hayabusa.quantization.base import LinearMethod, QuantizationConfig, is_ignored, make_param, replace_param
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)          # 448.0
+FP8_MAX = fp8_max(FP8_DTYPE)                          # 448.0
 # Smallest dynamic scale: an all-zero row would otherwise divide by zero (vLLM uses the same floor).
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 FP8_MIN_CAPABILITY = (8, 9)
@@ -66,8 +67,7 @@ def quantize_fp8_rows(t: torch.Tensor, scale: torch.Tensor | None = None) -> tup
         s = (tf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     else:
         s = scale.float().reshape(1, 1).expand(t.shape[0], 1).contiguous()
-    q = (tf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, s
+    return quantize_fp8_ref(tf, s, FP8_DTYPE), s
 
 
 def fp8_matmul_emulated(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
