@@ -22,7 +22,7 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.errors import UnsupportedModelError
 from hayabusa.model.layers.activation import gelu_tanh_and_mul
 from hayabusa.model.layers.linear import Linear
-from hayabusa.model.layers.norm import GemmaRMSNorm
+from hayabusa.model.layers.norm import GemmaRMSNorm, norm_first
 from hayabusa.model.layers.rotary import RotaryEmbedding
 from hayabusa.model.llama import MERGED_QKV_GATE_UP, LlamaAttention
 
@@ -74,11 +74,7 @@ class Gemma2DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, ctx):
         # residual stream: h_{l+1} = h + post_ff(mlp(pre_ff(h + post_attn(attn(in_ln(h))))))
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_first(self.input_layernorm, x, residual)
         x = self.post_attention_layernorm(self.self_attn(positions, x, ctx))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual

@@ -20,7 +20,7 @@ from hayabusa.errors import UnsupportedModelError
 from hayabusa.model.layers.activation import get_act_fn
 from hayabusa.model.layers.attention import Attention
 from hayabusa.model.layers.linear import Linear
-from hayabusa.model.layers.norm import LayerNorm
+from hayabusa.model.layers.norm import LayerNorm, norm_first
 
 
 class Conv1DLinear(Linear):
@@ -72,11 +72,7 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(cfg, dtype, device)
 
     def forward(self, x, residual, ctx):
-        if residual is None:
-            residual = x
-            x = self.ln_1(x)
-        else:
-            x, residual = self.ln_1(x, residual)
+        x, residual = norm_first(self.ln_1, x, residual)
         x, residual = self.ln_2(self.attn(x, ctx), residual)
         return self.mlp(x), residual
 

@@ -16,7 +16,7 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.model.layers.activation import silu_and_mul
 from hayabusa.model.layers.attention import Attention
 from hayabusa.model.layers.linear import Linear
-from hayabusa.model.layers.norm import RMSNorm
+from hayabusa.model.layers.norm import RMSNorm, norm_first
 from hayabusa.model.layers.rotary import RotaryEmbedding
 
 
@@ -85,11 +85,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, positions, x, residual, ctx):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_first(self.input_layernorm, x, residual)
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

@@ -72,3 +72,11 @@ class LayerNorm(nn.Module):
             x = x + residual
         out = torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
         return out if residual is None else (out, x)
+
+
+def norm_first(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first norm: ``(norm(x + residual), x + residual)``, where the first layer starts the
+    residual stream (residual None) with x itself. ``norm`` is any of this module's norms."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
