@@ -85,14 +85,19 @@ def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any],
         run.peak_memory_bytes = _peak(cuda)
         run.kv_cache_tokens = int(llm.llm_engine.kv_cache_capacity_tokens)
     except Exception as e:  # noqa: BLE001 -- one bad setting must not lose the others
-        if not isinstance(e, ValueError):
-            traceback.print_exc()
-        run.error = f"{type(e).__name__}: {e}"
-        run.texts = [None] * len(items)
+        _record_failure(run, e, len(items), show_traceback=not isinstance(e, ValueError))
     finally:
         del llm
         _reset_peak(cuda)
     return run
+
+
+def _record_failure(run: "RunOutput", e: BaseException, num_items: int, show_traceback: bool) -> None:
+    """A setting that failed: its row shows the error and no answers (a bad value, ValueError, needs no traceback)."""
+    if show_traceback:
+        traceback.print_exc()
+    run.error = f"{type(e).__name__}: {e}"
+    run.texts = [None] * num_items
 
 
 def _hf_eos_and_pad(model_dir: str, tokenizer: Any) -> tuple[list[int], int]:
@@ -150,9 +155,7 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
         run.elapsed_s = time.perf_counter() - t1
         run.peak_memory_bytes = _peak(cuda)
     except Exception as e:  # noqa: BLE001 -- the table still shows the hayabusa settings
-        traceback.print_exc()
-        run.error = f"{type(e).__name__}: {e}"
-        run.texts = [None] * len(items)
+        _record_failure(run, e, len(items), show_traceback=True)
     finally:
         del hf
         _reset_peak(cuda)
