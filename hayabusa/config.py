@@ -252,7 +252,6 @@ class ModelConfig:
     revision: str | None
     tokenizer_revision: str | None
     eos_token_ids: tuple[int, ...] = ()
-    quantization: str | None = None    # the method that runs ("fp8", "int4", ...; None = unquantized)
     quant_config: Any = None           # hayabusa.quantization.QuantizationConfig, checked against the device
     max_logprobs: int = 20             # most logprobs a request may ask for (vLLM's engine argument)
 
@@ -292,8 +291,12 @@ class ModelConfig:
                    head_dim=head_dim, hidden_size=text_config.hidden_size,
                    trust_remote_code=args.trust_remote_code, skip_tokenizer_init=args.skip_tokenizer_init,
                    load_format=args.load_format, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
-                   eos_token_ids=eos, quantization=quant_config.name if quant_config else None,
-                   quant_config=quant_config, max_logprobs=args.max_logprobs)
+                   eos_token_ids=eos, quant_config=quant_config, max_logprobs=args.max_logprobs)
+
+    @property
+    def quantization(self) -> str | None:
+        """The method that runs ("fp8", "int4", ...; None = unquantized)."""
+        return self.quant_config.name if self.quant_config is not None else None
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V for one token over all layers: 2 x layers x kv_heads x head_dim x element size."""
