@@ -119,6 +119,11 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if out.is_empty:
+            # An empty step is not launched, so the runner would never see these ids and would keep their rows:
+            # hand them out with the next step that runs.
+            self._left_since_last_step |= out.finished_req_ids
+            out.finished_req_ids = set()
         now = time.monotonic()
         for req in out.scheduled_reqs:
             if req.first_scheduled_time is None:

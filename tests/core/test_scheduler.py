@@ -39,8 +39,11 @@ def test_prefill_then_decode_then_length_finish():
     out = step(s)
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [7, 7, 7]
     assert s.kv.num_free_blocks == 16
+    out = s.schedule()  # an empty step is not launched: the finished id waits for the next step that runs
+    assert out.is_empty and out.finished_req_ids == set()
+    s.add_request(req("b", 2))
     out = s.schedule()
-    assert out.is_empty and out.finished_req_ids == {"a"}
+    assert out.num_scheduled_tokens == {"b": 2} and out.finished_req_ids == {"a"}
 
 
 def test_token_budget_chunks_long_prompt_and_mixes_with_decode():

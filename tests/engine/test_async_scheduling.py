@@ -67,3 +67,24 @@ def test_abort_while_a_step_is_in_flight(stories_dir):
     assert finished["b"].outputs[0].finish_reason == "length" and len(finished["b"].outputs[0].token_ids) == 5
     assert "a" not in finished
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+
+
+def test_rows_of_requests_that_finish_in_an_empty_step_are_released(stories_dir):
+    """Every running request waits on a placeholder that ends it, so the step after is empty (not launched); the
+    ids that finished meanwhile must still reach the runner, else their rows leak and a full batch of new
+    requests finds no free row (found on the device by profile_decode.py at batch 256: IndexError in add)."""
+    B = 4
+    llm = LLM(stories_dir, skip_tokenizer_init=True, async_scheduling=True, max_num_seqs=B, max_model_len=128,
+              max_num_batched_tokens=96)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 400 + 10 for j in range(40)]} for i in range(B)]
+    engine = llm.llm_engine
+    for max_tokens in (8, 1, 1, 8, 1):
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                    detokenize=False), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [max_tokens] * B
+        # the runner may still hold the rows of the last step's requests until the next step tells it
+        assert len(engine.runner.batch.row_of) <= B
+    engine.add_request("last", {"prompt_token_ids": [11, 12, 13]}, SamplingParams(temperature=0.0, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.runner.batch.row_of) <= 1
