@@ -141,7 +141,8 @@ def _attend_tiles(q, m_i, l_i, acc, tile_start, tile_end, kv_end, pos, kv_head, 
     return m_i, l_i, acc
 
 
-@triton.jit
+# num_q_tiles changes with every step's longest query: not specialized, so a new length never compiles a variant.
+@triton.jit(do_not_specialize=["num_q_tiles"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,                  # [R + 1] int32, [R] int32, [R, max_blocks] int32
@@ -280,9 +281,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _auto_num_splits(num_programs: int, device: torch.device) -> int:
-    """Split KV only when the grid cannot fill the GPU; aim at about two programs per SM."""
-    if device.type != "cuda":
+def _auto_num_splits(num_programs: int, max_query_len: int, device: torch.device) -> int:
+    """Split KV only for decode-only steps whose grid cannot fill the GPU; aim at about two programs per SM.
+
+    Steps with a prefill never split: their grid is large, and each split count is its own compiled variant (a
+    server would stall ~1 s compiling one the first time a new mix of lengths arrives)."""
+    if device.type != "cuda" or max_query_len > 1:
         return 1
     sms = _num_sms(device)
     if num_programs >= sms:
@@ -297,8 +301,10 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int) -> 
     3.9 TB/s at R=64, ctx 2048, against 2.6 with 32); prefill wants BLOCK_M 64 x TILE_N 32, 4 warps, 2 stages
     (about 186 TFLOP/s on 16 x 512 tokens; 8 warps or 3 stages were 20-50% slower).
     """
-    rows = group * max_query_len
-    block_m = max(triton.next_power_of_2(group), min(64, max(16, triton.next_power_of_2(rows))))
+    if max_query_len == 1:
+        block_m = max(16, triton.next_power_of_2(group))
+    else:  # one prefill tile size whatever the length: a new length compiles no new variant
+        block_m = max(64, triton.next_power_of_2(group))
     tile_n, num_stages = (128, 2) if max_query_len == 1 else (32, 2)
     while tile_n > 16 and 2 * tile_n * d_pad * elem_size * num_stages > 160 * 1024:  # K + V tiles in smem
         tile_n //= 2
@@ -352,7 +358,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     d_pad = max(16, triton.next_power_of_2(D))
     cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
     num_q_tiles = triton.cdiv(max_query_len, cfg["BLOCK_Q"])
-    splits = num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, q.device)
+    splits = num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device)
     if splits > 1:
         part_acc = torch.empty((T, H, splits, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)

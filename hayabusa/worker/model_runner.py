@@ -145,7 +145,43 @@ class ModelRunner:
             if self.decode_runner.use_graphs:
                 self.decode_runner.capture()
                 self.graphs = self.decode_runner
+            self._warm_up_prefill_attention()
         return self.num_blocks
+
+    @torch.inference_mode()
+    def _warm_up_prefill_attention(self) -> None:
+        """Compile the prefill variant of the attention kernel now, once per distinct layer kind (window,
+        soft-cap, heads), so the first request does not wait for Triton (the decode variants are compiled by the
+        graph capture, and the memory profile runs without a cache). Reads block 0, writes only a scratch tensor."""
+        from hayabusa.model.layers.attention import Attention
+
+        seen = set()
+        t0 = time.perf_counter()
+        for layer in self.model.modules():
+            if not isinstance(layer, Attention):
+                continue
+            kind = (layer.num_heads, layer.num_kv_heads, layer.head_dim, bool(layer.sliding_window),
+                    bool(layer.softcap))
+            if kind in seen:
+                continue
+            seen.add(kind)
+            k_cache, v_cache = self.kv_caches[layer.layer_idx]
+            # Triton specializes on strides (== 1, % 16): q is a view into a fused qkv row as in the model, and
+            # the block table is the runner's own buffer, so the variant compiled here is the one steps use.
+            H, H_kv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+            qkv = torch.zeros(2, (H + 2 * H_kv) * D, dtype=self.cfg.model_config.dtype, device=self.device)
+            q = qkv.view(2, H + 2 * H_kv, D)[:, :H]
+            out = torch.empty(2, H, D, dtype=q.dtype, device=self.device)
+            qsl, seq_lens = self.query_start_loc[:2], self.seq_lens[:1]
+            qsl.copy_(torch.tensor([0, 2], dtype=torch.int32))
+            seq_lens.fill_(2)
+            block_table = self.block_table[:1]
+            block_table.zero_()
+            self.backend.paged_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, layer.scale, 2,
+                                         num_seqs=1, sliding_window=layer.sliding_window, softcap=layer.softcap,
+                                         k_scale=layer.k_scale, v_scale=layer.v_scale)
+        torch.cuda.synchronize(self.device)
+        logger.info("prefill attention kernels ready in %.1f s", time.perf_counter() - t0)
 
     @torch.inference_mode()
     def _profile_peak_memory(self) -> tuple[int, int]:

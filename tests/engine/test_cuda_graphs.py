@@ -51,3 +51,28 @@ def test_fp8_kv_cache_cuda_graphs_equal_eager(q05_dir, kv_cache_dtype):
     assert all(len(o) == 48 for o in graphs)
     same = sum(a == b for a, b in zip(eager, graphs))
     assert same == len(eager), f"{len(eager) - same} of {len(eager)} sequences differ"
+
+
+def _num_compiled(kernel) -> int:
+    """Compiled variants of a Triton kernel in this process (triton 3.x: device_caches[dev][0] is the cache)."""
+    return sum(len(c[0]) for c in kernel.device_caches.values())
+
+
+def test_no_attention_kernel_compiles_after_startup(q05_dir):
+    """Startup compiles every attention variant a request can need (decode: graph capture; prefill: the warm-up),
+    so prompts of new lengths, mixed prefill + decode steps and chunked prefills compile nothing (a compile
+    stalls a server for about a second; seen as a 1.4 s p99 TTFT in W6)."""
+    from hayabusa.kernels.paged_attention import _merge_splits_kernel, _paged_attn_kernel
+
+    llm = LLM(q05_dir, kv_cache_memory_bytes=4 << 30, max_num_seqs=64, max_model_len=1024,
+              max_num_batched_tokens=512)
+    before = _num_compiled(_paged_attn_kernel), _num_compiled(_merge_splits_kernel)
+    assert before[0] >= 2
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for n in (1, 3, 40):
+        llm.generate(_prompts(n), params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": list(range(100, 100 + 700))}], params, use_tqdm=False)  # chunked
+    assert (_num_compiled(_paged_attn_kernel), _num_compiled(_merge_splits_kernel)) == before
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
