@@ -15,6 +15,7 @@
 #   MODEL_DIR       where checkpoints are made/reused (default /tmp/hayabusa_models)
 #   SHAPE_SMALL / SHAPE_LARGE  the two shapes (default qwen2.5-0.5b-shape / qwen2.5-7b-shape; tiny-llama and
 #                   tiny-qwen2 make a CPU dry run of this script possible)
+#   GPU_TEST_PATHS / GPU_KERNEL_TESTS  what gpu_tests runs (default tests/ with -m cuda, then tests/kernels)
 #   PLAN           step groups to run, in order (default: all; see the g_* functions)
 #   HAYABUSA_COMMIT recorded as the commit when the tree has no .git (else "unknown")
 set -u
@@ -95,8 +96,8 @@ g_gpu_tests() {
   [ "$GPU_TESTS_S" -gt 0 ] || return 0
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 300)
   # the cuda-marked tests, then every kernel test (they pick CUDA when it is there and carry no marker)
-  step gpu_tests "$GPU_TESTS_S" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=15 -m cuda tests/ \
-    ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/gpu_tests.log'; a=\${PIPESTATUS[0]}; python -m pytest -q -rfE --durations=10 tests/kernels \
+  step gpu_tests "$GPU_TESTS_S" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=15 -m cuda ${GPU_TEST_PATHS:-tests/} \
+    ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/gpu_tests.log'; a=\${PIPESTATUS[0]}; python -m pytest -v -rfE --durations=10 ${GPU_KERNEL_TESTS:-tests/kernels} \
     ${PT_TIMEOUT[*]} 2>&1 | tee -a '$OUT/gpu_tests.log'; exit \$((a | \${PIPESTATUS[0]}))"
 }
 g_ceilings() { step ceilings 60 10 python -m hayabusa.bench.cli --ceilings --json "$CEIL"; }
