@@ -13,7 +13,8 @@ Where the matmul runs:
   * CUDA, compute capability >= 8.9 (Ada, Hopper): ``torch._scaled_mm`` with row-wise scales (scale_a [M, 1]
     fp32, scale_b [1, N] fp32, w_q^T column-major, K and N multiples of 16: other shapes are zero-padded once at
     load and per call for x's K; output bf16, cast to the model dtype: older torch builds accept only bf16 for
-    row-wise scaling on their CUTLASS path).
+    row-wise scaling on their CUTLASS path). x_q, s_x (and x's zero padding) come from one Triton launch,
+    ``per_token_quant_fp8`` (kernels/fp8_quant.py), bit-identical to the torch ``quantize_fp8_rows``.
   * CPU: an exact emulation of the same numerics (same quantized x_q, s_x; the e4m3 products summed in fp32,
     then both scales), so ``hayabusa eval --fidelity`` on CPU measures the real quantization error.
   * CUDA below 8.9: refused at engine creation (``check_device``); int8 / int4 weight-only run there.
@@ -38,13 +39,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
-from hayabusa.kernels.fp8 import fp8_max, quantize_fp8_ref
+from hayabusa.kernels.fp8_quant import (  # noqa: F401  (FP8_MAX, MIN_SCALE: re-exported)
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    per_token_quant_fp8,
+    per_token_quant_fp8_ref,
+)
 from hayabusa.quantization.base import LinearMethod, QuantizationConfig, is_ignored, make_param, replace_param
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = fp8_max(FP8_DTYPE)                          # 448.0
-# Smallest dynamic scale: an all-zero row would otherwise divide by zero (vLLM uses the same floor).
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# FP8_DTYPE (float8_e4m3fn), FP8_MAX (448.0) and MIN_SCALE (the dynamic scale's floor, 1 / (448 * 512), as vLLM)
+# come from kernels/fp8_quant.py, where the activation quantizer lives.
 FP8_MIN_CAPABILITY = (8, 9)
 # Fast accumulation on Hopper (fewer promotions of the partial sums to fp32 inside the tensor-core pipeline):
 # the inference default of torchao's float8 path. Set False to trade speed for bit-closer agreement with the
@@ -60,14 +65,10 @@ def quantize_fp8_rows(t: torch.Tensor, scale: torch.Tensor | None = None) -> tup
         t: [M, K], any float dtype.
         scale: optional fp32 scalar (static per-tensor scale); default one scale per row, amax / 448 (>= MIN_SCALE).
     Returns:
-        (q [M, K] float8_e4m3fn, s [M, 1] float32 contiguous), t ~= q * s.
+        (q [M, K] float8_e4m3fn, s [M, 1] float32 contiguous), t ~= q * s. The same bits on every device, and
+        the same as the CUDA path's Triton kernel (kernels/fp8_quant.py: per_token_quant_fp8_ref).
     """
-    tf = t.float()
-    if scale is None:
-        s = (tf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-    else:
-        s = scale.float().reshape(1, 1).expand(t.shape[0], 1).contiguous()
-    return quantize_fp8_ref(tf, s, FP8_DTYPE), s
+    return per_token_quant_fp8_ref(t, scale)
 
 
 def fp8_matmul_emulated(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -165,12 +166,14 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer, x):
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)
-        xq, sx = quantize_fp8_rows(x2, layer.input_scale)
         N = layer.out_features
         w = layer.weight
         if layer.fp8_scaled_mm:
-            if w.shape[1] != K:
-                xq = F.pad(xq.view(torch.uint8), (0, w.shape[1] - K)).view(FP8_DTYPE)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            # one Triton launch (not ~7 torch ops): per-token scales and e4m3 rows, zero columns up to the padded
+            # K' of the weight; the same bits as quantize_fp8_rows
+            xq, sx = per_token_quant_fp8(x2, layer.input_scale, out_cols=w.shape[1])
             # bf16 out whatever the model dtype: the one row-wise output type every torch version (CUTLASS or
             # cuBLAS path) accepts; its rounding (2^-9) is far below the e4m3 error (2^-4).
             y = fp8_matmul_cuda(xq, sx, w.t(), layer.weight_scale.view(1, -1), torch.bfloat16)
@@ -178,6 +181,7 @@ class Fp8LinearMethod(LinearMethod):
                 y = y[:, :N]
             y = y.to(x.dtype).contiguous()
         else:
+            xq, sx = quantize_fp8_rows(x2, layer.input_scale)
             y = fp8_matmul_emulated(xq, sx, w, layer.weight_scale, x.dtype)
         if layer.bias is not None:
             y = y + layer.bias

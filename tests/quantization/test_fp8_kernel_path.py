@@ -1,0 +1,79 @@
+"""Fp8LinearMethod's _scaled_mm branch (CUDA sm89+) quantizes its activations with the one-launch Triton kernel
+per_token_quant_fp8, not the torch quantize_fp8_rows. Runs without such a GPU: has_fp8_matmul is forced on and
+torch._scaled_mm is replaced by its exact emulation, so the branch (weight padding to 16, the kernel's out_cols,
+static scale, slicing N back) runs for real, on CUDA or under the Triton interpreter on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hayabusa.quantization.fp8 as fp8
+from hayabusa.model.layers.linear import Linear
+from hayabusa.quantization import set_quantization_config
+from tests.kernels.conftest import DEVICE, SKIP_REASON
+
+
+def _scaled_mm_layer(K: int, N: int, dtype: torch.dtype, monkeypatch, static_scale: float | None = None) -> Linear:
+    """An online-fp8 Linear whose process_weights_after_loading believes it runs on an FP8 GPU."""
+    monkeypatch.setattr(fp8, "has_fp8_matmul", lambda device: True)
+    g = torch.Generator().manual_seed(K * N)
+    w, b = torch.randn(N, K, generator=g) / K ** 0.5, torch.randn(N, generator=g)
+    dev = torch.device(DEVICE)
+    with set_quantization_config(fp8.Fp8Config.online()):
+        layer = Linear(K, [N], True, dtype, dev)
+    method = fp8.Fp8LinearMethod(checkpoint_fp8=False)
+    layer.create_weights(method)
+    layer.weight.weight_loader(layer.weight, w.to(dev, dtype), None)
+    layer.bias.weight_loader(layer.bias, b.to(dev, dtype), None)
+    method.process_weights_after_loading(layer)
+    if static_scale is not None:
+        layer.input_scale = torch.nn.Parameter(torch.tensor(static_scale, device=dev), requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("K, N", [(40, 24), (64, 32)])          # K padded to 48 / already a multiple of 16
+def test_scaled_mm_branch_quantizes_with_the_triton_kernel(monkeypatch, K, N, static):
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    dtype = torch.bfloat16
+    layer = _scaled_mm_layer(K, N, dtype, monkeypatch, static_scale=0.01 if static else None)
+    assert layer.fp8_scaled_mm and layer.weight.shape == (-(-N // 16) * 16, -(-K // 16) * 16)
+    Kp = layer.weight.shape[1]
+
+    calls = []
+    kernel = fp8.per_token_quant_fp8
+
+    def kernel_spy(x2, static_scale=None, out_cols=None):
+        out = kernel(x2, static_scale, out_cols)
+        calls.append((x2, static_scale, out_cols, out))
+        return out
+
+    monkeypatch.setattr(fp8, "per_token_quant_fp8", kernel_spy)
+
+    def no_torch_quant(*args, **kwargs):
+        raise AssertionError("the _scaled_mm branch must not quantize x with quantize_fp8_rows")
+
+    torch_quant = fp8.quantize_fp8_rows
+    monkeypatch.setattr(fp8, "quantize_fp8_rows", no_torch_quant)
+    monkeypatch.setattr(fp8, "fp8_matmul_cuda", lambda xq, sx, wq_t, sw_row, out_dtype:
+                        fp8.fp8_matmul_emulated(xq, sx, wq_t.t(), sw_row.view(-1), out_dtype))
+
+    x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    y = layer(x)
+    assert y.shape == (2, 3, N) and y.dtype == dtype
+
+    assert len(calls) == 1                                   # one launch quantizes the whole [T, K] input
+    x2, scale, out_cols, (xq, sx) = calls[0]
+    assert x2.shape == (6, K) and out_cols == Kp
+    assert (scale is layer.input_scale) if static else scale is None
+    want_q, want_s = torch_quant(x.reshape(6, K), layer.input_scale)
+    assert torch.equal(sx, want_s)
+    assert torch.equal(xq.view(torch.uint8), F.pad(want_q.view(torch.uint8), (0, Kp - K)))
+
+    # the product of those bits: the CPU path's numerics on the unpadded weight (bf16 output, then the bias)
+    ref = fp8.fp8_matmul_emulated(want_q, want_s, layer.weight[:N, :K], layer.weight_scale[:N], torch.float32)
+    ref = ref.to(torch.bfloat16).to(dtype) + layer.bias
+    torch.testing.assert_close(y.reshape(6, N), ref, atol=2e-2, rtol=2e-2)
