@@ -22,6 +22,11 @@ class HayabusaValidationError(ValueError):
         self.parameter = parameter
         self.value = value
 
+    def prefixed(self, where: str) -> HayabusaValidationError:
+        """The same error (class, parameter, value) with ``where: `` before its message, to say which input of
+        many it was (``prompts[3]``, ``requests.jsonl:4``)."""
+        return type(self)(f"{where}: {self}", parameter=self.parameter, value=self.value)
+
 
 class KVCacheCapacityError(HayabusaValidationError):
     """The KV cache cannot hold even one sequence of ``max_model_len`` tokens."""

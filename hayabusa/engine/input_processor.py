@@ -75,11 +75,12 @@ class InputProcessor:
         mc = self.model_config
         if not ids:
             raise HayabusaValidationError("the prompt is empty (0 tokens).", parameter="prompt", value="")
-        bad = [t for t in ids if t < 0 or t >= mc.vocab_size]
-        if bad:
+        bad = next((i for i, t in enumerate(ids) if t < 0 or t >= mc.vocab_size), None)
+        if bad is not None:
             raise HayabusaValidationError(
-                f"token id {bad[0]} is out of vocabulary (vocab_size={mc.vocab_size}).",
-                parameter="prompt_token_ids", value=bad[0])
+                f"token id {ids[bad]} at position {bad} of prompt_token_ids is out of vocabulary "
+                f"(vocab_size={mc.vocab_size}: ids are 0 to {mc.vocab_size - 1}).",
+                parameter="prompt_token_ids", value=ids[bad])
         if len(ids) > mc.max_model_len:
             raise HayabusaValidationError(
                 f"prompt has {len(ids)} tokens, more than max_model_len={mc.max_model_len}.",

@@ -57,7 +57,8 @@ class LLM:
             One finished RequestOutput per prompt, in the order given.
 
         Raises:
-            HayabusaValidationError: a bad prompt or parameter; no request of this call is left queued.
+            HayabusaValidationError: a bad prompt or parameter (for a batch, the message starts with the prompt's
+                index: ``prompts[3]: ...``); no request of this call is left queued.
         """
         if unsupported:
             name = next(iter(unsupported))
@@ -69,9 +70,14 @@ class LLM:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for p, sp in zip(prompt_list, params):
+            for i, (p, sp) in enumerate(zip(prompt_list, params)):
                 rid = str(next(self._counter))
-                engine.add_request(rid, p, sp, output_kind="final")
+                try:
+                    engine.add_request(rid, p, sp, output_kind="final")
+                except HayabusaValidationError as e:
+                    if len(prompt_list) == 1:
+                        raise
+                    raise e.prefixed(f"prompts[{i}]") from None   # which prompt of the batch
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

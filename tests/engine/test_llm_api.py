@@ -121,6 +121,21 @@ def test_bad_prompts_are_rejected_and_engine_still_serves(llm):
     assert len(out[0].outputs[0].token_ids) == 5
 
 
+def test_out_of_vocab_error_names_the_id_the_vocab_and_the_prompt(llm):
+    """vLLM says "Token id X is out of vocabulary"; we also say where: the batch index and the position."""
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    batch = ["Once", {"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [1, vocab + 5, 7]}]
+    with pytest.raises(HayabusaValidationError) as e:
+        llm.generate(batch, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert str(e.value) == (f"prompts[2]: token id {vocab + 5} at position 1 of prompt_token_ids is out of "
+                            f"vocabulary (vocab_size={vocab}: ids are 0 to {vocab - 1}).")
+    assert e.value.parameter == "prompt_token_ids" and e.value.value == vocab + 5
+    with pytest.raises(HayabusaValidationError) as e:   # one prompt: no index to give
+        llm.generate([-1], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert str(e.value).startswith("token id -1 at position 0 of prompt_token_ids is out of vocabulary")
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_kv_cache_too_small_says_which_knob(stories_dir):
     from hayabusa.errors import KVCacheCapacityError
 

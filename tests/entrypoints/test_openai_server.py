@@ -179,6 +179,18 @@ def test_bad_completion_is_400_naming_the_parameter(qwen_server, bad, param, str
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
 
 
+def test_bad_prompt_in_a_list_is_named_by_index(qwen_server):
+    body = {"model": qwen_server.name, "prompt": [[1, 2], [3, 999999999]], "max_tokens": 4}
+    r = httpx.post(qwen_server.url + "/v1/completions", json=body, headers=qwen_server.headers())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    vocab = qwen_server.engine.engine.config.model_config.vocab_size
+    assert err["param"] == "prompt_token_ids"
+    assert err["message"] == (f"prompt[1]: token id 999999999 at position 1 of prompt_token_ids is out of "
+                              f"vocabulary (vocab_size={vocab}: ids are 0 to {vocab - 1}).")
+    wait_idle(qwen_server.engine)   # the first prompt's request was not left running
+
+
 BAD_CHAT = [
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),

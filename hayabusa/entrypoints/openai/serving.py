@@ -388,7 +388,12 @@ class OpenAIServing:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
                 sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                streams.append(await self.engine.add_request(sub_id, prompt, sp))
+                try:
+                    streams.append(await self.engine.add_request(sub_id, prompt, sp))
+                except HayabusaValidationError as e:
+                    if len(prompts) == 1:
+                        raise
+                    raise e.prefixed(f"prompt[{i}]") from None   # which prompt of the request's list
         except BaseException:
             for s in streams:
                 s.close()
