@@ -85,8 +85,12 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise _bad("stop", self.stop, "must be a string or a list of strings")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of integers")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._verify()
         if self.temperature < SAMPLING_EPS:

@@ -84,29 +84,35 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_prompts(path: str) -> list[dict[str, Any]]:
+def _read_prompts(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """(1-based line number, request) for every non-blank line; the first malformed line raises, naming it."""
     rows = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise HayabusaValidationError(f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno}).",
-                                              parameter="prompts", value=lineno) from None
-            if isinstance(row, str):
-                row = {"prompt": row}
-            if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids", "messages"} & set(row)):
-                raise HayabusaValidationError(f"{path}:{lineno}: each line needs \"prompt\", \"prompt_token_ids\" "
-                                              "or \"messages\".", parameter="prompts", value=lineno)
-            if "messages" in row:
-                _check_messages(row["messages"], f"{path}:{lineno}")
-            unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "messages", "id"}
-            if unknown:
-                raise HayabusaValidationError(f"{path}:{lineno}: unknown field(s) {sorted(unknown)}.",
-                                              parameter="prompts", value=sorted(unknown))
-            rows.append(row)
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError as e:
+            raise HayabusaValidationError(f"{path}: not UTF-8 text ({e.reason}).", parameter="prompts",
+                                          value=path) from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise HayabusaValidationError(f"{path}:{lineno}: not JSON ({e.msg} at column {e.colno}).",
+                                          parameter="prompts", value=lineno) from None
+        if isinstance(row, str):
+            row = {"prompt": row}
+        if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids", "messages"} & set(row)):
+            raise HayabusaValidationError(f"{path}:{lineno}: each line needs \"prompt\", \"prompt_token_ids\" "
+                                          "or \"messages\".", parameter="prompts", value=lineno)
+        if "messages" in row:
+            _check_messages(row["messages"], f"{path}:{lineno}")
+        unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "messages", "id"}
+        if unknown:
+            raise HayabusaValidationError(f"{path}:{lineno}: unknown field(s) {sorted(unknown)}.",
+                                          parameter="prompts", value=sorted(unknown))
+        rows.append((lineno, row))
     return rows
 
 
@@ -119,35 +125,65 @@ def _check_messages(messages: Any, where: str) -> None:
         raise HayabusaValidationError(f"{where}: {e}", parameter="messages", value=e.value) from None
 
 
-def cmd_generate(ns: argparse.Namespace) -> int:
-    from hayabusa import LLM, SamplingParams
+def _sampling_params(ns: argparse.Namespace, rows: list[tuple[int, dict[str, Any]]]) -> list[Any]:
+    """One SamplingParams per line: the line's fields over the flags. A bad value raises, naming its line."""
+    from hayabusa import SamplingParams
 
+    defaults = {k[3:]: v for k, v in vars(ns).items() if k.startswith("sp_") and v is not None}
+    params = []
+    for lineno, row in rows:
+        fields = {**defaults, **{k: v for k, v in row.items() if k in SAMPLING_FIELDS}}
+        try:
+            params.append(SamplingParams(**fields))
+        except HayabusaValidationError as e:
+            raise e.prefixed(f"{ns.prompts}:{lineno}") from None
+    return params
+
+
+def _engine_prompts(llm: Any, ns: argparse.Namespace, rows: list[tuple[int, dict[str, Any]]],
+                    params: list[Any]) -> list[dict[str, Any]]:
+    """Every line rendered (chat), tokenized and checked against the model (vocabulary, max_model_len) before
+    anything runs, so that a bad line is named and no work is wasted. Returns {"prompt", "prompt_token_ids"}."""
+    from hayabusa.entrypoints.chat_utils import chat_prompt
+
+    processor = llm.llm_engine.input_processor
+    prompts = []
+    for (lineno, row), sp in zip(rows, params):
+        try:
+            if "messages" in row:  # rendered and tokenized as LLM.chat does
+                prompt = chat_prompt(llm.get_tokenizer(), row["messages"], chat_template=ns.chat_template)
+            elif "prompt_token_ids" in row:
+                prompt = {"prompt_token_ids": row["prompt_token_ids"]}
+            else:
+                prompt = row["prompt"]
+            text, ids = processor.process(prompt, sp)
+        except HayabusaValidationError as e:
+            raise e.prefixed(f"{ns.prompts}:{lineno}") from None
+        prompts.append({"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids})
+    return prompts
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from hayabusa import LLM
+
+    # Every check that needs only the file runs before the model loads; those that need the model (token ids,
+    # prompt length) before anything generates.
     rows = _read_prompts(ns.prompts)
+    params = _sampling_params(ns, rows)
     model = ns.model
     if model is None:
         model = demo_model_dir()
         print(f"hayabusa: no --model given; using the bundled demo model stories260K ({model}), a 260K-parameter "
               "TinyStories Llama. Pass --model DIR for a real model.", file=sys.stderr)
-    defaults = {k[3:]: v for k, v in vars(ns).items() if k.startswith("sp_") and v is not None}
-    params = []
-    for row in rows:
-        fields = {**defaults, **{k: v for k, v in row.items() if k in SAMPLING_FIELDS}}
-        params.append(SamplingParams(**fields))
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r else r.get("prompt")
-               for r in rows]
     t0 = time.perf_counter()
     llm = LLM(model, **engine_kwargs(ns))
-    if any("messages" in r for r in rows):  # rendered and tokenized as LLM.chat does
-        from hayabusa.entrypoints.chat_utils import chat_prompt
-
-        prompts = [chat_prompt(llm.get_tokenizer(), r["messages"], chat_template=ns.chat_template)
-                   if "messages" in r else p for r, p in zip(rows, prompts)]
+    prompts = _engine_prompts(llm, ns, rows, params)
     t1 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not ns.no_tqdm)
     t2 = time.perf_counter()
     out_f = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout
     try:
-        for row, out in zip(rows, outputs):
+        for (_, row), out in zip(rows, outputs):
             rec = {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                    "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason} for c in out.outputs]}
