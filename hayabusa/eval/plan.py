@@ -295,6 +295,13 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
     }
 
 
+FIT_FIELDS = ("gpu_memory_bytes", "budget_bytes", "kv_cache_bytes", "max_num_tokens", "max_num_seqs_at_max_model_len",
+              "weights_fit", "fits")
+NO_GPU_NOTE = ("no GPU given (--gpu NAME or --gpu-memory GiB) and no CUDA device here, so the fit fields ("
+               + ", ".join(FIT_FIELDS) + ') are given per GPU in "gpus"; "fits_on" names the GPUs where the model '
+               "fits as configured.")
+
+
 def _fit(sizes: dict[str, Any], total_bytes: int) -> dict[str, Any]:
     """KV budget, tokens and sequences on one GPU of `total_bytes`."""
     budget = int(total_bytes * sizes["gpu_memory_utilization"])
@@ -308,8 +315,10 @@ def _fit(sizes: dict[str, Any], total_bytes: int) -> dict[str, Any]:
 
 def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib: float | None = None,
               model: str = "") -> dict[str, Any]:
-    """The plan as one JSON-able dict: sizes, the chosen GPU's fit (None fields when no GPU is known), advice,
-    and the fit on every GPU of the table."""
+    """The plan as one JSON-able dict: sizes, the chosen GPU's fit and advice, the fit on every GPU of the table
+    ("gpus") and the names of those where it fits ("fits_on"). "fit_scope" is "gpu" when the fit fields
+    (FIT_FIELDS) are at the top level for the chosen GPU, "per_gpu" when no GPU is known and they are only in
+    "gpus" ("fit_note" says so)."""
     if not 0 < inp.gpu_memory_utilization <= 1:
         raise HayabusaValidationError("gpu_memory_utilization must be in (0, 1].",
                                       parameter="gpu_memory_utilization", value=inp.gpu_memory_utilization)
@@ -319,11 +328,13 @@ def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib:
     sizes = _sizes(cfg, inp)
     name, total = gpu_memory_bytes(gpu, gpu_memory_gib)
     plan: dict[str, Any] = {"model": model, **sizes, "gpu": name}
-    plan.update(_fit(sizes, total) if total else {k: None for k in (
-        "gpu_memory_bytes", "budget_bytes", "kv_cache_bytes", "max_num_tokens", "max_num_seqs_at_max_model_len",
-        "weights_fit", "fits")})
+    if total:
+        plan.update(_fit(sizes, total), fit_scope="gpu")
+    else:  # no top-level fit fields: a null "fits" would read as "does not fit"
+        plan.update(fit_scope="per_gpu", fit_note=NO_GPU_NOTE)
     plan["gpus"] = [{"gpu": k, "cuda_total_gib": v[0], "spec": f"{v[1]} {v[2]}", "bf16": v[4], "fp8": v[5],
                      "source": v[6], **_fit(sizes, int(v[0] * GiB))} for k, v in GPUS.items()]
+    plan["fits_on"] = [g["gpu"] for g in plan["gpus"] if g["fits"]]
     plan["advice"] = advice(cfg, inp, plan) if total else []
     plan["notes"] = _notes(plan)
     return plan

@@ -116,6 +116,32 @@ def test_plan_reads_folders_and_the_cli_json(stories_dir, tiny_qwen2, capsys):
     assert "unknown GPU" in capsys.readouterr().err
 
 
+FIT_FIELDS = ("gpu_memory_bytes", "budget_bytes", "kv_cache_bytes", "max_num_tokens", "max_num_seqs_at_max_model_len",
+              "weights_fit", "fits")
+
+
+def test_plan_json_without_a_gpu_says_fits_are_per_gpu(monkeypatch, capsys):
+    """No --gpu and no CUDA device: no null fit fields at the top level (null reads as "does not fit"); a field
+    says the fits are per GPU in "gpus", and "fits_on" names the GPUs where the model fits as configured."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from hayabusa.entrypoints.cli import main
+
+    assert main(["plan", "--model", "llama-3-8b-shape", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["gpu"] is None and not any(k in plan for k in FIT_FIELDS)
+    assert plan["fit_scope"] == "per_gpu" and '"gpus"' in plan["fit_note"] and "--gpu" in plan["fit_note"]
+    assert {k for g in plan["gpus"] for k in FIT_FIELDS} == set(FIT_FIELDS)
+    fits_on = [g["gpu"] for g in plan["gpus"] if g["fits"]]
+    assert plan["fits_on"] == fits_on == ["RTX3090", "A100-80G", "H100", "H200"]
+    assert plan["advice"] == []
+    assert main(["plan", "--model", "llama-3-8b-shape"]) == 0                     # the text names the choice too
+    assert "pick one with --gpu NAME" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama-3-8b-shape", "--gpu", "L4", "--json"]) == 0   # one GPU: fields on top
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fit_scope"] == "gpu" and "fit_note" not in plan and all(k in plan for k in FIT_FIELDS)
+    assert plan["fits"] is False and plan["fits_on"] == ["RTX3090", "A100-80G", "H100", "H200"]
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
 def test_plan_kv_bytes_match_the_engine(tiny_qwen2, kv_cache_dtype):
     """plan's KV bytes per token and the engine's KV sizing agree for every kv_cache_dtype the engine runs."""
