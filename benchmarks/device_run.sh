@@ -207,6 +207,11 @@ g_quant() {  # weight quantization and the fp8 KV cache on the 7b shape, bf16 in
   bench_step q7_W1_quant 100 40 --workload W1 --model "$Q7" --scale 0.25 --sweep quantization=none,fp8,int8,int4
   [ "${QUANT_KV:-0}" = 1 ] && bench_step q7_W1_kvfp8 60 30 --workload W1 --model "$Q7" --scale 0.5 --kv-cache-dtype fp8
 }
+g_quantfp8() {  # FP8 W8A8 next to bf16 on the 7b shape, W3 and W1, one process each
+  ensure_q7
+  bench_step q7_W3_fp8 90 40 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
+  bench_step q7_W1_fp8 120 40 --workload W1 --model "$Q7" --scale 0.25 --sweep quantization=none,fp8
+}
 g_w5_7b() { ensure_q7; bench_step q7_W5 90 40 --workload W5 --model "$Q7"; }
 g_arch1() {  # each architecture shape: W3 and W1 (scale 0.25) in one process
   wait_bg_make
