@@ -212,6 +212,15 @@ g_quantfp8() {  # FP8 W8A8 next to bf16 on the 7b shape, W3 and W1, one process 
   bench_step q7_W3_fp8 90 40 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
   bench_step q7_W1_fp8 120 40 --workload W1 --model "$Q7" --scale 0.25 --sweep quantization=none,fp8
 }
+g_quantw1() {  # W1 for the weight-only schemes next to bf16 (issue 6's table; fp8 is in quantfp8)
+  ensure_q7
+  bench_step q7_W1_wo 150 60 --workload W1 --model "$Q7" --scale 0.25 --sweep quantization=none,int8,int4
+}
+g_mnbt() {  # vLLM's H200 defaults for the LLM class are max_num_batched_tokens 16384, max_num_seqs 1024: try them
+  ensure_q7
+  bench_step q7_W2_mnbt 200 80 --workload W2 --model "$Q7" --sweep max_num_batched_tokens=8192,16384
+  bench_step q7_W1_mnbt 200 80 --workload W1 --model "$Q7" --sweep max_num_batched_tokens=8192,16384
+}
 g_w5_7b() { ensure_q7; bench_step q7_W5 90 40 --workload W5 --model "$Q7"; }
 g_arch1() {  # each architecture shape: W3 and W1 (scale 0.25) in one process
   wait_bg_make
