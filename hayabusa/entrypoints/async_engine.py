@@ -9,14 +9,20 @@ vLLM's ``AsyncLLMEngine`` / ``AsyncLLM`` interface::
 
 Threads: the model step is blocking torch code, so one dedicated engine thread owns the LLMEngine and everything
 it touches (scheduler, KV blocks, detokenizers). The event loop talks to it through a FIFO command queue (add,
-abort) and gets outputs back by ``loop.call_soon_threadsafe``, once per step for all of that loop's requests::
+abort) and gets outputs back through one inbox per event loop: the engine thread appends each step's outputs of
+all that loop's requests and wakes the loop (``call_soon_threadsafe``) only when the loop is not already working
+through earlier outputs::
 
     event loop                          engine thread
     add_request -> ("add", fut) ----->  LLMEngine.add_request (validation) -> fut result / exception
     abort       -> ("abort") -------->  LLMEngine.abort_request (blocks freed)
-    stream.get  <-- call_soon_threadsafe(_deliver, [(id, RequestOutput | error), ...])  <-- step()
+    stream.get  <-- _deliver(inbox) <-- inbox += [(id, RequestOutput | error), ...]  <-- step()
 
-A stream keeps only the newest cumulative output, so a slow consumer never makes the engine wait or a queue grow.
+Why the inbox: waking a loop is a syscall, which releases the GIL, and the engine thread then waits for the GIL
+until the loop has written that step's SSE chunks. Under load (the loop still busy with the last step's chunks)
+the hand-off costs no syscall, so the engine thread launches the next step at once and the loop's Python work
+overlaps the device's. A stream keeps only the newest cumulative output, so a slow consumer never makes the engine
+wait or a queue grow.
 A consumer that stops early (break, exception, cancellation, client disconnect) aborts its request. A step that
 raises fails the requests in flight with that error and the engine goes on with new ones.
 """
@@ -24,6 +30,7 @@ raises fails the requests in flight with that error and the engine goes on with 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -75,27 +82,32 @@ class RequestStream:
         self._engine = engine
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future | None = None   # the future get() awaits (one consumer), else None
         self.finished = False      # the engine has sent the last output (or an error)
         self._consumed_last = False
 
     def _put(self, out: RequestOutput) -> None:
         self._latest = out
         self.finished = self.finished or out.finished
-        self._event.set()
+        self._wake()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self.finished = True
-        self._event.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
         """The newest output not yet returned (waits for one). Raises the request's error, if it failed."""
         if self._consumed_last and self._latest is None:
             raise EOFError(f"request {self.request_id!r} has finished; its last output was already returned.")
         while self._latest is None and self._error is None:
-            self._event.clear()
-            await self._event.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         if self._latest is not None:
             out, self._latest = self._latest, None
             self._consumed_last = out.finished
@@ -120,6 +132,23 @@ class RequestStream:
         self._engine._drop_stream(self)
 
 
+class _Inbox:
+    """Outputs on their way from the engine thread to one event loop.
+
+    The engine thread appends, then schedules ``_deliver`` on the loop unless one is already scheduled; the loop
+    takes everything there is, and keeps looking (``call_soon``, no syscall) for as long as it finds more, so a
+    busy loop is never woken by a syscall. Only ``scheduled`` is shared state that both threads write; the order
+    of the writes (engine: append, then read the flag; loop: clear the flag, then look once more) means an output
+    is never left behind.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.scheduled = False
+        self.num_requests = 0          # requests in flight from this loop (engine thread only)
+
+
 def cuda_device_index(device: torch.device) -> int | None:
     """The CUDA device index a thread should make current for ``device``; None for non-CUDA devices.
     ``torch.device("cuda")`` (no index) means the caller's current device, read here in the caller's thread."""
@@ -142,7 +171,9 @@ class AsyncLLMEngine:
         self.log_requests = log_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}            # touched only by event-loop threads
-        self._req_loops: dict[str, asyncio.AbstractEventLoop] = {}  # touched only by the engine thread
+        # Touched only by the engine thread: the inbox of each request in flight, and of each loop with requests.
+        self._req_inbox: dict[str, _Inbox] = {}
+        self._inboxes: dict[asyncio.AbstractEventLoop, _Inbox] = {}
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._stats: dict[str, Any] = {}
@@ -282,10 +313,19 @@ class AsyncLLMEngine:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
 
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """Runs on the event loop: hand each output or error to its stream."""
-        for rid, item in items:
-            stream = self._streams.get(rid)
+    def _deliver(self, inbox: _Inbox) -> None:
+        """Runs on the event loop: hand each output or error in the inbox to its stream, then look again after the
+        streams' consumers have run (while there is more, the engine thread does not need to wake the loop)."""
+        items = inbox.items
+        if not items:
+            inbox.scheduled = False
+            if not items:                   # looked once more after clearing the flag: nothing was added
+                return
+            inbox.scheduled = True
+        streams = self._streams
+        while items:
+            rid, item = items.popleft()
+            stream = streams.get(rid)
             if stream is None:
                 continue
             if isinstance(item, BaseException):
@@ -294,6 +334,7 @@ class AsyncLLMEngine:
                 stream._put(item)
             if stream.finished:
                 self._drop_stream(stream)   # the id is free again; the consumer still holds the stream
+        inbox.loop.call_soon(self._deliver, inbox)
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -321,7 +362,7 @@ class AsyncLLMEngine:
                 try:
                     outbox.extend((o.request_id, o) for o in self.engine.step())
                 except Exception as e:  # noqa: BLE001 -- one bad step must not stop the server
-                    logger.exception("engine step failed; failing the %d requests in flight", len(self._req_loops))
+                    logger.exception("engine step failed; failing the %d requests in flight", len(self._req_inbox))
                     self._recover_from_step_error(e, outbox)
             self._update_stats()
             self._send(outbox)
@@ -344,7 +385,11 @@ class AsyncLLMEngine:
             except BaseException as e:  # noqa: BLE001 -- goes back to the caller
                 fut.set_exception(e)
                 return
-            self._req_loops[rid] = loop
+            inbox = self._inboxes.get(loop)
+            if inbox is None:
+                inbox = self._inboxes[loop] = _Inbox(loop)
+            inbox.num_requests += 1
+            self._req_inbox[rid] = inbox
             fut.set_result(None)
             if self.log_requests:
                 logger.info("request %s: %s", rid, params)
@@ -365,30 +410,50 @@ class AsyncLLMEngine:
     def _recover_from_step_error(self, error: Exception, outbox: list) -> None:
         err = EngineStepError(f"engine step failed: {type(error).__name__}: {error}")
         err.__cause__ = error
-        ids = list(self._req_loops)
+        ids = list(self._req_inbox)
         self.engine.abort_all_after_error()  # frees their blocks; raising here kills the thread (engine dead)
         outbox.extend((rid, err) for rid in ids)
 
     def _send(self, outbox: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """Group outputs by the event loop of their request; one thread-safe call per loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        """Put outputs in the inbox of their request's event loop; wake a loop only if it is not already busy
+        with its inbox (at most one thread-safe call per loop and step)."""
+        if not outbox:
+            return
+        req_inbox = self._req_inbox
+        touched: dict[_Inbox, list] = {}
         for rid, item in outbox:
-            loop = self._req_loops.get(rid)
-            if loop is None:
+            inbox = req_inbox.get(rid)
+            if inbox is None:
                 continue
-            by_loop.setdefault(loop, []).append((rid, item))
+            if inbox in touched:
+                touched[inbox].append((rid, item))
+            else:
+                touched[inbox] = [(rid, item)]
             if isinstance(item, BaseException) or item.finished:
-                del self._req_loops[rid]
-        for loop, items in by_loop.items():
+                del req_inbox[rid]
+                inbox.num_requests -= 1
+                if inbox.num_requests == 0 and self._inboxes.get(inbox.loop) is inbox:
+                    del self._inboxes[inbox.loop]      # a loop that comes back gets a new inbox
+        for inbox, items in touched.items():
+            inbox.items.extend(items)       # first append, then read the flag (see _Inbox)
             try:
-                loop.call_soon_threadsafe(self._deliver, items)
+                if inbox.loop.is_closed():
+                    raise RuntimeError("event loop is closed")
+                if not inbox.scheduled:
+                    inbox.scheduled = True
+                    inbox.loop.call_soon_threadsafe(self._deliver, inbox)
             except RuntimeError:            # that loop is closed: nobody is listening any more
-                live = [rid for rid, item in items if not isinstance(item, BaseException) and not item.finished]
+                inbox.items.clear()
+                if self._inboxes.get(inbox.loop) is inbox:
+                    del self._inboxes[inbox.loop]
+                live = [rid for rid, i in list(req_inbox.items()) if i is inbox]
+                for rid in live:
+                    del req_inbox[rid]
                 self._commands.put(("abort", live, None))
 
     def _fail_all(self, error: BaseException) -> None:
         err = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the engine stopped: {error!r}")
-        self._send([(rid, err) for rid in list(self._req_loops)])
+        self._send([(rid, err) for rid in list(self._req_inbox)])
 
     def _refuse_pending_commands(self) -> None:
         """After the thread stops: callers still waiting on an add or an abort get an answer."""

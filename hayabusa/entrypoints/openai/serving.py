@@ -7,7 +7,10 @@ before anything is sent; server.py turns both into OpenAI's JSON error with stat
 
 Streaming: the engine's outputs are cumulative, so each choice's delta is ``text[len(sent):]`` and
 ``token_ids[n_sent:]`` (the engine's text only grows, and holds back split UTF-8 characters and partial stop
-strings). A chunk goes out whenever a choice has new tokens or finishes, as vLLM does.
+strings). A chunk goes out whenever a choice has new tokens or finishes, as vLLM does. At high concurrency the
+server writes one chunk per request per step, so a chunk is built from pre-serialized pieces (the header, the
+field names) around ``json`` encodings of the values that change; the bytes are exactly ``json.dumps`` of the
+chunk's dict (``ensure_ascii=False``), as before.
 """
 
 from __future__ import annotations
@@ -53,20 +56,38 @@ def error_body(message: str, type: str, param: str | None = None, code: Any = No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def sse(data: dict[str, Any] | str) -> str:
+def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+# json.dumps(str, ensure_ascii=False) without building an encoder per call (the C encoder json.dumps uses).
+_json_str = json.encoder.encode_basestring
+
+
+def _json(value: Any) -> str:
+    """``json.dumps(value, ensure_ascii=False)``, fast for the values of a streamed chunk (None, str, int)."""
+    if value is None:
+        return "null"
+    if type(value) is str:
+        return _json_str(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _chunk_prefix(header: dict[str, Any]) -> str:
+    """``json.dumps({**header, "choices": [...]})`` up to the first choice: ``data: {"id": ..., "choices": [``."""
+    return "data: " + json.dumps(header, ensure_ascii=False)[:-1] + ', "choices": ['
 
 
 class SSEStream:
-    """The body of a streaming response: SSE lines; ``aclose()`` aborts its engine requests that have not
-    finished, even when iteration never started (a client gone before the first chunk)."""
+    """The body of a streaming response: SSE events as bytes; ``aclose()`` aborts its engine requests that have
+    not finished, even when iteration never started (a client gone before the first chunk)."""
 
-    def __init__(self, chunks: AsyncIterator[str], streams: list[RequestStream]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], streams: list[RequestStream]) -> None:
         self.chunks = chunks
         self.streams = streams
 
-    def __aiter__(self) -> AsyncIterator[str]:
+    def __aiter__(self) -> AsyncIterator[bytes]:
         return self.chunks
 
     async def aclose(self) -> None:
@@ -88,13 +109,14 @@ class RequestTimer:
         self.num_tokens: dict[tuple[int, int], int] = {}
 
     def update(self, prompt_index: int, out: RequestOutput) -> None:
-        now = time.monotonic()
+        num_tokens = self.num_tokens
         for c in out.outputs:
             key = (prompt_index, c.index)
-            if len(c.token_ids) > self.num_tokens.get(key, 0):
-                self.num_tokens[key] = len(c.token_ids)
-                self.first_token = self.first_token or now
-                self.last_token = now
+            n = len(c.token_ids)
+            if n > num_tokens.get(key, 0):
+                num_tokens[key] = n
+                self.last_token = time.monotonic()
+                self.first_token = self.first_token or self.last_token
 
     def finish(self, outputs: list[RequestOutput]) -> None:
         if self.on_finish is None:
@@ -192,32 +214,56 @@ class OpenAIServing:
         return out
 
     async def _stream_completion(self, header: dict, req: CompletionRequest, streams: list[RequestStream],
-                                 echo_texts: list[str]) -> AsyncIterator[str]:
+                                 echo_texts: list[str]) -> AsyncIterator[bytes]:
         usage_opts = req.stream_options
+        continuous_usage = bool(usage_opts and usage_opts.continuous_usage_stats)
         timer = RequestTimer(self.on_request_finished)
+        prefix = _chunk_prefix(header)
+        n = req.n
         sent_text: dict[tuple[int, int], int] = {}
         sent_ids: dict[tuple[int, int], int] = {}
         last: dict[int, RequestOutput] = {}
+
+        def chunks(pi: int, out: RequestOutput) -> bytes:
+            """The SSE events of one output: one per choice with new tokens, or that finished, or to echo."""
+            last[pi] = out
+            events = []
+            for c in out.outputs:
+                key = (pi, c.index)
+                n_ids = sent_ids.get(key, 0)
+                echo = echo_texts[pi] if key not in sent_text else ""
+                n_tok = len(c.token_ids)
+                finish_reason = c.finish_reason
+                if n_ids < 0 or not (n_tok > n_ids or finish_reason or echo):
+                    continue                      # finished already, or nothing new for this choice
+                n_text = sent_text.get(key, 0)
+                text = c.text
+                lp = "null" if req.logprobs is None else json.dumps(self._completion_logprobs(
+                    (c.logprobs or [])[n_ids:], n_text), ensure_ascii=False)
+                sent_text[key] = len(text)
+                sent_ids[key] = -1 if finish_reason is not None else n_tok
+                usage = f', "usage": {json.dumps(self._usage([out]))}' if continuous_usage else ""
+                events.append(f'{prefix}{{"index": {pi * n + c.index}, "text": {_json_str(echo + text[n_text:])}, '
+                              f'"logprobs": {lp}, "finish_reason": {_json(finish_reason)}, '
+                              f'"stop_reason": {_json(c.stop_reason)}}}]{usage}}}\n\n')
+            return "".join(events).encode()
+
         try:
-            async for pi, out in self._merge(streams, timer):
-                last[pi] = out
-                for c in out.outputs:
-                    key = (pi, c.index)
-                    n_ids = sent_ids.get(key, 0)
-                    echo = echo_texts[pi] if key not in sent_text else ""
-                    if n_ids < 0 or not (len(c.token_ids) > n_ids or c.finish_reason or echo):
-                        continue                      # finished already, or nothing new for this choice
-                    n_text = sent_text.get(key, 0)
-                    lp = None if req.logprobs is None else self._completion_logprobs(
-                        (c.logprobs or [])[n_ids:], n_text)
-                    sent_text[key] = len(c.text)
-                    sent_ids[key] = -1 if c.finish_reason is not None else len(c.token_ids)
-                    chunk = {**header, "choices": [{"index": pi * req.n + c.index, "text": echo + c.text[n_text:],
-                                                    "logprobs": lp, "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}]}
-                    if usage_opts and usage_opts.continuous_usage_stats:
-                        chunk["usage"] = self._usage([out])
-                    yield sse(chunk)
+            if len(streams) == 1:                 # no merging task: outputs straight from the stream
+                stream = streams[0]
+                while True:
+                    out = await stream.get()
+                    timer.update(0, out)
+                    data = chunks(0, out)
+                    if data:
+                        yield data
+                    if out.finished:
+                        break
+            else:
+                async for pi, out in self._merge(streams, timer):
+                    data = chunks(pi, out)
+                    if data:
+                        yield data
             outs = [last[i] for i in sorted(last)]
             if usage_opts and usage_opts.include_usage:
                 yield sse({**header, "choices": [], "usage": self._usage(outs)})
@@ -284,33 +330,43 @@ class OpenAIServing:
                            chat_template_kwargs=req.chat_template_kwargs)
 
     async def _stream_chat(self, header: dict, req: ChatCompletionRequest, stream: RequestStream,
-                           k: int | None) -> AsyncIterator[str]:
+                           k: int | None) -> AsyncIterator[bytes]:
         usage_opts = req.stream_options
+        continuous_usage = bool(usage_opts and usage_opts.continuous_usage_stats)
         timer = RequestTimer(self.on_request_finished)
+        prefix = _chunk_prefix(header)
         sent_text: dict[int, int] = {}
         sent_ids: dict[int, int] = {}
         out = None
         try:
-            async for _, out in self._merge([stream], timer):
+            while out is None or not out.finished:
+                out = await stream.get()
+                timer.update(0, out)
+                events = []
                 for c in out.outputs:
                     i = c.index
                     if i not in sent_text:
                         sent_text[i], sent_ids[i] = 0, 0
-                        yield sse({**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                          "logprobs": None, "finish_reason": None}]})
+                        events.append(sse({**header, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                                        "content": ""},
+                                                                  "logprobs": None, "finish_reason": None}]}))
                     n_ids = sent_ids[i]
-                    if n_ids < 0 or (len(c.token_ids) == n_ids and c.finish_reason is None):
+                    n_tok = len(c.token_ids)
+                    finish_reason = c.finish_reason
+                    if n_ids < 0 or (n_tok == n_ids and finish_reason is None):
                         continue
-                    delta = c.text[sent_text[i]:]
-                    lp = None if k is None else {"content": self._chat_logprobs((c.logprobs or [])[n_ids:], k)}
-                    sent_text[i] = len(c.text)
-                    sent_ids[i] = -1 if c.finish_reason is not None else len(c.token_ids)
-                    chunk = {**header, "choices": [{"index": i, "delta": {"content": delta}, "logprobs": lp,
-                                                    "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}]}
-                    if usage_opts and usage_opts.continuous_usage_stats:
-                        chunk["usage"] = self._usage([out])
-                    yield sse(chunk)
+                    text = c.text
+                    lp = "null" if k is None else json.dumps(
+                        {"content": self._chat_logprobs((c.logprobs or [])[n_ids:], k)}, ensure_ascii=False)
+                    delta = _json_str(text[sent_text[i]:])
+                    sent_text[i] = len(text)
+                    sent_ids[i] = -1 if finish_reason is not None else n_tok
+                    usage = f', "usage": {json.dumps(self._usage([out]))}' if continuous_usage else ""
+                    events.append(f'{prefix}{{"index": {i}, "delta": {{"content": {delta}}}, "logprobs": {lp}, '
+                                  f'"finish_reason": {_json(finish_reason)}, "stop_reason": {_json(c.stop_reason)}}}]'
+                                  f'{usage}}}\n\n'.encode())
+                if events:
+                    yield b"".join(events)
             if usage_opts and usage_opts.include_usage and out is not None:
                 yield sse({**header, "choices": [], "usage": self._usage([out])})
             timer.finish([out] if out is not None else [])
