@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.sampling_params import SamplingParams
@@ -57,6 +57,36 @@ def _accepts_spaces_between_special_tokens(tokenizer_cls: type) -> bool:
     # ignore it, and some (MistralCommonBackend) reject unknown keyword arguments.
     decode = getattr(tokenizer_cls, "_decode", None)
     return decode is not None and "spaces_between_special_tokens" in inspect.signature(decode).parameters
+
+
+@functools.cache
+def _plain_fast_decode(tokenizer_cls: type) -> bool:
+    """The class decodes with transformers' own fast-tokenizer ``decode``/``_decode``, which (without
+    clean_up_tokenization_spaces) is exactly ``tokenizer._tokenizer.decode(ids, skip_special_tokens=...)``."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    return (getattr(tokenizer_cls, "decode", None) is PreTrainedTokenizerBase.decode
+            and getattr(tokenizer_cls, "_decode", None) is PreTrainedTokenizerFast._decode)
+
+
+def _backend_decode(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """``tokenizers.Tokenizer.decode`` of a fast tokenizer that decodes in the plain way, else None.
+
+    Detokenizing costs two or three decodes of a few ids per token per request; transformers' ``decode`` wrapper
+    (argument conversion, keyword handling) is most of that time, so the backend is called directly when that
+    gives the same text.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not _plain_fast_decode(type(tokenizer)) or not callable(getattr(backend, "decode", None)):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return backend.decode if isinstance(backend, Tokenizer) else None
 
 
 def _decode_kwargs(tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> dict[str, bool]:
@@ -104,6 +134,8 @@ class IncrementalDetokenizer:
         if self._tokenizer is None:
             return
         self._decode_kwargs = _decode_kwargs(self._tokenizer, params)
+        self._backend_decode = _backend_decode(self._tokenizer)
+        self._skip_special = params.skip_special_tokens
         # Skipped special ids never enter the window: decode drops them before decoding anyway, and a long
         # run of them would otherwise stay pending.
         self._skip_ids = frozenset(self._tokenizer.all_special_ids) if params.skip_special_tokens else frozenset()
@@ -170,6 +202,8 @@ class IncrementalDetokenizer:
     # -- detokenization ---------------------------------------------------------------------------
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self._skip_special)
         return self._tokenizer.decode(ids, **self._decode_kwargs)
 
     def _prompt_context(self, prompt_token_ids: list[int]) -> tuple[list[int], str]:

@@ -49,7 +49,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        for s in self.samples:
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -94,42 +97,47 @@ class OutputProcessor:
         now = time.monotonic()
         child_to_parent, states = self.child_to_parent, self.states
         for req, new_ids in updates:
-            parent = child_to_parent.get(req.request_id)
+            rid = req.request_id
+            parent = child_to_parent.get(rid)
             if parent is None:
                 continue
             state = states[parent]
-            sample = state.samples[state.child_index[req.request_id]]
+            sample = state.samples[state.child_index[rid]]
             metrics = state.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens += len(new_ids)
-            if state.lazy and not req.status.finished and sample.logprobs is None:
+            finished = req.is_finished()
+            lazy = state.lazy
+            if lazy and not finished and sample.logprobs is None:
                 # nothing reads the text before the end: keep the ids, detokenize once when finished
                 sample.pending_ids.extend(new_ids)
                 continue
-            if sample.logprobs is not None and req.request_id in logprobs:
-                self._add_logprobs(sample, logprobs[req.request_id])
-            stop_terminated = req.status == RequestStatus.FINISHED_STOPPED
-            if state.lazy and not req.is_finished():
+            if sample.logprobs is not None and rid in logprobs:
+                self._add_logprobs(sample, logprobs[rid])
+            if lazy and not finished:
                 sample.pending_ids.extend(new_ids)
                 continue
             if sample.pending_ids:
                 new_ids, sample.pending_ids = sample.pending_ids + new_ids, []
-            stop_str = sample.detok.update(new_ids, stop_terminated)
-            if stop_str is not None and not req.is_finished():
+            stop_str = sample.detok.update(new_ids, req.status == RequestStatus.FINISHED_STOPPED)
+            if stop_str is not None and not finished:
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
-                stop_hits.append(req.request_id)
-            elif req.is_finished():
+                stop_hits.append(rid)
+            elif finished:
                 sample.finish_reason = req.status.finish_reason
                 sample.stop_reason = stop_str if stop_str is not None else req.stop_reason
                 if stop_str is not None:
                     sample.finish_reason = "stop"
             changed[parent] = state
-        outputs = [self._make_output(s) for s in changed.values() if s.finished or s.output_kind != "final"]
-        for s in changed.values():
-            if s.finished:
-                self._drop(s)
+        outputs = []
+        for state in changed.values():
+            finished = state.finished
+            if finished or state.output_kind != "final":
+                outputs.append(self._make_output(state, finished))
+            if finished:
+                self._drop(state)
         return outputs, stop_hits
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -165,8 +173,9 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
-        finished = state.finished
+    def _make_output(self, state: RequestState, finished: bool | None = None) -> RequestOutput:
+        if finished is None:
+            finished = state.finished
         completions = []
         for s in state.samples:
             done = s.finish_reason is not None
