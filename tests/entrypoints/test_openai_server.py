@@ -1,6 +1,7 @@
 """The OpenAI-compatible server through the official `openai` client (and raw httpx for what the client cannot
 send): completions, chat, streaming = non-streaming text (Japanese included), usage, stop strings, n = 2,
-logprobs, errors in OpenAI's shape with the parameter named, API keys, disconnects freeing KV blocks."""
+logprobs, errors in OpenAI's shape with the parameter named (unsupported vLLM fields, max_tokens beyond the context
+included), per-request chat templates, API keys, disconnects freeing KV blocks."""
 
 from __future__ import annotations
 
@@ -210,6 +211,113 @@ def test_bad_chat_is_400_naming_the_parameter(qwen_server, bad, param):
     r = httpx.post(qwen_server.url + "/v1/chat/completions", json=body, headers=qwen_server.headers())
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+UNSUPPORTED_VLLM_FIELDS = [("allowed_token_ids", [1, 2, 3]), ("bad_words", ["cat"]), ("prompt_logprobs", 1),
+                           ("prompt_logprobs", 0)]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("field,value", UNSUPPORTED_VLLM_FIELDS)
+def test_unsupported_vllm_field_is_400_naming_it(qwen_server, endpoint, field, value):
+    c = qwen_server.client()
+    kw = dict(model=qwen_server.name, max_tokens=2)
+    create = (lambda **k: c.completions.create(prompt="hi", **k)) if endpoint == "completions" else \
+        (lambda **k: c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **k))
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(**kw, stream=stream, extra_body={field: value})
+        assert e.value.status_code == 400 and e.value.body["param"] == field and field in e.value.body["message"]
+    # null (or vLLM's default) is accepted, and the server still answers
+    ok = create(**kw, extra_body={field: None})
+    assert ok.usage.completion_tokens >= 1
+    if field == "bad_words":
+        assert create(**kw, extra_body={field: []}).usage.completion_tokens >= 1
+    wait_idle(qwen_server.engine)
+
+
+def test_unknown_fields_are_still_ignored(qwen_server):
+    c = qwen_server.client()
+    r = c.completions.create(model=qwen_server.name, prompt="hi", max_tokens=2,
+                             extra_body={"some_future_field": {"x": 1}, "metadata": {"a": "b"}})
+    assert r.usage.completion_tokens >= 1
+
+
+# A template that writes a fixed prefix and the last user message, nothing else (no special tokens).
+PREFIX_TEMPLATE = "PREFIX: {{ messages[-1]['content'] }}"
+
+
+def test_per_request_chat_template(qwen_server):
+    c = qwen_server.client()
+    tok = qwen_server.tokenizer
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    kw = dict(model=qwen_server.name, messages=msgs, max_tokens=2, temperature=0.0)
+    default = c.chat.completions.create(**kw)
+    custom = c.chat.completions.create(**kw, extra_body={"chat_template": PREFIX_TEMPLATE})
+    expected = len(tok("PREFIX: hello there", add_special_tokens=False).input_ids)
+    assert custom.usage.prompt_tokens == expected != default.usage.prompt_tokens
+    # the rendered prompt is exactly the template's output: greedy completion of the same text agrees
+    same = c.completions.create(model=qwen_server.name, prompt="PREFIX: hello there", max_tokens=2,
+                                temperature=0.0, extra_body={"add_special_tokens": False})
+    assert custom.choices[0].message.content == same.choices[0].text
+    # the server's own template is used again on the next request
+    assert c.chat.completions.create(**kw).usage.prompt_tokens == default.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("template", ["{% for m in messages %}{{ m.content }",          # does not parse
+                                      "{{ raise_exception('no') }}",                    # fails to render
+                                      "{{ messages[0]['content'] | no_such_filter }}",
+                                      "/etc/passwd"])                                   # a path: not accepted
+def test_broken_per_request_chat_template_is_400(qwen_server, template):
+    c = qwen_server.client()
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=qwen_server.name, messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=2, stream=stream, extra_body={"chat_template": template})
+        assert e.value.body["param"] == "chat_template"
+    assert c.chat.completions.create(model=qwen_server.name, messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_max_tokens_beyond_the_context_is_400(qwen_server):
+    url, h, name = qwen_server.url, qwen_server.headers(), qwen_server.name
+    max_len = qwen_server.engine.engine.config.model_config.max_model_len
+    n_prompt = len(qwen_server.tokenizer("hi").input_ids)
+    for stream in (False, True):
+        r = httpx.post(url + "/v1/completions", headers=h, timeout=60,
+                       json={"model": name, "prompt": "hi", "max_tokens": 5000, "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
+        assert err["message"] == (f"This model's maximum context length is {max_len} tokens. However, you requested "
+                                  f"{n_prompt + 5000} tokens ({n_prompt} in the messages, 5000 in the completion). "
+                                  "Please reduce the length of the messages or completion.")
+    # exactly fits: 200 and generates all of it
+    r = httpx.post(url + "/v1/completions", headers=h, timeout=60,
+                   json={"model": name, "prompt": "hi", "ignore_eos": True, "max_tokens": max_len - n_prompt})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] == max_len
+    # one too many, by one prompt of a list: named by index
+    r = httpx.post(url + "/v1/completions", headers=h, timeout=60,
+                   json={"model": name, "prompt": [[1], [1, 2]], "max_tokens": max_len - 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["message"].startswith("prompt[1]: This model's maximum context length")
+    # chat: max_tokens and max_completion_tokens alike; one token too many -> 400, exactly fitting -> 200
+    msgs = [{"role": "user", "content": "hi"}]
+    n_chat = qwen_server.client().chat.completions.create(model=name, messages=msgs, max_tokens=1).usage.prompt_tokens
+    for param in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(url + "/v1/chat/completions", headers=h, timeout=60,
+                       json={"model": name, "messages": msgs, param: max_len - n_chat + 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert f"({n_chat} in the messages, {max_len - n_chat + 1} in the completion)" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/chat/completions", headers=h, timeout=60,
+                       json={"model": name, "messages": msgs, param: max_len - n_chat, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == max_len, r.text
+    # max_tokens absent: still generates up to the context
+    r = httpx.post(url + "/v1/chat/completions", headers=h, timeout=60,
+                   json={"model": name, "messages": msgs, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == max_len, r.text
+    wait_idle(qwen_server.engine)
 
 
 def test_malformed_bodies_and_routes(qwen_server):

@@ -1,7 +1,9 @@
 """Request and error models of the OpenAI API (pydantic), with vLLM's extra sampling fields.
 
 Field names, types and defaults follow OpenAI's API reference and vLLM's ``protocol.py``. Unknown fields are kept
-(``model_extra``) and ignored with a warning, as vLLM does, so clients that send newer fields keep working.
+(``model_extra``) and ignored with a warning, as vLLM does, so clients that send newer fields keep working. vLLM
+fields that hayabusa knows but does not implement (``UNSUPPORTED_FIELDS``) are refused with a 400 naming the field
+when set to anything but their default, rather than silently ignored.
 Responses are plain dicts built in serving.py (streaming builds thousands of chunks a second; a dict and
 ``json.dumps`` cost a fraction of a pydantic model) in exactly OpenAI's shapes.
 """
@@ -14,6 +16,23 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # vLLM's default max_logprobs: the most top logprobs a request may ask for.
 MAX_LOGPROBS = 20
+
+# vLLM request fields (completions and chat) that hayabusa does not implement, with the values that mean "off":
+# absent, null or one of these is accepted; anything else is a 400 naming the field (serving.py). Kept out of the
+# models, so they arrive in ``model_extra``; ``logit_bias`` is modelled and refused by SamplingParams.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "logits_processors": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+}
 
 
 class OpenAIBaseModel(BaseModel):
@@ -93,6 +112,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

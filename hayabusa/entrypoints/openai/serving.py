@@ -24,7 +24,8 @@ from typing import Any, AsyncIterator, Callable
 
 from hayabusa.entrypoints.async_engine import AsyncLLMEngine, RequestStream
 from hayabusa.entrypoints.chat_utils import render_chat
-from hayabusa.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields
+from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
+                                                  CompletionRequest, SamplingFields)
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.outputs import Logprob, RequestOutput
 from hayabusa.sampling_params import SamplingParams
@@ -180,7 +181,14 @@ class OpenAIServing:
         prompts = self._completion_prompts(req)
         self._check_num_choices(req.n * len(prompts))
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        params = [self._sampling_params(req, len(ids), req.max_tokens, req.logprobs) for _, ids in prompts]
+        params = []
+        for i, (_, ids) in enumerate(prompts):
+            try:
+                params.append(self._sampling_params(req, len(ids), req.max_tokens, req.logprobs))
+            except OpenAIError as e:
+                if len(prompts) > 1:
+                    e.message = f"prompt[{i}]: {e.message}"    # which prompt of the request's list
+                raise
         echo_texts = [self._prompt_text(t, ids) if req.echo else "" for t, ids in prompts]
         streams = await self._add_all(rid, prompts, params)
         header = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
@@ -316,7 +324,15 @@ class OpenAIServing:
 
     def _render_chat(self, req: ChatCompletionRequest) -> str:
         """The conversation as prompt text, rendered exactly as LLM.chat renders it (chat_utils.render_chat)."""
-        if self.tokenizer is not None and not (self.chat_template or getattr(self.tokenizer, "chat_template", None)):
+        template = self.chat_template
+        if req.chat_template is not None:
+            # The request's own Jinja template (vLLM extra). Only a template string: never a path to read a file
+            # of the server's from (render_chat would take a string without Jinja syntax for a path).
+            if not any(c in req.chat_template for c in "{}\n"):
+                raise OpenAIError(400, "chat_template must be a Jinja template string (file paths are not accepted "
+                                  "in requests).", param="chat_template")
+            template = req.chat_template
+        if self.tokenizer is not None and not (template or getattr(self.tokenizer, "chat_template", None)):
             raise OpenAIError(400, "this model has no chat template; start the server with --chat-template FILE "
                               "(or use /v1/completions).", param="messages")
         messages = []
@@ -324,10 +340,18 @@ class OpenAIServing:
             d = m.model_dump(exclude_none=True)
             d.setdefault("content", None)
             messages.append(d)
-        return render_chat(self.tokenizer, messages, chat_template=self.chat_template,
-                           add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message, tools=req.tools or None,
-                           chat_template_kwargs=req.chat_template_kwargs)
+        try:
+            return render_chat(self.tokenizer, messages, chat_template=template,
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, tools=req.tools or None,
+                               chat_template_kwargs=req.chat_template_kwargs)
+        except HayabusaValidationError as e:
+            # render_chat names "messages" when the template fails to parse or render; with the request's own
+            # template, the template is what to blame.
+            if req.chat_template is not None and str(e).startswith("the chat template failed"):
+                raise OpenAIError(400, str(e).replace("the chat template", "chat_template", 1),
+                                  param="chat_template") from None
+            raise
 
     async def _stream_chat(self, header: dict, req: ChatCompletionRequest, stream: RequestStream,
                            k: int | None) -> AsyncIterator[bytes]:
@@ -385,7 +409,14 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options can only be given with stream=true.", param="stream_options")
         if req.model_extra:
-            logger.warning("ignoring unknown request field(s): %s", ", ".join(sorted(req.model_extra)))
+            unknown = []
+            for name, value in req.model_extra.items():
+                if name not in UNSUPPORTED_FIELDS:
+                    unknown.append(name)
+                elif value is not None and value not in UNSUPPORTED_FIELDS[name]:
+                    raise OpenAIError(400, f"{name} is not supported yet; leave it unset (or null).", param=name)
+            if unknown:
+                logger.warning("ignoring unknown request field(s): %s", ", ".join(sorted(unknown)))
         return req.model or self.model_names[0]
 
     @staticmethod
@@ -412,11 +443,17 @@ class OpenAIServing:
 
     def _sampling_params(self, req: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                          logprobs: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
-        """vLLM's mapping; max_tokens is capped at what max_model_len leaves after the prompt (None: all of it)."""
+        """vLLM's mapping. max_tokens None: generate up to max_model_len; more than the prompt leaves is a 400,
+        with vLLM's message."""
         left = self.max_model_len - num_prompt_tokens
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise HayabusaValidationError(f"{max_tokens_param} must be at least 1, got {max_tokens}.",
                                           parameter=max_tokens_param, value=max_tokens)
+        if max_tokens is not None and max_tokens > left:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                              f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                              "messages or completion.", param=max_tokens_param, code="context_length_exceeded")
         bias = None
         if req.logit_bias:
             try:
@@ -430,7 +467,7 @@ class OpenAIServing:
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-            max_tokens=left if max_tokens is None else min(max_tokens, left), min_tokens=req.min_tokens,
+            max_tokens=left if max_tokens is None else max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
