@@ -33,7 +33,8 @@ class SamplingParams:
         top_p: nucleus sampling (Holtzman et al. 2019) mass, in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens; 0 or -1 = off.
         min_p: drop tokens whose probability is below min_p x the top probability, in [0, 1]; 0 = off.
-        seed: per-request seed: the request's tokens do not depend on what else is in the batch.
+        seed: per-request seed in [-2**63, 2**64 - 1] (torch.Generator's range): the request's tokens do not depend
+            on what else is in the batch.
         stop: string(s) that end the completion; not included in the text unless include_stop_str_in_output.
         stop_token_ids: token ids that end the completion (kept in token_ids, not in the text when special).
         ignore_eos: keep generating after EOS.
@@ -134,6 +135,8 @@ class SamplingParams:
             raise _bad("prompt_logprobs", self.prompt_logprobs, "is not supported yet; pass None")
         if self.seed is not None and not is_int(self.seed):
             raise _bad("seed", self.seed, "must be an integer")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # torch.Generator.manual_seed's range
+            raise _bad("seed", self.seed, "must be in [-2**63, 2**64 - 1]")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise _bad("stop", self.stop, "must be non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):

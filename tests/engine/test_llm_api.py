@@ -88,6 +88,7 @@ def test_stop_token_ids_and_min_tokens(llm):
     (dict(n=0), "n"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"),
+    (dict(seed=2 ** 64), "seed"), (dict(seed=-2 ** 63 - 1), "seed"),  # beyond torch.Generator: once killed a step
 ])
 def test_bad_sampling_params_name_the_parameter(kwargs, param):
     with pytest.raises(HayabusaValidationError) as e:
@@ -95,6 +96,15 @@ def test_bad_sampling_params_name_the_parameter(kwargs, param):
     assert e.value.parameter == param
     assert param in str(e.value)
     assert isinstance(e.value, ValueError)
+
+
+def test_extreme_seeds_sample_beside_other_requests(llm):
+    """The ends of the seed range run (an out-of-range seed once failed the whole step, taking its batch with it)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s) for s in (2 ** 64 - 1, -2 ** 63, 7)]
+    outs = llm.generate(["Once upon a time"] * 3, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
+    again = llm.generate("Once upon a time", params[0], use_tqdm=False)[0].outputs[0].token_ids
+    assert again == outs[0].outputs[0].token_ids
 
 
 def test_unknown_engine_argument_is_named(stories_dir):
