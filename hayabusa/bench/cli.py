@@ -6,8 +6,7 @@
     hayabusa bench --make-model qwen2.5-7b-shape /tmp/q7b
     hayabusa bench --ceilings [--workload W3 --model DIR]           # GB/s and TFLOP/s; fractions in the rows
 
-The lead's ``hayabusa`` CLI wires ``add_bench_parser(subparsers)`` and ``run_bench(ns)``; ``python -m
-hayabusa.bench.cli ARGS`` runs the same thing without the ``bench`` word.
+``python -m hayabusa.bench.cli ARGS`` is the same as ``hayabusa bench ARGS``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import torch
 from hayabusa.bench import report
 from hayabusa.bench.ceilings import measure_ceilings
 from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, make_model, model_name, model_stats
-from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, get_workload
+from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, fit_to_vocab, get_workload
 
 # Engine flags of `hayabusa bench` (vLLM names): name -> type.
 ENGINE_FLAGS: dict[str, Any] = {
@@ -163,8 +162,10 @@ def _summary(rec: dict[str, Any]) -> str:
     if rec.get("error"):
         return f"[{rec['workload']} {rec['engine']} {rec['variant']}] FAILED: {rec['error']}"
     frac = rec["fraction_of_ceiling"]
+    ttft = "-" if rec["ttft_ms"] is None else f"{rec['ttft_ms']:.1f} ms"
+    tpot = "-" if rec["tpot_ms"] is None else f"{rec['tpot_ms']:.2f} ms"  # W3 only (one stream)
     return (f"[{rec['workload']} {rec['engine']} {rec['variant'] or ''}] {rec['output_throughput']:.1f} out tok/s, "
-            f"{rec['total_throughput']:.1f} total tok/s, TTFT {rec['ttft_ms']} ms, TPOT {rec['tpot_ms']} ms, "
+            f"{rec['total_throughput']:.1f} total tok/s, TTFT {ttft}, TPOT {tpot}, "
             f"{rec['elapsed_s']:.2f} s, startup {rec['startup_s']:.2f} s"
             + (f", {100 * frac:.1f}% of {rec['ceiling_kind']} ceiling" if frac is not None else ""))
 
@@ -179,7 +180,7 @@ def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[
     engines = ("hayabusa", "hf") if ns.engine == "both" else (ns.engine,)
     failures = 0
     for wname in [w for w in ns.workload.split(",") if w.strip()]:
-        workload = get_workload(wname, ns.scale)
+        workload = fit_to_vocab(get_workload(wname, ns.scale), stats.get("vocab_size"))
         for engine in engines:
             variants = _variants(workload, sweep, engine)
             for i, variant in enumerate(variants):

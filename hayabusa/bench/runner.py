@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hayabusa.bench.workloads import TOKEN_HIGH, TOKEN_LOW, BenchRequest, Workload
+from hayabusa.bench.workloads import BenchRequest, Workload, token_range
 
 WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 2
@@ -75,8 +75,9 @@ def warmup_requests(workload: Workload) -> list[BenchRequest]:
     # Workloads whose prompts share a prefix (W5) warm up with a shared fresh prefix of the same length, so the
     # prefill of a request that hits the prefix cache (new tokens attending to cached ones) is warm as well.
     shared = _common_prefix_len([r.prompt_token_ids for r in reqs]) if len(reqs) > 1 else 0
-    prefix = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=shared).tolist()
-    return [BenchRequest(prefix + rng.integers(TOKEN_LOW, TOKEN_HIGH, size=len(r.prompt_token_ids) - shared).tolist(),
+    lo, hi = token_range(workload.vocab_size)
+    prefix = rng.integers(lo, hi, size=shared).tolist()
+    return [BenchRequest(prefix + rng.integers(lo, hi, size=len(r.prompt_token_ids) - shared).tolist(),
                          min(WARMUP_TOKENS, r.max_tokens))
             for r in reqs]
 

@@ -56,6 +56,7 @@ class Workload:
     scale: float = 1.0
     variants: list[dict] = field(default_factory=lambda: [{}])
     ceiling: str | None = None
+    vocab_size: int | None = None   # set by fit_to_vocab when the model's vocabulary is below TOKEN_HIGH
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,6 +72,26 @@ class Workload:
     def max_seq_len(self) -> int:
         """Longest prompt + output of any request (tokens)."""
         return max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
+
+
+def token_range(vocab_size: int | None) -> tuple[int, int]:
+    """[low, high) of workload token ids: [TOKEN_LOW, TOKEN_HIGH), shrunk to fit a vocabulary smaller than that."""
+    if vocab_size is None or vocab_size >= TOKEN_HIGH:
+        return TOKEN_LOW, TOKEN_HIGH
+    return min(TOKEN_LOW, vocab_size // 4), vocab_size
+
+
+def fit_to_vocab(workload: Workload, vocab_size: int | None) -> Workload:
+    """The workload with every prompt id mapped into the model's vocabulary (in place; a no-op for every shape of
+    record, whose vocabularies exceed TOKEN_HIGH). The map is one-to-one on ids, so shared prefixes stay shared;
+    lengths and counts are unchanged. Lets `hayabusa bench` run on small trained models (stories260K: 512 ids)."""
+    lo, hi = token_range(vocab_size)
+    if (lo, hi) == (TOKEN_LOW, TOKEN_HIGH):
+        return workload
+    for r in workload.requests:
+        r.prompt_token_ids = [lo + (t - TOKEN_LOW) % (hi - lo) for t in r.prompt_token_ids]
+    workload.vocab_size = vocab_size
+    return workload
 
 
 def _n(x: int, scale: float) -> int:

@@ -167,3 +167,20 @@ def test_warmup_shares_a_fresh_prefix_when_the_workload_does():
     assert warm[0].prompt_token_ids[:shared] != w5.requests[0].prompt_token_ids[:shared]
     w1 = get_workload("W1", 0.05)
     assert _common_prefix_len([r.prompt_token_ids for r in warmup_requests(w1)]) == 0
+
+
+def test_workloads_fit_a_small_vocabulary(tmp_path, stories_dir):
+    """A trained model with 512 ids (stories260K): ids are mapped into its vocabulary one-to-one, so W5's shared
+    prefix stays shared (hits with caching on) and lengths are unchanged; models of record are untouched."""
+    from hayabusa.bench.workloads import TOKEN_HIGH, fit_to_vocab
+
+    w = fit_to_vocab(get_workload("W5", 0.02), 512)
+    ids = [t for r in w.requests for t in r.prompt_token_ids]
+    assert 0 <= min(ids) and max(ids) < 512
+    ref = get_workload("W5", 0.02)
+    assert [len(r.prompt_token_ids) for r in w.requests] == [len(r.prompt_token_ids) for r in ref.requests]
+    big = get_workload("W5", 0.02)
+    assert fit_to_vocab(big, TOKEN_HIGH).requests[0].prompt_token_ids == ref.requests[0].prompt_token_ids
+    on, off = _bench(tmp_path, "--workload", "W5", "--model", stories_dir, "--scale", "0.02")
+    assert "error" not in on and "error" not in off
+    assert on["prefix_cache_hit_rate"] > 0.3 and off["prefix_cache_hit_rate"] == 0.0

@@ -4,8 +4,7 @@
         --max-model-len 4096 --max-num-seqs 128 --gpu-memory-utilization 0.9
 
 Every ``EngineArgs`` field is a flag (``--max-num-seqs``, ``--dtype``, ``--enable-prefix-caching`` /
-``--no-enable-prefix-caching``, ...). The ``hayabusa`` CLI wires ``add_serve_parser(subparsers)`` and
-``run_serve(ns)``; this module imports nothing of the server (fastapi, uvicorn) until ``run_serve`` runs.
+``--no-enable-prefix-caching``, ...). Needs the server extra: ``pip install -e ".[serve]"``.
 """
 
 from __future__ import annotations
