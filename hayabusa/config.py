@@ -314,7 +314,34 @@ def load_hf_config(model_dir: str, trust_remote_code: bool, revision: str | None
             raise _bad("trust_remote_code", trust_remote_code,
                        f"the checkpoint needs custom code ({e}); pass trust_remote_code=True only if you trust it."
                        ) from None
+        unsupported = _unsupported_architecture_error(model_dir)
+        if unsupported is not None:
+            raise unsupported from None
         raise
+
+
+def _unsupported_architecture_error(model_dir: str) -> Exception | None:
+    """transformers could not read config.json (e.g. a ``model_type`` it does not know): when none of the file's
+    ``architectures`` is one hayabusa runs, the UnsupportedModelError (listing the supported ones) to raise instead
+    of transformers' message; None otherwise."""
+    import json
+    import os
+    import types
+
+    from hayabusa.errors import UnsupportedModelError
+    from hayabusa.model.registry import resolve_architecture
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    try:
+        resolve_architecture(types.SimpleNamespace(architectures=archs if isinstance(archs, list) else None))
+    except UnsupportedModelError as e:
+        return e
+    return None
 
 
 def derive_max_model_len(cfg: Any) -> int:

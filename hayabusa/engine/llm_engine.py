@@ -28,6 +28,27 @@ def load_tokenizer(path: str, trust_remote_code: bool, revision: str | None = No
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
 
 
+def as_request_id(request_id: Any) -> str:
+    """A request id as the engine keys it: ``str(request_id)``, so any id works that vLLM takes (a ``uuid.UUID``,
+    an int, ...) and the same object finds the request again (abort). Outputs carry the str form.
+
+    Raises:
+        HayabusaValidationError: the id's str form is empty.
+    """
+    rid = request_id if isinstance(request_id, str) else str(request_id)
+    if not rid:
+        raise HayabusaValidationError("request_id must be non-empty (any value whose str() is non-empty).",
+                                      parameter="request_id", value=request_id)
+    return rid
+
+
+def as_request_ids(request_ids: Any) -> list[str]:
+    """One id or a collection of them (list, tuple, set) -> their str forms (see as_request_id)."""
+    if isinstance(request_ids, (list, tuple, set, frozenset)):
+        return [r if isinstance(r, str) else str(r) for r in request_ids]
+    return [request_ids if isinstance(request_ids, str) else str(request_ids)]
+
+
 class LLMEngine:
     """The synchronous engine.
 
@@ -71,16 +92,20 @@ class LLMEngine:
         return self.num_blocks * self.config.cache_config.block_size
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+    def add_request(self, request_id: Any, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, output_kind: str = "cumulative") -> None:
         """Validate and queue a request (n > 1 becomes n child requests sharing the prompt).
+
+        request_id: any value whose ``str()`` is non-empty (a str, a ``uuid.UUID``, ...); the request is keyed
+        and reported (``RequestOutput.request_id``) by that str, so abort_request with the same object finds it.
 
         output_kind: "cumulative" (step() returns the request's output so far whenever it changes) or "final"
         (only once finished; text is then detokenized once at the end unless stop strings need it earlier).
 
         Raises:
-            HayabusaValidationError: bad prompt or params, or a duplicate request_id; nothing is queued then.
+            HayabusaValidationError: bad prompt or params, or an empty or duplicate request_id; nothing is queued then.
         """
+        request_id = as_request_id(request_id)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise HayabusaValidationError("sampling_params must be a SamplingParams.", parameter="sampling_params",
@@ -105,10 +130,10 @@ class LLMEngine:
                 self._num_need_history += 1
         self.stats["num_prompt_tokens"] += len(ids)
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Abort requests (by the ids given to add_request); their blocks are freed. Unknown ids are ignored."""
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
+    def abort_request(self, request_ids: Any) -> list[RequestOutput]:
+        """Abort requests (by the ids given to add_request, compared as str); their blocks are freed. Unknown ids
+        are ignored."""
+        request_ids = as_request_ids(request_ids)
         outs = []
         for rid in request_ids:
             state = self.output_processor.states.get(rid)

@@ -43,7 +43,7 @@ import torch
 
 from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
-from hayabusa.engine.llm_engine import LLMEngine
+from hayabusa.engine.llm_engine import LLMEngine, as_request_id, as_request_ids
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
@@ -222,7 +222,7 @@ class AsyncLLMEngine:
         num_generation_tokens, num_steps; prefix_cache_queries / _hits (tokens) when the KV manager counts them."""
         return dict(self._stats)
 
-    async def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
+    async def add_request(self, request_id: Any, prompt: PromptType, sampling_params: SamplingParams | None = None,
                           arrival_time: float | None = None) -> RequestStream:
         """Queue a request and wait until the engine has accepted it.
 
@@ -230,13 +230,12 @@ class AsyncLLMEngine:
             Its RequestStream (iterate it for cumulative RequestOutputs).
 
         Raises:
-            HayabusaValidationError: a bad prompt or parameter, or a request_id already in use; nothing is queued.
+            HayabusaValidationError: a bad prompt or parameter, an empty request_id (ids are compared as
+                ``str(request_id)``) or one already in use; nothing is queued.
             EngineDeadError: the engine thread has stopped.
         """
         self._check_alive()
-        if not isinstance(request_id, str) or not request_id:
-            raise HayabusaValidationError("request_id must be a non-empty str.", parameter="request_id",
-                                          value=request_id)
+        request_id = as_request_id(request_id)
         if request_id in self._streams:
             raise HayabusaValidationError(f"request_id {request_id!r} is already in use.", parameter="request_id",
                                           value=request_id)
@@ -257,9 +256,12 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str,
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: Any,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative RequestOutputs until it finishes (``out.finished``).
+
+        request_id: any value whose ``str()`` is non-empty (a str, a ``uuid.uuid4()``, ...); the engine keys the
+        request by that str (``out.request_id``), so ``abort`` with the same object finds it.
 
         An abort (``await engine.abort(request_id)``) ends the stream with an output whose finish_reason is
         "abort". Leaving the loop early (break, an exception, task cancellation) aborts the request.
@@ -278,9 +280,10 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
-    async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests (unknown or finished ids are ignored); returns once their KV blocks are freed."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+    async def abort(self, request_id: Any) -> None:
+        """Abort requests: one id or a list/tuple/set of them, compared as ``str(id)`` (unknown or finished ids are
+        ignored); returns once their KV blocks are freed."""
+        ids = as_request_ids(request_id)
         self._check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("abort", ids, fut))

@@ -1,0 +1,29 @@
+"""vLLM's prompt types: ``from hayabusa.inputs import TextPrompt, TokensPrompt``.
+
+They are TypedDicts, so at run time they are plain dicts: ``TokensPrompt(prompt_token_ids=[1, 2, 3])`` is
+``{"prompt_token_ids": [1, 2, 3]}``, and ``LLM.generate`` / ``AsyncLLMEngine.generate`` take them like any prompt
+dict. hayabusa reads the keys ``prompt`` and ``prompt_token_ids`` only; a dict with another of vLLM's keys
+(``multi_modal_data``, ``mm_processor_kwargs``, ...) is rejected with a HayabusaValidationError naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import NotRequired, TypedDict
+
+from hayabusa.engine.input_processor import PromptType
+
+
+class TextPrompt(TypedDict):
+    """A text prompt, tokenized by the engine."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A prompt given as token ids (``prompt``, optional, is only echoed back as ``RequestOutput.prompt``)."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+__all__ = ["TextPrompt", "TokensPrompt", "PromptType"]
