@@ -27,6 +27,17 @@ def wait_idle(engine, timeout: float = 15.0) -> dict:
     raise AssertionError(f"the engine did not go idle with an empty KV cache: {stats}")
 
 
+@pytest.fixture(scope="module")
+def engine(stories_dir):
+    """An AsyncLLMEngine on stories260K (CPU), one per test module."""
+    from hayabusa import AsyncEngineArgs, AsyncLLMEngine
+
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=stories_dir, disable_log_requests=True,
+                                                          max_model_len=512, max_num_seqs=16))
+    yield eng
+    eng.shutdown()
+
+
 class Served:
     def __init__(self, model_dir: str, name: str, api_key: str | None = None, chat_template: str | None = None,
                  **engine_kwargs) -> None:

@@ -15,14 +15,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(stories_dir):
-    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=stories_dir, disable_log_requests=True,
-                                                          max_model_len=512, max_num_seqs=16))
-    yield eng
-    eng.shutdown()
-
-
 async def _final(engine, prompt, params, rid):
     outs = [o async for o in engine.generate(prompt, params, rid)]
     assert outs and outs[-1].finished and not any(o.finished for o in outs[:-1])

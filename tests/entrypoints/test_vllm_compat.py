@@ -34,14 +34,6 @@ def test_vllm_import_paths_are_the_same_classes():
     assert TextPrompt(prompt="hi") == {"prompt": "hi"}
 
 
-@pytest.fixture(scope="module")
-def engine(stories_dir):
-    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=stories_dir, disable_log_requests=True,
-                                                          max_model_len=512, max_num_seqs=8))
-    yield eng
-    eng.shutdown()
-
-
 def test_uuid_request_id_generates_and_aborts(engine):
     from hayabusa.inputs import TokensPrompt
 
