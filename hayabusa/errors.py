@@ -28,6 +28,11 @@ class HayabusaValidationError(ValueError):
         return type(self)(f"{where}: {self}", parameter=self.parameter, value=self.value)
 
 
+class ChatTemplateError(HayabusaValidationError):
+    """The chat template failed to parse or to render the messages (``parameter`` names what the caller passed:
+    "messages"; a server whose request brought its own template names "chat_template" instead)."""
+
+
 class KVCacheCapacityError(HayabusaValidationError):
     """The KV cache cannot hold even one sequence of ``max_model_len`` tokens."""
 

@@ -35,7 +35,7 @@ def as_request_id(request_id: Any) -> str:
     Raises:
         HayabusaValidationError: the id's str form is empty.
     """
-    rid = request_id if isinstance(request_id, str) else str(request_id)
+    rid = str(request_id)
     if not rid:
         raise HayabusaValidationError("request_id must be non-empty (any value whose str() is non-empty).",
                                       parameter="request_id", value=request_id)
@@ -44,9 +44,8 @@ def as_request_id(request_id: Any) -> str:
 
 def as_request_ids(request_ids: Any) -> list[str]:
     """One id or a collection of them (list, tuple, set) -> their str forms (see as_request_id)."""
-    if isinstance(request_ids, (list, tuple, set, frozenset)):
-        return [r if isinstance(r, str) else str(r) for r in request_ids]
-    return [request_ids if isinstance(request_ids, str) else str(request_ids)]
+    ids = request_ids if isinstance(request_ids, (list, tuple, set, frozenset)) else [request_ids]
+    return [str(r) for r in ids]
 
 
 class LLMEngine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from hayabusa.errors import HayabusaValidationError
+from hayabusa.errors import ChatTemplateError, HayabusaValidationError
 
 Conversation = list[dict[str, Any]]
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -110,8 +110,8 @@ def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None,
     except HayabusaValidationError:
         raise
     except Exception as e:  # jinja2 errors, raise_exception() in templates, HF's own checks
-        raise HayabusaValidationError(f"the chat template failed to render the messages: {type(e).__name__}: {e}",
-                                      parameter="messages", value=None) from None
+        raise ChatTemplateError(f"the chat template failed to render the messages: {type(e).__name__}: {e}",
+                                parameter="messages", value=None) from None
     if not isinstance(text, str):  # some tokenizers return a list for a batch of one
         text = text[0]
     return text

@@ -26,7 +26,7 @@ from hayabusa.entrypoints.async_engine import AsyncLLMEngine, RequestStream
 from hayabusa.entrypoints.chat_utils import render_chat
 from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                                   CompletionRequest, SamplingFields)
-from hayabusa.errors import HayabusaValidationError
+from hayabusa.errors import ChatTemplateError, HayabusaValidationError
 from hayabusa.outputs import Logprob, RequestOutput
 from hayabusa.sampling_params import SamplingParams
 
@@ -257,21 +257,10 @@ class OpenAIServing:
             return "".join(events).encode()
 
         try:
-            if len(streams) == 1:                 # no merging task: outputs straight from the stream
-                stream = streams[0]
-                while True:
-                    out = await stream.get()
-                    timer.update(0, out)
-                    data = chunks(0, out)
-                    if data:
-                        yield data
-                    if out.finished:
-                        break
-            else:
-                async for pi, out in self._merge(streams, timer):
-                    data = chunks(pi, out)
-                    if data:
-                        yield data
+            async for pi, out in self._merge(streams, timer):
+                data = chunks(pi, out)
+                if data:
+                    yield data
             outs = [last[i] for i in sorted(last)]
             if usage_opts and usage_opts.include_usage:
                 yield sse({**header, "choices": [], "usage": self._usage(outs)})
@@ -345,10 +334,9 @@ class OpenAIServing:
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, tools=req.tools or None,
                                chat_template_kwargs=req.chat_template_kwargs)
-        except HayabusaValidationError as e:
-            # render_chat names "messages" when the template fails to parse or render; with the request's own
-            # template, the template is what to blame.
-            if req.chat_template is not None and str(e).startswith("the chat template failed"):
+        except ChatTemplateError as e:
+            # render_chat names "messages"; with the request's own template, the template is what to blame.
+            if req.chat_template is not None:
                 raise OpenAIError(400, str(e).replace("the chat template", "chat_template", 1),
                                   param="chat_template") from None
             raise
@@ -363,9 +351,7 @@ class OpenAIServing:
         sent_ids: dict[int, int] = {}
         out = None
         try:
-            while out is None or not out.finished:
-                out = await stream.get()
-                timer.update(0, out)
+            async for _, out in self._merge([stream], timer):
                 events = []
                 for c in out.outputs:
                     i = c.index
