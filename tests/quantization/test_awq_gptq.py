@@ -237,32 +237,36 @@ def test_configs_detected_with_their_keys():
     assert blocks.modules_in_block_to_quantize == ["self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"]
 
 
-def test_merged_shards_with_different_g_idx_are_refused(tiny, tmp_path):
-    """q/k/v share their input, so GPTQ gives them one act order; a checkpoint where they differ cannot run as
-    one merged matrix."""
+def _act_order_gptq_with_g_idx(tiny, tmp_path, key: str, edit) -> Path:
+    """A GPTQ act-order (g=64) checkpoint of the tiny Llama whose tensor ``key`` (a g_idx) is replaced by
+    ``edit(g_idx)``."""
     from safetensors.torch import load_file, save_file
 
     ckpt = tmp_path / "q"
     pk.write_quantized(tiny("llama"), ckpt, "gptq", group_size=64, desc_act=True)
     state = load_file(str(ckpt / "model.safetensors"))
-    key = "model.layers.1.self_attn.k_proj.g_idx"
-    state[key] = state[key].flip(0).contiguous()
+    state[key] = edit(state[key])
     save_file(state, str(ckpt / "model.safetensors"))
+    return ckpt
+
+
+def test_merged_shards_with_different_g_idx_are_refused(tiny, tmp_path):
+    """q/k/v share their input, so GPTQ gives them one act order; a checkpoint where they differ cannot run as
+    one merged matrix."""
+    ckpt = _act_order_gptq_with_g_idx(tiny, tmp_path, "model.layers.1.self_attn.k_proj.g_idx",
+                                      lambda g: g.flip(0).contiguous())
     with pytest.raises(HayabusaValidationError, match=r"shards of model\.layers\.1\.self_attn\.q_proj \(merged "
                                                       r"layer\) have different g_idx"):
         LLM(str(ckpt), device="cpu", max_model_len=64)
 
 
 def test_uneven_groups_in_g_idx_are_refused(tiny, tmp_path):
-    from safetensors.torch import load_file, save_file
+    def uneven(g):
+        g = (torch.arange(128, dtype=torch.int32) * 2 // 128).roll(5)   # groups of 64 ... then shifted
+        g[:3] = 0
+        return g
 
-    ckpt = tmp_path / "q"
-    pk.write_quantized(tiny("llama"), ckpt, "gptq", group_size=64, desc_act=True)
-    state = load_file(str(ckpt / "model.safetensors"))
-    key = "model.layers.0.self_attn.o_proj.g_idx"
-    state[key] = (torch.arange(128, dtype=torch.int32) * 2 // 128).roll(5)   # groups of 64 ... then shifted
-    state[key][:3] = 0
-    save_file(state, str(ckpt / "model.safetensors"))
+    ckpt = _act_order_gptq_with_g_idx(tiny, tmp_path, "model.layers.0.self_attn.o_proj.g_idx", uneven)
     with pytest.raises(HayabusaValidationError, match=r"o_proj\.g_idx puts \[6\d, 6\d\] rows in its groups; "
                                                       r"hayabusa needs exactly group_size=64"):
         LLM(str(ckpt), device="cpu", max_model_len=64)
