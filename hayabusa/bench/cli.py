@@ -180,7 +180,7 @@ def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[
     engines = ("hayabusa", "hf") if ns.engine == "both" else (ns.engine,)
     failures = 0
     for wname in [w for w in ns.workload.split(",") if w.strip()]:
-        workload = fit_to_vocab(get_workload(wname, ns.scale), stats.get("vocab_size"))
+        workload = fit_to_vocab(get_workload(wname, ns.scale), (stats or {}).get("vocab_size"))
         for engine in engines:
             variants = _variants(workload, sweep, engine)
             for i, variant in enumerate(variants):
@@ -279,6 +279,11 @@ def run_bench(ns: argparse.Namespace) -> int:
             for w in ns.workload.split(","):
                 get_workload(w, ns.scale)       # fail on a bad name before loading anything
             _parse_sweep(ns.sweep)
+            if ns.engine != "hf":           # the architecture hayabusa must run, checked before any run starts
+                from hayabusa.config import load_hf_config
+                from hayabusa.model.registry import resolve_architecture
+
+                resolve_architecture(load_hf_config(ns.model, trust_remote_code=False))
     except ValueError as e:
         print(f"hayabusa bench: {e}", file=sys.stderr)
         return 2

@@ -90,8 +90,9 @@ def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None,
     template = load_chat_template(chat_template)
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise HayabusaValidationError(
-            "the tokenizer has no chat template, so chat messages cannot be turned into a prompt; pass "
-            "chat_template=<Jinja template string or file> (or use generate() with a text prompt).",
+            "the tokenizer has no chat template, so chat messages cannot be turned into a prompt; give one "
+            "(LLM.chat(chat_template=...), or --chat-template FILE for hayabusa generate / serve), or use a text "
+            "prompt instead.",
             parameter="chat_template", value=None)
     kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                   tools=tools)

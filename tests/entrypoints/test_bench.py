@@ -184,3 +184,18 @@ def test_workloads_fit_a_small_vocabulary(tmp_path, stories_dir):
     on, off = _bench(tmp_path, "--workload", "W5", "--model", stories_dir, "--scale", "0.02")
     assert "error" not in on and "error" not in off
     assert on["prefix_cache_hit_rate"] > 0.3 and off["prefix_cache_hit_rate"] == 0.0
+
+
+def test_unsupported_architecture_is_refused_before_any_run(tmp_path, stories_dir, capsys):
+    """The same error as LLM() / generate / serve, exit status 2, no traceback (a model_type transformers does
+    not know either)."""
+    import shutil
+
+    bad = tmp_path / "foo"
+    shutil.copytree(stories_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(architectures=["FooForCausalLM"], model_type="foo")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(["--workload", "W1", "--model", str(bad), "--scale", "0.02", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "FooForCausalLM" in err and "LlamaForCausalLM" in err and "Traceback" not in err
