@@ -28,6 +28,9 @@ class SampleState:
     pending_ids: list[int] = field(default_factory=list)
 
 
+_SP_SPACE = "\u2581"   # SentencePiece's word-boundary marker: a space in the decoded text
+
+
 @dataclass
 class RequestState:
     """A user request: its prompt and its n samples."""
@@ -169,9 +172,18 @@ class OutputProcessor:
         sample.cumulative_logprob += vals[0]
 
     def _decode_one(self, token_id: int, params: SamplingParams) -> str | None:
+        """A logprob's token text: the id decoded alone, with the leading spaces that SentencePiece's decode
+        strips from a lone piece ("\u2581there" -> "there") put back from the raw piece, as current vLLM does
+        (detokenizer_utils.convert_ids_list_to_tokens); so the tokens of a completion join to its text."""
         if self.tokenizer is None or not params.detokenize:
             return None
-        return self.tokenizer.decode([token_id])
+        text = self.tokenizer.decode([token_id])
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece.startswith(_SP_SPACE):
+            missing = (len(piece) - len(piece.lstrip(_SP_SPACE))) - (len(text) - len(text.lstrip(" ")))
+            if missing > 0:
+                text = " " * missing + text
+        return text
 
     def _make_output(self, state: RequestState, finished: bool | None = None) -> RequestOutput:
         if finished is None:

@@ -208,3 +208,13 @@ def test_streamed_text_equals_final_text(llm):
         s = streamed[f"s{i}"]
         assert s.finished and s.outputs[0].token_ids == f.outputs[0].token_ids
         assert s.outputs[0].text == f.outputs[0].text
+
+
+def test_logprob_tokens_join_to_the_text(llm):
+    """A logprob's token keeps its leading space: SentencePiece's decode drops it from a lone piece ("\u2581there"
+    -> "there"), so it is put back from the raw piece (as current vLLM does); the tokens then join to the text."""
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    tokens = [lp[t].decoded_token for t, lp in zip(out.token_ids, out.logprobs)]
+    assert "".join(tokens) == out.text
+    assert sum(t.startswith(" ") for t in tokens) >= 3      # words after the first carry their space
