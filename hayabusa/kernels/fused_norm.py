@@ -1,7 +1,8 @@
 """Fused residual add + RMSNorm (kernel + launcher + reference).
 
 Numerics follow HF LlamaRMSNorm: h = x + residual rounded to the model dtype; normalised in fp32; cast back to the
-model dtype; multiplied by the weight in the model dtype.
+model dtype; multiplied by the weight in the model dtype. With ``gemma=True``, HF Gemma2RMSNorm instead: the
+normalised fp32 value is multiplied by (1 + weight) in fp32 and cast back once (Gemma stores weight - 1).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from hayabusa.kernels._triton import tl, triton
 
 @triton.jit
 def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                               stride_ro, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                               stride_ro, N, eps, HAS_RES: tl.constexpr, GEMMA: tl.constexpr,
+                               BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -24,15 +26,20 @@ def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stri
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
-    normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if GEMMA:  # (x * rsqrt) * (1 + w) in fp32, one rounding
+        out = (xf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
+    else:  # rounded to the model dtype, then times w (Llama)
+        normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+        out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x, residual [T, N] (same dtype), weight [N] -> (rmsnorm(x + residual) [T, N], x + residual [T, N]).
+
+    gemma: Gemma's (1 + weight) variant (see the module docstring).
 
     Without residual returns (rmsnorm(x), None). Inputs need a unit stride on the last dim. Raises ValueError on
     shape or dtype mismatch.
@@ -51,16 +58,17 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     r = residual if residual is not None else x
     ro = res_out if res_out is not None else out
     _fused_add_rms_norm_kernel[(T,)](x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-                                     N, eps, HAS_RES=residual is not None, BLOCK=BLOCK,
+                                     N, eps, HAS_RES=residual is not None, GEMMA=gemma, BLOCK=BLOCK,
                                      num_warps=4 if BLOCK <= 4096 else 8)
     return out, res_out
 
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain-torch fused_add_rms_norm (the CPU path; same semantics)."""
     if residual is not None:
         x = x + residual
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed, (x if residual is not None else None)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = (xf * (1.0 + weight.float())).to(x.dtype) if gemma else weight * xf.to(x.dtype)
+    return out, (x if residual is not None else None)

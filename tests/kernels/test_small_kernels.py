@@ -18,20 +18,42 @@ def _tol(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("N", [64, 96, 896])
-def test_fused_add_rms_norm(dtype, with_residual, N):
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_fused_add_rms_norm(dtype, with_residual, N, gemma):
     from hayabusa.kernels.fused_norm import fused_add_rms_norm, fused_add_rms_norm_ref
 
     torch.manual_seed(0)
     x = torch.randn(7, N, dtype=dtype, device=DEVICE)
     r = torch.randn(7, N, dtype=dtype, device=DEVICE) if with_residual else None
     w = torch.randn(N, dtype=dtype, device=DEVICE)
-    out, res = fused_add_rms_norm(x, r, w, 1e-6)
-    ref_out, ref_res = fused_add_rms_norm_ref(x, r, w, 1e-6)
+    out, res = fused_add_rms_norm(x, r, w, 1e-6, gemma=gemma)
+    ref_out, ref_res = fused_add_rms_norm_ref(x, r, w, 1e-6, gemma=gemma)
     torch.testing.assert_close(out, ref_out, **_tol(dtype))
     if with_residual:
         torch.testing.assert_close(res, ref_res, **_tol(dtype))
     else:
         assert res is None
+
+
+def test_gemma_rms_norm_ref_equals_hf_and_the_module():
+    """The (1 + w) reference is HF Gemma2RMSNorm bit for bit, and GemmaRMSNorm's CPU path is the same function."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from hayabusa.kernels.fused_norm import fused_add_rms_norm_ref
+    from hayabusa.model.layers.norm import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = Gemma2RMSNorm(64, eps=1e-6).to(dtype)
+        hf.weight.data.normal_()
+        ours = GemmaRMSNorm(64, 1e-6, dtype, torch.device("cpu"))
+        ours.weight.data.copy_(hf.weight.data)
+        x, r = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
+        out, _ = fused_add_rms_norm_ref(x, None, hf.weight.data, 1e-6, gemma=True)
+        assert torch.equal(out, hf(x)) and torch.equal(ours(x), out)
+        out, res = fused_add_rms_norm_ref(x, r, hf.weight.data, 1e-6, gemma=True)
+        o2, r2 = ours(x, r)
+        assert torch.equal(out, hf(x + r)) and torch.equal(o2, out) and torch.equal(r2, res)
 
 
 def test_rms_norm_ref_equals_hf():
