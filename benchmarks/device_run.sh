@@ -218,8 +218,18 @@ g_quantw1() {  # W1 for the weight-only schemes next to bf16 (issue 6's table; f
 }
 g_mnbt() {  # vLLM's H200 defaults for the LLM class are max_num_batched_tokens 16384, max_num_seqs 1024: try them
   ensure_q7
-  bench_step q7_W2_mnbt 200 80 --workload W2 --model "$Q7" --sweep max_num_batched_tokens=8192,16384
+  bench_step q7_W2_mnbt 200 80 --workload W2 --model "$Q7" --sweep max_num_batched_tokens=4096,8192,16384
   bench_step q7_W1_mnbt 200 80 --workload W1 --model "$Q7" --sweep max_num_batched_tokens=8192,16384
+}
+g_profilew2() {  # where W2's time goes on the 7b shape (half scale: 128 requests), kernel families
+  ensure_q7
+  step profile_q7_W2 150 60 bash -c "python benchmarks/profile_decode.py --model '$Q7' --workload W2 --scale 0.5 \
+    --json '$OUT/profile_q7_W2.json' 2>&1 | tail -40"
+}
+g_gemma() {  # gemma-2-2b shape, W3 and W1 (scale 0.25): the fused (1 + w) RMSNorm
+  local shape=gemma-2-2b-shape
+  [ -s "$MODELS/$shape/bench_shape.json" ] || step "make_$shape" 90 30 python -m hayabusa.bench.cli --make-model "$shape" "$MODELS/$shape"
+  bench_step "${shape}_W3W1" 60 25 --workload W3,W1 --model "$MODELS/$shape" --scale 0.25
 }
 g_w5_7b() { ensure_q7; bench_step q7_W5 90 40 --workload W5 --model "$Q7"; }
 g_arch1() {  # each architecture shape: W3 and W1 (scale 0.25) in one process
