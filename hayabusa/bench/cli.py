@@ -167,7 +167,16 @@ def _summary(rec: dict[str, Any]) -> str:
     return (f"[{rec['workload']} {rec['engine']} {rec['variant'] or ''}] {rec['output_throughput']:.1f} out tok/s, "
             f"{rec['total_throughput']:.1f} total tok/s, TTFT {ttft}, TPOT {tpot}, "
             f"{rec['elapsed_s']:.2f} s, startup {rec['startup_s']:.2f} s"
-            + (f", {100 * frac:.1f}% of {rec['ceiling_kind']} ceiling" if frac is not None else ""))
+            + (f", {100 * frac:.1f}% of {rec['ceiling_kind']} ceiling" if frac is not None else "")
+            + _host_summary(rec.get("extra") or {}))
+
+
+def _host_summary(extra: dict[str, Any]) -> str:
+    """', N steps, host: wait X s / schedule / launch / collect' from the timed run's step breakdown, if any."""
+    if "host_wait_s" not in extra:
+        return ""
+    return (f", {extra['timed_steps']} steps, host s: wait {extra['host_wait_s']:.2f} schedule "
+            f"{extra['host_schedule_s']:.2f} launch {extra['host_launch_s']:.2f} collect {extra['host_collect_s']:.2f}")
 
 
 def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[dict[str, Any]]) -> int:

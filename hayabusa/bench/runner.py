@@ -139,6 +139,17 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
     return notes, extra
 
 
+def step_time_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The timed run's engine steps and host seconds (engine ``stats`` after minus before): scheduling, launching
+    (input preparation and queueing), waiting for the device, collecting outputs. ``wait_s`` is the time the host
+    sat idle on the device; when it is small against the rest, the run was host-bound."""
+    out: dict[str, Any] = {"timed_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
+    for key in ("schedule_s", "launch_s", "wait_s", "collect_s"):
+        if key in after:
+            out["host_" + key] = round(after[key] - before.get(key, 0.0), 4)
+    return out
+
+
 def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any], warmup: bool = True,
                  use_tqdm: bool = True) -> RunResult:
     """Construct ``LLM(model_dir, **engine_args)``, warm up, and time ``generate`` over the workload.
@@ -159,12 +170,14 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
                 if part:
                     _generate(llm, part, use_tqdm=False)
         _sync(cuda)
+        stats0 = dict(llm.llm_engine.stats)
         t_mono, t1 = time.monotonic(), time.perf_counter()
         outs = _generate(llm, workload.requests, use_tqdm)
         _sync(cuda)
         elapsed = time.perf_counter() - t1
         ttft, tpot = _engine_latencies(outs, t_mono)
         notes, extra = _engine_notes(llm, engine_args)
+        extra.update(step_time_breakdown(stats0, llm.llm_engine.stats))
         return RunResult(
             elapsed_s=elapsed, num_requests=len(outs), num_sequences=sum(len(o.outputs) for o in outs),
             prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),

@@ -74,7 +74,11 @@ class LLMEngine:
         self.input_processor = InputProcessor(mc, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - t0
-        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0}
+        # Token counters, and where a step's host time goes (seconds, summed over steps): scheduling, preparing
+        # and queueing the device work, waiting for the device (the step's one sync), and turning tokens into
+        # outputs. Little wait time means the device was starved (host-bound), not the other way round.
+        self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "schedule_s": 0.0,
+                      "launch_s": 0.0, "wait_s": 0.0, "collect_s": 0.0}
         self.async_scheduling = config.async_scheduling
         self._pending = None                 # (SchedulerOutput, StepHandle) launched but not collected
         self._num_need_history = 0           # unfinished requests whose sampling needs exact token history
@@ -177,15 +181,22 @@ class LLMEngine:
         overlap = self.async_scheduling and self._num_need_history == 0
         if not overlap and self._pending is not None:
             return self._collect(*self._drain())
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
         handle = self.runner.launch(sched) if not sched.is_empty else None
+        self.stats["schedule_s"] += t1 - t0
+        self.stats["launch_s"] += time.perf_counter() - t1
         if handle is None and self._pending is None:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler could not schedule any request although some are waiting: the KV "
                                    "cache is too small for one of them (raise kv_cache_memory_bytes).")
             return []
         if not overlap:
-            return self._collect(sched, self.runner.finish(handle))
+            t0 = time.perf_counter()
+            result = self.runner.finish(handle)
+            self.stats["wait_s"] += time.perf_counter() - t0
+            return self._collect(sched, result)
         previous = self._drain()
         self._pending = (sched, handle) if handle is not None else None
         return self._collect(*previous) if previous is not None else []
@@ -196,9 +207,18 @@ class LLMEngine:
             return None
         sched, handle = self._pending
         self._pending = None
-        return sched, self.runner.finish(handle)
+        t0 = time.perf_counter()
+        result = self.runner.finish(handle)
+        self.stats["wait_s"] += time.perf_counter() - t0
+        return sched, result
 
     def _collect(self, sched, result) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = self._collect_outputs(sched, result)
+        self.stats["collect_s"] += time.perf_counter() - t0
+        return outputs
+
+    def _collect_outputs(self, sched, result) -> list[RequestOutput]:
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         self.stats["num_steps"] += 1
         self.stats["num_generation_tokens"] += sum(len(u.new_token_ids) for u in updates)

@@ -44,6 +44,11 @@ def test_workload_writes_records(tmp_path, tiny_bench_model, workload, scale, nu
         assert r["output_tokens"] == get_workload(workload, scale).num_output_tokens
         assert (r["tpot_ms"] is not None) == (workload == "W3")
         assert r["versions"]["torch"] == torch.__version__
+        if workload != "startup":  # the timed run's steps and where their host time went
+            x = r["extra"]
+            assert x["timed_steps"] >= max(q.max_tokens for q in get_workload(workload, scale).requests)
+            parts = [x[k] for k in ("host_schedule_s", "host_launch_s", "host_wait_s", "host_collect_s")]
+            assert min(parts) >= 0 and x["host_launch_s"] > 0 and sum(parts) <= r["elapsed_s"] + 1e-3
 
 
 def test_w4_sweeps_max_num_seqs(tmp_path, tiny_bench_model):
