@@ -221,6 +221,21 @@ g_mnbt() {  # vLLM's H200 defaults for the LLM class are max_num_batched_tokens 
   bench_step q7_W2_mnbt 200 80 --workload W2 --model "$Q7" --sweep max_num_batched_tokens=4096,8192,16384
   bench_step q7_W1_mnbt 200 80 --workload W1 --model "$Q7" --sweep max_num_batched_tokens=8192,16384
 }
+g_profile05() {  # where a 0.5b decode step goes at batch 1 (launch-bound: the kernel count decides)
+  ensure_q05
+  step profile_q05 90 30 bash -c "python benchmarks/profile_decode.py --model '$Q05' --batch 1 --eager false \
+    --decode-steps 64 --json '$OUT/profile_q05.json' 2>&1 | tail -30"
+}
+g_hfw2() {  # the HF baseline on W2 (quarter scale: 64 requests, one left-padded batch) for both shapes
+  ensure_q05; ensure_q7
+  bench_step q05_W2_hf 120 40 --workload W2 --model "$Q05" --engine hf --scale 0.25
+  bench_step q7_W2_hf 150 50 --workload W2 --model "$Q7" --engine hf --scale 0.25
+}
+g_w2() {  # W2 on both shapes at the defaults (the step's host-time breakdown is in each record)
+  ensure_q05; ensure_q7
+  bench_step q05_W2 90 30 --workload W2 --model "$Q05"
+  bench_step q7_W2 120 50 --workload W2 --model "$Q7"
+}
 g_profilew2() {  # where W2's time goes on the 7b shape (half scale: 128 requests), kernel families
   ensure_q7
   step profile_q7_W2 150 60 bash -c "python benchmarks/profile_decode.py --model '$Q7' --workload W2 --scale 0.5 \
