@@ -1,7 +1,7 @@
 """Time the weight-only int8 / int4 linears against torch's bf16 F.linear on a CUDA GPU; print a table and JSON.
 
     python benchmarks/kernels/bench_quant_linear.py [--json FILE] [--m 1,8,64,256,2048] [--group-size 128]
-                                                    [--sweep] [--layers qkv,o,gate_up,down]
+                                                    [--sweep | --dequant] [--layers qkv,o,gate_up,down]
 
 Shapes are Qwen2.5-7B's linears, (K, N): qkv (3584, 4608), o (3584, 3584), gate_up (3584, 37888),
 down (18944, 3584). GB/s counts the bytes a perfect kernel moves: the weights as stored (int4: packed nibbles plus
@@ -11,6 +11,11 @@ engine runs decode; this also checks that the launch captures), 'eager us' adds 
 --sweep also times a grid of launch configs per case and prints the best next to pick_config's choice (the input
 for retuning pick_config); it compiles and times hundreds of launches, so split it with --layers / --m to stay
 under a 10-minute run. Every case is checked against the torch reference first. Needs CUDA.
+--dequant instead compares, per layer, M (default 16,64,128,256,512,2048,8192) and scheme, the two CUDA paths of
+the linears: the fused Triton kernel (pick_config's launch) and dequantize-to-bf16 + F.linear (cuBLAS; also the
+dequantization alone), with bf16 F.linear as the yardstick, eager times (prefill does not run in CUDA graphs), and
+prints per layer and scheme the smallest M from which dequant + cuBLAS wins: the input for DEQUANT_GEMM_MIN_M.
+'vs bf16' columns are bf16 time / path time (> 1: faster than bf16). About two minutes on an H200.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 from hayabusa.kernels.quant_linear import (  # noqa: E402
-    LaunchConfig, _launch, int4_weight_only_linear_ref, int8_weight_only_linear_ref, pick_config,
-    quantize_int4_grouped, quantize_int8_per_channel,
+    DEQUANT_GEMM_MIN_M, LaunchConfig, _dequantize, _launch, int4_weight_only_linear_ref, int8_weight_only_linear_ref,
+    pick_config, quantize_int4_grouped, quantize_int8_per_channel,
 )
 
 LAYERS = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
@@ -132,25 +137,78 @@ def print_table(rows: list[dict]) -> None:
               f"{r['eager_ms'] * 1e3:>9.1f} {r['gb_s']:>8.1f} {r['tflop_s']:>8.2f} {r['vs_bf16']:>8.2f}  {desc}")
 
 
+def dequant_case(layer: str, M: int, G: int) -> list[dict]:
+    """One row per scheme (int8, int4): eager median us of the Triton path, dequantize + F.linear, the
+    dequantization alone and bf16 F.linear, on the same x and weights."""
+    K, N = LAYERS[layer]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    bf16_ms = triton.testing.do_bench(lambda: F.linear(x, w), warmup=25, rep=100, return_mode="median")
+    q8, s8 = quantize_int8_per_channel(w)
+    q4, s4, z4 = quantize_int4_grouped(w, G)
+    schemes = {"int8": ((q8, s8, None, None), N, int8_weight_only_linear_ref(x, q8, s8)),
+               f"int4 g{G}": ((q4, s4, z4, G), N, int4_weight_only_linear_ref(x, q4, s4, z4, G))}
+    rows = []
+    for name, ((qw, sc, zr, group), n, ref) in schemes.items():
+        fused = lambda: _launch(x, qw, sc, zr, None, n, group, None)  # noqa: E731
+        dequant = lambda: _dequantize(qw, sc, zr, group, x.dtype)  # noqa: E731
+        dq_gemm = lambda: F.linear(x, dequant())  # noqa: E731
+        for fn in (fused, dq_gemm):
+            torch.testing.assert_close(fn(), ref, atol=0.05, rtol=0.02)
+        t = {key: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+             for key, fn in (("triton_ms", fused), ("dq_gemm_ms", dq_gemm), ("dequant_ms", dequant))}
+        rows.append(dict(layer=layer, K=K, N=N, M=M, scheme=name, bf16_ms=bf16_ms, **t,
+                         config=pick_config(M, N, K, group, x.device).__dict__))
+    return rows
+
+
+def print_dequant_table(rows: list[dict]) -> None:
+    print(f"{'layer':<8} {'K':>6} {'N':>6} {'M':>5} {'scheme':<10} {'triton us':>10} {'dq+cuBLAS':>10} "
+          f"{'dequant':>8} {'bf16 us':>8} {'tri vs bf16':>11} {'dq vs bf16':>10}  faster")
+    for r in rows:
+        us = {k: r[k] * 1e3 for k in ("triton_ms", "dq_gemm_ms", "dequant_ms", "bf16_ms")}
+        faster = "dq+cuBLAS" if r["dq_gemm_ms"] < r["triton_ms"] else "triton"
+        print(f"{r['layer']:<8} {r['K']:>6} {r['N']:>6} {r['M']:>5} {r['scheme']:<10} {us['triton_ms']:>10.1f} "
+              f"{us['dq_gemm_ms']:>10.1f} {us['dequant_ms']:>8.1f} {us['bf16_ms']:>8.1f} "
+              f"{r['bf16_ms'] / r['triton_ms']:>11.2f} {r['bf16_ms'] / r['dq_gemm_ms']:>10.2f}  {faster}")
+    print(f"# smallest M from which dequant + cuBLAS is faster at every larger measured M "
+          f"(DEQUANT_GEMM_MIN_M = {DEQUANT_GEMM_MIN_M}):")
+    for key in dict.fromkeys((r["layer"], r["scheme"]) for r in rows):
+        ms = sorted((r["M"], r["dq_gemm_ms"] < r["triton_ms"]) for r in rows if (r["layer"], r["scheme"]) == key)
+        wins = [m for i, (m, _) in enumerate(ms) if all(win for _, win in ms[i:])]
+        print(f"#   {key[0]:<8} {key[1]:<10} {wins[0] if wins else f'never (up to M = {ms[-1][0]})'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
-    parser.add_argument("--m", default="1,8,64,256,2048", help="comma-separated batch sizes M")
+    parser.add_argument("--m", help="comma-separated batch sizes M (default 1,8,64,256,2048; with --dequant "
+                                    "16,64,128,256,512,2048,8192)")
     parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated subset of {list(LAYERS)}")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--sweep", action="store_true", help="also search launch configs (slow: many compiles)")
+    parser.add_argument("--dequant", action="store_true",
+                        help="compare the fused Triton path with dequantize + cuBLAS (for DEQUANT_GEMM_MIN_M)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_quant_linear needs a CUDA GPU")
+    if args.sweep and args.dequant:
+        sys.exit("--sweep and --dequant are separate runs")
+    m_list = args.m or ("16,64,128,256,512,2048,8192" if args.dequant else "1,8,64,256,2048")
     rows = []
     for layer in args.layers.split(","):
-        for M in (int(m) for m in args.m.split(",")):
-            rows += bench_case(layer, M, args.group_size, args.sweep)
+        for M in (int(m) for m in m_list.split(",")):
+            rows += dequant_case(layer, M, args.group_size) if args.dequant else \
+                bench_case(layer, M, args.group_size, args.sweep)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"Qwen2.5-7B linears, bf16 activations, int4 group size {args.group_size}")
-    print_table(rows)
+    if args.dequant:
+        print_dequant_table(rows)
+    else:
+        print_table(rows)
     setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                 group_size=args.group_size, sweep=args.sweep)
+                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant)
     print(json.dumps(dict(setup=setup, rows=rows)))
     if args.json:
         args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))

@@ -21,6 +21,10 @@ the launch must be CUDA-graph safe and the same every run; retune pick_config wi
   activation dtype as exact integers (q - zero, or q), fp32 accumulation; the scale multiplies the fp32 partial sum
   once per K tile (int4: BLOCK_K divides G, so a tile lies in one group) or once at the end (int8). Same split-K
   when the tiles cannot fill the GPU.
+From DEQUANT_GEMM_MIN_M rows on (prefill, large batches) neither runs: the matmul is compute-bound there and
+cuBLAS's bf16/fp16 GEMM is much faster than the tl.dot kernel, so one Triton kernel (_dequant_kernel) writes W
+[N, K] in x's dtype (each element (q - zero) * scale in fp32, rounded once: exactly dequantize_int*_to_ref) and
+F.linear multiplies. vLLM's AWQ method does the same from 256 tokens on.
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ from hayabusa.kernels._triton import tl, triton
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _GEMV_MAX_M = 4     # GEMV up to here (rows after the first re-read the weights from L2), then 16-row tl.dot
 _MAX_SPLIT_K = 64
+# From this many rows (tokens) on, the CUDA path dequantizes W into a temporary [N, K] tensor of x's dtype (one
+# Triton kernel: reads the packed weight, writes 2 N K bytes for bf16) and calls F.linear (cuBLAS) instead of the
+# fused Triton GEMM. The dequantization costs about one bf16 weight read and write, shared by all M rows; the fused
+# GEMM's tl.dot falls far behind cuBLAS once M fills the tensor cores. 256 is vLLM's AWQ heuristic
+# (vllm/model_executor/layers/quantization/awq.py, AWQLinearMethod.apply: FP16_MATMUL_HEURISTIC_CONDITION =
+# x.shape[:-1].numel() >= 256 -> ops.awq_dequantize + torch.matmul), not yet measured here: confirm or move it with
+# `python benchmarks/kernels/bench_quant_linear.py --dequant` on the GPU. Read at call time (tests lower it).
+DEQUANT_GEMM_MIN_M = 256
+_DEQUANT_TILE = 8192  # weight elements per dequantization program (64 x 128 for int8 and int4 with G = 128)
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -221,6 +234,45 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_
     tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _bf16_rne(w):
+    """fp32 -> bf16 rounded to nearest even by integer arithmetic (finite w). Only for the interpreter: Triton
+    3.6's truncates in .to(tl.bfloat16) (cast_impl drops the rounding mode), the GPU's cvt.rn rounds correctly."""
+    b = w.to(tl.uint32, bitcast=True)
+    b += 0x7FFF + ((b >> 16) & 1)
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, out_ptr, N, K,
+                    INT4: tl.constexpr, GROUP_SIZE: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, K] (nn.Linear's orientation, K contiguous) = (q - zero) * scale (int4) or q * scale (int8), one
+    [BLOCK_N, BLOCK_K] tile per program. q - zero is exact in fp32 (2**23 + u by one OR, as in _int_tile), and so
+    is its product with an fp16/bf16 scale (at most 7 + 11 significant bits): the one rounding is the store's (fp32:
+    the multiply's), as in dequantize_int*_to_ref."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    if INT4:  # BLOCK_K divides G (and so K): one group per tile, no K mask
+        u = _unpack_int4_tile(qw_ptr, k0, offs_n, n_mask, N, BLOCK_K=BLOCK_K)                 # [BN, BK] int32
+        g = k0 // GROUP_SIZE
+        s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        w = (_f32_plus_2p23(u) - (z + 8388608.0)[:, None]) * s[:, None]
+        mask = n_mask[:, None]
+    else:
+        mask = n_mask[:, None] & (offs_k < K)[None, :]
+        q = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=mask, other=0)
+        s = tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        w = (_f32_plus_2p23(q.to(tl.int32) + 128) - 8388736.0) * s[:, None]
+    if BF16_BY_HAND:
+        w = _bf16_rne(w)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------------- launcher
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -324,6 +376,33 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     return out
 
 
+def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Run _dequant_kernel (inputs already checked): W [N, K] in dtype; int4 when group_size is given. Allocates
+    the output only; the grid depends on (N, K, G) only, so a captured CUDA graph stays valid."""
+    int4 = group_size is not None
+    N, K = (qweight.shape[1], qweight.shape[0] * 8) if int4 else qweight.shape
+    out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    if out.numel() == 0:
+        return out
+    bk = _pow2_divisor(group_size, 128) if int4 else 128   # int4: a tile lies in one group (G % 8 == 0: bk >= 8)
+    bn = _DEQUANT_TILE // bk
+    _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        qweight, scales, zeros if int4 else scales, out, N, K, INT4=int4, GROUP_SIZE=group_size or 1,
+        BF16_BY_HAND=dtype == torch.bfloat16 and qweight.device.type == "cpu", BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4)
+    return out
+
+
+def _kernel_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   bias: torch.Tensor | None, N: int, group_size: int | None) -> torch.Tensor:
+    """The CUDA path (inputs already checked; runs on CPU under the interpreter): from DEQUANT_GEMM_MIN_M rows on,
+    W dequantized to x's dtype by one kernel, then F.linear (cuBLAS); below, the fused Triton GEMV / GEMM."""
+    if x.shape[0] >= DEQUANT_GEMM_MIN_M:
+        return F.linear(x, _dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
+    return _launch(x, qweight, scales, zeros, bias, N, group_size, None)
+
+
 # -------------------------------------------------------------------------------------------------- validation
 def _check_common(x: torch.Tensor, named: dict[str, torch.Tensor | None], N: int) -> None:
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
@@ -379,25 +458,31 @@ def int8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torc
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias with W = qweight * scales[:, None] (W8A16; Triton on CUDA, the reference on CPU).
 
+    On CUDA, M < DEQUANT_GEMM_MIN_M (256, vLLM's AWQ threshold) runs the fused Triton GEMV / GEMM; from there on W
+    is dequantized to x's dtype (dequantize_int8_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
+
     Args:
         x: [M, K] float16/bfloat16/float32, any strides; M may be 0.
         qweight: [N, K] int8, contiguous (from quantize_int8_per_channel).
         scales: [N], x's dtype.
         bias: [N], x's dtype, or None.
     Returns:
-        [M, N] in x's dtype (fp32 accumulation).
+        [M, N] in x's dtype (fp32 accumulation; on the cuBLAS path W is first rounded to x's dtype).
     Raises:
         ValueError: on a shape, dtype, contiguity or device mismatch (the message names the argument).
     """
     _check_int8(x, qweight, scales, bias)
     if x.is_cuda:
-        return _launch(x, qweight, scales, None, bias, qweight.shape[0], None, None)
+        return _kernel_linear(x, qweight, scales, None, bias, qweight.shape[0], None)
     return int8_weight_only_linear_ref(x, qweight, scales, bias)
 
 
 def int4_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                             group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W + bias with W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] (W4A16, GPTQ packing).
+
+    On CUDA, M < DEQUANT_GEMM_MIN_M (256, vLLM's AWQ threshold) runs the fused Triton GEMV / GEMM; from there on W
+    is dequantized to x's dtype (dequantize_int4_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
 
     Args:
         x: [M, K] float16/bfloat16/float32, any strides; K a multiple of 8 and of group_size.
@@ -406,14 +491,65 @@ def int4_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torc
         group_size: G, consecutive k sharing a scale and zero: 32, 64, 128, or K (any multiple of 8 dividing K).
         bias: [N], x's dtype, or None.
     Returns:
-        [M, N] in x's dtype (fp32 accumulation).
+        [M, N] in x's dtype (fp32 accumulation; on the cuBLAS path W is first rounded to x's dtype).
     Raises:
         ValueError: on a shape, dtype, contiguity, device or group-size mismatch (the message names the argument).
     """
     _check_int4(x, qweight, scales, zeros, group_size, bias)
     if x.is_cuda:
-        return _launch(x, qweight, scales, zeros, bias, qweight.shape[1], group_size, None)
+        return _kernel_linear(x, qweight, scales, zeros, bias, qweight.shape[1], group_size)
     return int4_weight_only_linear_ref(x, qweight, scales, zeros, group_size, bias)
+
+
+def dequantize_int8_to(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W = qweight * scales[:, None] as a new [N, K] tensor of dtype, by one Triton kernel (CUDA, or the
+    interpreter on CPU); bit for bit dequantize_int8_to_ref (the fp32 product rounded to dtype;
+    exact before that rounding for fp16/bf16 scales).
+
+    Args:
+        qweight: [N, K] int8, contiguous. scales: [N] float, contiguous, on qweight's device.
+        dtype: float16, bfloat16 or float32.
+    Raises:
+        ValueError: on a shape, dtype, contiguity or device mismatch (the message names the argument).
+    """
+    if qweight.dtype != torch.int8 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be [N, K] int8, got {tuple(qweight.shape)} {qweight.dtype}")
+    _check_dequant(qweight, dict(scales=scales), (qweight.shape[0],), dtype)
+    return _dequantize(qweight, scales, None, None, dtype)
+
+
+def dequantize_int4_to(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] (nn.Linear's orientation) with W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n], as a new
+    tensor of dtype, by one Triton kernel (CUDA, or the interpreter on CPU) reading the packed layout of
+    int4_weight_only_linear; bit for bit dequantize_int4_to_ref (computed in fp32, rounded to dtype;
+    exact before that rounding for fp16/bf16 scales).
+
+    Args:
+        qweight: [K // 8, N] int32, contiguous. scales, zeros: [K // G, N] float, contiguous, on qweight's device.
+        group_size: G, a multiple of 8 dividing K. dtype: float16, bfloat16 or float32.
+    Raises:
+        ValueError: on a shape, dtype, contiguity, device or group-size mismatch (the message names the argument).
+    """
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be [K // 8, N] int32, got {tuple(qweight.shape)} {qweight.dtype}")
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    _check_group(K, group_size)
+    _check_dequant(qweight, dict(scales=scales, zeros=zeros), (K // group_size, N), dtype)
+    return _dequantize(qweight, scales, zeros, group_size, dtype)
+
+
+def _check_dequant(qweight: torch.Tensor, named: dict[str, torch.Tensor], shape: tuple[int, ...],
+                   dtype: torch.dtype) -> None:
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float16/bfloat16/float32, got {dtype}")
+    if not qweight.is_contiguous():
+        raise ValueError(f"qweight must be contiguous, got strides {qweight.stride()}")
+    for name, t in named.items():
+        if t.shape != shape or t.dtype not in _FLOAT_DTYPES or not t.is_contiguous():
+            raise ValueError(f"{name} must be {list(shape)} float and contiguous, got {tuple(t.shape)} {t.dtype}")
+        if t.device != qweight.device:
+            raise ValueError(f"{name} is on {t.device} but qweight is on {qweight.device}")
 
 
 # ----------------------------------------------------------------------------------------------- references
@@ -429,6 +565,17 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     s = scales.float().repeat_interleave(group_size, dim=0)            # [K, N]
     z = zeros.float().repeat_interleave(group_size, dim=0)
     return ((q - z) * s).t()
+
+
+def dequantize_int8_to_ref(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_int8_to in plain torch: q * s in fp32, rounded once to dtype -> [N, K]."""
+    return dequantize_int8(qweight, scales).to(dtype)
+
+
+def dequantize_int4_to_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_int4_to in plain torch: (q - z) * s in fp32, rounded once to dtype -> [N, K]."""
+    return dequantize_int4(qweight, scales, zeros, group_size).to(dtype)
 
 
 def int8_weight_only_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -7,7 +7,9 @@ After ``process_weights_after_loading`` such a layer holds
     zeros    [K // G, N]         model dtype, integers: 0..15 (AWQ, GPTQ v2) or 1..16 (GPTQ v1 stores zero - 1)
     perm     [K] int64 or None   GPTQ act-order: row i of qweight is input feature perm[i]; x's columns are gathered
                                  the same way before the matmul
-so that y = x[:, perm] @ W' + bias with W'[i, n] = (q[i, n] - zeros[i // G, n]) * scales[i // G, n].
+so that y = x[:, perm] @ W' + bias with W'[i, n] = (q[i, n] - zeros[i // G, n]) * scales[i // G, n]. The matmul is
+``int4_weight_only_linear``'s: the fused Triton kernel below ``DEQUANT_GEMM_MIN_M`` tokens, W' dequantized to the
+model dtype + cuBLAS from there on (zeros 1..16 included: q - zero stays exact in fp32).
 """
 
 from __future__ import annotations

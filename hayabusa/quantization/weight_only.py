@@ -1,5 +1,7 @@
 """hayabusa's online weight-only schemes: int8 (W8A16) and int4 (W4A16, group size 128). Activations stay in the
-model dtype; the weight is quantized once, after loading, and dequantized inside the matmul kernel.
+model dtype; the weight is quantized once, after loading, and dequantized inside the matmul kernel (decode, small
+batches) or, from ``DEQUANT_GEMM_MIN_M`` tokens on (prefill), into a temporary model-dtype weight that cuBLAS
+multiplies (vLLM's AWQ heuristic).
 
   int8:  W[n, k] = q[n, k] * scale[n]                                  q int8, symmetric, one scale per output
          channel (scale = amax / 127 over the row).
@@ -7,7 +9,7 @@ model dtype; the weight is quantized once, after loading, and dequantized inside
          per group of G = 128 consecutive input features of an output channel, round-to-nearest (the grouping
          of GPTQ / AWQ checkpoints, without their calibration).
 
-Storage and matmuls are ``hayabusa/kernels/quant_linear.py``'s (Triton on CUDA, a torch reference on CPU):
+Storage and matmuls are ``hayabusa/kernels/quant_linear.py``'s (Triton / cuBLAS on CUDA, a torch reference on CPU):
 int8 ``qweight [N, K] int8``, ``scales [N]``; int4 ``qweight [K/8, N] int32`` (8 consecutive k per int32, low
 nibble first), ``scales``, ``zeros [K/G, N]`` in the model dtype.
 

@@ -8,10 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hayabusa.kernels import quant_linear
 from hayabusa.kernels.quant_linear import (
-    LaunchConfig, _launch, dequantize_int4, dequantize_int8, int4_weight_only_linear, int4_weight_only_linear_ref,
-    int8_weight_only_linear, int8_weight_only_linear_ref, pack_int4, pick_config, quantize_int4_grouped,
-    quantize_int8_per_channel, unpack_int4,
+    DEQUANT_GEMM_MIN_M, LaunchConfig, _kernel_linear, _launch, dequantize_int4, dequantize_int4_to,
+    dequantize_int4_to_ref, dequantize_int8, dequantize_int8_to, dequantize_int8_to_ref, int4_weight_only_linear,
+    int4_weight_only_linear_ref, int8_weight_only_linear, int8_weight_only_linear_ref, pack_int4, pick_config,
+    quantize_int4_grouped, quantize_int8_per_channel, unpack_int4,
 )
 from tests.kernels.conftest import DEVICE
 
@@ -115,6 +117,106 @@ def test_pick_config_is_sane():
     assert pick_config(64, 64, 24, 24, dev).kind == "gemv"            # G = 24: no K tile of 16 fits a group
 
 
+# ------------------------------------------------------------------------- large M: dequantize, then F.linear
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scheme,G", [("int8", None), ("int4", 128), ("int4", 32), ("int4", 24)])
+def test_dequantize_kernel_is_bit_exact(device, dtype, scheme, G):
+    """W [N, K] in dtype equals (q - z) * s computed in fp32 and rounded once, bit for bit. N = 72 is not a multiple
+    of the N tile; int8 K = 200 is not one of the K tile (128); G = 24 gives 8-wide K tiles (one packed row)."""
+    gen = torch.Generator().manual_seed(20)
+    N, K = 72, 200 if scheme == "int8" else 384
+    w = (torch.randn(N, K, generator=gen) * 0.05).to(dtype)
+    if scheme == "int8":
+        q, s = (t.to(device) for t in quantize_int8_per_channel(w))
+        out, ref = dequantize_int8_to(q, s, dtype), dequantize_int8_to_ref(q, s, dtype)
+    else:
+        q, s, z = (t.to(device) for t in quantize_int4_grouped(w, G))
+        out, ref = dequantize_int4_to(q, s, z, G, dtype), dequantize_int4_to_ref(q, s, z, G, dtype)
+    assert out.shape == (N, K) and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_rounds_every_product_to_nearest_even(device, dtype):
+    """Every (q, zero) pair against every mantissa of the scale's binade [1/256, 1/128): the products need up to
+    4 + 11 bits, so they hit both kinds of tie; the kernel must round like torch's fp32 -> dtype cast (RNE)."""
+    mant = {torch.float16: 10, torch.bfloat16: 7}[dtype]                    # stored mantissa bits
+    s_vals = (1 + torch.arange(2**mant, dtype=torch.float64) / 2**mant) / 256   # [2**mant], exact in dtype
+    N = 16 * 2**mant                                                       # n = 16 * mantissa + zero
+    scales = s_vals.repeat_interleave(16)[None, :].to(dtype)               # [1, N], G = K = 16
+    zeros = torch.arange(16).repeat(2**mant)[None, :].to(dtype)            # [1, N]
+    q = torch.arange(16)[:, None].expand(16, N)                            # [K = 16, N]: q = k
+    qweight, scales, zeros = pack_int4(q).to(device), scales.to(device), zeros.to(device)
+    assert torch.equal(dequantize_int4_to(qweight, scales, zeros, 16, dtype),
+                       dequantize_int4_to_ref(qweight, scales, zeros, 16, dtype))
+    q8 = torch.arange(-127, 128, dtype=torch.int8)[None, :].expand(2**mant, 255).contiguous().to(device)
+    s8 = s_vals.to(dtype).to(device)                                       # [N = 2**mant], all q in -127..127
+    assert torch.equal(dequantize_int8_to(q8, s8, dtype), dequantize_int8_to_ref(q8, s8, dtype))
+
+
+def _spy(monkeypatch, name):
+    calls = []
+    real = getattr(quant_linear, name)
+    monkeypatch.setattr(quant_linear, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_large_m_dequantizes_then_calls_f_linear(device, monkeypatch, dtype, scheme):
+    """From DEQUANT_GEMM_MIN_M rows (lowered to 8 so the interpreter stays fast) the path is dequantize + F.linear,
+    below it the fused kernel. The large-M result is F.linear of the reference weight rounded to x's dtype (the same
+    op on the same operands: equal on CPU), and within a derived bound of the fp32 reference:
+        |out - ref| <= (u + 2 K 2**-24) S + u (|out| + |ref|),   S = |x| @ |W|^T + |bias|
+    u (x's unit roundoff) for rounding W to x's dtype and for each side's rounding of its output; K 2**-24 for each
+    side's fp32 accumulation; on CUDA one more u S for cuBLAS's reduced-precision split-K reduction."""
+    monkeypatch.setattr(quant_linear, "DEQUANT_GEMM_MIN_M", 8)
+    launches, dequants = _spy(monkeypatch, "_launch"), _spy(monkeypatch, "_dequantize")
+    gen = torch.Generator().manual_seed(21)
+    N, K, G = 40, 256, 32
+    for M in (7, 8, 13):
+        x, w, bias = _inputs(M, N, K, dtype, with_bias=M != 8, gen=gen, x_scale=3.0)
+        if scheme == "int8":
+            packed = tuple(t.to(device) for t in quantize_int8_per_channel(w))
+            w_ref = dequantize_int8(*packed)
+            out = _kernel_linear(x, *packed, None, bias, N, None)
+            ref = int8_weight_only_linear_ref(x, *packed, bias)
+        else:
+            packed = tuple(t.to(device) for t in quantize_int4_grouped(w, G))
+            w_ref = dequantize_int4(*packed, G)
+            out = _kernel_linear(x, *packed, bias, N, G)
+            ref = int4_weight_only_linear_ref(x, *packed, G, bias)
+        assert out.shape == (M, N) and out.dtype == dtype
+        if M < 8:
+            assert launches == ["_launch"] and dequants == []
+            _assert_close_to_ref(out, ref, dtype)
+            launches.clear()
+            continue
+        assert dequants == ["_dequantize"] and launches == []
+        dequants.clear()
+        if device == "cpu":
+            assert torch.equal(out, torch.nn.functional.linear(x, w_ref.to(dtype).contiguous(), bias))
+        u = UNIT_ROUNDOFF[dtype]
+        S = x.float().abs() @ w_ref.abs().t() + (bias.float().abs() if bias is not None else 0.0)
+        u_w = u * (2 if device == "cuda" else 1)
+        bound = (u_w + 2 * K * 2.0**-24) * S + u * (out.float().abs() + ref.float().abs())
+        err = (out.float() - ref.float()).abs()
+        assert torch.all(err <= bound * 1.001 + 1e-30), f"max err / bound = {(err / bound).max():.3g}"
+
+
+def test_public_large_m_dispatch_stays_reference_on_cpu(monkeypatch):
+    """The CPU path is the torch reference at every M: the threshold only moves the CUDA path."""
+    monkeypatch.setattr(quant_linear, "DEQUANT_GEMM_MIN_M", 1)
+    dequants = _spy(monkeypatch, "_dequantize")
+    x = torch.randn(4, 64)
+    q4, s4, z4 = quantize_int4_grouped(torch.randn(16, 64), 32)
+    assert torch.equal(int4_weight_only_linear(x, q4, s4, z4, 32), int4_weight_only_linear_ref(x, q4, s4, z4, 32))
+    assert dequants == []
+
+
 # --------------------------------------------------------------------------------------- dispatch, quantizers
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_public_functions_dispatch_and_match_float_linear(dtype):
@@ -201,6 +303,12 @@ def test_validation_names_the_argument():
         (lambda: pack_int4(torch.full((8, 2), 16)), "0..15"),
         (lambda: pack_int4(torch.zeros(12, 2, dtype=torch.uint8)), "multiple of 8"),
         (lambda: unpack_int4(torch.zeros(2, 2, dtype=torch.int64)), "int32"),
+        (lambda: dequantize_int8_to(q8.int(), s8, torch.float32), "qweight"),
+        (lambda: dequantize_int8_to(q8, s8[:8], torch.float32), "scales"),
+        (lambda: dequantize_int8_to(q8, s8, torch.int8), "dtype"),
+        (lambda: dequantize_int4_to(q4, s4, z4, 48, torch.float32), "group_size"),
+        (lambda: dequantize_int4_to(q4, s4, z4[:, :8], 32, torch.float32), "zeros"),
+        (lambda: dequantize_int4_to(q4.t().contiguous().t(), s4, z4, 32, torch.float32), "qweight must be"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -237,12 +345,14 @@ def test_qwen7b_shapes_match_ref_on_cuda(layer, M):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_capture_and_replay():
-    """The launch captures (no host sync, grid from shapes only) and a replay sees new activations."""
+@pytest.mark.parametrize("M", [1, DEQUANT_GEMM_MIN_M])
+def test_cuda_graph_capture_and_replay(M):
+    """The launch captures (no host sync, grid from shapes only) and a replay sees new activations; at
+    DEQUANT_GEMM_MIN_M rows the captured work is the dequantization kernel and cuBLAS."""
     K, N = 3584, 4608
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
     q4, s4, z4 = quantize_int4_grouped(w, 128)
-    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     int4_weight_only_linear(x, q4, s4, z4, 128)                    # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
