@@ -1,10 +1,14 @@
-"""Time paged_attention (decode, prefill) and store_kv on a CUDA GPU; print a table with achieved GB/s.
+"""Time paged_attention (decode, prefill), store_kv and RoPE + store_kv on a CUDA GPU; print a table with GB/s.
 
     python benchmarks/kernels/bench_attention.py [--json FILE] [--dtype bf16] [--block-size 16]
 
 Shapes are Qwen2.5-7B's (H=28, H_kv=4, D=128). GB/s counts the bytes a perfect kernel must move: every K/V row a
 request attends to, read once, plus q read and out written (store_kv: k/v read and written). Prefill also reports
 TFLOP/s (causal: 4 * D * sum over queries of visible keys) and the dense torch SDPA time for the same batch.
+RoPE + KV-cache write, per decode step of one layer at batch 1 / 64 / 256, on Qwen2.5-0.5B's (H=14, H_kv=2, D=64)
+and -7B's shapes, model-dtype and fp8 e4m3 caches: 'rope+store_kv (2 launches)' is rotary_embedding then store_kv,
+'rope_and_store_kv (fused)' the one-launch kernel the Triton backend uses; both rows count the fused kernel's bytes
+(q read and written, k and v read, the cache rows written), so their GB/s compare directly.
 GB/s and TFLOP/s use the time of a CUDA-graph replay (as the engine runs decode; it also checks that the launch
 captures); 'eager us' adds the Python launch cost. Needs CUDA (the Triton interpreter would take hours).
 """
@@ -24,6 +28,8 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 from hayabusa.kernels.paged_attention import paged_attention  # noqa: E402
+from hayabusa.kernels.rope_store_kv import rope_and_store_kv  # noqa: E402
+from hayabusa.kernels.rotary import rotary_embedding  # noqa: E402
 from hayabusa.kernels.store_kv import store_kv  # noqa: E402
 
 H, H_KV, D = 28, 4, 128
@@ -110,6 +116,43 @@ def bench_store_kv(T: int, block_size: int, dtype: torch.dtype) -> dict:
     return row("store_kv", f"T={T}", time_ms(lambda: store_kv(k, v, k_cache, v_cache, slots)), nbytes, 0)
 
 
+ROPE_SHAPES = {"0.5b": (14, 2, 64), "7b": (28, 4, 128)}  # (H, H_kv, D) of Qwen2.5-0.5B and -7B
+
+
+def bench_rope_store_kv(T: int, model: str, block_size: int, dtype: torch.dtype,
+                        cache_dtype: torch.dtype) -> list[dict]:
+    """One layer's RoPE + KV-cache write for T decode tokens: two launches vs the fused one."""
+    h, h_kv, d = ROPE_SHAPES[model]
+    max_pos = 4096
+    qkv = torch.randn(T, (h + 2 * h_kv) * d, device="cuda", dtype=dtype)  # views into a fused qkv, as in a model
+    q = qkv[:, :h * d].view(T, h, d)
+    k = qkv[:, h * d:(h + h_kv) * d].view(T, h_kv, d)
+    v = qkv[:, (h + h_kv) * d:].view(T, h_kv, d)
+    freqs = torch.arange(max_pos, device="cuda").float()[:, None] * (
+        1e6 ** -(torch.arange(0, d, 2, device="cuda").float() / d))[None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.randint(0, max_pos, (T,), device="cuda")
+    num_blocks = -(-T // block_size) * 2
+    k_cache = torch.zeros(num_blocks, block_size, h_kv, d, device="cuda", dtype=dtype).to(cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:T]
+    scale = torch.ones(1, device="cuda")
+    elem, cache_elem = qkv.element_size(), k_cache.element_size()
+    nbytes = T * (2 * h * d * elem + 2 * h_kv * d * elem + 2 * h_kv * d * cache_elem)
+
+    def sequential():
+        rotary_embedding(positions, q, k, cos, sin)
+        store_kv(k, v, k_cache, v_cache, slots, scale, scale)
+
+    def fused():
+        rope_and_store_kv(positions, q, k, v, k_cache, v_cache, slots, cos, sin, scale, scale)
+
+    case = f"{model} T={T} cache={str(cache_dtype).removeprefix('torch.')}"
+    return [row("rope+store_kv (2 launches)", case, time_ms(sequential), nbytes, 0),
+            row("rope_and_store_kv (fused)", case, time_ms(fused), nbytes, 0)]
+
+
 def run_all(args) -> list[dict]:
     dtype = DTYPES[args.dtype]
     rows = []
@@ -122,13 +165,17 @@ def run_all(args) -> list[dict]:
     rows += bench_prefill(16, 512, args.block_size, dtype)
     for T in (256, 8192):
         rows.append(bench_store_kv(T, args.block_size, dtype))
+    for model in ROPE_SHAPES:
+        for cache_dtype in (dtype, torch.float8_e4m3fn):
+            for T in (1, 64, 256):
+                rows += bench_rope_store_kv(T, model, args.block_size, dtype, cache_dtype)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'op':<30} {'case':<30} {'graph us':>9} {'eager us':>9} {'GB/s':>8} {'TFLOP/s':>8}")
+    print(f"{'op':<30} {'case':<36} {'graph us':>9} {'eager us':>9} {'GB/s':>8} {'TFLOP/s':>8}")
     for r in rows:
-        print(f"{r['op']:<30} {r['case']:<30} {r['ms'] * 1e3:>9.1f} {r['eager_ms'] * 1e3:>9.1f} "
+        print(f"{r['op']:<30} {r['case']:<36} {r['ms'] * 1e3:>9.1f} {r['eager_ms'] * 1e3:>9.1f} "
               f"{r['gb_s']:>8.1f} {r['tflop_s']:>8.2f}")
 
 

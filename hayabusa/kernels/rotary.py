@@ -8,6 +8,24 @@ from hayabusa.kernels._triton import tl, triton
 
 
 @triton.jit
+def rotated_halves(p, m, cos, sin, HALF: tl.constexpr):
+    """RoPE of the rows at p: p [H_PAD, HALF_PAD] points at each head's first half, p + HALF at its second half;
+    cos, sin [HALF_PAD] fp32 (the first half of the position's row). Returns (x1 cos - x2 sin, x2 cos + x1 sin) in
+    fp32, unrounded. Every RoPE kernel goes through here, so they agree to the bit (kernels/rope_store_kv.py)."""
+    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
+def rope_in_place(p, m, cos, sin, HALF: tl.constexpr):
+    """rotated_halves(p, ...) stored back at p, rounded once to p's dtype."""
+    o1, o2 = rotated_halves(p, m, cos, sin, HALF)
+    tl.store(p, o1.to(p.dtype.element_ty), mask=m)
+    tl.store(p + HALF, o2.to(p.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                  stride_c, NQ: tl.constexpr, NK: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr,
                  HALF_PAD: tl.constexpr):
@@ -20,18 +38,10 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, 
     sin = tl.load(sin_ptr + pos * stride_c + offs_d, mask=dmask, other=0.0).to(tl.float32)
     # q heads
     m = (offs_h[:, None] < NQ) & dmask[None, :]
-    p = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
-    tl.store(p, (x1 * cos[None, :] - x2 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(p + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=m)
+    rope_in_place(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], m, cos, sin, HALF)
     # k heads
     m = (offs_h[:, None] < NK) & dmask[None, :]
-    p = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
-    tl.store(p, (x1 * cos[None, :] - x2 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=m)
-    tl.store(p + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(k_ptr.dtype.element_ty), mask=m)
+    rope_in_place(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], m, cos, sin, HALF)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -40,6 +50,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
     positions [T] int64; cos, sin [max_position, D] (rotate-half layout: the two halves repeat). Only full
     rotary (rot_dim == D) is handled here; partial rotary uses the reference. Raises ValueError otherwise.
+    kernels/rope_store_kv.py fuses this kernel with store_kv (same bits, one launch).
     """
     T, NQ, D = q.shape
     if cos.shape[1] != D or k.shape[2] != D or q.stride(-1) != 1 or k.stride(-1) != 1:

@@ -13,6 +13,21 @@ from hayabusa.kernels.fp8 import FP8_FORMATS, check_scale, is_fp8, quantize_fp8_
 
 
 @triton.jit
+def cache_values(x, scale_ptr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr,
+                 SOFT_ROUND: tl.constexpr):
+    """Rows x (k or v, in their own dtype) as the cache stores them, before the final cast to the cache dtype:
+    unchanged, or for an fp8 cache clamp(x / scale, -max, max) in fp32 (scale_ptr: [1] fp32). Shared by every
+    kernel that writes the cache, so they store the same bits (kernels/rope_store_kv.py)."""
+    if FP8_MAX > 0:  # quantize: fp8(clamp(x / scale)), saturating at the format's largest finite value
+        # div_rn: IEEE division as torch does it (plain `/` is the approximate div.full.f32 on NVIDIA), so the
+        # stored bits equal store_kv_ref's
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -FP8_MAX), FP8_MAX)
+        if SOFT_ROUND:  # the CPU interpreter's fp8 cast does not round correctly (see kernels/fp8.py)
+            x = round_to_fp8_grid(x, FP8_MANT, FP8_EMIN)
+    return x
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,  # slot: [T] int64, -1 = padding
     stride_kt, stride_kh, stride_vt, stride_vh,       # k, v: [T, H_kv, D], last stride 1
@@ -34,20 +49,15 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     # int64: a large cache holds more than 2**31 elements
     dst = slot.to(tl.int64) * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-    if FP8_MAX > 0:  # quantize: fp8(clamp(x / scale)), saturating at the format's largest finite value
-        # div_rn: IEEE division as torch does it (plain `/` is the approximate div.full.f32 on NVIDIA), so the
-        # stored bits equal store_kv_ref's
-        k = tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX), FP8_MAX)
-        if SOFT_ROUND:  # the CPU interpreter's fp8 cast does not round correctly (see kernels/fp8.py)
-            k = round_to_fp8_grid(k, FP8_MANT, FP8_EMIN)
-            v = round_to_fp8_grid(v, FP8_MANT, FP8_EMIN)
+    k = cache_values(k, k_scale_ptr, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+    v = cache_values(v, v_scale_ptr, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_inputs(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+def check_store_kv_inputs(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    """store_kv's argument checks (also rope_and_store_kv's). Raises ValueError naming the mismatch."""
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [T, H_kv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
@@ -87,7 +97,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         ValueError: on a shape, dtype, stride or device mismatch.
     The grid is (T,), so a CUDA graph captured at a padded T stays valid (padding rows carry slot -1).
     """
-    _check_inputs(k, v, k_cache, v_cache, slot_mapping)
+    check_store_kv_inputs(k, v, k_cache, v_cache, slot_mapping)
     check_scale("k_scale", k_scale, k_cache.device)
     check_scale("v_scale", v_scale, k_cache.device)
     T, H_kv, D = k.shape

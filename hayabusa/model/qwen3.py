@@ -26,8 +26,9 @@ class Qwen3Attention(LlamaAttention):
         q = self.q_norm(q.reshape(T * self.num_heads, self.head_dim)).view(T, self.num_heads, self.head_dim)
         k = self.k_norm(k.reshape(T * self.num_kv_heads, self.head_dim)).view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)                             # [T, H, D], [T, H_kv, D]
-        return self.o_proj(self.attn(q, k, v, ctx))                    # [T, hidden]
+        # RoPE inside: on CUDA one kernel rotates q and writes rotated k, v into the cache
+        out = self.attn(q, k, v, ctx, positions=positions, rotary=self.rotary)  # [T, H * D]
+        return self.o_proj(out)                                         # [T, hidden]
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

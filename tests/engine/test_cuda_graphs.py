@@ -53,6 +53,24 @@ def test_fp8_kv_cache_cuda_graphs_equal_eager(q05_dir, kv_cache_dtype):
     assert same == len(eager), f"{len(eager) - same} of {len(eager)} sequences differ"
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_fused_rope_kv_does_not_change_greedy_output(q05_dir, kv_cache_dtype, monkeypatch):
+    """RoPE fused into the KV-cache write (backend.rope_and_store_kv, one launch per layer) and the two kernels in
+    sequence give the same greedy tokens, with CUDA graphs (decode) and eagerly (prefill)."""
+    import dataclasses
+
+    import hayabusa.worker.model_runner as model_runner
+
+    fused = _run(q05_dir, kv_cache_dtype=kv_cache_dtype)
+    backend_of = model_runner.get_attention_backend
+    monkeypatch.setattr(model_runner, "get_attention_backend",
+                        lambda device: dataclasses.replace(backend_of(device), rope_and_store_kv=None))
+    sequential = _run(q05_dir, kv_cache_dtype=kv_cache_dtype)
+    assert all(len(o) == 48 for o in fused)
+    same = sum(a == b for a, b in zip(fused, sequential))
+    assert same == len(fused), f"{len(fused) - same} of {len(fused)} sequences differ"
+
+
 def _num_compiled(kernel) -> int:
     """Compiled variants of a Triton kernel in this process (triton 3.x: device_caches[dev][0] is the cache)."""
     return sum(len(c[0]) for c in kernel.device_caches.values())

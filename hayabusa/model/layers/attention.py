@@ -1,4 +1,5 @@
-"""Attention layer: write this step's K/V into the paged cache, then attend over the cache.
+"""Attention layer: RoPE (when given the rotary module), write this step's K/V into the paged cache, then attend
+over the cache.
 
 Each layer owns its KV-cache scales ``k_scale`` / ``v_scale`` ([1] fp32 buffers, 1.0 unless the checkpoint has
 them). They matter only when the cache is fp8 (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2): stored = fp8(x / scale),
@@ -15,6 +16,7 @@ from torch import nn
 
 from hayabusa.attention.metadata import ForwardContext
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -39,15 +41,30 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """q [T, H, D], k/v [T, H_kv, D] (views allowed) -> out [T, H * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+                positions: torch.Tensor | None = None, rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, H_kv, D] (views allowed) -> out [T, H * D].
+
+        With ``rotary`` and ``positions`` ([T] int64), q and k get RoPE first (q may be rotated in place, so the
+        caller must not reuse it; k is consumed only by the cache write). The Triton backend does that in the same
+        launch as the KV-cache write when the rotary is full-width (backend.rope_and_store_kv); otherwise, and on
+        CPU, ``rotary`` runs and then store_kv. Both give the same bits.
+        """
         T = q.shape[0]
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
-        if ctx.kv_caches is None:  # memory profiling: no cache yet
+        if ctx.kv_caches is None:  # memory profiling: no cache yet (RoPE still runs: its memory counts)
+            if rotary is not None:
+                rotary(positions, q, k)
             return out.view(T, -1)
         meta = ctx.attn_metadata
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ctx.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if rotary is not None and ctx.backend.rope_and_store_kv is not None and rotary.is_full_width(self.head_dim):
+            ctx.backend.rope_and_store_kv(positions, q, k, v, k_cache, v_cache, meta.slot_mapping, rotary.cos,
+                                          rotary.sin, self.k_scale, self.v_scale)
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)  # [T, H, D], [T, H_kv, D]
+            ctx.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         ctx.backend.paged_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                                     meta.block_table, self.scale, meta.max_query_len, num_seqs=meta.num_reqs,
                                     sliding_window=self.sliding_window, softcap=self.softcap,

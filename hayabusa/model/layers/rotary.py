@@ -49,7 +49,10 @@ def compute_inv_freq(cfg: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, H, D] and k [T, H_kv, D] at positions [T] (int64)."""
+    """Applies RoPE to q [T, H, D] and k [T, H_kv, D] at positions [T] (int64).
+
+    Buffers cos, sin: [max_position, rot_dim] in the model dtype (rotate-half layout: the two halves repeat).
+    """
 
     def __init__(self, cfg: Any, head_dim: int, max_position: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -75,8 +78,16 @@ class RotaryEmbedding(nn.Module):
         xr, xp = x[..., :r], x[..., r:]
         return torch.cat([xr * cos + RotaryEmbedding._rotate_half(xr) * sin, xp], dim=-1)
 
+    def is_full_width(self, head_dim: int) -> bool:
+        """True when the whole head rotates (rot_dim == head_dim, no partial_rotary_factor): the case the Triton
+        kernels handle (kernels/rotary.py, and kernels/rope_store_kv.py fused into the KV-cache write)."""
+        return self.rot_dim == head_dim
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if q.is_cuda and self.rot_dim == q.shape[-1]:  # rotate in place, one kernel for q and k
+        """(q, k) rotated at positions. On CUDA with full-width rotary q and k are rotated in place by one Triton
+        kernel (fp32 math, one rounding) and returned; otherwise new tensors from the torch ops in the model dtype.
+        Attention layers given this module may instead fuse the kernel into the cache write (bit-identical)."""
+        if q.is_cuda and self.is_full_width(q.shape[-1]):  # rotate in place, one kernel for q and k
             from hayabusa.kernels.rotary import rotary_embedding
 
             rotary_embedding(positions, q, k, self.cos, self.sin)
