@@ -236,6 +236,10 @@ g_w2() {  # W2 on both shapes at the defaults (the step's host-time breakdown is
   bench_step q05_W2 90 30 --workload W2 --model "$Q05"
   bench_step q7_W2 120 50 --workload W2 --model "$Q7"
 }
+g_kbench() {  # kernel micro-benchmarks: dequant+cuBLAS vs the Triton weight-only path (threshold); fused RoPE+store_kv
+  step kbench_quant 150 40 bash -c "python benchmarks/kernels/bench_quant_linear.py --dequant --json '$OUT/kbench_quant.json' 2>&1 | tail -60"
+  step kbench_attn 120 30 bash -c "python benchmarks/kernels/bench_attention.py --json '$OUT/kbench_attn.json' 2>&1 | grep -iE 'rope|fused|store|T=1 ' | head -40"
+}
 g_profilew2() {  # where W2's time goes on the 7b shape (half scale: 128 requests), kernel families
   ensure_q7
   step profile_q7_W2 150 60 bash -c "python benchmarks/profile_decode.py --model '$Q7' --workload W2 --scale 0.5 \
