@@ -43,7 +43,8 @@ def _model(arch: str, dtype: torch.dtype):
 
     cfg = _config(arch)
     torch.manual_seed(0)
-    model = get_model_class(cfg.architectures[0])(cfg, dtype, torch.device(DEVICE), 64)
+    with torch.device(DEVICE):  # as the loader builds it: buffers (the KV scales) on the device too
+        model = get_model_class(cfg.architectures[0])(cfg, dtype, torch.device(DEVICE), 64)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
