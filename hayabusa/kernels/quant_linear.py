@@ -45,9 +45,13 @@ _MAX_SPLIT_K = 64
 # fused Triton GEMM. The dequantization costs about one bf16 weight read and write, shared by all M rows; the fused
 # GEMM's tl.dot falls far behind cuBLAS once M fills the tensor cores. 256 is vLLM's AWQ heuristic
 # (vllm/model_executor/layers/quantization/awq.py, AWQLinearMethod.apply: FP16_MATMUL_HEURISTIC_CONDITION =
-# x.shape[:-1].numel() >= 256 -> ops.awq_dequantize + torch.matmul), not yet measured here: confirm or move it with
-# `python benchmarks/kernels/bench_quant_linear.py --dequant` on the GPU. Read at call time (tests lower it).
+# x.shape[:-1].numel() >= 256 -> ops.awq_dequantize + torch.matmul). Measured on an H200 (BENCHMARKS.md, run K,
+# `python benchmarks/kernels/bench_quant_linear.py --dequant`, qwen2.5-7b shapes): for int8 the fused kernel keeps
+# the large projections (gate_up, down) up to M = 256-512, so int8 keeps 256; for int4 (group 128) dequantize +
+# cuBLAS wins on every projection from M = 64 (gate_up M = 128: 175 against 239 us; down: 99 against 175 us), so
+# int4 switches from DEQUANT_GEMM_MIN_M_INT4. Both are read at call time (tests lower them); int4 uses the smaller.
 DEQUANT_GEMM_MIN_M = 256
+DEQUANT_GEMM_MIN_M_INT4 = 64
 _DEQUANT_TILE = 8192  # weight elements per dequantization program (64 x 128 for int8 and int4 with G = 128)
 
 
@@ -398,7 +402,8 @@ def _kernel_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None, N: int, group_size: int | None) -> torch.Tensor:
     """The CUDA path (inputs already checked; runs on CPU under the interpreter): from DEQUANT_GEMM_MIN_M rows on,
     W dequantized to x's dtype by one kernel, then F.linear (cuBLAS); below, the fused Triton GEMV / GEMM."""
-    if x.shape[0] >= DEQUANT_GEMM_MIN_M:
+    threshold = DEQUANT_GEMM_MIN_M if group_size is None else min(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_INT4)
+    if x.shape[0] >= threshold:
         return F.linear(x, _dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
     return _launch(x, qweight, scales, zeros, bias, N, group_size, None)
 
@@ -481,8 +486,8 @@ def int4_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torc
                             group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W + bias with W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] (W4A16, GPTQ packing).
 
-    On CUDA, M < DEQUANT_GEMM_MIN_M (256, vLLM's AWQ threshold) runs the fused Triton GEMV / GEMM; from there on W
-    is dequantized to x's dtype (dequantize_int4_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
+    On CUDA, M < DEQUANT_GEMM_MIN_M_INT4 (64, measured: see the constant) runs the fused Triton GEMV / GEMM; from there
+    on W is dequantized to x's dtype (dequantize_int4_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
 
     Args:
         x: [M, K] float16/bfloat16/float32, any strides; K a multiple of 8 and of group_size.
