@@ -24,7 +24,8 @@ from hayabusa.core.scheduler import SchedulerOutput
 from hayabusa.model.loader import build_model
 from hayabusa.sample.metadata import build_sampling_metadata
 from hayabusa.sample.sampler import Sampler
-from hayabusa.worker.input_batch import InputBatch
+from hayabusa.sampling_params import SamplingParams
+from hayabusa.worker.input_batch import NEVER_ARGMAX, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class StepInputs:
     """Host-side inputs of one step (numpy)."""
 
     reqs: list[Request]
+    req_ids: list[str]          # [R] their request ids
+    rows: np.ndarray            # [R] int64, each request's row in the persistent batch
     num_scheduled: np.ndarray   # [R] int32
     query_start_loc: np.ndarray  # [R + 1] int32
     seq_lens: np.ndarray        # [R] int32
@@ -232,13 +235,14 @@ class ModelRunner:
 
     def finish(self, handle: "StepHandle") -> ModelRunnerOutput:
         """Wait for a launched step (the step's one sync) and return its tokens as host lists."""
-        result = ModelRunnerOutput({r.request_id: [] for r in handle.reqs})
         if handle.ids is None:
-            return result
+            return ModelRunnerOutput({r.request_id: [] for r in handle.reqs})
         if handle.event is not None:
             handle.event.synchronize()
-        for req, tok in zip(handle.sampled_reqs, handle.ids.tolist()):
-            result.sampled_token_ids[req.request_id] = [tok]
+        sampled = {req.request_id: [tok] for req, tok in zip(handle.sampled_reqs, handle.ids.tolist())}
+        if len(sampled) < len(handle.reqs):  # requests in a partial prefill: no token
+            sampled = {r.request_id: sampled.get(r.request_id, []) for r in handle.reqs}
+        result = ModelRunnerOutput(sampled)
         if handle.logprobs is not None:
             lp_ids, lp_vals, ranks = (t.tolist() for t in handle.logprobs)
             for i, req in enumerate(handle.sampled_reqs):
@@ -250,44 +254,67 @@ class ModelRunner:
     def _update_batch(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids:
             self.batch.remove(rid)
-        for req in out.scheduled_reqs:
-            rid = req.request_id
-            if rid in out.scheduled_new_reqs:
-                self.batch.add(rid, out.new_block_ids[rid])
-            else:
-                self.batch.append_blocks(rid, out.new_block_ids[rid])
+        new = out.scheduled_new_reqs
+        if new:
+            for req in out.scheduled_reqs:
+                if req.request_id in new:
+                    self.batch.add(req.request_id, out.new_block_ids[req.request_id],
+                                   self._argmax_from(req.sampling_params))
+        for rid, block_ids in out.new_block_ids.items():
+            if block_ids and rid not in new:
+                self.batch.append_blocks(rid, block_ids)
+
+    @staticmethod
+    def _argmax_from(p: SamplingParams) -> int:
+        """Output tokens from which a request's next token is a plain argmax of its logits: min_tokens when it is
+        greedy with no logprobs and no penalties, else never (NEVER_ARGMAX)."""
+        if not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
+                or p.frequency_penalty != 0.0:
+            return NEVER_ARGMAX
+        return p.min_tokens
 
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         reqs = out.scheduled_reqs
         R = len(reqs)
-        rows = np.fromiter((self.batch.row_of[r.request_id] for r in reqs), dtype=np.int64, count=R)
-        num_sched = np.fromiter((out.num_scheduled_tokens[r.request_id] for r in reqs), dtype=np.int32, count=R)
-        computed = [out.num_computed_tokens[r.request_id] for r in reqs]
-        num_computed = np.array(computed, dtype=np.int64)
+        rids = [r.request_id for r in reqs]
+        rows = np.fromiter(map(self.batch.row_of.__getitem__, rids), dtype=np.int64, count=R)
+        T = out.total_num_scheduled_tokens
+        decode = T == R                      # one token per request: no per-request counts or slices
+        if decode:
+            num_sched = np.ones(R, dtype=np.int32)
+        else:
+            num_sched = np.fromiter(map(out.num_scheduled_tokens.__getitem__, rids), dtype=np.int32, count=R)
+        num_computed = np.fromiter(map(out.num_computed_tokens.__getitem__, rids), dtype=np.int64, count=R)
         qsl = np.zeros(R + 1, dtype=np.int32)
         np.cumsum(num_sched, out=qsl[1:])
-        T = int(qsl[-1])
+        assert int(qsl[-1]) == T, (int(qsl[-1]), T)
         #  |<-- num_computed -->|<-- num_sched -->|
         #  | KV already cached  | computed now     |   positions = num_computed + 0..num_sched-1
         positions = np.repeat(num_computed - qsl[:-1], num_sched) + np.arange(T, dtype=np.int64)
-        input_ids, ph_dst, ph_src = self._gather_input_ids(reqs, computed, num_sched.tolist(), qsl, T)
+        if decode:
+            input_ids, ph_dst, ph_src = self._gather_decode_ids(reqs, rids, num_computed)
+        else:
+            input_ids, ph_dst, ph_src = self._gather_input_ids(reqs, num_computed.tolist(), num_sched.tolist(),
+                                                               qsl, T)
         sampling = out.sampling_req_ids
-        sampled_rows = [i for i, r in enumerate(reqs) if r.request_id in sampling]
+        if len(sampling) == R:
+            sampled_rows = np.arange(R, dtype=np.int64)
+        else:
+            sampled_rows = np.array([i for i, rid in enumerate(rids) if rid in sampling], dtype=np.int64)
         seq_lens = (num_computed + num_sched).astype(np.int32)
         tok_rows = np.repeat(rows, num_sched)
         bt = self.batch.block_table
         slot_mapping = bt[tok_rows, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
         max_blocks = cdiv(int(seq_lens.max()), self.block_size)
-        sampled_rows = np.array(sampled_rows, dtype=np.int64)
-        return StepInputs(reqs, num_sched, qsl, seq_lens, positions, input_ids, slot_mapping,
+        return StepInputs(reqs, rids, rows, num_sched, qsl, seq_lens, positions, input_ids, slot_mapping,
                           bt[rows, :max_blocks], sampled_rows, (qsl[1:][sampled_rows] - 1).astype(np.int64),
-                          np.array(ph_dst, dtype=np.int64), np.array(ph_src, dtype=np.int64))
+                          ph_dst, ph_src)
 
     def _gather_input_ids(self, reqs: list[Request], computed: list[int], num_sched: list[int], qsl: np.ndarray,
-                          T: int) -> tuple[np.ndarray, list[int], list[int]]:
+                          T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Input ids of the step ([T] int64, 0 where a placeholder goes) and the placeholders' (dst, src)
-        pairs: dst indexes this step's tokens, src the previous step's sampled-token tensor."""
+        pairs ([P] int64 each): dst indexes this step's tokens, src the previous step's sampled-token tensor."""
         ids = np.zeros(T, dtype=np.int64)
         ph_dst: list[int] = []
         ph_src: list[int] = []
@@ -300,6 +327,24 @@ class ModelRunner:
                 assert len(toks) == n - 1 and r.request_id in prev, (r, c, n)
                 ph_dst.append(start + n - 1)
                 ph_src.append(prev[r.request_id])
+        return ids, np.array(ph_dst, dtype=np.int64), np.array(ph_src, dtype=np.int64)
+
+    def _gather_decode_ids(self, reqs: list[Request], rids: list[str],
+                           num_computed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_gather_input_ids`` for a step of one token per request (T == R), without per-request numpy
+        writes: request i's input is its token at position num_computed[i], or a placeholder when that token
+        was sampled by the previous step and is not back yet (num_computed[i] == num_tokens)."""
+        PLACEHOLDER = -1
+        ids = np.fromiter((toks[c] if c < len(toks) else PLACEHOLDER
+                           for toks, c in zip([r.all_token_ids for r in reqs], num_computed.tolist())),
+                          dtype=np.int64, count=len(reqs))
+        ph_dst = np.flatnonzero(ids == PLACEHOLDER)
+        if len(ph_dst) == 0:
+            return ids, ph_dst, ph_dst
+        ids[ph_dst] = 0
+        # a placeholder's request sampled in the previous step (a KeyError here is a broken invariant)
+        ph_src = np.fromiter(map(self._prev_sample_row.__getitem__, [rids[i] for i in ph_dst.tolist()]),
+                             dtype=np.int64, count=len(ph_dst))
         return ids, ph_dst, ph_src
 
     def _copy_inputs(self, inp: StepInputs) -> None:
@@ -330,7 +375,13 @@ class ModelRunner:
 
     def _fill_placeholders(self, inp: StepInputs) -> None:
         """Input ids that the previous step sampled and the host does not know yet, copied on the device."""
-        if len(inp.placeholder_dst) == 0:
+        P = len(inp.placeholder_dst)
+        if P == 0:
+            return
+        in_order = np.arange(P)
+        if np.array_equal(inp.placeholder_dst, in_order) and np.array_equal(inp.placeholder_src, in_order):
+            # steady decode: token i's input is the previous step's sample i (same requests, same order)
+            self.input_ids[:P].copy_(self._prev_sampled[:P])
             return
         dst = torch.from_numpy(inp.placeholder_dst).to(self.device, non_blocking=True)
         src = torch.from_numpy(inp.placeholder_src).to(self.device, non_blocking=True)
@@ -359,25 +410,35 @@ class ModelRunner:
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[idx])                               # [R_s, V]
 
-    @staticmethod
-    def _is_plain_greedy(reqs: list[Request]) -> bool:
-        """Every row is greedy with nothing that needs the sampler (logprobs, penalties, pending min_tokens)."""
-        for r in reqs:
-            p = r.sampling_params
-            if not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
-                    or p.frequency_penalty != 0.0 or r.num_output_tokens < p.min_tokens:
-                return False
-        return True
+    def _is_plain_greedy(self, reqs: list[Request], rows: np.ndarray) -> bool:
+        """Every row is greedy with nothing that needs the sampler (logprobs, penalties, pending min_tokens).
+
+        Args:
+            reqs: the sampled requests.
+            rows: [R_s] int64, their rows in the persistent batch.
+        """
+        argmax_from = self.batch.argmax_from[rows]               # [R_s] int64
+        latest = int(argmax_from.max()) if len(rows) else 0
+        if latest == 0:
+            return True
+        if latest == NEVER_ARGMAX:
+            return False
+        num_output = np.fromiter((len(r.output_token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+        return bool((num_output >= argmax_from).all())
 
     def _sample(self, inp: StepInputs, logits: torch.Tensor) -> StepHandle:
         """Sample on the device and queue the copy of the tokens to the host (no wait here)."""
-        reqs = [inp.reqs[i] for i in inp.logits_rows.tolist()]
-        self._prev_sample_row = {r.request_id: i for i, r in enumerate(reqs)}
+        if len(inp.logits_rows) == len(inp.reqs):  # every request samples (decode)
+            reqs, rids = inp.reqs, inp.req_ids
+        else:
+            rows = inp.logits_rows.tolist()
+            reqs, rids = [inp.reqs[i] for i in rows], [inp.req_ids[i] for i in rows]
+        self._prev_sample_row = dict(zip(rids, range(len(rids))))
         if logits.shape[0] == 0:
             self._prev_sampled = None
             return StepHandle(inp.reqs, [], None, None, None)
         lp = None
-        if self._is_plain_greedy(reqs):  # fast path: argmax, no sampling metadata
+        if self._is_plain_greedy(reqs, inp.rows[inp.logits_rows]):  # fast path: argmax, no sampling metadata
             ids = logits.argmax(dim=-1)
         else:
             meta = build_sampling_metadata(
