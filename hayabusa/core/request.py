@@ -17,9 +17,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
 
-    @property
-    def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+    def __init__(self, value: int) -> None:
+        # A plain attribute, not a property: it is read for every request of every step.
+        self.finished: bool = self.name.startswith("FINISHED_")
 
     @property
     def finish_reason(self) -> str | None:

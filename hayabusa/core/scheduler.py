@@ -49,14 +49,6 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
-class FinishedRequest:
-    """A request that finished in ``update_from_output`` (for the output processor)."""
-
-    request: Request
-    new_token_ids: list[int]
-
-
 class Scheduler:
     """Continuous batching under ``max_num_seqs`` and ``max_num_batched_tokens``.
 
@@ -212,7 +204,8 @@ class Scheduler:
             budget -= num_new
 
     # ----------------------------------------------------------------- results
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[FinishedRequest]:
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
         """Append sampled tokens (resolving placeholders), and finish requests that hit EOS, a stop token,
         max_tokens or max_model_len.
 
@@ -221,9 +214,10 @@ class Scheduler:
             sampled: request id -> sampled token ids (empty for a request still in a partial prefill).
 
         Returns:
-            Every request that produced tokens this step (finished or not), with its new tokens.
+            (request, its new token ids) for every request that produced tokens this step, finished or not (what
+            OutputProcessor.process takes).
         """
-        results: list[FinishedRequest] = []
+        results: list[tuple[Request, list[int]]] = []
         for req in out.scheduled_reqs:
             if req.status.finished:  # aborted / stopped between schedule and update: drop its token
                 continue
@@ -238,7 +232,7 @@ class Scheduler:
                 (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
                 req.status = status
                 self._free(req)
-            results.append(FinishedRequest(req, new_ids))
+            results.append((req, new_ids))
         return results
 
     def _check_stop(self, req: Request) -> RequestStatus | None:

@@ -219,14 +219,14 @@ class LLMEngine:
         return outputs
 
     def _collect_outputs(self, sched, result) -> list[RequestOutput]:
-        updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)   # [(request, new ids)]
         self.stats["num_steps"] += 1
-        self.stats["num_generation_tokens"] += sum(len(u.new_token_ids) for u in updates)
-        for u in updates:
-            if u.request.is_finished() and self._needs_history(u.request.sampling_params):
-                self._num_need_history -= 1
-        outputs, stop_hits = self.output_processor.process([(u.request, u.new_token_ids) for u in updates],
-                                                           result.logprobs)
+        self.stats["num_generation_tokens"] += sum(len(new_ids) for _, new_ids in updates)
+        if self._num_need_history:
+            for req, _ in updates:
+                if req.is_finished() and self._needs_history(req.sampling_params):
+                    self._num_need_history -= 1
+        outputs, stop_hits = self.output_processor.process(updates, result.logprobs)
         if stop_hits:
             self._finish_children(stop_hits, RequestStatus.FINISHED_STOPPED)
         return outputs
