@@ -23,7 +23,7 @@ import torch
 
 from hayabusa.bench import report
 from hayabusa.bench.ceilings import measure_ceilings
-from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, make_model, model_name, model_stats
+from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, make_model, model_name, model_stats, shape_config
 from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, fit_to_vocab, get_workload
 
 # Engine flags of `hayabusa bench` (vLLM names): name -> type.
@@ -41,7 +41,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="hayabusa", choices=("hayabusa", "hf", "both"),
                    help="hayabusa, the HF Transformers baseline, or both side by side (default hayabusa)")
     p.add_argument("--hf-batch-size", type=int, default=None,
-                   help="HF baseline batch size in sequences (default: the whole workload; W3 is 1 request)")
+                   help="HF baseline batch size in sequences, >= 1 (default: the whole workload in one batch)")
     for name, typ in ENGINE_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
@@ -79,7 +79,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------------ variants
+SWEEP_BOOL_KEYS = ("enforce_eager", "enable_prefix_caching", "async_scheduling")
+
+
 def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
+    """``KEY=V1,V2`` -> (key, typed values). Raises ValueError naming --sweep and the bad part."""
     if not spec:
         return None
     if "=" not in spec:
@@ -87,14 +91,32 @@ def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
     key, values = spec.split("=", 1)
     key = key.strip().replace("-", "_")
     typ = ENGINE_FLAGS.get(key, int if key == "hf_batch_size" else None)
-    if key in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
+    if key in SWEEP_BOOL_KEYS:
         typ = lambda s: s.strip().lower() in ("1", "true", "on", "yes")  # noqa: E731
     if key == "quantization":   # quantization=none,fp8,int4: "none" is the unquantized run
         typ = lambda s: None if s.strip().lower() == "none" else s.strip()  # noqa: E731
     if typ is None:
         raise ValueError(f"--sweep key {key!r} is not a bench engine argument; use one of "
-                         f"{', '.join(list(ENGINE_FLAGS) + ['enforce_eager', 'enable_prefix_caching', 'hf_batch_size'])}.")
-    return key, [typ(v) for v in values.split(",") if v.strip()]
+                         f"{', '.join(list(ENGINE_FLAGS) + list(SWEEP_BOOL_KEYS) + ['hf_batch_size'])}.")
+    raw = [v.strip() for v in values.split(",") if v.strip()]
+    if not raw:
+        raise ValueError(f"--sweep {spec!r}: no values after '='; write {key}=V1,V2.")
+    out = []
+    for v in raw:
+        try:
+            out.append(typ(v))
+        except ValueError:
+            raise ValueError(f"--sweep {spec!r}: {v!r} is not a valid {key} (expected {typ.__name__}).") from None
+    if key == "hf_batch_size":
+        for v in out:
+            _check_hf_batch_size(v, f"--sweep {spec!r}: hf_batch_size")
+    return key, out
+
+
+def _check_hf_batch_size(value: int | None, flag: str = "--hf-batch-size") -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{flag} {value}: must be >= 1 sequences (leave --hf-batch-size out to run the whole "
+                         "workload as one batch).")
 
 
 def _variants(workload: Workload, sweep: tuple[str, list[Any]] | None, engine: str) -> list[dict[str, Any]]:
@@ -151,11 +173,32 @@ def _run_one(ns: argparse.Namespace, engine: str, workload: Workload, variant: d
         bs = variant.get("hf_batch_size") or ns.hf_batch_size or (1 if workload.name == "W3" else None)
         hf_args = {"dtype": ns.dtype, "device": ns.device, "seed": ns.seed or 0, "hf_batch_size": bs,
                    "attn_implementation": "sdpa"}
+        note = _hf_ignored_note(ns)
+        if note:
+            print(f"hayabusa bench: note: {note}", flush=True)
         res = run_hf(ns.model, workload, batch_size=bs, dtype=ns.dtype, device=ns.device, seed=ns.seed or 0,
                      warmup=not ns.no_warmup, use_tqdm=tqdm_on)
+        if note:
+            res.notes.append(note)
         return res, hf_args
     args = _engine_args(ns, workload, variant)
     return run_hayabusa(ns.model, workload, args, warmup=not ns.no_warmup, use_tqdm=tqdm_on), args
+
+
+HAYABUSA_ONLY_FLAGS = ("quantization", "kv_cache_dtype")
+
+
+def _hf_ignored_note(ns: argparse.Namespace) -> str | None:
+    """The note of an HF run given --quantization / --kv-cache-dtype (or a sweep of them): the HF baseline always
+    runs the checkpoint unquantized with a model-dtype KV cache (with --engine both, it is the reference)."""
+    given = [f"--{k.replace('_', '-')} {getattr(ns, k)}" for k in HAYABUSA_ONLY_FLAGS
+             if getattr(ns, k, None) not in (None, "auto")]
+    sweep_key = (ns.sweep or "").split("=", 1)[0].strip().replace("-", "_")
+    if sweep_key in HAYABUSA_ONLY_FLAGS:
+        given.append(f"--sweep {ns.sweep}")
+    if not given:
+        return None
+    return f"{', '.join(given)} apply to hayabusa only; the HF baseline runs unquantized."
 
 
 def _summary(rec: dict[str, Any]) -> str:
@@ -168,15 +211,22 @@ def _summary(rec: dict[str, Any]) -> str:
             f"{rec['total_throughput']:.1f} total tok/s, TTFT {ttft}, TPOT {tpot}, "
             f"{rec['elapsed_s']:.2f} s, startup {rec['startup_s']:.2f} s"
             + (f", {100 * frac:.1f}% of {rec['ceiling_kind']} ceiling" if frac is not None else "")
-            + _host_summary(rec.get("extra") or {}))
+            + _host_summary(rec.get("extra") or {}, on_cpu=rec.get("gpu") == "cpu"))
 
 
-def _host_summary(extra: dict[str, Any]) -> str:
-    """', N steps, host: wait X s / schedule / launch / collect' from the timed run's step breakdown, if any."""
+def _secs(x: float) -> str:
+    return f"{x:.3f}" if x < 0.1 else f"{x:.2f}"
+
+
+def _host_summary(extra: dict[str, Any], on_cpu: bool = False) -> str:
+    """', N steps, host s: wait X schedule Y launch Z collect W' from the timed run's step breakdown, if any.
+    On CPU the forward runs synchronously inside launch (wait is ~0), and the line says so."""
     if "host_wait_s" not in extra:
         return ""
-    return (f", {extra['timed_steps']} steps, host s: wait {extra['host_wait_s']:.2f} schedule "
-            f"{extra['host_schedule_s']:.2f} launch {extra['host_launch_s']:.2f} collect {extra['host_collect_s']:.2f}")
+    where = "host s (CPU: the forward runs inside launch)" if on_cpu else "host s"
+    return (f", {extra['timed_steps']} steps, {where}: wait {_secs(extra['host_wait_s'])} schedule "
+            f"{_secs(extra['host_schedule_s'])} launch {_secs(extra['host_launch_s'])} "
+            f"collect {_secs(extra['host_collect_s'])}")
 
 
 def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[dict[str, Any]]) -> int:
@@ -254,6 +304,47 @@ def _list() -> None:
     for k, v in SHAPES.items():
         print(f"  {k:20s} {v[0]} hidden {v[1]} intermediate {v[2]} layers {v[3]} heads {v[4]}/{v[5]} "
               f"vocab {v[6]} tied {v[7]}")
+    for k in ARCH_SHAPE_NAMES:
+        c = shape_config(k)
+        h, heads = c.hidden_size, c.num_attention_heads
+        inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h   # GPT-2: 4 x hidden
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        print(f"  {k:20s} {c.architectures[0]} hidden {h} intermediate {inter} layers {c.num_hidden_layers} "
+              f"heads {heads}/{kv} vocab {c.vocab_size} tied {bool(getattr(c, 'tie_word_embeddings', False))}")
+
+
+def _workload_names(spec: str | None) -> list[str]:
+    """--workload "W1,W3," -> ["W1", "W3"] (empty entries are ignored)."""
+    return [w.strip() for w in (spec or "").split(",") if w.strip()]
+
+
+def _check_args(ns: argparse.Namespace) -> None:
+    """Flags that need no model: device, --hf-batch-size, --make-model's folder. Raises ValueError naming the flag."""
+    if ns.device not in (None, "auto"):
+        from hayabusa.config import resolve_device
+
+        resolve_device(ns.device)    # "device='cuda': CUDA is not available on this machine; use device='cpu'."
+    _check_hf_batch_size(ns.hf_batch_size)
+    if ns.make_model:
+        shape, out_dir = ns.make_model
+        if shape not in SHAPES and shape not in ARCH_SHAPE_NAMES:
+            raise ValueError(f"unknown shape {shape!r}; choose one of "
+                             f"{', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}.")
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise ValueError(f"--make-model {shape} {out_dir!r}: that path is a file, not a folder; give a new or "
+                             "existing folder.")
+
+
+def _make_model(ns: argparse.Namespace) -> int:
+    """--make-model SHAPE DIR. Returns 0, or 2 when the folder cannot be written."""
+    shape, out_dir = ns.make_model
+    try:
+        info = make_model(shape, out_dir, device=ns.device if ns.device != "auto" else None)
+    except OSError as e:
+        print(f"hayabusa bench: --make-model {shape} {out_dir!r}: cannot write there ({e}).", file=sys.stderr)
+        return 2
+    print(json.dumps(info), flush=True)
+    return 0
 
 
 def run_bench(ns: argparse.Namespace) -> int:
@@ -261,17 +352,19 @@ def run_bench(ns: argparse.Namespace) -> int:
     if ns.list:
         _list()
         return 0
+    try:
+        _check_args(ns)
+    except ValueError as e:
+        print(f"hayabusa bench: {e}", file=sys.stderr)
+        return 2
+    workloads = _workload_names(ns.workload)
+    ns.workload = ",".join(workloads) or None
     if ns.make_model:
-        shape, out_dir = ns.make_model
-        if shape not in SHAPES and shape not in ARCH_SHAPE_NAMES:
-            print(f"hayabusa bench: unknown shape {shape!r}; choose one of "
-                  f"{', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}.", file=sys.stderr)
-            return 2
-        print(json.dumps(make_model(shape, out_dir, device=ns.device if ns.device != "auto" else None)), flush=True)
-        if not ns.workload:
-            return 0
-        ns.model = ns.model or out_dir
-    if ns.workload and "W6" in [w.strip().upper() for w in ns.workload.split(",")]:
+        rc = _make_model(ns)
+        if rc or not ns.workload:
+            return rc
+        ns.model = ns.model or ns.make_model[1]
+    if "W6" in [w.upper() for w in workloads]:
         from hayabusa.bench.serve_bench import run_w6
 
         return run_w6(ns)     # a client of a running server: --model is its served name, not a folder
@@ -285,7 +378,7 @@ def run_bench(ns: argparse.Namespace) -> int:
         return 2
     try:
         if ns.workload:
-            for w in ns.workload.split(","):
+            for w in workloads:
                 get_workload(w, ns.scale)       # fail on a bad name before loading anything
             _parse_sweep(ns.sweep)
             if ns.engine != "hf":           # the architecture hayabusa must run, checked before any run starts

@@ -148,7 +148,7 @@ def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
     for r in records:
         if r.get("error"):
             rows.append([r["workload"], str(r["model"]), r["engine"], _variant_label(r),
-                         "ERROR: " + str(r["error"])[:60]] + [""] * (len(TABLE_COLUMNS) - 5))
+                         ERROR_CELL] + [""] * (len(TABLE_COLUMNS) - 5))
             continue
         peak = r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None
         wb = (r.get("extra") or {}).get("weight_bytes")
@@ -164,13 +164,25 @@ def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    """A fixed-width text table of the records (one row each)."""
+    """A fixed-width text table of the records (one row each); a failed run's row says "ERROR (see below)" and
+    its full message follows the table (so one long error does not widen every row)."""
     rows = [list(TABLE_COLUMNS)] + table_rows(records)
-    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(TABLE_COLUMNS))]
-    lines = ["  ".join(c.rjust(w) if j >= 4 else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths)))
-             for row in rows]
+    # an error row's marker spills over the empty columns after it instead of widening "out tok/s"
+    widths = [max(len(row[i]) for row in rows if i < len(row) and not (row[4] == ERROR_CELL and i == 4))
+              for i in range(len(TABLE_COLUMNS))]
+    lines = [_table_line(row, widths) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    errors = [f"  [{r['workload']} {r['engine']} {_variant_label(r)}] {r['error']}" for r in records if r.get("error")]
+    return "\n".join(lines + (["errors:"] + errors if errors else []))
+
+
+ERROR_CELL = "ERROR (see below)"
+
+
+def _table_line(row: list[str], widths: list[int]) -> str:
+    if row[4] == ERROR_CELL:
+        return ("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + ERROR_CELL).rstrip()
+    return "  ".join(c.rjust(w) if j >= 4 else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))).rstrip()
 
 
 def plot_sweep(records: list[dict[str, Any]], path: str) -> str | None:

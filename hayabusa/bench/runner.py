@@ -141,8 +141,10 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
 
 def step_time_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The timed run's engine steps and host seconds (engine ``stats`` after minus before): scheduling, launching
-    (input preparation and queueing), waiting for the device, collecting outputs. ``wait_s`` is the time the host
-    sat idle on the device; when it is small against the rest, the run was host-bound."""
+    (input preparation and queueing), waiting for the device, collecting outputs. On a GPU ``wait_s`` is the time
+    the host sat idle on the device; when it is small against the rest, the run was host-bound. On CPU the forward
+    runs synchronously inside launch, so ``wait_s`` is ~0 and ``launch_s`` includes the model's compute: the split
+    says nothing about host- vs device-bound there."""
     out: dict[str, Any] = {"timed_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
     for key in ("schedule_s", "launch_s", "wait_s", "collect_s"):
         if key in after:

@@ -8,6 +8,7 @@ runs; scale 1 is the workload of record.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,12 +169,12 @@ def get_workload(name: str, scale: float = 1.0) -> Workload:
     """Build workload `name` ("W1", "w1", ... or "startup") at `scale` (0 < scale <= 1 typically).
 
     Raises:
-        ValueError: unknown name or non-positive scale (the message says which names exist).
+        ValueError: unknown name, or a scale that is not a finite number > 0 (the message says which names exist).
     """
     key = name.strip()
     key = key.upper() if key.lower() != "startup" else "startup"
     if key not in BUILDERS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}.")
-    if not scale > 0:
-        raise ValueError(f"--scale must be > 0, got {scale}.")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"--scale must be a finite number > 0 (1 = the workload of record), got {scale}.")
     return BUILDERS[key](scale)

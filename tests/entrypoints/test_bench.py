@@ -204,3 +204,77 @@ def test_unsupported_architecture_is_refused_before_any_run(tmp_path, stories_di
     assert cli.main(["--workload", "W1", "--model", str(bad), "--scale", "0.02", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "FooForCausalLM" in err and "LlamaForCausalLM" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------ bad arguments
+@pytest.mark.parametrize("args,names", [
+    (["--engine", "hf", "--hf-batch-size", "-2"], ["--hf-batch-size", "-2"]),
+    (["--engine", "hf", "--hf-batch-size", "0"], ["--hf-batch-size", "0"]),
+    (["--engine", "both", "--sweep", "hf_batch_size=-1,4"], ["--sweep", "-1"]),
+    (["--sweep", "max_num_seqs="], ["--sweep", "no values"]),
+    (["--sweep", "max_num_seqs=a,b"], ["--sweep", "'a'", "max_num_seqs"]),
+    (["--sweep", "max_num_seq=1"], ["async_scheduling", "hf_batch_size"]),
+    (["--scale", "inf"], ["--scale", "inf"]),
+    (["--device", "cuda"], ["device='cuda'", "CUDA is not available", "device='cpu'"]),
+])
+def test_bad_bench_flags_are_refused_by_name(tmp_path, tiny_bench_model, capsys, monkeypatch, args, names):
+    """Exit 2 before anything loads, naming the flag and the value (no bogus record, no traceback)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "out.json"
+    device = [] if "--device" in args else ["--device", "cpu"]
+    assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--json", str(path), *device, *args]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in names), err
+    assert "Traceback" not in err and not path.exists()
+
+
+def test_make_model_into_a_file_or_unwritable_place_fails(tmp_path, capsys):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert cli.main(["--make-model", "tiny-llama", str(a_file), "--device", "cpu"]) == 2
+    assert "--make-model" in capsys.readouterr().err and a_file.read_text() == "x"
+    assert cli.main(["--make-model", "tiny-llama", str(a_file / "sub"), "--device", "cpu"]) == 2   # under a file
+    assert "cannot write there" in capsys.readouterr().err
+
+
+def test_list_shows_every_make_model_shape(capsys):
+    from hayabusa.bench.models import ARCH_SHAPE_NAMES
+
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in [*SHAPES, *ARCH_SHAPE_NAMES])
+    assert "GPT2LMHeadModel hidden 2048 intermediate 8192 layers 24 heads 16/16 vocab 44928" in out
+
+
+def test_hf_run_notes_that_quantization_is_hayabusa_only(tmp_path, tiny_bench_model, capsys):
+    """--engine hf with --quantization / --kv-cache-dtype runs (unquantized, as the reference) and says so; an
+    empty entry in --workload is ignored."""
+    hf, = _bench(tmp_path, "--workload", "W3,", "--model", tiny_bench_model, "--scale", "0.02", "--engine", "hf",
+                 "--quantization", "int8", "--kv-cache-dtype", "fp8")
+    note = "--quantization int8, --kv-cache-dtype fp8 apply to hayabusa only; the HF baseline runs unquantized."
+    assert hf["notes"] == [note] and not hf.get("error")
+    assert f"note: {note}" in capsys.readouterr().out
+
+
+def test_host_summary_on_cpu_says_the_forward_is_in_launch():
+    extra = {"timed_steps": 12, "host_wait_s": 0.0, "host_schedule_s": 0.0123, "host_launch_s": 0.5,
+             "host_collect_s": 0.004}
+    assert cli._host_summary(extra, on_cpu=True) == (
+        ", 12 steps, host s (CPU: the forward runs inside launch): wait 0.000 schedule 0.012 launch 0.50 "
+        "collect 0.004")
+    assert cli._host_summary(extra).startswith(", 12 steps, host s: wait 0.000")
+
+
+def test_table_error_rows_are_short_and_the_message_follows():
+    from hayabusa.bench import report
+
+    env = {"gpu": "cpu", "commit": "c", "date": "d", "versions": {}}
+    msg = "HayabusaValidationError: quantization='awq' needs a checkpoint with a quantization_config " + "x" * 80
+    bad = report.error_record("W1", engine="hayabusa", model="tiny", engine_args={}, env=env,
+                              variant={"quantization": "awq"}, error=msg)
+    good = {**{k: None for k in REQUIRED_KEYS}, "workload": "W1", "model": "tiny", "engine": "hayabusa",
+            "variant": {}, "output_throughput": 12.5, "total_throughput": 100.0, "startup_s": 1.0, "extra": {}}
+    lines = report.format_table([good, bad]).splitlines()
+    assert lines[3] == "W1        tiny   hayabusa  quantization=awq  ERROR (see below)"
+    assert len(lines[2]) <= len(lines[0]) and all(line == line.rstrip() for line in lines)
+    assert lines[4:] == ["errors:", f"  [W1 hayabusa quantization=awq] {msg}"]
