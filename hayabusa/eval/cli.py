@@ -88,8 +88,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     f.add_argument("--reference-dtype", default=None, help="reference dtype (default bfloat16 on CUDA, float32 on CPU)")
     f.add_argument("--reference-model", default=None,
                    help="run the reference on this checkpoint instead of --model (e.g. the unquantized original)")
-    f.add_argument("--chunk-len", type=int, default=None, help="tokens per chunk (default: max_model_len)")
-    f.add_argument("--fidelity-tokens", type=int, default=None, help="use only the first N tokens of the text")
+    f.add_argument("--chunk-len", type=int, default=None, help="tokens per chunk, >= 2 (default: max_model_len)")
+    f.add_argument("--fidelity-tokens", type=int, default=None,
+                   help="use only the first N tokens of the text, N >= 2 (default: all)")
     _add_engine_flags(p)
     return p
 
@@ -176,7 +177,8 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
         text = f.read()
     res = run_fidelity(_model(ns), text, _engine_kwargs(ns), reference=ns.reference or "hf",
                        reference_dtype=ns.reference_dtype, chunk_len=ns.chunk_len,
-                       max_text_tokens=ns.fidelity_tokens, reference_model=ns.reference_model)
+                       max_text_tokens=ns.fidelity_tokens, reference_model=ns.reference_model,
+                       use_tqdm=not ns.no_tqdm)
     print(format_result(res))
     if ns.summary_json:
         with open(ns.summary_json, "w", encoding="utf-8") as f:

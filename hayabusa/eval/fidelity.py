@@ -33,6 +33,7 @@ from hayabusa.errors import HayabusaValidationError
 
 REFERENCES = ("hf", "hayabusa-bf16")
 LOGITS_SLICE = 512     # positions per logits / log-softmax slice (bounds memory at 512 x V fp32 per side)
+MIN_CHUNK_LEN = 2      # shorter chunks never attend to context (see check_fidelity_args)
 
 
 @dataclass
@@ -49,6 +50,10 @@ class FidelityResult:
     reference_dtype: str
     dtype: str
     seconds: float
+    model: str | None = None             # hayabusa's checkpoint (folder or Hub id)
+    quantization: str | None = None      # the method hayabusa ran (None = unquantized)
+    kv_cache_dtype: str = "auto"         # hayabusa's KV-cache dtype as given ("auto" = the model dtype)
+    reference_model: str | None = None   # the reference's checkpoint (--reference-model, else model)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,8 +129,8 @@ def _hf_logits_fn(hf: Any, dev: torch.device) -> Callable[[list[int]], Callable[
 
 # ------------------------------------------------------------------------------------------------ comparison
 @torch.inference_mode()
-def compare_chunks(chunks: list[list[int]], next_ids: list[list[int]], model_fn: Callable, ref_fn: Callable
-                   ) -> dict[str, float]:
+def compare_chunks(chunks: list[list[int]], next_ids: list[list[int]], model_fn: Callable, ref_fn: Callable,
+                   use_tqdm: bool = True) -> dict[str, float]:
     """Sum KL, top-1 matches and NLL over every position of every chunk (next_ids[c][j] is the text's token after
     position j of chunk c, -1 where the text ends)."""
     kl_sum = top1 = n = 0
@@ -135,7 +140,7 @@ def compare_chunks(chunks: list[list[int]], next_ids: list[list[int]], model_fn:
     from tqdm.auto import tqdm
 
     for ids, nxt in tqdm(list(zip(chunks, next_ids)), desc="Fidelity chunks", unit="chunk",
-                         disable=len(chunks) < 2, dynamic_ncols=True):
+                         disable=not use_tqdm or len(chunks) < 2, dynamic_ncols=True):
         mlog, rlog = model_fn(ids), ref_fn(ids)
         for s in range(0, len(ids), LOGITS_SLICE):
             e = min(s + LOGITS_SLICE, len(ids))
@@ -185,13 +190,12 @@ def _fidelity_engine(model: str, engine_args: dict[str, Any], chunk_len: int | N
 
 def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: str = "hf",
                  reference_dtype: str | None = None, chunk_len: int | None = None,
-                 max_text_tokens: int | None = None, reference_model: str | None = None) -> FidelityResult:
+                 max_text_tokens: int | None = None, reference_model: str | None = None,
+                 use_tqdm: bool = True) -> FidelityResult:
     """Compare hayabusa (built from `engine_args`) with the reference over `text`. See the module docstring.
     ``reference_model``: the reference runs this checkpoint instead of ``model`` (the unquantized original of a
     quantized checkpoint; same tokenizer)."""
-    if reference not in REFERENCES:
-        raise HayabusaValidationError(f"--reference for --fidelity must be one of {', '.join(REFERENCES)}, got "
-                                      f"{reference!r}.", parameter="reference", value=reference)
+    check_fidelity_args(reference, reference_dtype, chunk_len, max_text_tokens)
     t0 = time.perf_counter()
     llm = _fidelity_engine(model, engine_args, chunk_len)
     mc = llm.llm_engine.config.model_config
@@ -207,8 +211,10 @@ def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: 
     chunks, nxt = chunk_text(ids, chunk_len)
     ref_obj, ref_fn, ref_dtype = _reference(reference_model or model, reference, reference_dtype, engine_args,
                                             chunk_len, dev)
+    quantization = mc.quantization
+    kv_cache_dtype = llm.llm_engine.config.cache_config.cache_dtype
     try:
-        sums = compare_chunks(chunks, nxt, _engine_logits_fn(llm), ref_fn)
+        sums = compare_chunks(chunks, nxt, _engine_logits_fn(llm), ref_fn, use_tqdm=use_tqdm)
     finally:
         del ref_obj, llm
     n, nn = max(sums["n"], 1), max(sums["n_next"], 1)
@@ -216,7 +222,33 @@ def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: 
                           num_tokens=sums["n"], num_chunks=len(chunks), chunk_len=chunk_len,
                           ppl=math.exp(sums["nll"] / nn), ppl_reference=math.exp(sums["nll_ref"] / nn),
                           reference=reference, reference_dtype=ref_dtype, dtype=str(mc.dtype).replace("torch.", ""),
-                          seconds=round(time.perf_counter() - t0, 2))
+                          seconds=round(time.perf_counter() - t0, 2), model=model, quantization=quantization,
+                          kv_cache_dtype=kv_cache_dtype, reference_model=reference_model or model)
+
+
+def check_fidelity_args(reference: str, reference_dtype: str | None, chunk_len: int | None,
+                        max_text_tokens: int | None) -> None:
+    """The fidelity flags that need no model. Raises HayabusaValidationError naming the flag and the value."""
+    from hayabusa.config import _DTYPES
+
+    if reference not in REFERENCES:
+        raise HayabusaValidationError(f"--reference for --fidelity must be one of {', '.join(REFERENCES)}, got "
+                                      f"{reference!r}.", parameter="reference", value=reference)
+    if reference_dtype is not None and reference_dtype != "auto" and reference_dtype not in _DTYPES:
+        raise HayabusaValidationError(
+            f"--reference-dtype {reference_dtype!r}: use float32, float16 or bfloat16 (the reference runs "
+            "unquantized; quantize hayabusa with --quantization).", parameter="reference_dtype", value=reference_dtype)
+    if chunk_len is not None and chunk_len < MIN_CHUNK_LEN:
+        # A 1-token chunk puts every token at position 0 attending only to itself: no context, no KV cache read,
+        # no attention kernel difference, so the KL measures next to nothing (it comes out exactly 0).
+        raise HayabusaValidationError(
+            f"--chunk-len {chunk_len}: must be >= {MIN_CHUNK_LEN}; each chunk restarts at position 0, and a "
+            "1-token chunk never reads the KV cache or attends to context, so it measures nothing (leave it out "
+            "for max_model_len).", parameter="chunk_len", value=chunk_len)
+    if max_text_tokens is not None and max_text_tokens < 2:
+        raise HayabusaValidationError(
+            f"--fidelity-tokens {max_text_tokens}: must be >= 2 (the first N tokens of the text are compared; "
+            "leave it out to use the whole text).", parameter="fidelity_tokens", value=max_text_tokens)
 
 
 def _reference(model: str, reference: str, reference_dtype: str | None, engine_args: dict[str, Any],
@@ -251,7 +283,10 @@ def _reference(model: str, reference: str, reference_dtype: str | None, engine_a
 
 
 def format_result(r: FidelityResult) -> str:
-    return (f"fidelity vs {r.reference} ({r.reference_dtype}); hayabusa {r.dtype}: {r.num_tokens} tokens in "
+    ref_model = "" if r.reference_model in (None, r.model) else f" on {r.reference_model}"
+    return (f"fidelity of hayabusa on {r.model} ({r.dtype}, quantization {r.quantization or 'none'}, "
+            f"kv_cache_dtype {r.kv_cache_dtype})\n"
+            f"  vs reference {r.reference}{ref_model} ({r.reference_dtype}): {r.num_tokens} tokens in "
             f"{r.num_chunks} chunk(s) of <= {r.chunk_len}\n"
             f"  mean KL(ref || hayabusa) {r.mean_kl:.3e} nats/token (max {r.max_kl:.3e})\n"
             f"  top-1 agreement          {r.top1_agreement:.4f}\n"

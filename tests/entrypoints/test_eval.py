@@ -222,3 +222,45 @@ def test_fidelity_on_a_checkpoint_hf_cannot_load_says_use_reference_model(tmp_pa
     with pytest.raises(HayabusaValidationError, match="--reference-model") as e:
         fidelity.run_fidelity(model, "Once upon a time there was a little girl.", {}, reference="hf")
     assert e.value.parameter == "reference_model"
+
+
+STORY = ("Once upon a time, there was a little girl named Lily. She liked to play in the park with her dog. "
+         "One day the dog found a big red ball under a tree. Lily and the dog played until the sun went down. ")
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--fidelity-tokens", "0"], ["--fidelity-tokens 0", ">= 2"]),
+    (["--fidelity-tokens", "-5"], ["--fidelity-tokens -5"]),
+    (["--chunk-len", "1"], ["--chunk-len 1", ">= 2", "KV cache"]),
+    (["--reference-dtype", "int8"], ["--reference-dtype 'int8'"]),
+])
+def test_fidelity_flags_are_refused_by_name(stories_dir, tmp_path, capsys, args, names):
+    from hayabusa.entrypoints.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text(STORY)
+    assert main(["eval", "--fidelity", "--model", stories_dir, "--text", str(text), "--device", "cpu",
+                 "--no-tqdm", *args]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in names), err
+    assert "--dtype 'int8'" not in err
+
+
+def test_fidelity_names_model_quantization_and_reference(stories_dir, tmp_path, capsys):
+    """The stdout header and --json say what was measured against what; --no-tqdm hides the chunk bar."""
+    from hayabusa.entrypoints.cli import main
+
+    text, out = tmp_path / "t.txt", tmp_path / "f.json"
+    text.write_text(STORY * 2)
+    assert main(["eval", "--fidelity", "--model", stories_dir, "--text", str(text), "--device", "cpu",
+                 "--dtype", "float32", "--quantization", "int8", "--reference-model", stories_dir,
+                 "--reference-dtype", "float32", "--chunk-len", "32", "--fidelity-tokens", "100", "--no-tqdm",
+                 "--json", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert f"fidelity of hayabusa on {stories_dir} (float32, quantization int8, kv_cache_dtype auto)" in cap.out
+    assert "vs reference hf (float32): 100 tokens in 4 chunk(s) of <= 32" in cap.out
+    assert "Fidelity chunks" not in cap.err
+    res = json.loads(out.read_text())
+    assert (res["model"], res["quantization"], res["kv_cache_dtype"]) == (stories_dir, "int8", "auto")
+    assert (res["reference"], res["reference_model"], res["reference_dtype"]) == ("hf", stories_dir, "float32")
+    assert res["num_tokens"] == 100 and 0 < res["top1_agreement"] <= 1
