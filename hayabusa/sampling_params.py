@@ -152,6 +152,11 @@ class SamplingParams:
             raise _bad(name, getattr(self, name), "is not supported yet")
 
     @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty is on (sampling then reads the token history)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature below 1e-5)."""
         return self.temperature < SAMPLING_EPS

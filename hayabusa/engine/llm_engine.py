@@ -241,5 +241,4 @@ class LLMEngine:
     @staticmethod
     def _needs_history(params: SamplingParams) -> bool:
         """Sampling reads the request's generated tokens (so a step cannot start before the last one is back)."""
-        return (params.min_tokens > 0 or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                or params.frequency_penalty != 0.0)
+        return params.min_tokens > 0 or params.has_penalties

@@ -125,9 +125,7 @@ def build_sampling_metadata(
     presence = [p.presence_penalty for p in params]
     frequency = [p.frequency_penalty for p in params]
     repetition = [p.repetition_penalty for p in params]
-    no_penalties = all(pp == 0.0 for pp in presence) and all(f == 0.0 for f in frequency) and all(
-        r == 1.0 for r in repetition
-    )
+    no_penalties = not any(p.has_penalties for p in params)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
 
     def fp32(values: list[float]) -> torch.Tensor:

@@ -268,8 +268,7 @@ class ModelRunner:
     def _argmax_from(p: SamplingParams) -> int:
         """Output tokens from which a request's next token is a plain argmax of its logits: min_tokens when it is
         greedy with no logprobs and no penalties, else never (NEVER_ARGMAX)."""
-        if not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
-                or p.frequency_penalty != 0.0:
+        if not p.greedy or p.logprobs is not None or p.has_penalties:
             return NEVER_ARGMAX
         return p.min_tokens
 
