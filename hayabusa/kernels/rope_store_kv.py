@@ -18,7 +18,7 @@ import torch
 
 from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.fp8 import FP8_FORMATS, check_scale, unit_scale
-from hayabusa.kernels.rotary import rope_in_place, rotary_embedding_ref, rotated_halves
+from hayabusa.kernels.rotary import check_rotary_inputs, rope_in_place, rotary_embedding_ref, rotated_halves
 from hayabusa.kernels.store_kv import cache_values, check_store_kv_inputs, store_kv_ref
 
 
@@ -70,24 +70,6 @@ def _rope_store_kv_kernel(
                  cache_values(v2, v_scale_ptr, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND).to(ty), mask=m)
 
 
-def _check_rotary_inputs(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> None:
-    T, D = k.shape[0], k.shape[2]
-    if q.dim() != 3 or q.shape[0] != T or q.shape[2] != D or q.stride(-1) != 1:
-        raise ValueError(f"q must be [T={T}, H, D={D}] with a unit last stride, got {tuple(q.shape)} {q.stride()}")
-    if positions.shape != (T,) or positions.dtype != torch.int64:
-        raise ValueError(f"positions must be [T={T}] int64, got {tuple(positions.shape)} {positions.dtype}")
-    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != D or D % 2 or cos.stride(-1) != 1 \
-            or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos and sin must both be [max_position, D={D}] (full-width rotary, even D) with a unit "
-                         f"last stride, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    if q.dtype != k.dtype:
-        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
-    devices = {t.device for t in (positions, q, k, cos, sin)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {devices}")
-
-
 def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, k_scale: torch.Tensor | None = None,
@@ -114,7 +96,7 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     The grid is (T,) and everything per token is read on the device: CUDA-graph safe, no host sync.
     """
     check_store_kv_inputs(k, v, k_cache, v_cache, slot_mapping)
-    _check_rotary_inputs(positions, q, k, cos, sin)
+    check_rotary_inputs(positions, q, k, cos, sin)
     check_scale("k_scale", k_scale, k_cache.device)
     check_scale("v_scale", v_scale, k_cache.device)
     if q.device != k_cache.device:

@@ -44,6 +44,29 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, 
     rope_in_place(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], m, cos, sin, HALF)
 
 
+def check_rotary_inputs(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> None:
+    """rotary_embedding's (and rope_and_store_kv's) argument checks: q [T, H, D] and k [T, H_kv, D] with unit last
+    strides and one dtype, positions [T] int64, full-width cos / sin [max_position, D], one device. Raises
+    ValueError naming the mismatch."""
+    if k.dim() != 3 or k.stride(-1) != 1:
+        raise ValueError(f"k must be [T, H_kv, D] with a unit last stride, got {tuple(k.shape)} {k.stride()}")
+    T, D = k.shape[0], k.shape[2]
+    if q.dim() != 3 or q.shape[0] != T or q.shape[2] != D or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T={T}, H, D={D}] with a unit last stride, got {tuple(q.shape)} {q.stride()}")
+    if positions.shape != (T,) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be [T={T}] int64, got {tuple(positions.shape)} {positions.dtype}")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != D or D % 2 or cos.stride(-1) != 1 \
+            or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        raise ValueError(f"cos and sin must both be [max_position, D={D}] (full-width rotary, even D) with a unit "
+                         f"last stride, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    devices = {t.device for t in (positions, q, k, cos, sin)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> None:
     """Rotate q [T, H, D] and k [T, H_kv, D] in place (views with unit last stride are fine).
@@ -52,10 +75,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     rotary (rot_dim == D) is handled here; partial rotary uses the reference. Raises ValueError otherwise.
     kernels/rope_store_kv.py fuses this kernel with store_kv (same bits, one launch).
     """
+    check_rotary_inputs(positions, q, k, cos, sin)
     T, NQ, D = q.shape
-    if cos.shape[1] != D or k.shape[2] != D or q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError(f"rotary_embedding needs full-width rotary and unit last strides; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, cos {tuple(cos.shape)}")
     if T == 0:
         return
     NK, HALF = k.shape[1], D // 2

@@ -79,6 +79,18 @@ def test_silu_and_mul(dtype, D):
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **_tol(dtype))
 
 
+def test_rotary_refuses_what_the_kernel_cannot_read():
+    """rotary_embedding checks its arguments as rope_and_store_kv does (one check_rotary_inputs)."""
+    from hayabusa.kernels.rotary import rotary_embedding
+
+    q, k = torch.zeros(3, 4, 16, device=DEVICE), torch.zeros(3, 2, 16, device=DEVICE)
+    cos = sin = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="positions must be"):
+        rotary_embedding(torch.zeros(3, dtype=torch.int32, device=DEVICE), q, k, cos, sin)
+    with pytest.raises(ValueError, match="full-width"):
+        rotary_embedding(torch.zeros(3, dtype=torch.int64, device=DEVICE), q, k, cos[:, :8], sin[:, :8])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,H_kv,D", [(4, 2, 16), (7, 1, 64), (14, 2, 64)])
 def test_rotary_in_place_on_fused_qkv_views(dtype, H, H_kv, D):
