@@ -301,10 +301,7 @@ def _list() -> None:
     for k, v in DESCRIPTIONS.items():
         print(f"  {k:8s} {v}")
     print("model shapes (--make-model SHAPE DIR):")
-    for k, v in SHAPES.items():
-        print(f"  {k:20s} {v[0]} hidden {v[1]} intermediate {v[2]} layers {v[3]} heads {v[4]}/{v[5]} "
-              f"vocab {v[6]} tied {v[7]}")
-    for k in ARCH_SHAPE_NAMES:
+    for k in list(SHAPES) + list(ARCH_SHAPE_NAMES):
         c = shape_config(k)
         h, heads = c.hidden_size, c.num_attention_heads
         inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h   # GPT-2: 4 x hidden
@@ -327,9 +324,7 @@ def _check_args(ns: argparse.Namespace) -> None:
     _check_hf_batch_size(ns.hf_batch_size)
     if ns.make_model:
         shape, out_dir = ns.make_model
-        if shape not in SHAPES and shape not in ARCH_SHAPE_NAMES:
-            raise ValueError(f"unknown shape {shape!r}; choose one of "
-                             f"{', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}.")
+        shape_config(shape)          # an unknown shape: ValueError listing the known ones
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise ValueError(f"--make-model {shape} {out_dir!r}: that path is a file, not a folder; give a new or "
                              "existing folder.")
