@@ -192,11 +192,9 @@ class LLMEngine:
                 raise RuntimeError("scheduler could not schedule any request although some are waiting: the KV "
                                    "cache is too small for one of them (raise kv_cache_memory_bytes).")
             return []
-        if not overlap:
-            t0 = time.perf_counter()
-            result = self.runner.finish(handle)
-            self.stats["wait_s"] += time.perf_counter() - t0
-            return self._collect(sched, result)
+        if not overlap:  # handle is set here (an empty step with nothing pending returned above)
+            self._pending = (sched, handle)
+            return self._collect(*self._drain())
         previous = self._drain()
         self._pending = (sched, handle) if handle is not None else None
         return self._collect(*previous) if previous is not None else []
