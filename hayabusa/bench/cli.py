@@ -49,7 +49,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--async-scheduling", action="store_true", default=None)
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
-    p.add_argument("--sweep", metavar="KEY=V1,V2", help="one run per value of an engine argument "
+    p.add_argument("--sweep", action="append", metavar="KEY=V1,V2", help="one run per value of an engine argument "
                    "(e.g. max_num_seqs=64,128,256; hf_batch_size=8,32 for the HF baseline)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="shrink request counts and lengths by this factor (1 = the workload of record)")
@@ -265,8 +265,12 @@ def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[
 
 def _load_ceilings(path: str) -> dict | None:
     """Ceilings from an earlier JSON (a record list, a ceilings record, or the bare dict); None if absent."""
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--ceilings-from {path!r}: cannot read it ({e}); give the JSON an earlier "
+                         "`hayabusa bench --ceilings --json FILE` wrote.") from None
     items = data if isinstance(data, list) else [data]
     for item in items:
         if isinstance(item, dict) and "copy_bandwidth_gbs" in item:
@@ -316,7 +320,15 @@ def _workload_names(spec: str | None) -> list[str]:
 
 
 def _check_args(ns: argparse.Namespace) -> None:
-    """Flags that need no model: device, --hf-batch-size, --make-model's folder. Raises ValueError naming the flag."""
+    """Flags that need no model: device, --hf-batch-size, --make-model's folder, one --sweep (left in ns.sweep as a
+    string). Raises ValueError naming the flag."""
+    sweeps = ns.sweep or []
+    if len(sweeps) > 1:
+        raise ValueError(f"--sweep given {len(sweeps)} times ({', '.join(sweeps)}): bench sweeps one engine argument "
+                         "per run; run one bench per key, or set the others as flags (e.g. --quantization fp8).")
+    ns.sweep = sweeps[0] if sweeps else None
+    if ns.ceilings_from:
+        _load_ceilings(ns.ceilings_from)   # a missing or broken file: ValueError naming --ceilings-from
     if ns.device not in (None, "auto"):
         from hayabusa.config import resolve_device
 

@@ -23,9 +23,18 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool, revision: str | None = None) -> Any:
+    """The checkpoint's tokenizer (transformers AutoTokenizer). Raises HayabusaValidationError naming ``tokenizer``
+    when there is none to load (e.g. a `hayabusa bench --make-model` checkpoint), with the two ways around it."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise HayabusaValidationError(
+            f"cannot load a tokenizer from {path!r} ({why}); give one with tokenizer=... (--tokenizer DIR), or "
+            "skip_tokenizer_init=True (--skip-tokenizer-init) and send token ids.", parameter="tokenizer",
+            value=path) from None
 
 
 def as_request_id(request_id: Any) -> str:

@@ -173,8 +173,16 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
 
     if not ns.text:
         raise HayabusaValidationError("--fidelity needs --text FILE.", parameter="text")
-    with open(ns.text, encoding="utf-8") as f:
-        text = f.read()
+    if ns.sweep:
+        raise HayabusaValidationError(
+            f"--sweep does not apply to --fidelity (given: {', '.join(ns.sweep)}); run one --fidelity per setting, "
+            "e.g. --quantization int8.", parameter="sweep", value=ns.sweep)
+    try:
+        with open(ns.text, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise HayabusaValidationError(f"--text {ns.text!r}: cannot read it ({e.strerror}).", parameter="text",
+                                      value=ns.text) from None
     res = run_fidelity(_model(ns), text, _engine_kwargs(ns), reference=ns.reference or "hf",
                        reference_dtype=ns.reference_dtype, chunk_len=ns.chunk_len,
                        max_text_tokens=ns.fidelity_tokens, reference_model=ns.reference_model,

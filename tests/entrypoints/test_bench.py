@@ -216,6 +216,8 @@ def test_unsupported_architecture_is_refused_before_any_run(tmp_path, stories_di
     (["--sweep", "max_num_seq=1"], ["async_scheduling", "hf_batch_size"]),
     (["--scale", "inf"], ["--scale", "inf"]),
     (["--device", "cuda"], ["device='cuda'", "CUDA is not available", "device='cpu'"]),
+    (["--sweep", "max_num_seqs=1,2", "--sweep", "quantization=none,fp8"], ["--sweep given 2 times"]),
+    (["--ceilings-from", "/nonexistent/ceilings.json"], ["--ceilings-from", "cannot read"]),
 ])
 def test_bad_bench_flags_are_refused_by_name(tmp_path, tiny_bench_model, capsys, monkeypatch, args, names):
     """Exit 2 before anything loads, naming the flag and the value (no bogus record, no traceback)."""
@@ -278,3 +280,14 @@ def test_table_error_rows_are_short_and_the_message_follows():
     assert lines[3] == "W1        tiny   hayabusa  quantization=awq  ERROR (see below)"
     assert len(lines[2]) <= len(lines[0]) and all(line == line.rstrip() for line in lines)
     assert lines[4:] == ["errors:", f"  [W1 hayabusa quantization=awq] {msg}"]
+
+
+def test_a_bench_checkpoint_without_a_tokenizer_says_how_to_run_it(tiny_bench_model):
+    """A `--make-model` checkpoint has no tokenizer: LLM() names `tokenizer` and the two ways around it."""
+    from hayabusa import LLM
+    from hayabusa.errors import HayabusaValidationError
+
+    with pytest.raises(HayabusaValidationError, match="skip-tokenizer-init") as e:
+        LLM(tiny_bench_model, device="cpu")
+    assert e.value.parameter == "tokenizer" and "--tokenizer" in str(e.value)
+    assert LLM(tiny_bench_model, device="cpu", skip_tokenizer_init=True).llm_engine.tokenizer is None

@@ -233,6 +233,8 @@ STORY = ("Once upon a time, there was a little girl named Lily. She liked to pla
     (["--fidelity-tokens", "-5"], ["--fidelity-tokens -5"]),
     (["--chunk-len", "1"], ["--chunk-len 1", ">= 2", "KV cache"]),
     (["--reference-dtype", "int8"], ["--reference-dtype 'int8'"]),
+    (["--sweep", "quantization=fp8,int8"], ["--sweep does not apply to --fidelity"]),
+    (["--text", "/nonexistent/text.txt"], ["--text '/nonexistent/text.txt'", "cannot read"]),
 ])
 def test_fidelity_flags_are_refused_by_name(stories_dir, tmp_path, capsys, args, names):
     from hayabusa.entrypoints.cli import main
