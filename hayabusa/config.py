@@ -278,11 +278,11 @@ class ModelConfig:
         if isinstance(config_dtype, str):
             config_dtype = _DTYPES.get(config_dtype)
         eos = _eos_ids(model_dir, text_config)
-        from hayabusa.quantization import get_quantization_config
+        from hayabusa.quantization import check_device, get_quantization_config
 
         quant_config = get_quantization_config(args.quantization, hf_config)
         if quant_config is not None:
-            quant_config.check_device(device)
+            check_device(quant_config, device)
         return cls(model=model_dir, tokenizer=args.tokenizer or model_dir, hf_config=text_config,
                    architecture=arch, dtype=resolve_dtype(args.dtype, config_dtype, device), max_model_len=max_len,
                    vocab_size=text_config.vocab_size, num_layers=text_config.num_hidden_layers,
