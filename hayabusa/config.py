@@ -203,8 +203,8 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, only: Collection[str] | None = None
-                     ) -> argparse._ArgumentGroup:
+    def add_cli_args(cls, parser: argparse.ArgumentParser, only: Collection[str] | None = None,
+                     helps: dict[str, str] | None = None) -> Any:
         """Add one flag per field (vLLM's spelling: ``--max-num-seqs``; booleans as ``--x`` / ``--no-x``) to
         ``parser``, in an argument group; the one place every ``hayabusa`` command gets its engine flags from.
         Unset flags stay None, so ``cli_kwargs`` passes only what was given and EngineArgs' defaults apply.
@@ -212,8 +212,9 @@ class EngineArgs:
         Args:
             parser: the command's parser.
             only: the field names to add (default: every field but ``NOT_CLI_ARGS``).
+            helps: help texts that replace the docstring's for this command (name -> text).
         Returns:
-            The argument group holding the flags.
+            The argument group (``parser.add_argument_group``) holding the flags.
         """
         group = parser.add_argument_group("engine arguments (EngineArgs; unset flags keep its defaults)")
         docs = _arg_docs(cls)
@@ -223,7 +224,7 @@ class EngineArgs:
             names = ["--" + f.name.replace("_", "-"), *CLI_ALIASES.get(f.name, ())]
             kind = cli_arg_type(f)
             default = f.default if f.default is not dataclasses.MISSING else None
-            doc = docs.get(f.name, "")
+            doc = (helps or {}).get(f.name) or docs.get(f.name, "")
             if f.name in IGNORED_ARGS:
                 doc = f"accepted for vLLM compatibility and ignored: {IGNORED_ARGS[f.name]}"
             help_text = f"{doc} [EngineArgs default: {default}]".strip()
