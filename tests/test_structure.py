@@ -116,8 +116,8 @@ def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
     if isinstance(node, ast.Name):
         return aliases.get(node.id)
     if isinstance(node, ast.Attribute):
-        parent = _dotted(node.value, aliases) if not (isinstance(node.value, ast.Name) and node.value.id == "hayabusa") \
-            else "hayabusa"
+        is_root = isinstance(node.value, ast.Name) and node.value.id == "hayabusa"
+        parent = "hayabusa" if is_root else _dotted(node.value, aliases)
         if parent is not None and _is_hayabusa_module(f"{parent}.{node.attr}"):
             return f"{parent}.{node.attr}"
     return None

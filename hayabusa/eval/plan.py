@@ -16,7 +16,7 @@ with
                         which PyTorch's caching allocator does not track (PyTorch "CUDA semantics" notes: the
                         context takes a few hundred MiB depending on GPU, driver and CUDA version); the engine
                         measures it at startup as (total - free) - torch reserved. 1 GiB is a round allowance on
-                        the safe side; tests/entrypoints/test_plan.py checks plan against the engine's profiled KV
+                        the safe side; tests/eval/test_plan.py checks plan against the engine's profiled KV
                         capacity on a GPU (within 10 %).
 CUDA graphs are captured after the KV cache is allocated and take memory beyond gpu_memory_utilization (some
 hundred MiB; enforce_eager avoids it); they are not in the budget, as in the engine.
