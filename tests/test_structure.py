@@ -4,6 +4,9 @@
   module that owns it), neither by ``from X import _name`` nor by ``X._name`` on an imported hayabusa module;
 - no module reaches into an object for a ``_private`` attribute or method that only other hayabusa modules define
   (``runner._copy_inputs()`` outside the runner's module);
+- no import circle between hayabusa modules, counting imports inside functions (the CLIs each add their own
+  subcommand to ``entrypoints/cli.py`` and none imports it back; quantization/'s registry is imported by nobody it
+  imports);
 - every module is listed in docs/structure.md.
 """
 
@@ -151,6 +154,66 @@ def test_the_checker_sees_private_attributes_of_other_modules_objects():
                              "class C:\n    def g(self):\n        self._own = self._copy\n"}
     found = {(m, what) for m, what, _ in private_attribute_uses(sources)}
     assert found == {("hayabusa.b", "r._copy"), ("hayabusa.b", "r._n")}
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the hayabusa modules it imports anywhere in its text (``from pkg import mod`` counts as ``pkg.mod``,
+    ``from mod import name`` as ``mod``)."""
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for module, src in sources.items():
+        for node in ast.walk(ast.parse(src, filename=module)):
+            if isinstance(node, ast.ImportFrom):
+                source = _resolve(module, node)
+                for alias in node.names:
+                    full = f"{source}.{alias.name}"
+                    graph[module].add(full if full in sources else source)
+            elif isinstance(node, ast.Import):
+                graph[module].update(a.name for a in node.names)
+        graph[module] = {t for t in graph[module] if t in sources and t != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circles():
+    sources = {_module_name(p): p.read_text(encoding="utf-8") for p in _modules()}
+    assert import_cycles(import_graph(sources)) == []
+
+
+def test_the_cycle_finder_sees_a_circle_through_a_function_level_import():
+    sources = {"hayabusa.a": "from hayabusa.b import f\n", "hayabusa.b": "def f():\n    from hayabusa import c\n",
+               "hayabusa.c": "import hayabusa.a\n", "hayabusa.d": "from hayabusa.a import x\n"}
+    assert import_cycles(import_graph(sources)) == [["hayabusa.a", "hayabusa.b", "hayabusa.c"]]
 
 
 def test_every_module_is_in_docs_structure():
