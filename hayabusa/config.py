@@ -7,21 +7,27 @@ folder or Hub id, reads its HF config, and returns a ``VllmConfig``-like bundle 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import logging
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
 from hayabusa.errors import HayabusaValidationError
+
+logger = logging.getLogger(__name__)
 
 # CPU has no "memory utilization" to profile: the KV cache gets this many bytes unless kv_cache_memory_bytes says
 # otherwise (vLLM's CPU backend default, VLLM_CPU_KVCACHE_SPACE=4 GiB), capped at what max_num_seqs sequences of
 # max_model_len tokens can use.
 CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
 
-_DTYPES = {
+# Model dtype names (and aliases) that ``dtype=`` accepts -> torch dtype.
+DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -34,6 +40,72 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 }
 
 
+# vLLM's default of max_num_batched_tokens (chunked prefill on): 8192, or max_num_seqs when that is larger.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def default_max_num_batched_tokens(max_num_seqs: int) -> int:
+    """max_num_batched_tokens when it is not given (the engine and ``hayabusa plan`` both use this)."""
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes of K and V for one token over all layers: 2 x layers x kv_heads x head_dim x element size."""
+    return 2 * num_layers * num_kv_heads * head_dim * element_size
+
+
+# vLLM engine arguments that hayabusa accepts (so vLLM scripts run unchanged) and does not act on: name -> why.
+# A value other than the field's default logs one warning naming the argument (README: "Accepted and ignored").
+IGNORED_ARGS: dict[str, str] = {
+    "tokenizer_mode": "the tokenizer is always transformers' AutoTokenizer (the fast one when the checkpoint has it)",
+    "max_seq_len_to_capture": "CUDA graphs are captured per decode batch size (cuda_graph_sizes, max_num_seqs), "
+                              "for any sequence length",
+    "disable_log_stats": "hayabusa logs no periodic stats (the server's /metrics has them)",
+    "swap_space": "a preempted request is recomputed, never swapped to CPU memory",
+    "enable_chunked_prefill": "chunked prefill is always on (max_num_batched_tokens bounds each step)",
+    "disable_custom_all_reduce": "there is no all-reduce: tensor_parallel_size is 1",
+    "compilation_config": "hayabusa does not use torch.compile; CUDA graphs are set by enforce_eager and "
+                          "cuda_graph_sizes",
+}
+
+# EngineArgs fields that are not command-line flags: each command names the model its own way (positional or
+# --model), and compilation_config is a Python dict.
+NOT_CLI_ARGS = frozenset({"model", "compilation_config"})
+# Short spellings of flags that vLLM accepts too.
+CLI_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
+
+
+def cli_arg_type(f: dataclasses.Field) -> Any:
+    """How a flag parses its value: "bool" (``--x`` / ``--no-x``), "list" (one or more ints), int, float or str."""
+    first = str(f.type).split("|")[0].strip()
+    if first == "bool":
+        return "bool"
+    if first.startswith("list["):
+        return "list"
+    return {"int": int, "float": float}.get(first, str)
+
+
+def _arg_docs(cls: type) -> dict[str, str]:
+    """name -> help text, from the ``Args:`` sections of ``cls``'s and its bases' docstrings (an entry may name
+    several arguments: "revision, tokenizer_revision: ..." or "a / b: ...")."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        text = (klass.__doc__ or "").split("Args:", 1)
+        if len(text) < 2:
+            continue
+        names: list[str] = []
+        for line in text[1].splitlines():
+            m = re.match(r"^\s{8}([a-z_][a-z0-9_ ,/]*):\s*(.*)$", line)
+            if m:
+                names = [n for n in re.split(r"[ ,/]+", m.group(1)) if n]
+                for n in names:
+                    docs[n] = m.group(2)
+            elif line.strip() and names:
+                for n in names:
+                    docs[n] += " " + line.strip()
+    return docs
+
+
 def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
     return HayabusaValidationError(f"{parameter}={value!r}: {why}", parameter=parameter, value=value)
 
@@ -41,6 +113,10 @@ def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
 @dataclass
 class EngineArgs:
     """Arguments of ``LLM(...)`` and ``AsyncEngineArgs`` (vLLM's names, defaults and meanings).
+
+    tokenizer_mode, max_seq_len_to_capture, disable_log_stats, swap_space, enable_chunked_prefill,
+    disable_custom_all_reduce and compilation_config are accepted so that vLLM scripts run, and ignored
+    (``IGNORED_ARGS`` says why); a value other than the default logs a warning naming the argument.
 
     Args:
         model: HF model folder (config.json + *.safetensors) or Hub id.
@@ -65,11 +141,13 @@ class EngineArgs:
         device: "auto" (CUDA when available), "cuda", "cuda:N" or "cpu".
         load_format: "auto"/"safetensors" (default, safe), or "pt" to allow pickle ``.bin`` checkpoints, which can
             run arbitrary code: only for checkpoints you trust.
-        revision, tokenizer_revision, tokenizer_mode: passed to transformers / huggingface_hub.
-        tensor_parallel_size: only 1 is supported for now.
+        revision, tokenizer_revision: passed to transformers / huggingface_hub.
+        tensor_parallel_size, pipeline_parallel_size: only 1 is supported for now.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
-        max_seq_len_to_capture / cuda_graph_sizes: largest decode batch captured in a CUDA graph.
-        disable_log_stats: no periodic stats.
+        cuda_graph_sizes: decode batch sizes captured in CUDA graphs (default: 1, 2, 4, 8, then every 16 up to
+            min(max_num_seqs, 512)).
+        cpu_offload_gb: only 0 (no CPU offload) is supported.
+        max_logprobs: most logprobs a request may ask for.
         quantization: "fp8" (FP8 W8A8; FP8 checkpoints are detected), "int8" / "int4" (weight-only W8A16 /
             W4A16 g128), "compressed-tensors", "awq", "gptq", "bitsandbytes" (checkpoint formats, detected);
             default: the checkpoint's quantization_config, if any. See hayabusa/quantization/.
@@ -124,13 +202,61 @@ class EngineArgs:
                 parameter=unknown[0], value=kwargs[unknown[0]])
         return cls(model=model, **kwargs)
 
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, only: Collection[str] | None = None,
+                     helps: dict[str, str] | None = None) -> Any:
+        """Add one flag per field (vLLM's spelling: ``--max-num-seqs``; booleans as ``--x`` / ``--no-x``) to
+        ``parser``, in an argument group; the one place every ``hayabusa`` command gets its engine flags from.
+        Unset flags stay None, so ``cli_kwargs`` passes only what was given and EngineArgs' defaults apply.
+
+        Args:
+            parser: the command's parser.
+            only: the field names to add (default: every field but ``NOT_CLI_ARGS``).
+            helps: help texts that replace the docstring's for this command (name -> text).
+        Returns:
+            The argument group (``parser.add_argument_group``) holding the flags.
+        """
+        group = parser.add_argument_group("engine arguments (EngineArgs; unset flags keep its defaults)")
+        docs = _arg_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in NOT_CLI_ARGS or (only is not None and f.name not in only):
+                continue
+            names = ["--" + f.name.replace("_", "-"), *CLI_ALIASES.get(f.name, ())]
+            kind = cli_arg_type(f)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            doc = (helps or {}).get(f.name) or docs.get(f.name, "")
+            if f.name in IGNORED_ARGS:
+                doc = f"accepted for vLLM compatibility and ignored: {IGNORED_ARGS[f.name]}"
+            help_text = f"{doc} [EngineArgs default: {default}]".strip()
+            if kind == "bool":
+                group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+            elif kind == "list":
+                group.add_argument(*names, dest=f.name, type=int, nargs="+", default=None, help=help_text)
+            else:
+                group.add_argument(*names, dest=f.name, type=kind, default=None, help=help_text)
+        return group
+
+    @classmethod
+    def cli_kwargs(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The engine arguments given on the command line (flags added by ``add_cli_args``; None = not given)."""
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                if f.name not in NOT_CLI_ARGS and getattr(args, f.name, None) is not None}
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **kwargs: Any) -> "EngineArgs":
+        """EngineArgs from parsed flags (``add_cli_args``), plus ``kwargs`` (e.g. ``model=``) over them."""
+        merged = {**cls.cli_kwargs(args), **kwargs}
+        return cls.from_kwargs(merged.pop("model", ""), **merged)
+
     def create_engine_config(self) -> "EngineConfig":
         """Validate and derive every config. Reads the model's config.json (no weights)."""
         self._verify_args()
+        self._warn_ignored_args()
         device = resolve_device(self.device)
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
-        batched = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        batched = self.max_num_batched_tokens or default_max_num_batched_tokens(self.max_num_seqs)
         if batched < self.max_num_seqs:
             raise _bad("max_num_batched_tokens", batched, f"must be >= max_num_seqs ({self.max_num_seqs}).")
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
@@ -151,6 +277,13 @@ class EngineArgs:
                             max_cuda_graph_batch=capture_max, seed=self.seed or 0,
                             async_scheduling=(device.type == "cuda") if self.async_scheduling is None
                             else bool(self.async_scheduling))
+
+    def _warn_ignored_args(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+        for name, why in IGNORED_ARGS.items():
+            value = getattr(self, name)
+            if value != defaults[name]:
+                logger.warning("%s=%r is accepted for vLLM compatibility and ignored: %s.", name, value, why)
 
     def _verify_args(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -225,9 +358,9 @@ def resolve_dtype(dtype: Any, config_dtype: torch.dtype | None, device: torch.de
         if config_dtype in (None, torch.float32):
             return torch.bfloat16
         return config_dtype
-    if dtype not in _DTYPES:
-        raise _bad("dtype", dtype, f"must be 'auto' or one of {sorted(_DTYPES)}.")
-    return _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise _bad("dtype", dtype, f"must be 'auto' or one of {sorted(DTYPES)}.")
+    return DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -276,13 +409,13 @@ class ModelConfig:
         if config_dtype is None and "torch_dtype" in getattr(text_config, "__dict__", {}):
             config_dtype = text_config.__dict__["torch_dtype"]
         if isinstance(config_dtype, str):
-            config_dtype = _DTYPES.get(config_dtype)
-        eos = _eos_ids(model_dir, text_config)
-        from hayabusa.quantization import get_quantization_config
+            config_dtype = DTYPES.get(config_dtype)
+        eos = eos_token_ids(model_dir, text_config)
+        from hayabusa.quantization import check_device, get_quantization_config
 
         quant_config = get_quantization_config(args.quantization, hf_config)
         if quant_config is not None:
-            quant_config.check_device(device)
+            check_device(quant_config, device)
         return cls(model=model_dir, tokenizer=args.tokenizer or model_dir, hf_config=text_config,
                    architecture=arch, dtype=resolve_dtype(args.dtype, config_dtype, device), max_model_len=max_len,
                    vocab_size=text_config.vocab_size, num_layers=text_config.num_hidden_layers,
@@ -301,7 +434,7 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V for one token over all layers: 2 x layers x kv_heads x head_dim x element size."""
         elem = torch.empty((), dtype=dtype or self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
 
 
 def load_hf_config(model_dir: str, trust_remote_code: bool, revision: str | None = None) -> Any:
@@ -362,7 +495,7 @@ def derive_max_model_len(cfg: Any) -> int:
     return length
 
 
-def _eos_ids(model_dir: str, cfg: Any) -> tuple[int, ...]:
+def eos_token_ids(model_dir: str, cfg: Any) -> tuple[int, ...]:
     """EOS ids from generation_config.json (may be a list, as in Llama 3 / Qwen2.5), else config.json."""
     import json
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,13 +26,8 @@ from hayabusa.bench import report
 from hayabusa.bench.ceilings import measure_ceilings
 from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, make_model, model_name, model_stats, shape_config
 from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, fit_to_vocab, get_workload
+from hayabusa.config import NOT_CLI_ARGS, EngineArgs, cli_arg_type
 
-# Engine flags of `hayabusa bench` (vLLM names): name -> type.
-ENGINE_FLAGS: dict[str, Any] = {
-    "max_num_seqs": int, "max_num_batched_tokens": int, "gpu_memory_utilization": float, "dtype": str,
-    "device": str, "max_model_len": int, "seed": int, "block_size": int, "kv_cache_memory_bytes": int,
-    "num_gpu_blocks_override": int, "quantization": str, "kv_cache_dtype": str,
-}
 HF_ONLY_KEYS = ("hf_batch_size",)
 
 
@@ -42,13 +38,6 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="hayabusa, the HF Transformers baseline, or both side by side (default hayabusa)")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="HF baseline batch size in sequences, >= 1 (default: the whole workload in one batch)")
-    for name, typ in ENGINE_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
-    p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
-    p.add_argument("--enable-prefix-caching", action="store_true", default=None)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--async-scheduling", action="store_true", default=None)
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--sweep", action="append", metavar="KEY=V1,V2", help="one run per value of an engine argument "
                    "(e.g. max_num_seqs=64,128,256; hf_batch_size=8,32 for the HF baseline)")
     p.add_argument("--scale", type=float, default=1.0,
@@ -68,6 +57,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     from hayabusa.bench.serve_bench import add_w6_args
 
     add_w6_args(p)
+    EngineArgs.add_cli_args(p)   # --dtype, --device and --seed apply to the HF baseline too
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -79,7 +69,20 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------------ variants
-SWEEP_BOOL_KEYS = ("enforce_eager", "enable_prefix_caching", "async_scheduling")
+def _parse_bool(s: str) -> bool:
+    return s.strip().lower() in ("1", "true", "on", "yes")
+
+
+def _parse_quantization(s: str) -> str | None:
+    return None if s.strip().lower() == "none" else s.strip()   # quantization=none,fp8,int4: "none" = unquantized
+
+
+# Engine arguments --sweep takes (every flag but the list-valued cuda_graph_sizes) -> how a value parses.
+SWEEP_TYPES: dict[str, Any] = {
+    f.name: {"bool": _parse_bool, int: int, float: float, str: str}[cli_arg_type(f)]
+    for f in dataclasses.fields(EngineArgs) if f.name not in NOT_CLI_ARGS and cli_arg_type(f) != "list"}
+SWEEP_TYPES["quantization"] = _parse_quantization
+SWEEP_TYPES["hf_batch_size"] = int
 
 
 def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
@@ -90,14 +93,9 @@ def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
         raise ValueError(f"--sweep {spec!r}: write KEY=V1,V2 (e.g. max_num_seqs=64,128,256).")
     key, values = spec.split("=", 1)
     key = key.strip().replace("-", "_")
-    typ = ENGINE_FLAGS.get(key, int if key == "hf_batch_size" else None)
-    if key in SWEEP_BOOL_KEYS:
-        typ = lambda s: s.strip().lower() in ("1", "true", "on", "yes")  # noqa: E731
-    if key == "quantization":   # quantization=none,fp8,int4: "none" is the unquantized run
-        typ = lambda s: None if s.strip().lower() == "none" else s.strip()  # noqa: E731
+    typ = SWEEP_TYPES.get(key)
     if typ is None:
-        raise ValueError(f"--sweep key {key!r} is not a bench engine argument; use one of "
-                         f"{', '.join(list(ENGINE_FLAGS) + list(SWEEP_BOOL_KEYS) + ['hf_batch_size'])}.")
+        raise ValueError(f"--sweep key {key!r} is not a bench engine argument; use one of {', '.join(SWEEP_TYPES)}.")
     raw = [v.strip() for v in values.split(",") if v.strip()]
     if not raw:
         raise ValueError(f"--sweep {spec!r}: no values after '='; write {key}=V1,V2.")
@@ -142,10 +140,7 @@ def _variants(workload: Workload, sweep: tuple[str, list[Any]] | None, engine: s
 def _engine_args(ns: argparse.Namespace, workload: Workload, variant: dict[str, Any]) -> dict[str, Any]:
     """The kwargs of LLM(...): the user's flags, the variant, skip_tokenizer_init, and on CPU a max_model_len
     that fits the workload (the CPU KV cache is sized for max_num_seqs x max_model_len)."""
-    args = {n: getattr(ns, n) for n in ENGINE_FLAGS if getattr(ns, n, None) is not None}
-    for flag in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
-        if getattr(ns, flag, None) is not None:
-            args[flag] = bool(getattr(ns, flag))
+    args = EngineArgs.cli_kwargs(ns)
     args.update(variant)
     args["skip_tokenizer_init"] = True
     device = args.get("device", "auto")

@@ -8,7 +8,6 @@ in the measurement; startup_s is the wall time of engine construction (``LLM(...
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hayabusa.bench.common import is_cuda, load_hf_model, peak_memory_bytes, reset_peak_memory, synchronize
 from hayabusa.bench.workloads import BenchRequest, Workload, token_range
 
 WARMUP_REQUESTS = 4
@@ -39,28 +39,6 @@ class RunResult:
     kv_cache_tokens: int | None = None
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _is_cuda(device: str | None) -> bool:
-    if device in (None, "auto"):
-        return torch.cuda.is_available()
-    return str(device).startswith("cuda")
-
-
-def _reset_peak(cuda: bool) -> None:
-    if cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak(cuda: bool) -> int | None:
-    return int(torch.cuda.max_memory_allocated()) if cuda else None
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
 
 
 def _median(xs: list[float]) -> float | None:
@@ -160,8 +138,8 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
     """
     from hayabusa import LLM
 
-    cuda = _is_cuda(engine_args.get("device"))
-    _reset_peak(cuda)
+    cuda = is_cuda(engine_args.get("device"))
+    reset_peak_memory(cuda)
     t0 = time.perf_counter()
     llm = LLM(model_dir, **engine_args)
     startup_s = time.perf_counter() - t0
@@ -171,11 +149,11 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
             for part in (warm[:1], warm[1:]):  # the first request alone: the others then hit its cached prefix
                 if part:
                     _generate(llm, part, use_tqdm=False)
-        _sync(cuda)
+        synchronize(cuda)
         stats0 = dict(llm.llm_engine.stats)
         t_mono, t1 = time.monotonic(), time.perf_counter()
         outs = _generate(llm, workload.requests, use_tqdm)
-        _sync(cuda)
+        synchronize(cuda)
         elapsed = time.perf_counter() - t1
         ttft, tpot = _engine_latencies(outs, t_mono)
         notes, extra = _engine_notes(llm, engine_args)
@@ -184,11 +162,11 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
             elapsed_s=elapsed, num_requests=len(outs), num_sequences=sum(len(o.outputs) for o in outs),
             prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
             output_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs), startup_s=startup_s,
-            ttft_ms=_median(ttft), tpot_ms=_median(tpot), peak_memory_bytes=_peak(cuda),
+            ttft_ms=_median(ttft), tpot_ms=_median(tpot), peak_memory_bytes=peak_memory_bytes(cuda),
             kv_cache_tokens=int(llm.llm_engine.kv_cache_capacity_tokens), notes=notes, extra=extra)
     finally:
         del llm
-        _reset_peak(cuda)
+        reset_peak_memory(cuda)
 
 
 # ---------------------------------------------------------------------------------------------------- HF
@@ -211,7 +189,7 @@ def _clock_criteria(cuda: bool, times: list[float]) -> Any:
 
     class _Clock(StoppingCriteria):
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-            _sync(cuda)
+            synchronize(cuda)
             times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -237,7 +215,7 @@ def _hf_batch(model: Any, seqs: list[_Seq], device: torch.device, pad_id: int = 
     kw.update(dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp > 0 else dict(do_sample=False))
     times: list[float] = []
     cuda = device.type == "cuda"
-    _sync(cuda)
+    synchronize(cuda)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids.to(device), attention_mask=mask.to(device),
@@ -254,21 +232,6 @@ def _hf_import(model_dir: str) -> None:
     MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
 
 
-def _hf_load(model_dir: str, dtype: str | None, device: torch.device) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    from hayabusa.config import _DTYPES
-
-    if dtype in (None, "auto"):
-        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    elif dtype in _DTYPES:
-        torch_dtype = _DTYPES[dtype]
-    else:
-        raise ValueError(f"--dtype {dtype!r}: use auto, float32, float16 or bfloat16.")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="sdpa")
-    return model.to(device).eval()
-
-
 def run_hf(model_dir: str, workload: Workload, batch_size: int | None = None, dtype: str | None = None,
            device: str | None = None, seed: int = 0, warmup: bool = True, use_tqdm: bool = True) -> RunResult:
     """Time HF ``generate`` over the workload in consecutive left-padded batches of `batch_size` sequences
@@ -278,9 +241,9 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int | None = None, dt
     dev = torch.device(device if device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     _hf_import(model_dir)
-    _reset_peak(cuda)
+    reset_peak_memory(cuda)
     t0 = time.perf_counter()
-    model = _hf_load(model_dir, dtype, dev)
+    model = load_hf_model(model_dir, dtype, dev)
     startup_s = time.perf_counter() - t0
     torch.manual_seed(seed)
     try:
@@ -301,11 +264,11 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int | None = None, dt
             elapsed_s=elapsed, num_requests=len(workload.requests), num_sequences=len(seqs),
             prompt_tokens=workload.num_prompt_tokens, output_tokens=sum(len(o) for o in outputs),
             startup_s=startup_s, ttft_ms=_median(list(first_by_request.values())), tpot_ms=_median(tpot),
-            peak_memory_bytes=_peak(cuda), kv_cache_tokens=None,
+            peak_memory_bytes=peak_memory_bytes(cuda), kv_cache_tokens=None,
             extra={"hf_batch_size": bs, "attn_implementation": "sdpa", "dtype": str(model.dtype)})
     finally:
         del model
-        _reset_peak(cuda)
+        reset_peak_memory(cuda)
 
 
 def _hf_run_batches(model: Any, batches: Any, dev: torch.device
@@ -315,7 +278,7 @@ def _hf_run_batches(model: Any, batches: Any, dev: torch.device
     outputs: list[list[int]] = []
     ttft: list[float] = []
     tpot: list[float] = []
-    _sync(dev.type == "cuda")
+    synchronize(dev.type == "cuda")
     t_start = time.perf_counter()
     for batch in batches:
         outs, times, _ = _hf_batch(model, batch, dev)

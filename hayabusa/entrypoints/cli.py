@@ -1,5 +1,6 @@
-"""The ``hayabusa`` command: ``hayabusa generate`` (offline batch generation from a JSONL file) and
-``hayabusa bench`` (the workloads of BENCHMARKS.md, with the HF baseline)."""
+"""The ``hayabusa`` command: ``hayabusa generate`` (offline batch generation from a JSONL file) here, and the
+subcommands of bench/cli.py (``bench``), entrypoints/openai/cli.py (``serve``) and eval/cli.py (``eval``, ``plan``).
+Every one takes its engine flags from ``EngineArgs.add_cli_args``."""
 
 from __future__ import annotations
 
@@ -9,19 +10,12 @@ import json
 import os
 import sys
 import time
-from importlib import resources
 from typing import Any
 
+from hayabusa.assets import demo_model_dir
+from hayabusa.config import EngineArgs
 from hayabusa.errors import HayabusaValidationError
 
-# Engine arguments exposed as flags (vLLM's flag names): name -> type.
-ENGINE_FLAGS: dict[str, Any] = {
-    "tokenizer": str, "dtype": str, "seed": int, "max_model_len": int, "max_num_seqs": int,
-    "max_num_batched_tokens": int, "gpu_memory_utilization": float, "block_size": int, "device": str,
-    "kv_cache_memory_bytes": int, "num_gpu_blocks_override": int, "download_dir": str, "load_format": str,
-    "quantization": str, "kv_cache_dtype": str,
-}
-ENGINE_BOOL_FLAGS = ("enforce_eager", "trust_remote_code")
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(__import__("hayabusa.sampling_params",
                                                                  fromlist=["SamplingParams"]).SamplingParams)
                    if f.name != "all_stop_token_ids"}
@@ -29,25 +23,6 @@ SAMPLING_FLAGS: dict[str, Any] = {"temperature": float, "top_p": float, "top_k":
                                   "max_tokens": int, "min_tokens": int, "n": int, "seed": None,
                                   "repetition_penalty": float, "presence_penalty": float,
                                   "frequency_penalty": float}
-
-
-def demo_model_dir() -> str:
-    """The bundled demo model: Karpathy's stories260K (Llama, 260K parameters, MIT)."""
-    return str(resources.files("hayabusa") / "assets" / "stories260K")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    for name, typ in ENGINE_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
-    for name in ENGINE_BOOL_FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=None)
-    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-
-
-def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    names = list(ENGINE_FLAGS) + list(ENGINE_BOOL_FLAGS) + ["enable_prefix_caching"]
-    return {n: getattr(ns, n) for n in names if getattr(ns, n, None) is not None}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -70,7 +45,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", dest="sp_ignore_eos", action="store_true", default=None)
     g.add_argument("--chat-template", default=None, help="Jinja chat template (string or file) for \"messages\" "
                    "lines (default: the tokenizer's)")
-    add_engine_args(g)
+    EngineArgs.add_cli_args(g)
     from hayabusa.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -176,7 +151,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         print(f"hayabusa: no --model given; using the bundled demo model stories260K ({model}), a 260K-parameter "
               "TinyStories Llama. Pass --model DIR for a real model.", file=sys.stderr)
     t0 = time.perf_counter()
-    llm = LLM(model, **engine_kwargs(ns))
+    llm = LLM(model, **EngineArgs.cli_kwargs(ns))
     prompts = _engine_prompts(llm, ns, rows, params)
     t1 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not ns.no_tqdm)

@@ -17,41 +17,14 @@ import json
 import sys
 from typing import Any
 
+from hayabusa.config import EngineArgs
 from hayabusa.errors import HayabusaValidationError
 
 TASK_DEFAULTS = {"extraction": {"temperature": 0.0, "max_tokens": 256, "n": 1},
                  "choice": {"temperature": 0.0, "max_tokens": 32, "n": 1},
                  "majority": {"temperature": 0.8, "max_tokens": 512, "n": 8}}
-EXTRA_ENGINE_FLAGS = {"quantization": str, "kv_cache_dtype": str}
-EXTRA_ENGINE_BOOL_FLAGS = ("enable_prefix_caching",)
 SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int, "n": int,
                   "repetition_penalty": float}
-
-
-def _has_option(p: argparse.ArgumentParser, flag: str) -> bool:
-    return flag in p._option_string_actions  # noqa: SLF001 -- shared flags may be added by entrypoints.cli
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from hayabusa.entrypoints.cli import add_engine_args
-
-    add_engine_args(p)
-    for name, typ in EXTRA_ENGINE_FLAGS.items():
-        if not _has_option(p, "--" + name.replace("_", "-")):
-            p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
-    for name in EXTRA_ENGINE_BOOL_FLAGS:
-        if not _has_option(p, "--" + name.replace("_", "-")):
-            p.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=None)
-
-
-def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    from hayabusa.entrypoints.cli import engine_kwargs
-
-    args = engine_kwargs(ns)
-    for name in list(EXTRA_ENGINE_FLAGS) + list(EXTRA_ENGINE_BOOL_FLAGS):
-        if getattr(ns, name, None) is not None:
-            args[name] = getattr(ns, name)
-    return args
 
 
 # ------------------------------------------------------------------------------------------------ eval
@@ -91,14 +64,14 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     f.add_argument("--chunk-len", type=int, default=None, help="tokens per chunk, >= 2 (default: max_model_len)")
     f.add_argument("--fidelity-tokens", type=int, default=None,
                    help="use only the first N tokens of the text, N >= 2 (default: all)")
-    _add_engine_flags(p)
+    EngineArgs.add_cli_args(p)
     return p
 
 
 def _model(ns: argparse.Namespace) -> str:
     if ns.model:
         return ns.model
-    from hayabusa.entrypoints.cli import demo_model_dir
+    from hayabusa.assets import demo_model_dir
 
     model = demo_model_dir()
     print(f"hayabusa: no --model given; using the bundled demo model stories260K ({model}).", file=sys.stderr)
@@ -128,7 +101,7 @@ def _run_tasks(ns: argparse.Namespace) -> int:
     model = _model(ns)
     items = data.load_items(ns.data, ns.task)[: ns.limit]
     parse_sweeps(ns.sweep)                              # bad sweep specs fail before anything loads
-    engine_args = _engine_kwargs(ns)
+    engine_args = EngineArgs.cli_kwargs(ns)
     tok = data.load_tokenizer(model, engine_args.get("tokenizer"), bool(engine_args.get("trust_remote_code")))
     data.render_items(items, tok)
     sampling = {**TASK_DEFAULTS[ns.task],
@@ -183,7 +156,7 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
     except OSError as e:
         raise HayabusaValidationError(f"--text {ns.text!r}: cannot read it ({e.strerror}).", parameter="text",
                                       value=ns.text) from None
-    res = run_fidelity(_model(ns), text, _engine_kwargs(ns), reference=ns.reference or "hf",
+    res = run_fidelity(_model(ns), text, EngineArgs.cli_kwargs(ns), reference=ns.reference or "hf",
                        reference_dtype=ns.reference_dtype, chunk_len=ns.chunk_len,
                        max_text_tokens=ns.fidelity_tokens, reference_model=ns.reference_model,
                        use_tqdm=not ns.no_tqdm)
@@ -195,6 +168,13 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ plan
+# The engine arguments that change what fits (unset ones take EngineArgs' defaults; tensor_parallel_size may be > 1
+# here: the plan divides weights and KV heads by it).
+PLAN_ENGINE_ARGS = ("dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
+                    "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                    "trust_remote_code")
+
+
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand; dispatch to ``run_plan(ns)``."""
     from hayabusa.eval.plan import GPUS
@@ -206,16 +186,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model folder, Hub id, or bench shape name")
     p.add_argument("--gpu", help=f"one of {', '.join(GPUS)}")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="total GPU memory in GiB")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--quantization", default=None, help="e.g. fp8, int8, int4, awq, gptq, bitsandbytes, gguf-q4_0")
-    p.add_argument("--kv-cache-dtype", default=None, help="auto, fp8, fp8_e4m3, fp8_e5m2")
-    p.add_argument("--dtype", default=None, help="auto (default), float16, bfloat16, float32")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None, help="same as --tensor-parallel-size")
+    EngineArgs.add_cli_args(p, only=PLAN_ENGINE_ARGS, helps={
+        "tensor_parallel_size": "GPUs the weights and KV heads are split over (the plan takes any; the engine runs 1)"})
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -225,11 +198,12 @@ def run_plan(ns: argparse.Namespace) -> int:
     from hayabusa.eval.plan import PlanInputs, format_plan, load_config, make_plan, plan_json
 
     try:
-        cfg = load_config(ns.model, ns.trust_remote_code)
-        inp = PlanInputs(dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
-                         max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
-                         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                         block_size=ns.block_size, tp=ns.tp)
+        args = EngineArgs.from_cli_args(ns, model=ns.model)
+        cfg = load_config(ns.model, args.trust_remote_code)
+        inp = PlanInputs(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         block_size=args.block_size, tp=args.tensor_parallel_size)
         plan = make_plan(cfg, inp, ns.gpu, ns.gpu_memory, model=ns.model)
     except HayabusaValidationError as e:
         print(f"hayabusa plan: error: {e}", file=sys.stderr)

@@ -229,12 +229,12 @@ def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: 
 def check_fidelity_args(reference: str, reference_dtype: str | None, chunk_len: int | None,
                         max_text_tokens: int | None) -> None:
     """The fidelity flags that need no model. Raises HayabusaValidationError naming the flag and the value."""
-    from hayabusa.config import _DTYPES
+    from hayabusa.config import DTYPES
 
     if reference not in REFERENCES:
         raise HayabusaValidationError(f"--reference for --fidelity must be one of {', '.join(REFERENCES)}, got "
                                       f"{reference!r}.", parameter="reference", value=reference)
-    if reference_dtype is not None and reference_dtype != "auto" and reference_dtype not in _DTYPES:
+    if reference_dtype is not None and reference_dtype != "auto" and reference_dtype not in DTYPES:
         raise HayabusaValidationError(
             f"--reference-dtype {reference_dtype!r}: use float32, float16 or bfloat16 (the reference runs "
             "unquantized; quantize hayabusa with --quantization).", parameter="reference_dtype", value=reference_dtype)
@@ -266,13 +266,13 @@ def _reference(model: str, reference: str, reference_dtype: str | None, engine_a
                 "checkpoint with --quantization.",
                 parameter="reference", value=reference)
         return ref, _engine_logits_fn(ref), str(ref.llm_engine.config.model_config.dtype).replace("torch.", "")
-    from hayabusa.bench.runner import _hf_load
+    from hayabusa.bench import common
     from hayabusa.model.loader import resolve_model_dir
 
     dtype = reference_dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     model_dir = resolve_model_dir(model)
     try:
-        hf = _hf_load(model_dir, dtype, dev)
+        hf = common.load_hf_model(model_dir, dtype, dev)
     except (ImportError, ValueError) as e:   # e.g. an AWQ / GPTQ / FP8 folder: HF needs gptqmodel / optimum
         raise HayabusaValidationError(
             f"the HF reference cannot load {model} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}). "

@@ -16,7 +16,7 @@ with
                         which PyTorch's caching allocator does not track (PyTorch "CUDA semantics" notes: the
                         context takes a few hundred MiB depending on GPU, driver and CUDA version); the engine
                         measures it at startup as (total - free) - torch reserved. 1 GiB is a round allowance on
-                        the safe side; tests/entrypoints/test_plan.py checks plan against the engine's profiled KV
+                        the safe side; tests/eval/test_plan.py checks plan against the engine's profiled KV
                         capacity on a GPU (within 10 %).
 CUDA graphs are captured after the KV cache is allocated and take memory beyond gpu_memory_utilization (some
 hundred MiB; enforce_eager avoids it); they are not in the budget, as in the engine.
@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hayabusa.config import DTYPES, default_max_num_batched_tokens, kv_bytes_per_token
 from hayabusa.errors import HayabusaValidationError
 
 GiB = 2**30
@@ -179,14 +180,12 @@ def _vision_params(cfg: Any) -> int:
 # ------------------------------------------------------------------------------------------------ sizing
 def resolve_dtype(dtype: str | None, shape: Shape) -> str:
     """The engine's rule on a GPU: "auto" keeps the checkpoint's dtype, float32 checkpoints run in bfloat16."""
-    from hayabusa.config import _DTYPES
-
     if dtype in (None, "auto"):
         return "bfloat16" if shape.dtype in ("float32", "None", "") else shape.dtype
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         raise HayabusaValidationError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}.",
                                       parameter="dtype", value=dtype)
-    return str(_DTYPES[dtype]).replace("torch.", "")
+    return str(DTYPES[dtype]).replace("torch.", "")
 
 
 def quant_bits(quantization: str | None, cfg: Any) -> tuple[str | None, float | None]:
@@ -271,9 +270,9 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
     weight_bytes = int(linear_bytes + (params["total"] - params["linear"]) * b)
     kv_b = kv_dtype_bytes(inp.kv_cache_dtype, dtype)
     kv_heads_per_gpu = max(1, shape.kv_heads // inp.tp)
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * kv_b
+    kv_per_token = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, kv_b)
     max_len = inp.max_model_len or shape.max_position
-    batched = inp.max_num_batched_tokens or max(8192, inp.max_num_seqs)
+    batched = inp.max_num_batched_tokens or default_max_num_batched_tokens(inp.max_num_seqs)
     experts_inter = None
     t = _text(cfg)
     if _attr(t, "num_local_experts", "num_experts", "n_routed_experts", default=0):
@@ -285,7 +284,7 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
         "weight_bits": round(bits, 4) if bits else 8 * b, "weight_bytes": weight_bytes,
         "weight_bytes_per_gpu": weight_bytes // inp.tp, "kv_cache_dtype": inp.kv_cache_dtype or "auto",
         "kv_bytes_per_token": kv_per_token,
-        "kv_bytes_per_token_per_gpu": 2 * shape.layers * kv_heads_per_gpu * shape.head_dim * kv_b,
+        "kv_bytes_per_token_per_gpu": kv_bytes_per_token(shape.layers, kv_heads_per_gpu, shape.head_dim, kv_b),
         "kv_formula": f"2 x {shape.layers} layers x {shape.kv_heads} kv heads x {shape.head_dim} head dim x "
                       f"{kv_b} bytes",
         "max_model_len": max_len, "max_num_seqs": inp.max_num_seqs, "max_num_batched_tokens": batched,

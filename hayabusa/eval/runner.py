@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from hayabusa.bench.runner import _hf_load, _is_cuda, _peak, _reset_peak, _sync
+from hayabusa.bench.common import is_cuda, load_hf_model, peak_memory_bytes, reset_peak_memory, synchronize
 from hayabusa.eval.data import EvalItem
 
 
@@ -55,8 +55,8 @@ def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any],
     from hayabusa import LLM, SamplingParams
 
     run = RunOutput(label, "hayabusa", setting)
-    cuda = _is_cuda(engine_args.get("device"))
-    _reset_peak(cuda)
+    cuda = is_cuda(engine_args.get("device"))
+    reset_peak_memory(cuda)
     llm = None
     try:
         t0 = time.perf_counter()
@@ -72,23 +72,23 @@ def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any],
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
             if hasattr(llm, "reset_prefix_cache"):
                 llm.reset_prefix_cache()                # the warm-up prompt must not be a prefix-cache hit
-        _sync(cuda)
+        synchronize(cuda)
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=use_tqdm) if ok else []
-        _sync(cuda)
+        synchronize(cuda)
         run.elapsed_s = time.perf_counter() - t1
         run.texts = [None] * len(items)
         for i, out in zip(ok, outs):
             run.texts[i] = [c.text for c in out.outputs]
         run.prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
         run.output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        run.peak_memory_bytes = _peak(cuda)
+        run.peak_memory_bytes = peak_memory_bytes(cuda)
         run.kv_cache_tokens = int(llm.llm_engine.kv_cache_capacity_tokens)
     except Exception as e:  # noqa: BLE001 -- one bad setting must not lose the others
         _record_failure(run, e, len(items), show_traceback=not isinstance(e, ValueError))
     finally:
         del llm
-        _reset_peak(cuda)
+        reset_peak_memory(cuda)
     return run
 
 
@@ -101,9 +101,9 @@ def _record_failure(run: "RunOutput", e: BaseException, num_items: int, show_tra
 
 
 def _hf_eos_and_pad(model_dir: str, tokenizer: Any) -> tuple[list[int], int]:
-    from hayabusa.config import _eos_ids, load_hf_config
+    from hayabusa.config import eos_token_ids, load_hf_config
 
-    eos = list(_eos_ids(model_dir, load_hf_config(model_dir, False)))     # the ids the engine stops at
+    eos = list(eos_token_ids(model_dir, load_hf_config(model_dir, False)))     # the ids the engine stops at
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
@@ -129,12 +129,12 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
     run = RunOutput("hf (reference)", "hf", {"engine": "hf", "batch_size": batch_size})
     dev = torch.device(device if device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
-    _reset_peak(cuda)
+    reset_peak_memory(cuda)
     hf = None
     try:
         model_dir = resolve_model_dir(model)
         t0 = time.perf_counter()
-        hf = _hf_load(model_dir, dtype, dev)
+        hf = load_hf_model(model_dir, dtype, dev)
         run.startup_s = time.perf_counter() - t0
         eos, pad = _hf_eos_and_pad(model_dir, tokenizer)
         run.texts = [None] * len(items)
@@ -142,7 +142,7 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
         ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < limit]
         run.item_errors = {i: f"prompt has {len(it.prompt_token_ids)} tokens; max_model_len={limit} leaves no room "
                               "for an answer" for i, it in enumerate(items) if i not in set(ok)}
-        _sync(cuda)
+        synchronize(cuda)
         t1 = time.perf_counter()
         for start in range(0, len(ok), batch_size):
             idx = ok[start:start + batch_size]
@@ -151,14 +151,14 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
                 run.texts[i] = [_decode_continuation(tokenizer, items[i].prompt_token_ids, ids)]
                 run.output_tokens += len(ids)
                 run.prompt_tokens += len(items[i].prompt_token_ids)
-        _sync(cuda)
+        synchronize(cuda)
         run.elapsed_s = time.perf_counter() - t1
-        run.peak_memory_bytes = _peak(cuda)
+        run.peak_memory_bytes = peak_memory_bytes(cuda)
     except Exception as e:  # noqa: BLE001 -- the table still shows the hayabusa settings
         _record_failure(run, e, len(items), show_traceback=True)
     finally:
         del hf
-        _reset_peak(cuda)
+        reset_peak_memory(cuda)
     return run
 
 

@@ -41,7 +41,7 @@ from hayabusa.kernels.quant_ref import (  # noqa: F401  (re-exported: callers im
     dequantize_int4, dequantize_int4_to_ref, dequantize_int8, dequantize_int8_to_ref, int4_weight_only_linear_ref,
     int8_weight_only_linear_ref, pack_int4, quantize_int4_grouped, quantize_int8_per_channel, unpack_int4,
 )
-from hayabusa.kernels.quant_ref import _FLOAT_DTYPES, _check_group
+from hayabusa.kernels.quant_ref import FLOAT_DTYPES, check_group_size
 
 _GEMV_MAX_M = 4     # GEMV up to here (rows after the first re-read the weights from L2), then 16-row tl.dot
 _MAX_SPLIT_K = 64
@@ -415,7 +415,7 @@ def _kernel_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 # -------------------------------------------------------------------------------------------------- validation
 def _check_common(x: torch.Tensor, named: dict[str, torch.Tensor | None], N: int) -> None:
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be [M, K] float16/bfloat16/float32, got {tuple(x.shape)} {x.dtype}")
     if x.shape[1] == 0:
         raise ValueError("x has K = 0 input features")
@@ -450,7 +450,7 @@ def _check_int4(x, qweight, scales, zeros, group_size, bias) -> None:
     K = x.shape[1]
     if K % 8 != 0 or qweight.shape[0] != K // 8:
         raise ValueError(f"qweight must be [K // 8, N] with K = {K} (a multiple of 8), got {tuple(qweight.shape)}")
-    _check_group(K, group_size)
+    check_group_size(K, group_size)
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t.shape != (K // group_size, N) or t.dtype != x.dtype:
             raise ValueError(f"{name} must be [K // group_size, N] = [{K // group_size}, {N}] {x.dtype}, got "
@@ -539,19 +539,19 @@ def dequantize_int4_to(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise ValueError(f"qweight must be [K // 8, N] int32, got {tuple(qweight.shape)} {qweight.dtype}")
     K, N = qweight.shape[0] * 8, qweight.shape[1]
-    _check_group(K, group_size)
+    check_group_size(K, group_size)
     _check_dequant(qweight, dict(scales=scales, zeros=zeros), (K // group_size, N), dtype)
     return _dequantize(qweight, scales, zeros, group_size, dtype)
 
 
 def _check_dequant(qweight: torch.Tensor, named: dict[str, torch.Tensor], shape: tuple[int, ...],
                    dtype: torch.dtype) -> None:
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be float16/bfloat16/float32, got {dtype}")
     if not qweight.is_contiguous():
         raise ValueError(f"qweight must be contiguous, got strides {qweight.stride()}")
     for name, t in named.items():
-        if t.shape != shape or t.dtype not in _FLOAT_DTYPES or not t.is_contiguous():
+        if t.shape != shape or t.dtype not in FLOAT_DTYPES or not t.is_contiguous():
             raise ValueError(f"{name} must be {list(shape)} float and contiguous, got {tuple(t.shape)} {t.dtype}")
         if t.device != qweight.device:
             raise ValueError(f"{name} is on {t.device} but qweight is on {qweight.device}")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Activation / weight dtypes the weight-only linears take (the kernels in quant_linear.py check the same set).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -67,7 +68,7 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     Raises:
         ValueError: w is not a 2-D float tensor.
     """
-    if w.dim() != 2 or w.dtype not in _FLOAT_DTYPES:
+    if w.dim() != 2 or w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"w must be [N, K] float16/bfloat16/float32, got {tuple(w.shape)} {w.dtype}")
     wf = w.float()
     absmax = wf.abs().amax(dim=1).clamp_min(torch.finfo(w.dtype).tiny * 127)
@@ -86,10 +87,10 @@ def quantize_int4_grouped(w: torch.Tensor, group_size: int = 128) -> tuple[torch
     Raises:
         ValueError: w is not a 2-D float tensor, or G is not a multiple of 8 dividing K (names K and G).
     """
-    if w.dim() != 2 or w.dtype not in _FLOAT_DTYPES:
+    if w.dim() != 2 or w.dtype not in FLOAT_DTYPES:
         raise ValueError(f"w must be [N, K] float16/bfloat16/float32, got {tuple(w.shape)} {w.dtype}")
     N, K = w.shape
-    _check_group(K, group_size)
+    check_group_size(K, group_size)
     wg = w.float().t().reshape(K // group_size, group_size, N)          # [groups, G, N]
     lo = wg.amin(dim=1).clamp_max(0.0)
     hi = wg.amax(dim=1).clamp_min(0.0)
@@ -129,7 +130,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return q.reshape(-1, packed.shape[1]).to(torch.uint8)
 
 
-def _check_group(K: int, group_size: int) -> None:
+def check_group_size(K: int, group_size: int) -> None:
+    """Raises ValueError unless group_size is a positive multiple of 8 that divides K."""
     if not isinstance(group_size, int) or group_size <= 0 or group_size % 8 != 0 or K % group_size != 0:
         raise ValueError(f"group_size must be a positive multiple of 8 that divides K; got group_size (G) = "
                          f"{group_size}, K = {K}")

@@ -22,6 +22,7 @@ from hayabusa.quantization.base import (
 )
 from hayabusa.quantization.registry import (
     QUANTIZATION_METHODS,
+    check_device,
     get_quantization_config,
     implemented_methods,
     methods_supported_on,
@@ -30,6 +31,6 @@ from hayabusa.quantization.registry import (
 
 __all__ = [
     "LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "current_quantization_config",
-    "set_quantization_config", "QUANTIZATION_METHODS", "get_quantization_config", "implemented_methods",
-    "methods_supported_on", "normalize_method_name",
+    "set_quantization_config", "QUANTIZATION_METHODS", "check_device", "get_quantization_config",
+    "implemented_methods", "methods_supported_on", "normalize_method_name",
 ]

@@ -181,24 +181,6 @@ class QuantizationConfig(ABC):
             parts.append(f"CUDA GPUs with compute capability >= {cap} {cls.capability_note}".rstrip())
         return ", and ".join(parts) or "no device"
 
-    def check_device(self, device: torch.device) -> None:
-        """Raises HayabusaValidationError when the scheme cannot run on ``device``; the message names the scheme,
-        the device (and its compute capability) and the schemes that do run there."""
-        if self.supports(device):
-            return
-        from hayabusa.quantization.registry import methods_supported_on
-
-        if device.type == "cuda":
-            cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
-            where = f"{device} ({torch.cuda.get_device_name(device)}, compute capability {cap})"
-        else:
-            where = str(device)
-        runs = methods_supported_on(device)
-        raise HayabusaValidationError(
-            f"quantization={self.name!r} runs on {self.supported_devices()}, not on {where}. On this device "
-            f"hayabusa runs: {', '.join(runs) if runs else 'no quantization scheme'}.",
-            parameter="quantization", value=self.name)
-
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"

@@ -41,7 +41,7 @@ from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.quantization.base import LinearMethod, QuantizationConfig, is_ignored, make_param, replace_param
-from hayabusa.quantization.packed import _kernels
+from hayabusa.quantization.packed import quant_kernels
 
 # checkpoint suffix -> our parameter name (nn.Module parameter names cannot contain dots)
 _PIECES = {"absmax": "weight_absmax", "quant_map": "weight_quant_map", "nested_absmax": "weight_nested_absmax",
@@ -93,12 +93,12 @@ class Bnb8bitLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         lead, K = x.shape[:-1], x.shape[-1]
-        y = _kernels().int8_weight_only_linear(x.reshape(-1, K), layer.qweight, layer.scales, layer.bias)
+        y = quant_kernels().int8_weight_only_linear(x.reshape(-1, K), layer.qweight, layer.scales, layer.bias)
         return y.reshape(*lead, layer.out_features)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """W [N, K] float32 (what ``apply`` multiplies by)."""
-        return _kernels().dequantize_int8(layer.qweight, layer.scales)
+        return quant_kernels().dequantize_int8(layer.qweight, layer.scales)
 
 
 # ---------------------------------------------------------------------------------------------- 4 bits

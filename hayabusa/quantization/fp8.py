@@ -17,7 +17,7 @@ Where the matmul runs:
     ``per_token_quant_fp8`` (kernels/fp8_quant.py), bit-identical to the torch ``quantize_fp8_rows``.
   * CPU: an exact emulation of the same numerics (same quantized x_q, s_x; the e4m3 products summed in fp32,
     then both scales), so ``hayabusa eval --fidelity`` on CPU measures the real quantization error.
-  * CUDA below 8.9: refused at engine creation (``check_device``); int8 / int4 weight-only run there.
+  * CUDA below 8.9: refused at engine creation (``registry.check_device``); int8 / int4 weight-only run there.
 
 Checkpoints (their config.json ``quantization_config``):
   * ``{"quant_method": "fp8", "activation_scheme": "dynamic" | "static", "ignored_layers": [...]}`` (vLLM's

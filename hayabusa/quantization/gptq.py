@@ -44,7 +44,7 @@ from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.quantization.base import LinearMethod, QuantizationConfig, is_ignored, make_param, replace_param
-from hayabusa.quantization.packed import PackedInt4LinearMethod, _kernels, check_divisible, unpack_int32
+from hayabusa.quantization.packed import PackedInt4LinearMethod, check_divisible, quant_kernels, unpack_int32
 
 logger = logging.getLogger(__name__)
 
@@ -178,14 +178,14 @@ class Gptq8LinearMethod(LinearMethod):
         if getattr(layer, "weight", None) is not None:
             return F.linear(x, layer.weight, layer.bias)
         lead, K = x.shape[:-1], x.shape[-1]
-        y = _kernels().int8_weight_only_linear(x.reshape(-1, K), layer.qweight, layer.scales, layer.bias)
+        y = quant_kernels().int8_weight_only_linear(x.reshape(-1, K), layer.qweight, layer.scales, layer.bias)
         return y.reshape(*lead, layer.out_features)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """W [N, K] float32 (what ``apply`` multiplies by)."""
         if getattr(layer, "weight", None) is not None:
             return layer.weight.float()
-        return _kernels().dequantize_int8(layer.qweight, layer.scales)
+        return quant_kernels().dequantize_int8(layer.qweight, layer.scales)
 
 
 # ---------------------------------------------------------------------------------------------- config

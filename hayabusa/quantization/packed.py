@@ -21,7 +21,8 @@ from hayabusa.errors import HayabusaValidationError
 from hayabusa.quantization.base import LinearMethod
 
 
-def _kernels():
+def quant_kernels():
+    """``hayabusa.kernels.quant_linear``, imported on first use (so that naming a scheme does not load Triton)."""
     from hayabusa.kernels import quant_linear
 
     return quant_linear
@@ -68,7 +69,7 @@ class PackedInt4LinearMethod(LinearMethod):
         """Store q [K, N] (values 0..15, any int dtype; rows in ``perm`` order), scales / zeros [K // G, N]."""
         from hayabusa.quantization.base import replace_param
 
-        replace_param(layer, "qweight", _kernels().pack_int4(q))
+        replace_param(layer, "qweight", quant_kernels().pack_int4(q))
         replace_param(layer, "scales", scales.to(layer.params_dtype).contiguous())
         replace_param(layer, "zeros", zeros.to(layer.params_dtype).contiguous())
         replace_param(layer, "perm", perm)
@@ -78,13 +79,13 @@ class PackedInt4LinearMethod(LinearMethod):
         x2 = x.reshape(-1, K)
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
-        y = _kernels().int4_weight_only_linear(x2, layer.qweight, layer.scales, layer.zeros, self.group_size,
+        y = quant_kernels().int4_weight_only_linear(x2, layer.qweight, layer.scales, layer.zeros, self.group_size,
                                                layer.bias)
         return y.reshape(*lead, layer.out_features)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """W [N, K] float32 in the checkpoint's input order (what ``apply`` multiplies by): for tests and debugging."""
-        w = _kernels().dequantize_int4(layer.qweight, layer.scales, layer.zeros, self.group_size)   # [N, K]
+        w = quant_kernels().dequantize_int4(layer.qweight, layer.scales, layer.zeros, self.group_size)   # [N, K]
         if layer.perm is None:
             return w
         out = torch.empty_like(w)

@@ -43,6 +43,23 @@ def methods_supported_on(device: torch.device) -> list[str]:
     return [n for n in implemented_methods() if QUANTIZATION_METHODS[n].supports(device)]
 
 
+def check_device(quant_config: QuantizationConfig, device: torch.device) -> None:
+    """Raises HayabusaValidationError when ``quant_config``'s scheme cannot run on ``device``; the message names the
+    scheme, the device (and its compute capability) and the schemes that do run there."""
+    if quant_config.supports(device):
+        return
+    if device.type == "cuda":
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        where = f"{device} ({torch.cuda.get_device_name(device)}, compute capability {cap})"
+    else:
+        where = str(device)
+    runs = methods_supported_on(device)
+    raise HayabusaValidationError(
+        f"quantization={quant_config.name!r} runs on {quant_config.supported_devices()}, not on {where}. On this "
+        f"device hayabusa runs: {', '.join(runs) if runs else 'no quantization scheme'}.",
+        parameter="quantization", value=quant_config.name)
+
+
 def normalize_method_name(name: str) -> str:
     """Lower-cased registry name of ``name``.
 

@@ -30,16 +30,11 @@ from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.quantization.base import LinearMethod, QuantizationConfig, make_param, replace_param
+from hayabusa.quantization.packed import quant_kernels
 
 logger = logging.getLogger(__name__)
 
 INT4_GROUP_SIZE = 128
-
-
-def _kernels():
-    from hayabusa.kernels import quant_linear
-
-    return quant_linear
 
 
 class _OnlineConfig(QuantizationConfig):
@@ -69,14 +64,14 @@ class Int8WeightOnlyLinearMethod(_HighPrecisionWeight):
     """W8A16: after loading the layer holds ``qweight [N, K] int8`` and ``scales [N]`` (model dtype)."""
 
     def process_weights_after_loading(self, layer):
-        q, s = _kernels().quantize_int8_per_channel(layer.weight.data)
+        q, s = quant_kernels().quantize_int8_per_channel(layer.weight.data)
         replace_param(layer, "weight", None)
         replace_param(layer, "qweight", q)
         replace_param(layer, "scales", s.to(layer.params_dtype))
 
     def apply(self, layer, x):
         lead, K = x.shape[:-1], x.shape[-1]
-        y = _kernels().int8_weight_only_linear(x.reshape(-1, K), layer.qweight, layer.scales, layer.bias)
+        y = quant_kernels().int8_weight_only_linear(x.reshape(-1, K), layer.qweight, layer.scales, layer.bias)
         return y.reshape(*lead, layer.out_features)
 
 
@@ -107,7 +102,7 @@ class Int4WeightOnlyLinearMethod(_HighPrecisionWeight):
         pad = -K % G
         if pad:
             w = F.pad(w, (0, pad))
-        q, s, z = _kernels().quantize_int4_grouped(w, group_size=G)
+        q, s, z = quant_kernels().quantize_int4_grouped(w, group_size=G)
         replace_param(layer, "weight", None)
         replace_param(layer, "qweight", q)
         replace_param(layer, "scales", s.to(layer.params_dtype))
@@ -119,7 +114,7 @@ class Int4WeightOnlyLinearMethod(_HighPrecisionWeight):
         x2 = x.reshape(-1, K)
         if layer.int4_pad:
             x2 = F.pad(x2, (0, layer.int4_pad))
-        y = _kernels().int4_weight_only_linear(x2, layer.qweight, layer.scales, layer.zeros, self.group_size,
+        y = quant_kernels().int4_weight_only_linear(x2, layer.qweight, layer.scales, layer.zeros, self.group_size,
                                                layer.bias)
         return y.reshape(*lead, layer.out_features)
 

@@ -8,7 +8,7 @@ import torch
 
 from hayabusa.config import EngineArgs
 from hayabusa.errors import HayabusaValidationError
-from hayabusa.quantization import QUANTIZATION_METHODS, get_quantization_config, methods_supported_on
+from hayabusa.quantization import QUANTIZATION_METHODS, check_device, get_quantization_config, methods_supported_on
 from hayabusa.quantization.compressed_tensors import CompressedTensorsConfig
 from hayabusa.quantization.fp8 import Fp8Config
 from hayabusa.quantization.weight_only import Int4Config, Int8Config
@@ -110,7 +110,7 @@ def test_every_implemented_scheme_runs_on_cpu():
     assert methods_supported_on(torch.device("cpu")) == ["fp8", "compressed-tensors", "int8", "int4", "awq", "gptq",
                                                          "bitsandbytes"]
     for name in ("fp8", "int8", "int4"):
-        get_quantization_config(name, {}).check_device(torch.device("cpu"))
+        check_device(get_quantization_config(name, {}), torch.device("cpu"))
 
 
 def test_fp8_on_a_gpu_without_fp8_names_the_gpu_and_what_runs_there(monkeypatch):
@@ -119,14 +119,14 @@ def test_fp8_on_a_gpu_without_fp8_names_the_gpu_and_what_runs_there(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     dev = torch.device("cuda", 0)
     with pytest.raises(HayabusaValidationError) as e:
-        get_quantization_config("fp8", {}).check_device(dev)
+        check_device(get_quantization_config("fp8", {}), dev)
     msg = str(e.value)
     assert "quantization='fp8' runs on CPU, and CUDA GPUs with compute capability >= 8.9 (Ada, Hopper" in msg
     assert "not on cuda:0 (NVIDIA A100-SXM4-80GB, compute capability 8.0)" in msg
     assert msg.endswith("On this device hayabusa runs: int8, int4, awq, gptq, bitsandbytes.")
-    get_quantization_config("int4", {}).check_device(dev)                           # weight-only runs there
+    check_device(get_quantization_config("int4", {}), dev)                           # weight-only runs there
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    get_quantization_config("fp8", {}).check_device(dev)
+    check_device(get_quantization_config("fp8", {}), dev)
 
 
 def test_plan_notes_say_what_runs():

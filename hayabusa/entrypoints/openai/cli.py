@@ -10,42 +10,12 @@ Every ``EngineArgs`` field is a flag (``--max-num-seqs``, ``--dtype``, ``--enabl
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 from typing import Any
 
 from hayabusa.config import EngineArgs
-
-# EngineArgs fields that are not flags here (set otherwise, or not expressible on a command line).
-_NOT_FLAGS = {"model", "compilation_config"}
-
-
-def _flag_type(annotation: str) -> Any:
-    first = str(annotation).split("|")[0].strip()
-    return {"int": int, "float": float}.get(first, str)
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field (vLLM's spelling); unset flags keep EngineArgs' defaults."""
-    g = p.add_argument_group("engine arguments (see EngineArgs)")
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in _NOT_FLAGS:
-            continue
-        flag, ann = "--" + f.name.replace("_", "-"), str(f.type)
-        if ann.startswith("bool"):
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-        elif ann.startswith("list[int]"):
-            g.add_argument(flag, dest=f.name, type=int, nargs="+", default=None)
-        else:
-            g.add_argument(flag, dest=f.name, type=_flag_type(ann), default=None)
-
-
-def engine_args_from(ns: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-            if f.name not in _NOT_FLAGS and getattr(ns, f.name, None) is not None}
-
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to an argparse subparsers object; dispatch to ``run_serve(ns)``."""
@@ -65,7 +35,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    add_engine_flags(p)
+    EngineArgs.add_cli_args(p)
     return p
 
 
@@ -86,7 +56,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     chat_template = load_chat_template(ns.chat_template)
-    args = AsyncEngineArgs(model=model, disable_log_requests=ns.disable_log_requests, **engine_args_from(ns))
+    args = AsyncEngineArgs.from_cli_args(ns, model=model, disable_log_requests=ns.disable_log_requests)
     engine = AsyncLLMEngine.from_engine_args(args)
     names = ns.served_model_name or [model]
     app = build_app(engine, names, api_key=ns.api_key, chat_template=chat_template, model_path=model)

@@ -209,7 +209,7 @@ def test_fidelity_fp32_matches_hf_fp32(stories_dir):
 def test_fidelity_on_a_checkpoint_hf_cannot_load_says_use_reference_model(tmp_path, monkeypatch):
     """HF needs extra packages for AWQ / GPTQ / FP8 folders: the fidelity command names --reference-model instead
     of ending in an ImportError traceback."""
-    from hayabusa.bench import runner
+    from hayabusa.bench import common
     from hayabusa.eval import fidelity
     from tests.conftest import ASSETS, require_asset
 
@@ -218,7 +218,7 @@ def test_fidelity_on_a_checkpoint_hf_cannot_load_says_use_reference_model(tmp_pa
     def no_hf(*a, **k):
         raise ImportError("Loading an AWQ quantized model requires gptqmodel")
 
-    monkeypatch.setattr(runner, "_hf_load", no_hf)
+    monkeypatch.setattr(common, "load_hf_model", no_hf)
     with pytest.raises(HayabusaValidationError, match="--reference-model") as e:
         fidelity.run_fidelity(model, "Once upon a time there was a little girl.", {}, reference="hf")
     assert e.value.parameter == "reference_model"
