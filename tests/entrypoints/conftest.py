@@ -42,7 +42,7 @@ class Served:
     def __init__(self, model_dir: str, name: str, api_key: str | None = None, chat_template: str | None = None,
                  **engine_kwargs) -> None:
         pytest.importorskip("fastapi")
-        from hayabusa.entrypoints.async_engine import AsyncEngineArgs, AsyncLLMEngine
+        from hayabusa.engine.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
         from hayabusa.entrypoints.openai.server import ServerThread, build_app
 
         self.name, self.api_key, self.model_dir = name, api_key, model_dir

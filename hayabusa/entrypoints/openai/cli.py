@@ -81,7 +81,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"hayabusa serve: the server needs the 'serve' extras ({e}); run: pip install 'hayabusa[serve]'",
               file=sys.stderr)
         return 2
-    from hayabusa.entrypoints.async_engine import AsyncEngineArgs, AsyncLLMEngine
+    from hayabusa.engine.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
     from hayabusa.entrypoints.chat_utils import load_chat_template
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")

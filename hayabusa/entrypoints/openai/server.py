@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hayabusa import __version__
-from hayabusa.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
+from hayabusa.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from hayabusa.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from hayabusa.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, error_body
 from hayabusa.errors import HayabusaValidationError

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from hayabusa.entrypoints.async_engine import AsyncLLMEngine, RequestStream
+from hayabusa.engine.async_llm_engine import AsyncLLMEngine, RequestStream
 from hayabusa.entrypoints.chat_utils import render_chat
 from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                                   CompletionRequest, SamplingFields)
