@@ -14,8 +14,8 @@ all that loop's requests and wakes the loop (``call_soon_threadsafe``) only when
 through earlier outputs::
 
     event loop                          engine thread
-    add_request -> ("add", fut) ----->  LLMEngine.add_request (validation) -> fut result / exception
-    abort       -> ("abort") -------->  LLMEngine.abort_request (blocks freed)
+    add_request -> AddCommand ------->  LLMEngine.add_request (validation) -> fut result / exception
+    abort       -> AbortCommand ----->  LLMEngine.abort_request (blocks freed)
     stream.get  <-- _deliver(inbox) <-- inbox += [(id, RequestOutput | error), ...]  <-- step()
 
 Why the inbox: waking a loop is a syscall, which releases the GIL, and the engine thread then waits for the GIL
@@ -68,6 +68,34 @@ class AsyncEngineArgs(EngineArgs):
     """
 
     disable_log_requests: bool = False
+
+
+@dataclass
+class AddCommand:
+    """Add a request; ``future`` gets None once the engine accepted it, or the validation error."""
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams | None
+    arrival_time: float
+    loop: asyncio.AbstractEventLoop                 # whose inbox gets the request's outputs
+    future: concurrent.futures.Future
+
+
+@dataclass
+class AbortCommand:
+    """Abort requests (unknown or finished ids are ignored); ``future`` (None: nobody waits) gets None when done."""
+
+    request_ids: list[str]
+    future: concurrent.futures.Future | None = None
+
+
+@dataclass
+class StopCommand:
+    """Stop the engine thread."""
+
+
+Command = AddCommand | AbortCommand | StopCommand
 
 
 class RequestStream:
@@ -244,7 +272,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         fut: concurrent.futures.Future = concurrent.futures.Future()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(("add", request_id, prompt, sampling_params, arrival_time, loop, fut))
+        self._commands.put(AddCommand(request_id, prompt, sampling_params, arrival_time, loop, fut))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -286,7 +314,7 @@ class AsyncLLMEngine:
         ids = as_request_ids(request_id)
         self._check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("abort", ids, fut))
+        self._commands.put(AbortCommand(ids, fut))
         await asyncio.wrap_future(fut)
 
     def start_background_loop(self) -> None:
@@ -299,7 +327,7 @@ class AsyncLLMEngine:
         """Stop the engine thread; requests still in flight end with EngineDeadError."""
         if self._thread is None or not self._thread.is_alive():
             return
-        self._commands.put(("stop",))
+        self._commands.put(StopCommand())
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ event-loop side helpers
@@ -310,7 +338,7 @@ class AsyncLLMEngine:
             self.start_background_loop()
 
     def _abort_nowait(self, request_id: str) -> None:
-        self._commands.put(("abort", [request_id], None))
+        self._commands.put(AbortCommand([request_id]))
 
     def _drop_stream(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
@@ -358,7 +386,7 @@ class AsyncLLMEngine:
             outbox: list[tuple[str, RequestOutput | BaseException]] = []
             idle = not self.engine.has_unfinished_requests()
             for cmd in self._drain(block=idle):
-                if cmd[0] == "stop":
+                if isinstance(cmd, StopCommand):
                     return
                 self._apply(cmd, outbox)
             if self.engine.has_unfinished_requests():
@@ -370,7 +398,7 @@ class AsyncLLMEngine:
             self._update_stats()
             self._send(outbox)
 
-    def _drain(self, block: bool) -> list[tuple]:
+    def _drain(self, block: bool) -> list[Command]:
         cmds = [self._commands.get()] if block else []
         while True:
             try:
@@ -378,13 +406,14 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return cmds
 
-    def _apply(self, cmd: tuple, outbox: list) -> None:
-        if cmd[0] == "add":
-            _, rid, prompt, params, arrival, loop, fut = cmd
+    def _apply(self, cmd: Command, outbox: list) -> None:
+        if isinstance(cmd, AddCommand):
+            rid, loop, fut = cmd.request_id, cmd.loop, cmd.future
             if not fut.set_running_or_notify_cancel():
                 return                      # the caller gave up before the engine saw the request
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival, output_kind="cumulative")
+                self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                        output_kind="cumulative")
             except BaseException as e:  # noqa: BLE001 -- goes back to the caller
                 fut.set_exception(e)
                 return
@@ -395,9 +424,9 @@ class AsyncLLMEngine:
             self._req_inbox[rid] = inbox
             fut.set_result(None)
             if self.log_requests:
-                logger.info("request %s: %s", rid, params)
-        elif cmd[0] == "abort":
-            _, ids, fut = cmd
+                logger.info("request %s: %s", rid, cmd.params)
+        elif isinstance(cmd, AbortCommand):
+            ids, fut = cmd.request_ids, cmd.future
             if fut is not None and not fut.set_running_or_notify_cancel():
                 fut = None                  # the caller stopped waiting; abort all the same
             try:
@@ -452,7 +481,7 @@ class AsyncLLMEngine:
                 live = [rid for rid, i in list(req_inbox.items()) if i is inbox]
                 for rid in live:
                     del req_inbox[rid]
-                self._commands.put(("abort", live, None))
+                self._commands.put(AbortCommand(live))
 
     def _fail_all(self, error: BaseException) -> None:
         err = error if isinstance(error, EngineDeadError) else EngineDeadError(f"the engine stopped: {error!r}")
@@ -461,10 +490,10 @@ class AsyncLLMEngine:
     def _refuse_pending_commands(self) -> None:
         """After the thread stops: callers still waiting on an add or an abort get an answer."""
         for cmd in self._drain(block=False):
-            fut = cmd[-1] if cmd[0] in ("add", "abort") else None
+            fut = None if isinstance(cmd, StopCommand) else cmd.future
             if fut is None or not fut.set_running_or_notify_cancel():
                 continue
-            if cmd[0] == "add":
+            if isinstance(cmd, AddCommand):
                 fut.set_exception(EngineDeadError(f"the engine has stopped: {self._dead!r}"))
             else:
                 fut.set_result(None)
