@@ -317,6 +317,17 @@ class AsyncLLMEngine:
         self._commands.put(AbortCommand(ids, fut))
         await asyncio.wrap_future(fut)
 
+    def fail_open_requests(self, error: BaseException) -> int:
+        """End every open stream with ``error`` (its consumer gets it after the outputs
+        it has not read yet) and abort their requests in the engine. Call it from the event loop. Returns how many
+        streams were ended."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream._fail(error)
+            self._drop_stream(stream)
+            self._abort_nowait(stream.request_id)
+        return len(streams)
+
     def start_background_loop(self) -> None:
         if self._thread is not None:
             return
@@ -424,7 +435,7 @@ class AsyncLLMEngine:
             self._req_inbox[rid] = inbox
             fut.set_result(None)
             if self.log_requests:
-                logger.info("request %s: %s", rid, cmd.params)
+                logger.info("request %r: %s", rid, cmd.params)     # %r: an id cannot forge a log line
         elif isinstance(cmd, AbortCommand):
             ids, fut = cmd.request_ids, cmd.future
             if fut is not None and not fut.set_running_or_notify_cancel():

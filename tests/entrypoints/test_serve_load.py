@@ -54,6 +54,6 @@ def test_64_streaming_clients_a_quarter_disconnecting(qwen_server):
     stats = wait_idle(qwen_server.engine)              # aborted requests gave their blocks back
     generated = stats["num_generation_tokens"] - before["num_generation_tokens"]
     assert generated < NUM_CLIENTS * 3 // 4 * MAX_TOKENS + NUM_CLIENTS // 4 * 200   # the leavers were cut short
-    metrics = httpx.get(qwen_server.url + "/metrics").text
+    metrics = httpx.get(qwen_server.url + "/metrics", headers=qwen_server.headers()).text
     assert 'hayabusa:kv_cache_usage_perc{model_name="tiny-qwen"} 0.0' in metrics
     assert 'hayabusa:num_requests_running{model_name="tiny-qwen"} 0.0' in metrics

@@ -18,6 +18,13 @@ from typing import Any
 
 from hayabusa.config import EngineArgs
 
+# Server defaults, here with their flags (this module imports nothing of the serve extras; the server uses these).
+# 32 MiB: a full 128k-token context is about 1 MB of text or token ids, so this leaves room for many prompts in one
+# request while bounding what one client can make the server hold.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0            # seconds of drain on shutdown
+REQUEST_CHAT_TEMPLATE_TIME_LIMIT = 5.0     # seconds a request's own chat template may take to render
+
 # EngineArgs fields that are not flags here (set otherwise, or not expressible on a command line).
 _NOT_FLAGS = {"model", "compilation_config"}
 
@@ -58,15 +65,50 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("HAYABUSA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HAYABUSA_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in the 'model' field (default: MODEL as given)")
+                   help="name(s) clients use in the 'model' field and see in /v1/models (default: a Hub id as "
+                        "given, a local folder's last component; MODEL as given is accepted too)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (or template text) replacing the tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a 'chat_template' in chat requests (it runs on the server, under a "
+                        f"{REQUEST_CHAT_TEMPLATE_TIME_LIMIT:g} s limit); refused with a 400 otherwise")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413 (default: %(default)s = 32 MiB)")
+    p.add_argument("--allowed-hosts", nargs="+", default=[],
+                   help="Host header names accepted besides localhost, 127.0.0.1 and ::1 ('*': any). Checked "
+                        "when --host is a loopback address or this flag is given (DNS-rebinding protection)")
+    p.add_argument("--allowed-origins", nargs="+", default=[],
+                   help="browser origins (e.g. https://app.example.com, or '*') allowed to call the API cross-site; "
+                        "CORS is off without it and requests carrying any other Origin get 403")
+    p.add_argument("--public-docs-and-metrics", action="store_true",
+                   help="with --api-key, serve /metrics, /docs, /redoc and /openapi.json without the key")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="seconds open requests get to finish on shutdown; then each stream ends with an error "
+                        "event and [DONE] (default: %(default)s)")
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_flags(p)
     return p
+
+
+def default_served_name(model: str) -> str:
+    """The name /v1/models shows without --served-model-name: a local folder's last component (its path stays
+    private), a Hub id as given."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return os.path.basename(os.path.normpath(os.path.abspath(path)))
+    return model
+
+
+def allowed_hosts(host: str, extra: list[str]) -> list[str] | None:
+    """The Host names the server accepts: loopback names (any port) plus ``extra`` when bound to loopback or
+    when ``extra`` is given; None (no check) for a server bound elsewhere without ``--allowed-hosts``."""
+    loopback = host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+    if not loopback and not extra:
+        return None
+    return ["localhost", "127.0.0.1", "::1", *extra]
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -88,13 +130,17 @@ def run_serve(ns: argparse.Namespace) -> int:
     chat_template = load_chat_template(ns.chat_template)
     args = AsyncEngineArgs(model=model, disable_log_requests=ns.disable_log_requests, **engine_args_from(ns))
     engine = AsyncLLMEngine.from_engine_args(args)
-    names = ns.served_model_name or [model]
-    app = build_app(engine, names, api_key=ns.api_key, chat_template=chat_template, model_path=model)
+    names = ns.served_model_name or [default_served_name(model)]
+    app = build_app(engine, names, api_key=ns.api_key, chat_template=chat_template, model_path=model,
+                    trust_request_chat_template=ns.trust_request_chat_template,
+                    max_request_body_bytes=ns.max_request_body_bytes,
+                    allowed_hosts=allowed_hosts(ns.host, ns.allowed_hosts), allowed_origins=ns.allowed_origins,
+                    public_docs_and_metrics=ns.public_docs_and_metrics)
     print(f"hayabusa serve: {names[0]} on http://{ns.host}:{ns.port} (OpenAI API under /v1; Ctrl-C stops)",
           file=sys.stderr, flush=True)
     try:
         run_server(app, ns.host, ns.port, log_level=ns.uvicorn_log_level,
-                   access_log=not ns.disable_uvicorn_access_log)
+                   access_log=not ns.disable_uvicorn_access_log, shutdown_timeout=ns.shutdown_timeout)
     finally:
         engine.shutdown()
     return 0
