@@ -52,18 +52,14 @@ async def read_json_body(request: Any, max_bytes: int) -> dict[str, Any]:
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as e:   # JSONDecodeError, bad UTF-8, 4300+ digit integers, NaN
+        data = json.loads(body)      # NaN / Infinity parse as floats: check_json_values names their field
+    except (ValueError, RecursionError) as e:   # JSONDecodeError, bad UTF-8, 4300+ digit integers
         reason = "it is nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
         raise OpenAIError(400, f"The request body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
     check_json_values(data)
     return data
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def check_json_values(data: dict[str, Any]) -> None:
@@ -118,8 +114,9 @@ def _printable(s: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- time limit
-class TimeLimitExceeded(Exception):
-    """Raised in a worker thread (asynchronously) and to the caller when the work ran out of time."""
+class TimeLimitExceeded(BaseException):
+    """Raised in a worker thread (asynchronously) and to the caller when the work ran out of time. A
+    BaseException, so that template code (or a library) catching ``Exception`` cannot swallow it."""
 
 
 def _checkpoint() -> None:
