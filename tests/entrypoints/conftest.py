@@ -11,6 +11,11 @@ import pytest
 from tests.conftest import TOKENIZERS
 
 API_KEY = "test-key"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soak: a minute of load on a real server (runs in CI; "
+                                       "HAYABUSA_SOAK_SECONDS shortens it locally)")
 QWEN_TEMPLATE = TOKENIZERS / "qwen3" / "qwen2.5-instruct-chat-template.jinja"
 
 
