@@ -422,7 +422,13 @@ def test_shutdown_drains_then_ends_open_streams_with_an_error_and_done(stories_d
             with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
                 results.append([line for line in r.iter_lines() if line])
 
+        def long_non_streamed() -> None:
+            body = {"model": "stories", "prompt": "Once", "max_tokens": 500, "ignore_eos": True}
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            results.append([str(r.status_code), r.json()["error"]["type"]])
+
         threads = [threading.Thread(target=long_stream, daemon=True) for _ in range(2)]
+        threads.append(threading.Thread(target=long_non_streamed, daemon=True))
         for t in threads:
             t.start()
         time.sleep(0.5)
@@ -433,8 +439,8 @@ def test_shutdown_drains_then_ends_open_streams_with_an_error_and_done(stories_d
             t.join(30)
         quick.check()
         assert 1.0 <= stopped_after < 5.0
-        assert len(results) == 2
-        for events in results:
+        assert len(results) == 3 and ["503", "service_unavailable"] in results
+        for events in (r for r in results if r[0] != "503"):
             assert events[-1] == "data: [DONE]"
             last = json.loads(events[-2][6:])
             assert last["error"]["type"] == "service_unavailable" and "shutting down" in last["error"]["message"]
