@@ -349,10 +349,20 @@ def test_internal_error_is_one_500_on_a_connection_that_stays_open(server, caplo
 
     app = build_app(server.engine, ["tiny-qwen"])
 
+    from hayabusa.entrypoints.openai.serving import SSEStream
+
     async def broken(req):
         raise ZeroDivisionError("a bug")
 
+    async def chunks_then_a_bug():
+        yield b'data: {"choices": []}\n\n'
+        raise KeyError("a bug mid-stream")
+
+    async def broken_stream(req):
+        return SSEStream(chunks_then_a_bug(), [])
+
     app.state.serving.completions = broken
+    app.state.serving.chat = broken_stream
     with ServerThread(app) as t, caplog.at_level(logging.ERROR):
         conn = RawConnection(t.url)
         try:
@@ -362,8 +372,12 @@ def test_internal_error_is_one_500_on_a_connection_that_stays_open(server, caplo
             assert conn.request("GET", "/health")[0] == 200               # the same connection
         finally:
             conn.close()
+        r = httpx.post(t.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        events = [e for e in r.text.split("\n\n") if e]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["type"] == "internal_server_error"
     tracebacks = [r for r in caplog.records if r.exc_info]
-    assert len(tracebacks) == 1 and "ZeroDivisionError" in caplog.text
+    assert len(tracebacks) == 2 and "ZeroDivisionError" in caplog.text and "a bug mid-stream" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------------ 6

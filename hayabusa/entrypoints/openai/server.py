@@ -51,7 +51,7 @@ from hayabusa.entrypoints.openai.middleware import (LOOPBACK_HOSTS, APIKeyMiddle
 from hayabusa.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                                   OpenAIError, error_body)
 from hayabusa.entrypoints.openai.request_checks import DEFAULT_MAX_REQUEST_BODY_BYTES, read_json_body
-from hayabusa.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown, SSEStream
+from hayabusa.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown, SSEStream, sse
 from hayabusa.errors import HayabusaValidationError
 
 logger = logging.getLogger(__name__)
@@ -156,8 +156,15 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         async def stream() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.sse_body:                  # bytes, ready to write
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in self.sse_body:              # bytes, ready to write
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (OSError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 -- a bug: log it once, end the stream as OpenAI clients expect
+                logger.error("streaming response failed", exc_info=e)
+                end = sse(error_body(f"Internal server error: {type(e).__name__}", "internal_server_error"))
+                await send({"type": "http.response.body", "body": end + sse("[DONE]"), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         streamer = asyncio.ensure_future(stream())
@@ -167,11 +174,8 @@ class SSEResponse(StreamingResponse):
         finally:
             for t in (streamer, listener):
                 t.cancel()
-            results = await asyncio.gather(streamer, listener, return_exceptions=True)
+            await asyncio.gather(streamer, listener, return_exceptions=True)
             await self.sse_body.aclose()
-        err = results[0]
-        if isinstance(err, Exception) and not isinstance(err, OSError):
-            logger.error("streaming response failed", exc_info=err)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
