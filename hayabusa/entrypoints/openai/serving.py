@@ -366,6 +366,7 @@ class OpenAIServing:
             d = m.model_dump(exclude_none=True)
             d.setdefault("content", None)
             messages.append(d)
+
         def render() -> str:
             return render_chat(self.tokenizer, messages, chat_template=template,
                                add_generation_prompt=req.add_generation_prompt,
