@@ -406,6 +406,14 @@ def test_model_path_is_not_shown_but_accepted(server):
     assert r.status_code == 200 and r.json()["model"] == "tiny-qwen"
 
 
+@pytest.mark.parametrize("flag", [["--max-request-body-bytes", "0"], ["--shutdown-timeout", "-1"]])
+def test_bad_server_flags_are_refused(stories_dir, flag, capsys):
+    from hayabusa.entrypoints.cli import main
+
+    assert main(["serve", stories_dir, *flag]) == 2
+    assert flag[0] in capsys.readouterr().err
+
+
 def test_default_served_name_is_the_folder_name(tmp_path):
     from hayabusa.entrypoints.openai.cli import allowed_hosts, default_served_name
 

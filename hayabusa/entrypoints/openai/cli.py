@@ -117,6 +117,10 @@ def run_serve(ns: argparse.Namespace) -> int:
     if not model:
         print("hayabusa serve: give a model: hayabusa serve MODEL (an HF folder or Hub id).", file=sys.stderr)
         return 2
+    if ns.max_request_body_bytes < 1 or not ns.shutdown_timeout >= 0:
+        print("hayabusa serve: --max-request-body-bytes must be at least 1 and --shutdown-timeout at least 0, got "
+              f"{ns.max_request_body_bytes} and {ns.shutdown_timeout}.", file=sys.stderr)
+        return 2
     try:
         from hayabusa.entrypoints.openai.server import build_app, run_server
     except ImportError as e:
