@@ -26,10 +26,6 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 KEYED_NON_V1_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS or host.startswith("127.") or host == "[::1]"
-
-
 def _header(scope: dict, name: bytes) -> str | None:
     for k, v in scope["headers"]:
         if k == name:

@@ -14,7 +14,6 @@ import math
 import threading
 from typing import Any, Callable
 
-from hayabusa.entrypoints.openai.cli import DEFAULT_MAX_REQUEST_BODY_BYTES
 from hayabusa.entrypoints.openai.protocol import OpenAIError
 
 # JSON nested deeper than this is refused (no request field needs more; deep nesting costs recursion later on).

@@ -45,12 +45,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hayabusa import __version__
 from hayabusa.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
-from hayabusa.entrypoints.openai.cli import DEFAULT_SHUTDOWN_TIMEOUT
+from hayabusa.entrypoints.openai.cli import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
 from hayabusa.entrypoints.openai.middleware import (LOOPBACK_HOSTS, APIKeyMiddleware, HostOriginMiddleware,
                                                     InternalErrorMiddleware)
 from hayabusa.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                                   OpenAIError, error_body)
-from hayabusa.entrypoints.openai.request_checks import DEFAULT_MAX_REQUEST_BODY_BYTES, read_json_body
+from hayabusa.entrypoints.openai.request_checks import read_json_body
 from hayabusa.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown, SSEStream, sse
 from hayabusa.errors import HayabusaValidationError
 
