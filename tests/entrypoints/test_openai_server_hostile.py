@@ -216,6 +216,16 @@ def test_17_mb_prompt_is_400_while_health_and_streams_go_on(server):
     serves_next_request(server)
 
 
+def test_rendered_chat_over_the_bound_is_400_before_tokenizing(server):
+    """Short messages, but tools that the template writes into the prompt: the rendered text is bounded too."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "a " * 40_000, "parameters": {}}}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    serves_next_request(server)
+
+
 def test_long_prompt_is_tokenized_off_the_event_loop(server):
     """truncate_prompt_tokens lifts the character bound: 1M characters are tokenized (seconds of CPU) on the
     preprocessing threads while /health answers."""

@@ -321,6 +321,7 @@ class OpenAIServing:
         self._check_num_choices(req.n)
         self._check_prompt_chars(_conversation_chars(req), "messages", req.truncate_prompt_tokens is not None)
         text = await self._render_chat(req)
+        self._check_prompt_chars(len(text), "messages", req.truncate_prompt_tokens is not None)   # tools, a template
         ids = self._truncate_and_check(await self._off_loop(self._tokenize, text, req.add_special_tokens,
                                                             "messages"), req, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
