@@ -5,7 +5,7 @@
 
 from hayabusa.config import EngineArgs
 from hayabusa.engine.llm_engine import LLMEngine
-from hayabusa.entrypoints.async_engine import AsyncEngineArgs, AsyncLLMEngine
+from hayabusa.engine.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
 from hayabusa.entrypoints.llm import LLM
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.inputs import PromptType, TextPrompt, TokensPrompt

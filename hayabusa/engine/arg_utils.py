@@ -2,6 +2,6 @@
 (the same classes as ``hayabusa.EngineArgs`` / ``hayabusa.AsyncEngineArgs``)."""
 
 from hayabusa.config import EngineArgs
-from hayabusa.entrypoints.async_engine import AsyncEngineArgs
+from hayabusa.engine.async_llm_engine import AsyncEngineArgs
 
 __all__ = ["EngineArgs", "AsyncEngineArgs"]

@@ -11,6 +11,11 @@ import pytest
 from tests.conftest import TOKENIZERS
 
 API_KEY = "test-key"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soak: a minute of load on a real server (runs in CI; "
+                                       "HAYABUSA_SOAK_SECONDS shortens it locally)")
 QWEN_TEMPLATE = TOKENIZERS / "qwen3" / "qwen2.5-instruct-chat-template.jinja"
 
 
@@ -40,17 +45,18 @@ def engine(stories_dir):
 
 class Served:
     def __init__(self, model_dir: str, name: str, api_key: str | None = None, chat_template: str | None = None,
-                 **engine_kwargs) -> None:
+                 app_kwargs: dict | None = None, shutdown_timeout: float = 2.0, **engine_kwargs) -> None:
         pytest.importorskip("fastapi")
-        from hayabusa.entrypoints.async_engine import AsyncEngineArgs, AsyncLLMEngine
+        from hayabusa.engine.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
         from hayabusa.entrypoints.openai.server import ServerThread, build_app
 
         self.name, self.api_key, self.model_dir = name, api_key, model_dir
         self.engine = AsyncLLMEngine.from_engine_args(
             AsyncEngineArgs(model=model_dir, disable_log_requests=True, **engine_kwargs))
         self.tokenizer = self.engine.engine.tokenizer
-        self.server = ServerThread(build_app(self.engine, [name], api_key=api_key, chat_template=chat_template,
-                                             model_path=model_dir)).start()
+        self.app = build_app(self.engine, [name], api_key=api_key, chat_template=chat_template, model_path=model_dir,
+                             **(app_kwargs or {}))
+        self.server = ServerThread(self.app, shutdown_timeout=shutdown_timeout).start()
         self.url = self.server.url
 
     def client(self, **kw):
@@ -82,10 +88,11 @@ def qwen_server(tiny_qwen2):
 @pytest.fixture(scope="session")
 def llama_server(tiny_llama):
     """Tiny random Llama with the Japanese llm-jp SentencePiece tokenizer (byte fallback; no chat template of its
-    own), given the Qwen2.5 template as --chat-template; no API key."""
+    own), given the Qwen2.5 template as --chat-template; no API key; --trust-request-chat-template."""
     from hayabusa.entrypoints.chat_utils import load_chat_template
 
-    s = Served(tiny_llama, "tiny-llama", chat_template=load_chat_template(str(QWEN_TEMPLATE)), max_model_len=256)
+    s = Served(tiny_llama, "tiny-llama", chat_template=load_chat_template(str(QWEN_TEMPLATE)), max_model_len=256,
+               app_kwargs={"trust_request_chat_template": True})
     yield s
     s.close()
 

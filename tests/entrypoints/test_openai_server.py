@@ -40,7 +40,11 @@ def test_models_health_metrics(qwen_server):
     models = qwen_server.client().models.list()
     assert [m.id for m in models.data] == ["tiny-qwen"]
     assert httpx.get(qwen_server.url + "/health").status_code == 200          # no key needed
-    text = httpx.get(qwen_server.url + "/metrics").text
+    for path in ("/metrics", "/docs", "/openapi.json"):                        # these need it (--api-key set)
+        r = httpx.get(qwen_server.url + path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(qwen_server.url + "/openapi.json", headers=qwen_server.headers()).status_code == 200
+    text = httpx.get(qwen_server.url + "/metrics", headers=qwen_server.headers()).text
     for name in ("hayabusa:num_requests_running", "hayabusa:num_requests_waiting", "hayabusa:kv_cache_usage_perc",
                  "hayabusa:generation_tokens_total", "hayabusa:prompt_tokens_total"):
         assert name in text
@@ -247,17 +251,29 @@ def test_unknown_fields_are_still_ignored(qwen_server):
 PREFIX_TEMPLATE = "PREFIX: {{ messages[-1]['content'] }}"
 
 
-def test_per_request_chat_template(qwen_server):
+def test_per_request_chat_template_is_refused_unless_trusted(qwen_server):
     c = qwen_server.client()
-    tok = qwen_server.tokenizer
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=qwen_server.name, messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=2, stream=stream, extra_body={"chat_template": PREFIX_TEMPLATE})
+        assert e.value.body["param"] == "chat_template" and "--trust-request-chat-template" in e.value.body["message"]
+    assert c.chat.completions.create(model=qwen_server.name, messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_per_request_chat_template(llama_server):
+    s = llama_server                               # started with --trust-request-chat-template
+    c = s.client()
+    tok = s.tokenizer
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
-    kw = dict(model=qwen_server.name, messages=msgs, max_tokens=2, temperature=0.0)
+    kw = dict(model=s.name, messages=msgs, max_tokens=2, temperature=0.0)
     default = c.chat.completions.create(**kw)
     custom = c.chat.completions.create(**kw, extra_body={"chat_template": PREFIX_TEMPLATE})
     expected = len(tok("PREFIX: hello there", add_special_tokens=False).input_ids)
     assert custom.usage.prompt_tokens == expected != default.usage.prompt_tokens
     # the rendered prompt is exactly the template's output: greedy completion of the same text agrees
-    same = c.completions.create(model=qwen_server.name, prompt="PREFIX: hello there", max_tokens=2,
+    same = c.completions.create(model=s.name, prompt="PREFIX: hello there", max_tokens=2,
                                 temperature=0.0, extra_body={"add_special_tokens": False})
     assert custom.choices[0].message.content == same.choices[0].text
     # the server's own template is used again on the next request
@@ -268,14 +284,14 @@ def test_per_request_chat_template(qwen_server):
                                       "{{ raise_exception('no') }}",                    # fails to render
                                       "{{ messages[0]['content'] | no_such_filter }}",
                                       "/etc/passwd"])                                   # a path: not accepted
-def test_broken_per_request_chat_template_is_400(qwen_server, template):
-    c = qwen_server.client()
+def test_broken_per_request_chat_template_is_400(llama_server, template):
+    c = llama_server.client()
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model=qwen_server.name, messages=[{"role": "user", "content": "hi"}],
+            c.chat.completions.create(model=llama_server.name, messages=[{"role": "user", "content": "hi"}],
                                       max_tokens=2, stream=stream, extra_body={"chat_template": template})
         assert e.value.body["param"] == "chat_template"
-    assert c.chat.completions.create(model=qwen_server.name, messages=[{"role": "user", "content": "hi"}],
+    assert c.chat.completions.create(model=llama_server.name, messages=[{"role": "user", "content": "hi"}],
                                      max_tokens=2).usage.completion_tokens >= 1
 
 

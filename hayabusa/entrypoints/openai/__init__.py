@@ -1,8 +1,18 @@
 """The OpenAI-compatible HTTP server (``hayabusa serve``).
 
-protocol.py (pydantic request models), serving.py (request -> prompt + SamplingParams -> responses and SSE
-chunks), server.py (FastAPI app, auth, errors, metrics, uvicorn), cli.py (the ``serve`` subcommand).
+protocol.py (pydantic request models, OpenAIError), request_checks.py (body size, Content-Type, JSON values; a time
+limit for untrusted templates), serving.py (request -> prompt + SamplingParams -> responses and SSE chunks),
+middleware.py (Host / Origin, API key, the 500 path), server.py (FastAPI app, errors, metrics, uvicorn with a
+shutdown drain), cli.py (the ``serve`` subcommand). The server's defaults are here, where cli.py (which imports no serve extra)
+and the server modules both read them.
 
 Nothing here is imported by ``import hayabusa``: fastapi, uvicorn, pydantic and prometheus_client are the optional
-``serve`` dependencies (``pip install 'hayabusa[serve]'``), imported only by server.py, serving.py and protocol.py.
+``serve`` dependencies (``pip install 'hayabusa[serve]'``), imported by every module here but cli.py.
 """
+
+# Server defaults (the flags of cli.py and the keyword defaults of server.py / serving.py).
+# 32 MiB: a full 128k-token context is about 1 MB of text or token ids, so this leaves room for many prompts in one
+# request while bounding what one client can make the server hold.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0            # seconds of drain on shutdown
+REQUEST_CHAT_TEMPLATE_TIME_LIMIT = 5.0     # seconds a request's own chat template may take to render

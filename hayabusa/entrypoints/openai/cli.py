@@ -16,6 +16,9 @@ import sys
 from typing import Any
 
 from hayabusa.config import EngineArgs
+from hayabusa.entrypoints.openai import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
+                                         REQUEST_CHAT_TEMPLATE_TIME_LIMIT)
+
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to an argparse subparsers object; dispatch to ``run_serve(ns)``."""
@@ -28,9 +31,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("HAYABUSA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HAYABUSA_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in the 'model' field (default: MODEL as given)")
+                   help="name(s) clients use in the 'model' field and see in /v1/models (default: a Hub id as "
+                        "given, a local folder's last component; MODEL as given is accepted too)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (or template text) replacing the tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a 'chat_template' in chat requests (it runs on the server, under a "
+                        f"{REQUEST_CHAT_TEMPLATE_TIME_LIMIT:g} s limit); refused with a 400 otherwise")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413 (default: %(default)s = 32 MiB)")
+    p.add_argument("--allowed-hosts", nargs="+", default=[],
+                   help="Host header names accepted besides localhost, 127.0.0.1 and ::1 ('*': any). Checked "
+                        "when --host is a loopback address or this flag is given (DNS-rebinding protection)")
+    p.add_argument("--allowed-origins", nargs="+", default=[],
+                   help="browser origins (e.g. https://app.example.com, or '*') allowed to call the API cross-site; "
+                        "CORS is off without it and requests carrying any other Origin get 403")
+    p.add_argument("--public-docs-and-metrics", action="store_true",
+                   help="with --api-key, serve /metrics, /docs, /redoc and /openapi.json without the key")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="seconds open requests get to finish on shutdown; then each stream ends with an error "
+                        "event and [DONE] (default: %(default)s)")
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -39,11 +59,33 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def default_served_name(model: str) -> str:
+    """The name /v1/models shows without --served-model-name: a local folder's last component (its path stays
+    private), a Hub id as given."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return os.path.basename(os.path.normpath(os.path.abspath(path)))
+    return model
+
+
+def allowed_hosts(host: str, extra: list[str]) -> list[str] | None:
+    """The Host names the server accepts: loopback names (any port) plus ``extra`` when bound to loopback or
+    when ``extra`` is given; None (no check) for a server bound elsewhere without ``--allowed-hosts``."""
+    loopback = host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+    if not loopback and not extra:
+        return None
+    return ["localhost", "127.0.0.1", "::1", *extra]
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     """Start the engine and serve until interrupted. Returns the exit code (2: bad arguments or missing extras)."""
     model = ns.serve_model or ns.model_tag
     if not model:
         print("hayabusa serve: give a model: hayabusa serve MODEL (an HF folder or Hub id).", file=sys.stderr)
+        return 2
+    if ns.max_request_body_bytes < 1 or not ns.shutdown_timeout >= 0:
+        print("hayabusa serve: --max-request-body-bytes must be at least 1 and --shutdown-timeout at least 0, got "
+              f"{ns.max_request_body_bytes} and {ns.shutdown_timeout}.", file=sys.stderr)
         return 2
     try:
         from hayabusa.entrypoints.openai.server import build_app, run_server
@@ -51,20 +93,24 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"hayabusa serve: the server needs the 'serve' extras ({e}); run: pip install 'hayabusa[serve]'",
               file=sys.stderr)
         return 2
-    from hayabusa.entrypoints.async_engine import AsyncEngineArgs, AsyncLLMEngine
+    from hayabusa.engine.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
     from hayabusa.entrypoints.chat_utils import load_chat_template
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     chat_template = load_chat_template(ns.chat_template)
     args = AsyncEngineArgs.from_cli_args(ns, model=model, disable_log_requests=ns.disable_log_requests)
     engine = AsyncLLMEngine.from_engine_args(args)
-    names = ns.served_model_name or [model]
-    app = build_app(engine, names, api_key=ns.api_key, chat_template=chat_template, model_path=model)
+    names = ns.served_model_name or [default_served_name(model)]
+    app = build_app(engine, names, api_key=ns.api_key, chat_template=chat_template, model_path=model,
+                    trust_request_chat_template=ns.trust_request_chat_template,
+                    max_request_body_bytes=ns.max_request_body_bytes,
+                    allowed_hosts=allowed_hosts(ns.host, ns.allowed_hosts), allowed_origins=ns.allowed_origins,
+                    public_docs_and_metrics=ns.public_docs_and_metrics)
     print(f"hayabusa serve: {names[0]} on http://{ns.host}:{ns.port} (OpenAI API under /v1; Ctrl-C stops)",
           file=sys.stderr, flush=True)
     try:
         run_server(app, ns.host, ns.port, log_level=ns.uvicorn_log_level,
-                   access_log=not ns.disable_uvicorn_access_log)
+                   access_log=not ns.disable_uvicorn_access_log, shutdown_timeout=ns.shutdown_timeout)
     finally:
         engine.shutdown()
     return 0

@@ -36,7 +36,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN / Infinity are refused for every float field (JSON has neither; Python's json accepts both).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -114,6 +115,31 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                503: "service_unavailable"}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or _ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else
+                                                         "internal_server_error")
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: Any = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class ErrorInfo(BaseModel):

@@ -4,9 +4,18 @@
     run_server(app, host="127.0.0.1", port=8000)          # or ServerThread(app).start() in a test
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, GET /version.
-Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: bad JSON, a failed field check, a
-HayabusaValidationError (its ``.parameter`` becomes ``param``) -> 400; a wrong or missing key -> 401 (only routes
-under /v1, as vLLM); a dead engine -> 503; anything else -> 500 (a bug, logged with its traceback).
+Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``: bad JSON (malformed, too deep, an
+integer beyond 64 bits, NaN / Infinity, a lone surrogate), a failed field check, a HayabusaValidationError (its
+``.parameter`` becomes ``param``) -> 400; a Host not on the allow list -> 400; a wrong or missing key -> 401 (routes
+under /v1, and /metrics, /docs, /openapi.json unless made public); a foreign Origin -> 403; a body over
+``max_request_body_bytes`` -> 413; a Content-Type other than JSON -> 415; a dead engine or a server shutting down
+-> 503; anything else -> 500 (a bug, logged once with its traceback). None of them closes the connection (but a
+413 whose body was not read).
+
+Per-request CPU work (chat templates, tokenization) runs on a thread pool, so one large request does not stall the
+other clients' streams; a request's own chat template is refused unless ``trust_request_chat_template``, and then
+runs under a time limit. On shutdown, open requests get ``shutdown_timeout`` seconds to finish; then each open
+stream ends with an error event and ``[DONE]``.
 
 A client that disconnects -- mid-stream or while waiting for a non-streamed answer -- cancels its handler, and
 that aborts its engine requests (their KV blocks are freed at the next step).
@@ -17,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import json
 import logging
 import socket
@@ -28,6 +36,7 @@ from typing import Any, Awaitable
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -35,9 +44,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hayabusa import __version__
-from hayabusa.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
-from hayabusa.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from hayabusa.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, error_body
+from hayabusa.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from hayabusa.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
+from hayabusa.entrypoints.openai.middleware import (LOOPBACK_HOSTS, APIKeyMiddleware, HostOriginMiddleware,
+                                                    InternalErrorMiddleware)
+from hayabusa.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
+                                                  OpenAIError, error_body)
+from hayabusa.entrypoints.openai.request_checks import read_json_body
+from hayabusa.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown, SSEStream, sse
 from hayabusa.errors import HayabusaValidationError
 
 logger = logging.getLogger(__name__)
@@ -125,25 +139,6 @@ class _EngineCollector:
 
 
 # ---------------------------------------------------------------------------------------------------- ASGI pieces
-class APIKeyMiddleware:
-    """401 for requests under /v1 without ``Authorization: Bearer <key>`` (a pure ASGI middleware: it does not
-    wrap ``receive``, so disconnects still reach the handlers)."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if hmac.compare_digest(auth, self.expected):
-            return await self.app(scope, receive, send)
-        msg = "Incorrect API key provided." if auth else "Missing API key: send 'Authorization: Bearer <key>'."
-        response = JSONResponse(error_body(msg, "authentication_error", None, "invalid_api_key"), status_code=401)
-        await response(scope, receive, send)
-
-
 async def _wait_for_disconnect(receive: Any) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -161,8 +156,15 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         async def stream() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.sse_body:                  # bytes, ready to write
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in self.sse_body:              # bytes, ready to write
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (OSError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 -- a bug: log it once, end the stream as OpenAI clients expect
+                logger.error("streaming response failed", exc_info=e)
+                end = sse(error_body(f"Internal server error: {type(e).__name__}", "internal_server_error"))
+                await send({"type": "http.response.body", "body": end + sse("[DONE]"), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         streamer = asyncio.ensure_future(stream())
@@ -172,11 +174,8 @@ class SSEResponse(StreamingResponse):
         finally:
             for t in (streamer, listener):
                 t.cancel()
-            results = await asyncio.gather(streamer, listener, return_exceptions=True)
+            await asyncio.gather(streamer, listener, return_exceptions=True)
             await self.sse_body.aclose()
-        err = results[0]
-        if isinstance(err, Exception) and not isinstance(err, OSError):
-            logger.error("streaming response failed", exc_info=err)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -194,14 +193,8 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return None
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int) -> Any:
+    data = await read_json_body(request, max_body_bytes)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -228,22 +221,40 @@ def _error_response(e: OpenAIError) -> JSONResponse:
 
 # ---------------------------------------------------------------------------------------------------- the app
 def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | None = None,
-              chat_template: str | None = None, model_path: str | None = None) -> FastAPI:
+              chat_template: str | None = None, model_path: str | None = None,
+              trust_request_chat_template: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              allowed_hosts: list[str] | tuple[str, ...] | None = LOOPBACK_HOSTS,
+              allowed_origins: list[str] | tuple[str, ...] = (), public_docs_and_metrics: bool = False) -> FastAPI:
     """The FastAPI app over a running AsyncLLMEngine.
 
     Args:
         engine: the engine (the caller owns it and shuts it down).
         model_names: served model names; requests must name one of them (or none: the first).
-        api_key: when set, /v1 routes need ``Authorization: Bearer <api_key>``.
+        api_key: when set, /v1 routes (and /metrics, /docs, /redoc, /openapi.json unless
+            ``public_docs_and_metrics``) need ``Authorization: Bearer <api_key>``.
         chat_template: a Jinja template text that replaces the tokenizer's chat template.
-        model_path: reported as ``root`` by /v1/models.
+        model_path: the model as loaded (a folder or Hub id): also accepted as ``model`` in requests, never shown.
+        trust_request_chat_template: accept a request's own ``chat_template`` (rendered under a time limit).
+        max_request_body_bytes: larger bodies get 413.
+        allowed_hosts: Host header names accepted (any port); None: any ("*" in the list too).
+        allowed_origins: browser origins allowed cross-site (CORS on for them; "*": any); the server's own
+            origin is always allowed.
     """
     metrics = ServerMetrics(engine, model_names[0])
-    serving = OpenAIServing(engine, model_names, chat_template, metrics.on_request_finished)
+    serving = OpenAIServing(engine, model_names, chat_template, metrics.on_request_finished,
+                            model_aliases=[model_path] if model_path else [],
+                            trust_request_chat_template=trust_request_chat_template)
     app = FastAPI(title="hayabusa", version=__version__)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+    # add_middleware puts each one outside the ones before: a request meets Host/Origin, CORS, key, then the rest.
+    app.add_middleware(InternalErrorMiddleware)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, public_docs_and_metrics=public_docs_and_metrics)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
+    app.add_middleware(HostOriginMiddleware, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
     created = int(time.time())
     max_model_len = engine.engine.config.model_config.max_model_len
 
@@ -263,15 +274,14 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
     async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return _error_response(OpenAIError(503, f"The engine is not running: {e}"))
 
+    @app.exception_handler(ServerShuttingDown)
+    async def _shutting_down(_: Request, e: ServerShuttingDown) -> JSONResponse:
+        return _error_response(OpenAIError(503, str(e)))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return _error_response(OpenAIError(500, f"Internal server error: {type(e).__name__}: {e}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -291,18 +301,18 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        cards = [ModelCard(id=name, created=created, root=model_path or name, max_model_len=max_model_len)
+        cards = [ModelCard(id=name, created=created, root=name, max_model_len=max_model_len)
                  for name in model_names]
         return ModelList(data=cards).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, max_request_body_bytes)
         return _respond(await _until_disconnect(request, serving.completions(req)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest, max_request_body_bytes)
         return _respond(await _until_disconnect(request, serving.chat(req)))
 
     return app
@@ -317,9 +327,39 @@ def _respond(result: Any) -> Response:
 
 
 # ---------------------------------------------------------------------------------------------------- running
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, with a drain on shutdown: new connections are refused at once, open requests get
+    ``shutdown_timeout`` seconds to finish, then every one still open ends -- a stream with an error event and
+    ``[DONE]``, a non-streamed request with a 503 -- instead of being cut off mid-body."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+        # uvicorn cancels what is left some time after our deadline: by then every response has ended.
+        config.timeout_graceful_shutdown = shutdown_timeout + 5.0
+        super().__init__(config)
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        serving = getattr(getattr(self.config.app, "state", None), "serving", None)
+        timer = None
+        if isinstance(serving, OpenAIServing):
+            def end_open_requests() -> None:
+                n = serving.end_open_requests(f"the server is shutting down (open requests had "
+                                              f"{self.shutdown_timeout:g} s to finish)")
+                if n:
+                    logger.warning("shutdown: ended %d request(s) still open after %g s", n, self.shutdown_timeout)
+            timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, end_open_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               access_log: bool = True) -> None:
-    """Serve until interrupted (SIGINT / SIGTERM).
+               access_log: bool = True, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Serve until interrupted (SIGINT / SIGTERM), then drain for up to ``shutdown_timeout`` seconds.
 
     Everything built so far (torch, the model, the app) is moved out of the garbage collector's reach first
     (``gc.freeze``, as vLLM does after startup): streaming allocates fast enough to trigger full collections, and
@@ -328,8 +368,8 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     gc.collect()
     gc.freeze()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+                            timeout_keep_alive=5)
+    Server(config, shutdown_timeout).run()
 
 
 class ServerThread:
@@ -338,13 +378,14 @@ class ServerThread:
     Binds ``host:port`` first (port 0 = a free one), so the port is known before the server starts.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 shutdown_timeout: float = 2.0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
-                                                    timeout_keep_alive=5, timeout_graceful_shutdown=2))
+        self.server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=5),
+                             shutdown_timeout)
         self.thread = threading.Thread(target=self._run, name="hayabusa-server", daemon=True)
 
     @property
@@ -363,9 +404,9 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout)
+        self.thread.join(self.server.shutdown_timeout + 10.0 if timeout is None else timeout)
         self.sock.close()
 
     def __enter__(self) -> "ServerThread":

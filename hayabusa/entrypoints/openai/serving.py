@@ -16,16 +16,19 @@ chunk's dict (``ensure_ascii=False``), as before.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from hayabusa.entrypoints.async_engine import AsyncLLMEngine, RequestStream
+from hayabusa.engine.async_llm_engine import AsyncLLMEngine, RequestStream
 from hayabusa.entrypoints.chat_utils import render_chat
+from hayabusa.entrypoints.openai import REQUEST_CHAT_TEMPLATE_TIME_LIMIT
 from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
-                                                  CompletionRequest, SamplingFields)
+                                                  CompletionRequest, OpenAIError, SamplingFields, error_body)
+from hayabusa.entrypoints.openai.request_checks import TimeLimitExceeded, run_with_time_limit
 from hayabusa.errors import ChatTemplateError, HayabusaValidationError
 from hayabusa.outputs import Logprob, RequestOutput
 from hayabusa.sampling_params import SamplingParams
@@ -34,27 +37,13 @@ logger = logging.getLogger(__name__)
 
 # Most completions per request (n x prompts): a bound on what one HTTP request can ask of the engine.
 MAX_CHOICES = 1024
+# Threads for per-request CPU work (template rendering, tokenization): the tokenizers release the GIL, so a long
+# prompt being tokenized does not stall the event loop and the other clients' streams.
+NUM_PREPROCESS_THREADS = 4
 
 
-class OpenAIError(Exception):
-    """An error answered in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             503: "service_unavailable"}.get(status, "internal_server_error")
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: Any = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+class ServerShuttingDown(RuntimeError):
+    """The server is shutting down and ended this request (503; a stream gets an error event and [DONE])."""
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -78,6 +67,13 @@ def _json(value: Any) -> str:
 def _chunk_prefix(header: dict[str, Any]) -> str:
     """``json.dumps({**header, "choices": [...]})`` up to the first choice: ``data: {"id": ..., "choices": [``."""
     return "data: " + json.dumps(header, ensure_ascii=False)[:-1] + ', "choices": ['
+
+
+def _error_event(e: BaseException) -> bytes:
+    """The last event of a stream that ends in an error (``[DONE]`` follows)."""
+    kind = ("service_unavailable" if isinstance(e, ServerShuttingDown) else
+            "internal_server_error" if isinstance(e, RuntimeError) else "invalid_request_error")
+    return sse(error_body(str(e), kind))
 
 
 class SSEStream:
@@ -153,16 +149,42 @@ class OpenAIServing:
         model_names: names accepted in the ``model`` field (the first is reported in responses).
         chat_template: a Jinja chat template that replaces the tokenizer's, or None.
         on_request_finished: called with the request's latencies and token counts (metrics), or None.
+        model_aliases: further names accepted in ``model`` (the model's path); responses show model_names[0].
+        trust_request_chat_template: accept a request's ``chat_template`` (else 400); it renders under
+            ``REQUEST_CHAT_TEMPLATE_TIME_LIMIT`` seconds.
     """
 
     def __init__(self, engine: AsyncLLMEngine, model_names: list[str], chat_template: str | None = None,
-                 on_request_finished: Callable[..., None] | None = None) -> None:
+                 on_request_finished: Callable[..., None] | None = None, model_aliases: list[str] | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.model_names = model_names
+        self.model_aliases = set(model_aliases or []) - set(model_names)
         self.chat_template = chat_template
         self.on_request_finished = on_request_finished
+        self.trust_request_chat_template = trust_request_chat_template
+        self.request_chat_template_time_limit = REQUEST_CHAT_TEMPLATE_TIME_LIMIT
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model_config.max_model_len
+        self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
+        self.preprocess = concurrent.futures.ThreadPoolExecutor(NUM_PREPROCESS_THREADS,
+                                                                thread_name_prefix="hayabusa-preprocess")
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run CPU work (tokenization, a template) on the preprocessing threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.preprocess, fn, *args)
+
+    def end_open_requests(self, message: str) -> int:
+        """End every open request with ServerShuttingDown (shutdown after the drain). Returns how many."""
+        return self.engine.fail_open_requests(ServerShuttingDown(message))
+
+    def _check_prompt_chars(self, num_chars: int, param: str, truncating: bool) -> None:
+        """A cheap bound before tokenizing: a text longer than max_model_len x the longest vocabulary token
+        cannot fit, so it is refused without spending the tokenizer's time on it."""
+        if num_chars > self.max_prompt_chars and not truncating:
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens; a prompt "
+                              f"of {num_chars} characters is longer than any prompt of that many tokens can be "
+                              f"({self.max_prompt_chars} characters).", param=param, code="context_length_exceeded")
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | SSEStream:
@@ -178,7 +200,7 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise OpenAIError(400, "echo with logprobs needs prompt logprobs, which are not supported.",
                               param="echo")
-        prompts = self._completion_prompts(req)
+        prompts = await self._completion_prompts(req)
         self._check_num_choices(req.n * len(prompts))
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         params = []
@@ -203,7 +225,7 @@ class OpenAIServing:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**header, "choices": choices, "usage": self._usage(outs), "system_fingerprint": None}
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         p = req.prompt
         if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
             items = [p]
@@ -211,15 +233,25 @@ class OpenAIServing:
             items = list(p)
         if not items:
             raise OpenAIError(400, "prompt must not be empty.", param="prompt")
+        texts = [item for item in items if isinstance(item, str)]
+        truncating = req.truncate_prompt_tokens is not None
+        for text in texts:
+            self._check_prompt_chars(len(text), "prompt", truncating)
+        if texts:
+            if self.tokenizer is None:
+                self._tokenize("", req.add_special_tokens, "prompt")      # raises: no tokenizer
+            encoded = iter(await self._off_loop(self._tokenize_all, texts, req.add_special_tokens))
         out = []
         for item in items:
             if isinstance(item, str):
-                ids = self._tokenize(item, req.add_special_tokens, "prompt")
-                text = item
+                ids, text = next(encoded), item
             else:
                 ids, text = list(item), None
             out.append((text, self._truncate_and_check(ids, req, "prompt")))
         return out
+
+    def _tokenize_all(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [self._tokenize(t, add_special_tokens, "prompt") for t in texts]
 
     async def _stream_completion(self, header: dict, req: CompletionRequest, streams: list[RequestStream],
                                  echo_texts: list[str]) -> AsyncIterator[bytes]:
@@ -266,8 +298,7 @@ class OpenAIServing:
                 yield sse({**header, "choices": [], "usage": self._usage(outs)})
             timer.finish(outs)
         except (HayabusaValidationError, RuntimeError) as e:
-            yield sse(error_body(str(e), "internal_server_error" if isinstance(e, RuntimeError) else
-                                 "invalid_request_error"))
+            yield _error_event(e)
         finally:
             for s in streams:
                 s.close()
@@ -288,8 +319,11 @@ class OpenAIServing:
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         self._check_num_choices(req.n)
-        text = self._render_chat(req)
-        ids = self._truncate_and_check(self._tokenize(text, req.add_special_tokens, "messages"), req, "messages")
+        self._check_prompt_chars(_conversation_chars(req), "messages", req.truncate_prompt_tokens is not None)
+        text = await self._render_chat(req)
+        self._check_prompt_chars(len(text), "messages", req.truncate_prompt_tokens is not None)   # tools, a template
+        ids = self._truncate_and_check(await self._off_loop(self._tokenize, text, req.add_special_tokens,
+                                                            "messages"), req, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._sampling_params(req, len(ids), max_tokens, k, max_tokens_param=(
@@ -311,10 +345,14 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
         return {**header, "choices": choices, "usage": self._usage([out]), "system_fingerprint": None}
 
-    def _render_chat(self, req: ChatCompletionRequest) -> str:
-        """The conversation as prompt text, rendered exactly as LLM.chat renders it (chat_utils.render_chat)."""
+    async def _render_chat(self, req: ChatCompletionRequest) -> str:
+        """The conversation as prompt text, rendered exactly as LLM.chat renders it (chat_utils.render_chat), on a
+        preprocessing thread; a request's own template (when trusted) on a thread of its own, under a time limit."""
         template = self.chat_template
         if req.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise OpenAIError(400, "chat_template in a request is not accepted by this server (the operator can "
+                                  "allow it with --trust-request-chat-template).", param="chat_template")
             # The request's own Jinja template (vLLM extra). Only a template string: never a path to read a file
             # of the server's from (render_chat would take a string without Jinja syntax for a path).
             if not any(c in req.chat_template for c in "{}\n"):
@@ -329,11 +367,21 @@ class OpenAIServing:
             d = m.model_dump(exclude_none=True)
             d.setdefault("content", None)
             messages.append(d)
-        try:
+
+        def render() -> str:
             return render_chat(self.tokenizer, messages, chat_template=template,
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message, tools=req.tools or None,
                                chat_template_kwargs=req.chat_template_kwargs)
+
+        try:
+            if req.chat_template is None:
+                return await self._off_loop(render)
+            limit = self.request_chat_template_time_limit
+            return await run_with_time_limit(render, limit)
+        except TimeLimitExceeded:
+            raise OpenAIError(400, f"chat_template took longer than {limit:g} s to render.",
+                              param="chat_template") from None
         except ChatTemplateError as e:
             # render_chat names "messages"; with the request's own template, the template is what to blame.
             if req.chat_template is not None:
@@ -381,15 +429,14 @@ class OpenAIServing:
                 yield sse({**header, "choices": [], "usage": self._usage([out])})
             timer.finish([out] if out is not None else [])
         except (HayabusaValidationError, RuntimeError) as e:
-            yield sse(error_body(str(e), "internal_server_error" if isinstance(e, RuntimeError) else
-                                 "invalid_request_error"))
+            yield _error_event(e)
         finally:
             stream.close()
         yield sse("[DONE]")
 
     # ------------------------------------------------------------------ shared steps
     def _check_common(self, req: SamplingFields) -> str:
-        if req.model is not None and req.model not in self.model_names:
+        if req.model is not None and req.model not in self.model_names and req.model not in self.model_aliases:
             raise OpenAIError(400, f"The model `{req.model}` does not exist; this server serves "
                               f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
         if req.stream_options is not None and not req.stream:
@@ -401,9 +448,11 @@ class OpenAIServing:
                     unknown.append(name)
                 elif value is not None and value not in UNSUPPORTED_FIELDS[name]:
                     raise OpenAIError(400, f"{name} is not supported yet; leave it unset (or null).", param=name)
-            if unknown:
-                logger.warning("ignoring unknown request field(s): %s", ", ".join(sorted(unknown)))
-        return req.model or self.model_names[0]
+            if unknown:   # ascii(): names from the client cannot forge a log line
+                logger.warning("ignoring unknown request field(s): %s", ", ".join(ascii(n) for n in sorted(unknown)))
+        if req.model is None or req.model in self.model_aliases:
+            return self.model_names[0]
+        return req.model
 
     @staticmethod
     def _check_num_choices(num: int) -> None:
@@ -566,3 +615,24 @@ class OpenAIServing:
             content.append({**one(tid, sampled), "top_logprobs": [one(t, p) for t, p in _ranked(entry)[:k]]})
         return content
 
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of the vocabulary can stand for (at least 16; 16 without a tokenizer). A
+    vocabulary entry is at least as long as its text: byte-level BPE spells each byte as one character, and
+    SentencePiece's byte tokens ("<0x0A>") are longer than the byte."""
+    try:
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    except Exception:  # noqa: BLE001 -- a tokenizer without a vocabulary list: the default bound
+        vocab = {}
+    return max(16, max((len(t) for t in vocab), default=0))
+
+
+def _conversation_chars(req: ChatCompletionRequest) -> int:
+    """The characters of every message's text (a lower bound on the rendered prompt's length)."""
+    n = 0
+    for m in req.messages:
+        if isinstance(m.content, str):
+            n += len(m.content)
+        elif m.content:
+            n += sum(len(p.text or "") for p in m.content)
+    return n

@@ -1,0 +1,176 @@
+"""Checks of a request body before any handler sees it, and a time limit for untrusted template code.
+
+Every failure here is the client's: ``OpenAIError`` with status 413 (too large), 415 (not JSON) or 400 (the JSON
+itself: malformed, nested too deep, an integer that does not fit 64 bits, NaN / Infinity, a string that is not
+valid UTF-8 -- a lone surrogate such as ``"\\ud800"`` -- naming the top-level field it is in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import math
+import threading
+from typing import Any, Callable
+
+from hayabusa.entrypoints.openai.protocol import OpenAIError
+
+# JSON nested deeper than this is refused (no request field needs more; deep nesting costs recursion later on).
+MAX_JSON_DEPTH = 64
+INT64_MAX = (1 << 63) - 1
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """``application/json`` or ``application/<anything>+json``, with any parameters (``; charset=utf-8``)."""
+    if not value:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def read_json_body(request: Any, max_bytes: int) -> dict[str, Any]:
+    """The request's JSON object, read under the size limit (while reading, so a chunked body without
+    Content-Length is cut off as soon as it passes the limit), then checked by ``check_json_values``."""
+    ctype = request.headers.get("content-type")
+    if not is_json_content_type(ctype):
+        raise OpenAIError(415, f"Content-Type must be application/json, got {ctype!r}.",
+                          code="unsupported_media_type")
+    length = request.headers.get("content-length")
+    too_large = f"The request body is larger than the server's limit of {max_bytes} bytes."
+    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        raise OpenAIError(413, too_large, code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise OpenAIError(413, too_large, code="request_too_large")
+        chunks.append(chunk)
+    return parse_json_object(b"".join(chunks))
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)      # NaN / Infinity parse as floats: check_json_values names their field
+    except (ValueError, RecursionError) as e:   # JSONDecodeError, bad UTF-8, 4300+ digit integers
+        reason = "it is nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise OpenAIError(400, f"The request body is not valid JSON: {reason}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+    check_json_values(data)
+    return data
+
+
+def check_json_values(data: dict[str, Any]) -> None:
+    """400 naming the top-level field for: a string (or key) that is not valid UTF-8, a float that is not finite,
+    an integer outside int64, nesting deeper than MAX_JSON_DEPTH. Iterative: no recursion on hostile input."""
+    for key, value in data.items():
+        where = _find_bad_value(key, 0) or _find_bad_value(value, 1)
+        if where is not None:
+            path, reason = where
+            raise OpenAIError(400, f"{key}{path}: {reason}.", param=_printable(key))
+
+
+def _find_bad_value(root: Any, root_depth: int) -> tuple[str, str] | None:
+    stack: list[tuple[Any, str, int]] = [(root, "", root_depth)]
+    while stack:
+        value, path, depth = stack.pop()
+        t = type(value)
+        if t is str:
+            if not value.isascii() and not _is_utf8(value):
+                return path, "strings must be valid UTF-8 (a lone surrogate is not)"
+        elif t is int:
+            if not -INT64_MAX - 1 <= value <= INT64_MAX:
+                return path, "integers must fit in 64 bits"
+        elif t is float:
+            if not math.isfinite(value):
+                return path, "numbers must be finite"
+        elif t is list or t is dict:
+            if depth >= MAX_JSON_DEPTH:
+                return path, f"JSON nested deeper than {MAX_JSON_DEPTH} levels is not accepted"
+            if t is list:
+                if all(type(x) is int and -INT64_MAX - 1 <= x <= INT64_MAX for x in value):
+                    continue                                # token ids: the common large list
+                stack.extend((x, f"{path}[{i}]", depth + 1) for i, x in enumerate(value))
+            else:
+                for k, v in value.items():
+                    if not k.isascii() and not _is_utf8(k):
+                        return f"{path}.{_printable(k)}", "keys must be valid UTF-8 (a lone surrogate is not)"
+                    stack.append((v, f"{path}.{k}", depth + 1))
+    return None
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(s: str) -> str:
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------- time limit
+class TimeLimitExceeded(BaseException):
+    """Raised in a worker thread (asynchronously) and to the caller when the work ran out of time. A
+    BaseException, so that template code (or a library) catching ``Exception`` cannot swallow it."""
+
+
+def _checkpoint() -> None:
+    """A Python call: a pending asynchronous exception is raised at its first instruction, inside our try."""
+
+
+async def run_with_time_limit(fn: Callable[[], Any], seconds: float) -> Any:
+    """Run ``fn()`` on a thread of its own; after ``seconds`` (or if the caller is cancelled) raise
+    TimeLimitExceeded inside that thread, which stops pure-Python work such as a Jinja template's loops at its
+    next instruction (a single long C call, like one huge string operation, is only stopped when it returns).
+
+    Raises:
+        TimeLimitExceeded: ``fn`` did not finish in time. Otherwise ``fn``'s own result or exception.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+    lock = threading.Lock()
+    done = False
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def worker() -> None:
+        nonlocal done
+        result, error = None, None
+        try:
+            try:
+                result = fn()
+            except TimeLimitExceeded:
+                raise
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                error = e
+            with lock:
+                done = True
+            _checkpoint()
+        except TimeLimitExceeded:
+            result, error = None, TimeLimitExceeded()
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:            # the loop has closed; nobody waits
+            pass
+
+    thread = threading.Thread(target=worker, name="hayabusa-template", daemon=True)
+    thread.start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), seconds)
+    except asyncio.TimeoutError:
+        raise TimeLimitExceeded(f"did not finish within {seconds:g} s") from None
+    finally:
+        with lock:
+            if not done:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                           ctypes.py_object(TimeLimitExceeded))

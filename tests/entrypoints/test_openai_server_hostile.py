@@ -1,0 +1,483 @@
+"""A hostile client against a real server on 127.0.0.1 (issue #14): slow request templates, huge and chunked bodies,
+foreign Content-Types, Hosts and Origins, bodies that used to give 500s (lone surrogates, deep nesting, huge
+integers, Infinity), log injection, and shutdown with streams open. Each case asserts the status and the named
+parameter, that a stream in flight meanwhile finishes correctly, and that the engine serves the next request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from tests.entrypoints.conftest import Served, wait_idle  # noqa: E402
+
+STREAM_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2):
+    """No API key, request chat templates trusted (1 s limit), loopback Host names only."""
+    s = Served(tiny_qwen2, "tiny-qwen", max_model_len=256, app_kwargs={"trust_request_chat_template": True})
+    s.app.state.serving.request_chat_template_time_limit = 1.0
+    yield s
+    s.close()
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection, byte for byte (what httpx will not send, and proof that the server keeps
+    the connection open after an error)."""
+
+    def __init__(self, url: str, timeout: float = 30.0) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host = f"{host}:{port}"
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.rfile = self.sock.makefile("rb")
+
+    def send(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        h = {"Host": self.host, "Content-Type": "application/json", "Content-Length": str(len(body)),
+             **(headers or {})}
+        head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items() if v is not None)
+        self.sock.sendall(head.encode("latin-1") + b"\r\n" + body)
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        status = int(self.rfile.readline().split()[1])
+        headers = {}
+        while (line := self.rfile.readline().rstrip(b"\r\n")):
+            k, v = line.decode("latin-1").split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+        body = self.rfile.read(int(headers.get("content-length", 0)))
+        return status, headers, body
+
+    def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None):
+        self.send(method, path, body, headers)
+        return self.response()
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+
+def ok_completion_body(name: str) -> bytes:
+    return json.dumps({"model": name, "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}).encode()
+
+
+class StreamInFlight:
+    """A greedy streamed completion running in a thread while the test attacks the server; ``check()`` asserts it
+    got all of its tokens, in order, with [DONE]."""
+
+    def __init__(self, s: Served, max_tokens: int = STREAM_TOKENS) -> None:
+        self.s, self.max_tokens = s, max_tokens
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.started.wait(30)
+
+    def _run(self) -> None:
+        body = {"model": self.s.name, "prompt": "Once upon a time", "max_tokens": self.max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", self.s.url + "/v1/completions", json=body, headers=self.s.headers(),
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        self.events.append(line)
+                        self.started.set()
+        except BaseException as e:  # noqa: BLE001 -- reported by check()
+            self.error = e
+        finally:
+            self.started.set()
+
+    def check(self) -> None:
+        self.thread.join(60)
+        assert self.error is None and not self.thread.is_alive(), self.error
+        assert self.events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in self.events[:-1]]
+        assert all("error" not in c for c in chunks)
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        assert usage and usage[-1]["completion_tokens"] == self.max_tokens
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+class HealthProbe:
+    """Polls /health from a thread; ``worst`` is the slowest answer (seconds)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.worst, self.count, self.failures = url, 0.0, 0, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as c:
+            deadline = time.monotonic() + 120
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                t0 = time.monotonic()
+                try:
+                    ok = c.get(self.url + "/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.worst = max(self.worst, time.monotonic() - t0)
+                self.count += 1
+                self.failures += not ok
+                time.sleep(0.02)
+
+    def finish(self) -> "HealthProbe":
+        self.stop.set()
+        self.thread.join(20)
+        return self
+
+
+def serves_next_request(s: Served) -> None:
+    r = httpx.post(s.url + "/v1/completions", content=ok_completion_body(s.name), headers={
+        **s.headers(), "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    wait_idle(s.engine)
+
+
+# ------------------------------------------------------------------------------------------------ 2: templates
+SLOW_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                 "{{ messages[0]['content'] }}")
+
+
+def test_slow_request_template_is_cut_off_without_stalling_others(server):
+    stream = StreamInFlight(server, max_tokens=STREAM_TOKENS)
+    probe = HealthProbe(server.url)
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template": SLOW_TEMPLATE})
+    elapsed = time.monotonic() - t0
+    probe.finish()
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "took longer than 1 s" in r.json()["error"]["message"] and elapsed < 10
+    assert probe.count >= 3 and probe.worst < 1.0 and probe.failures == 0
+    stream.check()
+    deadline = time.monotonic() + 10                       # the rendering thread was stopped, not left spinning
+    while any(t.name == "hayabusa-template" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "hayabusa-template" for t in threading.enumerate())
+    serves_next_request(server)
+
+
+# ------------------------------------------------------------------------------------------------ 3: sizes
+def test_64_mb_body_is_413_before_it_is_read(server):
+    conn = RawConnection(server.url)
+    try:
+        t0 = time.monotonic()
+        conn.send("POST", "/v1/completions", headers={"Content-Length": str(64 * 1024 * 1024)})
+        status, _, body = conn.response()                   # not one byte of the body was sent
+        assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+        assert time.monotonic() - t0 < 5
+    finally:
+        conn.close()
+    serves_next_request(server)
+
+
+def test_chunked_body_over_the_limit_is_413_while_reading(server):
+    limit = 32 * 1024 * 1024
+    conn = RawConnection(server.url)
+    try:
+        conn.send("POST", "/v1/completions", headers={"Content-Length": None, "Transfer-Encoding": "chunked"})
+        piece = b"x" * (1024 * 1024)
+        sent = 0
+        while sent <= limit:                                # exactly one byte over, then no terminating chunk
+            data = piece if sent + len(piece) <= limit else b"x" * (limit + 1 - sent)
+            conn.sock.sendall(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            sent += len(data)
+        status, _, body = conn.response()
+        assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    finally:
+        conn.close()
+    serves_next_request(server)
+
+
+def test_17_mb_prompt_is_400_while_health_and_streams_go_on(server):
+    stream = StreamInFlight(server)
+    probe = HealthProbe(server.url)
+    for key, body in (("prompt", {"prompt": "a " * (17 * 1024 * 1024 // 2)}),
+                      ("messages", {"messages": [{"role": "user", "content": "a " * (9 * 1024 * 1024 // 2)}]})):
+        path = "/v1/completions" if key == "prompt" else "/v1/chat/completions"
+        r = httpx.post(server.url + path, json={"model": server.name, "max_tokens": 2, **body}, timeout=60)
+        assert r.status_code == 400, r.text[:300]
+        assert r.json()["error"]["param"] == key and r.json()["error"]["code"] == "context_length_exceeded"
+    probe.finish()
+    assert probe.count >= 3 and probe.worst < 1.0 and probe.failures == 0
+    stream.check()
+    serves_next_request(server)
+
+
+def test_rendered_chat_over_the_bound_is_400_before_tokenizing(server):
+    """Short messages, but tools that the template writes into the prompt: the rendered text is bounded too."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "a " * 40_000, "parameters": {}}}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    serves_next_request(server)
+
+
+def test_long_prompt_is_tokenized_off_the_event_loop(server):
+    """truncate_prompt_tokens lifts the character bound: 1M characters are tokenized (seconds of CPU) on the
+    preprocessing threads while /health answers."""
+    probe = HealthProbe(server.url)
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": server.name, "prompt": "a " * 500_000, "max_tokens": 2, "truncate_prompt_tokens": 8})
+    probe.finish()
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text
+    assert probe.count >= 3 and probe.worst < 1.0 and probe.failures == 0
+    serves_next_request(server)
+
+
+# ------------------------------------------------------------------------------------------------ 4: browsers
+@pytest.mark.parametrize("ctype,status", [("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+                                          ("multipart/form-data; boundary=x", 415), (None, 415),
+                                          ("application/json; charset=utf-8", 200),
+                                          ("application/vnd.api+json", 200)])
+def test_only_json_bodies_are_accepted(server, ctype, status):
+    conn = RawConnection(server.url)
+    try:
+        got, _, body = conn.request("POST", "/v1/completions", ok_completion_body(server.name),
+                                    headers={"Content-Type": ctype})
+        assert got == status, body
+        if status == 415:
+            assert json.loads(body)["error"]["code"] == "unsupported_media_type"
+        got, _, _ = conn.request("GET", "/health")              # same connection, still open
+        assert got == 200
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("host,status", [("evil.example", 400), ("evil.example:8000", 400), ("127.0.0.2.nip.io", 400),
+                                         ("localhost:1234", 200), ("127.0.0.1", 200), ("[::1]:8000", 200)])
+def test_host_header_is_checked_on_loopback(server, host, status):
+    conn = RawConnection(server.url)
+    try:
+        got, _, body = conn.request("POST", "/v1/completions", ok_completion_body(server.name), headers={"Host": host})
+        assert got == status, body
+        if status == 400:
+            assert json.loads(body)["error"]["code"] == "invalid_host"
+    finally:
+        conn.close()
+
+
+def test_foreign_origin_is_403_and_cors_is_off(server):
+    body = ok_completion_body(server.name)
+    conn = RawConnection(server.url)
+    try:
+        status, headers, raw = conn.request("POST", "/v1/completions", body, headers={"Origin": "http://evil.example"})
+        assert status == 403 and json.loads(raw)["error"]["code"] == "invalid_origin"
+        status, headers, _ = conn.request("POST", "/v1/completions", body, headers={"Origin": server.url})
+        assert status == 200 and "access-control-allow-origin" not in headers      # same origin: fine, no CORS
+        status, headers, _ = conn.request("OPTIONS", "/v1/completions", headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert status == 403 and "access-control-allow-origin" not in headers
+    finally:
+        conn.close()
+
+
+def test_allowed_origins_and_hosts_and_public_metrics(server):
+    """A second app over the same engine: --allowed-origins turns CORS on for them, --allowed-hosts adds names,
+    --public-docs-and-metrics opens /metrics and the docs despite --api-key."""
+    from hayabusa.entrypoints.openai.server import ServerThread, build_app
+
+    app = build_app(server.engine, ["tiny-qwen"], api_key="k", allowed_origins=["https://app.example"],
+                    allowed_hosts=["localhost", "127.0.0.1", "::1", "api.example"], public_docs_and_metrics=True)
+    with ServerThread(app) as t:
+        conn = RawConnection(t.url)
+        try:
+            status, headers, _ = conn.request("OPTIONS", "/v1/completions", headers={
+                "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+            assert status == 200 and headers["access-control-allow-origin"] == "https://app.example"
+            status, _, _ = conn.request("GET", "/metrics", headers={"Host": "api.example"})
+            assert status == 200
+            status, _, _ = conn.request("GET", "/openapi.json")
+            assert status == 200
+            status, _, _ = conn.request("GET", "/v1/models")
+            assert status == 401                                       # the API itself still needs the key
+        finally:
+            conn.close()
+
+
+# ------------------------------------------------------------------------------------------------ 5: 400s, not 500s
+def _body(**fields) -> bytes:
+    return json.dumps(fields).encode()     # ensure_ascii: a lone surrogate goes out as the escape "\ud800"
+
+
+NESTED = b'{"prompt": "hi", "model": "tiny-qwen", "max_tokens": 2, "stop": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+BAD_BODIES = [
+    ("/v1/completions", _body(model="tiny-qwen", prompt="ab\ud800cd", max_tokens=2), "prompt"),
+    ("/v1/completions", _body(model="tiny-qwen", prompt=["ok", "\udfff"], max_tokens=2), "prompt"),
+    ("/v1/chat/completions", _body(model="tiny-qwen", messages=[{"role": "user", "content": "x\ud800"}]),
+     "messages"),
+    ("/v1/chat/completions", _body(model="tiny-qwen", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "\ud83d"}]}]), "messages"),
+    ("/v1/completions", _body(model="tiny-qwen\ud800", prompt="hi", max_tokens=2), "model"),
+    ("/v1/completions", _body(model="tiny-qwen", prompt="hi", request_id="id-\ud800", max_tokens=2), "request_id"),
+    ("/v1/completions", _body(model="tiny-qwen", prompt="hi", request_id="id-\ud800", max_tokens=2, stream=True),
+     "request_id"),
+    ("/v1/completions", _body(model="tiny-qwen", prompt="hi", max_tokens=2, stream=True, stop=["\ud800"]), "stop"),
+    ("/v1/completions", NESTED, None),
+    ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "seed": ' + b"9" * 5000 + b"}", None),
+    ("/v1/completions", _body(model="tiny-qwen", prompt="hi", seed=10 ** 30), "seed"),
+    ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "temperature": Infinity}', "temperature"),
+    ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "repetition_penalty": 1e999}', "repetition_penalty"),
+    ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "top_p": NaN}', "top_p"),
+    ("/v1/chat/completions", b'{"model": "tiny-qwen", "messages": [], "temperature": -Infinity}', "temperature"),
+    ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", BAD_BODIES, ids=[f"{i}" for i in range(len(BAD_BODIES))])
+def test_hostile_body_is_400_on_a_connection_that_stays_open(server, path, raw, param):
+    conn = RawConnection(server.url)
+    try:
+        status, headers, body = conn.request("POST", path, raw)
+        assert status == 400, body[:300]
+        err = json.loads(body)["error"]
+        assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+        assert headers.get("connection", "").lower() != "close"
+        status, _, body = conn.request("POST", "/v1/completions", ok_completion_body(server.name))
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
+    finally:
+        conn.close()
+    wait_idle(server.engine)
+
+
+def test_internal_error_is_one_500_on_a_connection_that_stays_open(server, caplog):
+    from hayabusa.entrypoints.openai.server import ServerThread, build_app
+
+    app = build_app(server.engine, ["tiny-qwen"])
+
+    from hayabusa.entrypoints.openai.serving import SSEStream
+
+    async def broken(req):
+        raise ZeroDivisionError("a bug")
+
+    async def chunks_then_a_bug():
+        yield b'data: {"choices": []}\n\n'
+        raise KeyError("a bug mid-stream")
+
+    async def broken_stream(req):
+        return SSEStream(chunks_then_a_bug(), [])
+
+    app.state.serving.completions = broken
+    app.state.serving.chat = broken_stream
+    with ServerThread(app) as t, caplog.at_level(logging.ERROR):
+        conn = RawConnection(t.url)
+        try:
+            status, headers, body = conn.request("POST", "/v1/completions", ok_completion_body("tiny-qwen"))
+            assert status == 500 and json.loads(body)["error"]["type"] == "internal_server_error"
+            assert headers.get("connection", "").lower() != "close"
+            assert conn.request("GET", "/health")[0] == 200               # the same connection
+        finally:
+            conn.close()
+        r = httpx.post(t.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        events = [e for e in r.text.split("\n\n") if e]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["type"] == "internal_server_error"
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 2 and "ZeroDivisionError" in caplog.text and "a bug mid-stream" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------ 6
+def test_request_ids_and_field_names_cannot_forge_log_lines(server, caplog):
+    engine = server.engine
+    engine.log_requests = True
+    try:
+        with caplog.at_level(logging.INFO):
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": server.name, "prompt": "hi", "max_tokens": 2,
+                "request_id": "x\nINFO forged line", "field\nforged": 1})
+            assert r.status_code == 200
+    finally:
+        engine.log_requests = False
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert any("x\\nINFO forged line" in m for m in messages)
+    assert any("field\\nforged" in m for m in messages)
+    assert not any("\n" in m for m in messages)
+
+
+def test_model_path_is_not_shown_but_accepted(server):
+    text = httpx.get(server.url + "/v1/models").text
+    assert server.model_dir not in text and json.loads(text)["data"][0]["id"] == "tiny-qwen"
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": server.model_dir, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == "tiny-qwen"
+
+
+@pytest.mark.parametrize("flag", [["--max-request-body-bytes", "0"], ["--shutdown-timeout", "-1"]])
+def test_bad_server_flags_are_refused(stories_dir, flag, capsys):
+    from hayabusa.entrypoints.cli import main
+
+    assert main(["serve", stories_dir, *flag]) == 2
+    assert flag[0] in capsys.readouterr().err
+
+
+def test_default_served_name_is_the_folder_name(tmp_path):
+    from hayabusa.entrypoints.openai.cli import allowed_hosts, default_served_name
+
+    (tmp_path / "my-model").mkdir()
+    assert default_served_name(str(tmp_path / "my-model")) == "my-model"
+    assert default_served_name(str(tmp_path / "my-model") + "/") == "my-model"
+    assert default_served_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert allowed_hosts("127.0.0.1", []) == ["localhost", "127.0.0.1", "::1"]
+    assert allowed_hosts("0.0.0.0", []) is None
+    assert allowed_hosts("0.0.0.0", ["api.example"]) == ["localhost", "127.0.0.1", "::1", "api.example"]
+
+
+def test_shutdown_drains_then_ends_open_streams_with_an_error_and_done(stories_dir):
+    s = Served(stories_dir, "stories", max_model_len=512, shutdown_timeout=1.0)
+    step = s.engine.engine.step
+
+    def slow_step():                                  # 500 tokens take far longer than the 1 s drain
+        time.sleep(0.02)
+        return step()
+
+    s.engine.engine.step = slow_step
+    try:
+        quick = StreamInFlight(s, max_tokens=5)       # finishes during the drain
+        results: list[list[str]] = []
+
+        def long_stream() -> None:
+            body = {"model": "stories", "prompt": "Once", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+                results.append([line for line in r.iter_lines() if line])
+
+        def long_non_streamed() -> None:
+            body = {"model": "stories", "prompt": "Once", "max_tokens": 500, "ignore_eos": True}
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            results.append([str(r.status_code), r.json()["error"]["type"]])
+
+        threads = [threading.Thread(target=long_stream, daemon=True) for _ in range(2)]
+        threads.append(threading.Thread(target=long_non_streamed, daemon=True))
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        s.server.stop()
+        stopped_after = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+        quick.check()
+        assert 1.0 <= stopped_after < 5.0
+        assert len(results) == 3 and ["503", "service_unavailable"] in results
+        for events in (r for r in results if r[0] != "503"):
+            assert events[-1] == "data: [DONE]"
+            last = json.loads(events[-2][6:])
+            assert last["error"]["type"] == "service_unavailable" and "shutting down" in last["error"]["message"]
+            assert len(events) > 3                      # it streamed tokens before the end
+        wait_idle(s.engine)                            # their requests were aborted: every KV block is free
+    finally:
+        s.engine.engine.step = step
+        s.engine.shutdown()
