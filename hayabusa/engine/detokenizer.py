@@ -57,10 +57,11 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 # How far back into the prompt to look for a context that starts on a character boundary.
 MAX_PROMPT_CONTEXT_TOKENS = 24
-# A split character needs at most 3 more bytes, so ids held back longer than this are invalid bytes
-# (or ids without text); they are emitted anyway so that each step stays O(new tokens).
+# Without byte fallback: a split character needs at most 3 more bytes, so ids held back longer than this are
+# mostly invalid bytes (or ids without text); all but the last few are then emitted once their text is final, so
+# that each step stays O(new tokens). (A byte-fallback run is tracked byte by byte instead, without decoding.)
 MAX_PENDING_TOKENS = 16
-# When emitting held-back ids anyway, first try to leave this many trailing ids pending (a split character).
+# How many trailing ids may still be one split character when emitting the head of the held-back ids.
 _MAX_SPLIT_CHAR_TOKENS = 3
 
 
