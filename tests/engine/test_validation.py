@@ -214,3 +214,21 @@ def test_async_engine_same_rules(aengine):
 
     out = asyncio.run(main())
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_a_wrong_type_in_a_batch_names_the_prompt_and_queues_nothing(llm):
+    with pytest.raises(TypeError) as e:          # HayabusaTypeError: also a HayabusaValidationError
+        llm.generate(["Once", {"prompt_token_ids": [1, 2.5]}], OK, use_tqdm=False)
+    assert isinstance(e.value, HayabusaValidationError) and e.value.parameter == "prompt_token_ids"
+    assert str(e.value).startswith("prompts[1]: ") and not llm.llm_engine.has_unfinished_requests()
+    serves(llm)
+
+
+@pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1e-30), dict(temperature=1e30),
+                                    dict(temperature=1e-5, repetition_penalty=1e30), dict(top_k=10 ** 30),
+                                    dict(seed=2 ** 64 - 1), dict(max_tokens=10 ** 20, ignore_eos=True)])
+def test_extreme_but_valid_values_are_served(llm, kwargs):
+    """Finite extremes are accepted and do not break a step (which would abort every request in flight)."""
+    kwargs = {"max_tokens": 4, **kwargs}
+    out = llm.generate("Once upon a time", SamplingParams(**kwargs), use_tqdm=False)[0]
+    assert out.finished and 1 <= len(out.outputs[0].token_ids) <= MAX_LEN
