@@ -28,6 +28,11 @@ class HayabusaValidationError(ValueError):
         return type(self)(f"{where}: {self}", parameter=self.parameter, value=self.value)
 
 
+class HayabusaTypeError(HayabusaValidationError, TypeError):
+    """A value of the wrong type, or an unknown keyword: a HayabusaValidationError (so the server answers 400 and
+    ``.parameter`` names it) that ``except TypeError`` catches too, as vLLM raises TypeError there."""
+
+
 class ChatTemplateError(HayabusaValidationError):
     """The chat template failed to parse or to render the messages (``parameter`` names what the caller passed:
     "messages"; a server whose request brought its own template names "chat_template" instead)."""

@@ -6,17 +6,60 @@ model (vocabulary size, max_model_len) happen in the engine's input processor.
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from hayabusa.errors import HayabusaValidationError
+from hayabusa.errors import HayabusaTypeError, HayabusaValidationError
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+# Most completions one request may ask for (n, best_of). vLLM has no cap; we need one so that one request cannot
+# fill the engine with children. 128 is the OpenAI API's own limit for n.
+MAX_N = 128
+
+_BOOL_FIELDS = ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                "include_stop_str_in_output")
+_INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_OPTIONAL_FIELDS = frozenset({"best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs",
+                              "truncate_prompt_tokens"})
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
-    return HayabusaValidationError(f"{parameter} {why}, got {value!r}.", parameter=parameter, value=value)
+    return HayabusaValidationError(f"{parameter} {why}, got {_short(value)}.", parameter=parameter, value=value)
+
+
+def _bad_type(parameter: str, value: Any, why: str) -> HayabusaTypeError:
+    return HayabusaTypeError(f"{parameter} {why}, got {_short(value)} ({type(value).__name__}).",
+                             parameter=parameter, value=value)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def check_utf8(parameter: str, text: str) -> None:
+    """Raise HayabusaValidationError naming ``parameter`` when ``text`` cannot be encoded as UTF-8 (a lone
+    surrogate such as "\\ud800": JSON and Python strings can hold one; no tokenizer can)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HayabusaValidationError(
+            f"{parameter} is not valid Unicode text: {e.reason} at character {e.start} "
+            f"({text[e.start:e.end]!a}).", parameter=parameter, value=text[max(e.start - 20, 0):e.end + 20]) from None
 
 
 @dataclass
@@ -24,7 +67,8 @@ class SamplingParams:
     """How to sample the completion of one prompt (vLLM's ``SamplingParams``).
 
     Args:
-        n: number of completions returned for the prompt (>= 1).
+        n: number of completions returned for the prompt, in [1, MAX_N = 128].
+        best_of: accepted for compatibility, in [n, MAX_N]; n completions are generated and returned.
         presence_penalty: subtracted once from the logit of every token already generated, in [-2, 2].
         frequency_penalty: subtracted from a token's logit once per time it was generated, in [-2, 2].
         repetition_penalty: > 0; logits of tokens in the prompt or output are divided by it when positive and
@@ -50,6 +94,8 @@ class SamplingParams:
 
     Raises:
         HayabusaValidationError: a value is out of range; the error names the parameter and the value.
+            A value of the wrong type (``ignore_eos="false"``, ``n=2.0``, ``temperature=None``) or an unknown
+            keyword is a ``HayabusaTypeError``: the same error, also catchable as ``TypeError`` (as vLLM raises).
     """
 
     n: int = 1
@@ -93,6 +139,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of integers")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._verify_types()
         self._verify()
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change argmax.
@@ -101,49 +148,76 @@ class SamplingParams:
             self.top_k = 0
         self.all_stop_token_ids = set(self.stop_token_ids)
 
-    def _verify(self) -> None:  # noqa: C901 - a flat list of checks reads best
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+    def _verify_types(self) -> None:
+        """Every field has its type: bools are bools, ints are ints (not bools; numpy ints become int), floats are
+        finite real numbers, strings are valid UTF-8 (no lone surrogates). A wrong type is a HayabusaTypeError
+        (a HayabusaValidationError that is also a TypeError) naming the field."""
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise _bad_type(name, v, "must be a bool (True or False)")
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in _OPTIONAL_FIELDS:
+                continue
+            if not _is_int(v):
+                raise _bad_type(name, v, "must be an integer")
+            setattr(self, name, int(v))
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise _bad_type(name, v, "must be a number")
+            if not math.isfinite(v):
+                raise _bad(name, v, "must be a finite number")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise _bad_type("stop", self.stop, "must be a string or a list of strings")
+            check_utf8("stop", s)
+        for t in self.stop_token_ids:
+            if not _is_int(t):
+                raise _bad_type("stop_token_ids", self.stop_token_ids, "must be a list of integers")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.bad_words is not None and not isinstance(self.bad_words, (list, tuple)):
+            raise _bad_type("bad_words", self.bad_words, "must be a list of strings")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise _bad_type("extra_args", self.extra_args, "must be a dict")
 
-        if not is_int(self.n) or self.n < 1:
-            raise _bad("n", self.n, "must be an integer >= 1")
-        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
-            raise _bad("best_of", self.best_of, f"must be an integer >= n={self.n}")
+    def _verify(self) -> None:  # noqa: C901 - a flat list of checks reads best
+        if not 1 <= self.n <= MAX_N:
+            raise _bad("n", self.n, f"must be in [1, {MAX_N}]")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
+            raise _bad("best_of", self.best_of, f"must be in [n={self.n}, {MAX_N}]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+            if not -2.0 <= v <= 2.0:
                 raise _bad(name, v, "must be in [-2, 2]")
-        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0.0:
+        if not self.repetition_penalty > 0.0:
             raise _bad("repetition_penalty", self.repetition_penalty, "must be greater than zero")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
+        if not self.temperature >= 0.0:
             raise _bad("temperature", self.temperature, "must be non-negative")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:
             raise _bad("top_p", self.top_p, "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
+        if self.top_k < -1:
             raise _bad("top_k", self.top_k, "must be 0 or -1 (disabled), or at least 1")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= self.min_p <= 1.0:
             raise _bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise _bad("max_tokens", self.max_tokens, "must be at least 1")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             raise _bad("min_tokens", self.min_tokens, "must be greater than or equal to 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and self.logprobs < 0:
             raise _bad("logprobs", self.logprobs, "must be a non-negative integer")
         if self.prompt_logprobs is not None:
             raise _bad("prompt_logprobs", self.prompt_logprobs, "is not supported yet; pass None")
-        if self.seed is not None and not is_int(self.seed):
-            raise _bad("seed", self.seed, "must be an integer")
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # torch.Generator.manual_seed's range
             raise _bad("seed", self.seed, "must be in [-2**63, 2**64 - 1]")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
+        if any(s == "" for s in self.stop):
             raise _bad("stop", self.stop, "must be non-empty strings")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(t < 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
-        if self.truncate_prompt_tokens is not None and (
-            not is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
-        ):
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise _bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "must be at least 1")
         if self.bad_words:
             raise _bad("bad_words", self.bad_words, "is not supported yet")
@@ -168,3 +242,23 @@ class SamplingParams:
         values["stop_token_ids"] = list(self.stop_token_ids)
         values.update(changes)
         return SamplingParams(**values)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.name != "all_stop_token_ids")
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    # The dataclass __init__ would raise a bare TypeError for an unknown keyword; name it instead.
+    unknown = sorted(set(kwargs) - _FIELD_NAMES)
+    if unknown:
+        raise HayabusaTypeError(f"SamplingParams got an unknown parameter {unknown[0]!r}; known ones: "
+                                f"{', '.join(sorted(_FIELD_NAMES))}.", parameter=unknown[0], value=kwargs[unknown[0]])
+    if len(args) > len(_FIELD_NAMES):
+        raise HayabusaTypeError(f"SamplingParams takes at most {len(_FIELD_NAMES)} positional arguments, got "
+                                f"{len(args)}.", parameter="SamplingParams", value=len(args))
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init  # type: ignore[method-assign]

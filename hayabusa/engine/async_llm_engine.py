@@ -251,7 +251,7 @@ class AsyncLLMEngine:
         return dict(self._stats)
 
     async def add_request(self, request_id: Any, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, lora_request: Any = None) -> RequestStream:
         """Queue a request and wait until the engine has accepted it.
 
         Returns:
@@ -262,6 +262,9 @@ class AsyncLLMEngine:
                 ``str(request_id)``) or one already in use; nothing is queued.
             EngineDeadError: the engine thread has stopped.
         """
+        if lora_request is not None:
+            raise HayabusaValidationError("LoRA adapters are not supported; pass lora_request=None or leave it out.",
+                                          parameter="lora_request", value=repr(lora_request)[:80])
         self._check_alive()
         request_id = as_request_id(request_id)
         if request_id in self._streams:
@@ -285,7 +288,7 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: Any,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative RequestOutputs until it finishes (``out.finished``).
 
         request_id: any value whose ``str()`` is non-empty (a str, a ``uuid.uuid4()``, ...); the engine keys the
@@ -298,7 +301,7 @@ class AsyncLLMEngine:
             HayabusaValidationError: at the first iteration, for a bad prompt or parameter or a duplicate id.
             EngineStepError: a step failed while this request was in flight.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time, lora_request=lora_request)
         try:
             while True:
                 out = await stream.get()

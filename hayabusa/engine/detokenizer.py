@@ -6,8 +6,18 @@ Semantics follow vLLM v1 (``vllm/v1/engine/detokenizer.py``):
   ``decode(prompt + generated)[len(decode(prompt)):]`` (no ``clean_up_tokenization_spaces``). For byte-level
   BPE (GPT-2, Qwen) that equals ``decode(generated)``; for SentencePiece the first generated token keeps its
   leading space ("▁the" after a prompt is " the"), which ``decode(generated)`` alone would strip.
-- A trailing character whose UTF-8 bytes are split across tokens is held back until its last byte arrives,
-  so U+FFFD never appears for a split character; one still incomplete when the request ends is dropped.
+- The final text is exactly what ``decode`` shows for the generated ids (bar the kept leading space above), and
+  the streamed deltas join to it; a delta is never taken back. So text is emitted only once no later token can
+  change it:
+  - byte-level BPE (GPT-2, Qwen): a trailing character whose UTF-8 bytes are split across tokens is held back
+    until its last byte arrives (U+FFFD never appears for a split character); bytes that can no longer be part of
+    a character are emitted as the U+FFFD ``decode`` shows for them once a later token proves it.
+  - SentencePiece with byte fallback (Llama 2, stories260K, llm-jp): transformers decodes a run of ``<0xNN>``
+    tokens all or nothing: the run's text if its bytes are valid UTF-8, else one U+FFFD per byte (ASCII bytes in
+    the run included). A run's text is therefore held back until the run ends (a token that is not a byte) or its
+    bytes can no longer be valid UTF-8 (then each of its bytes is a final U+FFFD, emitted as it arrives).
+  - When the request ends, whatever is held back is emitted as ``decode`` shows it (U+FFFD for an incomplete
+    character or byte run at the end).
 - When the request ends by EOS / ``stop_token_ids`` (``stop_terminated``), that last token stays in
   ``token_ids`` but its text is not appended unless ``include_stop_str_in_output``.
 - Stop strings are searched only in the newly added text plus the ``len(stop) - 1`` characters before it;
@@ -21,14 +31,17 @@ the new ones, and take the difference. This module keeps only that window::
               0                      _read_offset                   len(_window)
     _prefix_text = decode(_window[:_read_offset])
 
-    text = decode(_window)
-    if text is longer than _prefix_text and does not end with U+FFFD:
-        emit text[len(_prefix_text):]; the pending ids become the next context
-    else: hold (a character is split across byte tokens, or the new ids added no text yet)
+    byte fallback: emit decode(_window[:e])[len(_prefix_text):], e = where an open, still valid byte run starts
+                   (len(_window) if none); the run's UTF-8 bytes are checked as they come, without decoding
+    otherwise:     text = decode(_window)
+                   if text is longer than _prefix_text and does not end with U+FFFD: emit the difference
+                   else hold (a character is split across byte tokens, or the new ids added no text yet)
+    the emitted ids become the next context.
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import inspect
 from typing import TYPE_CHECKING, Any
@@ -44,11 +57,64 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 # How far back into the prompt to look for a context that starts on a character boundary.
 MAX_PROMPT_CONTEXT_TOKENS = 24
-# A split character needs at most 3 more bytes, so ids held back longer than this are invalid bytes
-# (or ids without text); they are emitted anyway so that each step stays O(new tokens).
+# Without byte fallback: a split character needs at most 3 more bytes, so ids held back longer than this are
+# mostly invalid bytes (or ids without text); all but the last few are then emitted once their text is final, so
+# that each step stays O(new tokens). (A byte-fallback run is tracked byte by byte instead, without decoding.)
 MAX_PENDING_TOKENS = 16
-# When emitting held-back ids anyway, first try to leave this many trailing ids pending (a split character).
+# How many trailing ids may still be one split character when emitting the head of the held-back ids.
 _MAX_SPLIT_CHAR_TOKENS = 3
+
+
+def byte_fallback_ids(tokenizer: Any) -> dict[int, int] | None:
+    """``{token id: byte}`` for the ``<0xNN>`` tokens of a tokenizer whose decode treats a run of them all or
+    nothing (SentencePiece byte fallback, as transformers / tokenizers decode it), else None.
+
+    Found by behaviour, not by class: the 256 byte tokens exist, a valid run decodes to its character, and a run
+    with an invalid byte decodes to one U+FFFD per byte, its ASCII byte included.
+    """
+    try:
+        return _byte_fallback_ids(tokenizer)
+    except TypeError:   # an unhashable tokenizer object: no cache
+        return _byte_fallback_ids.__wrapped__(tokenizer)
+
+
+@functools.lru_cache(maxsize=32)
+def _byte_fallback_ids(tokenizer: Any) -> dict[int, int] | None:
+    try:
+        ids = tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)])
+    except Exception:
+        return None
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not isinstance(ids, list) or len(set(ids)) != 256 or any(not isinstance(i, int) or i == unk for i in ids):
+        return None
+    try:
+        cat = tokenizer.decode([ids[0xE7], ids[0x8C], ids[0xAB]], skip_special_tokens=True)
+        bad = tokenizer.decode([ids[0xE7], ids[0x41]], skip_special_tokens=True)
+    except Exception:
+        return None
+    if cat != "\u732b" or bad != REPLACEMENT_CHAR * 2:
+        return None
+    return {tid: b for b, tid in enumerate(ids)}
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids ``decode(..., skip_special_tokens=True)`` drops: ``all_special_ids`` and every added token marked
+    special (llm-jp-v3.1's ``<EOD>`` is one without a named role, so ``all_special_ids`` misses it)."""
+    try:
+        return _special_ids(tokenizer)
+    except TypeError:   # unhashable: no cache
+        return _special_ids.__wrapped__(tokenizer)
+
+
+@functools.lru_cache(maxsize=32)
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    try:
+        added = tokenizer.added_tokens_decoder
+        ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    except Exception:   # a tokenizer-like object without added tokens
+        pass
+    return frozenset(ids)
 
 
 @functools.cache
@@ -138,26 +204,36 @@ class IncrementalDetokenizer:
         self._skip_special = params.skip_special_tokens
         # Skipped special ids never enter the window: decode drops them before decoding anyway, and a long
         # run of them would otherwise stay pending.
-        self._skip_ids = frozenset(self._tokenizer.all_special_ids) if params.skip_special_tokens else frozenset()
+        self._skip_ids = special_ids(self._tokenizer) if params.skip_special_tokens else frozenset()
+        # SentencePiece byte fallback: {id: byte} of the <0xNN> tokens, and the byte run at the end of the window:
+        # a strict UTF-8 decoder fed its bytes while it is still valid (nothing of it emitted; it starts at
+        # _run_start), or _run_invalid once it can no longer be valid (all of it emitted, one U+FFFD per byte).
+        self._byte_ids = byte_fallback_ids(self._tokenizer)
+        self._run: codecs.IncrementalDecoder | None = None
+        self._run_start = 0
+        self._run_invalid = False
         self._window, self._prefix_text = self._prompt_context(prompt_token_ids)
         self._bulk = False
         self._read_offset = len(self._window)
+        self._stopped = False   # a stop string matched: nothing more is appended
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool, finished: bool = False) -> str | None:
         """Append newly generated ids, extend ``output_text`` and check the stop strings.
 
         Args:
             new_token_ids: ids generated this step (usually one).
             stop_terminated: the last id ended the request (EOS or one of ``stop_token_ids``); its text is then
                 not added unless ``include_stop_str_in_output``.
+            finished: these are the request's last ids: text held back (an incomplete character or byte run) is
+                added as ``decode`` shows it, and searched for stop strings.
 
         Returns:
             The matched stop string (``output_text`` is then cut before it, or just after it with
             ``include_stop_str_in_output``), or None.
         """
-        if not new_token_ids:
+        if not new_token_ids and not finished:
             return None
-        if self._tokenizer is None:
+        if self._tokenizer is None or self._stopped:
             self.token_ids.extend(new_token_ids)
             return None
         ids, skipped_stop_id = new_token_ids, None
@@ -174,10 +250,14 @@ class IncrementalDetokenizer:
         self._append(ids)
         if skipped_stop_id is not None:
             self.token_ids.append(skipped_stop_id)
+        if finished:
+            self._flush()
 
         if not self._stop or len(self.token_ids) <= self._min_tokens:
             return None
-        return self._check_stop_strings(len(self.output_text) - stop_check_offset)
+        matched = self._check_stop_strings(len(self.output_text) - stop_check_offset)
+        self._stopped = matched is not None
+        return matched
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """Text to report now.
@@ -186,9 +266,12 @@ class IncrementalDetokenizer:
         not included in the output, so a partial stop string is never shown.
 
         Args:
-            finished: the request has ended; nothing is held back.
+            finished: the request has ended; nothing is held back (text still held back for an incomplete
+                character is added as ``decode`` shows it, as ``update(..., finished=True)`` does).
             delta: return only the text not returned by earlier delta calls (else all text so far).
         """
+        if finished:
+            self._flush()
         buffer_length = 0 if finished else self._stop_buffer_length
         length = len(self.output_text) - buffer_length
         if not delta:
@@ -209,17 +292,21 @@ class IncrementalDetokenizer:
     def _prompt_context(self, prompt_token_ids: list[int]) -> tuple[list[int], str]:
         """The last few prompt ids, starting on a character boundary, and their text.
 
-        A window that starts inside a character would begin with U+FFFD; with SentencePiece byte fallback
-        the whole run of byte tokens would then decode to U+FFFD (the tokenizers library decodes a run of
-        byte tokens all or nothing), including the generated bytes that continue it.
+        A window that starts inside a character would begin with U+FFFD. With byte fallback the context also
+        ends before a trailing run of byte tokens: decode would join the prompt's run and a generated one into one
+        run, but the output's text is decode(output ids).
         """
         n = len(prompt_token_ids)
+        if self._byte_ids is not None:
+            byte_ids, skip_ids = self._byte_ids, self._skip_ids
+            while n and (prompt_token_ids[n - 1] in byte_ids or prompt_token_ids[n - 1] in skip_ids):
+                n -= 1
         for k in range(min(PROMPT_CONTEXT_TOKENS, n), min(MAX_PROMPT_CONTEXT_TOKENS, n) + 1):
-            context = list(prompt_token_ids[n - k :])
+            context = list(prompt_token_ids[n - k : n])
             text = self._decode(context)
             if not text.startswith(REPLACEMENT_CHAR):
                 return context, text
-        context = list(prompt_token_ids[n - min(PROMPT_CONTEXT_TOKENS, n) :])
+        context = list(prompt_token_ids[n - min(PROMPT_CONTEXT_TOKENS, n) : n])
         return context, self._decode(context)
 
     def _append(self, ids: list[int]) -> None:
@@ -227,45 +314,96 @@ class IncrementalDetokenizer:
             return
         self.token_ids.extend(ids)
         kept = [i for i in ids if i not in self._skip_ids]
-        if kept:
-            self._window.extend(kept)
-            self._bulk = len(kept) > 1
-            self.output_text += self._decode_pending()
+        if not kept:
+            return
+        if self._byte_ids is not None:
+            self.output_text += self._append_byte_fallback(kept)
+            return
+        self._window.extend(kept)
+        self._bulk = len(kept) > 1
+        self.output_text += self._decode_pending()
+
+    def _append_byte_fallback(self, ids: list[int]) -> str:
+        """Byte fallback: emit everything but an open byte run that is still valid UTF-8 (see module doc)."""
+        byte_ids, out, i = self._byte_ids, "", 0
+        if self._run_invalid:
+            # Bytes that continue a run already invalid add one U+FFFD each, whatever the byte. Decoding them
+            # with the context would not show that when the run's start has left the window.
+            while i < len(ids) and ids[i] in byte_ids:
+                i += 1
+            if i:
+                out = REPLACEMENT_CHAR * i
+                self._window, self._read_offset = [ids[i - 1]], 1
+                self._prefix_text = self._decode(self._window)
+        for tid in ids[i:]:
+            byte = byte_ids.get(tid)
+            if byte is None:
+                self._run, self._run_invalid = None, False
+            elif not self._run_invalid:
+                if self._run is None:
+                    self._run, self._run_start = codecs.getincrementaldecoder("utf-8")("strict"), len(self._window)
+                try:
+                    self._run.decode(bytes((byte,)))
+                except UnicodeDecodeError:
+                    self._run, self._run_invalid = None, True
+            self._window.append(tid)
+        end = self._run_start if self._run is not None else len(self._window)
+        if end > self._read_offset:
+            out += self._emit(self._decode(self._window[:end]), end)
+        return out
 
     def _decode_pending(self) -> str:
-        """The text the pending ids add to the context, or "" while it must be held back."""
+        """The text the pending ids add to the context, or "" while it must be held back (no byte fallback)."""
         window, read_offset = self._window, self._read_offset
         text = self._decode(window)
         if self._is_complete(text):
             return self._emit(text, len(window))
         held_too_long = len(window) - read_offset > MAX_PENDING_TOKENS
+        if held_too_long and text == self._prefix_text:
+            return self._emit(text, len(window))   # the pending ids add no text: let them become context
         if held_too_long or self._bulk:
-            # Emit all but a possible split character at the end if that much is clean. Needed when ids come
+            # Emit all but a possible split character at the end if that much is final. Needed when ids come
             # in bulk (the whole output at once, LLM.generate), and when ids were held back too long (invalid
             # bytes, not a split character).
             for end in range(len(window) - 1, max(read_offset, len(window) - _MAX_SPLIT_CHAR_TOKENS - 1), -1):
                 head = self._decode(window[:end])
-                if self._is_complete(head):
+                if self._is_final_head(head, text):
                     return self._emit(head, end)
-        if not held_too_long:
-            return ""
-        return self._emit(text, len(window))  # U+FFFD included, as decode() would show it
+        return ""
+
+    def _flush(self) -> None:
+        """The request ended: add the held-back ids' text as decode shows it (U+FFFD for an incomplete
+        character)."""
+        if self._tokenizer is None or self._stopped or self._read_offset >= len(self._window):
+            return
+        self._run = None
+        end = len(self._window)
+        self.output_text += self._emit(self._decode(self._window), end)
 
     def _is_complete(self, text: str) -> bool:
         return len(text) > len(self._prefix_text) and not text.endswith(REPLACEMENT_CHAR)
+
+    def _is_final_head(self, head: str, text: str) -> bool:
+        """``head`` (decode of the window up to a token boundary) cannot change, given that the window decodes
+        to ``text``: it adds text, ``text`` extends it, and a trailing U+FFFD in it (bytes cut short) is followed
+        by more text (so those bytes are invalid, not a character still arriving). Byte-level decoding replaces
+        invalid bytes as ``bytes.decode(errors="replace")`` does, which has this prefix property."""
+        if len(head) <= len(self._prefix_text) or not text.startswith(head):
+            return False
+        return not head.endswith(REPLACEMENT_CHAR) or len(text) > len(head)
 
     def _emit(self, text: str, end: int) -> str:
         """Make ``_window[_read_offset:end]`` (decoded with the context: ``text``) the new context and
         return the text it adds."""
         window, read_offset = self._window, self._read_offset
         self._window, self._read_offset = window[read_offset:], end - read_offset
+        self._run_start -= read_offset
         if text.startswith(self._prefix_text):
             new_text = text[len(self._prefix_text) :]
             self._prefix_text = self._decode(self._window[: self._read_offset])
         else:
-            # decode() is not prefix-stable here: with SentencePiece byte fallback, an invalid byte turns the
-            # whole byte run into U+FFFD, including context characters already emitted. Decode the new ids
-            # alone (they start with a byte token, so no leading "▁" space is lost).
+            # decode() is not prefix-stable here: the prompt context ends inside a character that the first
+            # generated bytes continue. Decode the new ids alone, as decode(output ids) shows them.
             new_text = self._prefix_text = self._decode(self._window[: self._read_offset])
         return new_text
 

@@ -5,13 +5,29 @@ Checks that need the model happen here, once, with errors that name the paramete
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from hayabusa.config import ModelConfig
-from hayabusa.errors import HayabusaValidationError
-from hayabusa.sampling_params import SamplingParams
+from hayabusa.errors import HayabusaTypeError, HayabusaValidationError
+from hayabusa.sampling_params import SamplingParams, check_utf8
 
 PromptType = str | dict[str, Any] | list[int]
+
+
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    """The one admission rule for prompt length, on every path (``LLM``, ``AsyncLLMEngine``, the server): a prompt
+    must leave room for at least one generated token, so it may have at most ``max_model_len - 1`` tokens.
+
+    Raises:
+        HayabusaValidationError: (``parameter="prompt"``, ``value`` = the prompt's token count) when
+            ``num_prompt_tokens >= max_model_len``; the message names both numbers.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise HayabusaValidationError(
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room for the completion: max_model_len="
+            f"{max_model_len} allows at most {max_model_len - 1} prompt tokens.",
+            parameter="prompt", value=num_prompt_tokens)
 
 
 class InputProcessor:
@@ -31,7 +47,8 @@ class InputProcessor:
 
         Raises:
             HayabusaValidationError: empty prompt, unknown prompt dict keys, token id outside the vocabulary,
-                text without a tokenizer, or a prompt longer than max_model_len.
+                text without a tokenizer, or a prompt that leaves no room for one output token
+                (``check_prompt_length``).
         """
         text, ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
@@ -47,7 +64,13 @@ class InputProcessor:
                     f"prompt dict has unsupported key(s) {sorted(extra)}; use 'prompt' or 'prompt_token_ids'.",
                     parameter="prompt", value=sorted(extra))
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._as_ids(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise HayabusaTypeError(f"prompt must be a str, got {type(text).__name__}.", parameter="prompt",
+                                            value=type(text).__name__)
+                if text is not None:
+                    check_utf8("prompt", text)
+                return text, self._as_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
                 raise HayabusaValidationError("prompt dict needs 'prompt' or 'prompt_token_ids'.",
                                               parameter="prompt", value=prompt)
@@ -55,20 +78,31 @@ class InputProcessor:
         if isinstance(prompt, list):
             return None, self._as_ids(prompt)
         if not isinstance(prompt, str):
-            raise HayabusaValidationError(f"prompt must be a str, a list of token ids or a dict, got "
+            raise HayabusaTypeError(f"prompt must be a str, a list of token ids or a dict, got "
                                           f"{type(prompt).__name__}.", parameter="prompt", value=type(prompt).__name__)
         if self.tokenizer is None:
             raise HayabusaValidationError("text prompts need a tokenizer (skip_tokenizer_init=True was given); "
                                           "pass {'prompt_token_ids': [...]}.", parameter="prompt", value=prompt[:50])
+        check_utf8("prompt", prompt)
         return prompt, list(self.tokenizer(prompt).input_ids)
 
     @staticmethod
     def _as_ids(ids: Any) -> list[int]:
-        try:
-            out = [int(t) for t in ids]
-        except (TypeError, ValueError):
-            raise HayabusaValidationError("prompt_token_ids must be a list of integers.",
-                                          parameter="prompt_token_ids", value=str(ids)[:80]) from None
+        """A list of ints from a list / tuple / array of integers (numpy and 0-d torch integers included); a float
+        (even 1.0 or inf), a bool or a str is refused, not rounded."""
+        if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+            raise HayabusaTypeError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}.",
+                                    parameter="prompt_token_ids", value=str(ids)[:80])
+        out = []
+        for i, t in enumerate(ids):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                out.append(operator.index(t))
+            except TypeError:
+                raise HayabusaTypeError(f"prompt_token_ids must be a list of integers; position {i} holds {t!r} "
+                                        f"({type(t).__name__}).", parameter="prompt_token_ids",
+                                        value=repr(t)[:80]) from None
         return out
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
@@ -81,10 +115,7 @@ class InputProcessor:
                 f"token id {ids[bad]} at position {bad} of prompt_token_ids is out of vocabulary "
                 f"(vocab_size={mc.vocab_size}: ids are 0 to {mc.vocab_size - 1}).",
                 parameter="prompt_token_ids", value=ids[bad])
-        if len(ids) > mc.max_model_len:
-            raise HayabusaValidationError(
-                f"prompt has {len(ids)} tokens, more than max_model_len={mc.max_model_len}.",
-                parameter="prompt", value=len(ids))
+        check_prompt_length(len(ids), mc.max_model_len)
         if params.logprobs is not None and params.logprobs > min(mc.max_logprobs, mc.vocab_size):
             raise HayabusaValidationError(
                 f"logprobs={params.logprobs} is more than the engine allows (max_logprobs={mc.max_logprobs}, "

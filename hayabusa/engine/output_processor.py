@@ -124,7 +124,7 @@ class OutputProcessor:
                 continue
             if sample.pending_ids:
                 new_ids, sample.pending_ids = sample.pending_ids + new_ids, []
-            stop_str = sample.detok.update(new_ids, req.status == RequestStatus.FINISHED_STOPPED)
+            stop_str = sample.detok.update(new_ids, req.status == RequestStatus.FINISHED_STOPPED, finished=finished)
             if stop_str is not None and not finished:
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
                 stop_hits.append(rid)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from hayabusa.errors import ChatTemplateError, HayabusaValidationError
+from hayabusa.errors import ChatTemplateError, HayabusaTypeError, HayabusaValidationError
+from hayabusa.sampling_params import check_utf8
 
 Conversation = list[dict[str, Any]]
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -22,7 +23,15 @@ def load_chat_template(chat_template: str | os.PathLike | None) -> str | None:
     ``--chat-template`` accepts both)."""
     if chat_template is None:
         return None
+    if not isinstance(chat_template, (str, os.PathLike)):
+        raise HayabusaTypeError(f"chat_template must be a Jinja template string or a path to one, got "
+                                f"{type(chat_template).__name__}.", parameter="chat_template",
+                                value=repr(chat_template)[:80])
     text = os.fspath(chat_template)
+    if not isinstance(text, str):
+        raise HayabusaTypeError("chat_template must be a str path, not bytes.", parameter="chat_template",
+                                value=repr(text)[:80])
+    check_utf8("chat_template", text)
     if isinstance(chat_template, os.PathLike) or not any(c in text for c in "{}\n"):  # a path, not Jinja
         if not os.path.isfile(text):
             raise HayabusaValidationError(f"chat_template {text!r} looks like a file path, but there is no such "
@@ -53,6 +62,7 @@ def normalize_conversation(messages: Any, content_format: str = "auto") -> Conve
             raise HayabusaValidationError(f"messages[{i}] must be a dict with a string 'role'.",
                                           parameter="messages", value=str(msg)[:80])
         content = msg.get("content")
+        _check_strings(msg, f"messages[{i}]")
         if isinstance(content, (list, tuple)) and content_format != "openai":
             texts = []
             for part in content:
@@ -67,6 +77,21 @@ def normalize_conversation(messages: Any, content_format: str = "auto") -> Conve
             msg = {**msg, "content": "\n".join(texts)}
         out.append(dict(msg))
     return out
+
+
+def _check_strings(value: Any, where: str, depth: int = 0) -> None:
+    """Every string in a message (role, content, content parts, tool calls) is valid UTF-8."""
+    if isinstance(value, str):
+        try:
+            check_utf8("messages", value)
+        except HayabusaValidationError as e:
+            raise e.prefixed(where) from None
+    elif depth < 8 and isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(v, f"{where}[{k!r}]", depth + 1)
+    elif depth < 8 and isinstance(value, (list, tuple)):
+        for j, v in enumerate(value):
+            _check_strings(v, f"{where}[{j}]", depth + 1)
 
 
 def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -87,6 +112,19 @@ def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None,
     if tokenizer is None:
         raise HayabusaValidationError("chat needs a tokenizer (skip_tokenizer_init=True was given).",
                                       parameter="messages", value=None)
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise HayabusaTypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}.",
+                                parameter="chat_template_kwargs", value=repr(chat_template_kwargs)[:80])
+    if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+        raise HayabusaTypeError("tools must be a list of dicts (OpenAI tool definitions).", parameter="tools",
+                                value=repr(tools)[:80])
+    for name, flag in (("add_generation_prompt", add_generation_prompt),
+                       ("continue_final_message", continue_final_message)):
+        if not isinstance(flag, bool):
+            raise HayabusaTypeError(f"{name} must be a bool, got {flag!r}.", parameter=name, value=flag)
+    if not isinstance(content_format, str):
+        raise HayabusaTypeError(f"chat_template_content_format must be a str, got {content_format!r}.",
+                                parameter="chat_template_content_format", value=repr(content_format)[:80])
     template = load_chat_template(chat_template)
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise HayabusaValidationError(
@@ -115,6 +153,7 @@ def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None,
                                 parameter="messages", value=None) from None
     if not isinstance(text, str):  # some tokenizers return a list for a batch of one
         text = text[0]
+    check_utf8("messages", text)   # e.g. a lone surrogate that came in through chat_template_kwargs
     return text
 
 

@@ -9,9 +9,14 @@ from typing import Any, Sequence
 from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
 from hayabusa.engine.llm_engine import LLMEngine
-from hayabusa.errors import HayabusaValidationError
+from hayabusa.errors import HayabusaTypeError, HayabusaValidationError
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class LLM:
@@ -60,11 +65,11 @@ class LLM:
             HayabusaValidationError: a bad prompt or parameter (for a batch, the message starts with the prompt's
                 index: ``prompts[3]: ...``); no request of this call is left queued.
         """
-        if unsupported:
-            name = next(iter(unsupported))
-            if unsupported[name] is not None:
-                raise HayabusaValidationError(f"generate() got an unsupported argument {name!r}.", parameter=name,
-                                              value=unsupported[name])
+        for name, value in unsupported.items():
+            if value is not None:
+                what = "LoRA adapters are not supported" if name == "lora_request" else "it is not supported"
+                raise HayabusaValidationError(f"generate() got {name}={_short(value)}, but {what}; pass "
+                                              f"{name}=None or leave it out.", parameter=name, value=value)
         prompt_list = self._as_prompt_list(prompts, prompt_token_ids)
         params = self._as_params_list(sampling_params, len(prompt_list))
         engine = self.llm_engine
@@ -107,7 +112,9 @@ class LLM:
         from hayabusa.entrypoints.chat_utils import chat_prompt, is_conversation_list
 
         if lora_request is not None:
-            raise HayabusaValidationError("LoRA is not supported.", parameter="lora_request", value=lora_request)
+            raise HayabusaValidationError(f"chat() got lora_request={_short(lora_request)}, but LoRA adapters are "
+                                          "not supported; pass lora_request=None or leave it out.",
+                                          parameter="lora_request", value=lora_request)
         conversations = messages if is_conversation_list(messages) else [messages]
         prompts = [chat_prompt(self.get_tokenizer(), conv, chat_template=chat_template,
                                add_generation_prompt=add_generation_prompt,
@@ -119,7 +126,7 @@ class LLM:
     @staticmethod
     def _as_prompt_list(prompts: Any, prompt_token_ids: Any) -> list[PromptType]:
         if prompts is None and prompt_token_ids is not None:
-            return [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+            return [{"prompt_token_ids": p} for p in prompt_token_ids]
         if prompts is None:
             raise HayabusaValidationError("generate() needs prompts.", parameter="prompts", value=None)
         if isinstance(prompts, (str, dict)):
@@ -139,6 +146,10 @@ class LLM:
             return [SamplingParams() for _ in range(n)]
         if isinstance(sp, SamplingParams):
             return [sp] * n
+        if not isinstance(sp, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sp):
+            raise HayabusaTypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                                    f"{_short(sp)} ({type(sp).__name__}).", parameter="sampling_params",
+                                    value=type(sp).__name__)
         sp = list(sp)
         if len(sp) != n:
             raise HayabusaValidationError(f"got {len(sp)} sampling_params for {n} prompts; pass one or one per "

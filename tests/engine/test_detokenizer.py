@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hayabusa.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from hayabusa.engine.detokenizer import IncrementalDetokenizer
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.sampling_params import SamplingParams
 
@@ -63,7 +63,7 @@ def stream(t, prompt, gen, chunks=None, stop_terminated=False, **params):
     for size in chunks or [1] * len(gen):
         new = gen[i : i + size]
         i += size
-        matched = det.update(new, stop_terminated and i >= len(gen))
+        matched = det.update(new, stop_terminated and i >= len(gen), finished=i >= len(gen))
         deltas.append(det.get_next_output_text(finished=matched is not None or i >= len(gen), delta=True))
         if matched is not None:
             break
@@ -123,6 +123,7 @@ def test_split_utf8_is_held_back_never_replaced(name):
         det.update([i], False)
         assert R not in det.output_text
         assert R not in det.get_next_output_text(finished=False, delta=True)
+    det.update([], False, finished=True)   # stories260K: the whole text is one byte run, shown when it ends
     assert det.output_text == reference(t, prompt, gen)
     assert det.output_text.strip() == "名前は𠮷野家の🦀🍣👨‍👩‍👧、まだ無い。"
 
@@ -137,17 +138,19 @@ def test_character_split_between_prompt_and_output():
     assert det.output_text == decode(t, gen) == R + "輩は猫"
 
 
-def test_byte_fallback_char_appears_only_when_complete():
+def test_byte_fallback_run_appears_when_it_ends():
+    """A run of byte tokens decodes all or nothing (one invalid byte turns all of it into U+FFFD), so its text
+    waits for the run to end: here the non-byte token "▁the"."""
     t = tok("stories260K")
     prompt = [1, 403, 407, 261, 378]  # "<s> Once upon a time"
-    gen = [410] + byte_ids(t, "猫")
-    assert t.convert_ids_to_tokens(gen) == ["▁", "<0xE7>", "<0x8C>", "<0xAB>"]
+    gen = [410] + byte_ids(t, "猫") + [265]
+    assert t.convert_ids_to_tokens(gen) == ["▁", "<0xE7>", "<0x8C>", "<0xAB>", "▁the"]
     det = IncrementalDetokenizer(t, prompt, SamplingParams())
     seen = []
     for i in gen:
         det.update([i], False)
         seen.append((det.output_text, det.get_next_output_text(finished=False, delta=True)))
-    assert seen == [(" ", " "), (" ", ""), (" ", ""), (" 猫", "猫")]
+    assert seen == [(" ", " "), (" ", ""), (" ", ""), (" ", ""), (" 猫 the", "猫 the")]
 
 
 def test_many_ids_in_one_update_still_hold_back_a_split_character():
@@ -165,19 +168,20 @@ def test_many_ids_in_one_update_still_hold_back_a_split_character():
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("name", ALL)
 def test_random_ids_match_decode(name, skip_special_tokens):
-    """Random id sequences (specials included). Byte-level BPE: any ids. SentencePiece: random pieces and
-    whole characters as byte-fallback runs (an invalid byte run is not prefix-stable in HF, see below)."""
+    """Random id sequences: any ids (specials and, with SentencePiece byte fallback, lone byte tokens that make
+    invalid runs included) plus whole characters as byte runs. The text equals decode(ids) -- SentencePiece: bar
+    the first token's kept leading space -- streamed one id at a time or in chunks, and nothing is held back at
+    the end."""
     t = tok(name)
     rng = random.Random(f"{name}-{skip_special_tokens}")
     prompt, _ = split_clean(t, t.encode("Once upon a time, 吾輩は猫である。"), 6)
     specials = sorted(t.all_special_ids)
-    flush = t.encode(" ok.", add_special_tokens=False)  # ends each sequence with plain text: nothing held back
     vocab = [i for i in range(len(t)) if i not in specials]
-    if name not in BYTE_LEVEL:
-        byte_token = re.compile(r"<0x[0-9A-F]{2}>")
-        vocab = [i for i, piece in zip(vocab, t.convert_ids_to_tokens(vocab)) if not byte_token.fullmatch(piece)]
+    byte_token = re.compile(r"<0x[0-9A-F]{2}>")
+    lone_bytes = [i for i, piece in zip(vocab, t.convert_ids_to_tokens(vocab)) if byte_token.fullmatch(piece)]
+    assert (name in BYTE_LEVEL) == (not lone_bytes)
     chars = "猫犬あア𠮷é∑😀🦀🍣"
-    for _ in range(60):
+    for k in range(60):
         gen = []
         while len(gen) < 24:
             r = rng.random()
@@ -185,15 +189,19 @@ def test_random_ids_match_decode(name, skip_special_tokens):
                 gen.append(rng.choice(specials))
             elif r < 0.25 and name not in BYTE_LEVEL:
                 gen += byte_ids(t, rng.choice(chars))
+            elif r < 0.4 and lone_bytes:
+                gen.append(rng.choice(lone_bytes))
             else:
                 gen.append(rng.choice(vocab))
-        gen += flush
         kw = dict(skip_special_tokens=skip_special_tokens)
-        det, deltas, _ = stream(t, prompt, gen, **kw)
-        want = reference(t, prompt, gen, skip_special_tokens)
-        assert det.output_text == want and "".join(deltas) == want
+        chunks = None if k % 2 else [rng.randint(1, 6) for _ in range(len(gen))]
+        det, deltas, _ = stream(t, prompt, gen, chunks=chunks, **kw)
+        want = decode(t, gen, skip_special_tokens)
+        assert det.output_text == "".join(deltas)
         if name in BYTE_LEVEL:
-            assert want == decode(t, gen, skip_special_tokens)
+            assert det.output_text == want
+        else:
+            assert det.output_text in (want, " " + want), (gen, det.output_text, want)
 
 
 def test_sentencepiece_first_token_keeps_its_space():
@@ -207,15 +215,56 @@ def test_sentencepiece_first_token_keeps_its_space():
     assert stream(t, [1], gen)[0].output_text == "there was"
 
 
-def test_byte_fallback_invalid_byte_is_the_documented_exception():
-    """HF decodes a run of byte tokens all or nothing: one invalid byte turns "猫" already streamed into U+FFFD.
-    We cannot take back streamed text, so the invalid byte alone becomes U+FFFD."""
+def test_byte_fallback_invalid_run_is_replaced_whole_as_decode_shows_it():
+    """HF decodes a run of byte tokens all or nothing: one invalid byte turns "猫" into U+FFFD x 3 as well. The
+    run is held back until it is known, so the streamed text equals decode and nothing is taken back."""
     t = tok("stories260K")
     prompt, cat, the = [1, 403, 407, 261, 378], byte_ids(t, "猫"), [265]  # "▁the"
     bad = t.convert_tokens_to_ids(["<0x80>"])  # never valid on its own
     assert decode(t, cat) == "猫" and decode(t, cat + bad + the) == R * 4 + " the"  # not prefix-stable
     det, deltas, _ = stream(t, prompt, cat + bad + the)
-    assert deltas == ["", "", "猫", "", "� the"] and det.output_text == "猫� the"
+    assert deltas == ["", "", "", R * 4, " the"] and det.output_text == R * 4 + " the"
+    # Once a run is invalid, every later byte of it is one more final U+FFFD, shown at once.
+    more = byte_ids(t, "A猫")
+    det, deltas, _ = stream(t, prompt, cat + bad + more + the)
+    assert deltas == ["", "", "", R * 4] + [R] * 4 + [" the"] and det.output_text == decode(t, cat + bad + more + the)
+
+
+@pytest.mark.parametrize("name", ["stories260K", "llm-jp-v3.1"])
+def test_byte_fallback_ascii_byte_inside_an_invalid_run(name):
+    """An ASCII byte token inside an invalid run is U+FFFD too (decode's rule), not the letter; crafted ids."""
+    t = tok(name)
+    prompt = t.encode("Once upon a time")
+    word = t.encode(" the", add_special_tokens=False)
+    gen = byte_ids(t, "猫")[:1] + byte_ids(t, "A") + word     # <0xE7> <0x41>: invalid
+    assert decode(t, gen).startswith(R * 2) and "A" not in decode(t, gen)
+    for chunks in (None, [len(gen)], [2, len(gen) - 2]):
+        det, deltas, _ = stream(t, prompt, gen, chunks=chunks)
+        assert det.output_text == "".join(deltas) == reference(t, prompt, gen)
+        assert det.output_text.lstrip(" ") == decode(t, gen).lstrip(" ")
+    # A byte that can never start a character (0xFC) as the very last token is not lost.
+    gen = word + byte_ids(t, "猫")[:2] + t.convert_tokens_to_ids(["<0xFC>"])
+    det, deltas, _ = stream(t, prompt, gen)
+    assert det.output_text == "".join(deltas) and det.output_text.endswith(R * 3)
+    assert det.output_text.lstrip(" ") == decode(t, gen).lstrip(" ")
+    # A run still valid but incomplete when the request ends shows as decode shows it.
+    gen = word + byte_ids(t, "猫")[:2]
+    det, deltas, _ = stream(t, prompt, gen)
+    assert det.output_text == "".join(deltas) and det.output_text.lstrip(" ") == decode(t, gen).lstrip(" ")
+    assert deltas[-1] == R * 2
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3"])
+def test_byte_level_final_invalid_or_split_byte_is_not_lost(name):
+    t = tok(name)
+    prompt = t.encode("Once upon a time")
+    word = t.encode(" the", add_special_tokens=False)
+    cat = t.encode("猫", add_special_tokens=False)
+    fc = t.convert_tokens_to_ids(["ü"])    # the byte-level symbol of byte 0xFC: never valid UTF-8
+    for gen in (word + fc, word + cat[:-1], word + fc * 30, word + fc * 30 + cat[:-1], word + fc + word):
+        for chunks in (None, [len(gen)]):
+            det, deltas, _ = stream(t, prompt, gen, chunks=chunks)
+            assert det.output_text == "".join(deltas) == decode(t, gen), (gen, chunks)
 
 
 def test_prompt_context_starts_on_a_character_boundary():
@@ -234,16 +283,23 @@ def test_long_invalid_byte_run_stays_bounded():
 
     class Recording:  # a real tokenizer that records how many ids each decode() gets
         all_special_ids = t.all_special_ids
+        added_tokens_decoder = t.added_tokens_decoder
+        convert_tokens_to_ids = staticmethod(t.convert_tokens_to_ids)
 
         def decode(self, ids, **kw):
             lengths.append(len(ids))
             return t.decode(ids, **kw)
 
     gen = t.convert_tokens_to_ids(["<0x80>"]) * 100 + [265]  # 100 invalid bytes, then "▁the"
-    det, _, _ = stream(Recording(), [1, 403, 407, 261, 378], gen)
+    det, deltas, _ = stream(Recording(), [1, 403, 407, 261, 378], gen)
     assert det.output_text == R * 100 + " the" == decode(t, gen)
-    assert max(lengths) <= 35  # context + pending, each at most MAX_PENDING_TOKENS + 1 = 17
-    assert MAX_PENDING_TOKENS == 16
+    assert deltas[:100] == [R] * 100     # an invalid run is shown byte by byte
+    assert max(lengths) <= 6 and len(lengths) <= 2 * len(gen) + 10
+    # A long valid run (300 characters as bytes) is held back without decoding it at every step.
+    lengths.clear()
+    gen = byte_ids(t, "猫" * 300) + [265]
+    det, deltas, _ = stream(Recording(), [1, 403, 407, 261, 378], gen)
+    assert det.output_text == "猫" * 300 + " the" and deltas[-1] == det.output_text and len(lengths) <= 10
 
 
 def test_long_run_of_skipped_special_tokens():
@@ -461,4 +517,6 @@ def test_bulk_update_ending_in_a_split_character_keeps_the_complete_text():
     det = IncrementalDetokenizer(tok, [], SamplingParams(max_tokens=64))
     det.update(ids[:cut], stop_terminated=False)
     want = tok.decode(ids[:cut]).rstrip("\ufffd")
-    assert want and det.get_next_output_text(finished=True, delta=False) == want
+    assert want and det.get_next_output_text(finished=False, delta=False) == want
+    # When the request ends there, the final text is decode's, U+FFFD included.
+    assert det.get_next_output_text(finished=True, delta=False) == tok.decode(ids[:cut])

@@ -24,6 +24,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from hayabusa.engine.async_llm_engine import AsyncLLMEngine, RequestStream
+from hayabusa.engine.input_processor import check_prompt_length
 from hayabusa.entrypoints.chat_utils import render_chat
 from hayabusa.entrypoints.openai import REQUEST_CHAT_TEMPLATE_TIME_LIMIT
 from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
@@ -470,10 +471,12 @@ class OpenAIServing:
         k = req.truncate_prompt_tokens
         if k is not None and isinstance(k, int) and k >= 1:
             ids = ids[-k:]
-        if len(ids) >= self.max_model_len:
+        try:
+            check_prompt_length(len(ids), self.max_model_len)   # the engine's one rule; OpenAI's message and code
+        except HayabusaValidationError:
             raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"your prompt has {len(ids)} tokens, which leaves no room for the completion.",
-                              param=param, code="context_length_exceeded")
+                              param=param, code="context_length_exceeded") from None
         return ids
 
     def _sampling_params(self, req: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
