@@ -90,7 +90,6 @@ class LLMEngine:
                       "launch_s": 0.0, "wait_s": 0.0, "collect_s": 0.0}
         self.async_scheduling = config.async_scheduling
         self._pending = None                 # (SchedulerOutput, StepHandle) launched but not collected
-        self._num_need_history = 0           # unfinished requests whose sampling needs exact token history
         logger.info("engine ready in %.2f s: %d KV blocks x %d tokens", self.startup_seconds, self.num_blocks,
                     config.cache_config.block_size)
 
@@ -138,8 +137,6 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, ids, params, children, output_kind)
         for child in children:
             self.scheduler.add_request(child)
-            if self._needs_history(child.sampling_params):
-                self._num_need_history += 1
         self.stats["num_prompt_tokens"] += len(ids)
 
     def abort_request(self, request_ids: Any) -> list[RequestOutput]:
@@ -183,11 +180,11 @@ class LLMEngine:
         """Run one scheduling step; returns the (cumulative) outputs of the requests that changed.
 
         With async scheduling the next step is scheduled and launched before the previous step's tokens are
-        collected, so the host's bookkeeping overlaps the device's work; outputs then trail by one step. Steps
-        fall back to synchronous while a request needs its exact token history to sample (penalties,
-        min_tokens).
+        collected, so the host's bookkeeping overlaps the device's work; outputs then trail by one step. (The
+        runner keeps every request's token history itself, with the tokens still on the device, so penalties and
+        min_tokens need no fallback to synchronous steps.)
         """
-        overlap = self.async_scheduling and self._num_need_history == 0
+        overlap = self.async_scheduling
         if not overlap and self._pending is not None:
             return self._collect(*self._drain())
         t0 = time.perf_counter()
@@ -229,23 +226,10 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)   # [(request, new ids)]
         self.stats["num_steps"] += 1
         self.stats["num_generation_tokens"] += sum(len(new_ids) for _, new_ids in updates)
-        if self._num_need_history:
-            for req, _ in updates:
-                if req.is_finished() and self._needs_history(req.sampling_params):
-                    self._num_need_history -= 1
         outputs, stop_hits = self.output_processor.process(updates, result.logprobs)
         if stop_hits:
             self._finish_children(stop_hits, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def _finish_children(self, child_ids: list[str], status: RequestStatus) -> None:
-        for cid in child_ids:
-            req = self.scheduler.requests.get(cid)
-            if req is not None and not req.is_finished() and self._needs_history(req.sampling_params):
-                self._num_need_history -= 1
         self.scheduler.finish_requests(child_ids, status)
-
-    @staticmethod
-    def _needs_history(params: SamplingParams) -> bool:
-        """Sampling reads the request's generated tokens (so a step cannot start before the last one is back)."""
-        return params.min_tokens > 0 or params.has_penalties
