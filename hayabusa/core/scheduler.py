@@ -90,6 +90,18 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def in_flight_request_ids(self) -> list[str]:
+        """Ids of the requests in steps scheduled but not yet updated (update_from_output)."""
+        return [req.request_id for reqs in self._in_flight.values() for req in reqs]
+
+    def blocked_request_ids(self) -> list[str]:
+        """When a step scheduled nothing though requests are unfinished: the ones that block. Running requests
+        are scheduled first whenever they can be, so those are all of them; with none running, the first waiting
+        request (its next chunk does not fit the KV cache, or it waits on a token no step will bring)."""
+        if self.running:
+            return [r.request_id for r in self.running]
+        return [self.waiting[0].request_id] if self.waiting else []
+
     # ----------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their KV blocks."""
