@@ -18,6 +18,11 @@ from hayabusa.core.request import Request, RequestStatus
 from hayabusa.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
+# new_token_ids of a request that was not preempted: one shared empty tuple (no per-request, per-step object for
+# the garbage collector to track)
+_NO_TOKENS: tuple[int, ...] = ()
+
+
 @dataclass
 class _StepPlan:
     """The requests of the step being scheduled, before they become a SchedulerOutput."""
@@ -136,7 +141,7 @@ class Scheduler:
             else:
                 cached.req_ids.append(rid)
                 cached.resumed_from_preemption.append(admitted)
-                cached.new_token_ids.append(list(req.output_token_ids) if admitted else [])
+                cached.new_token_ids.append(list(req.output_token_ids) if admitted else _NO_TOKENS)
                 cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
             if self._advance(req, plan.num_scheduled_tokens[rid]):

@@ -7,6 +7,7 @@ New requests come in full, requests the runner already knows come as changes. No
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from hayabusa.sampling_params import SamplingParams
 
@@ -43,14 +44,14 @@ class CachedRequestData:
         resumed_from_preemption: True for a request resumed after preemption: the runner gave its row up when it
             was preempted, so its block table is ``new_block_ids`` in full and its outputs are ``new_token_ids``.
         new_token_ids: for a resumed request, every output token so far (the runner may not know the last ones:
-            they came back after it dropped the row); [] otherwise (the runner knows what it sampled).
+            they came back after it dropped the row); empty otherwise (the runner knows what it sampled).
         new_block_ids: block ids appended to the request's block table this step (all of them when resumed).
         num_computed_tokens: the request's num_computed_tokens before this step.
     """
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_token_ids: list[Sequence[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 

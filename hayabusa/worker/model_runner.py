@@ -283,7 +283,7 @@ class ModelRunner:
                                                cached.new_token_ids):
                 if resumed:
                     state = self.requests[rid]
-                    batch.add(state, state.prompt_token_ids + token_ids, [])
+                    batch.add(state, state.prompt_token_ids + list(token_ids), [])
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
             if block_ids:
                 batch.append_blocks(rid, block_ids)
