@@ -95,6 +95,8 @@ class InputBatch:
     # ------------------------------------------------------------------ rows in and out
     def add(self, state: CachedRequestState, token_ids: list[int], block_ids: list[int]) -> int:
         """Give the request a row holding ``token_ids`` (prompt + known outputs) and ``block_ids``; returns it."""
+        if state.req_id in self.row_of:  # a row it never gave up (a failed step skipped its preemption)
+            self.remove(state.req_id)
         row = self._free_rows.pop()
         self.row_of[state.req_id] = row
         self.req_ids[row] = state.req_id
