@@ -27,16 +27,18 @@ _NO_TOKENS: tuple[int, ...] = ()
 class _StepPlan:
     """The requests of the step being scheduled, before they become a SchedulerOutput."""
 
-    reqs: list[Request] = field(default_factory=list)
+    reqs: list[Request] = field(default_factory=list)          # running ones first, then those admitted
     block_ids: list[list[int]] = field(default_factory=list)   # new block ids (the whole table when admitted)
-    admitted: list[bool] = field(default_factory=list)         # admitted from the waiting queue this step
+    num_running: int = 0                                       # reqs[:num_running] were running already
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
 
     def add(self, req: Request, num_new: int, block_ids: list[int], admitted: bool) -> None:
+        """Running requests are all added before the first admitted one."""
         self.reqs.append(req)
         self.block_ids.append(block_ids)
-        self.admitted.append(admitted)
+        if not admitted:
+            self.num_running += 1
         self.num_scheduled_tokens[req.request_id] = num_new
 
 
@@ -129,23 +131,30 @@ class Scheduler:
             return out
         out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, set()
         out.preempted_req_ids, self._preempted_since_last_step = self._preempted_since_last_step, set()
-        cached, sampling = out.scheduled_cached_reqs, out.sampling_req_ids
+        # Running requests come first in the plan, all known to the runner: their changes in one pass per list.
+        k = plan.num_running
+        running, admitted = plan.reqs[:k], plan.reqs[k:]
+        out.scheduled_cached_reqs = cached = CachedRequestData(
+            [r.request_id for r in running], [False] * k, [_NO_TOKENS] * k, plan.block_ids[:k],
+            [r.num_computed_tokens for r in running])
         now = time.monotonic()
-        for req, block_ids, admitted in zip(plan.reqs, plan.block_ids, plan.admitted):
+        for req, block_ids in zip(admitted, plan.block_ids[k:]):
             rid = req.request_id
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            if admitted and not req.num_preemptions:
+            if not req.num_preemptions:
                 out.scheduled_new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
                                                              block_ids, req.num_computed_tokens))
-            else:
+            else:  # resumed after preemption: the runner gave its row up
                 cached.req_ids.append(rid)
-                cached.resumed_from_preemption.append(admitted)
-                cached.new_token_ids.append(list(req.output_token_ids) if admitted else _NO_TOKENS)
+                cached.resumed_from_preemption.append(True)
+                cached.new_token_ids.append(list(req.output_token_ids))
                 cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
-            if self._advance(req, plan.num_scheduled_tokens[rid]):
-                sampling.add(rid)
+        sampling, num_scheduled = out.sampling_req_ids, plan.num_scheduled_tokens
+        for req in plan.reqs:
+            if self._advance(req, num_scheduled[req.request_id]):
+                sampling.add(req.request_id)
         self._in_flight[out.step_id] = plan.reqs
         return out
 
@@ -187,7 +196,10 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            plan.add(req, num_new, new_blocks, False)
+            plan.reqs.append(req)                         # plan.add, inlined: this runs for every request
+            plan.block_ids.append(new_blocks)
+            plan.num_scheduled_tokens[req.request_id] = num_new
+            plan.num_running += 1
             budget -= num_new
             i += 1
         return budget
