@@ -101,6 +101,10 @@ class Scheduler:
         """Ids of the requests in steps scheduled but not yet updated (update_from_output)."""
         return [req.request_id for reqs in self._in_flight.values() for req in reqs]
 
+    def forget_in_flight(self) -> None:
+        """Forget the steps scheduled but not updated (the engine dropped them after an error)."""
+        self._in_flight.clear()
+
     def blocked_request_ids(self) -> list[str]:
         """When a step scheduled nothing though requests are unfinished: the ones that block. Running requests
         are scheduled first whenever they can be, so those are all of them; with none running, the first waiting

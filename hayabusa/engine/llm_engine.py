@@ -211,6 +211,7 @@ class LLMEngine:
         way on. Returns the aborted request ids."""
         self._pending = None
         self._collecting = None
+        self.scheduler.forget_in_flight()
         self.runner.forget_previous_step()
         ids = list(self.output_processor.states)
         self.abort_request(ids)
@@ -231,6 +232,7 @@ class LLMEngine:
             suspects.update(self._collecting.scheduled_req_ids)
         self._pending = None
         self._collecting = None
+        self.scheduler.forget_in_flight()
         self.runner.forget_previous_step()
         child_to_parent = self.output_processor.child_to_parent
         parents = list(dict.fromkeys(child_to_parent[c] for c in suspects if c in child_to_parent))
