@@ -14,7 +14,7 @@ replaced by a constant: a logits tensor [B, 16] fp32 preallocated once, with one
 3 + i % 13), of which the fake returns the first R_s rows. Only 16 columns, not the vocabulary's 512: the greedy
 fast path only takes their argmax (which then costs ~7 µs at B = 256 on one core, about a GPU launch, instead of
 ~140 µs for [256, 512] fp32, a cost that a GPU does not put on the host), so this fake suits greedy runs only.
-The fake forward itself costs a slice. The CPU path's input copies (``ModelRunner._copy_inputs``: plain
+The fake forward itself costs a slice. The CPU path's input copies (``ModelRunner.copy_inputs``: plain
 ``copy_`` into the device buffers, and the placeholder gather) run inside the fake, so they count in launch;
 on CUDA they go through pinned staging buffers instead, and the forward / sampling are kernel launches (a CUDA
 graph replay for decode).
@@ -59,7 +59,7 @@ def fake_forward(runner, max_rows: int) -> None:
     logits[torch.arange(max_rows), 3 + torch.arange(max_rows) % 13] = 1.0
 
     def run_model(inp):
-        runner._copy_inputs(inp)               # the CPU path's host -> device buffer copies (and placeholders)
+        runner.copy_inputs(inp)                # the CPU path's host -> device buffer copies (and placeholders)
         return logits[:len(inp.logits_indices)]
 
     runner._run_model = run_model
@@ -82,7 +82,7 @@ def instrument(engine, records: list[dict]):
 
     def recording_schedule():
         out = schedule()
-        last["R"], last["T"] = len(out.scheduled_reqs), out.total_num_scheduled_tokens
+        last["R"], last["T"] = out.num_reqs, out.total_num_scheduled_tokens
         return out
 
     def recording_step():

@@ -15,38 +15,31 @@ from dataclasses import dataclass, field
 from hayabusa.config import SchedulerConfig
 from hayabusa.core.kv_cache_manager import KVCacheManager
 from hayabusa.core.request import Request, RequestStatus
+from hayabusa.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+# new_token_ids of a request that was not preempted: one shared empty tuple (no per-request, per-step object for
+# the garbage collector to track)
+_NO_TOKENS: tuple[int, ...] = ()
 
 
 @dataclass
-class SchedulerOutput:
-    """What to run in one step.
+class _StepPlan:
+    """The requests of the step being scheduled, before they become a SchedulerOutput."""
 
-    Attributes:
-        scheduled_reqs: requests in this step, in batch order (running ones first, then newly admitted).
-        scheduled_new_reqs: ids of requests that need fresh per-request state in the runner (first schedule, or
-            resumed after preemption).
-        num_scheduled_tokens: request id -> tokens computed this step (>= 1).
-        num_computed_tokens: request id -> its num_computed_tokens before this step (the scheduler advances the
-            request's own counter when it schedules, so the next step can be scheduled before this one's
-            results are back).
-        new_block_ids: request id -> block ids appended to its block table this step (all blocks when new).
-        total_num_scheduled_tokens: sum of num_scheduled_tokens.
-        finished_req_ids: requests that left since the previous step (finished, aborted or preempted); the runner
-            drops their state.
-    """
+    reqs: list[Request] = field(default_factory=list)          # running ones first, then those admitted
+    block_ids: list[list[int]] = field(default_factory=list)   # new block ids (the whole table when admitted)
+    num_running: int = 0                                       # reqs[:num_running] were running already
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
 
-    scheduled_reqs: list[Request]
-    scheduled_new_reqs: set[str]
-    num_scheduled_tokens: dict[str, int]
-    new_block_ids: dict[str, list[int]]
-    total_num_scheduled_tokens: int
-    finished_req_ids: set[str] = field(default_factory=set)
-    num_computed_tokens: dict[str, int] = field(default_factory=dict)
-    sampling_req_ids: set[str] = field(default_factory=set)  # requests whose step ends their sequence: sample
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+    def add(self, req: Request, num_new: int, block_ids: list[int], admitted: bool) -> None:
+        """Running requests are all added before the first admitted one."""
+        self.reqs.append(req)
+        self.block_ids.append(block_ids)
+        if not admitted:
+            self.num_running += 1
+        self.num_scheduled_tokens[req.request_id] = num_new
 
 
 class Scheduler:
@@ -68,7 +61,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._left_since_last_step: set[str] = set()
+        self._left_since_last_step: set[str] = set()       # finished / aborted since the last step that ran
+        self._preempted_since_last_step: set[str] = set()
+        self._in_flight: dict[int, list[Request]] = {}     # step_id -> the step's requests, until its update
+        self._step_id = 0
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- requests in and out
@@ -101,39 +97,80 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def in_flight_request_ids(self) -> list[str]:
+        """Ids of the requests in steps scheduled but not yet updated (update_from_output)."""
+        return [req.request_id for reqs in self._in_flight.values() for req in reqs]
+
+    def forget_in_flight(self) -> None:
+        """Forget the steps scheduled but not updated (the engine dropped them after an error)."""
+        self._in_flight.clear()
+
+    def blocked_request_ids(self) -> list[str]:
+        """When a step scheduled nothing though requests are unfinished: the ones that block. Running requests
+        are scheduled first whenever they can be, so those are all of them; with none running, the first waiting
+        request (its next chunk does not fit the KV cache, or it waits on a token no step will bring)."""
+        if self.running:
+            return [r.request_id for r in self.running]
+        return [self.waiting[0].request_id] if self.waiting else []
+
     # ----------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their KV blocks."""
         budget = self.config.max_num_batched_tokens
-        out = SchedulerOutput([], set(), {}, {}, 0, self._left_since_last_step)
-        self._left_since_last_step = set()
-        budget, preempted = self._schedule_running(out, budget)
-        if not preempted:
-            self._schedule_waiting(out, budget)
-        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        plan = _StepPlan()
+        budget = self._schedule_running(plan, budget)
+        if not plan.preempted:
+            self._schedule_waiting(plan, budget)
+        return self._make_output(plan)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The plan as plain data; counts the step's tokens as computed (see _advance)."""
+        self._step_id += 1
+        out = SchedulerOutput([], CachedRequestData(), plan.num_scheduled_tokens,
+                              sum(plan.num_scheduled_tokens.values()), step_id=self._step_id)
+        self._preempted_since_last_step |= plan.preempted
         if out.is_empty:
-            # An empty step is not launched, so the runner would never see these ids and would keep their rows:
-            # hand them out with the next step that runs.
-            self._left_since_last_step |= out.finished_req_ids
-            out.finished_req_ids = set()
+            # An empty step is not launched, so the runner would never see the ids that left: they go out with
+            # the next step that runs.
+            return out
+        out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, set()
+        out.preempted_req_ids, self._preempted_since_last_step = self._preempted_since_last_step, set()
+        # Running requests come first in the plan, all known to the runner: their changes in one pass per list.
+        k = plan.num_running
+        running, admitted = plan.reqs[:k], plan.reqs[k:]
+        out.scheduled_cached_reqs = cached = CachedRequestData(
+            [r.request_id for r in running], [False] * k, [_NO_TOKENS] * k, plan.block_ids[:k],
+            [r.num_computed_tokens for r in running])
         now = time.monotonic()
-        for req in out.scheduled_reqs:
+        for req, block_ids in zip(admitted, plan.block_ids[k:]):
+            rid = req.request_id
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            self._advance(req, out)
+            if not req.num_preemptions:
+                out.scheduled_new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
+                                                             block_ids, req.num_computed_tokens))
+            else:  # resumed after preemption: the runner gave its row up
+                cached.req_ids.append(rid)
+                cached.resumed_from_preemption.append(True)
+                cached.new_token_ids.append(list(req.output_token_ids))
+                cached.new_block_ids.append(block_ids)
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+        sampling, num_scheduled = out.sampling_req_ids, plan.num_scheduled_tokens
+        for req in plan.reqs:
+            if self._advance(req, num_scheduled[req.request_id]):
+                sampling.add(req.request_id)
+        self._in_flight[out.step_id] = plan.reqs
         return out
 
     @staticmethod
-    def _advance(req: Request, out: SchedulerOutput) -> None:
-        """Count this step's tokens as computed now; a step that completes the sequence will sample a token,
-        which stays a placeholder until update_from_output brings its value."""
-        rid = req.request_id
-        n = out.num_scheduled_tokens[rid]
-        out.num_computed_tokens[rid] = req.num_computed_tokens
-        req.num_computed_tokens += n
+    def _advance(req: Request, num_new: int) -> bool:
+        """Count this step's tokens as computed now. Returns True when the step completes the sequence, so it
+        samples a token, which stays a placeholder until update_from_output brings its value."""
+        req.num_computed_tokens += num_new
         if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
             req.num_output_placeholders += 1
-            out.sampling_req_ids.add(rid)
+            return True
+        return False
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for a running request now; 0 when its next token must not be sampled (a pending
@@ -145,8 +182,7 @@ class Scheduler:
             return 0
         return num_new
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        preempted = False
+    def _schedule_running(self, plan: _StepPlan, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -159,29 +195,29 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
-                self._preempt(victim, out)
-                preempted = True
+                self._preempt(victim, plan)
                 if victim is req:
                     break
             if new_blocks is None:
                 break
-            out.scheduled_reqs.append(req)
-            out.num_scheduled_tokens[req.request_id] = num_new
-            out.new_block_ids[req.request_id] = new_blocks
+            plan.reqs.append(req)                         # plan.add, inlined: this runs for every request
+            plan.block_ids.append(new_blocks)
+            plan.num_scheduled_tokens[req.request_id] = num_new
+            plan.num_running += 1
             budget -= num_new
             i += 1
-        return budget, preempted
+        return budget
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, plan: _StepPlan) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        out.finished_req_ids.add(req.request_id)
+        plan.preempted.add(req.request_id)
         self.waiting.appendleft(req)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a token still in flight: wait for its value
@@ -197,10 +233,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled_reqs.append(req)
-            out.scheduled_new_reqs.add(req.request_id)
-            out.num_scheduled_tokens[req.request_id] = num_new
-            out.new_block_ids[req.request_id] = list(self.kv.get_block_ids(req.request_id))
+            plan.add(req, num_new, list(self.kv.get_block_ids(req.request_id)), True)
             budget -= num_new
 
     # ----------------------------------------------------------------- results
@@ -218,7 +251,11 @@ class Scheduler:
             OutputProcessor.process takes).
         """
         results: list[tuple[Request, list[int]]] = []
-        for req in out.scheduled_reqs:
+        reqs = self._in_flight.pop(out.step_id, [])
+        if self._in_flight:  # steps never collected (dropped after an error): forget them
+            for step_id in [s for s in self._in_flight if s < out.step_id]:
+                del self._in_flight[step_id]
+        for req in reqs:
             if req.status.finished:  # aborted / stopped between schedule and update: drop its token
                 continue
             new_ids = sampled.get(req.request_id)

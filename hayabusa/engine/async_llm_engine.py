@@ -407,7 +407,6 @@ class AsyncLLMEngine:
                 try:
                     outbox.extend((o.request_id, o) for o in self.engine.step())
                 except Exception as e:  # noqa: BLE001 -- one bad step must not stop the server
-                    logger.exception("engine step failed; failing the %d requests in flight", len(self._req_inbox))
                     self._recover_from_step_error(e, outbox)
             self._update_stats()
             self._send(outbox)
@@ -456,8 +455,10 @@ class AsyncLLMEngine:
     def _recover_from_step_error(self, error: Exception, outbox: list) -> None:
         err = EngineStepError(f"engine step failed: {type(error).__name__}: {error}")
         err.__cause__ = error
-        ids = list(self._req_inbox)
-        self.engine.abort_all_after_error()  # frees their blocks; raising here kills the thread (engine dead)
+        # the same failure on every pass is logged once per interval, with its traceback the first time
+        self.engine.error_log.log(logging.ERROR, f"engine step failed ({type(error).__name__}: {error}); failing "
+                                                 "the requests it was running", exc_info=error)
+        ids = self.engine.abort_after_failed_step()  # frees their blocks; raising here kills the thread
         outbox.extend((rid, err) for rid in ids)
 
     def _send(self, outbox: list[tuple[str, RequestOutput | BaseException]]) -> None:

@@ -51,6 +51,37 @@ def as_request_id(request_id: Any) -> str:
     return rid
 
 
+class RateLimitedLog:
+    """Logs a message the first time, then at most once per ``interval`` seconds while the same message repeats,
+    saying how many were left out (an engine that fails the same way on every pass must not flood the log).
+
+    Args:
+        logger: where to log.
+        interval: seconds between two lines of the same message.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 30.0) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, tuple[float, int]] = {}   # message -> (time logged, repeats left out since)
+
+    def log(self, level: int, msg: str, exc_info: BaseException | None = None) -> bool:
+        """Log ``msg`` (with the traceback of ``exc_info`` the first time) unless it was logged less than
+        ``interval`` seconds ago. Returns whether a line was written."""
+        now = time.monotonic()
+        last = self._last.get(msg)
+        if last is not None and now - last[0] < self.interval:
+            self._last[msg] = (last[0], last[1] + 1)
+            return False
+        if len(self._last) > 256:
+            self._last.clear()
+        repeats = last[1] if last is not None else 0
+        self._last[msg] = (now, 0)
+        suffix = f" (and {repeats} more times in the last {self.interval:.0f} s)" if repeats else ""
+        self.logger.log(level, msg + suffix, exc_info=exc_info if last is None else None)
+        return True
+
+
 def as_request_ids(request_ids: Any) -> list[str]:
     """One id or a collection of them (list, tuple, set) -> their str forms (see as_request_id)."""
     ids = request_ids if isinstance(request_ids, (list, tuple, set, frozenset)) else [request_ids]
@@ -90,7 +121,8 @@ class LLMEngine:
                       "launch_s": 0.0, "wait_s": 0.0, "collect_s": 0.0}
         self.async_scheduling = config.async_scheduling
         self._pending = None                 # (SchedulerOutput, StepHandle) launched but not collected
-        self._num_need_history = 0           # unfinished requests whose sampling needs exact token history
+        self._collecting = None              # the SchedulerOutput whose results are being collected
+        self.error_log = RateLimitedLog(logger)
         logger.info("engine ready in %.2f s: %d KV blocks x %d tokens", self.startup_seconds, self.num_blocks,
                     config.cache_config.block_size)
 
@@ -122,9 +154,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise HayabusaValidationError("sampling_params must be a SamplingParams.", parameter="sampling_params",
                                           value=type(params).__name__)
-        if request_id in self.output_processor.states:
-            raise HayabusaValidationError(f"request_id {request_id!r} is already in use.", parameter="request_id",
-                                          value=request_id)
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        self._check_request_ids(request_id, child_ids)
         text, ids = self.input_processor.process(prompt, params)
         max_tokens = self.input_processor.max_tokens(len(ids), params)
         eos = self.config.model_config.eos_token_ids
@@ -133,14 +164,30 @@ class LLMEngine:
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i)
             child_params.all_stop_token_ids = set(child_params.stop_token_ids)
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(Request(child_id, ids, child_params, eos, max_tokens, arrival_time))
+            children.append(Request(child_ids[i], ids, child_params, eos, max_tokens, arrival_time))
         self.output_processor.add_request(request_id, text, ids, params, children, output_kind)
         for child in children:
             self.scheduler.add_request(child)
-            if self._needs_history(child.sampling_params):
-                self._num_need_history += 1
         self.stats["num_prompt_tokens"] += len(ids)
+
+    def _check_request_ids(self, request_id: str, child_ids: list[str]) -> None:
+        """Refuse a request_id that is in use, or whose internal ids (``{i}_{request_id}`` for n > 1) are: every
+        id of a request in flight, a user's or an internal one, names one request only.
+
+        Raises:
+            HayabusaValidationError: naming ``request_id``.
+        """
+        states, children, live = self.output_processor.states, self.output_processor.child_to_parent, \
+            self.scheduler.requests
+        if request_id in states or request_id in children or request_id in live:
+            raise HayabusaValidationError(f"request_id {request_id!r} is already in use.", parameter="request_id",
+                                          value=request_id)
+        for cid in child_ids:
+            if cid != request_id and (cid in states or cid in children or cid in live):
+                raise HayabusaValidationError(
+                    f"request_id {request_id!r} with n={len(child_ids)} needs the internal id {cid!r} for its "
+                    f"sample {child_ids.index(cid)}, and a request in flight already uses that id; choose another "
+                    "request_id.", parameter="request_id", value=request_id)
 
     def abort_request(self, request_ids: Any) -> list[RequestOutput]:
         """Abort requests (by the ids given to add_request, compared as str); their blocks are freed. Unknown ids
@@ -163,10 +210,43 @@ class LLMEngine:
         were mid-step may have advanced their state without their tokens; aborting them is the only consistent
         way on. Returns the aborted request ids."""
         self._pending = None
+        self._collecting = None
+        self.scheduler.forget_in_flight()
         self.runner.forget_previous_step()
         ids = list(self.output_processor.states)
         self.abort_request(ids)
+        self._abort_orphans()
         return ids
+
+    def abort_after_failed_step(self) -> list[str]:
+        """Recover from a step that raised, failing only the requests it must: the running ones (the batch the
+        step was working on), those in a step scheduled but not collected (their state advanced without their
+        tokens), and any the scheduler holds without an output state. Waiting requests that no step has touched
+        since they were admitted or preempted go on, unless there is no such request to blame: then every request
+        is aborted (a step that fails before it touches any request would otherwise fail on every pass). Returns
+        the aborted request ids (as given to add_request)."""
+        suspects = set(self.scheduler.in_flight_request_ids())
+        suspects.update(r.request_id for r in self.scheduler.running)
+        suspects.update(r.request_id for r in self.scheduler.waiting if r.num_output_placeholders)
+        if self._collecting is not None:
+            suspects.update(self._collecting.scheduled_req_ids)
+        self._pending = None
+        self._collecting = None
+        self.scheduler.forget_in_flight()
+        self.runner.forget_previous_step()
+        child_to_parent = self.output_processor.child_to_parent
+        parents = list(dict.fromkeys(child_to_parent[c] for c in suspects if c in child_to_parent))
+        if not parents:
+            parents = list(self.output_processor.states)
+        self.abort_request(parents)
+        self._abort_orphans()
+        return parents
+
+    def _abort_orphans(self) -> None:
+        """Finish scheduler requests that no output state refers to (nothing could ever end them)."""
+        orphans = [rid for rid in self.scheduler.requests if rid not in self.output_processor.child_to_parent]
+        if orphans:
+            self.scheduler.finish_requests(orphans, RequestStatus.FINISHED_ABORTED)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Returns False (nothing done) while requests are running."""
@@ -183,11 +263,11 @@ class LLMEngine:
         """Run one scheduling step; returns the (cumulative) outputs of the requests that changed.
 
         With async scheduling the next step is scheduled and launched before the previous step's tokens are
-        collected, so the host's bookkeeping overlaps the device's work; outputs then trail by one step. Steps
-        fall back to synchronous while a request needs its exact token history to sample (penalties,
-        min_tokens).
+        collected, so the host's bookkeeping overlaps the device's work; outputs then trail by one step. (The
+        runner keeps every request's token history itself, with the tokens still on the device, so penalties and
+        min_tokens need no fallback to synchronous steps.)
         """
-        overlap = self.async_scheduling and self._num_need_history == 0
+        overlap = self.async_scheduling
         if not overlap and self._pending is not None:
             return self._collect(*self._drain())
         t0 = time.perf_counter()
@@ -198,8 +278,7 @@ class LLMEngine:
         self.stats["launch_s"] += time.perf_counter() - t1
         if handle is None and self._pending is None:
             if self.scheduler.has_unfinished_requests():
-                raise RuntimeError("scheduler could not schedule any request although some are waiting: the KV "
-                                   "cache is too small for one of them (raise kv_cache_memory_bytes).")
+                return self._fail_unschedulable()
             return []
         if not overlap:  # handle is set here (an empty step with nothing pending returned above)
             self._pending = (sched, handle)
@@ -221,31 +300,33 @@ class LLMEngine:
 
     def _collect(self, sched, result) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._collecting = sched
         outputs = self._collect_outputs(sched, result)
+        self._collecting = None
         self.stats["collect_s"] += time.perf_counter() - t0
+        return outputs
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing could be scheduled and nothing is in flight, yet requests are unfinished: abort the ones that
+        block (every running one, else the first waiting one: the KV cache cannot hold its next chunk) rather
+        than failing the same way on every step. Returns their final outputs (finish_reason "abort")."""
+        blocked = self.scheduler.blocked_request_ids()
+        child_to_parent = self.output_processor.child_to_parent
+        parents = list(dict.fromkeys(child_to_parent[c] for c in blocked if c in child_to_parent))
+        self.error_log.log(logging.ERROR, f"the scheduler cannot schedule request(s) {parents or blocked} (the KV "
+                                          "cache is too small for them, or their state is broken): aborting them")
+        outputs = self.abort_request(parents)
+        self._abort_orphans()
         return outputs
 
     def _collect_outputs(self, sched, result) -> list[RequestOutput]:
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)   # [(request, new ids)]
         self.stats["num_steps"] += 1
         self.stats["num_generation_tokens"] += sum(len(new_ids) for _, new_ids in updates)
-        if self._num_need_history:
-            for req, _ in updates:
-                if req.is_finished() and self._needs_history(req.sampling_params):
-                    self._num_need_history -= 1
         outputs, stop_hits = self.output_processor.process(updates, result.logprobs)
         if stop_hits:
             self._finish_children(stop_hits, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def _finish_children(self, child_ids: list[str], status: RequestStatus) -> None:
-        for cid in child_ids:
-            req = self.scheduler.requests.get(cid)
-            if req is not None and not req.is_finished() and self._needs_history(req.sampling_params):
-                self._num_need_history -= 1
         self.scheduler.finish_requests(child_ids, status)
-
-    @staticmethod
-    def _needs_history(params: SamplingParams) -> bool:
-        """Sampling reads the request's generated tokens (so a step cannot start before the last one is back)."""
-        return params.min_tokens > 0 or params.has_penalties

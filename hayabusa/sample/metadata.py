@@ -1,7 +1,7 @@
 """SamplingMetadata: the per-step batch the Sampler reads, one row per request.
 
-``build_sampling_metadata`` turns the step's ``SamplingParams`` (plus each request's prompt, outputs so far and
-generator) into device tensors, and precomputes host flags (``all_greedy``, ``no_penalties``, ...) so that the
+``build_sampling_metadata`` turns a list of ``SamplingParams`` (plus each request's prompt, outputs so far and
+generator) into device tensors (the runner builds the same from its per-row arrays: ``InputBatch.sampling_metadata``), and precomputes host flags (``all_greedy``, ``no_penalties``, ...) so that the
 sampler never has to look at a device tensor from the host to decide which path to take.
 """
 
@@ -33,7 +33,8 @@ class SamplingMetadata:
         frequency_penalties: [R] fp32, 0.0 = off.
         repetition_penalties: [R] fp32, 1.0 = off.
         prompt_token_ids: [R, max_prompt_len] int64, padded with V (out of vocab, dropped by the penalties).
-        output_token_ids: tokens generated so far per row (before this step).
+        output_token_ids: [R, max_out] int64, tokens generated so far per row (before this step), padded with V;
+            None without penalties.
         min_tokens: row -> token ids masked to -inf because the row has fewer than min_tokens outputs.
     """
 
@@ -50,7 +51,7 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None  # [R] fp32
     repetition_penalties: torch.Tensor | None  # [R] fp32
     prompt_token_ids: torch.Tensor | None  # [R, max_prompt_len] int64, padded with V (out of vocab)
-    output_token_ids: list[list[int]]  # tokens generated so far per row (before this step)
+    output_token_ids: torch.Tensor | None  # [R, max_out] int64, outputs so far padded with V; None w/o penalties
     min_tokens: dict[int, set[int]]  # row -> token ids to mask (-inf): EOS + stop_token_ids before min_tokens
 
 
@@ -147,6 +148,8 @@ def build_sampling_metadata(
         prompt_token_ids=None
         if no_penalties
         else to_device(pad_token_ids(prompt_token_ids, vocab_size), torch.int64, device),
-        output_token_ids=output_token_ids,
+        output_token_ids=None
+        if no_penalties
+        else to_device(pad_token_ids(output_token_ids, vocab_size), torch.int64, device),
         min_tokens=_min_tokens_mask(params, output_token_ids, eos_token_id, vocab_size),
     )

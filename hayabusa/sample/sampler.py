@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hayabusa.sample.metadata import SamplingMetadata, pad_token_ids, to_device
+from hayabusa.sample.metadata import SamplingMetadata, to_device
 from hayabusa.sampling_params import SAMPLING_EPS
 
 
@@ -49,7 +49,8 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     R, V = logits.shape
     assert metadata.prompt_token_ids is not None and metadata.repetition_penalties is not None
     assert metadata.frequency_penalties is not None and metadata.presence_penalties is not None
-    output = to_device(pad_token_ids(metadata.output_token_ids, V), torch.int64, logits.device)  # [R, max_out]
+    output = metadata.output_token_ids  # [R, max_out] int64, padded with V
+    assert output is not None
     # One extra column catches the padding id V, then is dropped.
     output_counts = torch.zeros(R, V + 1, dtype=torch.float32, device=logits.device)
     output_counts.scatter_add_(1, output, torch.ones_like(output, dtype=torch.float32))

@@ -1,6 +1,7 @@
 """CUDA graphs for decode-only steps.
 
-One graph per captured batch size, all sharing the runner's persistent input buffers and one memory pool.
+One graph per captured batch size, all sharing the runner's persistent input buffers (``StepBuffers``) and one
+memory pool.
 A step of R decode requests replays the smallest captured size bs >= R; rows R..bs-1 are padding: slot -1 (no
 KV write) and seq_len 0 (the attention kernel skips them), and their logits are dropped.
 """
@@ -13,6 +14,7 @@ import time
 import torch
 
 from hayabusa.attention.metadata import ForwardContext
+from hayabusa.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +30,23 @@ def capture_sizes(max_batch: int, sizes: list[int] | None = None) -> list[int]:
 class CUDAGraphRunner:
     """Captures and replays the model forward + logits for decode batches.
 
+    The graphs' static inputs are the runner's ``StepBuffers``: the runner copies a step's inputs into them
+    (``ModelRunner.copy_inputs``) before calling ``run``; this class only pads the rows past the step's and
+    replays.
+
     Args:
-        runner: the ModelRunner (its persistent buffers are the graphs' static inputs).
+        runner: the ModelRunner; its public ``buffers``, ``model``, ``kv_caches``, ``backend``, ``cfg``,
+            ``max_num_reqs`` and ``device`` are read once, here.
+        use_graphs: capture and replay graphs; False (enforce_eager) runs the same padded shapes eagerly.
     """
 
     def __init__(self, runner, use_graphs: bool = True) -> None:
-        self.runner = runner
+        self.buffers: StepBuffers = runner.buffers
+        self.model = runner.model
+        self.kv_caches = runner.kv_caches
+        self.backend = runner.backend
+        self.device = runner.device
+        self.max_model_len = runner.cfg.scheduler_config.max_model_len
         self.use_graphs = use_graphs
         self.sizes = capture_sizes(min(runner.cfg.max_cuda_graph_batch, runner.max_num_reqs),
                                    runner.cfg.cuda_graph_sizes)
@@ -41,59 +54,48 @@ class CUDAGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
-        self._arange = torch.arange(self.sizes[-1] + 1, dtype=torch.int32, device=runner.device)
 
     def can_run(self, num_reqs: int) -> bool:
         return num_reqs <= self.sizes[-1]
 
-    def _padded(self, num_reqs: int) -> int:
+    def padded_size(self, num_reqs: int) -> int:
+        """The smallest captured batch size >= num_reqs."""
         for s in self.sizes:
             if s >= num_reqs:
                 return s
         raise ValueError(num_reqs)
 
-    def _fill_padding(self, R: int, bs: int) -> None:
-        r = self.runner
-        r.input_ids[R:bs].zero_()
-        r.positions[R:bs].zero_()
-        r.slot_mapping[R:bs].fill_(-1)
-        r.seq_lens[R:bs].zero_()
-        r.query_start_loc[: bs + 1].copy_(self._arange[: bs + 1])  # decode: one query token per row
-
     def _forward(self, bs: int) -> torch.Tensor:
-        r = self.runner
-        meta = r.attn_metadata(bs, bs, 1, r.cfg.scheduler_config.max_model_len)
-        ctx = ForwardContext(meta, r.kv_caches, r.backend)
-        hidden = r.model(r.input_ids[:bs], r.positions[:bs], ctx)
-        return r.model.compute_logits(hidden)
+        buf = self.buffers
+        ctx = ForwardContext(buf.attn_metadata(bs, bs, 1, self.max_model_len), self.kv_caches, self.backend)
+        hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], ctx)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first so smaller graphs reuse the pool."""
         t0 = time.perf_counter()
-        r = self.runner
         for bs in sorted(self.sizes, reverse=True):
-            self._fill_padding(0, bs)
+            self.buffers.pad_decode(0, bs)
             self._forward(bs)  # warm up: compiles Triton kernels, settles the allocator
-            torch.cuda.synchronize(r.device)
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
-        torch.cuda.synchronize(r.device)
+        torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs (sizes %s) in %.1f s", len(self.sizes), self.sizes,
                     self.capture_seconds)
 
     def run(self, inp) -> torch.Tensor:
-        """Replay for a decode-only step; returns logits [R, V] (a view of the graph's static output)."""
-        r = self.runner
-        R = len(inp.reqs)
-        bs = self._padded(R)
-        r._copy_inputs(inp)
-        self._fill_padding(R, bs)
+        """Replay for a decode-only step whose inputs are already in the buffers; returns logits [R, V] (a view
+        of the graph's static output)."""
+        R = inp.num_reqs
+        bs = self.padded_size(R)
+        self.buffers.pad_decode(R, bs)
         if not self.use_graphs:  # enforce_eager: the same padded shapes, run eagerly
             return self._forward(bs)[:R]
         self.graphs[bs].replay()

@@ -1,7 +1,9 @@
 """ModelRunner: owns every device tensor; turns a SchedulerOutput into sampled tokens.
 
-Per step: update the persistent batch (rows, block tables), build positions / slot_mapping / query_start_loc
-with vectorised numpy on the host, copy them to persistent device buffers in one go, run the model (a CUDA
+The runner keeps its own state of every request (``CachedRequestState``, rows of ``InputBatch``: token ids, block
+table, sampling settings, generator), built from the plain-data SchedulerOutputs alone: it never sees a scheduler
+``Request``. Per step: update the persistent batch, build positions / input ids (one gather from the rows' token
+ids) / slot_mapping / query_start_loc with vectorised numpy on the host, copy them to persistent device buffers in one go, run the model (a CUDA
 graph when the step is decode-only and fits a captured size), compute logits only for requests whose prompt is
 fully computed, sample, and copy the sampled ids to the host: one sync per step.
 """
@@ -16,17 +18,15 @@ import numpy as np
 import torch
 
 from hayabusa.attention.backends import get_attention_backend
-from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
+from hayabusa.attention.metadata import ForwardContext
 from hayabusa.config import EngineConfig
 from hayabusa.core.kv_cache_manager import cdiv
-from hayabusa.core.request import Request
-from hayabusa.core.scheduler import SchedulerOutput
+from hayabusa.core.scheduler_output import SchedulerOutput
 from hayabusa.model.loader import build_model
-from hayabusa.sample.metadata import build_sampling_metadata
 from hayabusa.sample.sampler import Sampler
-from hayabusa.sampling_params import SamplingParams
-from hayabusa.worker.input_batch import NEVER_ARGMAX, InputBatch
+from hayabusa.worker.input_batch import CachedRequestState, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from hayabusa.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +49,21 @@ class ModelRunnerOutput:
 class StepHandle:
     """A launched step: what ``finish`` needs to collect its tokens."""
 
-    reqs: list[Request]                   # every request in the step
-    sampled_reqs: list[Request]           # those that sample a token, in the order of `ids`
+    req_ids: list[str]                    # every request in the step
+    sampled_req_ids: list[str]            # those that sample a token, in the order of `ids`
     ids: torch.Tensor | None              # [R_s] int64 on the host (pinned), valid once `event` completes
     event: torch.cuda.Event | None        # recorded after the device-to-host copies (CUDA)
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    rows: np.ndarray | None = None        # [R_s] int64, the sampled requests' rows
+    epochs: np.ndarray | None = None      # [R_s] int64, those rows' owners (InputBatch.row_epoch) at launch
+    num_logprobs: list[int] | None = None  # [R_s] each sampled request's logprobs (-1 = none)
 
 
 @dataclass
 class StepInputs:
     """Host-side inputs of one step (numpy)."""
 
-    reqs: list[Request]
-    req_ids: list[str]          # [R] their request ids
+    req_ids: list[str]          # [R] the step's request ids, in batch order
     rows: np.ndarray            # [R] int64, each request's row in the persistent batch
     num_scheduled: np.ndarray   # [R] int32
     query_start_loc: np.ndarray  # [R + 1] int32
@@ -74,6 +76,10 @@ class StepInputs:
     logits_indices: np.ndarray  # [R_s] int64, token index of each such row's last token
     placeholder_dst: np.ndarray  # [P] int64, token indices whose id comes from the previous step's samples
     placeholder_src: np.ndarray  # [P] int64, rows of the previous step's sampled-token tensor
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 class ModelRunner:
@@ -97,26 +103,24 @@ class ModelRunner:
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
         self.max_blocks_per_req = cdiv(sc.max_model_len, self.block_size)
-        self.batch = InputBatch(self.max_num_reqs, self.max_blocks_per_req)
-        self._alloc_device_buffers()
+        self.requests: dict[str, CachedRequestState] = {}      # every request from its first step to its end
+        self.batch = InputBatch(self.max_num_reqs, sc.max_model_len, self.max_blocks_per_req, self.vocab_size,
+                                list(mc.eos_token_ids), self.device)
+        self.buffers = StepBuffers(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.device)
+        self._alloc_staging_buffers()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.graphs = None
         self.decode_runner = None
-        # The previous launched step's sampled tokens (device) and each sampling request's row in them: a
-        # placeholder input token of this step is read from there.
+        # The previous launched step's sampled tokens (device), and for each row that sampled in it its index
+        # there (-1 = none): a placeholder input token of this step is read from there.
         self._prev_sampled: torch.Tensor | None = None
-        self._prev_sample_row: dict[str, int] = {}
-        self._eos = list(mc.eos_token_ids)
+        self._prev_sample_index = np.full(self.max_num_reqs, -1, dtype=np.int64)    # [rows]
+        # A step of one token per request skips the per-token repeats (tests turn it off to compare).
+        self.decode_fast_path = True
 
-    def _alloc_device_buffers(self) -> None:
+    def _alloc_staging_buffers(self) -> None:
         d, T, R = self.device, self.max_num_tokens, self.max_num_reqs
-        self.input_ids = torch.zeros(T, dtype=torch.int64, device=d)
-        self.positions = torch.zeros(T, dtype=torch.int64, device=d)
-        self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=d)
-        self.query_start_loc = torch.zeros(R + 1, dtype=torch.int32, device=d)
-        self.seq_lens = torch.zeros(R, dtype=torch.int32, device=d)
-        self.block_table = torch.zeros(R, self.max_blocks_per_req, dtype=torch.int32, device=d)
         self.staging = None
         if d.type == "cuda":  # pinned host buffers: H2D copies from them are asynchronous
             def pinned(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -144,7 +148,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
-            self.decode_runner = CUDAGraphRunner(self, use_graphs=not self.cfg.enforce_eager)
+            self.decode_runner = CUDAGraphRunner(self, use_graphs=not self.cfg.enforce_eager)  # reads self.buffers
             if self.decode_runner.use_graphs:
                 self.decode_runner.capture()
                 self.graphs = self.decode_runner
@@ -175,10 +179,11 @@ class ModelRunner:
             qkv = torch.zeros(2, (H + 2 * H_kv) * D, dtype=self.cfg.model_config.dtype, device=self.device)
             q = qkv.view(2, H + 2 * H_kv, D)[:, :H]
             out = torch.empty(2, H, D, dtype=q.dtype, device=self.device)
-            qsl, seq_lens = self.query_start_loc[:2], self.seq_lens[:1]
+            buf = self.buffers
+            qsl, seq_lens = buf.query_start_loc[:2], buf.seq_lens[:1]
             qsl.copy_(torch.tensor([0, 2], dtype=torch.int32))
             seq_lens.fill_(2)
-            block_table = self.block_table[:1]
+            block_table = buf.block_table[:1]
             block_table.zero_()
             self.backend.paged_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, layer.scale, 2,
                                          num_seqs=1, sliding_window=layer.sliding_window, softcap=layer.softcap,
@@ -193,7 +198,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         T = self.max_num_tokens
         ctx = ForwardContext(None, None, self.backend)
-        hidden = self.model(self.input_ids[:T], self.positions[:T], ctx)
+        hidden = self.model(self.buffers.input_ids[:T], self.buffers.positions[:T], ctx)
         idx = torch.arange(min(self.max_num_reqs, T), device=self.device)
         logits = self.model.compute_logits(hidden[idx]).float()
         # The sampler's top-p/top-k path sorts the fp32 logits: keep that peak in the profile.
@@ -212,152 +217,146 @@ class ModelRunner:
         return self.finish(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> "StepHandle":
+    def launch(self, out: SchedulerOutput) -> StepHandle:
         """Queue one step's work on the device without waiting for it (the host is free until ``finish``).
 
         A decode row whose input token was sampled by the previous step but is not back on the host yet
         (a placeholder) reads it from that step's sampled-token tensor on the device.
         """
-        self._update_batch(out)
+        self.update_states(out)
         if out.is_empty:
-            self._prev_sampled, self._prev_sample_row = None, {}
+            self.forget_previous_step()
             return StepHandle([], [], None, None, None)
         if self.staging is not None:
             self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
-        inp = self._prepare_inputs(out)
+        inp = self.prepare_inputs(out)
         logits = self._run_model(inp)                       # [R_s, V]
         return self._sample(inp, logits)
 
     def forget_previous_step(self) -> None:
         """Drop the link to the previous step's sampled tokens (after a failed step whose requests are aborted):
         no later step may read placeholders from it."""
-        self._prev_sampled, self._prev_sample_row = None, {}
+        self._prev_sampled = None
+        self._prev_sample_index.fill(-1)
 
-    def finish(self, handle: "StepHandle") -> ModelRunnerOutput:
-        """Wait for a launched step (the step's one sync) and return its tokens as host lists."""
+    def finish(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step (the step's one sync), append its tokens to the rows' token ids, and return
+        them as host lists."""
         if handle.ids is None:
-            return ModelRunnerOutput({r.request_id: [] for r in handle.reqs})
+            return ModelRunnerOutput({rid: [] for rid in handle.req_ids})
         if handle.event is not None:
             handle.event.synchronize()
-        sampled = {req.request_id: [tok] for req, tok in zip(handle.sampled_reqs, handle.ids.tolist())}
-        if len(sampled) < len(handle.reqs):  # requests in a partial prefill: no token
-            sampled = {r.request_id: sampled.get(r.request_id, []) for r in handle.reqs}
+        ids = handle.ids.numpy()
+        self.batch.write_sampled(handle.rows, handle.epochs, ids)
+        sampled = dict(zip(handle.sampled_req_ids, ([t] for t in ids.tolist())))
+        if len(sampled) < len(handle.req_ids):  # requests in a partial prefill: no token
+            sampled = {rid: sampled.get(rid, []) for rid in handle.req_ids}
         result = ModelRunnerOutput(sampled)
         if handle.logprobs is not None:
             lp_ids, lp_vals, ranks = (t.tolist() for t in handle.logprobs)
-            for i, req in enumerate(handle.sampled_reqs):
-                k = req.sampling_params.logprobs
-                if k is not None:
-                    result.logprobs[req.request_id] = (lp_ids[i][:k + 1], lp_vals[i][:k + 1], ranks[i])
+            for i, (rid, k) in enumerate(zip(handle.sampled_req_ids, handle.num_logprobs)):
+                if k >= 0:
+                    result.logprobs[rid] = (lp_ids[i][:k + 1], lp_vals[i][:k + 1], ranks[i])
         return result
 
-    def _update_batch(self, out: SchedulerOutput) -> None:
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Apply the step's changes to the runner's own request states and rows: drop finished requests, give up
+        the rows of preempted ones (keeping their state), add new ones, resume preempted ones, append blocks."""
+        batch = self.batch
+        for rid in out.preempted_req_ids:
+            batch.remove(rid)
         for rid in out.finished_req_ids:
-            self.batch.remove(rid)
-        new = out.scheduled_new_reqs
-        if new:
-            for req in out.scheduled_reqs:
-                if req.request_id in new:
-                    self.batch.add(req.request_id, out.new_block_ids[req.request_id],
-                                   self._argmax_from(req.sampling_params))
-        for rid, block_ids in out.new_block_ids.items():
-            if block_ids and rid not in new:
-                self.batch.append_blocks(rid, block_ids)
+            batch.remove(rid)
+            self.requests.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            seed = new.sampling_params.seed
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed)
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), new.sampling_params, generator)
+            self.requests[new.req_id] = state
+            batch.add(state, state.prompt_token_ids, new.block_ids)
+        cached = out.scheduled_cached_reqs
+        if any(cached.resumed_from_preemption):
+            for rid, resumed, token_ids in zip(cached.req_ids, cached.resumed_from_preemption,
+                                               cached.new_token_ids):
+                if resumed:
+                    state = self.requests[rid]
+                    batch.add(state, state.prompt_token_ids + list(token_ids), [])
+        for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
+            if block_ids:
+                batch.append_blocks(rid, block_ids)
 
-    @staticmethod
-    def _argmax_from(p: SamplingParams) -> int:
-        """Output tokens from which a request's next token is a plain argmax of its logits: min_tokens when it is
-        greedy with no logprobs and no penalties, else never (NEVER_ARGMAX)."""
-        if not p.greedy or p.logprobs is not None or p.has_penalties:
-            return NEVER_ARGMAX
-        return p.min_tokens
-
-    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
-        reqs = out.scheduled_reqs
-        R = len(reqs)
-        rids = [r.request_id for r in reqs]
-        rows = np.fromiter(map(self.batch.row_of.__getitem__, rids), dtype=np.int64, count=R)
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step's host inputs: per-request arrays from the SchedulerOutput, per-token ones vectorised."""
+        rids = out.scheduled_req_ids
+        R = len(rids)
+        batch = self.batch
+        rows = np.fromiter(map(batch.row_of.__getitem__, rids), dtype=np.int64, count=R)
         T = out.total_num_scheduled_tokens
-        decode = T == R                      # one token per request: no per-request counts or slices
+        decode = T == R and self.decode_fast_path   # one token per request: no per-request counts or repeats
         if decode:
             num_sched = np.ones(R, dtype=np.int32)
         else:
             num_sched = np.fromiter(map(out.num_scheduled_tokens.__getitem__, rids), dtype=np.int32, count=R)
-        num_computed = np.fromiter(map(out.num_computed_tokens.__getitem__, rids), dtype=np.int64, count=R)
+        num_computed = np.array(out.batch_num_computed_tokens, dtype=np.int64)
         qsl = np.zeros(R + 1, dtype=np.int32)
         np.cumsum(num_sched, out=qsl[1:])
         assert int(qsl[-1]) == T, (int(qsl[-1]), T)
         #  |<-- num_computed -->|<-- num_sched -->|
         #  | KV already cached  | computed now     |   positions = num_computed + 0..num_sched-1
-        positions = np.repeat(num_computed - qsl[:-1], num_sched) + np.arange(T, dtype=np.int64)
         if decode:
-            input_ids, ph_dst, ph_src = self._gather_decode_ids(reqs, rids, num_computed)
+            positions, tok_rows = num_computed, rows
         else:
-            input_ids, ph_dst, ph_src = self._gather_input_ids(reqs, num_computed.tolist(), num_sched.tolist(),
-                                                               qsl, T)
+            positions = np.repeat(num_computed - qsl[:-1], num_sched) + np.arange(T, dtype=np.int64)
+            tok_rows = np.repeat(rows, num_sched)
+        input_ids, ph_dst, ph_src = self._gather_input_ids(tok_rows, positions)
         sampling = out.sampling_req_ids
         if len(sampling) == R:
             sampled_rows = np.arange(R, dtype=np.int64)
         else:
             sampled_rows = np.array([i for i, rid in enumerate(rids) if rid in sampling], dtype=np.int64)
         seq_lens = (num_computed + num_sched).astype(np.int32)
-        tok_rows = np.repeat(rows, num_sched)
-        bt = self.batch.block_table
-        slot_mapping = bt[tok_rows, positions // self.block_size].astype(np.int64) * self.block_size \
-            + positions % self.block_size
+        slot_mapping = batch.block_table[tok_rows, positions // self.block_size].astype(np.int64) \
+            * self.block_size + positions % self.block_size
         max_blocks = cdiv(int(seq_lens.max()), self.block_size)
-        return StepInputs(reqs, rids, rows, num_sched, qsl, seq_lens, positions, input_ids, slot_mapping,
-                          bt[rows, :max_blocks], sampled_rows, (qsl[1:][sampled_rows] - 1).astype(np.int64),
-                          ph_dst, ph_src)
+        return StepInputs(rids, rows, num_sched, qsl, seq_lens, positions, input_ids, slot_mapping,
+                          batch.block_table[rows, :max_blocks], sampled_rows,
+                          (qsl[1:][sampled_rows] - 1).astype(np.int64), ph_dst, ph_src)
 
-    def _gather_input_ids(self, reqs: list[Request], computed: list[int], num_sched: list[int], qsl: np.ndarray,
-                          T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Input ids of the step ([T] int64, 0 where a placeholder goes) and the placeholders' (dst, src)
-        pairs ([P] int64 each): dst indexes this step's tokens, src the previous step's sampled-token tensor."""
-        ids = np.zeros(T, dtype=np.int64)
-        ph_dst: list[int] = []
-        ph_src: list[int] = []
-        prev = self._prev_sample_row
-        for i, (r, c, n) in enumerate(zip(reqs, computed, num_sched)):
-            toks = r.all_token_ids[c:c + n]
-            start = int(qsl[i])
-            ids[start:start + len(toks)] = toks
-            if len(toks) < n:  # the last input token was sampled by the previous step, still on the device
-                assert len(toks) == n - 1 and r.request_id in prev, (r, c, n)
-                ph_dst.append(start + n - 1)
-                ph_src.append(prev[r.request_id])
-        return ids, np.array(ph_dst, dtype=np.int64), np.array(ph_src, dtype=np.int64)
-
-    def _gather_decode_ids(self, reqs: list[Request], rids: list[str],
-                           num_computed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``_gather_input_ids`` for a step of one token per request (T == R), without per-request numpy
-        writes: request i's input is its token at position num_computed[i], or a placeholder when that token
-        was sampled by the previous step and is not back yet (num_computed[i] == num_tokens)."""
-        PLACEHOLDER = -1
-        ids = np.fromiter((toks[c] if c < len(toks) else PLACEHOLDER
-                           for toks, c in zip([r.all_token_ids for r in reqs], num_computed.tolist())),
-                          dtype=np.int64, count=len(reqs))
-        ph_dst = np.flatnonzero(ids == PLACEHOLDER)
+    def _gather_input_ids(self, tok_rows: np.ndarray, positions: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Input ids of the step ([T] int64, 0 where a placeholder goes), by one gather from the rows' token ids,
+        and the placeholders' (dst, src) pairs ([P] int64 each): dst indexes this step's tokens, src the previous
+        step's sampled-token tensor. A placeholder is a token the host does not know yet: the previous step
+        sampled it and it is still on the device."""
+        batch = self.batch
+        ids = batch.token_ids[tok_rows, positions].astype(np.int64)
+        ph_dst = np.flatnonzero(positions >= batch.num_tokens[tok_rows])
         if len(ph_dst) == 0:
             return ids, ph_dst, ph_dst
         ids[ph_dst] = 0
-        # a placeholder's request sampled in the previous step (a KeyError here is a broken invariant)
-        ph_src = np.fromiter(map(self._prev_sample_row.__getitem__, [rids[i] for i in ph_dst.tolist()]),
-                             dtype=np.int64, count=len(ph_dst))
+        ph_src = self._prev_sample_index[tok_rows[ph_dst]]
+        # a placeholder is the last token known of a row that sampled in the previous step
+        assert (ph_src >= 0).all() and (positions[ph_dst] == batch.num_tokens[tok_rows[ph_dst]]).all(), \
+            "placeholder input token without a sample of the previous step"
         return ids, ph_dst, ph_src
 
-    def _copy_inputs(self, inp: StepInputs) -> None:
-        """Host -> persistent device buffers (through pinned staging buffers on CUDA: truly async copies)."""
-        T, R = len(inp.input_ids), len(inp.reqs)
-        nb = min(inp.block_table.shape[1], self.block_table.shape[1])
+    def copy_inputs(self, inp: StepInputs) -> None:
+        """Host -> persistent device buffers (through pinned staging buffers on CUDA: truly async copies),
+        placeholders included."""
+        T, R = len(inp.input_ids), inp.num_reqs
+        buf = self.buffers
+        nb = min(inp.block_table.shape[1], buf.block_table.shape[1])
         st = self.staging
-        pairs = [(self.input_ids[:T], inp.input_ids), (self.positions[:T], inp.positions),
-                 (self.slot_mapping[:T], inp.slot_mapping), (self.query_start_loc[:R + 1], inp.query_start_loc),
-                 (self.seq_lens[:R], inp.seq_lens)]
+        pairs = [(buf.input_ids[:T], inp.input_ids), (buf.positions[:T], inp.positions),
+                 (buf.slot_mapping[:T], inp.slot_mapping), (buf.query_start_loc[:R + 1], inp.query_start_loc),
+                 (buf.seq_lens[:R], inp.seq_lens)]
         if st is None:  # CPU: plain copies
             for dst, src in pairs:
                 dst.copy_(torch.from_numpy(src))
-            self.block_table[:R, :nb].copy_(torch.from_numpy(inp.block_table[:, :nb]))
+            buf.block_table[:R, :nb].copy_(torch.from_numpy(inp.block_table[:, :nb]))
             self._fill_placeholders(inp)
             return
         for (dst, src), name in zip(pairs, ("input_ids", "positions", "slot_mapping", "query_start_loc",
@@ -369,7 +368,7 @@ class ModelRunner:
         bt_host.numpy()[:] = inp.block_table[:, :nb]
         bt_dev = self.block_table_staging[:R * nb].view(R, nb)
         bt_dev.copy_(bt_host, non_blocking=True)
-        self.block_table[:R, :nb].copy_(bt_dev)      # strided device-side copy into the static table
+        buf.block_table[:R, :nb].copy_(bt_dev)      # strided device-side copy into the static table
         self._fill_placeholders(inp)
 
     def _fill_placeholders(self, inp: StepInputs) -> None:
@@ -377,23 +376,20 @@ class ModelRunner:
         P = len(inp.placeholder_dst)
         if P == 0:
             return
+        input_ids = self.buffers.input_ids
         in_order = np.arange(P)
         if np.array_equal(inp.placeholder_dst, in_order) and np.array_equal(inp.placeholder_src, in_order):
             # steady decode: token i's input is the previous step's sample i (same requests, same order)
-            self.input_ids[:P].copy_(self._prev_sampled[:P])
+            input_ids[:P].copy_(self._prev_sampled[:P])
             return
         dst = torch.from_numpy(inp.placeholder_dst).to(self.device, non_blocking=True)
         src = torch.from_numpy(inp.placeholder_src).to(self.device, non_blocking=True)
-        self.input_ids[dst] = self._prev_sampled[src]
-
-    def attn_metadata(self, R: int, T: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
-        return AttentionMetadata(query_start_loc=self.query_start_loc[:R + 1], seq_lens=self.seq_lens[:R],
-                                 block_table=self.block_table[:R], slot_mapping=self.slot_mapping[:T], num_reqs=R,
-                                 max_query_len=max_query_len, max_seq_len=max_seq_len)
+        input_ids[dst] = self._prev_sampled[src]
 
     def _run_model(self, inp: StepInputs) -> torch.Tensor:
-        T, R = len(inp.input_ids), len(inp.reqs)
+        T, R = len(inp.input_ids), inp.num_reqs
         max_q = int(inp.num_scheduled.max())
+        self.copy_inputs(inp)
         if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R):
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
             # shapes with enforce_eager, so both give the same numbers).
@@ -401,71 +397,49 @@ class ModelRunner:
             if len(inp.logits_rows) < R:
                 logits = logits[torch.from_numpy(inp.logits_rows).to(self.device)]
             return logits
-        self._copy_inputs(inp)
-        ctx = ForwardContext(self.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend)
-        hidden = self.model(self.input_ids[:T], self.positions[:T], ctx)           # [T, hidden]
+        buf = self.buffers
+        ctx = ForwardContext(buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend)
+        hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)           # [T, hidden]
         if len(inp.logits_indices) == 0:
             return hidden.new_empty(0, self.vocab_size)
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[idx])                               # [R_s, V]
 
-    def _is_plain_greedy(self, reqs: list[Request], rows: np.ndarray) -> bool:
-        """Every row is greedy with nothing that needs the sampler (logprobs, penalties, pending min_tokens).
-
-        Args:
-            reqs: the sampled requests.
-            rows: [R_s] int64, their rows in the persistent batch.
-        """
-        argmax_from = self.batch.argmax_from[rows]               # [R_s] int64
-        latest = int(argmax_from.max()) if len(rows) else 0
-        if latest == 0:
-            return True
-        if latest == NEVER_ARGMAX:
-            return False
-        num_output = np.fromiter((len(r.output_token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
-        return bool((num_output >= argmax_from).all())
-
     def _sample(self, inp: StepInputs, logits: torch.Tensor) -> StepHandle:
         """Sample on the device and queue the copy of the tokens to the host (no wait here)."""
-        if len(inp.logits_rows) == len(inp.reqs):  # every request samples (decode)
-            reqs, rids = inp.reqs, inp.req_ids
+        if len(inp.logits_rows) == inp.num_reqs:  # every request samples (decode)
+            rids, rows = inp.req_ids, inp.rows
         else:
-            rows = inp.logits_rows.tolist()
-            reqs, rids = [inp.reqs[i] for i in rows], [inp.req_ids[i] for i in rows]
-        self._prev_sample_row = dict(zip(rids, range(len(rids))))
+            rids, rows = [inp.req_ids[i] for i in inp.logits_rows.tolist()], inp.rows[inp.logits_rows]
+        self._prev_sample_index.fill(-1)
+        self._prev_sample_index[rows] = np.arange(len(rows))
         if logits.shape[0] == 0:
             self._prev_sampled = None
-            return StepHandle(inp.reqs, [], None, None, None)
+            return StepHandle(inp.req_ids, [], None, None, None)
+        batch = self.batch
+        # outputs before this step's sample, placeholders included: the sequence so far minus the prompt
+        num_output = inp.seq_lens[inp.logits_rows].astype(np.int64) - batch.num_prompt_tokens[rows]
         lp = None
-        if self._is_plain_greedy(reqs, inp.rows[inp.logits_rows]):  # fast path: argmax, no sampling metadata
+        if batch.is_plain_greedy(rows, num_output):  # fast path: argmax, no sampling metadata
             ids = logits.argmax(dim=-1)
         else:
-            meta = build_sampling_metadata(
-                [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
-                [r.output_token_ids for r in reqs], [self._generator(r) for r in reqs],
-                eos_token_id=self._eos, vocab_size=self.vocab_size, device=self.device)
-            sampled = self.sampler(logits, meta)
+            pending = None
+            if batch.has_penalties[rows].any():
+                idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
+                pending = self.buffers.input_ids[idx]                # [R_s] each row's last input token
+            sampled = self.sampler(logits, batch.sampling_metadata(rows, num_output, pending))
             ids = sampled.sampled_token_ids
             if sampled.logprobs is not None:
                 lp = (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)
         self._prev_sampled = ids                               # [R_s] int64, read by the next step's placeholders
+        handle = StepHandle(inp.req_ids, rids, ids, None, lp, rows, batch.row_epoch[rows].copy(),
+                            batch.num_logprobs[rows].tolist() if lp is not None else None)
         if self.device.type != "cuda":
-            return StepHandle(inp.reqs, reqs, ids, None, lp)
-        host = self.staging["sampled"][:len(reqs)]
-        host.copy_(ids, non_blocking=True)
+            return handle
+        handle.ids = self.staging["sampled"][:len(rids)]
+        handle.ids.copy_(ids, non_blocking=True)
         if lp is not None:
-            lp = tuple(t.to("cpu", non_blocking=True) for t in lp)
-        event = torch.cuda.Event()
-        event.record()
-        return StepHandle(inp.reqs, reqs, host, event, lp)
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        gen = getattr(req, "generator", None)
-        if gen is None:  # lives on the request, so it survives preemption
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            req.generator = gen
-        return gen
+            handle.logprobs = tuple(t.to("cpu", non_blocking=True) for t in lp)
+        handle.event = torch.cuda.Event()
+        handle.event.record()
+        return handle

@@ -21,7 +21,7 @@ def req(rid, n_prompt, max_tokens=4, **kw):
 def step(s, token=7):
     out = s.schedule()
     # a request whose scheduled tokens complete its sequence samples one token (a placeholder until updated)
-    sampled = {r.request_id: [token] * r.num_output_placeholders for r in out.scheduled_reqs}
+    sampled = {rid: [token] * s.requests[rid].num_output_placeholders for rid in out.scheduled_req_ids}
     s.update_from_output(out, sampled)
     return out
 
@@ -31,11 +31,11 @@ def test_prefill_then_decode_then_length_finish():
     a = req("a", 6, max_tokens=3)
     s.add_request(a)
     out = step(s)
-    assert out.num_scheduled_tokens == {"a": 6} and out.scheduled_new_reqs == {"a"}
+    assert out.num_scheduled_tokens == {"a": 6} and {r.req_id for r in out.scheduled_new_reqs} == {"a"}
     assert out.new_block_ids == {"a": [0, 1]}
     assert a.output_token_ids == [7] and a.num_computed_tokens == 6
     out = step(s)
-    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_reqs == set()
+    assert out.num_scheduled_tokens == {"a": 1} and {r.req_id for r in out.scheduled_new_reqs} == set()
     out = step(s)
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [7, 7, 7]
     assert s.kv.num_free_blocks == 16
@@ -68,7 +68,7 @@ def test_max_num_seqs_limits_running():
     for i in range(3):
         s.add_request(req(f"r{i}", 2))
     out = step(s)
-    assert [r.request_id for r in out.scheduled_reqs] == ["r0", "r1"]
+    assert out.scheduled_req_ids == ["r0", "r1"]
     assert len(s.waiting) == 1
 
 
@@ -84,7 +84,7 @@ def test_preemption_by_recompute_frees_blocks_and_requeues_first():
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
     out = step(s)                                 # a needs a 3rd block: b (last admitted) is preempted
     assert out.num_scheduled_tokens == {"a": 1}
-    assert "b" in out.finished_req_ids
+    assert "b" in out.preempted_req_ids             # the runner gives its row up (kept apart from finished ones)
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert s.waiting[0] is b and b.output_token_ids == [7, 7]      # outputs kept, recomputed later
     assert s.kv.get_block_ids("a") == [0, 1, 3]

@@ -26,7 +26,7 @@ def test_padded_decode_gives_same_greedy_output(tiny_qwen2, example_prompts, asy
     runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)
     calls = []
     original = runner.decode_runner.run
-    runner.decode_runner.run = lambda inp: calls.append(len(inp.reqs)) or original(inp)
+    runner.decode_runner.run = lambda inp: calls.append(inp.num_reqs) or original(inp)
     padded = [o.outputs[0].token_ids for o in llm.generate(example_prompts, params, use_tqdm=False)]
     assert padded == base
     assert calls and set(calls) >= {7}        # 7 decode rows padded to 8

@@ -1,7 +1,8 @@
-"""The runner's fast paths give exactly what the general ones give, at every step (STYLE.md 8): a step of one
-token per request gathers its input ids without per-request slices (``_gather_decode_ids``), and the plain-greedy
-check reads a per-row array. Checked with prefill, chunked prefill, preemption, prefix hits and async-scheduling
-placeholders in the mix, against the general gather and a per-token recomputation of positions / slot_mapping."""
+"""The runner's fast paths give exactly what the general ones give, at every step (STYLE.md 8): input ids come
+from one gather over the runner's own per-row token ids (a step of one token per request skips the per-token
+repeats), and the plain-greedy check reads a per-row array. Checked with prefill, chunked prefill, preemption,
+prefix hits and async-scheduling placeholders in the mix, against a per-token recomputation of input ids (from the
+scheduler's requests, which the runner never sees), placeholders, positions and slot_mapping."""
 
 from __future__ import annotations
 
@@ -12,20 +13,39 @@ from hayabusa import LLM, SamplingParams
 
 
 def _reference_is_plain_greedy(reqs) -> bool:
-    """The rule as the runner first wrote it: a loop over the requests' params."""
+    """The rule as the runner first wrote it: a loop over the requests' params. Outputs are counted before this
+    step's sample, placeholders included (the scheduler has already added this step's own placeholder)."""
     for r in reqs:
         p = r.sampling_params
+        num_output = r.num_output_tokens + r.num_output_placeholders - 1
         if not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
-                or p.frequency_penalty != 0.0 or r.num_output_tokens < p.min_tokens:
+                or p.frequency_penalty != 0.0 or num_output < p.min_tokens:
             return False
     return True
+
+
+def _reference_input_ids(reqs, computed, num_sched, qsl, prev_sampled_ids):
+    """Per request: its tokens computed this step; the last one is a placeholder (0, read on the device from the
+    previous step's samples) when its value is not back yet."""
+    T = int(qsl[-1])
+    ids = np.zeros(T, dtype=np.int64)
+    ph_dst, ph_src = [], []
+    for i, (r, c, n) in enumerate(zip(reqs, computed, num_sched)):
+        toks = r.all_token_ids[c:c + n]
+        start = int(qsl[i])
+        ids[start:start + len(toks)] = toks
+        if len(toks) < n:
+            assert len(toks) == n - 1
+            ph_dst.append(start + n - 1)
+            ph_src.append(prev_sampled_ids.index(r.request_id))
+    return ids, np.array(ph_dst, dtype=np.int64), np.array(ph_src, dtype=np.int64)
 
 
 def _check_step(engine, out, inp, seen) -> None:
     runner, kv = engine.runner, engine.kv_cache_manager
     bs = runner.block_size
-    reqs = out.scheduled_reqs
-    rids = [r.request_id for r in reqs]
+    rids = out.scheduled_req_ids
+    reqs = [engine.scheduler.requests[rid] for rid in rids]
     num_sched = [out.num_scheduled_tokens[rid] for rid in rids]
     computed = [out.num_computed_tokens[rid] for rid in rids]
     assert inp.req_ids == rids
@@ -33,7 +53,7 @@ def _check_step(engine, out, inp, seen) -> None:
     assert inp.rows.tolist() == [runner.batch.row_of[rid] for rid in rids]
     qsl = np.concatenate([[0], np.cumsum(num_sched)]).astype(np.int32)
     assert inp.query_start_loc.tolist() == qsl.tolist()
-    ids, ph_dst, ph_src = runner._gather_input_ids(reqs, computed, num_sched, qsl, int(qsl[-1]))
+    ids, ph_dst, ph_src = _reference_input_ids(reqs, computed, num_sched, qsl, seen["prev_sampled_ids"])
     assert inp.input_ids.tolist() == ids.tolist()
     assert inp.placeholder_dst.tolist() == ph_dst.tolist() and inp.placeholder_src.tolist() == ph_src.tolist()
     positions, slots = [], []
@@ -48,8 +68,11 @@ def _check_step(engine, out, inp, seen) -> None:
     assert inp.logits_rows.tolist() == sampled
     assert inp.logits_indices.tolist() == [int(qsl[i + 1]) - 1 for i in sampled]
     sampled_reqs = [reqs[i] for i in sampled]
+    seen["prev_sampled_ids"] = [rids[i] for i in sampled]
     if sampled_reqs:
-        plain = runner._is_plain_greedy(sampled_reqs, inp.rows[inp.logits_rows])
+        rows = inp.rows[inp.logits_rows]
+        num_output = inp.seq_lens[inp.logits_rows] - runner.batch.num_prompt_tokens[rows]
+        plain = runner.batch.is_plain_greedy(rows, num_output)
         assert plain == _reference_is_plain_greedy(sampled_reqs)
         seen["plain" if plain else "sampler"] += 1
     if len(reqs) == out.total_num_scheduled_tokens:
@@ -58,7 +81,7 @@ def _check_step(engine, out, inp, seen) -> None:
         seen["max_placeholders"] = max(seen["max_placeholders"], len(ph_dst))
         seen["decode_known"] += len(ph_dst) < len(reqs)
         seen["one_token_prefill"] += any(c + 1 < r.num_tokens for r, c in zip(reqs, computed))
-        seen["new_in_decode"] += any(rid in out.scheduled_new_reqs for rid in rids)
+        seen["new_in_decode"] += len(out.scheduled_new_reqs) > 0
     seen["steps"] += 1
 
 
@@ -69,16 +92,17 @@ def test_fast_step_inputs_equal_general_ones(stories_dir, async_scheduling):
               enable_prefix_caching=True)
     engine = llm.llm_engine
     runner = engine.runner
-    prepare = runner._prepare_inputs
+    prepare = runner.prepare_inputs
     seen = dict.fromkeys(["steps", "decode", "decode_placeholders", "decode_known", "one_token_prefill", "new_in_decode", "max_placeholders", "plain",
                           "sampler"], 0)
+    seen["prev_sampled_ids"] = []
 
     def checked_prepare(out):
         inp = prepare(out)
         _check_step(engine, out, inp, seen)
         return inp
 
-    runner._prepare_inputs = checked_prepare
+    runner.prepare_inputs = checked_prepare
     shared = [5, 9, 13, 17, 21, 25, 29, 33, 37]                  # two full blocks and one token: prefix hits
     prompts = [shared + [40 + i] * (i % 3) for i in range(6)] + [list(range(60, 73)), [7, 8]]
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -96,20 +120,14 @@ def test_fast_step_inputs_equal_general_ones(stories_dir, async_scheduling):
 
 
 def test_decode_fast_path_gives_the_same_tokens(stories_dir):
-    """End to end: the same greedy tokens with the decode gather replaced by the general one."""
+    """End to end: the same greedy tokens with the decode shortcut turned off (the general per-token layout)."""
     prompts = [{"prompt_token_ids": [5 + i, 9, 13, 17, 21, 25, 29][: 3 + i]} for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     kw = dict(skip_tokenizer_init=True, async_scheduling=True, block_size=4, num_gpu_blocks_override=16,
               max_model_len=48, max_num_seqs=4)
     fast = LLM(stories_dir, **kw)
     general = LLM(stories_dir, **kw)
-    runner = general.llm_engine.runner
-
-    def general_gather(reqs, rids, num_computed):
-        R = len(reqs)
-        return runner._gather_input_ids(reqs, num_computed.tolist(), [1] * R, np.arange(R + 1), R)
-
-    runner._gather_decode_ids = general_gather
+    general.llm_engine.runner.decode_fast_path = False
     a = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in general.generate(prompts, params, use_tqdm=False)]
     assert a == b

@@ -1,0 +1,127 @@
+"""SchedulerOutput: what one step runs, as plain data (vLLM v1's shape).
+
+New requests come in full, requests the runner already knows come as changes. Nothing here refers to a scheduler
+``Request``: the whole object pickles, so a worker in another process (or a test with no scheduler) can run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hayabusa.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner sees for the first time: everything it needs to keep its own state.
+
+    Attributes:
+        req_id: the request's (child) id.
+        prompt_token_ids: prompt ids.
+        sampling_params: the sample's params (``n`` already split off; ``all_stop_token_ids`` resolved).
+        block_ids: the request's whole block table so far (prefix hits first).
+        num_computed_tokens: tokens whose KV is already in the cache before this step (prefix hit).
+        mm_inputs: multimodal inputs (image features, ...) of the request; none yet.
+        encoder_input_ids: ids of encoder inputs (images, an encoder prompt) of the request; none yet.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    mm_inputs: list = field(default_factory=list)
+    encoder_input_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already knows, as changes; one entry per request in each list, in batch order.
+
+    Attributes:
+        req_ids: their ids.
+        resumed_from_preemption: True for a request resumed after preemption: the runner gave its row up when it
+            was preempted, so its block table is ``new_block_ids`` in full and its outputs are ``new_token_ids``.
+        new_token_ids: for a resumed request, every output token so far (the runner may not know the last ones:
+            they came back after it dropped the row); empty otherwise (the runner knows what it sampled).
+        new_block_ids: block ids appended to the request's block table this step (all of them when resumed).
+        num_computed_tokens: the request's num_computed_tokens before this step.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[Sequence[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run in one step (plain data; it pickles).
+
+    The step's batch order is ``scheduled_cached_reqs.req_ids`` then the new requests (``scheduled_req_ids``).
+
+    Attributes:
+        scheduled_new_reqs: requests scheduled for the first time, in full.
+        scheduled_cached_reqs: running (or resumed) requests, as changes.
+        num_scheduled_tokens: request id -> tokens computed this step (>= 1).
+        total_num_scheduled_tokens: sum of num_scheduled_tokens.
+        sampling_req_ids: requests whose step completes their sequence, so they sample a token.
+        finished_req_ids: requests that finished or were aborted since the previous step; the runner drops all
+            of their state.
+        preempted_req_ids: requests preempted since the previous step; the runner gives their row up but keeps
+            what it needs to resume them (their generator).
+        scheduled_spec_decode_tokens: request id -> speculative tokens to verify this step; none yet.
+        scheduled_encoder_inputs: request id -> encoder inputs to run this step; none yet.
+        step_id: the step's number (the scheduler matches the step's results to it).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    sampling_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    @property
+    def num_reqs(self) -> int:
+        return self.scheduled_cached_reqs.num_reqs + len(self.scheduled_new_reqs)
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        """Every scheduled request id, in batch order."""
+        if not self.scheduled_new_reqs:
+            return self.scheduled_cached_reqs.req_ids
+        return self.scheduled_cached_reqs.req_ids + [r.req_id for r in self.scheduled_new_reqs]
+
+    @property
+    def num_computed_tokens(self) -> dict[str, int]:
+        """Request id -> its num_computed_tokens before this step."""
+        return dict(zip(self.scheduled_req_ids, self.batch_num_computed_tokens))
+
+    @property
+    def batch_num_computed_tokens(self) -> list[int]:
+        """Each scheduled request's num_computed_tokens before this step, in batch order."""
+        if not self.scheduled_new_reqs:
+            return self.scheduled_cached_reqs.num_computed_tokens
+        return self.scheduled_cached_reqs.num_computed_tokens + [
+            r.num_computed_tokens for r in self.scheduled_new_reqs]
+
+    @property
+    def new_block_ids(self) -> dict[str, list[int]]:
+        """Request id -> block ids appended to its block table this step (the whole table when new or resumed)."""
+        c = self.scheduled_cached_reqs
+        return dict(zip(c.req_ids, c.new_block_ids)) | {r.req_id: r.block_ids for r in self.scheduled_new_reqs}

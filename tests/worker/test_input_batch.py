@@ -1,0 +1,60 @@
+"""InputBatch: rows, token ids, sampled tokens of a row's previous owner, token histories (CPU, exact values)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hayabusa.sampling_params import SamplingParams
+from hayabusa.worker.input_batch import NEVER_ARGMAX, CachedRequestState, InputBatch
+
+
+def _state(rid, prompt, **kw):
+    return CachedRequestState(rid, prompt, SamplingParams(**kw), None)
+
+
+def _batch():
+    return InputBatch(max_num_reqs=3, max_model_len=8, max_blocks_per_req=2, vocab_size=50, eos_token_ids=[2],
+                      device=torch.device("cpu"))
+
+
+def test_rows_tokens_and_a_reused_row():
+    b = _batch()
+    a = _state("a", [5, 6, 7], temperature=0.0)
+    assert b.add(a, [5, 6, 7], [4]) == 0
+    assert b.add(_state("b", [8], temperature=0.7), [8], [1, 3]) == 1
+    assert b.block_table[1].tolist() == [1, 3] and b.argmax_from.tolist()[:2] == [0, NEVER_ARGMAX]
+    rows, epochs = np.array([0, 1]), b.row_epoch[[0, 1]].copy()
+    b.remove("a")                                   # row 0 leaves before its sampled token is back ...
+    assert b.add(_state("c", [9, 9], temperature=0.0), [9, 9], [0]) == 0     # ... and gets a new owner
+    b.write_sampled(rows, epochs, np.array([11, 12]))
+    assert b.num_tokens[0] == 2 and 11 not in b.token_ids[0].tolist()        # not written into c's row
+    assert b.token_ids[1, :2].tolist() == [8, 12] and b.num_tokens[1] == 2
+    # a request added again without giving its row up keeps one row (no leak)
+    b.add(_state("c", [9, 9], temperature=0.0), [9, 9, 13], [0])
+    assert sorted(b.row_of.values()) == [0, 1] and len(b.row_of) == 2
+
+
+def test_token_matrix_pads_and_marks_unknown_tokens():
+    b = _batch()
+    b.add(_state("a", [5, 6, 7]), [5, 6, 7, 20], [0])    # prompt 3 + one known output
+    b.add(_state("b", [8]), [8], [1])
+    rows = np.array([0, 1])
+    out, pending = b.token_matrix(rows, b.num_prompt_tokens[rows], np.array([2, 1]))
+    assert out.tolist() == [[20, 50], [50, 50]]             # unknown and outside cells padded with V
+    assert pending.tolist() == [[False, True], [True, False]]
+
+
+def test_sampling_metadata_from_rows():
+    b = _batch()
+    b.add(_state("g", [5], temperature=0.0), [5], [0])
+    b.add(_state("r", [6, 7], temperature=0.5, top_k=3, min_tokens=2, stop_token_ids=[9],
+                 repetition_penalty=1.2), [6, 7, 30], [1])
+    rows = np.array([1, 0])
+    meta = b.sampling_metadata(rows, np.array([1, 0]), pending_tokens=torch.tensor([31, 0]))
+    assert meta.temperature.tolist() == [0.5, 0.0] and not meta.all_greedy and not meta.all_random
+    assert meta.top_k.tolist() == [3, 50] and meta.top_p is None and meta.min_p is None
+    assert meta.min_tokens == {0: {2, 9}}                    # r has 1 output < 2: EOS and its stop id masked
+    assert meta.prompt_token_ids.tolist() == [[6, 7], [5, 50]]
+    assert meta.output_token_ids.tolist() == [[30], [50]]
+    assert meta.repetition_penalties.tolist() == [1.2000000476837158, 1.0]
