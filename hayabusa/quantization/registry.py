@@ -1,5 +1,6 @@
-"""Quantization method names (vLLM's, plus hayabusa's online "int8" / "int4" and SGLang's "w8a8_int8") -> config classes, and the choice
-between the ``quantization=`` engine argument and the checkpoint's ``quantization_config``."""
+"""Quantization method names (vLLM's, plus hayabusa's online "int8" / "int4" and SGLang's "w8a8_int8") -> config
+classes, and the choice between the ``quantization=`` engine argument and the checkpoint's
+``quantization_config``."""
 
 from __future__ import annotations
 
