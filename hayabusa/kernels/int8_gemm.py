@@ -11,7 +11,7 @@ per-output-channel scales s_w fp32. Three ways to run it, one result up to the e
     output tiles cannot fill the GPU (decode, small M), K is split and the splits add their int32 partial sums
     with atomics into a zeroed int32 workspace: integer addition is exact and order-free, so split-K stays
     deterministic; ``_int8_epilogue_kernel`` then scales once.
-  * ``torch._int_mm`` (cuBLASLt int8, CUDA): for M > 16 with K and N multiples of 8, from ``INT_MM_MIN_M`` rows on;
+  * ``torch._int_mm`` (cuBLASLt int8, CUDA): for M > 16, K >= 16, K and N multiples of 8, from ``INT_MM_MIN_M`` rows;
     its int32 result goes through the same ``_int8_epilogue_kernel`` (one pass: read int32, write the output).
   * the reference (CPU engine): the products summed in float64 (every partial sum is an integer below 2**53, so
     this *is* the int32 accumulation, bit for bit), then the same fp32 epilogue.
@@ -189,8 +189,8 @@ def int8_gemm_triton(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: t
 
 
 def int_mm_usable(M: int, N: int, K: int) -> bool:
-    """torch._int_mm's shape rules (cuBLASLt int8): more than 16 rows, K and N multiples of 8."""
-    return M > 16 and K % 8 == 0 and N % 8 == 0
+    """torch._int_mm's shape rules (cuBLASLt int8): more than 16 rows, K >= 16, K and N multiples of 8."""
+    return M > 16 and K >= 16 and K % 8 == 0 and N % 8 == 0
 
 
 def int8_gemm_int_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,

@@ -120,7 +120,7 @@ def test_pick_int8_config_and_int_mm_rules():
     big = pick_int8_config(8192, 4608, 3584, dev)
     assert big.BLOCK_M == 128 and big.SPLIT_K == 1
     assert int_mm_usable(17, 8, 16) and not int_mm_usable(16, 8, 16) and not int_mm_usable(32, 12, 16)
-    assert not int_mm_usable(32, 8, 20)
+    assert not int_mm_usable(32, 8, 20) and not int_mm_usable(32, 8, 8)
 
 
 def test_public_dispatch_is_the_reference_on_cpu(monkeypatch):
