@@ -149,7 +149,8 @@ class EngineArgs:
         cpu_offload_gb: only 0 (no CPU offload) is supported.
         max_logprobs: most logprobs a request may ask for.
         quantization: "fp8" (FP8 W8A8; FP8 checkpoints are detected), "int8" / "int4" (weight-only W8A16 /
-            W4A16 g128), "compressed-tensors", "awq", "gptq", "bitsandbytes" (checkpoint formats, detected);
+            W4A16 g128), "w8a8_int8" (INT8 W8A8), "compressed-tensors" (FP8 / INT8 W8A8), "awq", "gptq",
+            "bitsandbytes" (checkpoint formats, detected);
             default: the checkpoint's quantization_config, if any. See hayabusa/quantization/.
         async_scheduling: schedule and launch step N+1 before step N's tokens are back, so host work overlaps
             the GPU (vLLM's async scheduling). Default: on for CUDA, off on CPU (nothing to overlap there).

@@ -1,7 +1,7 @@
 """Time the weight-only int8 / int4 linears against torch's bf16 F.linear on a CUDA GPU; print a table and JSON.
 
     python benchmarks/kernels/bench_quant_linear.py [--json FILE] [--m 1,8,64,256,2048] [--group-size 128]
-                                                    [--sweep | --dequant] [--layers qkv,o,gate_up,down]
+                                                    [--sweep | --dequant | --w8a8] [--layers qkv,o,gate_up,down]
 
 Shapes are Qwen2.5-7B's linears, (K, N): qkv (3584, 4608), o (3584, 3584), gate_up (3584, 37888),
 down (18944, 3584). GB/s counts the bytes a perfect kernel moves: the weights as stored (int4: packed nibbles plus
@@ -16,6 +16,12 @@ the linears: the fused Triton kernel (pick_config's launch) and dequantize-to-bf
 dequantization alone), with bf16 F.linear as the yardstick, eager times (prefill does not run in CUDA graphs), and
 prints per layer and scheme the smallest M from which dequant + cuBLAS wins: the input for DEQUANT_GEMM_MIN_M.
 'vs bf16' columns are bf16 time / path time (> 1: faster than bf16). About two minutes on an H200.
+--w8a8 instead times the W8A8 linears per layer and M (default 1,16,64,256,1024,8192), eager medians (CUDA-graph
+replays for M <= 64, how decode runs): bf16 F.linear (cuBLAS); INT8 W8A8 as the engine runs it (activation
+quantization + int8_scaled_mm's dispatch) and its two GEMM paths on pre-quantized inputs (the Triton int8 kernel;
+torch._int_mm + the Triton epilogue, where its shape rules allow); the int8 activation quantizer alone; FP8 W8A8
+(per_token_quant_fp8 + torch._scaled_mm, sm89+). It prints per layer the smallest M from which _int_mm wins: the
+input for INT_MM_MIN_M (kernels/int8_gemm.py). About a minute on an H200.
 """
 
 from __future__ import annotations
@@ -180,6 +186,70 @@ def print_dequant_table(rows: list[dict]) -> None:
         print(f"#   {key[0]:<8} {key[1]:<10} {wins[0] if wins else f'never (up to M = {ms[-1][0]})'}")
 
 
+def w8a8_case(layer: str, M: int) -> dict:
+    """One row: us of bf16 F.linear, INT8 W8A8 (engine path, Triton GEMM, _int_mm + epilogue, quantizer) and FP8."""
+    from hayabusa.kernels import int8_gemm
+    from hayabusa.kernels.int8_quant import per_token_quant_int8, per_token_quant_int8_ref
+
+    K, N = LAYERS[layer]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    wq, sw = per_token_quant_int8_ref(w)
+    sw = sw.view(-1).contiguous()
+    xq, sx = per_token_quant_int8(x)
+    ref = int8_gemm.int8_scaled_mm_ref(xq, sx, wq, sw, None, torch.bfloat16)
+    fns = {
+        "bf16": lambda: F.linear(x, w),
+        "w8a8": lambda: int8_gemm.int8_scaled_mm(*per_token_quant_int8(x), wq, sw, None, torch.bfloat16),
+        "triton": lambda: int8_gemm.int8_gemm_triton(xq, sx, wq, sw, None, torch.bfloat16),
+        "quant": lambda: per_token_quant_int8(x),
+    }
+    if int8_gemm.int_mm_usable(M, N, K):
+        fns["int_mm"] = lambda: int8_gemm.int8_gemm_int_mm(xq, sx, wq, sw, None, torch.bfloat16)
+    if torch.cuda.get_device_capability() >= (8, 9):
+        from hayabusa.kernels.fp8_quant import per_token_quant_fp8
+        from hayabusa.quantization.fp8 import fp8_matmul_cuda, quantize_fp8_rows
+
+        wf, swf = quantize_fp8_rows(w)
+        swf = swf.view(1, -1).contiguous()
+        fns["fp8"] = lambda: fp8_matmul_cuda(*per_token_quant_fp8(x), wf.t(), swf, torch.bfloat16)
+    for name in ("w8a8", "triton", "int_mm"):
+        if name in fns:
+            torch.testing.assert_close(fns[name](), ref, atol=0, rtol=1e-2)
+    row = dict(layer=layer, K=K, N=N, M=M, timing="graph" if M <= 64 else "eager",
+               triton_config=int8_gemm.pick_int8_config(M, N, K, x.device).__dict__,
+               dispatch="int_mm" if M >= int8_gemm.INT_MM_MIN_M and "int_mm" in fns else "triton")
+    for name, fn in fns.items():
+        if M <= 64:
+            ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+        else:
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        row[f"{name}_us"] = ms * 1e3
+    return row
+
+
+def print_w8a8_table(rows: list[dict]) -> None:
+    from hayabusa.kernels.int8_gemm import INT_MM_MIN_M
+
+    cols = ("bf16", "w8a8", "triton", "int_mm", "quant", "fp8")
+    print(f"{'layer':<8} {'K':>6} {'N':>6} {'M':>5} {'timing':>6} " + " ".join(f"{c + ' us':>10}" for c in cols)
+          + f" {'w8a8/bf16':>9} {'tri/bf16':>8} {'imm/bf16':>8} {'fp8/bf16':>8}  dispatch")
+    for r in rows:
+        us = [f"{r[c + '_us']:>10.1f}" if c + "_us" in r else f"{'-':>10}" for c in cols]
+        speed = [f"{r['bf16_us'] / r[c + '_us']:>8.2f}" if c + "_us" in r else f"{'-':>8}"
+                 for c in ("triton", "int_mm", "fp8")]
+        print(f"{r['layer']:<8} {r['K']:>6} {r['N']:>6} {r['M']:>5} {r['timing']:>6} " + " ".join(us)
+              + f" {r['bf16_us'] / r['w8a8_us']:>9.2f} " + " ".join(speed) + f"  {r['dispatch']}")
+    print(f"# 'x/bf16' = bf16 time / x time (> 1: faster). Smallest M from which _int_mm + epilogue beats the Triton "
+          f"GEMM at every larger measured M (INT_MM_MIN_M = {INT_MM_MIN_M}):")
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+        ms = sorted((r["M"], "int_mm_us" in r and r["int_mm_us"] < r["triton_us"]) for r in rows
+                    if r["layer"] == layer)
+        wins = [m for i, (m, _) in enumerate(ms) if all(win for _, win in ms[i:])]
+        print(f"#   {layer:<8} {wins[0] if wins else f'never (up to M = {ms[-1][0]})'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
@@ -190,25 +260,33 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also search launch configs (slow: many compiles)")
     parser.add_argument("--dequant", action="store_true",
                         help="compare the fused Triton path with dequantize + cuBLAS (for DEQUANT_GEMM_MIN_M)")
+    parser.add_argument("--w8a8", action="store_true",
+                        help="time INT8 W8A8 (Triton and _int_mm) and FP8 W8A8 against bf16 (for INT_MM_MIN_M)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_quant_linear needs a CUDA GPU")
-    if args.sweep and args.dequant:
-        sys.exit("--sweep and --dequant are separate runs")
-    m_list = args.m or ("16,64,128,256,512,2048,8192" if args.dequant else "1,8,64,256,2048")
+    if args.sweep + args.dequant + args.w8a8 > 1:
+        sys.exit("--sweep, --dequant and --w8a8 are separate runs")
+    m_list = args.m or ("16,64,128,256,512,2048,8192" if args.dequant else "1,16,64,256,1024,8192" if args.w8a8
+                        else "1,8,64,256,2048")
     rows = []
     for layer in args.layers.split(","):
         for M in (int(m) for m in m_list.split(",")):
-            rows += dequant_case(layer, M, args.group_size) if args.dequant else \
-                bench_case(layer, M, args.group_size, args.sweep)
+            if args.w8a8:
+                rows.append(w8a8_case(layer, M))
+            else:
+                rows += dequant_case(layer, M, args.group_size) if args.dequant else \
+                    bench_case(layer, M, args.group_size, args.sweep)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"Qwen2.5-7B linears, bf16 activations, int4 group size {args.group_size}")
     if args.dequant:
         print_dequant_table(rows)
+    elif args.w8a8:
+        print_w8a8_table(rows)
     else:
         print_table(rows)
     setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant)
+                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8)
     print(json.dumps(dict(setup=setup, rows=rows)))
     if args.json:
         args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))

@@ -54,10 +54,12 @@ GPUS: dict[str, tuple[float, str, str, int, bool, bool, str]] = {
 # GPTQ) store an fp16 scale and a 4-bit zero point per 128 weights (4 + 20/128 bits on disk); hayabusa repacks them
 # for its int4 kernel with the zero point in 16 bits: 4 + 32/128 in memory. bitsandbytes nf4 keeps an fp32 absmax per 64
 # weights: 4 + 32/64. GGUF blocks of 32: Q4_0 18 bytes, Q4_1 20 bytes, Q8_0 34 bytes. FP8 / INT8 per-channel
-# scales are negligible. hayabusa's int4 keeps a 16-bit scale and zero per 128 weights: 4 + 32/128;
-# compressed-tensors counts as its FP8 scheme (the one hayabusa runs).
+# scales are negligible (an fp32 scale per output channel of K >= 64 weights: < 0.5 bit). hayabusa's int4 keeps a
+# 16-bit scale and zero per 128 weights: 4 + 32/128; compressed-tensors counts as its W8A8 schemes (FP8 or INT8,
+# both 8 bits: the ones hayabusa runs). w8a8_int8 = INT8 W8A8 (online); "w8a8" / "smoothquant" are other
+# engines' names for the same storage.
 QUANT_BITS: dict[str, float] = {
-    "fp8": 8.0, "int8": 8.0, "w8a8": 8.0, "smoothquant": 8.0, "bitsandbytes-8bit": 8.0,
+    "fp8": 8.0, "int8": 8.0, "w8a8_int8": 8.0, "w8a8": 8.0, "smoothquant": 8.0, "bitsandbytes-8bit": 8.0,
     "int4": 4 + 32 / 128, "compressed-tensors": 8.0,
     "awq": 4 + 32 / 128, "gptq": 4 + 32 / 128, "awq_marlin": 4 + 32 / 128, "gptq_marlin": 4 + 32 / 128,
     "bitsandbytes": 4.5, "bitsandbytes-4bit": 4.5, "nf4": 4.5,
@@ -410,8 +412,9 @@ def advice(cfg: Any, inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
         out.append(f"{plan['gpu']} has no bfloat16 support: run with dtype=float16.")
     if spec and not spec[5]:  # below compute capability 8.9: what the engine refuses there (config.py, fp8.py)
         if plan["quantization"] in ("fp8", "compressed-tensors"):
-            out.append(f"{plan['gpu']} has no FP8 tensor cores: hayabusa refuses quantization=fp8 there; use "
-                       "int8 or int4 (weight-only), which run on it.")
+            out.append(f"{plan['gpu']} has no FP8 tensor cores: hayabusa refuses quantization=fp8 (and FP8 "
+                       "compressed-tensors checkpoints) there; use int8 or int4 (weight-only) or, on compute "
+                       "capability 8.0+, w8a8_int8 (INT8 W8A8), which run on it.")
         if plan["kv_cache_dtype"] in ("fp8", "fp8_e4m3"):
             out.append(f"{plan['gpu']} cannot convert e4m3: hayabusa refuses kv_cache_dtype={plan['kv_cache_dtype']}"
                        " there; kv_cache_dtype=fp8_e5m2 gives the same memory and runs on it.")

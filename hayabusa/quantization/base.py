@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 from abc import ABC, abstractmethod
 from typing import Any, Iterator
@@ -80,6 +81,16 @@ def replace_param(layer: nn.Module, name: str, data: torch.Tensor | None) -> Non
         setattr(layer, name, None)
     else:
         layer.register_parameter(name, nn.Parameter(data, requires_grad=False))
+
+
+class class_or_instance_method:  # noqa: N801  (used like classmethod)
+    """Like ``classmethod``, but bound to the instance when called on one (so instance attributes win)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        return functools.partial(self.fn, owner if obj is None else obj)
 
 
 class LinearMethod(ABC):
@@ -149,7 +160,7 @@ class QuantizationConfig(ABC):
         raise HayabusaValidationError(
             f"quantization={cls.name!r} needs a checkpoint saved in that format (its config.json has a "
             f"quantization_config with quant_method {cls.name!r}); this checkpoint has none. To quantize an "
-            "unquantized checkpoint while loading, use quantization='fp8', 'int8' or 'int4'.",
+            "unquantized checkpoint while loading, use quantization='fp8', 'int8', 'int4' or 'w8a8_int8'.",
             parameter="quantization", value=cls.name)
 
     @abstractmethod
@@ -164,21 +175,25 @@ class QuantizationConfig(ABC):
         return name
 
     # ------------------------------------------------------------------ devices
-    @classmethod
-    def supports(cls, device: torch.device) -> bool:
+    # Called on the class: what the scheme's least demanding variant needs (``methods_supported_on``); on an
+    # instance: what this checkpoint's variant needs (``check_device``), where an instance sets its own
+    # ``min_capability`` / ``capability_note`` (compressed-tensors: FP8 groups need 8.9, INT8 ones 8.0).
+    @class_or_instance_method
+    def supports(self_or_cls, device: torch.device) -> bool:
         if device.type == "cpu":
-            return cls.cpu_supported
+            return self_or_cls.cpu_supported
         if device.type == "cuda":
-            return cls.min_capability is not None and torch.cuda.get_device_capability(device) >= cls.min_capability
+            cap = self_or_cls.min_capability
+            return cap is not None and torch.cuda.get_device_capability(device) >= cap
         return False
 
-    @classmethod
-    def supported_devices(cls) -> str:
+    @class_or_instance_method
+    def supported_devices(self_or_cls) -> str:
         """In words, e.g. "CPU, and CUDA GPUs with compute capability >= 8.9 (Ada, Hopper)"."""
-        parts = ["CPU"] if cls.cpu_supported else []
-        if cls.min_capability is not None:
-            cap = ".".join(map(str, cls.min_capability))
-            parts.append(f"CUDA GPUs with compute capability >= {cap} {cls.capability_note}".rstrip())
+        parts = ["CPU"] if self_or_cls.cpu_supported else []
+        if self_or_cls.min_capability is not None:
+            cap = ".".join(map(str, self_or_cls.min_capability))
+            parts.append(f"CUDA GPUs with compute capability >= {cap} {self_or_cls.capability_note}".rstrip())
         return ", and ".join(parts) or "no device"
 
     def __repr__(self) -> str:

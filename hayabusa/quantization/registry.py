@@ -1,5 +1,6 @@
-"""Quantization method names (vLLM's, plus hayabusa's online "int8" / "int4") -> config classes, and the choice
-between the ``quantization=`` engine argument and the checkpoint's ``quantization_config``."""
+"""Quantization method names (vLLM's, plus hayabusa's online "int8" / "int4" and SGLang's "w8a8_int8") -> config
+classes, and the choice between the ``quantization=`` engine argument and the checkpoint's
+``quantization_config``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hayabusa.quantization.bitsandbytes import BitsAndBytesConfig
 from hayabusa.quantization.compressed_tensors import CompressedTensorsConfig
 from hayabusa.quantization.fp8 import Fp8Config
 from hayabusa.quantization.gptq import GptqConfig
+from hayabusa.quantization.w8a8_int8 import W8A8Int8Config
 from hayabusa.quantization.weight_only import Int4Config, Int8Config
 
 
@@ -23,6 +25,7 @@ QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     "compressed-tensors": CompressedTensorsConfig,
     "int8": Int8Config,
     "int4": Int4Config,
+    "w8a8_int8": W8A8Int8Config,
     "awq": AwqConfig,
     "gptq": GptqConfig,
     "bitsandbytes": BitsAndBytesConfig,

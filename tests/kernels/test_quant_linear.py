@@ -164,9 +164,11 @@ def _spy(monkeypatch, name):
     return calls
 
 
-def test_int4_switches_to_cublas_at_its_own_smaller_threshold(monkeypatch):
+def test_int4_switches_to_cublas_at_its_own_smaller_threshold(device, monkeypatch):
     """int4 dequantizes from DEQUANT_GEMM_MIN_M_INT4 rows (measured crossover 64 on an H200), int8 only from
-    DEQUANT_GEMM_MIN_M (256): at M between the two, int4 takes dequantize + F.linear and int8 the fused kernel."""
+    DEQUANT_GEMM_MIN_M (256): at M between the two, int4 takes dequantize + F.linear and int8 the fused kernel.
+    (Issue #25: the quantized weights are made on the CPU and must follow x to the device, else the CUDA run
+    fails with "Pointer argument (at 0) cannot be accessed from Triton".)"""
     assert quant_linear.DEQUANT_GEMM_MIN_M_INT4 < quant_linear.DEQUANT_GEMM_MIN_M
     monkeypatch.setattr(quant_linear, "DEQUANT_GEMM_MIN_M", 16)
     monkeypatch.setattr(quant_linear, "DEQUANT_GEMM_MIN_M_INT4", 4)
@@ -174,10 +176,10 @@ def test_int4_switches_to_cublas_at_its_own_smaller_threshold(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     N, K, G = 16, 64, 32
     x, w, _ = _inputs(8, N, K, torch.float32, with_bias=False, gen=gen, x_scale=1.0)
-    _kernel_linear(x, *quantize_int4_grouped(w, G), None, N, G)
+    _kernel_linear(x, *(t.to(device) for t in quantize_int4_grouped(w, G)), None, N, G)
     assert dequants == ["_dequantize"] and launches == []
     dequants.clear()
-    _kernel_linear(x, *quantize_int8_per_channel(w), None, None, N, None)
+    _kernel_linear(x, *(t.to(device) for t in quantize_int8_per_channel(w)), None, None, N, None)
     assert launches == ["_launch"] and dequants == []
 
 

@@ -23,9 +23,18 @@ CT_FP8_DYNAMIC = {  # RedHatAI ...-FP8-dynamic (llm-compressor), trimmed to what
                               "dynamic": True}}},
 }
 
+INT8_WEIGHTS = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False}
+INT8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+CT_INT8_DYNAMIC = {  # RedHatAI ...-quantized.w8a8 (llm-compressor SmoothQuant + GPTQ), trimmed
+    "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None, "weights": INT8_WEIGHTS,
+                                  "input_activations": INT8_TOKEN}},
+}
+
 
 def test_registry_names_are_vllms():
-    assert list(QUANTIZATION_METHODS) == ["fp8", "compressed-tensors", "int8", "int4", "awq", "gptq",
+    assert list(QUANTIZATION_METHODS) == ["fp8", "compressed-tensors", "int8", "int4", "w8a8_int8", "awq", "gptq",
                                           "bitsandbytes"]
     assert all(cls.name == name for name, cls in QUANTIZATION_METHODS.items())
 
@@ -41,7 +50,8 @@ def test_argument_alone_gives_the_online_schemes():
 
 def test_unknown_name_lists_the_known_ones():
     with pytest.raises(HayabusaValidationError, match="quantization='fp4' is not a known method; known: fp8, "
-                                                      "compressed-tensors, int8, int4, awq, gptq, bitsandbytes"):
+                                                      "compressed-tensors, int8, int4, w8a8_int8, awq, gptq, "
+                                                      "bitsandbytes"):
         get_quantization_config("fp4", {})
     with pytest.raises(HayabusaValidationError) as e:
         EngineArgs(model="m", quantization="squeezellm").create_engine_config()
@@ -63,11 +73,31 @@ def test_detected_from_the_checkpoint():
     assert isinstance(fp8, Fp8Config) and fp8.checkpoint_fp8 and fp8.activation_scheme == "static"
     assert fp8.ignored_layers == ["model.layers.0.mlp.down_proj"]
     ct = get_quantization_config(None, {"quantization_config": CT_FP8_DYNAMIC})
-    assert isinstance(ct, CompressedTensorsConfig) and ct.groups == [(["Linear"], "channel", False)]
+    assert isinstance(ct, CompressedTensorsConfig) and ct.groups == [(["Linear"], "float", "channel", False)]
     assert ct.ignore == ["lm_head"]
     # the argument may repeat the checkpoint's method
     assert isinstance(get_quantization_config("compressed-tensors", {"quantization_config": CT_FP8_DYNAMIC}),
                       CompressedTensorsConfig)
+
+
+def test_int8_w8a8_detected_from_compressed_tensors_and_online():
+    from hayabusa.quantization.w8a8_int8 import Int8W8A8LinearMethod, W8A8Int8Config
+
+    ct = get_quantization_config(None, {"quantization_config": CT_INT8_DYNAMIC})
+    assert isinstance(ct, CompressedTensorsConfig) and ct.groups == [(["Linear"], "int", "channel", False)]
+    assert ct.min_capability == (8, 0) and CompressedTensorsConfig.min_capability == (8, 0)
+    static = {**CT_INT8_DYNAMIC, "config_groups": {"g": {**CT_INT8_DYNAMIC["config_groups"]["group_0"],
+                                                         "weights": {**INT8_WEIGHTS, "strategy": "tensor"},
+                                                         "input_activations": {**INT8_TOKEN, "strategy": "tensor",
+                                                                               "dynamic": False}}}}
+    assert get_quantization_config(None, {"quantization_config": static}).groups == [
+        (["Linear"], "int", "tensor", True)]
+    online = get_quantization_config("w8a8_int8", {})
+    assert isinstance(online, W8A8Int8Config)
+    method = online.get_linear_method("model.layers.0.mlp.down_proj", None)
+    assert isinstance(method, Int8W8A8LinearMethod) and not method.checkpoint_int8
+    with pytest.raises(HayabusaValidationError, match="reads INT8 W8A8 checkpoints in the compressed-tensors format"):
+        get_quantization_config(None, {"quantization_config": {"quant_method": "w8a8_int8"}})
 
 
 def test_argument_that_disagrees_with_the_checkpoint_names_both():
@@ -86,6 +116,24 @@ def test_argument_that_disagrees_with_the_checkpoint_names_both():
                                                 "weights": {"num_bits": 4, "type": "int", "strategy": "group",
                                                             "group_size": 128}}}},
      "weights of 4 bits of type 'int'"),
+    ({**CT_INT8_DYNAMIC, "config_groups": {"g": {**CT_INT8_DYNAMIC["config_groups"]["group_0"],
+                                                 "weights": {**INT8_WEIGHTS, "strategy": "group", "group_size": 128}}}},
+     "weight strategy 'group'"),
+    ({**CT_INT8_DYNAMIC, "config_groups": {"g": {**CT_INT8_DYNAMIC["config_groups"]["group_0"],
+                                                 "input_activations": {**INT8_TOKEN, "symmetric": False}}}},
+     r"asymmetric input activations \(zero points, symmetric=false\)"),
+    ({**CT_INT8_DYNAMIC, "config_groups": {"g": {**CT_INT8_DYNAMIC["config_groups"]["group_0"],
+                                                 "weights": {**INT8_WEIGHTS, "symmetric": False}}}},
+     "symmetric=False"),
+    ({**CT_INT8_DYNAMIC, "config_groups": {"g": {**CT_INT8_DYNAMIC["config_groups"]["group_0"],
+                                                 "input_activations": None}}}, r"weight-only int8"),
+    ({**CT_INT8_DYNAMIC, "config_groups": {"g": {**CT_INT8_DYNAMIC["config_groups"]["group_0"],
+                                                 "input_activations": {**INT8_TOKEN, "type": "float"}}}},
+     "input activations of 8 bits of type 'float' with int weights"),
+    ({**CT_INT8_DYNAMIC, "format": "float-quantized"}, "format 'float-quantized' for int weights"),
+    ({**CT_INT8_DYNAMIC, "config_groups": {"g": {**CT_INT8_DYNAMIC["config_groups"]["group_0"],
+                                                 "input_activations": {**INT8_TOKEN, "dynamic": False}}}},
+     "input activation strategy 'token' with dynamic=False"),
     ({**CT_FP8_DYNAMIC, "config_groups": {"g": {**CT_FP8_DYNAMIC["config_groups"]["group_0"],
                                                 "input_activations": None}}}, "weight-only fp8"),
     ({**CT_FP8_DYNAMIC, "config_groups": {"g": {**CT_FP8_DYNAMIC["config_groups"]["group_0"],
@@ -107,9 +155,9 @@ def test_online_only_schemes_refuse_checkpoints_and_checkpoint_schemes_need_one(
 
 
 def test_every_implemented_scheme_runs_on_cpu():
-    assert methods_supported_on(torch.device("cpu")) == ["fp8", "compressed-tensors", "int8", "int4", "awq", "gptq",
-                                                         "bitsandbytes"]
-    for name in ("fp8", "int8", "int4"):
+    assert methods_supported_on(torch.device("cpu")) == ["fp8", "compressed-tensors", "int8", "int4", "w8a8_int8",
+                                                         "awq", "gptq", "bitsandbytes"]
+    for name in ("fp8", "int8", "int4", "w8a8_int8"):
         check_device(get_quantization_config(name, {}), torch.device("cpu"))
 
 
@@ -123,8 +171,17 @@ def test_fp8_on_a_gpu_without_fp8_names_the_gpu_and_what_runs_there(monkeypatch)
     msg = str(e.value)
     assert "quantization='fp8' runs on CPU, and CUDA GPUs with compute capability >= 8.9 (Ada, Hopper" in msg
     assert "not on cuda:0 (NVIDIA A100-SXM4-80GB, compute capability 8.0)" in msg
-    assert msg.endswith("On this device hayabusa runs: int8, int4, awq, gptq, bitsandbytes.")
+    assert msg.endswith("On this device hayabusa runs: compressed-tensors, int8, int4, w8a8_int8, awq, gptq, "
+                        "bitsandbytes.")
     check_device(get_quantization_config("int4", {}), dev)                           # weight-only runs there
+    check_device(get_quantization_config("w8a8_int8", {}), dev)                      # int8 tensor cores: 8.0
+    check_device(get_quantization_config(None, {"quantization_config": CT_INT8_DYNAMIC}), dev)
+    with pytest.raises(HayabusaValidationError, match=r"quantization='compressed-tensors' runs on CPU, and CUDA "
+                                                      r"GPUs with compute capability >= 8.9 \(Ada, Hopper"):
+        check_device(get_quantization_config(None, {"quantization_config": CT_FP8_DYNAMIC}), dev)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(HayabusaValidationError, match=r"compute capability >= 8.0 \(Ampere"):
+        check_device(get_quantization_config("w8a8_int8", {}), dev)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_device(get_quantization_config("fp8", {}), dev)
 
@@ -140,8 +197,11 @@ def test_plan_notes_say_what_runs():
     assert any("quantization=awq is planned at 4.25 bits per linear weight (hayabusa runs it)." in n
                for n in awq["notes"])
     sq = make_plan(cfg, PlanInputs(quantization="smoothquant"), gpu_memory_gib=80)
-    assert any("hayabusa does not run it yet (it runs fp8, compressed-tensors, int8, int4, awq, gptq, "
+    assert any("hayabusa does not run it yet (it runs fp8, compressed-tensors, int8, int4, w8a8_int8, awq, gptq, "
                "bitsandbytes)" in n for n in sq["notes"])
+    w8a8 = make_plan(cfg, PlanInputs(quantization="w8a8_int8"), gpu_memory_gib=80)
+    assert w8a8["weight_bits"] == 8 and any("quantization=w8a8_int8 is planned at 8.00 bits per linear weight "
+                                            "(hayabusa runs it)." in n for n in w8a8["notes"])
 
 
 def test_fp8_kv_cache_scheme_is_accepted():

@@ -1,6 +1,7 @@
-"""On a GPU: the ``torch._scaled_mm`` FP8 path against the exact emulation (same quantized inputs), and quantized
-engines with CUDA graphs against enforce_eager (greedy ids identical), on a real-shape random checkpoint
-(qwen2.5-0.5b-shape: K and N multiples of 128) and on stories260K (K = 64 and 172: the padded paths)."""
+"""On a GPU: the ``torch._scaled_mm`` FP8 path and the INT8 W8A8 layer against their exact emulations (same
+quantized inputs), and quantized engines with CUDA graphs against enforce_eager (greedy ids identical), on a
+real-shape random checkpoint (qwen2.5-0.5b-shape: K and N multiples of 128) and on stories260K (K = 64 and 172: the
+padded paths)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,34 @@ def test_scaled_mm_static_input_scale_matches_emulation():
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, K, N", [(1, 64, 48), (7, 172, 344), (33, 256, 128), (300, 4096, 1024)])
+def test_w8a8_int8_layer_matches_cpu_emulation(M, K, N, dtype):
+    """The CUDA W8A8 linear (Triton quantizer, Triton GEMM or _int_mm + epilogue) against the CPU emulation of the
+    same layer: the same int8 bits (bit-identical quantizer), an exact int32 sum on both sides, the fp32 epilogue
+    (a multiply-add may be fused on the GPU): within one rounding of the output."""
+    from hayabusa.quantization.w8a8_int8 import Int8W8A8LinearMethod, W8A8Int8Config
+
+    torch.manual_seed(0)
+    x = torch.randn(M, K).to(dtype)
+    w, b = torch.randn(N, K) / K ** 0.5, torch.randn(N)
+    layers = []
+    for dev in ("cpu", "cuda"):
+        with set_quantization_config(W8A8Int8Config()):
+            layer = Linear(K, [N], True, dtype, torch.device(dev))
+        method = Int8W8A8LinearMethod(checkpoint_int8=False)
+        layer.create_weights(method)
+        layer.weight.weight_loader(layer.weight, w.to(dev, dtype), None)
+        layer.bias.weight_loader(layer.bias, b.to(dev, dtype), None)
+        method.process_weights_after_loading(layer)
+        layers.append(layer)
+    cpu, gpu = layers
+    assert torch.equal(cpu.weight, gpu.weight.cpu()) and torch.equal(cpu.weight_scale, gpu.weight_scale.cpu())
+    y = gpu(x.cuda())
+    assert y.shape == (M, N) and y.dtype == dtype
+    torch.testing.assert_close(y.cpu(), cpu(x), atol=1e-2 if dtype == torch.bfloat16 else 1e-3, rtol=8e-3)
+
+
 # ---------------------------------------------------------------------------------------------- engines
 def _greedy(model_dir: str, **kwargs) -> list[list[int]]:
     rng = np.random.default_rng(0)
@@ -86,7 +115,7 @@ def _greedy(model_dir: str, **kwargs) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4", "w8a8_int8"])
 @pytest.mark.parametrize("model", ["q05", "stories"])
 def test_quantized_cuda_graphs_equal_eager(scheme, model, request):
     path = request.getfixturevalue("q05_dir") if model == "q05" else request.getfixturevalue("stories_dir")
@@ -99,10 +128,10 @@ def test_quantized_cuda_graphs_equal_eager(scheme, model, request):
 
 # stories260K in bf16, each scheme vs the unquantized bf16 engine over 1024 tokens. CPU (fp32) measured 0.90 /
 # 0.98 / 0.65 top-1; these GPU bounds are loose guesses until measured on the device.
-CUDA_BOUNDS = {"fp8": (0.80, 0.06), "int8": (0.90, 0.01), "int4": (0.50, 0.5)}
+CUDA_BOUNDS = {"fp8": (0.80, 0.06), "int8": (0.90, 0.01), "int4": (0.50, 0.5), "w8a8_int8": (0.88, 0.015)}
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4", "w8a8_int8"])
 def test_quantized_fidelity_on_cuda(stories_dir, scheme):
     from hayabusa.eval.fidelity import run_fidelity
     from tests.conftest import ASSETS, require_asset

@@ -1,0 +1,265 @@
+"""int8_scaled_mm: INT8 W8A8's matmul, int8 x int8 -> int32 with the dequantization fused into the epilogue
+(kernel + launchers + reference).
+
+    y [M, N] = ((acc [M, N] as fp32) * s_x [M, 1]) * s_w [1, N]  (+ bias [N], in fp32),  cast to the output dtype
+    acc[m, n] = sum_k xq[m, k] * wq[n, k]                             exact int32 (|acc| <= 128 * 127 * K)
+
+xq [M, K] int8 with per-token (or one static) scales s_x fp32 (kernels/int8_quant.py), wq [N, K] int8 with
+per-output-channel scales s_w fp32. Three ways to run it, one result up to the epilogue's fp32 rounding:
+  * Triton (CUDA sm80+, or the interpreter): ``_int8_gemm_kernel``, ``tl.dot`` on int8 tiles with an int32
+    accumulator (the int8 tensor cores: mma.s8.s32 on Ampere, wgmma on Hopper), the epilogue fused. When the
+    output tiles cannot fill the GPU (decode, small M), K is split and the splits add their int32 partial sums
+    with atomics into a zeroed int32 workspace: integer addition is exact and order-free, so split-K stays
+    deterministic; ``_int8_epilogue_kernel`` then scales once.
+  * ``torch._int_mm`` (cuBLASLt int8, CUDA): for M > 16, K >= 16, K and N multiples of 8, from ``INT_MM_MIN_M`` rows;
+    its int32 result goes through the same ``_int8_epilogue_kernel`` (one pass: read int32, write the output).
+  * the reference (CPU engine): the products summed in float64 (every partial sum is an integer below 2**53, so
+    this *is* the int32 accumulation, bit for bit), then the same fp32 epilogue.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from hayabusa.kernels._triton import tl, triton
+
+# From this many rows (tokens) on, the CUDA path multiplies with torch._int_mm (cuBLASLt) instead of the Triton
+# kernel. A first guess, TO BE MEASURED ON THE DEVICE: `python benchmarks/kernels/bench_quant_linear.py --w8a8`
+# times both paths per M on the 7B shapes and prints the crossover. Read at call time (tests change it).
+INT_MM_MIN_M = 128
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _to_bf16_rne(y):
+    """fp32 -> bf16 rounded to nearest even by integer arithmetic (finite y). Only for the interpreter, whose
+    .to(tl.bfloat16) truncates (Triton 3.6); the GPU's conversion rounds correctly."""
+    b = y.to(tl.uint32, bitcast=True)
+    b += 0x7FFF + ((b >> 16) & 1)
+    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _scale_and_store(acc_f32, rows, offs_n, m_mask, n_mask, sx_ptr, sw_ptr, bias_ptr, out_ptr, stride_om,
+                     HAS_BIAS: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """out[rows, offs_n] = (acc * s_x[rows]) * s_w[offs_n] (+ bias), all fp32, then one cast to out's dtype."""
+    sx = tl.load(sx_ptr + rows, mask=m_mask, other=0.0)
+    sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
+    y = (acc_f32 * sx[:, None]) * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if BF16_BY_HAND:
+        y = _to_bf16_rne(y)
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int8_gemm_kernel(xq_ptr, wq_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, acc_ptr,
+                      M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # grouped launch order: GROUP_M row tiles sweep the N tiles together, so weight tiles are reused from L2
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_n)) // group_rows
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_mask, n_mask = rows < M, offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_ptrs = xq_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = wq_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]          # [BLOCK_K, BLOCK_N]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        else:
+            k_mask = offs_k < k_end
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0)
+        acc = tl.dot(x, w, acc, out_dtype=tl.int32)
+    if SPLIT:  # int32 partial sums: exact and order-free, so the atomics stay deterministic
+        tl.atomic_add(acc_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :],
+                      sem="relaxed")
+    else:
+        _scale_and_store(acc.to(tl.float32), rows, offs_n, m_mask, n_mask, sx_ptr, sw_ptr, bias_ptr, out_ptr,
+                         stride_om, HAS_BIAS, BF16_BY_HAND)
+
+
+@triton.jit
+def _int8_epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_om,
+                          HAS_BIAS: tl.constexpr, BF16_BY_HAND: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """out = acc [M, N] int32 dequantized (the epilogue of split-K and of the torch._int_mm path): one pass."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_mask, n_mask = rows < M, offs_n < N
+    acc = tl.load(acc_ptr + rows[:, None] * stride_am + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :],
+                  other=0)
+    _scale_and_store(acc.to(tl.float32), rows, offs_n, m_mask, n_mask, sx_ptr, sw_ptr, bias_ptr, out_ptr,
+                     stride_om, HAS_BIAS, BF16_BY_HAND)
+
+
+# ---------------------------------------------------------------------------------------------------- launch
+@dataclass(frozen=True)
+class Int8GemmConfig:
+    """Tile sizes and requested K splits of one Triton launch (the launcher drops empty splits)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    """SM count (the interpreter gets a small fixed "GPU", so CPU tests see split-K)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_int8_config(M: int, N: int, K: int, device: torch.device) -> Int8GemmConfig:
+    """The launch for [M, K] x [K, N]: host ints and the SM count only (CUDA-graph safe, the same every run).
+    Starting points, not tuned on the device yet (bench_quant_linear.py --w8a8 times them): 16-row tiles with K
+    split over the SMs for decode, 64 / 128-row tiles with 128-wide K tiles (16 KB of int8 per operand) above."""
+    sms = _num_sms(device)
+    if M <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif M <= 64:
+        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    k_tiles = triton.cdiv(K, bk)
+    split = 1 if tiles >= sms else max(1, min(16, k_tiles // 2, triton.cdiv(2 * sms, tiles)))
+    return Int8GemmConfig(bm, bn, bk, split, warps, stages)
+
+
+def _bf16_by_hand(out: torch.Tensor) -> bool:
+    return out.dtype == torch.bfloat16 and out.device.type == "cpu"
+
+
+def _epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor) -> torch.Tensor:
+    M, N = out.shape
+    _int8_epilogue_kernel[(triton.cdiv(M, 32), triton.cdiv(N, 128))](
+        acc, sx, sw, bias if bias is not None else out, out, M, N, acc.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BF16_BY_HAND=_bf16_by_hand(out), BLOCK_M=32, BLOCK_N=128, num_warps=4)
+    return out
+
+
+def int8_gemm_triton(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype,
+                     cfg: Int8GemmConfig | None = None) -> torch.Tensor:
+    """The Triton path (inputs already checked; CUDA, or the interpreter on CPU). Allocates the output and, with
+    split-K, a zeroed int32 workspace [M, N]; the grid depends on (M, N, K) only, so a captured graph stays valid."""
+    M, K = xq.shape
+    N = wq.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype, device=xq.device)
+    if M == 0:
+        return out
+    cfg = cfg or pick_int8_config(M, N, K, xq.device)
+    k_tiles = triton.cdiv(K, cfg.BLOCK_K)
+    tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
+    splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
+    acc = torch.zeros((M, N), dtype=torch.int32, device=xq.device) if splits > 1 else out
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), splits)
+    _int8_gemm_kernel[grid](
+        xq, wq, sx, sw, bias if bias is not None else out, out, acc,
+        M, N, K, tiles_per_split * cfg.BLOCK_K, xq.stride(0), wq.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=K % cfg.BLOCK_K == 0, BF16_BY_HAND=_bf16_by_hand(out),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _epilogue(acc, sx, sw, bias, out)
+    return out
+
+
+def int_mm_usable(M: int, N: int, K: int) -> bool:
+    """torch._int_mm's shape rules (cuBLASLt int8): more than 16 rows, K >= 16, K and N multiples of 8."""
+    return M > 16 and K >= 16 and K % 8 == 0 and N % 8 == 0
+
+
+def int8_gemm_int_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The torch._int_mm path (CUDA; int_mm_usable shapes; inputs already checked): cuBLASLt's int32 product of
+    xq and wq^T (a column-major view of the contiguous [N, K] weight), then the one-pass Triton epilogue."""
+    acc = torch._int_mm(xq, wq.t())                                   # [M, N] int32
+    out = torch.empty(acc.shape, dtype=out_dtype, device=xq.device)
+    return _epilogue(acc, sx, sw, bias, out)
+
+
+# ---------------------------------------------------------------------------------------------------- public
+def int8_scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """y = ((xq @ wq^T as int32, as fp32) * sx) * sw (+ bias), cast to out_dtype (module docstring).
+
+    CUDA: torch._int_mm + the Triton epilogue from INT_MM_MIN_M rows on (when its shape rules hold), else the
+    Triton kernel. CPU: the reference.
+
+    Args:
+        xq: [M, K] int8, stride 1 on K. sx: [M, 1] float32, contiguous.
+        wq: [N, K] int8, contiguous. sw: [N] float32, contiguous.
+        bias: [N] (any float dtype; added in fp32) or None.
+        out_dtype: float16, bfloat16 or float32.
+    Returns:
+        [M, N] out_dtype.
+    Raises:
+        ValueError: on a shape, dtype or device mismatch (the message names the argument).
+    """
+    _check(xq, sx, wq, sw, bias, out_dtype)
+    if not xq.is_cuda:
+        return int8_scaled_mm_ref(xq, sx, wq, sw, bias, out_dtype)
+    M, K = xq.shape
+    if M >= INT_MM_MIN_M and int_mm_usable(M, wq.shape[0], K):
+        return int8_gemm_int_mm(xq, sx, wq, sw, bias, out_dtype)
+    return int8_gemm_triton(xq, sx, wq, sw, bias, out_dtype)
+
+
+def int8_scaled_mm_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Plain-torch int8_scaled_mm, any device; the CPU engine's path. The int8 products are summed in float64:
+    every partial sum is an integer of magnitude < 2**53, so the sum is exactly the GPU's int32 accumulator."""
+    # the exact integer sum, then rounded to fp32 (nearest even) as the kernels' int32 -> fp32 conversion does
+    acc = (xq.double() @ wq.double().t()).float()
+    y = (acc * sx.float().reshape(-1, 1)) * sw.float().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def _check(xq, sx, wq, sw, bias, out_dtype) -> None:
+    if xq.dtype != torch.int8 or xq.dim() != 2 or (xq.stride(1) != 1 and xq.shape[0] > 0):
+        raise ValueError(f"xq must be [M, K] int8 with unit stride on K, got {tuple(xq.shape)} {xq.dtype}")
+    M, K = xq.shape
+    if wq.dtype != torch.int8 or wq.dim() != 2 or wq.shape[1] != K or not wq.is_contiguous():
+        raise ValueError(f"wq must be [N, K={K}] int8, contiguous, got {tuple(wq.shape)} {wq.dtype}")
+    N = wq.shape[0]
+    if sx.shape != (M, 1) or sx.dtype != torch.float32 or not sx.is_contiguous():
+        raise ValueError(f"sx must be [M={M}, 1] float32 contiguous, got {tuple(sx.shape)} {sx.dtype}")
+    if sw.shape != (N,) or sw.dtype != torch.float32 or not sw.is_contiguous():
+        raise ValueError(f"sw must be [N={N}] float32 contiguous, got {tuple(sw.shape)} {sw.dtype}")
+    if bias is not None and (bias.shape != (N,) or not bias.dtype.is_floating_point):
+        raise ValueError(f"bias must be [N={N}] float or None, got {tuple(bias.shape)} {bias.dtype}")
+    if out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be float16/bfloat16/float32, got {out_dtype}")
+    for name, t in (("sx", sx), ("wq", wq), ("sw", sw), ("bias", bias)):
+        if t is not None and t.device != xq.device:
+            raise ValueError(f"{name} is on {t.device} but xq is on {xq.device}")
+
+
+__all__ = ["int8_scaled_mm", "int8_scaled_mm_ref", "int8_gemm_triton", "int8_gemm_int_mm", "int_mm_usable",
+           "pick_int8_config", "Int8GemmConfig", "INT_MM_MIN_M"]

@@ -1,0 +1,194 @@
+"""INT8 W8A8 kernels against their torch references: the per-token / static int8 activation quantizer (bit for bit)
+and the int8 x int8 -> int32 GEMM with its fused dequantizing epilogue (Triton: CUDA or the interpreter on CPU;
+torch._int_mm: CUDA only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hayabusa.kernels import int8_gemm
+from hayabusa.kernels.int8_gemm import (
+    Int8GemmConfig, int8_gemm_int_mm, int8_gemm_triton, int8_scaled_mm, int8_scaled_mm_ref, int_mm_usable,
+    pick_int8_config,
+)
+from hayabusa.kernels.int8_quant import MIN_SCALE_INT8, per_token_quant_int8, per_token_quant_int8_ref
+from tests.kernels.conftest import DEVICE
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------------ activation quantizer
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [1, 40, 300, 5000])          # 5000 > MAX_BLOCK: the two-pass path
+@pytest.mark.parametrize("static", [False, True])
+def test_per_token_quant_int8_matches_ref_bit_for_bit(device, dtype, K, static):
+    gen = torch.Generator().manual_seed(K)
+    x = (torch.randn(5, K, generator=gen) * torch.logspace(-3, 2, 5)[:, None]).to(dtype).to(device)
+    x[2] = 0.0                                                  # an all-zero row: scale floor, q = 0
+    scale = torch.tensor([0.05], device=device) if static else None
+    q, s = per_token_quant_int8(x, scale)
+    q_ref, s_ref = per_token_quant_int8_ref(x, scale)
+    assert q.dtype == torch.int8 and s.shape == (5, 1) and s.dtype == torch.float32
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    if not static:
+        assert float(s[2]) == MIN_SCALE_INT8 and torch.all(q[2] == 0)
+        assert int(q.abs().max()) == 127 and int(q.min()) >= -127      # dynamic rows reach +-127, never -128
+    elif K > 1:
+        assert int(q.min()) == -128 and int(q.max()) == 127             # a static scale saturates
+
+
+def test_per_token_quant_int8_rounds_ties_to_even(device):
+    """Exact halves x / s = k + 1/2 round to the even neighbour (vLLM's float_to_int8_rn, torch.round)."""
+    halves = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -127.5, 3.25, -3.75]], device=device)
+    q, _ = per_token_quant_int8(halves, torch.tensor([1.0], device=device))
+    assert q.tolist() == [[0, 2, 2, 0, -2, -2, 126, -128, 3, -4]]
+
+
+def test_per_token_quant_int8_strided_and_empty(device):
+    x = torch.randn(3, 128, device=device)[:, ::2].contiguous()[:, :64]
+    big = torch.randn(4, 256, device=device)
+    xs = big[:, :64]                                            # row stride 256
+    assert torch.equal(per_token_quant_int8(xs)[0], per_token_quant_int8_ref(xs)[0])
+    assert per_token_quant_int8(x[:0])[0].shape == (0, 64)
+    with pytest.raises(ValueError, match="static_scale"):
+        per_token_quant_int8(x, torch.tensor([1.0, 2.0], device=device))
+    with pytest.raises(ValueError, match="x must be"):
+        per_token_quant_int8(x.to(torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------------ GEMM
+def _operands(M, N, K, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    xq, sx = per_token_quant_int8_ref(torch.randn(M, K, generator=gen))
+    wq, sw = per_token_quant_int8_ref(torch.randn(N, K, generator=gen) * 0.05)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    return [t.to(device) for t in (xq, sx, wq, sw.view(-1).contiguous(), bias)]
+
+
+CONFIGS = {
+    "tile": Int8GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1),
+    "split": Int8GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3),
+    "big_m": Int8GemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("M, K", [(1, 96), (7, 100), (33, 160)])     # K = 100: a ragged last K tile
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_gemm_triton_matches_ref(device, dtype, cfg, M, K, with_bias):
+    """The int32 accumulation is exact on both sides; the epilogue is the same fp32 ops (on the GPU a multiply-add
+    may be fused: an ulp of fp32, below the output's rounding), so the outputs agree to an ulp of the output."""
+    N = 72                                                      # not a multiple of BLOCK_N
+    xq, sx, wq, sw, bias = _operands(M, N, K, dtype, device, seed=M + K)
+    b = bias if with_bias else None
+    out = int8_gemm_triton(xq, sx, wq, sw, b, dtype, CONFIGS[cfg])
+    ref = int8_scaled_mm_ref(xq, sx, wq, sw, b, dtype)
+    assert out.shape == (M, N) and out.dtype == dtype
+    if device == "cpu":
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, atol=0, rtol={torch.float32: 1e-6, torch.float16: 1e-3,
+                                                           torch.bfloat16: 8e-3}[dtype])
+
+
+def test_int8_gemm_ref_is_the_exact_integer_product():
+    """int32 semantics: the float64 sum equals an integer matmul even where fp32 sums would round (K = 4096, all
+    products 127 * 127: the sum 66,064,384 needs 26 bits)."""
+    K = 4096
+    xq = torch.full((2, K), 127, dtype=torch.int8)
+    wq = torch.full((3, K), 127, dtype=torch.int8)
+    wq[1] = -127
+    one = torch.ones(2, 1)
+    y = int8_scaled_mm_ref(xq, one, wq, torch.ones(3), None, torch.float32)
+    exact = (xq.long() @ wq.long().t()).float()
+    assert torch.equal(y, exact) and y[0, 0] == 127 * 127 * K
+
+
+def test_split_k_is_deterministic(device):
+    xq, sx, wq, sw, bias = _operands(3, 40, 256, torch.float32, device, seed=9)
+    cfg = Int8GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4)
+    first = int8_gemm_triton(xq, sx, wq, sw, bias, torch.float32, cfg)
+    assert all(torch.equal(first, int8_gemm_triton(xq, sx, wq, sw, bias, torch.float32, cfg)) for _ in range(2))
+    assert int8_gemm_triton(xq[:0], sx[:0], wq, sw, bias, torch.float32).shape == (0, 40)
+
+
+def test_pick_int8_config_and_int_mm_rules():
+    dev = torch.device("cpu")                                   # 4 "SMs"
+    assert pick_int8_config(1, 64, 4096, dev).SPLIT_K > 1       # few tiles: split K
+    big = pick_int8_config(8192, 4608, 3584, dev)
+    assert big.BLOCK_M == 128 and big.SPLIT_K == 1
+    assert int_mm_usable(17, 8, 16) and not int_mm_usable(16, 8, 16) and not int_mm_usable(32, 12, 16)
+    assert not int_mm_usable(32, 8, 20) and not int_mm_usable(32, 8, 8)
+
+
+def test_public_dispatch_is_the_reference_on_cpu(monkeypatch):
+    monkeypatch.setattr(int8_gemm, "INT_MM_MIN_M", 1)
+    xq, sx, wq, sw, bias = _operands(20, 16, 32, torch.float32, "cpu")
+    assert torch.equal(int8_scaled_mm(xq, sx, wq, sw, bias, torch.bfloat16),
+                       int8_scaled_mm_ref(xq, sx, wq, sw, bias, torch.bfloat16))
+
+
+def test_validation_names_the_argument():
+    xq, sx, wq, sw, bias = _operands(4, 16, 32, torch.float32, "cpu")
+    cases = [
+        (lambda: int8_scaled_mm(xq.float(), sx, wq, sw, None, torch.float32), "xq must be"),
+        (lambda: int8_scaled_mm(xq, sx, wq[:, :16].contiguous(), sw, None, torch.float32), "wq must be"),
+        (lambda: int8_scaled_mm(xq, sx.view(-1), wq, sw, None, torch.float32), "sx must be"),
+        (lambda: int8_scaled_mm(xq, sx, wq, sw.half(), None, torch.float32), "sw must be"),
+        (lambda: int8_scaled_mm(xq, sx, wq, sw, bias[:3], torch.float32), "bias must be"),
+        (lambda: int8_scaled_mm(xq, sx, wq, sw, None, torch.int32), "out_dtype"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+# ------------------------------------------------------------------------------------------------------ CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, N, K", [(17, 72, 96), (300, 4608, 3584), (1024, 3584, 18944)])
+def test_int_mm_path_matches_ref_on_cuda(dtype, M, N, K):
+    xq, sx, wq, sw, bias = _operands(M, N, K, dtype, "cuda", seed=M)
+    assert int_mm_usable(M, N, K)
+    out = int8_gemm_int_mm(xq, sx, wq, sw, bias, dtype)
+    torch.testing.assert_close(out, int8_scaled_mm_ref(xq, sx, wq, sw, bias, dtype), atol=0,
+                               rtol={torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype])
+
+
+QWEN_7B = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layer", list(QWEN_7B))
+@pytest.mark.parametrize("M", [1, 16, 64, 300])
+def test_qwen7b_shapes_triton_and_dispatch_match_ref_on_cuda(layer, M):
+    K, N = QWEN_7B[layer]
+    xq, sx, wq, sw, bias = _operands(M, N, K, torch.bfloat16, "cuda", seed=M)
+    ref = int8_scaled_mm_ref(xq, sx, wq, sw, bias, torch.bfloat16)
+    for out in (int8_gemm_triton(xq, sx, wq, sw, bias, torch.bfloat16),
+                int8_scaled_mm(xq, sx, wq, sw, bias, torch.bfloat16)):
+        torch.testing.assert_close(out, ref, atol=0, rtol=8e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 256])
+def test_w8a8_cuda_graph_capture_and_replay(M):
+    """Quantize + GEMM capture (no host sync; split-K's workspace zeroing included) and a replay sees new x."""
+    K, N = 3584, 4608
+    _, _, wq, sw, _ = _operands(1, N, K, torch.bfloat16, "cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        xq, sx = per_token_quant_int8(x)
+        return int8_scaled_mm(xq, sx, wq, sw, None, torch.bfloat16)
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    xq, sx = per_token_quant_int8_ref(x)
+    torch.testing.assert_close(out, int8_scaled_mm_ref(xq, sx, wq, sw, None, torch.bfloat16), atol=0, rtol=8e-3)
