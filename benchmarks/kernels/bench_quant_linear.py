@@ -219,7 +219,8 @@ def w8a8_case(layer: str, M: int) -> dict:
             torch.testing.assert_close(fns[name](), ref, atol=0, rtol=1e-2)
     row = dict(layer=layer, K=K, N=N, M=M, timing="graph" if M <= 64 else "eager",
                triton_config=int8_gemm.pick_int8_config(M, N, K, x.device).__dict__,
-               dispatch="int_mm" if M >= int8_gemm.INT_MM_MIN_M and "int_mm" in fns else "triton")
+               dispatch="int_mm" if int8_gemm.INT_MM_MIN_M is not None and M >= int8_gemm.INT_MM_MIN_M
+                        and "int_mm" in fns else "triton")
     for name, fn in fns.items():
         if M <= 64:
             ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")

@@ -11,7 +11,8 @@ per-output-channel scales s_w fp32. Three ways to run it, one result up to the e
     output tiles cannot fill the GPU (decode, small M), K is split and the splits add their int32 partial sums
     with atomics into a zeroed int32 workspace: integer addition is exact and order-free, so split-K stays
     deterministic; ``_int8_epilogue_kernel`` then scales once.
-  * ``torch._int_mm`` (cuBLASLt int8, CUDA): for M > 16, K >= 16, K and N multiples of 8, from ``INT_MM_MIN_M`` rows;
+  * ``torch._int_mm`` (cuBLASLt int8, CUDA): for M > 16, K >= 16, K and N multiples of 8, from ``INT_MM_MIN_M`` rows
+    (None by default: measured slower than the Triton kernel);
     its int32 result goes through the same ``_int8_epilogue_kernel`` (one pass: read int32, write the output).
   * the reference (CPU engine): the products summed in float64 (every partial sum is an integer below 2**53, so
     this *is* the int32 accumulation, bit for bit), then the same fp32 epilogue.
@@ -27,9 +28,11 @@ import torch
 from hayabusa.kernels._triton import tl, triton
 
 # From this many rows (tokens) on, the CUDA path multiplies with torch._int_mm (cuBLASLt) instead of the Triton
-# kernel. A first guess, TO BE MEASURED ON THE DEVICE: `python benchmarks/kernels/bench_quant_linear.py --w8a8`
-# times both paths per M on the 7B shapes and prints the crossover. Read at call time (tests change it).
-INT_MM_MIN_M = 128
+# kernel; None: never. Measured on the H200 (run N, 2026-12-01, `python benchmarks/kernels/bench_quant_linear.py
+# --w8a8`, Qwen2.5-7B linears): _int_mm plus its epilogue was slower than the Triton kernel at every M from 64 to
+# 8192 on all four layers (M = 8192: qkv 438 vs 221 us, gate_up 3,815 vs 1,901 us), so it is off. Read at call
+# time (tests change it).
+INT_MM_MIN_M: int | None = None
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -140,11 +143,15 @@ def pick_int8_config(M: int, N: int, K: int, device: torch.device) -> Int8GemmCo
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
     elif M <= 64:
         bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
+    elif M <= 512:
+        bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
     else:
         bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     k_tiles = triton.cdiv(K, bk)
-    split = 1 if tiles >= sms else max(1, min(16, k_tiles // 2, triton.cdiv(2 * sms, tiles)))
+    # Split K only for decode-sized M: on the H200 (run N) 128-row tiles with K split 5 ways took 104 us for the
+    # 7B o_proj at M = 256, against 66 us unsplit at M = 1024; above 64 rows, smaller tiles fill the SMs instead.
+    split = 1 if tiles >= sms or M > 64 else max(1, min(16, k_tiles // 2, triton.cdiv(2 * sms, tiles)))
     return Int8GemmConfig(bm, bn, bk, split, warps, stages)
 
 
@@ -224,7 +231,7 @@ def int8_scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: tor
     if not xq.is_cuda:
         return int8_scaled_mm_ref(xq, sx, wq, sw, bias, out_dtype)
     M, K = xq.shape
-    if M >= INT_MM_MIN_M and int_mm_usable(M, wq.shape[0], K):
+    if INT_MM_MIN_M is not None and M >= INT_MM_MIN_M and int_mm_usable(M, wq.shape[0], K):
         return int8_gemm_int_mm(xq, sx, wq, sw, bias, out_dtype)
     return int8_gemm_triton(xq, sx, wq, sw, bias, out_dtype)
 

@@ -7,8 +7,8 @@ Symmetric throughout (no zero points): s = amax / 127, q = round-half-even(t / s
 in [-127, 127], activations in [-128, 127] (a static scale may saturate). The same numerics everywhere:
   * CUDA, compute capability >= 8.0 (int8 tensor cores): the activations by one Triton launch
     (``per_token_quant_int8``), the product by ``int8_scaled_mm`` (kernels/int8_gemm.py): a Triton int8 GEMM with
-    the scales and bias fused into its epilogue, or ``torch._int_mm`` (cuBLASLt) + a one-pass Triton epilogue from
-    ``INT_MM_MIN_M`` rows on.
+    the scales and bias fused into its epilogue (``torch._int_mm`` + a one-pass epilogue is there from
+    ``INT_MM_MIN_M`` rows, off by default: slower than the Triton kernel at every M on the H200).
   * CPU: an exact emulation: the same int8 x_q, s_x (torch reference, same bits), the int32 accumulation done
     exactly in float64, the same fp32 epilogue; so ``hayabusa eval --fidelity`` on CPU measures the real error.
 
