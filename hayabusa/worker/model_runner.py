@@ -23,6 +23,7 @@ from hayabusa.config import EngineConfig
 from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
 from hayabusa.model.loader import build_model
+from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
 from hayabusa.worker.input_batch import CachedRequestState, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
@@ -231,7 +232,20 @@ class ModelRunner:
             self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
         inp = self.prepare_inputs(out)
         logits = self._run_model(inp)                       # [R_s, V]
+        if out.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(out, inp, logits)
         return self._sample(inp, logits)
+
+    def _apply_grammar_bitmask(self, out: SchedulerOutput, inp: StepInputs, logits: torch.Tensor) -> None:
+        """Forbid, on the device, the tokens the constrained requests' grammars do not allow next (before the
+        greedy argmax or the Sampler's penalties, temperature, top-k/p); the other rows are untouched."""
+        if len(inp.logits_rows) == inp.num_reqs:
+            sampling_ids = inp.req_ids
+        else:
+            sampling_ids = [inp.req_ids[i] for i in inp.logits_rows.tolist()]
+        index = {rid: i for i, rid in enumerate(sampling_ids)}
+        rows = np.array([index[rid] for rid in out.structured_output_req_ids], dtype=np.int64)
+        apply_token_bitmask(logits, out.grammar_bitmask, rows)
 
     def forget_previous_step(self) -> None:
         """Drop the link to the previous step's sampled tokens (after a failed step whose requests are aborted):
