@@ -154,14 +154,25 @@ class StructuredOutputRequest:
         return self.matcher is not None and self.matcher.is_terminated()
 
 
+# From this many constrained requests in a step the bitmask is filled by xgrammar's thread pool (BatchGrammarMatcher).
+BATCH_FILL_MIN = 8
+_batch_matcher: list = []   # the BatchGrammarMatcher, made on first use
+
+
 def fill_bitmask(requests: list[StructuredOutputRequest]) -> np.ndarray:
     """The next-token bitmask of each request ([len(requests), ceil(V / 32)] int32; bit j of word w allows token
-    32 w + j), filled by their matchers."""
+    32 w + j), filled by their matchers; many at once on xgrammar's threads. A terminated matcher's row allows
+    everything (its request ends with this step's update)."""
     xgr = import_xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(requests), requests[0].vocab_size)
-    for i, r in enumerate(requests):
-        if not r.matcher.is_terminated():
-            r.matcher.fill_next_token_bitmask(bitmask, i)
+    live = [i for i, r in enumerate(requests) if not r.matcher.is_terminated()]
+    if len(live) >= BATCH_FILL_MIN:
+        if not _batch_matcher:
+            _batch_matcher.append(xgr.BatchGrammarMatcher())
+        _batch_matcher[0].batch_fill_next_token_bitmask([requests[i].matcher for i in live], bitmask, live)
+    else:
+        for i in live:
+            requests[i].matcher.fill_next_token_bitmask(bitmask, i)
     return bitmask.numpy()
 
 

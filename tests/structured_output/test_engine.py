@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
+
 import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -176,3 +178,31 @@ def test_async_scheduling_preemption_prefix_caching(tiny_qwen2, plain_outputs_as
             jsonschema.validate(json.loads(c.text), SCHEMA)
         else:
             assert list(c.token_ids) == list(plain[0].outputs[0].token_ids)
+
+
+def test_batch_fill_equals_one_by_one(llm):
+    from hayabusa.structured_output import manager
+
+    mgr = llm.llm_engine.structured_output
+    reqs = [mgr.make_request(mgr.grammar(StructuredOutputsParams(json=SCHEMA)), (0,)) for _ in range(10)]
+    for i, r in enumerate(reqs):
+        assert r.ready()
+        r.matcher.accept_string('{"name": "' + "ab"[: i % 3])
+    batched = manager.fill_bitmask(reqs)
+    one_by_one = np.concatenate([manager.fill_bitmask([r]) for r in reqs])
+    assert len(reqs) >= manager.BATCH_FILL_MIN and np.array_equal(batched, one_by_one)
+    assert (batched != batched[0]).any()   # the rows differ by state
+
+
+def test_apply_token_bitmask_masks_only_the_given_rows():
+    import torch
+
+    from hayabusa.sample.bitmask import apply_token_bitmask
+
+    logits = torch.zeros(3, 70)
+    bm = np.zeros((1, 3), dtype=np.int32)
+    bm[0, 0] = 1 << 5
+    bm[0, 2] = 1 << 1                       # token 65
+    apply_token_bitmask(logits, bm, np.array([1]))
+    assert torch.isfinite(logits[[0, 2]]).all()
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [5, 65]
