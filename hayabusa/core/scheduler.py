@@ -68,6 +68,7 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self.num_structured = 0                            # unfinished requests under a structured-output constraint
+        self.grammar_failures: dict[str, BaseException] = {}   # request id -> why its grammar failed to compile
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -115,7 +116,8 @@ class Scheduler:
         if not self.num_structured:
             return []
         return [r.structured.grammar for r in self.waiting
-                if r.structured is not None and r.structured.matcher is None and not r.structured.grammar.done()]
+                if r.structured is not None and r.structured.matcher is None and not r.structured.grammar.done()
+                and r.request_id not in self.grammar_failures]
 
     def blocked_request_ids(self) -> list[str]:
         """When a step scheduled nothing though requests are unfinished: the ones that block. Running requests
@@ -241,9 +243,15 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a token still in flight: wait for its value
                 break
-            if req.structured is not None and not req.structured.ready():
-                skipped.append(self.waiting.popleft())
-                continue
+            if req.structured is not None:
+                try:
+                    ready = req.structured.ready()
+                except Exception as e:  # noqa: BLE001 -- the compile failed: the engine aborts the request
+                    self.grammar_failures[req.request_id] = e
+                    ready = False
+                if not ready:
+                    skipped.append(self.waiting.popleft())
+                    continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)    # num_computed_tokens is 0 here
             num_new = min(req.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)

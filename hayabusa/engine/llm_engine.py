@@ -269,6 +269,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """One step (see _step); requests whose grammar failed to compile end here, aborted."""
+        outputs = self._step()
+        if self.scheduler.grammar_failures:
+            outputs += self._abort_grammar_failures()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the (cumulative) outputs of the requests that changed.
 
         With async scheduling the next step is scheduled and launched before the previous step's tokens are
@@ -287,6 +294,8 @@ class LLMEngine:
         self.stats["schedule_s"] += t1 - t0
         self.stats["launch_s"] += time.perf_counter() - t1
         if handle is None and self._pending is None:
+            if self.scheduler.grammar_failures:
+                return self._abort_grammar_failures()
             pending_grammars = self.scheduler.grammars_pending()
             if pending_grammars:  # nothing else to run: wait (briefly) for a grammar being compiled
                 concurrent.futures.wait(pending_grammars, timeout=0.1,
@@ -301,6 +310,18 @@ class LLMEngine:
         previous = self._drain()
         self._pending = (sched, handle) if handle is not None else None
         return self._collect(*previous) if previous is not None else []
+
+    def _abort_grammar_failures(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile (the scheduler never admitted them) end as aborted, logged."""
+        failures, self.scheduler.grammar_failures = self.scheduler.grammar_failures, {}
+        child_to_parent = self.output_processor.child_to_parent
+        parents = list(dict.fromkeys(child_to_parent[c] for c in failures if c in child_to_parent))
+        for rid, e in failures.items():
+            self.error_log.log(logging.ERROR, f"structured output: the grammar of request {rid!r} failed to "
+                                              f"compile ({type(e).__name__}: {e}); aborting it")
+        outputs = self.abort_request(parents)
+        self._abort_orphans()
+        return outputs
 
     def _drain(self):
         """Wait for the pending step, if any: (its SchedulerOutput, its ModelRunnerOutput) or None."""

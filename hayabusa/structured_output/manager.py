@@ -27,6 +27,8 @@ from hayabusa.sampling_params import StructuredOutputsParams
 # At most this many whitespace characters where JSON allows whitespace (unless whitespace_pattern or
 # disable_any_whitespace says otherwise): a weak model cannot pad an answer with whitespace until max_tokens.
 DEFAULT_MAX_JSON_WHITESPACE = 2
+# Compiled grammars kept (a server may see a new schema on every request).
+MAX_CACHED_GRAMMARS = 256
 
 
 def import_xgrammar() -> Any:
@@ -221,6 +223,8 @@ class StructuredOutputManager:
         grammar = parse_grammar(params)
         compiler = self._get_compiler()
         future = self._pool.submit(self._compile, compiler, grammar, key)
+        if len(self.cache) >= MAX_CACHED_GRAMMARS:   # oldest first (requests holding it keep their Future)
+            del self.cache[next(iter(self.cache))]
         self.cache[key] = future
         return future
 

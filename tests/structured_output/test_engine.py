@@ -206,3 +206,19 @@ def test_apply_token_bitmask_masks_only_the_given_rows():
     apply_token_bitmask(logits, bm, np.array([1]))
     assert torch.isfinite(logits[[0, 2]]).all()
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [5, 65]
+
+
+def test_grammar_compile_failure_aborts_only_that_request(tiny_qwen2, monkeypatch):
+    llm = LLM(tiny_qwen2, max_num_seqs=4, max_model_len=256)
+    mgr = llm.llm_engine.structured_output
+
+    def broken(compiler, grammar, key):
+        raise RuntimeError("compiler out of memory")
+
+    monkeypatch.setattr(mgr, "_compile", broken)
+    outs = llm.generate(["a", "b"], [SamplingParams(temperature=0, max_tokens=5),
+                                     SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
+                                         regex="[a-z]+"))], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "length" and len(outs[0].outputs[0].token_ids) == 5
+    assert outs[1].outputs[0].finish_reason == "abort"
+    assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.scheduler.num_structured == 0
