@@ -175,11 +175,17 @@ class Scheduler:
                 sampling.add(req.request_id)
         self._in_flight[out.step_id] = plan.reqs
         if self.num_structured:
-            constrained = [r for r in plan.reqs if r.structured is not None and r.request_id in sampling]
-            if constrained:
-                out.structured_output_req_ids = [r.request_id for r in constrained]
-                out.grammar_bitmask = fill_bitmask([r.structured for r in constrained])
+            out.structured_output_req_ids = [r.request_id for r in plan.reqs
+                                             if r.structured is not None and r.request_id in sampling]
         return out
+
+    def grammar_bitmask(self, out: SchedulerOutput):
+        """The next-token bitmask of the step's constrained requests (``out.structured_output_req_ids``), as a
+        numpy array (see structured_output.fill_bitmask), or None when there are none. The engine calls it after
+        launching the step's model, so the host fills it while the device runs."""
+        if not out.structured_output_req_ids:
+            return None
+        return fill_bitmask([self.requests[rid].structured for rid in out.structured_output_req_ids])
 
     @staticmethod
     def _advance(req: Request, num_new: int) -> bool:

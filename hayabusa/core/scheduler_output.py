@@ -83,7 +83,9 @@ class SchedulerOutput:
         step_id: the step's number (the scheduler matches the step's results to it).
         structured_output_req_ids: the sampling requests under a structured-output constraint, in bitmask order.
         grammar_bitmask: their next-token bitmask ([len(structured_output_req_ids), ceil(V / 32)] int32; bit j of
-            word w allows token 32 w + j), or None when no request of the step is constrained.
+            word w allows token 32 w + j). The engine leaves it None and fills it (``Scheduler.grammar_bitmask``)
+            after the runner queued the model, so the host works while the device runs; the runner's
+            ``sample_tokens`` then takes it. A worker that needs it up front may find it set here.
     """
 
     scheduled_new_reqs: list[NewRequestData]

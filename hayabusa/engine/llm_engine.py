@@ -291,6 +291,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         handle = self.runner.launch(sched) if not sched.is_empty else None
+        if handle is not None and sched.structured_output_req_ids:
+            # the model is queued: fill the grammar bitmask while the device runs it, then mask and sample
+            handle = self.runner.sample_tokens(handle, self.scheduler.grammar_bitmask(sched))
         self.stats["schedule_s"] += t1 - t0
         self.stats["launch_s"] += time.perf_counter() - t1
         if handle is None and self._pending is None:
