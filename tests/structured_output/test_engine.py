@@ -222,3 +222,46 @@ def test_grammar_compile_failure_aborts_only_that_request(tiny_qwen2, monkeypatc
     assert outs[0].outputs[0].finish_reason == "length" and len(outs[0].outputs[0].token_ids) == 5
     assert outs[1].outputs[0].finish_reason == "abort"
     assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.scheduler.num_structured == 0
+
+
+def test_other_requests_decode_while_a_grammar_compiles(tiny_qwen2, monkeypatch):
+    import pickle
+    import threading
+
+    llm = LLM(tiny_qwen2, max_num_seqs=4, max_model_len=256)
+    eng, mgr = llm.llm_engine, llm.llm_engine.structured_output
+    release = threading.Event()
+    compile_ = mgr._compile
+
+    def slow(compiler, grammar, key):
+        release.wait(30)
+        return compile_(compiler, grammar, key)
+
+    monkeypatch.setattr(mgr, "_compile", slow)
+    eng.add_request("json", "hi", _json_params(temperature=0, max_tokens=120))
+    eng.add_request("plain", "hello", SamplingParams(temperature=0, max_tokens=6))
+    done = {}
+    for _ in range(20):
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        if "plain" in done:
+            break
+    assert "plain" in done and "json" not in done          # decoded to the end while the grammar compiled
+    assert eng.scheduler.waiting and eng.scheduler.waiting[0].request_id == "json"
+    release.set()
+    seen_mask = []
+    launch = eng.runner.sample_tokens
+
+    def spy(pending, bitmask):
+        seen_mask.append((list(pending.out.structured_output_req_ids), bitmask.shape))
+        pickle.loads(pickle.dumps(pending.out))              # still plain data
+        return launch(pending, bitmask)
+
+    monkeypatch.setattr(eng.runner, "sample_tokens", spy)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    jsonschema.validate(json.loads(done["json"].outputs[0].text), SCHEMA)
+    assert seen_mask and seen_mask[0][0] == ["json"] and seen_mask[0][1][1] * 32 >= eng.config.model_config.vocab_size
