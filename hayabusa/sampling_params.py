@@ -62,6 +62,86 @@ def check_utf8(parameter: str, text: str) -> None:
             f"({text[e.start:e.end]!a}).", parameter=parameter, value=text[max(e.start - 20, 0):e.end + 20]) from None
 
 
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of ``json`` (a JSON schema: a
+    dict, its JSON text, or a pydantic model class), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF /
+    GBNF) or ``json_object=True`` (any JSON object). Compiled by xgrammar (``pip install hayabusa[structured]``).
+
+    Args:
+        whitespace_pattern: a regex for the whitespace JSON may hold between tokens; by default JSON output is
+            compact-ish (at most 2 whitespace characters where the grammar allows them), so a model cannot pad an
+            answer with whitespace until max_tokens.
+        disable_any_whitespace: JSON without any optional whitespace (compact separators).
+        disable_fallback, disable_additional_properties, structural_tag, backend: accepted for compatibility.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        name = "structured_outputs"
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()
+        if self.json_object is False:
+            self.json_object = None
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise HayabusaValidationError(
+                f"{name} needs exactly one of {', '.join(_STRUCTURED_KINDS)}, got "
+                f"{', '.join(given) if given else 'none'}.", parameter=name, value=given)
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise _bad_type(f"{name}.json", self.json, "must be a JSON schema (dict or JSON text)")
+        for k in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, k)
+            if v is not None:
+                if not isinstance(v, str):
+                    raise _bad_type(f"{name}.{k}", v, "must be a string")
+                check_utf8(f"{name}.{k}", v)
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) for c in self.choice):
+                raise _bad_type(f"{name}.choice", self.choice, "must be a non-empty list of strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise _bad_type(f"{name}.json_object", self.json_object, "must be a bool")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) is not None)
+
+    @classmethod
+    def from_value(cls, value: Any, parameter: str = "structured_outputs") -> "StructuredOutputsParams | None":
+        """None, a StructuredOutputsParams, or a dict of its fields (unknown keys named) -> the params."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise HayabusaTypeError(f"{parameter} got an unknown field {unknown[0]!r}; known ones: "
+                                        f"{', '.join(sorted(known))}.", parameter=parameter, value=unknown[0])
+            return cls(**value)
+        raise _bad_type(parameter, value, "must be a StructuredOutputsParams")
+
+
+# vLLM's older name
+GuidedDecodingParams = StructuredOutputsParams
+
+
 @dataclass
 class SamplingParams:
     """How to sample the completion of one prompt (vLLM's ``SamplingParams``).
@@ -91,6 +171,8 @@ class SamplingParams:
         spaces_between_special_tokens: passed to the tokenizer when decoding.
         include_stop_str_in_output: keep the matched stop string in the text.
         truncate_prompt_tokens: keep only the last k prompt tokens.
+        structured_outputs: a StructuredOutputsParams (or a dict of its fields): constrain the output to a JSON
+            schema, regex, choice or grammar. ``guided_decoding`` is vLLM's older name for it.
 
     Raises:
         HayabusaValidationError: a value is out of range; the error names the parameter and the value.
@@ -124,6 +206,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
     # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -139,6 +223,11 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of integers")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        so = StructuredOutputsParams.from_value(self.structured_outputs, "structured_outputs")
+        gd = StructuredOutputsParams.from_value(self.guided_decoding, "guided_decoding")
+        if so is not None and gd is not None and so != gd:
+            raise _bad("guided_decoding", gd, "is the older name of structured_outputs; give one of them")
+        self.structured_outputs = self.guided_decoding = so if so is not None else gd
         self._verify_types()
         self._verify()
         if self.temperature < SAMPLING_EPS:

@@ -52,6 +52,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ceilings-from", metavar="FILE",
                    help="reuse ceilings from a JSON file written by an earlier --ceilings --json run")
     p.add_argument("--no-warmup", action="store_true", help="time the very first requests too")
+    p.add_argument("--structured-output", choices=("json",), default=None,
+                   help="json: constrain every request to the bundled receipt JSON schema (needs the model's "
+                        "tokenizer, or --tokenizer DIR, and xgrammar)")
     p.add_argument("--no-tqdm", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list workloads and model shapes")
     from hayabusa.bench.serve_bench import add_w6_args
@@ -142,7 +145,7 @@ def _engine_args(ns: argparse.Namespace, workload: Workload, variant: dict[str, 
     that fits the workload (the CPU KV cache is sized for max_num_seqs x max_model_len)."""
     args = EngineArgs.cli_kwargs(ns)
     args.update(variant)
-    args["skip_tokenizer_init"] = True
+    args["skip_tokenizer_init"] = not getattr(ns, "structured_output", None)   # a grammar needs the tokenizer
     device = args.get("device", "auto")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if on_cpu and "max_model_len" not in args:
@@ -177,7 +180,8 @@ def _run_one(ns: argparse.Namespace, engine: str, workload: Workload, variant: d
             res.notes.append(note)
         return res, hf_args
     args = _engine_args(ns, workload, variant)
-    return run_hayabusa(ns.model, workload, args, warmup=not ns.no_warmup, use_tqdm=tqdm_on), args
+    return run_hayabusa(ns.model, workload, args, warmup=not ns.no_warmup, use_tqdm=tqdm_on,
+                        structured_output=getattr(ns, "structured_output", None)), args
 
 
 HAYABUSA_ONLY_FLAGS = ("quantization", "kv_cache_dtype")

@@ -69,16 +69,23 @@ def _common_prefix_len(prompts: list[list[int]]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- hayabusa
-def _sampling_params(r: BenchRequest) -> Any:
+def _sampling_params(r: BenchRequest, structured_output: str | None = None) -> Any:
     from hayabusa import SamplingParams
 
+    constraint = None
+    if structured_output == "json":   # the bundled extraction schema on every request
+        from hayabusa.sampling_params import StructuredOutputsParams
+        from hayabusa.structured_output.schemas import load_schema
+
+        constraint = StructuredOutputsParams(json=load_schema("receipt"))
     return SamplingParams(n=r.n, temperature=r.temperature, seed=r.seed, max_tokens=r.max_tokens,
-                          ignore_eos=True, detokenize=False)
+                          ignore_eos=True, detokenize=False, structured_outputs=constraint)
 
 
-def _generate(llm: Any, reqs: list[BenchRequest], use_tqdm: bool) -> list[Any]:
+def _generate(llm: Any, reqs: list[BenchRequest], use_tqdm: bool, structured_output: str | None = None
+              ) -> list[Any]:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    return llm.generate(prompts, [_sampling_params(r) for r in reqs], use_tqdm=use_tqdm)
+    return llm.generate(prompts, [_sampling_params(r, structured_output) for r in reqs], use_tqdm=use_tqdm)
 
 
 def _engine_latencies(outs: list[Any], t_start: float) -> tuple[list[float], list[float]]:
@@ -131,8 +138,12 @@ def step_time_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[s
 
 
 def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any], warmup: bool = True,
-                 use_tqdm: bool = True) -> RunResult:
+                 use_tqdm: bool = True, structured_output: str | None = None) -> RunResult:
     """Construct ``LLM(model_dir, **engine_args)``, warm up, and time ``generate`` over the workload.
+
+    ``structured_output="json"``: every request is constrained to the bundled receipt schema (a constrained
+    request ends when its JSON is complete, so outputs may be shorter than max_tokens; compare tokens/s). The
+    warm-up compiles the grammar; its compile time is reported in ``extra["grammar_compile_s"]``.
 
     The engine is deleted (and CUDA memory released) before returning, so sweeps can build the next one.
     """
@@ -148,16 +159,20 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
             warm = warmup_requests(workload)
             for part in (warm[:1], warm[1:]):  # the first request alone: the others then hit its cached prefix
                 if part:
-                    _generate(llm, part, use_tqdm=False)
+                    _generate(llm, part, use_tqdm=False, structured_output=structured_output)
         synchronize(cuda)
         stats0 = dict(llm.llm_engine.stats)
         t_mono, t1 = time.monotonic(), time.perf_counter()
-        outs = _generate(llm, workload.requests, use_tqdm)
+        outs = _generate(llm, workload.requests, use_tqdm, structured_output)
         synchronize(cuda)
         elapsed = time.perf_counter() - t1
         ttft, tpot = _engine_latencies(outs, t_mono)
         notes, extra = _engine_notes(llm, engine_args)
         extra.update(step_time_breakdown(stats0, llm.llm_engine.stats))
+        if structured_output:
+            extra["structured_output"] = structured_output
+            extra["grammar_compile_s"] = sum(llm.llm_engine.structured_output.compile_seconds.values())
+            notes.append(f"structured output: {structured_output} (bundled receipt schema on every request)")
         return RunResult(
             elapsed_s=elapsed, num_requests=len(outs), num_sequences=sum(len(o.outputs) for o in outs),
             prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),

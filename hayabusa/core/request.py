@@ -59,6 +59,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.block_hashes: list[int] = []      # chained hashes of full blocks (KVCacheManager.block_hashes)
         self.num_cached_tokens = 0             # prompt tokens served from the prefix cache at admission
+        self.structured = None                 # StructuredOutputRequest when the output is constrained
 
     @property
     def num_prompt_tokens(self) -> int:

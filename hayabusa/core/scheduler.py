@@ -16,6 +16,7 @@ from hayabusa.config import SchedulerConfig
 from hayabusa.core.kv_cache_manager import KVCacheManager
 from hayabusa.core.request import Request, RequestStatus
 from hayabusa.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from hayabusa.structured_output import fill_bitmask
 
 
 # new_token_ids of a request that was not preempted: one shared empty tuple (no per-request, per-step object for
@@ -66,11 +67,15 @@ class Scheduler:
         self._in_flight: dict[int, list[Request]] = {}     # step_id -> the step's requests, until its update
         self._step_id = 0
         self.num_preemptions = 0
+        self.num_structured = 0                            # unfinished requests under a structured-output constraint
+        self.grammar_failures: dict[str, BaseException] = {}   # request id -> why its grammar failed to compile
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.structured is not None:
+            self.num_structured += 1
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests from outside (abort, or a stop string found by the output processor)."""
@@ -88,7 +93,8 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         self.kv.free(req)
         self._left_since_last_step.add(req.request_id)
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None and req.structured is not None:
+            self.num_structured -= 1
 
     @property
     def num_unfinished(self) -> int:
@@ -104,6 +110,14 @@ class Scheduler:
     def forget_in_flight(self) -> None:
         """Forget the steps scheduled but not updated (the engine dropped them after an error)."""
         self._in_flight.clear()
+
+    def grammars_pending(self) -> list:
+        """Futures of the grammars that waiting requests wait for (they are not admitted before)."""
+        if not self.num_structured:
+            return []
+        return [r.structured.grammar for r in self.waiting
+                if r.structured is not None and r.structured.matcher is None and not r.structured.grammar.done()
+                and r.request_id not in self.grammar_failures]
 
     def blocked_request_ids(self) -> list[str]:
         """When a step scheduled nothing though requests are unfinished: the ones that block. Running requests
@@ -160,7 +174,18 @@ class Scheduler:
             if self._advance(req, num_scheduled[req.request_id]):
                 sampling.add(req.request_id)
         self._in_flight[out.step_id] = plan.reqs
+        if self.num_structured:
+            out.structured_output_req_ids = [r.request_id for r in plan.reqs
+                                             if r.structured is not None and r.request_id in sampling]
         return out
+
+    def grammar_bitmask(self, out: SchedulerOutput):
+        """The next-token bitmask of the step's constrained requests (``out.structured_output_req_ids``), as a
+        numpy array (see structured_output.fill_bitmask), or None when there are none. The engine calls it after
+        launching the step's model, so the host fills it while the device runs."""
+        if not out.structured_output_req_ids:
+            return None
+        return fill_bitmask([self.requests[rid].structured for rid in out.structured_output_req_ids])
 
     @staticmethod
     def _advance(req: Request, num_new: int) -> bool:
@@ -178,7 +203,8 @@ class Scheduler:
         pending = req.num_output_placeholders
         num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
         if pending and (req.num_output_tokens + pending >= req.max_tokens
-                        or req.num_tokens + pending >= self.config.max_model_len):
+                        or req.num_tokens + pending >= self.config.max_model_len
+                        or req.structured is not None):  # its mask needs the pending token accepted first
             return 0
         return num_new
 
@@ -218,10 +244,20 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
+        skipped: list[Request] = []   # waiting for their grammar: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a token still in flight: wait for its value
                 break
+            if req.structured is not None:
+                try:
+                    ready = req.structured.ready()
+                except Exception as e:  # noqa: BLE001 -- the compile failed: the engine aborts the request
+                    self.grammar_failures[req.request_id] = e
+                    ready = False
+                if not ready:
+                    skipped.append(self.waiting.popleft())
+                    continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)    # num_computed_tokens is 0 here
             num_new = min(req.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)
@@ -235,6 +271,8 @@ class Scheduler:
             self.running.append(req)
             plan.add(req, num_new, list(self.kv.get_block_ids(req.request_id)), True)
             budget -= num_new
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, out: SchedulerOutput,
@@ -264,6 +302,8 @@ class Scheduler:
             req.num_output_placeholders -= len(new_ids)
             req.output_token_ids.extend(new_ids)
             req.all_token_ids.extend(new_ids)
+            if req.structured is not None:
+                req.structured.accept(new_ids)
             status = self._check_stop(req)
             if status is not None:
                 (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
@@ -282,6 +322,8 @@ class Scheduler:
             if last in params.all_stop_token_ids:
                 req.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if req.structured is not None and req.structured.is_terminated:
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

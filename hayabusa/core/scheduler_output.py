@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from hayabusa.sampling_params import SamplingParams
 
 
@@ -79,6 +81,11 @@ class SchedulerOutput:
         scheduled_spec_decode_tokens: request id -> speculative tokens to verify this step; none yet.
         scheduled_encoder_inputs: request id -> encoder inputs to run this step; none yet.
         step_id: the step's number (the scheduler matches the step's results to it).
+        structured_output_req_ids: the sampling requests under a structured-output constraint, in bitmask order.
+        grammar_bitmask: their next-token bitmask ([len(structured_output_req_ids), ceil(V / 32)] int32; bit j of
+            word w allows token 32 w + j). The engine leaves it None and fills it (``Scheduler.grammar_bitmask``)
+            after the runner queued the model, so the host works while the device runs; the runner's
+            ``sample_tokens`` then takes it. A worker that needs it up front may find it set here.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -91,6 +98,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     step_id: int = 0
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

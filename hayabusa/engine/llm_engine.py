@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from hayabusa.engine.output_processor import OutputProcessor
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
+from hayabusa.structured_output import StructuredOutputManager
 from hayabusa.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.input_processor = InputProcessor(mc, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self.startup_seconds = time.perf_counter() - t0
         # Token counters, and where a step's host time goes (seconds, summed over steps): scheduling, preparing
         # and queueing the device work, waiting for the device (the step's one sync), and turning tokens into
@@ -159,12 +162,18 @@ class LLMEngine:
         text, ids = self.input_processor.process(prompt, params)
         max_tokens = self.input_processor.max_tokens(len(ids), params)
         eos = self.config.model_config.eos_token_ids
+        # checked now (a bad schema is refused before anything is queued); compiled off the step's path
+        grammar = None if params.structured_outputs is None else self.structured_output.grammar(
+            params.structured_outputs)
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i)
             child_params.all_stop_token_ids = set(child_params.stop_token_ids)
-            children.append(Request(child_ids[i], ids, child_params, eos, max_tokens, arrival_time))
+            child = Request(child_ids[i], ids, child_params, eos, max_tokens, arrival_time)
+            if grammar is not None:
+                child.structured = self.structured_output.make_request(grammar, eos)
+            children.append(child)
         self.output_processor.add_request(request_id, text, ids, params, children, output_kind)
         for child in children:
             self.scheduler.add_request(child)
@@ -260,23 +269,41 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """One step (see _step); requests whose grammar failed to compile end here, aborted."""
+        outputs = self._step()
+        if self.scheduler.grammar_failures:
+            outputs += self._abort_grammar_failures()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the (cumulative) outputs of the requests that changed.
 
         With async scheduling the next step is scheduled and launched before the previous step's tokens are
         collected, so the host's bookkeeping overlaps the device's work; outputs then trail by one step. (The
         runner keeps every request's token history itself, with the tokens still on the device, so penalties and
-        min_tokens need no fallback to synchronous steps.)
+        min_tokens need no fallback to synchronous steps.) While a structured-output request is unfinished the
+        steps are synchronous: its next bitmask needs its last token accepted by its grammar first.
         """
-        overlap = self.async_scheduling
+        overlap = self.async_scheduling and not self.scheduler.num_structured
         if not overlap and self._pending is not None:
             return self._collect(*self._drain())
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         handle = self.runner.launch(sched) if not sched.is_empty else None
+        if handle is not None and sched.structured_output_req_ids:
+            # the model is queued: fill the grammar bitmask while the device runs it, then mask and sample
+            handle = self.runner.sample_tokens(handle, self.scheduler.grammar_bitmask(sched))
         self.stats["schedule_s"] += t1 - t0
         self.stats["launch_s"] += time.perf_counter() - t1
         if handle is None and self._pending is None:
+            if self.scheduler.grammar_failures:
+                return self._abort_grammar_failures()
+            pending_grammars = self.scheduler.grammars_pending()
+            if pending_grammars:  # nothing else to run: wait (briefly) for a grammar being compiled
+                concurrent.futures.wait(pending_grammars, timeout=0.1,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                return []
             if self.scheduler.has_unfinished_requests():
                 return self._fail_unschedulable()
             return []
@@ -286,6 +313,18 @@ class LLMEngine:
         previous = self._drain()
         self._pending = (sched, handle) if handle is not None else None
         return self._collect(*previous) if previous is not None else []
+
+    def _abort_grammar_failures(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile (the scheduler never admitted them) end as aborted, logged."""
+        failures, self.scheduler.grammar_failures = self.scheduler.grammar_failures, {}
+        child_to_parent = self.output_processor.child_to_parent
+        parents = list(dict.fromkeys(child_to_parent[c] for c in failures if c in child_to_parent))
+        for rid, e in failures.items():
+            self.error_log.log(logging.ERROR, f"structured output: the grammar of request {rid!r} failed to "
+                                              f"compile ({type(e).__name__}: {e}); aborting it")
+        outputs = self.abort_request(parents)
+        self._abort_orphans()
+        return outputs
 
     def _drain(self):
         """Wait for the pending step, if any: (its SchedulerOutput, its ModelRunnerOutput) or None."""

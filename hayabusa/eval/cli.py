@@ -49,6 +49,10 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sampling-seed", type=int, default=0,
                    help="sampled runs seed item i with this + i (reproducible, batch-invariant)")
     p.add_argument("--no-warmup", action="store_true", help="no 2-token warm-up before timing")
+    p.add_argument("--schema", metavar="FILE|items", default=None,
+                   help="extraction: run every setting twice, without and with the output constrained to this JSON "
+                        "schema (a file), or to each item's own \"schema\" ('items'); the table's unparsable "
+                        "column then counts parse failures with and without the constraint (needs xgrammar)")
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     for name, typ in SAMPLING_FLAGS.items():
         defaults = ", ".join(f"{t}={d.get(name)}" for t, d in TASK_DEFAULTS.items())
@@ -94,6 +98,27 @@ def run_eval(ns: argparse.Namespace) -> int:
         return 2
 
 
+def _schemas(ns: argparse.Namespace, items: list) -> list | None:
+    """--schema: one JSON schema per item (the file's for all, or each item's "schema"), or None."""
+    if not ns.schema:
+        return None
+    if ns.task != "extraction":
+        raise HayabusaValidationError("--schema is for --task extraction.", parameter="schema", value=ns.schema)
+    if ns.schema == "items":
+        missing = [it.id for it in items if not isinstance(it.extra.get("schema"), dict)]
+        if missing:
+            raise HayabusaValidationError(f"--schema items: item(s) {missing[:5]} have no \"schema\" object.",
+                                          parameter="schema", value=ns.schema)
+        return [it.extra["schema"] for it in items]
+    with open(ns.schema, encoding="utf-8") as f:
+        try:
+            schema = json.load(f)
+        except ValueError as e:
+            raise HayabusaValidationError(f"--schema {ns.schema}: not JSON ({e}).", parameter="schema",
+                                          value=ns.schema) from None
+    return [schema] * len(items)
+
+
 def _run_tasks(ns: argparse.Namespace) -> int:
     from hayabusa.eval import data, report
     from hayabusa.eval.sweep import evaluate, parse_sweeps
@@ -104,10 +129,12 @@ def _run_tasks(ns: argparse.Namespace) -> int:
     engine_args = EngineArgs.cli_kwargs(ns)
     tok = data.load_tokenizer(model, engine_args.get("tokenizer"), bool(engine_args.get("trust_remote_code")))
     data.render_items(items, tok)
+    schemas = _schemas(ns, items)
     sampling = {**TASK_DEFAULTS[ns.task],
                 **{k[3:]: v for k, v in vars(ns).items() if k.startswith("sp_") and v is not None}}
     res = evaluate(model, items, ns.task, engine_args, sampling, ns.sweep, ns.reference, ns.tolerance, tok,
-                   ns.hf_batch_size, ns.sampling_seed, warmup=not ns.no_warmup, use_tqdm=not ns.no_tqdm)
+                   ns.hf_batch_size, ns.sampling_seed, warmup=not ns.no_warmup, use_tqdm=not ns.no_tqdm,
+                   schemas=schemas)
     ref = f"reference: {res.reference} (accuracy {res.reference_accuracy:.3f})" if res.reference else "no reference"
     print(f"\nhayabusa eval: {ns.task} on {len(items)} items of {ns.data}; {ref}; tolerance {ns.tolerance}")
     print(report.format_table(res.rows))

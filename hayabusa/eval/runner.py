@@ -49,9 +49,10 @@ def _sampling_params(sampling: dict[str, Any], index: int, sampling_seed: int) -
 
 def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any], sampling: dict[str, Any],
                  label: str, setting: dict[str, Any], sampling_seed: int = 0, warmup: bool = True,
-                 use_tqdm: bool = False) -> RunOutput:
+                 use_tqdm: bool = False, schemas: list[dict] | None = None) -> RunOutput:
     """Build ``LLM(model, **engine_args)``, generate every item, and release the engine. Never raises for a bad
-    setting: the error is returned in ``RunOutput.error``."""
+    setting: the error is returned in ``RunOutput.error``. ``schemas``: each item's output constrained to its
+    JSON schema (structured outputs)."""
     from hayabusa import LLM, SamplingParams
 
     run = RunOutput(label, "hayabusa", setting)
@@ -68,6 +69,11 @@ def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any],
                               "room for an answer" for i, it in enumerate(items) if len(it.prompt_token_ids) >= max_len}
         prompts = [{"prompt_token_ids": items[i].prompt_token_ids} for i in ok]
         params = [_sampling_params(sampling, i, sampling_seed) for i in ok]
+        if schemas is not None:
+            from hayabusa.sampling_params import StructuredOutputsParams
+
+            params = [p.clone(structured_outputs=StructuredOutputsParams(json=schemas[i]))
+                      for p, i in zip(params, ok)]
         if warmup and ok:
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
             if hasattr(llm, "reset_prefix_cache"):

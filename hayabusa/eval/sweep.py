@@ -90,8 +90,11 @@ class EvalResult:
 def evaluate(model: str, items: list[EvalItem], task: str, engine_args: dict[str, Any],
              sampling: dict[str, Any], sweeps: list[str] | None = None, reference: str | None = None,
              tolerance: float = 0.02, tokenizer: Any = None, hf_batch_size: int = 1, sampling_seed: int = 0,
-             warmup: bool = True, use_tqdm: bool = False) -> EvalResult:
+             warmup: bool = True, use_tqdm: bool = False, schemas: list[dict] | None = None) -> EvalResult:
     """Run every setting of the grid (and the HF reference when reference == "hf"); score, compare, flag.
+
+    ``schemas`` (one JSON schema per item): every setting runs twice, as is and with each item's output
+    constrained to its schema (label ``... +schema``), so the table shows parse failures with and without it.
 
     Items must already carry prompt_token_ids (``data.render_items``). Settings that fail become error rows."""
     grid = parse_sweeps(sweeps)
@@ -109,9 +112,12 @@ def evaluate(model: str, items: list[EvalItem], task: str, engine_args: dict[str
         report.say(f"setting {k + 1}/{len(grid)}: {label}")
         eng = {**engine_args, **{key: v for key, v in setting.items() if key in ENGINE_KEYS}}
         samp = {**sampling, **{key: v for key, v in setting.items() if key in SAMPLING_KEYS}}
-        runs.append(run_hayabusa(model, items, eng, samp, label, setting, sampling_seed, warmup, use_tqdm))
-        if runs[-1].error:
-            report.say(f"setting {label} failed: {runs[-1].error}")
+        for constrained in ((False, True) if schemas else (False,)):
+            name = label + " +schema" if constrained else label
+            runs.append(run_hayabusa(model, items, eng, samp, name, setting, sampling_seed, warmup, use_tqdm,
+                                     schemas if constrained else None))
+            if runs[-1].error:
+                report.say(f"setting {name} failed: {runs[-1].error}")
     return _score_runs(task, items, runs, tolerance)
 
 

@@ -23,6 +23,7 @@ from hayabusa.config import EngineConfig
 from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
 from hayabusa.model.loader import build_model
+from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
 from hayabusa.worker.input_batch import CachedRequestState, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
@@ -57,6 +58,16 @@ class StepHandle:
     rows: np.ndarray | None = None        # [R_s] int64, the sampled requests' rows
     epochs: np.ndarray | None = None      # [R_s] int64, those rows' owners (InputBatch.row_epoch) at launch
     num_logprobs: list[int] | None = None  # [R_s] each sampled request's logprobs (-1 = none)
+
+
+@dataclass
+class PendingSample:
+    """A launched step whose forward is queued and whose sampling waits for the grammar bitmask (structured
+    outputs): the host fills the bitmask while the device runs the model, then calls ``sample_tokens``."""
+
+    inputs: "StepInputs"
+    logits: torch.Tensor
+    out: SchedulerOutput
 
 
 @dataclass
@@ -213,15 +224,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for its tokens."""
-        return self.finish(self.launch(out))
+        """Run one step and wait for its tokens (a step with constrained requests samples under
+        ``out.grammar_bitmask``, as given)."""
+        handle = self.launch(out)
+        if isinstance(handle, PendingSample):
+            handle = self.sample_tokens(handle, out.grammar_bitmask)
+        return self.finish(handle)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> StepHandle:
+    def launch(self, out: SchedulerOutput) -> StepHandle | PendingSample:
         """Queue one step's work on the device without waiting for it (the host is free until ``finish``).
 
         A decode row whose input token was sampled by the previous step but is not back on the host yet
         (a placeholder) reads it from that step's sampled-token tensor on the device.
+
+        A step with constrained requests (``out.structured_output_req_ids``) and no ``grammar_bitmask`` yet
+        returns a PendingSample after queueing the model: the caller fills the bitmask meanwhile and passes it to
+        ``sample_tokens`` (vLLM's execute_model / sample_tokens split).
         """
         self.update_states(out)
         if out.is_empty:
@@ -231,7 +250,32 @@ class ModelRunner:
             self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
         inp = self.prepare_inputs(out)
         logits = self._run_model(inp)                       # [R_s, V]
+        if out.structured_output_req_ids and out.grammar_bitmask is None:
+            return PendingSample(inp, logits, out)
+        if out.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(out.structured_output_req_ids, out.grammar_bitmask, inp, logits)
         return self._sample(inp, logits)
+
+    @torch.inference_mode()
+    def sample_tokens(self, pending: PendingSample, bitmask: np.ndarray | None) -> StepHandle:
+        """Sample a PendingSample's step, its constrained rows under ``bitmask`` (rows in the order of
+        ``structured_output_req_ids``; None: no mask)."""
+        if bitmask is not None:
+            self._apply_grammar_bitmask(pending.out.structured_output_req_ids, bitmask, pending.inputs,
+                                        pending.logits)
+        return self._sample(pending.inputs, pending.logits)
+
+    def _apply_grammar_bitmask(self, req_ids: list[str], bitmask: np.ndarray, inp: StepInputs,
+                               logits: torch.Tensor) -> None:
+        """Forbid, on the device, the tokens the constrained requests' grammars do not allow next (before the
+        greedy argmax or the Sampler's penalties, temperature, top-k/p); the other rows are untouched."""
+        if len(inp.logits_rows) == inp.num_reqs:
+            sampling_ids = inp.req_ids
+        else:
+            sampling_ids = [inp.req_ids[i] for i in inp.logits_rows.tolist()]
+        index = {rid: i for i, rid in enumerate(sampling_ids)}
+        rows = np.array([index[rid] for rid in req_ids], dtype=np.int64)
+        apply_token_bitmask(logits, bitmask, rows)
 
     def forget_previous_step(self) -> None:
         """Drop the link to the previous step's sampled tokens (after a failed step whose requests are aborted):

@@ -291,3 +291,13 @@ def test_a_bench_checkpoint_without_a_tokenizer_says_how_to_run_it(tiny_bench_mo
         LLM(tiny_bench_model, device="cpu")
     assert e.value.parameter == "tokenizer" and "--tokenizer" in str(e.value)
     assert LLM(tiny_bench_model, device="cpu", skip_tokenizer_init=True).llm_engine.tokenizer is None
+
+
+def test_structured_output_json_constrains_every_request(tmp_path, tiny_bench_model, stories_dir):
+    pytest.importorskip("xgrammar")
+    recs = _bench(tmp_path, "--workload", "W1", "--model", tiny_bench_model, "--scale", "0.02",
+                  "--structured-output", "json", "--tokenizer", stories_dir)
+    (r,) = recs
+    assert not r.get("error") and r["output_throughput"] > 0
+    assert r["extra"]["structured_output"] == "json" and r["extra"]["grammar_compile_s"] > 0
+    assert 0 < r["output_tokens"] <= get_workload("W1", 0.02).num_output_tokens

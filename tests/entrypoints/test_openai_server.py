@@ -204,7 +204,11 @@ BAD_CHAT = [
     ({"max_completion_tokens": -3}, "max_completion_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format"),
+    ({"guided_regex": "(ab"}, "guided_regex"),
     ({"model": "gpt-4o"}, "model"),
 ]
 

@@ -266,3 +266,22 @@ def test_fidelity_names_model_quantization_and_reference(stories_dir, tmp_path, 
     assert (res["model"], res["quantization"], res["kv_cache_dtype"]) == (stories_dir, "int8", "auto")
     assert (res["reference"], res["reference_model"], res["reference_dtype"]) == ("hf", stories_dir, "float32")
     assert res["num_tokens"] == 100 and 0 < res["top1_agreement"] <= 1
+
+
+def test_schema_runs_each_setting_with_and_without_the_constraint(tiny_qwen2, tmp_path):
+    pytest.importorskip("xgrammar")
+    from hayabusa.entrypoints.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"store": {"type": ["string", "null"],
+                                                                             "maxLength": 12}},
+                                  "required": ["store"], "additionalProperties": False}))
+    summary = tmp_path / "summary.json"
+    rc = main(["eval", "--model", tiny_qwen2, "--data", str(DATA), "--task", "extraction", "--device", "cpu",
+               "--max-tokens", "60", "--limit", "4", "--schema", str(schema), "--json", str(summary), "--no-tqdm"])
+    assert rc == 0
+    by = {r["setting"]: r for r in json.loads(summary.read_text())["rows"]}
+    assert by["default"]["unparsable"] == 4          # a random model never writes JSON on its own
+    assert by["default +schema"]["unparsable"] == 0  # under the schema every answer parses
+    assert main(["eval", "--model", tiny_qwen2, "--data", str(DATA), "--task", "extraction", "--device", "cpu",
+                 "--schema", "items", "--no-tqdm"]) == 2   # these items carry no schema of their own

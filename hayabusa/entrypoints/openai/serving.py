@@ -32,7 +32,8 @@ from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIEL
 from hayabusa.entrypoints.openai.request_checks import TimeLimitExceeded, run_with_time_limit
 from hayabusa.errors import ChatTemplateError, HayabusaValidationError
 from hayabusa.outputs import Logprob, RequestOutput
-from hayabusa.sampling_params import SamplingParams
+from hayabusa.sampling_params import SamplingParams, StructuredOutputsParams
+from hayabusa.structured_output.manager import parse_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,64 @@ MAX_CHOICES = 1024
 # Threads for per-request CPU work (template rendering, tokenization): the tokenizers release the GIL, so a long
 # prompt being tokenized does not stall the event loop and the other clients' streams.
 NUM_PREPROCESS_THREADS = 4
+
+
+
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from ``response_format`` (``json_schema`` / ``json_object``; ``text`` is
+    none), ``structured_outputs`` (vLLM's extra body) or the legacy ``guided_*`` fields; at most one of them.
+
+    Raises:
+        OpenAIError: 400 naming the field: an unknown response_format type, a json_schema without a schema, two
+            constraints, or an invalid schema / regex / choice / grammar (checked here, before anything is queued).
+    """
+    try:
+        given = _constraints_of(req)
+    except HayabusaValidationError as e:
+        raise OpenAIError(400, str(e), param=e.parameter) from None
+    if len(given) > 1:
+        raise OpenAIError(400, f"give one output constraint, got {', '.join(n for n, _ in given)}.",
+                          param=given[1][0])
+    if not given:
+        return None
+    name, params = given[0]
+    try:
+        parse_grammar(params)
+    except HayabusaValidationError as e:
+        raise OpenAIError(400, f"{name}: {e}", param=name) from None
+    return params
+
+
+def _constraints_of(req: SamplingFields) -> list[tuple[str, StructuredOutputsParams]]:
+    """(request field, constraint) for each constraint the request gives."""
+    given: list[tuple[str, StructuredOutputsParams]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, (dict, str)):
+                raise OpenAIError(400, "response_format of type 'json_schema' needs json_schema.schema (a JSON "
+                                  "schema object).", param="response_format")
+            given.append(("response_format", StructuredOutputsParams(json=schema)))
+        elif kind == "json_object":
+            given.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif kind != "text":
+            raise OpenAIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got "
+                              f"{ascii(kind)[:40]}.", param="response_format")
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", StructuredOutputsParams.from_value(dict(req.structured_outputs))))
+    for name, kind in _GUIDED_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None:
+            given.append((name, StructuredOutputsParams(**{kind: value},
+                                                        whitespace_pattern=req.guided_whitespace_pattern)))
+    return given
 
 
 class ServerShuttingDown(RuntimeError):
@@ -308,9 +367,6 @@ class OpenAIServing:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | SSEStream:
         model = self._check_common(req)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise OpenAIError(400, f"response_format {req.response_format.get('type')!r} (structured output) is "
-                              "not supported; use 'text'.", param="response_format")
         if req.tools and req.tool_choice not in (None, "none", "auto"):
             raise OpenAIError(400, "tool calling is not supported (tool_choice must be 'none' or 'auto').",
                               param="tool_choice")
@@ -509,7 +565,8 @@ class OpenAIServing:
             logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
-            truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=bias)
+            truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=bias,
+            structured_outputs=structured_outputs_of(req))
 
     async def _add_all(self, rid: str, prompts: list[tuple[str | None, list[int]]],
                        params: list[SamplingParams]) -> list[RequestStream]:
