@@ -481,3 +481,69 @@ def test_shutdown_drains_then_ends_open_streams_with_an_error_and_done(stories_d
     finally:
         s.engine.engine.step = step
         s.engine.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ 7: cheap bounds
+def _list_body(head: str, item: bytes, count: int, tail: str = "") -> bytes:
+    """``{head "field": [item, item, ...] tail}`` built as bytes (json.dumps of millions of items is slow)."""
+    return head.encode() + b"[" + b", ".join([item] * count) + b"]" + tail.encode() + b"}"
+
+
+_M = '{"model": "tiny-qwen", "max_tokens": 2, '
+PATHOLOGICAL = [   # (path, body, status, param): each 10-30 MB, each used to stall the event loop for seconds
+    ("/v1/completions", _list_body(_M + '"prompt": ', b"[5]", 5_000_000), 400, None),
+    ("/v1/completions", _list_body(_M + '"prompt": ', b"[5]", 200_000), 400, "prompt"),
+    ("/v1/completions", _list_body(_M + '"prompt": ', b'"a"', 1_000_000), 400, "prompt"),
+    ("/v1/completions", _list_body(_M + '"prompt": ', b"5", 10_000_000), 400, None),
+    ("/v1/completions", _list_body(_M + '"prompt": ', b"5", 3_000_000), 400, "prompt"),
+    ("/v1/completions", _list_body(_M + '"truncate_prompt_tokens": 8, "prompt": ', b"5", 3_000_000), 200, None),
+    ("/v1/completions", _list_body(_M + '"prompt": "x", "stop_token_ids": ', b"3", 5_000_000), 400, None),
+    ("/v1/completions", _list_body(_M + '"prompt": "x", "stop_token_ids": ', b"3", 3_000_000), 400,
+     "stop_token_ids"),
+    ("/v1/completions", _list_body(_M + '"prompt": "x", "stop": ', b'"a"', 3_000_000), 400, "stop"),
+    ("/v1/chat/completions", _list_body(_M + '"messages": ', b'{"role": "user", "content": ""}', 800_000), 400,
+     None),
+    ("/v1/chat/completions", _list_body(_M + '"messages": ', b'{"role": "user", "content": ""}', 70_000), 400,
+     "messages"),
+]
+
+
+def test_pathological_bodies_are_refused_while_health_and_streams_go_on(server):
+    stream = StreamInFlight(server, max_tokens=STREAM_TOKENS)
+    probe = HealthProbe(server.url)
+    try:
+        for path, body, status, param in PATHOLOGICAL:
+            t0 = time.monotonic()
+            r = httpx.post(server.url + path, content=body, timeout=60, headers={"Content-Type": "application/json"})
+            assert r.status_code == status, (len(body), r.text[:300])
+            if status == 400:
+                assert r.json()["error"]["param"] == param, r.text[:300]
+            else:
+                assert r.json()["usage"]["prompt_tokens"] == 8
+            assert time.monotonic() - t0 < 15, path
+    finally:
+        probe.finish()
+    print(f"worst /health answer: {probe.worst:.3f} s")
+    assert probe.count >= 10 and probe.worst < 1.0 and probe.failures == 0, probe.worst
+    stream.check()
+    serves_next_request(server)
+
+
+@pytest.mark.parametrize("field,value", [("stop", ["a"] * 1025), ("stop_token_ids", [3] * 1025),
+                                         ("request_id", "r" * 513), ("prompt", ["a"] * 1025),
+                                         ("prompt", [[5]] * 1025)])
+def test_counts_over_the_caps_are_400_naming_the_field(server, field, value):
+    body = {"model": server.name, "prompt": "x", "max_tokens": 2, field: value}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
+    body[field] = value[:-1]
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 or r.json()["error"]["param"] != field, r.text[:300]
+
+
+def test_choice_count_is_checked_before_tokenizing(server):
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.name, "prompt": ["a long prompt " * 50] * 600, "n": 2, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and time.monotonic() - t0 < 2, r.text[:300]
+    serves_next_request(server)

@@ -12,7 +12,9 @@ under /v1, and /metrics, /docs, /openapi.json unless made public); a foreign Ori
 -> 503; anything else -> 500 (a bug, logged once with its traceback). None of them closes the connection (but a
 413 whose body was not read).
 
-Per-request CPU work (chat templates, tokenization) runs on a thread pool, so one large request does not stall the
+Bodies over 64 KiB are parsed and validated on a worker thread, after cheap structural bounds (request_checks.py:
+how many arrays, objects, prompts, messages, stop strings; 400 naming the field). Per-request CPU work (chat
+templates, tokenization) runs on a thread pool, so one large request does not stall the
 other clients' streams; a request's own chat template is refused unless ``trust_request_chat_template``, and then
 runs under a time limit. On shutdown, open requests get ``shutdown_timeout`` seconds to finish; then each open
 stream ends with an error event and ``[DONE]``.
@@ -50,7 +52,8 @@ from hayabusa.entrypoints.openai.middleware import (LOOPBACK_HOSTS, APIKeyMiddle
                                                     InternalErrorMiddleware)
 from hayabusa.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                                   OpenAIError, error_body)
-from hayabusa.entrypoints.openai.request_checks import read_json_body
+from hayabusa.entrypoints.openai.request_checks import (OFF_LOOP_BODY_BYTES, check_request_shape, parse_json_object,
+                                                        read_body, split_token_prompt)
 from hayabusa.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown, SSEStream, sse
 from hayabusa.errors import HayabusaValidationError
 
@@ -193,12 +196,25 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return None
 
 
-async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int) -> Any:
-    data = await read_json_body(request, max_body_bytes)
+async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int, max_model_len: int) -> Any:
+    """Read, parse and validate the body; a body over OFF_LOOP_BODY_BYTES on a worker thread (the event loop
+    keeps serving the others meanwhile), after the structural bounds of ``check_request_shape``."""
+    body = await read_body(request, max_body_bytes)
+    if len(body) <= OFF_LOOP_BODY_BYTES:
+        return _validate(body, model, max_model_len)
+    return await asyncio.to_thread(_validate, body, model, max_model_len)
+
+
+def _validate(body: bytes, model: type[BaseModel], max_model_len: int) -> Any:
+    data = parse_json_object(body, lambda d: check_request_shape(d, max_model_len))
+    data, token_prompt = split_token_prompt(data)
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e.errors()) from None
+    if token_prompt is not None:
+        req.prompt = token_prompt
+    return req
 
 
 def _validation_error(errors: list[dict]) -> OpenAIError:
@@ -307,12 +323,12 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest, max_request_body_bytes)
+        req = await _parse(request, CompletionRequest, max_request_body_bytes, max_model_len)
         return _respond(await _until_disconnect(request, serving.completions(req)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest, max_request_body_bytes)
+        req = await _parse(request, ChatCompletionRequest, max_request_body_bytes, max_model_len)
         return _respond(await _until_disconnect(request, serving.chat(req)))
 
     return app

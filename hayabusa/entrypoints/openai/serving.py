@@ -29,7 +29,7 @@ from hayabusa.entrypoints.chat_utils import render_chat
 from hayabusa.entrypoints.openai import REQUEST_CHAT_TEMPLATE_TIME_LIMIT
 from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                                   CompletionRequest, OpenAIError, SamplingFields, error_body)
-from hayabusa.entrypoints.openai.request_checks import TimeLimitExceeded, run_with_time_limit
+from hayabusa.entrypoints.openai.request_checks import MAX_PROMPTS, TimeLimitExceeded, run_with_time_limit
 from hayabusa.errors import ChatTemplateError, HayabusaValidationError
 from hayabusa.outputs import Logprob, RequestOutput
 from hayabusa.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ from hayabusa.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # Most completions per request (n x prompts): a bound on what one HTTP request can ask of the engine.
-MAX_CHOICES = 1024
+MAX_CHOICES = MAX_PROMPTS
 # Threads for per-request CPU work (template rendering, tokenization): the tokenizers release the GIL, so a long
 # prompt being tokenized does not stall the event loop and the other clients' streams.
 NUM_PREPROCESS_THREADS = 4
@@ -234,6 +234,7 @@ class OpenAIServing:
             items = list(p)
         if not items:
             raise OpenAIError(400, "prompt must not be empty.", param="prompt")
+        self._check_num_choices(req.n * len(items))           # before any tokenizing
         texts = [item for item in items if isinstance(item, str)]
         truncating = req.truncate_prompt_tokens is not None
         for text in texts:
