@@ -335,6 +335,9 @@ BAD_BODIES = [
     ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "top_p": NaN}', "top_p"),
     ("/v1/chat/completions", b'{"model": "tiny-qwen", "messages": [], "temperature": -Infinity}', "temperature"),
     ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "x", "max_tokens": 1, "\\ud800": 1}', "\\ud800"),
+    ("/v1/chat/completions", b'{"model": "tiny-qwen", "messages": [{"role": "user", "content": "x", "\\udfff": 1}]}',
+     "messages"),
 ]
 
 

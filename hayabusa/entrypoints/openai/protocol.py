@@ -139,7 +139,15 @@ class OpenAIError(Exception):
 
 
 def error_body(message: str, type: str, param: str | None = None, code: Any = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """Every error body the server sends is built here: text the client sent (a field name, a value) that is not
+    valid UTF-8 -- a lone surrogate -- is escaped (``\\ud800``), so no error response can fail to encode."""
+    return {"error": {"message": _encodable(message), "type": type, "param": _encodable(param), "code": code}}
+
+
+def _encodable(text: Any) -> Any:
+    if type(text) is not str or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ErrorInfo(BaseModel):
