@@ -550,3 +550,26 @@ def test_choice_count_is_checked_before_tokenizing(server):
         "model": server.name, "prompt": ["a long prompt " * 50] * 600, "n": 2, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and time.monotonic() - t0 < 2, r.text[:300]
     serves_next_request(server)
+
+
+# ------------------------------------------------------------------------------------------------ 8: strict types
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "max_tokens", "5"), ("/v1/completions", "n", True), ("/v1/completions", "n", 2.0),
+    ("/v1/chat/completions", "n", "2"), ("/v1/completions", "prompt", [1, True]), ("/v1/completions", "prompt", [1, 2.0]),
+    ("/v1/completions", "stream", "yes"), ("/v1/chat/completions", "add_generation_prompt", "no"),
+    ("/v1/completions", "seed", "1"), ("/v1/completions", "temperature", "0.5"),
+    ("/v1/chat/completions", "stream_options", {"include_usage": "yes"})])
+def test_lax_types_are_400_naming_the_field(server, path, field, value):
+    body = {"model": server.name, "max_tokens": 2}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    if field == "stream_options":
+        body["stream"] = True
+    body[field] = value
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
+
+
+def test_integer_temperature_is_still_a_float(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.name, "prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 1, "presence_penalty": 0})
+    assert r.status_code == 200, r.text[:300]

@@ -36,8 +36,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 class OpenAIBaseModel(BaseModel):
-    # NaN / Infinity are refused for every float field (JSON has neither; Python's json accepts both).
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # NaN / Infinity are refused for every float field (JSON has neither; Python's json accepts both). Strict:
+    # no coercion ("5" is not an int, true / 2.0 are not an n, "no" is not a bool), as the Python API; an integer
+    # is still a float (``"temperature": 1``).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(OpenAIBaseModel):
