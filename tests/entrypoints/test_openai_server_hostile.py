@@ -573,3 +573,39 @@ def test_integer_temperature_is_still_a_float(server):
     r = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": server.name, "prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 1, "presence_penalty": 0})
     assert r.status_code == 200, r.text[:300]
+
+
+# ------------------------------------------------------------------------------------------------ 9: slow bodies
+def test_incomplete_bodies_get_408_and_are_closed(server):
+    """Connections that announce 100,000 bytes and send 9: each gets 408 when the body timeout (1 s here) runs out,
+    then the server closes it; /health answered meanwhile."""
+    from hayabusa.entrypoints.openai.server import ServerThread, build_app
+
+    app = build_app(server.engine, ["tiny-qwen"], request_body_timeout=1.0)
+    with ServerThread(app) as t:
+        conns = [RawConnection(t.url, timeout=10) for _ in range(30)]
+        try:
+            t0 = time.monotonic()
+            for c in conns:
+                c.send("POST", "/v1/completions", b'{"model":', headers={"Content-Length": "100000"})
+            assert httpx.get(t.url + "/health", timeout=5).status_code == 200
+            for c in conns:
+                status, headers, body = c.response()
+                assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
+                assert headers.get("connection", "").lower() == "close"
+                assert c.sock.recv(1) == b""                      # closed by the server
+            assert time.monotonic() - t0 < 8
+        finally:
+            for c in conns:
+                c.close()
+        r = httpx.post(t.url + "/v1/completions", content=ok_completion_body("tiny-qwen"),
+                       headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 200
+    wait_idle(server.engine)
+
+
+def test_bad_request_body_timeout_flag_is_refused(stories_dir, capsys):
+    from hayabusa.entrypoints.cli import main
+
+    assert main(["serve", stories_dir, "--request-body-timeout", "0"]) == 2
+    assert "--request-body-timeout" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Checks of a request body before any handler sees it, and a time limit for untrusted template code.
 
-Every failure here is the client's: ``OpenAIError`` with status 413 (too large), 415 (not JSON) or 400 (the JSON
+Every failure here is the client's: ``OpenAIError`` with status 408 (the body too slow), 413 (too large), 415 (not
+JSON) or 400 (the JSON
 itself: malformed, nested too deep, an integer that does not fit 64 bits, NaN / Infinity, a string that is not
 valid UTF-8 -- a lone surrogate such as ``"\\ud800"`` -- naming the top-level field it is in).
 """
@@ -49,9 +50,10 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def read_body(request: Any, max_bytes: int) -> bytes:
+async def read_body(request: Any, max_bytes: int, timeout: float | None = None) -> bytes:
     """The request's body, read under the size limit (while reading, so a chunked body without Content-Length is
-    cut off as soon as it passes the limit); 415 unless it is JSON."""
+    cut off as soon as it passes the limit) and within ``timeout`` seconds (408 then: the server closes the
+    connection); 415 unless it is JSON."""
     ctype = request.headers.get("content-type")
     if not is_json_content_type(ctype):
         raise OpenAIError(415, f"Content-Type must be application/json, got {ctype!r}.",
@@ -61,11 +63,16 @@ async def read_body(request: Any, max_bytes: int) -> bytes:
     if length is not None and length.strip().isdigit() and int(length) > max_bytes:
         raise OpenAIError(413, too_large, code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise OpenAIError(413, too_large, code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise OpenAIError(413, too_large, code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise OpenAIError(408, f"The request body was not received within {timeout:g} s.",
+                          code="request_timeout") from None
     return b"".join(chunks)
 
 
