@@ -609,3 +609,23 @@ def test_bad_request_body_timeout_flag_is_refused(stories_dir, capsys):
 
     assert main(["serve", stories_dir, "--request-body-timeout", "0"]) == 2
     assert "--request-body-timeout" in capsys.readouterr().err
+
+
+def test_long_request_ids_and_field_names_are_shortened_in_logs(server, caplog):
+    engine = server.engine
+    engine.log_requests = True
+    try:
+        with caplog.at_level(logging.INFO):
+            extra = {f"field{i}-" + "f" * 5000: 1 for i in range(50)}
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": server.name, "prompt": "hi", "max_tokens": 2, "request_id": "r" * 512,
+                "stop": ["s" * 1000] * 100, **extra})
+            assert r.status_code == 200, r.text[:300]
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": server.name, "prompt": "hi", "max_tokens": 2, "request_id": "r" * 513})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    finally:
+        engine.log_requests = False
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert any("rrrr" in m for m in messages) and any("field0-" in m for m in messages)
+    assert max(len(m) for m in messages) < 1200

@@ -451,7 +451,8 @@ class OpenAIServing:
                 elif value is not None and value not in UNSUPPORTED_FIELDS[name]:
                     raise OpenAIError(400, f"{name} is not supported yet; leave it unset (or null).", param=name)
             if unknown:   # ascii(): names from the client cannot forge a log line
-                logger.warning("ignoring unknown request field(s): %s", ", ".join(ascii(n) for n in sorted(unknown)))
+                logger.warning("ignoring unknown request field(s): %.1000s",   # at most 1000 characters of them
+                               ", ".join(ascii(n[:100]) for n in sorted(unknown)[:20]))
         if req.model is None or req.model in self.model_aliases:
             return self.model_names[0]
         return req.model
