@@ -439,8 +439,9 @@ class OpenAIServing:
     # ------------------------------------------------------------------ shared steps
     def _check_common(self, req: SamplingFields) -> str:
         if req.model is not None and req.model not in self.model_names and req.model not in self.model_aliases:
-            raise OpenAIError(400, f"The model `{req.model}` does not exist; this server serves "
-                              f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
+            raise OpenAIError(404, f"The model `{req.model}` does not exist; this server serves "   # OpenAI's 404
+                              f"{', '.join(self.model_names)}.", param="model", type="invalid_request_error",
+                              code="model_not_found")
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options can only be given with stream=true.", param="stream_options")
         if req.model_extra:
