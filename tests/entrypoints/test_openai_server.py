@@ -372,6 +372,10 @@ def test_api_key(qwen_server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    for scheme in ("bearer", "BEARER", "BeArEr"):          # the scheme is case-insensitive (RFC 7235)
+        assert httpx.get(url + "/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"}).status_code == 200
+    for wrong in (f"Basic {API_KEY}", f"Bearer{API_KEY}", f"Bearer {API_KEY}x", API_KEY, f"Bearer {API_KEY.upper()}"):
+        assert httpx.get(url + "/v1/models", headers={"Authorization": wrong}).status_code == 401, wrong
 
 
 # ------------------------------------------------------------------------------------------------ disconnects
