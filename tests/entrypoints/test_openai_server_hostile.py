@@ -629,3 +629,36 @@ def test_long_request_ids_and_field_names_are_shortened_in_logs(server, caplog):
     messages = [rec.getMessage() for rec in caplog.records]
     assert any("rrrr" in m for m in messages) and any("field0-" in m for m in messages)
     assert max(len(m) for m in messages) < 1200
+
+
+# ------------------------------------------------------------------------------------------------ 10: chat kwargs
+@pytest.mark.parametrize("key", ["messages", "conversations", "conversation", "tools", "add_generation_prompt",
+                                 "continue_final_message", "chat_template", "tokenize", "return_dict"])
+def test_reserved_chat_template_kwargs_are_400_by_name(server, key):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template_kwargs": {key: [], "enable_thinking": False}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "chat_template_kwargs" and key in err["message"], r.text[:300]
+    assert "multiple values" not in err["message"]
+
+
+def test_other_chat_template_kwargs_reach_the_template(server):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template": "{{ greeting }} {{ messages[0]['content'] }}", "chat_template_kwargs": {"greeting": "hello"},
+        "echo": True})
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_reserved_chat_template_kwargs_are_refused_by_the_python_api(tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    from hayabusa.entrypoints.chat_utils import render_chat
+    from hayabusa.errors import HayabusaValidationError
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    for key in ("messages", "conversations"):
+        with pytest.raises(HayabusaValidationError) as e:
+            render_chat(tok, [{"role": "user", "content": "hi"}], chat_template_kwargs={key: []})
+        assert e.value.parameter == "chat_template_kwargs" and key in str(e.value)

@@ -16,6 +16,7 @@ import re
 import threading
 from typing import Any, Callable
 
+from hayabusa.entrypoints.chat_utils import RESERVED_CHAT_TEMPLATE_KWARGS
 from hayabusa.entrypoints.openai.protocol import OpenAIError
 
 # JSON nested deeper than this is refused (no request field needs more; deep nesting costs recursion later on).
@@ -40,6 +41,10 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 512   # longer request_ids are refused (and ids are shortened in log lines)
 # Bodies larger than this are parsed and validated on a worker thread, off the event loop.
 OFF_LOOP_BODY_BYTES = 64 * 1024
+# chat_template_kwargs a chat request may not set: those render_chat refuses, and the request's own fields (set
+# them as fields). Others ("enable_thinking", "documents", ...) reach the template.
+REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS = RESERVED_CHAT_TEMPLATE_KWARGS | {"tools", "add_generation_prompt",
+                                                                         "continue_final_message"}
 
 
 def is_json_content_type(value: str | None) -> bool:
@@ -120,7 +125,7 @@ def _bound(data: dict[str, Any], field: str, limit: int, what: str) -> None:
 def check_request_shape(data: dict[str, Any], max_model_len: int) -> None:
     """The structural bounds (a len() each), before any per-element work: the number of prompts, messages, stop
     strings and stop token ids, a token-id prompt's length (without ``truncate_prompt_tokens``), the length of
-    ``request_id``. 400 naming the field."""
+    ``request_id``; reserved names in ``chat_template_kwargs``. 400 naming the field."""
     prompt = data.get("prompt")
     if type(prompt) is list and prompt:
         prompts = [prompt] if type(prompt[0]) is int else prompt
@@ -136,6 +141,12 @@ def check_request_shape(data: dict[str, Any], max_model_len: int) -> None:
     _bound(data, "messages", MAX_MESSAGES, "messages")
     _bound(data, "stop", MAX_STOP_STRINGS, "stop strings")
     _bound(data, "stop_token_ids", MAX_STOP_TOKEN_IDS, "stop token ids")
+    kwargs = data.get("chat_template_kwargs")
+    if type(kwargs) is dict and not REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS.isdisjoint(kwargs):
+        names = sorted(REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS.intersection(kwargs))
+        raise OpenAIError(400, f"chat_template_kwargs may not set {', '.join(names)} (the request's own fields "
+                          "and the conversation are passed to the template by the server).",
+                          param="chat_template_kwargs")
     rid = data.get("request_id")
     if type(rid) is str and len(rid) > MAX_REQUEST_ID_CHARS:
         raise OpenAIError(400, f"request_id: at most {MAX_REQUEST_ID_CHARS} characters are accepted, got "
