@@ -242,6 +242,9 @@ def test_long_prompt_is_tokenized_off_the_event_loop(server):
 @pytest.mark.parametrize("ctype,status", [("text/plain", 415), ("application/x-www-form-urlencoded", 415),
                                           ("multipart/form-data; boundary=x", 415), (None, 415),
                                           ("application/json; charset=utf-8", 200),
+                                          ("application/json; charset=UTF-8", 200),
+                                          ("application/json; charset=utf-16", 415),
+                                          ("application/json; charset=latin-1", 415),
                                           ("application/vnd.api+json", 200)])
 def test_only_json_bodies_are_accepted(server, ctype, status):
     conn = RawConnection(server.url)
@@ -662,3 +665,17 @@ def test_reserved_chat_template_kwargs_are_refused_by_the_python_api(tiny_qwen2)
         with pytest.raises(HayabusaValidationError) as e:
             render_chat(tok, [{"role": "user", "content": "hi"}], chat_template_kwargs={key: []})
         assert e.value.parameter == "chat_template_kwargs" and key in str(e.value)
+
+
+def test_two_content_type_headers_are_415(server):
+    conn = RawConnection(server.url)
+    try:
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {conn.host}\r\nContent-Type: application/json\r\n"
+                "Content-Type: text/plain\r\n")
+        body = ok_completion_body(server.name)
+        conn.sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        status, _, raw = conn.response()
+        assert status == 415 and json.loads(raw)["error"]["code"] == "unsupported_media_type", raw
+        assert conn.request("POST", "/v1/completions", body)[0] == 200           # the same connection
+    finally:
+        conn.close()

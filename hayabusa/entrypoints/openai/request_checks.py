@@ -48,10 +48,16 @@ REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS = RESERVED_CHAT_TEMPLATE_KWARGS | {"tools"
 
 
 def is_json_content_type(value: str | None) -> bool:
-    """``application/json`` or ``application/<anything>+json``, with any parameters (``; charset=utf-8``)."""
+    """``application/json`` or ``application/<anything>+json``; a ``charset`` parameter, if any, must be utf-8
+    (JSON is UTF-8, RFC 8259; the body is read as UTF-8 whatever the header says)."""
     if not value:
         return False
-    media = value.split(";", 1)[0].strip().lower()
+    media, *params = value.split(";")
+    media = media.strip().lower()
+    for p in params:
+        name, _, v = p.partition("=")
+        if name.strip().lower() == "charset" and v.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return False
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
@@ -59,9 +65,13 @@ async def read_body(request: Any, max_bytes: int, timeout: float | None = None) 
     """The request's body, read under the size limit (while reading, so a chunked body without Content-Length is
     cut off as soon as it passes the limit) and within ``timeout`` seconds (408 then: the server closes the
     connection); 415 unless it is JSON."""
-    ctype = request.headers.get("content-type")
+    values = request.headers.getlist("content-type")
+    if len(values) > 1:
+        raise OpenAIError(415, f"A request must carry one Content-Type header, got {len(values)}: {values!r}"[:300],
+                          code="unsupported_media_type")
+    ctype = values[0] if values else None
     if not is_json_content_type(ctype):
-        raise OpenAIError(415, f"Content-Type must be application/json, got {ctype!r}.",
+        raise OpenAIError(415, f"Content-Type must be application/json (charset, if given, utf-8), got {ctype!r}.",
                           code="unsupported_media_type")
     length = request.headers.get("content-length")
     too_large = f"The request body is larger than the server's limit of {max_bytes} bytes."
