@@ -679,3 +679,19 @@ def test_two_content_type_headers_are_415(server):
         assert conn.request("POST", "/v1/completions", body)[0] == 200           # the same connection
     finally:
         conn.close()
+
+
+# ------------------------------------------------------------------------------------------------ 11: legacy functions
+FUNCTIONS = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
+
+
+@pytest.mark.parametrize("field,value,status", [("functions", FUNCTIONS, 400), ("function_call", "auto", 400),
+                                                ("function_call", {"name": "f"}, 400), ("functions", [], 200),
+                                                ("function_call", "none", 200), ("parallel_tool_calls", False, 200),
+                                                ("functions", None, 200)])
+def test_legacy_function_calling_is_refused_not_ignored(server, field, value, status):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["error"]["param"] == field and "not supported" in r.json()["error"]["message"]

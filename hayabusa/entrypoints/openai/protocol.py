@@ -32,6 +32,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
+    # OpenAI's legacy function calling (superseded by tools / tool_choice)
+    "functions": ([],),
+    "function_call": ("none",),
 }
 
 
