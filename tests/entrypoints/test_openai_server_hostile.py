@@ -5,6 +5,7 @@ parameter, that a stream in flight meanwhile finishes correctly, and that the en
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import socket
@@ -515,8 +516,20 @@ PATHOLOGICAL = [   # (path, body, status, param): each 10-30 MB, each used to st
 
 
 def test_pathological_bodies_are_refused_while_health_and_streams_go_on(server):
+    # As run_server does at startup (gc.freeze): otherwise a full collection set off while a body is parsed walks
+    # every object the test session has built so far (other engines, tokenizers), not a server's startup heap.
+    gc.collect()
+    gc.freeze()
+    try:
+        _pathological_bodies(server)
+    finally:
+        gc.unfreeze()
+
+
+def _pathological_bodies(server):
     stream = StreamInFlight(server, max_tokens=STREAM_TOKENS)
     probe = HealthProbe(server.url)
+    worst: list[tuple[int, str | None, float]] = []
     try:
         for path, body, status, param in PATHOLOGICAL:
             t0 = time.monotonic()
@@ -527,10 +540,12 @@ def test_pathological_bodies_are_refused_while_health_and_streams_go_on(server):
             else:
                 assert r.json()["usage"]["prompt_tokens"] == 8
             assert time.monotonic() - t0 < 15, path
+            worst.append((len(body), param, round(probe.worst, 3)))     # the slowest /health answer per body
+            probe.worst = 0.0
     finally:
         probe.finish()
-    print(f"worst /health answer: {probe.worst:.3f} s")
-    assert probe.count >= 10 and probe.worst < 1.0 and probe.failures == 0, probe.worst
+    print(f"worst /health answer per body: {worst}")
+    assert probe.count >= 10 and max(w for *_, w in worst) < 1.0 and probe.failures == 0, worst
     stream.check()
     serves_next_request(server)
 
