@@ -437,7 +437,9 @@ class AsyncLLMEngine:
             self._req_inbox[rid] = inbox
             fut.set_result(None)
             if self.log_requests:
-                logger.info("request %r: %s", rid, cmd.params)     # %r: an id cannot forge a log line
+                # %r: an id cannot forge a log line; shortened, so that a long id or many stop strings cannot
+                # make it huge (up to 128 characters of the id, 1000 of the parameters)
+                logger.info("request %.128r: %.1000s", rid, cmd.params)
         elif isinstance(cmd, AbortCommand):
             ids, fut = cmd.request_ids, cmd.future
             if fut is not None and not fut.set_running_or_notify_cancel():

@@ -94,6 +94,12 @@ def _check_strings(value: Any, where: str, depth: int = 0) -> None:
             _check_strings(v, f"{where}[{j}]", depth + 1)
 
 
+# chat_template_kwargs that would clash with what render_chat passes itself ("messages" and "conversations" are
+# names transformers gives the conversation; a TypeError "multiple values for keyword argument" otherwise).
+RESERVED_CHAT_TEMPLATE_KWARGS = frozenset({"conversation", "conversations", "messages", "chat_template", "tokenize",
+                                           "return_dict"})
+
+
 def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
                 chat_template_kwargs: dict[str, Any] | None = None,
@@ -134,7 +140,7 @@ def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None,
             parameter="chat_template", value=None)
     kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                   tools=tools)
-    reserved = sorted({"conversation", "chat_template", "tokenize", "return_dict"} & set(chat_template_kwargs or {}))
+    reserved = sorted(RESERVED_CHAT_TEMPLATE_KWARGS & set(chat_template_kwargs or {}))
     if reserved:
         raise HayabusaValidationError(f"chat_template_kwargs may not set {reserved}.",
                                       parameter="chat_template_kwargs", value=reserved)

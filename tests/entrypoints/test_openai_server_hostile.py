@@ -5,6 +5,7 @@ parameter, that a stream in flight meanwhile finishes correctly, and that the en
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import socket
@@ -242,6 +243,9 @@ def test_long_prompt_is_tokenized_off_the_event_loop(server):
 @pytest.mark.parametrize("ctype,status", [("text/plain", 415), ("application/x-www-form-urlencoded", 415),
                                           ("multipart/form-data; boundary=x", 415), (None, 415),
                                           ("application/json; charset=utf-8", 200),
+                                          ("application/json; charset=UTF-8", 200),
+                                          ("application/json; charset=utf-16", 415),
+                                          ("application/json; charset=latin-1", 415),
                                           ("application/vnd.api+json", 200)])
 def test_only_json_bodies_are_accepted(server, ctype, status):
     conn = RawConnection(server.url)
@@ -335,6 +339,9 @@ BAD_BODIES = [
     ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "top_p": NaN}', "top_p"),
     ("/v1/chat/completions", b'{"model": "tiny-qwen", "messages": [], "temperature": -Infinity}', "temperature"),
     ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"model": "tiny-qwen", "prompt": "x", "max_tokens": 1, "\\ud800": 1}', "\\ud800"),
+    ("/v1/chat/completions", b'{"model": "tiny-qwen", "messages": [{"role": "user", "content": "x", "\\udfff": 1}]}',
+     "messages"),
 ]
 
 
@@ -481,3 +488,225 @@ def test_shutdown_drains_then_ends_open_streams_with_an_error_and_done(stories_d
     finally:
         s.engine.engine.step = step
         s.engine.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ 7: cheap bounds
+def _list_body(head: str, item: bytes, count: int, tail: str = "") -> bytes:
+    """``{head "field": [item, item, ...] tail}`` built as bytes (json.dumps of millions of items is slow)."""
+    return head.encode() + b"[" + b", ".join([item] * count) + b"]" + tail.encode() + b"}"
+
+
+_M = '{"model": "tiny-qwen", "max_tokens": 2, '
+PATHOLOGICAL = [   # (path, body, status, param): each 10-30 MB, each used to stall the event loop for seconds
+    ("/v1/completions", _list_body(_M + '"prompt": ', b"[5]", 5_000_000), 400, None),
+    ("/v1/completions", _list_body(_M + '"prompt": ', b"[5]", 200_000), 400, "prompt"),
+    ("/v1/completions", _list_body(_M + '"prompt": ', b'"a"', 1_000_000), 400, "prompt"),
+    ("/v1/completions", _list_body(_M + '"prompt": ', b"5", 10_000_000), 400, None),
+    ("/v1/completions", _list_body(_M + '"prompt": ', b"5", 3_000_000), 400, "prompt"),
+    ("/v1/completions", _list_body(_M + '"truncate_prompt_tokens": 8, "prompt": ', b"5", 3_000_000), 200, None),
+    ("/v1/completions", _list_body(_M + '"prompt": "x", "stop_token_ids": ', b"3", 5_000_000), 400, None),
+    ("/v1/completions", _list_body(_M + '"prompt": "x", "stop_token_ids": ', b"3", 3_000_000), 400,
+     "stop_token_ids"),
+    ("/v1/completions", _list_body(_M + '"prompt": "x", "stop": ', b'"a"', 3_000_000), 400, "stop"),
+    ("/v1/chat/completions", _list_body(_M + '"messages": ', b'{"role": "user", "content": ""}', 800_000), 400,
+     None),
+    ("/v1/chat/completions", _list_body(_M + '"messages": ', b'{"role": "user", "content": ""}', 70_000), 400,
+     "messages"),
+]
+
+
+def test_pathological_bodies_are_refused_while_health_and_streams_go_on(server):
+    # As run_server does at startup (gc.freeze): otherwise a full collection set off while a body is parsed walks
+    # every object the test session has built so far (other engines, tokenizers), not a server's startup heap.
+    gc.collect()
+    gc.freeze()
+    try:
+        _pathological_bodies(server)
+    finally:
+        gc.unfreeze()
+
+
+def _pathological_bodies(server):
+    stream = StreamInFlight(server, max_tokens=STREAM_TOKENS)
+    probe = HealthProbe(server.url)
+    worst: list[tuple[int, str | None, float]] = []
+    try:
+        for path, body, status, param in PATHOLOGICAL:
+            t0 = time.monotonic()
+            r = httpx.post(server.url + path, content=body, timeout=60, headers={"Content-Type": "application/json"})
+            assert r.status_code == status, (len(body), r.text[:300])
+            if status == 400:
+                assert r.json()["error"]["param"] == param, r.text[:300]
+            else:
+                assert r.json()["usage"]["prompt_tokens"] == 8
+            assert time.monotonic() - t0 < 15, path
+            worst.append((len(body), param, round(probe.worst, 3)))     # the slowest /health answer per body
+            probe.worst = 0.0
+    finally:
+        probe.finish()
+    print(f"worst /health answer per body: {worst}")
+    assert probe.count >= 10 and max(w for *_, w in worst) < 1.0 and probe.failures == 0, worst
+    stream.check()
+    serves_next_request(server)
+
+
+@pytest.mark.parametrize("field,value", [("stop", ["a"] * 1025), ("stop_token_ids", [3] * 1025),
+                                         ("request_id", "r" * 513), ("prompt", ["a"] * 1025),
+                                         ("prompt", [[5]] * 1025)])
+def test_counts_over_the_caps_are_400_naming_the_field(server, field, value):
+    body = {"model": server.name, "prompt": "x", "max_tokens": 2, field: value}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
+    body[field] = value[:-1]
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 or r.json()["error"]["param"] != field, r.text[:300]
+
+
+def test_choice_count_is_checked_before_tokenizing(server):
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.name, "prompt": ["a long prompt " * 50] * 600, "n": 2, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and time.monotonic() - t0 < 2, r.text[:300]
+    serves_next_request(server)
+
+
+# ------------------------------------------------------------------------------------------------ 8: strict types
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "max_tokens", "5"), ("/v1/completions", "n", True), ("/v1/completions", "n", 2.0),
+    ("/v1/chat/completions", "n", "2"), ("/v1/completions", "prompt", [1, True]), ("/v1/completions", "prompt", [1, 2.0]),
+    ("/v1/completions", "stream", "yes"), ("/v1/chat/completions", "add_generation_prompt", "no"),
+    ("/v1/completions", "seed", "1"), ("/v1/completions", "temperature", "0.5"),
+    ("/v1/chat/completions", "stream_options", {"include_usage": "yes"})])
+def test_lax_types_are_400_naming_the_field(server, path, field, value):
+    body = {"model": server.name, "max_tokens": 2}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    if field == "stream_options":
+        body["stream"] = True
+    body[field] = value
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
+
+
+def test_integer_temperature_is_still_a_float(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.name, "prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 1, "presence_penalty": 0})
+    assert r.status_code == 200, r.text[:300]
+
+
+# ------------------------------------------------------------------------------------------------ 9: slow bodies
+def test_incomplete_bodies_get_408_and_are_closed(server):
+    """Connections that announce 100,000 bytes and send 9: each gets 408 when the body timeout (1 s here) runs out,
+    then the server closes it; /health answered meanwhile."""
+    from hayabusa.entrypoints.openai.server import ServerThread, build_app
+
+    app = build_app(server.engine, ["tiny-qwen"], request_body_timeout=1.0)
+    with ServerThread(app) as t:
+        conns = [RawConnection(t.url, timeout=10) for _ in range(30)]
+        try:
+            t0 = time.monotonic()
+            for c in conns:
+                c.send("POST", "/v1/completions", b'{"model":', headers={"Content-Length": "100000"})
+            assert httpx.get(t.url + "/health", timeout=5).status_code == 200
+            for c in conns:
+                status, headers, body = c.response()
+                assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
+                assert headers.get("connection", "").lower() == "close"
+                assert c.sock.recv(1) == b""                      # closed by the server
+            assert time.monotonic() - t0 < 8
+        finally:
+            for c in conns:
+                c.close()
+        r = httpx.post(t.url + "/v1/completions", content=ok_completion_body("tiny-qwen"),
+                       headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 200
+    wait_idle(server.engine)
+
+
+def test_bad_request_body_timeout_flag_is_refused(stories_dir, capsys):
+    from hayabusa.entrypoints.cli import main
+
+    assert main(["serve", stories_dir, "--request-body-timeout", "0"]) == 2
+    assert "--request-body-timeout" in capsys.readouterr().err
+
+
+def test_long_request_ids_and_field_names_are_shortened_in_logs(server, caplog):
+    engine = server.engine
+    engine.log_requests = True
+    try:
+        with caplog.at_level(logging.INFO):
+            extra = {f"field{i}-" + "f" * 5000: 1 for i in range(50)}
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": server.name, "prompt": "hi", "max_tokens": 2, "request_id": "r" * 512,
+                "stop": ["s" * 1000] * 100, **extra})
+            assert r.status_code == 200, r.text[:300]
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": server.name, "prompt": "hi", "max_tokens": 2, "request_id": "r" * 513})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    finally:
+        engine.log_requests = False
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert any("rrrr" in m for m in messages) and any("field0-" in m for m in messages)
+    assert max(len(m) for m in messages) < 1200
+
+
+# ------------------------------------------------------------------------------------------------ 10: chat kwargs
+@pytest.mark.parametrize("key", ["messages", "conversations", "conversation", "tools", "add_generation_prompt",
+                                 "continue_final_message", "chat_template", "tokenize", "return_dict"])
+def test_reserved_chat_template_kwargs_are_400_by_name(server, key):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template_kwargs": {key: [], "enable_thinking": False}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "chat_template_kwargs" and key in err["message"], r.text[:300]
+    assert "multiple values" not in err["message"]
+
+
+def test_other_chat_template_kwargs_reach_the_template(server):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template": "{{ greeting }} {{ messages[0]['content'] }}", "chat_template_kwargs": {"greeting": "hello"},
+        "echo": True})
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_reserved_chat_template_kwargs_are_refused_by_the_python_api(tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    from hayabusa.entrypoints.chat_utils import render_chat
+    from hayabusa.errors import HayabusaValidationError
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    for key in ("messages", "conversations"):
+        with pytest.raises(HayabusaValidationError) as e:
+            render_chat(tok, [{"role": "user", "content": "hi"}], chat_template_kwargs={key: []})
+        assert e.value.parameter == "chat_template_kwargs" and key in str(e.value)
+
+
+def test_two_content_type_headers_are_415(server):
+    conn = RawConnection(server.url)
+    try:
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {conn.host}\r\nContent-Type: application/json\r\n"
+                "Content-Type: text/plain\r\n")
+        body = ok_completion_body(server.name)
+        conn.sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        status, _, raw = conn.response()
+        assert status == 415 and json.loads(raw)["error"]["code"] == "unsupported_media_type", raw
+        assert conn.request("POST", "/v1/completions", body)[0] == 200           # the same connection
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------------------------------------------ 11: legacy functions
+FUNCTIONS = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
+
+
+@pytest.mark.parametrize("field,value,status", [("functions", FUNCTIONS, 400), ("function_call", "auto", 400),
+                                                ("function_call", {"name": "f"}, 400), ("functions", [], 200),
+                                                ("function_call", "none", 200), ("parallel_tool_calls", False, 200),
+                                                ("functions", None, 200)])
+def test_legacy_function_calling_is_refused_not_ignored(server, field, value, status):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["error"]["param"] == field and "not supported" in r.json()["error"]["message"]

@@ -15,4 +15,7 @@ Nothing here is imported by ``import hayabusa``: fastapi, uvicorn, pydantic and 
 # request while bounding what one client can make the server hold.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0            # seconds of drain on shutdown
+# Seconds a client has to send a whole request body, once its headers are in; then 408 and the connection closes
+# (a client that announces a Content-Length and never sends it would otherwise hold its connection forever).
+DEFAULT_REQUEST_BODY_TIMEOUT = 30.0
 REQUEST_CHAT_TEMPLATE_TIME_LIMIT = 5.0     # seconds a request's own chat template may take to render

@@ -16,8 +16,8 @@ import sys
 from typing import Any
 
 from hayabusa.config import EngineArgs
-from hayabusa.entrypoints.openai import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
-                                         REQUEST_CHAT_TEMPLATE_TIME_LIMIT)
+from hayabusa.entrypoints.openai import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT,
+                                         DEFAULT_SHUTDOWN_TIMEOUT, REQUEST_CHAT_TEMPLATE_TIME_LIMIT)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -40,6 +40,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"{REQUEST_CHAT_TEMPLATE_TIME_LIMIT:g} s limit); refused with a 400 otherwise")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="larger request bodies get 413 (default: %(default)s = 32 MiB)")
+    p.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT,
+                   help="seconds a client has to send a request's whole body; then 408 and the connection closes "
+                        "(default: %(default)s)")
     p.add_argument("--allowed-hosts", nargs="+", default=[],
                    help="Host header names accepted besides localhost, 127.0.0.1 and ::1 ('*': any). Checked "
                         "when --host is a loopback address or this flag is given (DNS-rebinding protection)")
@@ -87,6 +90,10 @@ def run_serve(ns: argparse.Namespace) -> int:
         print("hayabusa serve: --max-request-body-bytes must be at least 1 and --shutdown-timeout at least 0, got "
               f"{ns.max_request_body_bytes} and {ns.shutdown_timeout}.", file=sys.stderr)
         return 2
+    if not 0 < ns.request_body_timeout < float("inf"):
+        print(f"hayabusa serve: --request-body-timeout must be a positive number, got {ns.request_body_timeout}.",
+              file=sys.stderr)
+        return 2
     try:
         from hayabusa.entrypoints.openai.server import build_app, run_server
     except ImportError as e:
@@ -103,7 +110,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     names = ns.served_model_name or [default_served_name(model)]
     app = build_app(engine, names, api_key=ns.api_key, chat_template=chat_template, model_path=model,
                     trust_request_chat_template=ns.trust_request_chat_template,
-                    max_request_body_bytes=ns.max_request_body_bytes,
+                    max_request_body_bytes=ns.max_request_body_bytes, request_body_timeout=ns.request_body_timeout,
                     allowed_hosts=allowed_hosts(ns.host, ns.allowed_hosts), allowed_origins=ns.allowed_origins,
                     public_docs_and_metrics=ns.public_docs_and_metrics)
     print(f"hayabusa serve: {names[0]} on http://{ns.host}:{ns.port} (OpenAI API under /v1; Ctrl-C stops)",

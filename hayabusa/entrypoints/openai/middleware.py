@@ -84,7 +84,7 @@ class APIKeyMiddleware:
 
     def __init__(self, app: Any, api_key: str, public_docs_and_metrics: bool = False) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.keyed_paths = () if public_docs_and_metrics else KEYED_NON_V1_PATHS
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -93,7 +93,9 @@ class APIKeyMiddleware:
                 path.startswith("/v1") or path in self.keyed_paths):
             return await self.app(scope, receive, send)
         auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if hmac.compare_digest(auth, self.expected):
+        scheme, _, token = auth.partition(b" ")
+        # The scheme is case-insensitive (RFC 7235: "bearer", "BEARER"); the key is compared in constant time.
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(b" "), self.expected):
             return await self.app(scope, receive, send)
         msg = "Incorrect API key provided." if auth else "Missing API key: send 'Authorization: Bearer <key>'."
         await _reply(scope, receive, send, 401, msg, "authentication_error", "invalid_api_key")

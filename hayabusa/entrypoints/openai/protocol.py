@@ -27,12 +27,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "logits_processors": (),
+    # OpenAI's legacy function calling (superseded by tools / tool_choice)
+    "functions": ([],),
+    "function_call": ("none",),
 }
 
 
 class OpenAIBaseModel(BaseModel):
-    # NaN / Infinity are refused for every float field (JSON has neither; Python's json accepts both).
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # NaN / Infinity are refused for every float field (JSON has neither; Python's json accepts both). Strict:
+    # no coercion ("5" is not an int, true / 2.0 are not an n, "no" is not a bool), as the Python API; an integer
+    # is still a float (``"temperature": 1``).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -141,7 +146,15 @@ class OpenAIError(Exception):
 
 
 def error_body(message: str, type: str, param: str | None = None, code: Any = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """Every error body the server sends is built here: text the client sent (a field name, a value) that is not
+    valid UTF-8 -- a lone surrogate -- is escaped (``\\ud800``), so no error response can fail to encode."""
+    return {"error": {"message": _encodable(message), "type": type, "param": _encodable(param), "code": code}}
+
+
+def _encodable(text: Any) -> Any:
+    if type(text) is not str or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ErrorInfo(BaseModel):

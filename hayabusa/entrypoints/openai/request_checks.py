@@ -1,6 +1,7 @@
 """Checks of a request body before any handler sees it, and a time limit for untrusted template code.
 
-Every failure here is the client's: ``OpenAIError`` with status 413 (too large), 415 (not JSON) or 400 (the JSON
+Every failure here is the client's: ``OpenAIError`` with status 408 (the body too slow), 413 (too large), 415 (not
+JSON) or 400 (the JSON
 itself: malformed, nested too deep, an integer that does not fit 64 bits, NaN / Infinity, a string that is not
 valid UTF-8 -- a lone surrogate such as ``"\\ud800"`` -- naming the top-level field it is in).
 """
@@ -11,45 +12,107 @@ import asyncio
 import ctypes
 import json
 import math
+import re
 import threading
 from typing import Any, Callable
 
+from hayabusa.entrypoints.chat_utils import RESERVED_CHAT_TEMPLATE_KWARGS
 from hayabusa.entrypoints.openai.protocol import OpenAIError
 
 # JSON nested deeper than this is refused (no request field needs more; deep nesting costs recursion later on).
 MAX_JSON_DEPTH = 64
 INT64_MAX = (1 << 63) - 1
 
+# Structural bounds, each checked with one len() on the parsed JSON before any per-element work (validation,
+# tokenization), so that a body under the size limit cannot buy seconds of CPU with millions of tiny elements.
+# Arrays + objects in a body: parsing allocates one Python object each, in one C call that holds the GIL (about
+# 0.4 s per million, more when it sets off a garbage collection); 2^18 leaves room for MAX_MESSAGES messages with
+# content parts. Counted on the raw bytes (brackets inside strings left out).
+MAX_JSON_CONTAINERS = 262_144
+# Array elements + object members (commas, outside strings): even small integers cost ~60 ms per million to parse,
+# all in that one call. 4M is more token ids than 32 MiB of real ones (5-6 digits and a separator each) can hold.
+MAX_JSON_ITEMS = 4_000_000
+MAX_PROMPTS = 1024           # prompts in one completions request (n x prompts is capped at this too)
+MAX_MESSAGES = 65_536        # messages in one chat request
+# Stop strings and stop token ids: every generated token is checked against each of them (vLLM has no cap; one
+# request with 100,000 stop strings slowed every other stream 8x).
+MAX_STOP_STRINGS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_REQUEST_ID_CHARS = 512   # longer request_ids are refused (and ids are shortened in log lines)
+# Bodies larger than this are parsed and validated on a worker thread, off the event loop.
+OFF_LOOP_BODY_BYTES = 64 * 1024
+# chat_template_kwargs a chat request may not set: those render_chat refuses, and the request's own fields (set
+# them as fields). Others ("enable_thinking", "documents", ...) reach the template.
+REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS = RESERVED_CHAT_TEMPLATE_KWARGS | {"tools", "add_generation_prompt",
+                                                                         "continue_final_message"}
+
 
 def is_json_content_type(value: str | None) -> bool:
-    """``application/json`` or ``application/<anything>+json``, with any parameters (``; charset=utf-8``)."""
+    """``application/json`` or ``application/<anything>+json``; a ``charset`` parameter, if any, must be utf-8
+    (JSON is UTF-8, RFC 8259; the body is read as UTF-8 whatever the header says)."""
     if not value:
         return False
-    media = value.split(";", 1)[0].strip().lower()
+    media, *params = value.split(";")
+    media = media.strip().lower()
+    for p in params:
+        name, _, v = p.partition("=")
+        if name.strip().lower() == "charset" and v.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return False
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def read_json_body(request: Any, max_bytes: int) -> dict[str, Any]:
-    """The request's JSON object, read under the size limit (while reading, so a chunked body without
-    Content-Length is cut off as soon as it passes the limit), then checked by ``check_json_values``."""
-    ctype = request.headers.get("content-type")
+async def read_body(request: Any, max_bytes: int, timeout: float | None = None) -> bytes:
+    """The request's body, read under the size limit (while reading, so a chunked body without Content-Length is
+    cut off as soon as it passes the limit) and within ``timeout`` seconds (408 then: the server closes the
+    connection); 415 unless it is JSON."""
+    values = request.headers.getlist("content-type")
+    if len(values) > 1:
+        raise OpenAIError(415, f"A request must carry one Content-Type header, got {len(values)}: {values!r}"[:300],
+                          code="unsupported_media_type")
+    ctype = values[0] if values else None
     if not is_json_content_type(ctype):
-        raise OpenAIError(415, f"Content-Type must be application/json, got {ctype!r}.",
+        raise OpenAIError(415, f"Content-Type must be application/json (charset, if given, utf-8), got {ctype!r}.",
                           code="unsupported_media_type")
     length = request.headers.get("content-length")
     too_large = f"The request body is larger than the server's limit of {max_bytes} bytes."
     if length is not None and length.strip().isdigit() and int(length) > max_bytes:
         raise OpenAIError(413, too_large, code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise OpenAIError(413, too_large, code="request_too_large")
-        chunks.append(chunk)
-    return parse_json_object(b"".join(chunks))
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise OpenAIError(413, too_large, code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise OpenAIError(408, f"The request body was not received within {timeout:g} s.",
+                          code="request_timeout") from None
+    return b"".join(chunks)
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def count_json_structure(body: bytes) -> tuple[int, int]:
+    """(arrays + objects, commas) of a JSON text outside its strings, without parsing it: upper bounds on the
+    containers and items that parsing would build (exact for valid JSON)."""
+    containers, commas = body.count(b"[") + body.count(b"{"), body.count(b",")
+    if containers > MAX_JSON_CONTAINERS or commas > MAX_JSON_ITEMS:   # brackets inside strings count too:
+        stripped = _STRING.sub(b"", body)                              # count again without the strings
+        containers, commas = stripped.count(b"[") + stripped.count(b"{"), stripped.count(b",")
+    return containers, commas
+
+
+def parse_json_object(body: bytes, check_shape: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The body's JSON object: at most MAX_JSON_CONTAINERS arrays and objects, then ``check_shape(data)`` (cheap
+    structural bounds), then ``check_json_values``. 400 for each failure."""
+    if len(body) > MAX_JSON_CONTAINERS:
+        containers, commas = count_json_structure(body)
+        if containers > MAX_JSON_CONTAINERS or commas >= MAX_JSON_ITEMS:
+            raise OpenAIError(400, f"The request body holds more than {MAX_JSON_CONTAINERS} JSON arrays and "
+                              f"objects or more than {MAX_JSON_ITEMS} items in them; no request needs that many.",
+                              code="invalid_json")
     try:
         data = json.loads(body)      # NaN / Infinity parse as floats: check_json_values names their field
     except (ValueError, RecursionError) as e:   # JSONDecodeError, bad UTF-8, 4300+ digit integers
@@ -57,8 +120,62 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise OpenAIError(400, f"The request body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+    if check_shape is not None:
+        check_shape(data)
     check_json_values(data)
     return data
+
+
+def _bound(data: dict[str, Any], field: str, limit: int, what: str) -> None:
+    value = data.get(field)
+    if type(value) is list and len(value) > limit:
+        raise OpenAIError(400, f"{field}: at most {limit} {what} are accepted, got {len(value)}.", param=field)
+
+
+def check_request_shape(data: dict[str, Any], max_model_len: int) -> None:
+    """The structural bounds (a len() each), before any per-element work: the number of prompts, messages, stop
+    strings and stop token ids, a token-id prompt's length (without ``truncate_prompt_tokens``), the length of
+    ``request_id``; reserved names in ``chat_template_kwargs``. 400 naming the field."""
+    prompt = data.get("prompt")
+    if type(prompt) is list and prompt:
+        prompts = [prompt] if type(prompt[0]) is int else prompt
+        if len(prompts) > MAX_PROMPTS:
+            raise OpenAIError(400, f"a request may ask for at most {MAX_PROMPTS} completions (n x prompts), got "
+                              f"{len(prompts)} prompts.", param="prompt")
+        if data.get("truncate_prompt_tokens") is None:
+            for p in prompts:
+                if type(p) is list and len(p) > max_model_len:
+                    raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                                      f"However, your prompt has {len(p)} tokens, which leaves no room for the "
+                                      "completion.", param="prompt", code="context_length_exceeded")
+    _bound(data, "messages", MAX_MESSAGES, "messages")
+    _bound(data, "stop", MAX_STOP_STRINGS, "stop strings")
+    _bound(data, "stop_token_ids", MAX_STOP_TOKEN_IDS, "stop token ids")
+    kwargs = data.get("chat_template_kwargs")
+    if type(kwargs) is dict and not REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS.isdisjoint(kwargs):
+        names = sorted(REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS.intersection(kwargs))
+        raise OpenAIError(400, f"chat_template_kwargs may not set {', '.join(names)} (the request's own fields "
+                          "and the conversation are passed to the template by the server).",
+                          param="chat_template_kwargs")
+    rid = data.get("request_id")
+    if type(rid) is str and len(rid) > MAX_REQUEST_ID_CHARS:
+        raise OpenAIError(400, f"request_id: at most {MAX_REQUEST_ID_CHARS} characters are accepted, got "
+                          f"{len(rid)}.", param="request_id")
+
+
+def split_token_prompt(data: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
+    """A prompt of token ids (a list of ints, or of lists of ints) checked here, element by element in Python (a
+    worker thread running this lets the event loop in), and replaced by a one-token stand-in of the same shape in
+    the returned copy of ``data``: pydantic's check of a long list is one call that holds the GIL throughout.
+    Returns ``(data, None)`` when the prompt is anything else (pydantic checks it)."""
+    prompt = data.get("prompt")
+    if type(prompt) is not list or not prompt:
+        return data, None
+    if all(type(x) is int for x in prompt):
+        return {**data, "prompt": [0]}, prompt
+    if all(type(p) is list and p and all(type(x) is int for x in p) for p in prompt):
+        return {**data, "prompt": [[0]]}, prompt
+    return data, None
 
 
 def check_json_values(data: dict[str, Any]) -> None:

@@ -8,11 +8,14 @@ Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``
 integer beyond 64 bits, NaN / Infinity, a lone surrogate), a failed field check, a HayabusaValidationError (its
 ``.parameter`` becomes ``param``) -> 400; a Host not on the allow list -> 400; a wrong or missing key -> 401 (routes
 under /v1, and /metrics, /docs, /openapi.json unless made public); a foreign Origin -> 403; a body over
-``max_request_body_bytes`` -> 413; a Content-Type other than JSON -> 415; a dead engine or a server shutting down
+``max_request_body_bytes`` -> 413; a body not received within ``request_body_timeout`` -> 408 (connection
+closed); a Content-Type other than JSON -> 415; a dead engine or a server shutting down
 -> 503; anything else -> 500 (a bug, logged once with its traceback). None of them closes the connection (but a
-413 whose body was not read).
+413 whose body was not read, and a 408).
 
-Per-request CPU work (chat templates, tokenization) runs on a thread pool, so one large request does not stall the
+Bodies over 64 KiB are parsed and validated on a worker thread, after cheap structural bounds (request_checks.py:
+how many arrays, objects, prompts, messages, stop strings; 400 naming the field). Per-request CPU work (chat
+templates, tokenization) runs on a thread pool, so one large request does not stall the
 other clients' streams; a request's own chat template is refused unless ``trust_request_chat_template``, and then
 runs under a time limit. On shutdown, open requests get ``shutdown_timeout`` seconds to finish; then each open
 stream ends with an error event and ``[DONE]``.
@@ -45,12 +48,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hayabusa import __version__
 from hayabusa.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
-from hayabusa.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
+from hayabusa.entrypoints.openai import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT,
+                                         DEFAULT_SHUTDOWN_TIMEOUT)
 from hayabusa.entrypoints.openai.middleware import (LOOPBACK_HOSTS, APIKeyMiddleware, HostOriginMiddleware,
                                                     InternalErrorMiddleware)
 from hayabusa.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                                   OpenAIError, error_body)
-from hayabusa.entrypoints.openai.request_checks import read_json_body
+from hayabusa.entrypoints.openai.request_checks import (OFF_LOOP_BODY_BYTES, check_request_shape, parse_json_object,
+                                                        read_body, split_token_prompt)
 from hayabusa.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown, SSEStream, sse
 from hayabusa.errors import HayabusaValidationError
 
@@ -193,12 +198,26 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return None
 
 
-async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int) -> Any:
-    data = await read_json_body(request, max_body_bytes)
+async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int, max_model_len: int,
+                 body_timeout: float) -> Any:
+    """Read, parse and validate the body; a body over OFF_LOOP_BODY_BYTES on a worker thread (the event loop
+    keeps serving the others meanwhile), after the structural bounds of ``check_request_shape``."""
+    body = await read_body(request, max_body_bytes, body_timeout)
+    if len(body) <= OFF_LOOP_BODY_BYTES:
+        return _validate(body, model, max_model_len)
+    return await asyncio.to_thread(_validate, body, model, max_model_len)
+
+
+def _validate(body: bytes, model: type[BaseModel], max_model_len: int) -> Any:
+    data = parse_json_object(body, lambda d: check_request_shape(d, max_model_len))
+    data, token_prompt = split_token_prompt(data)
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e.errors()) from None
+    if token_prompt is not None:
+        req.prompt = token_prompt
+    return req
 
 
 def _validation_error(errors: list[dict]) -> OpenAIError:
@@ -216,7 +235,8 @@ def _validation_error(errors: list[dict]) -> OpenAIError:
 
 
 def _error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # 408: the rest of the body may still come; the connection is closed rather than read on.
+    return JSONResponse(e.body(), status_code=e.status, headers={"Connection": "close"} if e.status == 408 else None)
 
 
 # ---------------------------------------------------------------------------------------------------- the app
@@ -224,6 +244,7 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
               chat_template: str | None = None, model_path: str | None = None,
               trust_request_chat_template: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT,
               allowed_hosts: list[str] | tuple[str, ...] | None = LOOPBACK_HOSTS,
               allowed_origins: list[str] | tuple[str, ...] = (), public_docs_and_metrics: bool = False) -> FastAPI:
     """The FastAPI app over a running AsyncLLMEngine.
@@ -237,6 +258,7 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
         model_path: the model as loaded (a folder or Hub id): also accepted as ``model`` in requests, never shown.
         trust_request_chat_template: accept a request's own ``chat_template`` (rendered under a time limit).
         max_request_body_bytes: larger bodies get 413.
+        request_body_timeout: seconds to receive a whole body once the headers are in; then 408, connection closed.
         allowed_hosts: Host header names accepted (any port); None: any ("*" in the list too).
         allowed_origins: browser origins allowed cross-site (CORS on for them; "*": any); the server's own
             origin is always allowed.
@@ -307,12 +329,14 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest, max_request_body_bytes)
+        req = await _parse(request, CompletionRequest, max_request_body_bytes, max_model_len,
+                           request_body_timeout)
         return _respond(await _until_disconnect(request, serving.completions(req)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest, max_request_body_bytes)
+        req = await _parse(request, ChatCompletionRequest, max_request_body_bytes, max_model_len,
+                           request_body_timeout)
         return _respond(await _until_disconnect(request, serving.chat(req)))
 
     return app

@@ -29,7 +29,7 @@ from hayabusa.entrypoints.chat_utils import render_chat
 from hayabusa.entrypoints.openai import REQUEST_CHAT_TEMPLATE_TIME_LIMIT
 from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                                   CompletionRequest, OpenAIError, SamplingFields, error_body)
-from hayabusa.entrypoints.openai.request_checks import TimeLimitExceeded, run_with_time_limit
+from hayabusa.entrypoints.openai.request_checks import MAX_PROMPTS, TimeLimitExceeded, run_with_time_limit
 from hayabusa.errors import ChatTemplateError, HayabusaValidationError
 from hayabusa.outputs import Logprob, RequestOutput
 from hayabusa.sampling_params import SamplingParams, StructuredOutputsParams
@@ -38,7 +38,7 @@ from hayabusa.structured_output.manager import parse_grammar
 logger = logging.getLogger(__name__)
 
 # Most completions per request (n x prompts): a bound on what one HTTP request can ask of the engine.
-MAX_CHOICES = 1024
+MAX_CHOICES = MAX_PROMPTS
 # Threads for per-request CPU work (template rendering, tokenization): the tokenizers release the GIL, so a long
 # prompt being tokenized does not stall the event loop and the other clients' streams.
 NUM_PREPROCESS_THREADS = 4
@@ -293,6 +293,7 @@ class OpenAIServing:
             items = list(p)
         if not items:
             raise OpenAIError(400, "prompt must not be empty.", param="prompt")
+        self._check_num_choices(req.n * len(items))           # before any tokenizing
         texts = [item for item in items if isinstance(item, str)]
         truncating = req.truncate_prompt_tokens is not None
         for text in texts:
@@ -494,8 +495,9 @@ class OpenAIServing:
     # ------------------------------------------------------------------ shared steps
     def _check_common(self, req: SamplingFields) -> str:
         if req.model is not None and req.model not in self.model_names and req.model not in self.model_aliases:
-            raise OpenAIError(400, f"The model `{req.model}` does not exist; this server serves "
-                              f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
+            raise OpenAIError(404, f"The model `{req.model}` does not exist; this server serves "   # OpenAI's 404
+                              f"{', '.join(self.model_names)}.", param="model", type="invalid_request_error",
+                              code="model_not_found")
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options can only be given with stream=true.", param="stream_options")
         if req.model_extra:
@@ -506,7 +508,8 @@ class OpenAIServing:
                 elif value is not None and value not in UNSUPPORTED_FIELDS[name]:
                     raise OpenAIError(400, f"{name} is not supported yet; leave it unset (or null).", param=name)
             if unknown:   # ascii(): names from the client cannot forge a log line
-                logger.warning("ignoring unknown request field(s): %s", ", ".join(ascii(n) for n in sorted(unknown)))
+                logger.warning("ignoring unknown request field(s): %.1000s",   # at most 1000 characters of them
+                               ", ".join(ascii(n[:100]) for n in sorted(unknown)[:20]))
         if req.model is None or req.model in self.model_aliases:
             return self.model_names[0]
         return req.model
