@@ -72,6 +72,41 @@ def make_param(layer: nn.Module, name: str, data: torch.Tensor, output_dim: int 
     return p
 
 
+def create_w8a8_checkpoint_params(layer: nn.Module, in_features: int, output_sizes: list[int], device: Any,
+                                  weight_dtype: torch.dtype, weight_strategy: str, static_input: bool,
+                                  zero_points: bool = False) -> None:
+    """The parameters of a W8A8 checkpoint's Linear (FP8 or INT8, the same layout): ``weight`` [N, K] of
+    ``weight_dtype``; ``weight_scale`` [N, 1] fp32 ("channel") or one fp32 per checkpoint shard ("tensor");
+    ``input_scale`` one fp32 per shard when ``static_input``. ``zero_points``: also accept optional
+    ``weight_zero_point`` / ``input_zero_point`` of the same shapes (int32; symmetric exports write zeros)."""
+    N, S = sum(output_sizes), len(output_sizes)
+    per_shard = dict(output_dim=None, shard_indexed=True)
+    make_param(layer, "weight", torch.empty(N, in_features, dtype=weight_dtype, device=device))
+    if weight_strategy == "channel":
+        make_param(layer, "weight_scale", torch.empty(N, 1, dtype=torch.float32, device=device))
+        if zero_points:
+            make_param(layer, "weight_zero_point", torch.zeros(N, 1, dtype=torch.int32, device=device), optional=True)
+    else:
+        make_param(layer, "weight_scale", torch.empty(S, dtype=torch.float32, device=device), **per_shard)
+        if zero_points:
+            make_param(layer, "weight_zero_point", torch.zeros(S, dtype=torch.int32, device=device), optional=True,
+                       **per_shard)
+    if static_input:
+        make_param(layer, "input_scale", torch.empty(S, dtype=torch.float32, device=device), **per_shard)
+        if zero_points:
+            make_param(layer, "input_zero_point", torch.zeros(S, dtype=torch.int32, device=device), optional=True,
+                       **per_shard)
+
+
+def per_channel_weight_scale(layer: nn.Module, weight_strategy: str) -> torch.Tensor:
+    """A loaded W8A8 checkpoint's ``weight_scale`` as one fp32 per output channel [N]: "channel" as it is,
+    "tensor" (one per shard) repeated over each shard's rows (exact, no requantization)."""
+    if weight_strategy == "channel":
+        return layer.weight_scale.data.float().reshape(-1)
+    sizes = torch.tensor(layer.output_sizes, device=layer.weight_scale.device)
+    return torch.repeat_interleave(layer.weight_scale.data.float(), sizes)
+
+
 def replace_param(layer: nn.Module, name: str, data: torch.Tensor | None) -> None:
     """Swap parameter ``name`` for ``data`` (or remove it) after loading; the old storage is freed with it."""
     if name in layer._parameters:  # noqa: SLF001

@@ -46,7 +46,8 @@ from hayabusa.kernels.fp8_quant import (  # noqa: F401  (FP8_MAX, MIN_SCALE: re-
     per_token_quant_fp8,
     per_token_quant_fp8_ref,
 )
-from hayabusa.quantization.base import LinearMethod, QuantizationConfig, is_ignored, make_param, replace_param
+from hayabusa.quantization.base import (LinearMethod, QuantizationConfig, create_w8a8_checkpoint_params, is_ignored,
+                                        make_param, per_channel_weight_scale, replace_param)
 
 # FP8_DTYPE (float8_e4m3fn), FP8_MAX (448.0) and MIN_SCALE (the dynamic scale's floor, 1 / (448 * 512), as vLLM)
 # come from kernels/fp8_quant.py, where the activation quantizer lives.
@@ -126,19 +127,11 @@ class Fp8LinearMethod(LinearMethod):
         self.static_input = static_input
 
     def create_weights(self, layer, in_features, output_sizes, dtype, device):
-        N, S = sum(output_sizes), len(output_sizes)
         if not self.checkpoint_fp8:
-            make_param(layer, "weight", torch.empty(N, in_features, dtype=dtype, device=device))
+            make_param(layer, "weight", torch.empty(sum(output_sizes), in_features, dtype=dtype, device=device))
             return
-        make_param(layer, "weight", torch.empty(N, in_features, dtype=FP8_DTYPE, device=device))
-        if self.weight_strategy == "channel":
-            make_param(layer, "weight_scale", torch.empty(N, 1, dtype=torch.float32, device=device))
-        else:
-            make_param(layer, "weight_scale", torch.empty(S, dtype=torch.float32, device=device), output_dim=None,
-                       shard_indexed=True)
-        if self.static_input:
-            make_param(layer, "input_scale", torch.empty(S, dtype=torch.float32, device=device), output_dim=None,
-                       shard_indexed=True)
+        create_w8a8_checkpoint_params(layer, in_features, output_sizes, device, FP8_DTYPE, self.weight_strategy,
+                                      self.static_input)
 
     def process_weights_after_loading(self, layer):
         w = layer.weight.data
@@ -147,11 +140,7 @@ class Fp8LinearMethod(LinearMethod):
             sw = sw.view(-1)
         else:
             wq = w
-            if self.weight_strategy == "channel":
-                sw = layer.weight_scale.data.float().reshape(-1)
-            else:   # per-shard scalars -> per-channel vector (exact, no requantization)
-                sizes = torch.tensor(layer.output_sizes, device=w.device)
-                sw = torch.repeat_interleave(layer.weight_scale.data.float(), sizes)
+            sw = per_channel_weight_scale(layer, self.weight_strategy)
         si = layer.input_scale.data.float().max() if self.static_input else None
         layer.fp8_scaled_mm = has_fp8_matmul(w.device)
         N, K = wq.shape

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
-from hayabusa.quantization.base import LinearMethod, QuantizationConfig, make_param, replace_param
+from hayabusa.quantization.base import (LinearMethod, QuantizationConfig, create_w8a8_checkpoint_params, make_param,
+                                        per_channel_weight_scale, replace_param)
 
 W8A8_INT8_MIN_CAPABILITY = (8, 0)
 W8A8_INT8_CAPABILITY_NOTE = "(Ampere, Ada, Hopper: int8 tensor cores)"
@@ -72,24 +73,11 @@ class Int8W8A8LinearMethod(LinearMethod):
         self.static_input = static_input
 
     def create_weights(self, layer, in_features, output_sizes, dtype, device):
-        N, S = sum(output_sizes), len(output_sizes)
         if not self.checkpoint_int8:
-            make_param(layer, "weight", torch.empty(N, in_features, dtype=dtype, device=device))
+            make_param(layer, "weight", torch.empty(sum(output_sizes), in_features, dtype=dtype, device=device))
             return
-        make_param(layer, "weight", torch.empty(N, in_features, dtype=torch.int8, device=device))
-        per_shard = dict(output_dim=None, shard_indexed=True)
-        if self.weight_strategy == "channel":
-            make_param(layer, "weight_scale", torch.empty(N, 1, dtype=torch.float32, device=device))
-            make_param(layer, "weight_zero_point", torch.zeros(N, 1, dtype=torch.int32, device=device),
-                       optional=True)
-        else:
-            make_param(layer, "weight_scale", torch.empty(S, dtype=torch.float32, device=device), **per_shard)
-            make_param(layer, "weight_zero_point", torch.zeros(S, dtype=torch.int32, device=device),
-                       optional=True, **per_shard)
-        if self.static_input:
-            make_param(layer, "input_scale", torch.empty(S, dtype=torch.float32, device=device), **per_shard)
-            make_param(layer, "input_zero_point", torch.zeros(S, dtype=torch.int32, device=device), optional=True,
-                       **per_shard)
+        create_w8a8_checkpoint_params(layer, in_features, output_sizes, device, torch.int8, self.weight_strategy,
+                                      self.static_input, zero_points=True)
 
     def process_weights_after_loading(self, layer):
         w = layer.weight.data
@@ -105,11 +93,7 @@ class Int8W8A8LinearMethod(LinearMethod):
                         "runs symmetric int8 weights and activations only.", parameter="model", value=name)
                 replace_param(layer, name, None)
             wq = w
-            if self.weight_strategy == "channel":
-                sw = layer.weight_scale.data.float().reshape(-1)
-            else:   # per-shard scalars -> per-channel vector (exact, no requantization)
-                sizes = torch.tensor(layer.output_sizes, device=w.device)
-                sw = torch.repeat_interleave(layer.weight_scale.data.float(), sizes)
+            sw = per_channel_weight_scale(layer, self.weight_strategy)
         # merged shards with static scales share the largest one (as vLLM does): no shard saturates earlier
         si = layer.input_scale.data.float().max().reshape(1) if self.static_input else None
         replace_param(layer, "weight", wq.contiguous())
