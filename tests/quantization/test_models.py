@@ -22,19 +22,11 @@ from hayabusa import LLM, SamplingParams
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.eval.fidelity import engine_hidden_fn, run_fidelity
 from hayabusa.quantization.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8_rows
-from tests.conftest import ASSETS, require_asset
-
-TEXT = ASSETS / "text" / "botchan.plain.txt"
-LINEAR_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _text() -> str:
-    return require_asset(TEXT).read_text(encoding="utf-8")[:40000]
-
+from tests.quantization._calibration import LINEAR_KEYS, calibration_text, input_amax
 
 def _fidelity(model: str, tokens: int, **engine_args):
     """hayabusa with engine_args vs the same checkpoint unquantized in float32, teacher-forced on the text."""
-    return run_fidelity(model, _text(), {"device": "cpu", **engine_args}, reference="hayabusa-bf16",
+    return run_fidelity(model, calibration_text(), {"device": "cpu", **engine_args}, reference="hayabusa-bf16",
                         reference_dtype="float32", max_text_tokens=tokens)
 
 
@@ -43,7 +35,7 @@ def _agreement(llm: LLM, ref: LLM, tokens: int) -> tuple[float, float]:
     512 tokens through each engine's paged KV cache): for checkpoints whose reference is another folder."""
     from hayabusa.eval.fidelity import _engine_logits_fn, chunk_text, compare_chunks
 
-    ids = llm.get_tokenizer()(_text()).input_ids[:tokens]
+    ids = llm.get_tokenizer()(calibration_text()).input_ids[:tokens]
     chunks, nxt = chunk_text(ids, 512)
     s = compare_chunks(chunks, nxt, _engine_logits_fn(llm), _engine_logits_fn(ref))
     return s["top1"] / s["n"], s["kl_sum"] / s["n"]
@@ -145,7 +137,7 @@ def _write_fp8_checkpoint(src: str, out: Path, qc: dict, per_channel: bool, stat
     for f in Path(src).iterdir():
         if f.name != "model.safetensors":
             shutil.copy(f, out / f.name)
-    amax = _input_amax(src) if static else {}
+    amax = input_amax(src) if static else {}
     tensors = {}
     for key, t in load_file(str(Path(src) / "model.safetensors")).items():
         module = key[: -len(".weight")]
@@ -165,29 +157,6 @@ def _write_fp8_checkpoint(src: str, out: Path, qc: dict, per_channel: bool, stat
     cfg["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(cfg))
     return str(out)
-
-
-def _input_amax(src: str) -> dict[str, torch.Tensor]:
-    """Largest |input| of each linear layer of the fp32 HF model over 1024 tokens of the text (calibration)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(src)(_text()).input_ids[:1024]
-    amax: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def fn(mod, args):
-            a = args[0].detach().abs().max()
-            amax[name] = torch.maximum(amax.get(name, a), a)
-        return fn
-
-    for name, mod in model.named_modules():
-        if name.endswith(LINEAR_KEYS):
-            mod.register_forward_pre_hook(hook(name))
-    with torch.no_grad():
-        for i in range(0, len(ids), 512):
-            model(torch.tensor([ids[i:i + 512]]))
-    return amax
 
 
 def _ct_config(strategy: str, dynamic: bool, ignore: list[str]) -> dict:
@@ -211,7 +180,7 @@ def test_compressed_tensors_per_channel_equals_online_fp8(stories_dir, tmp_path)
     qa, qb = a.model.layers[2].mlp.gate_up_proj, b.model.layers[2].mlp.gate_up_proj
     assert torch.equal(qa.weight.view(torch.uint8), qb.weight.view(torch.uint8))
     assert torch.equal(qa.weight_scale, qb.weight_scale) and qa.weight_scale.shape == (2 * 172,)
-    ids = loaded.get_tokenizer()(_text()).input_ids[:100]
+    ids = loaded.get_tokenizer()(calibration_text()).input_ids[:100]
     assert torch.equal(engine_hidden_fn(loaded)(ids), engine_hidden_fn(online)(ids))
 
 
@@ -274,7 +243,7 @@ def test_eval_fidelity_cli_per_scheme(stories_dir, scheme, tmp_path, capsys):
     from hayabusa.entrypoints.cli import main
 
     text = tmp_path / "t.txt"
-    text.write_text(_text()[:3000], encoding="utf-8")
+    text.write_text(calibration_text()[:3000], encoding="utf-8")
     rc = main(["eval", "--fidelity", "--model", stories_dir, "--text", str(text), "--device", "cpu",
                "--quantization", scheme, "--fidelity-tokens", "256"])
     out = capsys.readouterr().out

@@ -28,15 +28,7 @@ from hayabusa.eval.fidelity import engine_hidden_fn, run_fidelity
 from hayabusa.model.layers.linear import Linear
 from hayabusa.quantization import set_quantization_config
 from hayabusa.quantization.w8a8_int8 import Int8W8A8LinearMethod, W8A8Int8Config, quantize_int8_rows
-from tests.conftest import ASSETS, require_asset
-
-TEXT = ASSETS / "text" / "botchan.plain.txt"
-LINEAR_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _text() -> str:
-    return require_asset(TEXT).read_text(encoding="utf-8")[:40000]
-
+from tests.quantization._calibration import LINEAR_KEYS, calibration_text, input_amax
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
@@ -126,29 +118,6 @@ def _ct_int8_config(static: bool, strategy: str = "channel", **weights) -> dict:
                                       "strategy": "tensor" if static else "token", "dynamic": not static}}}}
 
 
-def _input_amax(src: str) -> dict[str, torch.Tensor]:
-    """Largest |input| of each linear layer of the fp32 HF model over 1024 tokens of the text (calibration)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(src)(_text()).input_ids[:1024]
-    amax: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def fn(mod, args):
-            a = args[0].detach().abs().max()
-            amax[name] = torch.maximum(amax.get(name, a), a)
-        return fn
-
-    for name, mod in model.named_modules():
-        if name.endswith(LINEAR_KEYS):
-            mod.register_forward_pre_hook(hook(name))
-    with torch.no_grad():
-        for i in range(0, len(ids), 512):
-            model(torch.tensor([ids[i:i + 512]]))
-    return amax
-
-
 def _write_int8_checkpoint(src: str, out: Path, qc: dict, static: bool, zero_points: bool) -> str:
     """stories260K re-saved with int8 linear weights, per-channel bf16 scales [N, 1] (what llm-compressor stores
     for a bf16 model), optional all-zero int8 zero points, static input scales = calibrated amax / 127."""
@@ -158,7 +127,7 @@ def _write_int8_checkpoint(src: str, out: Path, qc: dict, static: bool, zero_poi
     for f in Path(src).iterdir():
         if f.name != "model.safetensors":
             shutil.copy(f, out / f.name)
-    amax = _input_amax(src) if static else {}
+    amax = input_amax(src) if static else {}
     tensors = {}
     for key, t in load_file(str(Path(src) / "model.safetensors")).items():
         if not key.endswith(tuple(f"{k}.weight" for k in LINEAR_KEYS)):
@@ -182,7 +151,7 @@ def _agreement(llm: LLM, ref: LLM, tokens: int) -> tuple[float, float]:
     """(top-1 agreement, mean KL(ref || llm)) over the text through both engines' paged KV caches."""
     from hayabusa.eval.fidelity import _engine_logits_fn, chunk_text, compare_chunks
 
-    ids = llm.get_tokenizer()(_text()).input_ids[:tokens]
+    ids = llm.get_tokenizer()(calibration_text()).input_ids[:tokens]
     chunks, nxt = chunk_text(ids, 512)
     s = compare_chunks(chunks, nxt, _engine_logits_fn(llm), _engine_logits_fn(ref))
     return s["top1"] / s["n"], s["kl_sum"] / s["n"]
@@ -248,7 +217,7 @@ def test_online_w8a8_int8_on_stories260k(stories_dir):
     """Over 1024 tokens against fp32: measured top-1 0.969, KL 0.0030 (test_models.py: fp8 W8A8 0.90 / 0.028,
     int8 W8A16 0.98 / 0.0011 on the same text); bounds 0.93 / 0.01. Greedy continuations: the first 8 tokens
     agree on at least 2 of the 3 prompts."""
-    r = run_fidelity(stories_dir, _text(), {"device": "cpu", "quantization": "w8a8_int8"},
+    r = run_fidelity(stories_dir, calibration_text(), {"device": "cpu", "quantization": "w8a8_int8"},
                      reference="hayabusa-bf16", reference_dtype="float32", max_text_tokens=1024)
     print(f"w8a8_int8 vs fp32: top-1 {r.top1_agreement:.4f}, KL {r.mean_kl:.2e}")
     assert r.quantization == "w8a8_int8" and r.num_tokens == 1024
@@ -274,7 +243,7 @@ def test_online_equals_the_hidden_states_of_its_checkpoint(stories_dir, tmp_path
     save_file(t, str(f))
     loaded = LLM(ckpt, device="cpu", max_model_len=128)
     online = LLM(stories_dir, device="cpu", quantization="w8a8_int8", max_model_len=128)
-    ids = loaded.get_tokenizer()(_text()).input_ids[:100]
+    ids = loaded.get_tokenizer()(calibration_text()).input_ids[:100]
     assert torch.equal(engine_hidden_fn(loaded)(ids), engine_hidden_fn(online)(ids))
 
 
@@ -282,7 +251,7 @@ def test_eval_fidelity_cli_with_w8a8_int8(stories_dir, tmp_path, capsys):
     from hayabusa.entrypoints.cli import main
 
     text = tmp_path / "t.txt"
-    text.write_text(_text()[:3000], encoding="utf-8")
+    text.write_text(calibration_text()[:3000], encoding="utf-8")
     rc = main(["eval", "--fidelity", "--model", stories_dir, "--text", str(text), "--device", "cpu",
                "--quantization", "w8a8_int8", "--fidelity-tokens", "256"])
     out = capsys.readouterr().out
