@@ -182,10 +182,14 @@ class Scheduler:
     def grammar_bitmask(self, out: SchedulerOutput):
         """The next-token bitmask of the step's constrained requests (``out.structured_output_req_ids``), as a
         numpy array (see structured_output.fill_bitmask), or None when there are none. The engine calls it after
-        launching the step's model, so the host fills it while the device runs."""
+        launching the step's model and collecting the step before it (whose tokens its grammars must accept
+        first), so the host fills it while the device runs. A request that finished meanwhile gets a row that
+        allows everything (its token is dropped)."""
         if not out.structured_output_req_ids:
             return None
-        return fill_bitmask([self.requests[rid].structured for rid in out.structured_output_req_ids])
+        reqs = [self.requests.get(rid) for rid in out.structured_output_req_ids]
+        structured = [None if r is None or r.status.finished else r.structured for r in reqs]
+        return fill_bitmask(structured) if any(s is not None for s in structured) else None
 
     @staticmethod
     def _advance(req: Request, num_new: int) -> bool:
@@ -203,8 +207,7 @@ class Scheduler:
         pending = req.num_output_placeholders
         num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
         if pending and (req.num_output_tokens + pending >= req.max_tokens
-                        or req.num_tokens + pending >= self.config.max_model_len
-                        or req.structured is not None):  # its mask needs the pending token accepted first
+                        or req.num_tokens + pending >= self.config.max_model_len):
             return 0
         return num_new
 

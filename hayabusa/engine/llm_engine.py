@@ -281,17 +281,19 @@ class LLMEngine:
         With async scheduling the next step is scheduled and launched before the previous step's tokens are
         collected, so the host's bookkeeping overlaps the device's work; outputs then trail by one step. (The
         runner keeps every request's token history itself, with the tokens still on the device, so penalties and
-        min_tokens need no fallback to synchronous steps.) While a structured-output request is unfinished the
-        steps are synchronous: its next bitmask needs its last token accepted by its grammar first.
+        min_tokens need no fallback to synchronous steps.) A step with structured-output requests is split in
+        two: its model is queued, the previous step is collected (its tokens accepted by the grammars), then the
+        step's bitmask is filled on the host while the device still runs the model, and the step samples under it.
         """
-        overlap = self.async_scheduling and not self.scheduler.num_structured
+        overlap = self.async_scheduling
         if not overlap and self._pending is not None:
             return self._collect(*self._drain())
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         handle = self.runner.launch(sched) if not sched.is_empty else None
-        if handle is not None and sched.structured_output_req_ids:
+        constrained = handle is not None and bool(sched.structured_output_req_ids)
+        if constrained and not overlap:
             # the model is queued: fill the grammar bitmask while the device runs it, then mask and sample
             handle = self.runner.sample_tokens(handle, self.scheduler.grammar_bitmask(sched))
         self.stats["schedule_s"] += t1 - t0
@@ -311,8 +313,13 @@ class LLMEngine:
             self._pending = (sched, handle)
             return self._collect(*self._drain())
         previous = self._drain()
+        outputs = self._collect(*previous) if previous is not None else []
+        if constrained:  # the previous step's tokens are accepted: this step's mask, while its model runs
+            t2 = time.perf_counter()
+            handle = self.runner.sample_tokens(handle, self.scheduler.grammar_bitmask(sched))
+            self.stats["launch_s"] += time.perf_counter() - t2
         self._pending = (sched, handle) if handle is not None else None
-        return self._collect(*previous) if previous is not None else []
+        return outputs
 
     def _abort_grammar_failures(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile (the scheduler never admitted them) end as aborted, logged."""

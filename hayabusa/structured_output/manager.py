@@ -161,13 +161,14 @@ BATCH_FILL_MIN = 8
 _batch_matcher: list = []   # the BatchGrammarMatcher, made on first use
 
 
-def fill_bitmask(requests: list[StructuredOutputRequest]) -> np.ndarray:
+def fill_bitmask(requests: list[StructuredOutputRequest | None]) -> np.ndarray:
     """The next-token bitmask of each request ([len(requests), ceil(V / 32)] int32; bit j of word w allows token
-    32 w + j), filled by their matchers; many at once on xgrammar's threads. A terminated matcher's row allows
-    everything (its request ends with this step's update)."""
+    32 w + j), filled by their matchers; many at once on xgrammar's threads. The row of a terminated matcher, or of
+    None (a request that finished since the step was scheduled), allows everything: its token is dropped."""
     xgr = import_xgrammar()
-    bitmask = xgr.allocate_token_bitmask(len(requests), requests[0].vocab_size)
-    live = [i for i, r in enumerate(requests) if not r.matcher.is_terminated()]
+    vocab_size = next(r.vocab_size for r in requests if r is not None)   # at least one is not None
+    bitmask = xgr.allocate_token_bitmask(len(requests), vocab_size)
+    live = [i for i, r in enumerate(requests) if r is not None and not r.matcher.is_terminated()]
     if len(live) >= BATCH_FILL_MIN:
         if not _batch_matcher:
             _batch_matcher.append(xgr.BatchGrammarMatcher())

@@ -265,3 +265,41 @@ def test_other_requests_decode_while_a_grammar_compiles(tiny_qwen2, monkeypatch)
                 done[o.request_id] = o
     jsonschema.validate(json.loads(done["json"].outputs[0].text), SCHEMA)
     assert seen_mask and seen_mask[0][0] == ["json"] and seen_mask[0][1][1] * 32 >= eng.config.model_config.vocab_size
+
+
+def test_async_scheduling_gives_the_synchronous_outputs(tiny_qwen2, monkeypatch):
+    # With async scheduling a constrained step's model is queued before the previous step's tokens are accepted
+    # by the grammars; the bitmask is filled after. Outputs (greedy and seeded sampling, a stop string that ends a
+    # request while its next step is already scheduled, a grammar that completes early) equal the synchronous ones.
+    prompts, params = [], []
+    for i, p in enumerate(PROMPTS):
+        prompts += [p, p, p]
+        params += [_json_params(temperature=0), _json_params(temperature=1.0, seed=i, stop=['",']),
+                   SamplingParams(temperature=0, max_tokens=10,
+                                  structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]))]
+    from hayabusa.core import scheduler
+
+    finished_rows = []   # rows of requests that finished after their next step was scheduled (async only)
+
+    def fill(reqs):
+        finished_rows.append(sum(r is None for r in reqs))
+        return fill_bitmask(reqs)
+
+    fill_bitmask = scheduler.fill_bitmask
+    monkeypatch.setattr(scheduler, "fill_bitmask", fill)
+    results = []
+    for async_scheduling in (False, True):
+        finished_rows.clear()
+        llm = LLM(tiny_qwen2, max_num_seqs=16, max_model_len=512, async_scheduling=async_scheduling)
+        assert llm.llm_engine.async_scheduling is async_scheduling
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].text)
+                        for o in outs])
+    assert results[0] == results[1]
+    assert sum(finished_rows) > 0   # the async run met that case
+    for i, (_, reason, text) in enumerate(results[1]):
+        if i % 3 == 0:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif i % 3 == 2:
+            assert text in ("yes", "no", "maybe") and reason == "stop"
+    assert any(r == "stop" and not t.endswith("}") for _, r, t in results[1][1::3])  # a stop string ended one
