@@ -275,6 +275,15 @@ class ModelRunner:
             sampling_ids = [inp.req_ids[i] for i in inp.logits_rows.tolist()]
         index = {rid: i for i, rid in enumerate(sampling_ids)}
         rows = np.array([index[rid] for rid in req_ids], dtype=np.int64)
+        if self.staging is not None:  # through pinned buffers: the copy must not wait for the queued forward
+            n, W = bitmask.shape
+            if self.staging.get("bitmask") is None or self.staging["bitmask"].shape[1] != W:
+                self.staging["bitmask"] = torch.empty(self.max_num_reqs, W, dtype=torch.int32, pin_memory=True)
+                self.staging["bitmask_rows"] = torch.empty(self.max_num_reqs, dtype=torch.int64, pin_memory=True)
+            bm, rws = self.staging["bitmask"][:n], self.staging["bitmask_rows"][:n]
+            bm.numpy()[:] = bitmask
+            rws.numpy()[:] = rows
+            bitmask, rows = bm, rws
         apply_token_bitmask(logits, bitmask, rows)
 
     def forget_previous_step(self) -> None:

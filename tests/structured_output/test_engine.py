@@ -33,7 +33,8 @@ PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", 
 
 @pytest.fixture(scope="module", params=[1, 16], ids=["seqs1", "seqs16"])
 def llm(request, tiny_qwen2):
-    return LLM(tiny_qwen2, max_num_seqs=request.param, max_model_len=512)
+    # a fixed KV size: on a GPU the later tests' engines must still fit beside this one
+    return LLM(tiny_qwen2, max_num_seqs=request.param, max_model_len=512, num_gpu_blocks_override=256)
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +207,15 @@ def test_apply_token_bitmask_masks_only_the_given_rows():
     apply_token_bitmask(logits, bm, np.array([1]))
     assert torch.isfinite(logits[[0, 2]]).all()
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [5, 65]
+    # host tensors (the runner's pinned staging buffers on CUDA) work the same
+    logits2 = torch.zeros(3, 70)
+    apply_token_bitmask(logits2, torch.from_numpy(bm), torch.tensor([2]))
+    assert torch.isfinite(logits2[[0, 1]]).all()
+    assert torch.isfinite(logits2[2]).nonzero().flatten().tolist() == [5, 65]
 
 
 def test_grammar_compile_failure_aborts_only_that_request(tiny_qwen2, monkeypatch):
-    llm = LLM(tiny_qwen2, max_num_seqs=4, max_model_len=256)
+    llm = LLM(tiny_qwen2, max_num_seqs=4, max_model_len=256, num_gpu_blocks_override=128)
     mgr = llm.llm_engine.structured_output
 
     def broken(compiler, grammar, key):
@@ -228,7 +234,7 @@ def test_other_requests_decode_while_a_grammar_compiles(tiny_qwen2, monkeypatch)
     import pickle
     import threading
 
-    llm = LLM(tiny_qwen2, max_num_seqs=4, max_model_len=256)
+    llm = LLM(tiny_qwen2, max_num_seqs=4, max_model_len=256, num_gpu_blocks_override=128)
     eng, mgr = llm.llm_engine, llm.llm_engine.structured_output
     release = threading.Event()
     compile_ = mgr._compile
@@ -290,7 +296,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_qwen2, monkeypatch)
     results = []
     for async_scheduling in (False, True):
         finished_rows.clear()
-        llm = LLM(tiny_qwen2, max_num_seqs=16, max_model_len=512, async_scheduling=async_scheduling)
+        llm = LLM(tiny_qwen2, max_num_seqs=16, max_model_len=512, async_scheduling=async_scheduling,
+                  num_gpu_blocks_override=256)
         assert llm.llm_engine.async_scheduling is async_scheduling
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].text)
