@@ -30,7 +30,12 @@ def load_tokenizer(path: str, trust_remote_code: bool, revision: str | None = No
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+        if len(tokenizer) <= 1:
+            # transformers 5 builds an empty tokenizer from config.json's model_type alone when the folder has no
+            # tokenizer files: every text would become unknown ids and every grammar would allow nothing
+            raise ValueError("the folder has no tokenizer files (transformers made an empty vocabulary)")
+        return tokenizer
     except (OSError, ValueError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise HayabusaValidationError(

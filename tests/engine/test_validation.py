@@ -236,3 +236,17 @@ def test_extreme_but_valid_values_are_served(llm, kwargs):
     kwargs = {"max_tokens": 4, **kwargs}
     out = llm.generate("Once upon a time", SamplingParams(**kwargs), use_tqdm=False)[0]
     assert out.finished and 1 <= len(out.outputs[0].token_ids) <= MAX_LEN
+
+
+def test_a_folder_without_tokenizer_files_is_named_not_an_empty_vocabulary(tiny_qwen2, tmp_path):
+    # transformers 5 makes an empty (1-token) tokenizer from config.json alone; that must not pass for a tokenizer
+    import shutil
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{tiny_qwen2}/{name}", tmp_path / name)
+    with pytest.raises(HayabusaValidationError, match="no tokenizer files") as e:
+        LLM(str(tmp_path), max_model_len=128)
+    assert e.value.parameter == "tokenizer"
+    llm = LLM(str(tmp_path), max_model_len=128, skip_tokenizer_init=True)   # ids in, ids out still works
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
