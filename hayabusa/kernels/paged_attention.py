@@ -399,7 +399,7 @@ def _gather(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int, scal
 
 def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_row: torch.Tensor,
                 seq_len: int, scale: float, window: int, softcap: float, k_scale=None, v_scale=None,
-                chunk: int = 256) -> torch.Tensor:
+                chunk: int = 256, position_bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 attention of one request's queries q [q_len, H, D] -> [q_len, H, D] (chunks bound the memory)."""
     q_len, H, D = q.shape
     H_kv = k_cache.shape[2]
@@ -422,7 +422,11 @@ def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
         s = torch.bmm(qh, k[:, :, :hi]) * scale  # [H_kv, G * n, S']
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
-        s = s.view(H_kv, G, n, hi).masked_fill(~visible, float("-inf"))
+        s = s.view(H_kv, G, n, hi)
+        if position_bias is not None:  # bias[h, query_pos - key_pos] (clamped to the table: masked anyway)
+            dist = (pos[:, None] - key_pos[None, :hi]).clamp(0, position_bias.shape[1] - 1)  # [n, S']
+            s = s + position_bias[:, dist].view(H_kv, G, n, hi)
+        s = s.masked_fill(~visible, float("-inf"))
         p = torch.softmax(s, dim=-1).view(H_kv, G * n, hi)
         o = torch.bmm(p, v[:, :hi])  # [H_kv, G * n, D]
         out[c0:c1] = o.view(H_kv, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
@@ -434,7 +438,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, max_query_len: int, num_seqs: int | None = None,
                         sliding_window: int | None = None, softcap: float | None = None,
                         *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> None:
+                        v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None) -> None:
     """Plain-torch paged_attention (same arguments and semantics; max_query_len and num_kv_splits are unused).
 
     A per-request loop that gathers K/V through the block table (fp8 caches dequantized to fp32 as fp8 * scale)
@@ -451,5 +455,5 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if q_end <= q_start or seq_len <= 0:
             continue
         o = _attend_one(q[q_start:q_end], k_cache, v_cache, block_table[r], seq_len, scale, window, cap,
-                        k_scale, v_scale)
+                        k_scale, v_scale, position_bias=position_bias)
         out[q_start:q_end] = o.to(out.dtype)
