@@ -66,6 +66,7 @@ def hf_t5_greedy(model_dir: str, encoder_ids: list[list[int]], max_new_tokens: i
     with torch.no_grad():
         for ids in encoder_ids:
             g = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=None,
-                               do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=model.config.pad_token_id)
+                               do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=model.config.pad_token_id,
+                               use_cache=False)  # transformers sizes its cache by num_layers, not num_decoder_layers
             outs.append(g[0, 1:].tolist())   # drop decoder_start_token_id
     return outs
