@@ -1,0 +1,173 @@
+"""T5 (encoder-decoder) in the engine: greedy token ids equal HF ``generate`` (float32, CPU) on tiny random-weight
+checkpoints of original T5 (ReLU, tied and scaled head) and T5 v1.1 (gated-GELU, untied head), with a real
+SentencePiece tokenizer (Japanese and English); batch sizes, very different encoder lengths in one batch,
+preemption, n = 2 seeded sampling, explicit encoder/decoder prompts, logprobs, abort, and the encoder limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hayabusa import LLM, SamplingParams
+from hayabusa.errors import HayabusaValidationError
+from tests.models._t5 import T5_EN_PROMPTS, T5_JA_PROMPTS, hf_t5, hf_t5_greedy, save_tiny_t5
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# a long encoder input next to 1-3 token ones: very different lengths in one batch
+LONG = "Receipt: " + " ".join(f"item{i} ¥{100 + i * 7}" for i in range(20)) + " 合計 ¥9,999"
+PROMPTS = T5_EN_PROMPTS + T5_JA_PROMPTS + [LONG, "a"]
+
+CONFIGS = {
+    "max_num_seqs=1": dict(max_num_seqs=1),
+    "max_num_seqs=3": dict(max_num_seqs=3),
+    "max_num_seqs=16": dict(max_num_seqs=16),
+    # 72 cross-attention blocks + 4 decoder blocks per request do not fit 96 blocks: preemption
+    "preemption": dict(max_num_seqs=16, block_size=4, num_gpu_blocks_override=96, max_model_len=192),
+    # a small encoder budget: the long input's step runs it alone
+    "small_step": dict(max_num_seqs=16, max_num_batched_tokens=200),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_t5(tmp_path_factory) -> str:
+    return save_tiny_t5(tmp_path_factory.mktemp("tiny_t5"), "v1.0")
+
+
+@pytest.fixture(scope="session")
+def tiny_t5_v11(tmp_path_factory) -> str:
+    return save_tiny_t5(tmp_path_factory.mktemp("tiny_t5_v11"), "v1.1")
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return {}
+
+
+def _hf_ref(refs, model_dir, tok):
+    if model_dir not in refs:
+        enc = [tok(p).input_ids for p in PROMPTS]
+        refs[model_dir] = enc, hf_t5_greedy(model_dir, enc, MAX_TOKENS)
+    return refs[model_dir]
+
+
+@pytest.mark.parametrize("arch", ["tiny_t5", "tiny_t5_v11"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_matches_hf_generate(arch, config, request, refs):
+    model_dir = request.getfixturevalue(arch)
+    llm = LLM(model_dir, **CONFIGS[config])
+    enc, ref = _hf_ref(refs, model_dir, llm.get_tokenizer())
+    assert max(map(len, enc)) > 100 and min(map(len, enc)) <= 3
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    if config == "preemption":
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    start = llm.llm_engine.config.model_config.decoder_start_token_id
+    for out, r in zip(outs, ref):
+        assert out.prompt_token_ids == [start]
+        assert out.outputs[0].token_ids == r
+    # every block (decoder and cross-attention) is back in the pool
+    kv = llm.llm_engine.kv_cache_manager
+    assert kv.num_free_blocks == llm.llm_engine.num_blocks and not kv.req_to_cross_blocks
+
+
+def test_token_id_prompts_and_eos(tiny_t5, refs):
+    """Token-id prompts are encoder inputs too; without ignore_eos a request stops at EOS as HF does."""
+    llm = LLM(tiny_t5, max_num_seqs=4)
+    enc, ref = _hf_ref(refs, tiny_t5, llm.get_tokenizer())
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in enc[:4]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref[:4]
+    # make EOS the 3rd greedy token of the first prompt: the request stops right after it
+    eos = ref[0][2]
+    out = llm.generate({"prompt_token_ids": enc[0]}, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                    stop_token_ids=[eos]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref[0][:3] and out.outputs[0].finish_reason == "stop"
+
+
+def test_explicit_encoder_decoder_prompt_matches_hf(tiny_t5_v11):
+    llm = LLM(tiny_t5_v11, max_num_seqs=4)
+    tok = llm.get_tokenizer()
+    start = llm.llm_engine.config.model_config.decoder_start_token_id
+    dec = tok("合計", add_special_tokens=False).input_ids
+    out = llm.generate({"encoder_prompt": T5_JA_PROMPTS[1], "decoder_prompt": "合計"}, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == [start] + dec
+    model = hf_t5(tiny_t5_v11)
+    with torch.no_grad():
+        g = model.generate(torch.tensor([tok(T5_JA_PROMPTS[1]).input_ids]),
+                           decoder_input_ids=torch.tensor([[start] + dec]), max_new_tokens=MAX_TOKENS,
+                           do_sample=False, eos_token_id=None, pad_token_id=start, use_cache=False)
+    assert out.outputs[0].token_ids == g[0, 1 + len(dec):].tolist()
+
+
+def test_n2_seeded_sampling_is_batch_invariant(tiny_t5):
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+
+    def run(**kw):
+        outs = LLM(tiny_t5, **kw).generate(PROMPTS, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    one = run(max_num_seqs=1)
+    assert run(max_num_seqs=16) == one
+    assert run(**CONFIGS["preemption"]) == one
+    assert all(len(s) == 2 for s in one)
+    # two different samples for most prompts (a near-one-hot distribution, as after "a", may give one sample twice)
+    assert sum(s[0] != s[1] for s in one) >= len(one) - 2
+
+
+def test_logprobs_match_hf(tiny_t5_v11):
+    llm = LLM(tiny_t5_v11)
+    tok = llm.get_tokenizer()
+    out = llm.generate(T5_EN_PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=3, logprobs=5),
+                       use_tqdm=False)[0]
+    c = out.outputs[0]
+    model = hf_t5(tiny_t5_v11)
+    start = llm.llm_engine.config.model_config.decoder_start_token_id
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tok(T5_EN_PROMPTS[1]).input_ids]),
+                       decoder_input_ids=torch.tensor([[start] + c.token_ids[:-1]])).logits[0]
+    ref = torch.log_softmax(logits.float(), -1)
+    for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert lp[tid].logprob == pytest.approx(float(ref[i, tid]), abs=1e-4)
+        top = ref[i].topk(5).indices.tolist()
+        assert set(lp) >= set(top)
+
+
+def test_too_long_encoder_input_is_refused_and_the_next_request_served(tiny_t5, refs):
+    llm = LLM(tiny_t5, max_model_len=64)
+    tok = llm.get_tokenizer()
+    with pytest.raises(HayabusaValidationError) as e:
+        llm.generate(LONG, GREEDY, use_tqdm=False)
+    assert e.value.parameter == "prompt" and "max_model_len=64" in str(e.value)
+    with pytest.raises(HayabusaValidationError) as e:
+        llm.generate({"encoder_prompt": {"prompt_token_ids": [5] * 65}}, GREEDY, use_tqdm=False)
+    assert e.value.parameter == "encoder_prompt" and e.value.value == 65
+    with pytest.raises(HayabusaValidationError) as e:
+        llm.generate({"encoder_prompt": "x", "decoder_prompt": [5] * 64}, GREEDY, use_tqdm=False)
+    assert e.value.parameter == "prompt"                         # the decoder prompt leaves no room
+    _, ref = _hf_ref(refs, tiny_t5, tok)
+    out = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref[0]
+
+
+def test_stop_string_and_abort(tiny_t5, refs):
+    llm = LLM(tiny_t5, max_num_seqs=4)
+    tok = llm.get_tokenizer()
+    _, ref = _hf_ref(refs, tiny_t5, tok)
+    engine = llm.llm_engine
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.add_request("b", PROMPTS[6], GREEDY)
+    engine.step()
+    engine.abort_request("a")
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert "a" not in done and done["b"].outputs[0].token_ids == ref[6]
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    # a stop string cut from the greedy text
+    text = tok.decode(ref[3], skip_special_tokens=True)
+    stop = text[len(text) // 2:len(text) // 2 + 2].strip() or text[-1]
+    out = llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                  stop=[stop]), use_tqdm=False)[0]
+    assert stop not in out.outputs[0].text and text.startswith(out.outputs[0].text)
+    assert out.outputs[0].finish_reason == "stop"
