@@ -42,7 +42,7 @@ def process_encoder_decoder(ip: InputProcessor, prompt: Any,
         decoder_part = prompt.get("decoder_prompt")
         prompt = prompt["encoder_prompt"]
         name = "encoder_prompt"
-    text, enc_ids = ip._tokenize(prompt)
+    text, enc_ids = ip.tokenize(prompt)
     if params.truncate_prompt_tokens is not None:
         enc_ids = enc_ids[-params.truncate_prompt_tokens:]
     _check_encoder_ids(ip, enc_ids, name)
@@ -54,11 +54,11 @@ def process_encoder_decoder(ip: InputProcessor, prompt: Any,
                                               value=decoder_part[:50])
             ids = list(ip.tokenizer(decoder_part, add_special_tokens=False).input_ids)
         elif isinstance(decoder_part, dict):
-            ids = ip._tokenize(decoder_part)[1]
+            ids = ip.tokenize(decoder_part)[1]
         else:
-            ids = ip._as_ids(decoder_part)
+            ids = ip.as_ids(decoder_part)
         dec_ids = ids if ids and ids[0] == start else [start] + ids
-    ip._check(dec_ids, params)          # vocab, length (room for one output token), logprobs, stop ids
+    ip.check(dec_ids, params)          # vocab, length (room for one output token), logprobs, stop ids
     return text, dec_ids, enc_ids
 
 
