@@ -171,3 +171,22 @@ def test_stop_string_and_abort(tiny_t5, refs):
                                                   stop=[stop]), use_tqdm=False)[0]
     assert stop not in out.outputs[0].text and text.startswith(out.outputs[0].text)
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_triton_attention_path_matches_hf(tiny_t5_v11, refs):
+    """The engine with the CUDA backend's Triton kernels (in Triton's interpreter here): decoder self-attention
+    with the position bias, and cross-attention as one-token sequences over the cross blocks."""
+    from tests.kernels.conftest import SKIP_REASON   # importing it patches the interpreter for numpy >= 2.4
+
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    from hayabusa.attention.backends import AttentionBackend
+    from hayabusa.kernels.paged_attention import paged_attention
+    from hayabusa.kernels.store_kv import store_kv
+
+    llm = LLM(tiny_t5_v11, max_num_seqs=4)
+    llm.llm_engine.runner.backend = AttentionBackend("triton", store_kv, paged_attention)
+    _, ref = _hf_ref(refs, tiny_t5_v11, llm.get_tokenizer())
+    prompts = [PROMPTS[0], PROMPTS[5], PROMPTS[6]]   # 11, 165 and 2 encoder tokens
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[0][:4], ref[5][:4], ref[6][:4]]
