@@ -190,3 +190,23 @@ def test_triton_attention_path_matches_hf(tiny_t5_v11, refs):
     prompts = [PROMPTS[0], PROMPTS[5], PROMPTS[6]]   # 11, 165 and 2 encoder tokens
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [ref[0][:4], ref[5][:4], ref[6][:4]]
+
+
+def test_plan_counts_t5_and_its_cross_attention_kv():
+    """`hayabusa plan` on T5 shapes: parameters as transformers counts them (t5-small: 60,506,624), the KV cache
+    of the decoder layers (d_kv heads), and each request's cross-attention K/V in the formula."""
+    from transformers import T5Config
+
+    from hayabusa.eval.plan import PlanInputs, count_params, make_plan
+
+    small = T5Config()                                             # t5-small's shape
+    small.architectures = ["T5ForConditionalGeneration"]
+    assert count_params(small)["total"] == 60_506_624
+    v11 = T5Config(d_model=512, d_kv=64, d_ff=1024, num_heads=6, num_layers=8, feed_forward_proj="gated-gelu",
+                   tie_word_embeddings=False)                      # google/t5-v1_1-small: 76,961,152 in HF's card
+    assert count_params(v11)["total"] == 76_961_152
+    p = make_plan(small, PlanInputs(dtype="bfloat16", max_model_len=512), gpu_memory_gib=80)
+    per_token = 2 * 6 * 8 * 64 * 2
+    assert p["kv_bytes_per_token"] == per_token and p["cross_kv_bytes_per_request"] == per_token * 512
+    assert p["max_num_seqs_at_max_model_len"] == p["max_num_tokens"] // 1024
+    assert "encoder tokens" in p["kv_formula"]
