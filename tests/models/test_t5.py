@@ -210,3 +210,28 @@ def test_plan_counts_t5_and_its_cross_attention_kv():
     assert p["kv_bytes_per_token"] == per_token and p["cross_kv_bytes_per_request"] == per_token * 512
     assert p["max_num_seqs_at_max_model_len"] == p["max_num_tokens"] // 1024
     assert "encoder tokens" in p["kv_formula"]
+
+
+def test_hayabusa_generate_cli(tiny_t5, refs, tmp_path, capsys):
+    """`hayabusa generate` with a T5 model: text lines are encoder inputs (HF's greedy ids), vLLM's explicit
+    encoder/decoder form works, and a too-long encoder input is named by its line before anything runs."""
+    import json
+
+    from hayabusa.entrypoints.cli import main
+
+    enc, ref = _hf_ref(refs, tiny_t5, LLM(tiny_t5).get_tokenizer())
+    rows = [{"prompt": PROMPTS[0]}, {"encoder_prompt": PROMPTS[1], "decoder_prompt": [5, 6]},
+            {"prompt_token_ids": enc[3]}]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", tiny_t5, "--prompts", str(path), "--output", str(out), "--no-tqdm",
+                 "--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]) == 0
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert got[0]["outputs"][0]["token_ids"] == ref[0] and got[2]["outputs"][0]["token_ids"] == ref[3]
+    assert got[1]["prompt_token_ids"][1:] == [5, 6] and len(got[1]["outputs"][0]["token_ids"]) == MAX_TOKENS
+    path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": LONG}) + "\n", encoding="utf-8")
+    assert main(["generate", "--model", tiny_t5, "--prompts", str(path), "--output", str(tmp_path / "o2.jsonl"),
+                 "--no-tqdm", "--max-model-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2:" in err and "max_model_len=64" in err and "Traceback" not in err
