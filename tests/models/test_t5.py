@@ -235,3 +235,20 @@ def test_hayabusa_generate_cli(tiny_t5, refs, tmp_path, capsys):
                  "--no-tqdm", "--max-model-len", "64"]) == 2
     err = capsys.readouterr().err
     assert f"{path}:2:" in err and "max_model_len=64" in err and "Traceback" not in err
+
+
+def test_hayabusa_eval_on_the_bundled_receipts(tmp_path, capsys):
+    """`hayabusa eval --data receipts --reference hf` runs a T5 model end to end: hayabusa and HF's generate
+    give the same answers (random weights, so accuracy is 0: agreement is what is checked)."""
+    import json
+
+    from hayabusa.entrypoints.cli import main
+
+    model = save_tiny_t5(tmp_path / "t5", "v1.1", num_decoder_layers=2)
+    summary = tmp_path / "summary.json"
+    assert main(["eval", "--model", model, "--data", "receipts", "--reference", "hf", "--max-tokens", "12",
+                 "--no-tqdm", "--json", str(summary)]) == 0
+    rows = {r["setting"]: r for r in json.loads(summary.read_text())["rows"]}
+    ours = rows["default"]
+    assert ours["num_errors"] == 0 and ours["agreement"] == 1.0 and ours["text_agreement"] == 1.0
+    assert not rows["hf (reference)"].get("error")
