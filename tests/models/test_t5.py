@@ -252,3 +252,18 @@ def test_hayabusa_eval_on_the_bundled_receipts(tmp_path, capsys):
     ours = rows["default"]
     assert ours["num_errors"] == 0 and ours["agreement"] == 1.0 and ours["text_agreement"] == 1.0
     assert not rows["hf (reference)"].get("error")
+
+
+def test_w9_workload_and_t5_bench_shapes():
+    """W9's requests as BENCHMARKS.md defines them, and the T5 shapes of `hayabusa bench --make-model`."""
+    from hayabusa.bench.models import shape_config, shape_stats
+    from hayabusa.bench.workloads import get_workload
+
+    w = get_workload("W9")
+    assert len(w.requests) == 2000 and {len(r.prompt_token_ids) for r in w.requests} == {256}
+    assert {r.max_tokens for r in w.requests} == {64} and w.hf_batch1_requests == 100
+    assert [v["hf_batch_size"] for v in w.variants] == [1, 16, 64, 256]
+    assert shape_stats("t5-small-shape")["params"] == 60_506_624        # google-t5/t5-small
+    assert shape_stats("t5-base-shape")["params"] == 222_903_552        # google-t5/t5-base
+    large = shape_config("flan-t5-large-shape")
+    assert large.feed_forward_proj == "gated-gelu" and large.architectures == ["T5ForConditionalGeneration"]
