@@ -15,8 +15,9 @@ Facts from transformers' ``modeling_t5.py`` (code our own):
   keeps it as ``scale_decoder_outputs``); the head is ``lm_head.weight`` when the checkpoint has one, else
   ``shared``.
 - fp16: after each sub-layer the hidden states are clamped to the fp16 range (max - 1000 when an inf appeared),
-  as transformers does. transformers also keeps the FFN's ``wo`` in fp32 under fp16 (``_keep_in_fp32_modules``);
-  here ``wo`` runs in fp16 like every other weight (prefer bf16 for v1.1 checkpoints, as their authors do).
+  as transformers does, and the FFN's ``wo`` runs in fp32 (transformers' ``_keep_in_fp32_modules``); its output
+  is clamped into fp16's range and added to the fp16 residual stream (transformers lets that sum become fp32, so
+  fp16 runs can differ from it in the last bits; bf16 is the dtype T5 v1.1 was trained in).
 
 Model interface used by ``worker/encoder_decoder.py`` (the model knows no requests):
     encode(input_ids [T_e], seq_lens list[int]) -> encoder output [T_e, d_model] (the sequences packed)
@@ -38,6 +39,7 @@ from torch import nn
 from hayabusa.attention.metadata import ForwardContext
 from hayabusa.model.layers.activation import get_act_fn
 from hayabusa.model.layers.linear import Linear
+from hayabusa.model.layers.norm import RMSNorm
 
 _FP16_MAX = torch.finfo(torch.float16).max
 
@@ -69,17 +71,21 @@ def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x, min=-limit, max=limit)
 
 
-class T5LayerNorm(nn.Module):
-    """RMS norm without mean or bias; variance in fp32."""
+# T5's LayerNorm is RMSNorm with HF Llama's numerics (variance in fp32, weight * normed.to(dtype)): the shared layer,
+# whose CUDA path fuses the residual add into one Triton kernel.
+T5LayerNorm = RMSNorm
 
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
-        self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(self.weight.dtype)
+def _add_norm(norm: RMSNorm, delta: torch.Tensor, residual: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + delta), residual + delta): the residual stream after a sub-layer and the next sub-layer's
+    normed input. fp16: the sum is clamped first, as transformers does (so the add is not fused)."""
+    if residual is None:
+        return norm(delta), delta
+    if delta.dtype == torch.float16:
+        x = _clamp_fp16(residual + delta)
+        return norm(x), x
+    return norm(delta, residual)
 
 
 class T5FF(nn.Module):
@@ -95,7 +101,9 @@ class T5FF(nn.Module):
             self.wi = Linear(d, [ff, ff], False, dtype, device, shard_names=["0", "1"])
         else:
             self.wi = Linear(d, [ff], False, dtype, device)
-        self.wo = Linear(ff, [d], False, dtype, device)
+        # fp16: wo in fp32, as transformers keeps it (_keep_in_fp32_modules): Flan-T5's FFN outputs overflow fp16
+        self.wo_fp32 = dtype == torch.float16
+        self.wo = Linear(ff, [d], False, torch.float32 if self.wo_fp32 else dtype, device)
         self.d_ff = ff
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +112,8 @@ class T5FF(nn.Module):
             h = self.act(h[:, :self.d_ff]) * h[:, self.d_ff:]
         else:
             h = self.act(h)
+        if self.wo_fp32:   # back into fp16's range before the residual add (which _add_norm clamps again)
+            return self.wo(h.float()).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
         return self.wo(h)
 
 
@@ -217,9 +227,12 @@ class T5EncoderBlock(nn.Module):
         self.ln_ff = T5LayerNorm(cfg.d_model, eps, dtype, device)
         self.ff = T5FF(cfg, dtype, device)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, pad: _Padding) -> torch.Tensor:
-        x = _clamp_fp16(x + self.attn(self.ln_attn(x), bias, pad))
-        return _clamp_fp16(x + self.ff(self.ln_ff(x)))
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, bias: torch.Tensor, pad: _Padding
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous sub-layer's output, the residual stream before it) -> the same after this block."""
+        h, residual = _add_norm(self.ln_attn, delta, residual)
+        h, residual = _add_norm(self.ln_ff, self.attn(h, bias, pad), residual)
+        return self.ff(h), residual
 
 
 class T5DecoderBlock(nn.Module):
@@ -233,10 +246,12 @@ class T5DecoderBlock(nn.Module):
         self.ln_ff = T5LayerNorm(cfg.d_model, eps, dtype, device)
         self.ff = T5FF(cfg, dtype, device)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, bias_table: torch.Tensor) -> torch.Tensor:
-        x = _clamp_fp16(x + self.self_attn(self.ln_self(x), ctx, bias_table))
-        x = _clamp_fp16(x + self.cross_attn(self.ln_cross(x), ctx))
-        return _clamp_fp16(x + self.ff(self.ln_ff(x)))
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
+                bias_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = _add_norm(self.ln_self, delta, residual)
+        h, residual = _add_norm(self.ln_cross, self.self_attn(h, ctx, bias_table), residual)
+        h, residual = _add_norm(self.ln_ff, self.cross_attn(h, ctx), residual)
+        return self.ff(h), residual
 
 
 class T5ForConditionalGeneration(nn.Module):
@@ -332,11 +347,11 @@ class T5ForConditionalGeneration(nn.Module):
     def encode(self, input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """input_ids [T_e] (sequences packed, lengths ``seq_lens``) -> encoder output [T_e, d_model]."""
         pad = _Padding(seq_lens, input_ids.device)
-        x = self.shared(input_ids)                                                     # [T_e, d]
+        x, residual = self.shared(input_ids), None                                    # [T_e, d]
         bias = self._encoder_bias(pad.L, pad, x.dtype)
         for block in self.enc_blocks:
-            x = block(x, bias, pad)
-        return self.enc_final_norm(x)
+            x, residual = block(x, residual, bias, pad)
+        return _add_norm(self.enc_final_norm, x, residual)[0]
 
     def store_cross_kv(self, enc_out: torch.Tensor, slot_mapping: torch.Tensor, ctx: ForwardContext) -> None:
         """Every decoder layer's cross-attention K/V of enc_out [T_e, d] into the cache at slot_mapping [T_e]."""
@@ -360,11 +375,11 @@ class T5ForConditionalGeneration(nn.Module):
             T = input_ids.shape[0]
             L = self.max_position
             self.encode(input_ids, [L] * (T // L) + ([T % L] if T % L else []))
-        x = self.shared(input_ids)                                                      # [T, d]
+        x, residual = self.shared(input_ids), None                                     # [T, d]
         table = self.decoder_bias_table()
         for block in self.dec_blocks:
-            x = block(x, ctx, table)
-        return self.dec_final_norm(x)
+            x, residual = block(x, residual, ctx, table)
+        return _add_norm(self.dec_final_norm, x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, d] -> logits [R, V] in the model dtype."""
