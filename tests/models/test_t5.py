@@ -62,8 +62,9 @@ def test_greedy_matches_hf_generate(arch, config, request, refs):
     if config == "preemption":
         assert llm.llm_engine.scheduler.num_preemptions > 0
     start = llm.llm_engine.config.model_config.decoder_start_token_id
-    for out, r in zip(outs, ref):
+    for out, r, ids, p in zip(outs, ref, enc, PROMPTS):
         assert out.prompt_token_ids == [start]
+        assert out.encoder_prompt_token_ids == ids and out.encoder_prompt == p
         assert out.outputs[0].token_ids == r
     # every block (decoder and cross-attention) is back in the pool
     kv = llm.llm_engine.kv_cache_manager
