@@ -26,6 +26,8 @@ CONFIGS = {
     "preemption": dict(max_num_seqs=16, block_size=4, num_gpu_blocks_override=96, max_model_len=192),
     # a small encoder budget: the long input's step runs it alone
     "small_step": dict(max_num_seqs=16, max_num_batched_tokens=200),
+    # step N+1 scheduled before step N's tokens are back: decoder inputs read from the device (placeholders)
+    "async_scheduling": dict(max_num_seqs=16, async_scheduling=True),
 }
 
 
@@ -268,3 +270,16 @@ def test_w9_workload_and_t5_bench_shapes():
     assert shape_stats("t5-base-shape")["params"] == 222_903_552        # google-t5/t5-base
     large = shape_config("flan-t5-large-shape")
     assert large.feed_forward_proj == "gated-gelu" and large.architectures == ["T5ForConditionalGeneration"]
+
+
+def test_padded_decode_path_matches_hf(tiny_t5, refs):
+    """The CUDA-graph decode path (rows padded to a capture size; padding rows get cross seq_len 0), run eagerly
+    on CPU: the same greedy ids."""
+    from hayabusa.worker.cuda_graph import CUDAGraphRunner
+
+    llm = LLM(tiny_t5, max_num_seqs=16)
+    runner = llm.llm_engine.runner
+    runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)
+    _, ref = _hf_ref(refs, tiny_t5, llm.get_tokenizer())
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)       # 7 requests: decode steps padded to 8
+    assert [o.outputs[0].token_ids for o in outs] == ref
