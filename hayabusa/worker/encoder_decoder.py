@@ -26,6 +26,16 @@ from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
 
 
+def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without blocking the host: through pinned memory on CUDA (a copy from pageable
+    memory would wait for the work already queued on the stream, undoing async scheduling; PyTorch's caching host
+    allocator keeps the pinned block alive until the copy has run)."""
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class EncoderDecoderRunner:
     """Encoder inputs, cross block tables and the encoder runs of an encoder-decoder model.
 
@@ -91,8 +101,8 @@ class EncoderDecoderRunner:
         for rid, n in zip(rids, lens):   # per request: positions 0..n-1 of its cross blocks
             pos = np.arange(n, dtype=np.int64)
             slots.append(np.asarray(new_blocks[rid], dtype=np.int64)[pos // bs] * bs + pos % bs)
-        ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)
-        slots_t = torch.from_numpy(np.concatenate(slots)).to(self.device, non_blocking=True)
+        ids_t = _to_device(ids, self.device)
+        slots_t = _to_device(np.concatenate(slots), self.device)
         enc_out = self.model.encode(ids_t, lens)                                  # [T_e, d_model]
         self.model.store_cross_kv(enc_out, slots_t, ForwardContext(None, kv_caches, backend))
         self.num_encoder_tokens += len(ids)
@@ -105,9 +115,8 @@ class EncoderDecoderRunner:
         seq_lens = self.enc_lens[tok_rows]                                                # [T]
         self.max_seq_len = max(int(seq_lens.max()), 1)
         nb = cdiv(self.max_seq_len, self.block_size)
-        self.seq_lens[:T].copy_(torch.from_numpy(seq_lens), non_blocking=True)
-        self.block_table[:T, :nb].copy_(torch.from_numpy(np.ascontiguousarray(self.cross_table[tok_rows, :nb])),
-                                        non_blocking=True)
+        self.seq_lens[:T].copy_(_to_device(seq_lens, self.device), non_blocking=True)
+        self.block_table[:T, :nb].copy_(_to_device(self.cross_table[tok_rows, :nb], self.device), non_blocking=True)
         self.seq_lens[T:T + self.max_num_reqs].zero_()
 
     def metadata(self, num_tokens: int) -> AttentionMetadata:

@@ -283,3 +283,20 @@ def test_padded_decode_path_matches_hf(tiny_t5, refs):
     _, ref = _hf_ref(refs, tiny_t5, llm.get_tokenizer())
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)       # 7 requests: decode steps padded to 8
     assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_long_decoder_prompt_in_chunks_and_preempted(tiny_t5_v11):
+    """A 40-token decoder prompt prefilled in chunks of 16 (its cross blocks taken once, at admission), and the
+    same under preemption: the ids of one unchunked run."""
+    dec = list(range(100, 140))
+    prompts = [{"encoder_prompt": p, "decoder_prompt": dec} for p in PROMPTS[:4]]
+
+    def run(**kw):
+        return [o.outputs[0].token_ids for o in LLM(tiny_t5_v11, **kw).generate(prompts, GREEDY, use_tqdm=False)]
+
+    base = run(max_num_seqs=4)
+    assert run(max_num_seqs=4, max_num_batched_tokens=16) == base
+    llm_kw = dict(max_num_seqs=4, block_size=4, num_gpu_blocks_override=40, max_model_len=64)
+    llm = LLM(tiny_t5_v11, **llm_kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == base
+    assert llm.llm_engine.scheduler.num_preemptions > 0
