@@ -257,6 +257,9 @@ class EngineArgs:
         device = resolve_device(self.device)
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
+        if model_config.is_encoder_decoder and self.enable_prefix_caching:
+            logger.warning("enable_prefix_caching is off for encoder-decoder models (%s): a decoder's KV depends on "
+                           "its encoder input, so equal decoder prefixes share nothing.", model_config.architecture)
         batched = self.max_num_batched_tokens or default_max_num_batched_tokens(self.max_num_seqs)
         if batched < self.max_num_seqs:
             raise _bad("max_num_batched_tokens", batched, f"must be >= max_num_seqs ({self.max_num_seqs}).")

@@ -79,15 +79,16 @@ _NON_GATED_MLP = ("gpt2", "gpt_neox", "gptj", "opt", "falcon", "phi", "bloom", "
 # ------------------------------------------------------------------------------------------------ config
 def load_config(model: str, trust_remote_code: bool = False) -> Any:
     """The text config of `model`: a bench shape name, a local folder, or a Hub id (config.json only)."""
-    from hayabusa.bench.models import SHAPES, shape_config
+    from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, shape_config
 
-    if model in SHAPES:
+    if model in SHAPES or model in ARCH_SHAPE_NAMES:
         return shape_config(model)
     from transformers import AutoConfig
 
     if not os.path.isdir(model) and (os.path.exists(model) or model.startswith((".", "/")) or model.count("/") > 1):
         raise HayabusaValidationError(f"model {model!r} is neither a folder, a Hub id nor a bench shape "
-                                      f"({', '.join(SHAPES)}).", parameter="model", value=model)
+                                      f"({', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}).", parameter="model",
+                                      value=model)
     try:
         cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
