@@ -37,15 +37,18 @@ def _run(model_dir: str, device: str, dtype: str, **kw):
     return res
 
 
-def _assert_close(ours, ref, exact: bool):
-    """Equal token ids; in bf16 (where CPU and GPU matmuls round differently) a first difference is allowed when
-    each side's token is in the other's top-5, and comparison stops there."""
+def _assert_close(ours, ref, min_equal: float):
+    """STYLE.md's parity rule between devices (cuBLAS and CPU matmuls round differently): where two sequences
+    first differ, each side's token is in the other's top-5 (comparison stops there); and at least ``min_equal``
+    of the sequences are identical."""
+    equal = 0
     for (a, a_top), (b, b_top) in zip(ours, ref):
         if a == b:
+            equal += 1
             continue
-        assert not exact, f"{a} != {b}"
         i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
         assert a[i] in b_top[i] and b[i] in a_top[i], (i, a, b)
+    assert equal >= min_equal * len(ref), f"only {equal} of {len(ref)} sequences identical"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -53,7 +56,7 @@ def _assert_close(ours, ref, exact: bool):
 def test_cuda_greedy_equals_cpu(t5_dir, dtype, enforce_eager):
     cpu = _run(t5_dir, "cpu", dtype)
     gpu = _run(t5_dir, "cuda", dtype, enforce_eager=enforce_eager)
-    _assert_close(gpu, cpu, exact=dtype == "float32")
+    _assert_close(gpu, cpu, min_equal=0.9 if dtype == "float32" else 0.5)
 
 
 def test_cuda_graphs_equal_eager_bf16(t5_dir):
