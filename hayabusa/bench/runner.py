@@ -121,6 +121,9 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
              "prefix_cache_hit_rate": round(kv.prefix_hit_rate, 4),
              "num_preemptions": engine.scheduler.num_preemptions,
              "weight_bytes": model_weight_bytes(engine.runner.model)}
+    encdec = getattr(engine.runner, "encdec", None)
+    if encdec is not None:   # encoder-decoder (T5): encoder tokens run, warm-up included
+        extra["encoder_tokens"] = encdec.num_encoder_tokens
     return notes, extra
 
 

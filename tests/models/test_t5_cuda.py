@@ -63,3 +63,12 @@ def test_cuda_graphs_equal_eager_bf16(t5_dir):
     eager = _run(t5_dir, "cuda", "bfloat16", enforce_eager=True)
     graphs = _run(t5_dir, "cuda", "bfloat16", enforce_eager=False)
     assert [t for t, _ in graphs] == [t for t, _ in eager]
+
+
+def test_cuda_fp16_runs_with_the_clamp(t5_dir):
+    """fp16 (transformers' clamp, wo in fp32): every request completes with finite logprobs."""
+    llm = LLM(t5_dir, device="cuda", dtype="float16", max_num_seqs=8, max_model_len=256)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert all(lp[t].logprob > float("-inf") for o in outs for t, lp in zip(o.outputs[0].token_ids,
+                                                                           o.outputs[0].logprobs))
