@@ -389,4 +389,9 @@ class T5ForConditionalGeneration(nn.Module):
 
 
 class MT5ForConditionalGeneration(T5ForConditionalGeneration):
-    """mT5: T5 v1.1's architecture (gated-GELU, untied head) with a 250k vocabulary."""
+    """mT5: T5 v1.1's architecture (gated-GELU, its own lm_head) with a 250k vocabulary; the decoder output is never
+    scaled (transformers' MT5 forces tie_word_embeddings=True in the config but does not scale)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
+        super().__init__(cfg, dtype, device, max_position)
+        self.scale_decoder_outputs = False
