@@ -335,10 +335,14 @@ def _list() -> None:
     for k in list(SHAPES) + list(ARCH_SHAPE_NAMES):
         c = shape_config(k)
         h, heads = c.hidden_size, c.num_attention_heads
-        inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h   # GPT-2: 4 x hidden
+        inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "d_ff", None) \
+            or 4 * h   # GPT-2: 4 x hidden; T5: d_ff
         kv = getattr(c, "num_key_value_heads", None) or heads
+        # T5 v1.1 (transformers 5.2x forces tie_word_embeddings and keeps the checkpoint's value as
+        # scale_decoder_outputs)
+        tied = getattr(c, "scale_decoder_outputs", getattr(c, "tie_word_embeddings", False))
         print(f"  {k:20s} {c.architectures[0]} hidden {h} intermediate {inter} layers {c.num_hidden_layers} "
-              f"heads {heads}/{kv} vocab {c.vocab_size} tied {bool(getattr(c, 'tie_word_embeddings', False))}")
+              f"heads {heads}/{kv} vocab {c.vocab_size} tied {bool(tied)}")
 
 
 def _workload_names(spec: str | None) -> list[str]:
@@ -403,7 +407,7 @@ def run_bench(ns: argparse.Namespace) -> int:
 
         return run_w6(ns)     # a client of a running server: --model is its served name, not a folder
     if not ns.workload and not ns.ceilings:
-        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|startup with --model DIR, --ceilings, or "
+        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|W9|startup with --model DIR, --ceilings, or "
               "--make-model SHAPE DIR (see --list).", file=sys.stderr)
         return 2
     if ns.workload and not (ns.model and os.path.isfile(os.path.join(ns.model, "config.json"))):
