@@ -85,6 +85,26 @@ class EncoderDecoderRunner:
         self.cross_table[row, :len(blocks)] = blocks
         self.enc_lens[row] = enc_len
 
+    @torch.inference_mode()
+    def warm_up_prefill(self, kv_caches, backend, buffers) -> None:
+        """Compile the decoder self-attention's prefill variant (with the position bias) now, so the first request
+        with a multi-token decoder prompt, or the recompute after a preemption, does not wait for Triton (decode
+        variants are compiled by the graph capture). Reads block 0, writes only a scratch tensor; q is a view into
+        a fused qkv row as in the model, and the metadata the runner's buffers, so the variant is the one steps
+        use."""
+        cfg = self.model.config
+        H, D = cfg.num_heads, cfg.d_kv
+        k_cache, v_cache = kv_caches[0]
+        dtype = self.model.shared.weight.dtype
+        q = torch.zeros(2, 3 * H * D, dtype=dtype, device=self.device).view(2, 3, H, D).unbind(1)[0]   # [2, H, D]
+        out = torch.empty(2, H, D, dtype=dtype, device=self.device)
+        qsl, seq_lens, block_table = buffers.query_start_loc[:2], buffers.seq_lens[:1], buffers.block_table[:1]
+        qsl.copy_(torch.tensor([0, 2], dtype=torch.int32))
+        seq_lens.fill_(2)
+        block_table.zero_()
+        backend.paged_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, 1.0, 2, num_seqs=1,
+                                position_bias=self.model.decoder_bias_table())
+
     # ------------------------------------------------------------------ one step
     def run_encoders(self, out: SchedulerOutput, kv_caches, backend) -> None:
         """Run the encoders of the requests in ``out.scheduled_encoder_inputs`` as one varlen batch and write

@@ -170,6 +170,8 @@ class ModelRunner:
                 self.decode_runner.capture()
                 self.graphs = self.decode_runner
             self._warm_up_prefill_attention()
+            if self.encdec is not None:
+                self.encdec.warm_up_prefill(self.kv_caches, self.backend, self.buffers)
         return self.num_blocks
 
     @torch.inference_mode()

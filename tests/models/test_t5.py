@@ -333,3 +333,19 @@ def test_mt5_matches_hf(tmp_path):
                                       decoder_input_ids=torch.tensor([[cfg.decoder_start_token_id]])).logits[0, -1]
     want = float(torch.log_softmax(logits.float(), -1)[first.token_ids[0]])
     assert first.logprobs[0][first.token_ids[0]].logprob == pytest.approx(want, abs=1e-4)
+
+
+def test_prefill_warm_up_runs_on_the_triton_backend(tiny_t5):
+    """EncoderDecoderRunner.warm_up_prefill (called on CUDA after the KV cache is allocated) runs the Triton
+    kernel's prefill variant with the position bias (here in Triton's interpreter)."""
+    from tests.kernels.conftest import SKIP_REASON
+
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    from hayabusa.kernels.paged_attention import paged_attention
+    from hayabusa.kernels.store_kv import store_kv
+    from hayabusa.attention.backends import AttentionBackend
+
+    runner = LLM(tiny_t5).llm_engine.runner
+    runner.encdec.warm_up_prefill(runner.kv_caches, AttentionBackend("triton", store_kv, paged_attention),
+                                  runner.buffers)
