@@ -349,3 +349,19 @@ def test_prefill_warm_up_runs_on_the_triton_backend(tiny_t5):
     runner = LLM(tiny_t5).llm_engine.runner
     runner.encdec.warm_up_prefill(runner.kv_caches, AttentionBackend("triton", store_kv, paged_attention),
                                   runner.buffers)
+
+
+def test_structured_output_json_with_t5(tiny_t5_v11):
+    """The receipts job's constraint: a JSON schema on a T5 model's decoder gives parseable, schema-shaped JSON."""
+    import json
+
+    from hayabusa.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"merchant": {"type": "string", "maxLength": 10},
+                                               "total": {"type": "integer"}},
+              "required": ["merchant", "total"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+    outs = LLM(tiny_t5_v11, max_num_seqs=2).generate([T5_EN_PROMPTS[1], T5_JA_PROMPTS[1]], params, use_tqdm=False)
+    for o in outs:
+        doc = json.loads(o.outputs[0].text)
+        assert set(doc) == {"merchant", "total"} and isinstance(doc["total"], int)
