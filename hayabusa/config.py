@@ -257,6 +257,9 @@ class EngineArgs:
         device = resolve_device(self.device)
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
+        if model_config.is_encoder_decoder and self.enable_prefix_caching:
+            logger.warning("enable_prefix_caching is off for encoder-decoder models (%s): a decoder's KV depends on "
+                           "its encoder input, so equal decoder prefixes share nothing.", model_config.architecture)
         batched = self.max_num_batched_tokens or default_max_num_batched_tokens(self.max_num_seqs)
         if batched < self.max_num_seqs:
             raise _bad("max_num_batched_tokens", batched, f"must be >= max_num_seqs ({self.max_num_seqs}).")
@@ -267,7 +270,9 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
             kv_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype, device),
-            enable_prefix_caching=True if self.enable_prefix_caching is None else bool(self.enable_prefix_caching))
+            # encoder-decoder: a decoder's KV depends on its encoder input, so equal decoder prefixes share nothing
+            enable_prefix_caching=not model_config.is_encoder_decoder and (
+                True if self.enable_prefix_caching is None else bool(self.enable_prefix_caching)))
         sizes = self.cuda_graph_sizes
         capture_max = min(self.max_num_seqs, max(sizes) if sizes else 512)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
@@ -388,6 +393,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quant_config: Any = None           # hayabusa.quantization.QuantizationConfig, checked against the device
     max_logprobs: int = 20             # most logprobs a request may ask for (vLLM's engine argument)
+    # Encoder-decoder models (T5): the prompt is the encoder input, the decoder starts from decoder_start_token_id;
+    # num_layers / num_kv_heads / head_dim describe the decoder, whose layers hold self- and cross-attention KV.
+    is_encoder_decoder: bool = False
+    decoder_start_token_id: int | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> "ModelConfig":
@@ -399,13 +408,18 @@ class ModelConfig:
         hf_config = load_hf_config(model_dir, args.trust_remote_code, args.revision)
         arch = resolve_architecture(hf_config)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        derived = derive_max_model_len(text_config)
+        enc_dec = bool(getattr(text_config, "is_encoder_decoder", False))
+        derived = derive_encoder_decoder_max_len(text_config) if enc_dec else derive_max_model_len(text_config)
         max_len = args.max_model_len or derived
         if args.max_model_len and derived and args.max_model_len > derived:
             raise _bad("max_model_len", args.max_model_len,
                        f"is larger than the model's maximum context ({derived} tokens, from config.json).")
         num_heads = text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        num_layers = text_config.num_hidden_layers
+        if enc_dec:  # T5: heads of d_kv, and the KV cache belongs to the decoder's layers
+            head_dim = text_config.d_kv
+            num_layers = getattr(text_config, "num_decoder_layers", None) or num_layers
         config_dtype = getattr(text_config, "dtype", None)
         if config_dtype is None and "torch_dtype" in getattr(text_config, "__dict__", {}):
             config_dtype = text_config.__dict__["torch_dtype"]
@@ -419,13 +433,15 @@ class ModelConfig:
             check_device(quant_config, device)
         return cls(model=model_dir, tokenizer=args.tokenizer or model_dir, hf_config=text_config,
                    architecture=arch, dtype=resolve_dtype(args.dtype, config_dtype, device), max_model_len=max_len,
-                   vocab_size=text_config.vocab_size, num_layers=text_config.num_hidden_layers,
+                   vocab_size=text_config.vocab_size, num_layers=num_layers,
                    num_heads=num_heads,
                    num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
                    head_dim=head_dim, hidden_size=text_config.hidden_size,
                    trust_remote_code=args.trust_remote_code, skip_tokenizer_init=args.skip_tokenizer_init,
                    load_format=args.load_format, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
-                   eos_token_ids=eos, quant_config=quant_config, max_logprobs=args.max_logprobs)
+                   eos_token_ids=eos, quant_config=quant_config, max_logprobs=args.max_logprobs,
+                   is_encoder_decoder=enc_dec,
+                   decoder_start_token_id=decoder_start_token_id(model_dir, text_config) if enc_dec else None)
 
     @property
     def quantization(self) -> str | None:
@@ -494,6 +510,31 @@ def derive_max_model_len(cfg: Any) -> int:
                 length = rope["original_max_position_embeddings"]
             length = int(length * rope["factor"])
     return length
+
+
+def derive_encoder_decoder_max_len(cfg: Any) -> int:
+    """T5 has relative positions and no hard limit: ``n_positions`` when config.json has it (the original
+    checkpoints say 512), else 512, the length T5 was trained at (and its tokenizers' model_max_length)."""
+    n = getattr(cfg, "n_positions", None)
+    return n if isinstance(n, int) and n > 0 else 512
+
+
+def decoder_start_token_id(model_dir: str, cfg: Any) -> int:
+    """The decoder's first token, as transformers' generate picks it: generation_config.json, else config.json,
+    else the pad id (T5's convention), else 0."""
+    import json
+
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            v = json.load(f).get("decoder_start_token_id")
+        if isinstance(v, int):
+            return v
+    for name in ("decoder_start_token_id", "pad_token_id"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int):
+            return v
+    return 0
 
 
 def eos_token_ids(model_dir: str, cfg: Any) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ They are TypedDicts, so at run time they are plain dicts: ``TokensPrompt(prompt_
 ``{"prompt_token_ids": [1, 2, 3]}``, and ``LLM.generate`` / ``AsyncLLMEngine.generate`` take them like any prompt
 dict. hayabusa reads the keys ``prompt`` and ``prompt_token_ids`` only; a dict with another of vLLM's keys
 (``multi_modal_data``, ``mm_processor_kwargs``, ...) is rejected with a HayabusaValidationError naming the key.
+Encoder-decoder models (T5) also take ``ExplicitEncoderDecoderPrompt`` (``encoder_prompt`` / ``decoder_prompt``).
 """
 
 from __future__ import annotations
@@ -26,4 +27,12 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
-__all__ = ["TextPrompt", "TokensPrompt", "PromptType"]
+class ExplicitEncoderDecoderPrompt(TypedDict):
+    """Encoder-decoder models (T5): the encoder input and the decoder's start (None: decoder_start_token_id alone;
+    else text or ids, after decoder_start_token_id). See ``hayabusa/engine/encoder_decoder_inputs.py``."""
+
+    encoder_prompt: str | list[int] | TextPrompt | TokensPrompt
+    decoder_prompt: NotRequired[str | list[int] | TextPrompt | TokensPrompt | None]
+
+
+__all__ = ["TextPrompt", "TokensPrompt", "ExplicitEncoderDecoderPrompt", "PromptType"]

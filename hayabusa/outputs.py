@@ -62,6 +62,8 @@ class RequestOutput:
         finished: True when every completion has finished.
         prompt_logprobs: not computed yet; always None.
         metrics: timing of the request (seconds since the epoch), see ``RequestMetrics``.
+        encoder_prompt, encoder_prompt_token_ids: encoder-decoder models (T5): the encoder input's text (when
+            given as text) and ids; ``prompt_token_ids`` is then the decoder prompt (vLLM's fields). None otherwise.
     """
 
     request_id: str
@@ -71,6 +73,8 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: None = None
     metrics: "RequestMetrics | None" = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
 
 
 @dataclass

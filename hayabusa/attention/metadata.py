@@ -24,8 +24,12 @@ class ForwardContext:
 
     kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, H_kv, D]``; None while
     profiling memory (attention then returns uninitialised output of the right shape).
+
+    cross_attn_metadata: encoder-decoder models: the decoder tokens' cross-attention over their request's encoder
+    K/V (one one-token "sequence" per query token; see ``worker/encoder_decoder.py``); None otherwise.
     """
 
     attn_metadata: AttentionMetadata | None
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
     backend: "object"
+    cross_attn_metadata: AttentionMetadata | None = None

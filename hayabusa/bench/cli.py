@@ -255,11 +255,39 @@ def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[
                     rec = report.error_record(workload.name, engine=engine, model=name, engine_args={}, env=env,
                                               variant=variant, error=f"{type(e).__name__}: {e}")
                     failures += 1
+                if workload.name == "W9" and not rec.get("error"):   # requests/s and ms per request
+                    rec.setdefault("extra", {}).update(requests_per_s=round(res.num_requests / res.elapsed_s, 3),
+                                                       ms_per_request=round(1e3 * res.elapsed_s / res.num_requests,
+                                                                            3))
                 records.append(rec)
                 print(_summary(rec), flush=True)
                 if ns.json:
                     report.write_json(ns.json, records)
+        if workload.name == "W9":
+            print(w9_summary(records), flush=True)
     return failures
+
+
+def w9_summary(records: list[dict[str, Any]]) -> str:
+    """hayabusa's requests/s against HF batch 1 and HF's best batch (the W9 records of this run)."""
+    def rps(r):
+        return (r.get("extra") or {}).get("requests_per_s")
+
+    w9 = [r for r in records if r.get("workload") == "W9" and rps(r)]
+    ours = [r for r in w9 if r["engine"] == "hayabusa"]
+    hf = [r for r in w9 if r["engine"] == "hf"]
+    parts = [f"hayabusa {rps(r):.1f} req/s ({r['extra']['ms_per_request']:.2f} ms/request)" for r in ours]
+    hf1 = [r for r in hf if (r.get("variant") or {}).get("hf_batch_size") == 1]
+    best = max(hf, key=rps, default=None)
+    if hf1:
+        parts.append(f"HF batch 1 {rps(hf1[0]):.2f} req/s")
+    if best is not None:
+        parts.append(f"HF best (batch {(best.get('variant') or {}).get('hf_batch_size')}) {rps(best):.1f} req/s")
+    if ours and hf1:
+        parts.append(f"{rps(ours[0]) / rps(hf1[0]):.1f}x HF batch 1")
+    if ours and best is not None:
+        parts.append(f"{rps(ours[0]) / rps(best):.1f}x HF best")
+    return "W9: " + ", ".join(parts)
 
 
 def _load_ceilings(path: str) -> dict | None:
@@ -307,10 +335,14 @@ def _list() -> None:
     for k in list(SHAPES) + list(ARCH_SHAPE_NAMES):
         c = shape_config(k)
         h, heads = c.hidden_size, c.num_attention_heads
-        inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h   # GPT-2: 4 x hidden
+        inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "d_ff", None) \
+            or 4 * h   # GPT-2: 4 x hidden; T5: d_ff
         kv = getattr(c, "num_key_value_heads", None) or heads
+        # T5 v1.1 (transformers 5.2x forces tie_word_embeddings and keeps the checkpoint's value as
+        # scale_decoder_outputs)
+        tied = getattr(c, "scale_decoder_outputs", getattr(c, "tie_word_embeddings", False))
         print(f"  {k:20s} {c.architectures[0]} hidden {h} intermediate {inter} layers {c.num_hidden_layers} "
-              f"heads {heads}/{kv} vocab {c.vocab_size} tied {bool(getattr(c, 'tie_word_embeddings', False))}")
+              f"heads {heads}/{kv} vocab {c.vocab_size} tied {bool(tied)}")
 
 
 def _workload_names(spec: str | None) -> list[str]:
@@ -375,7 +407,7 @@ def run_bench(ns: argparse.Namespace) -> int:
 
         return run_w6(ns)     # a client of a running server: --model is its served name, not a folder
     if not ns.workload and not ns.ceilings:
-        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|startup with --model DIR, --ceilings, or "
+        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|W9|startup with --model DIR, --ceilings, or "
               "--make-model SHAPE DIR (see --list).", file=sys.stderr)
         return 2
     if ns.workload and not (ns.model and os.path.isfile(os.path.join(ns.model, "config.json"))):

@@ -40,7 +40,7 @@ def synchronize(cuda: bool) -> None:
 def load_hf_model(model_dir: str, dtype: str | None, device: torch.device) -> Any:
     """``AutoModelForCausalLM`` (SDPA attention) on ``device`` in eval mode. dtype None / "auto": bfloat16 on CUDA,
     float32 on CPU. Raises ValueError for a dtype name hayabusa does not know."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     if dtype in (None, "auto"):
         torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -48,5 +48,7 @@ def load_hf_model(model_dir: str, dtype: str | None, device: torch.device) -> An
         torch_dtype = DTYPES[dtype]
     else:
         raise ValueError(f"--dtype {dtype!r}: use auto, float32, float16 or bfloat16.")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="sdpa")
+    enc_dec = getattr(AutoConfig.from_pretrained(model_dir), "is_encoder_decoder", False)   # T5: seq2seq generate
+    cls = AutoModelForSeq2SeqLM if enc_dec else AutoModelForCausalLM
+    model = cls.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="sdpa")
     return model.to(device).eval()

@@ -34,7 +34,10 @@ SHAPE_FILE = "bench_shape.json"
 
 def _arch_shapes() -> dict[str, Any]:
     """Real shapes of the other supported architectures (from the models' public config.json files)."""
-    from transformers import Gemma2Config, GPT2Config, MistralConfig, Qwen3Config
+    from transformers import Gemma2Config, GPT2Config, MistralConfig, Qwen3Config, T5Config
+
+    def t5(**kw):   # google-t5/t5-small, t5-base (ReLU, tied and scaled head), google/flan-t5-large (gated-GELU)
+        return T5Config(vocab_size=32128, d_kv=64, eos_token_id=1, pad_token_id=0, decoder_start_token_id=0, **kw)
 
     return {
         # rinna/japanese-gpt-1b: GPT-2 layout, 24 x 2048, vocab 44928, 1024 positions
@@ -53,6 +56,10 @@ def _arch_shapes() -> dict[str, Any]:
                                                  vocab_size=256000, sliding_window=4096, max_position_embeddings=8192,
                                                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                                  query_pre_attn_scalar=256, bos_token_id=2, eos_token_id=1),
+        "t5-small-shape": lambda: t5(d_model=512, d_ff=2048, num_layers=6, num_heads=8),
+        "t5-base-shape": lambda: t5(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+        "flan-t5-large-shape": lambda: t5(d_model=1024, d_ff=2816, num_layers=24, num_heads=16,
+                                          feed_forward_proj="gated-gelu", tie_word_embeddings=False),
         # mistralai/Mistral-7B-v0.1
         "mistral-7b-shape": lambda: MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
@@ -61,7 +68,8 @@ def _arch_shapes() -> dict[str, Any]:
     }
 
 
-ARCH_SHAPE_NAMES = ("rinna-gpt-1b-shape", "qwen3-0.6b-shape", "gemma-2-2b-shape", "mistral-7b-shape")
+ARCH_SHAPE_NAMES = ("rinna-gpt-1b-shape", "qwen3-0.6b-shape", "gemma-2-2b-shape", "mistral-7b-shape",
+                    "t5-small-shape", "t5-base-shape", "flan-t5-large-shape")
 
 
 def shape_config(name: str) -> Any:
@@ -75,7 +83,7 @@ def shape_config(name: str) -> Any:
     if name in ARCH_SHAPE_NAMES:
         cfg = _arch_shapes()[name]()
         cfg.architectures = [{"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                              "mistral": "MistralForCausalLM"}[cfg.model_type]]
+                              "mistral": "MistralForCausalLM", "t5": "T5ForConditionalGeneration"}[cfg.model_type]]
         cfg.dtype = "bfloat16"
         return cfg
     if name not in SHAPES:
@@ -138,10 +146,8 @@ def shape_stats(name_or_config: Any) -> dict[str, int]:
 
 def _counted_stats(cfg: Any) -> dict[str, int]:
     """shape_stats by counting the parameters of the HF model built on the meta device (any architecture)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = _auto_model_class(cfg).from_config(cfg)
     params = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings().weight.numel()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -150,7 +156,15 @@ def _counted_stats(cfg: Any) -> dict[str, int]:
     return {"params": params, "embedding_params": emb, "non_embedding_params": non_emb,
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
             "num_heads": heads, "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, "tied": int(tied)}
+            "head_dim": getattr(cfg, "head_dim", None) or getattr(cfg, "d_kv", None) or cfg.hidden_size // heads,
+            "tied": int(tied)}
+
+
+def _auto_model_class(cfg: Any):
+    """AutoModelForSeq2SeqLM for encoder-decoder configs (T5), else AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if getattr(cfg, "is_encoder_decoder", False) else AutoModelForCausalLM
 
 
 def _fill_random(model: torch.nn.Module, seed: int) -> None:
@@ -179,14 +193,12 @@ def make_model(name: str, out_dir: str, device: str | None = None, seed: int = 0
     Returns:
         {"shape", "dir", "params", "bytes", "seconds", "device"}.
     """
-    from transformers import AutoModelForCausalLM
-
     t0 = time.perf_counter()
     cfg = shape_config(name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = _auto_model_class(cfg).from_config(cfg, dtype=torch.bfloat16)
     model = model.to_empty(device=device)
     model.tie_weights()
     _fill_random(model, seed)

@@ -121,6 +121,9 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
              "prefix_cache_hit_rate": round(kv.prefix_hit_rate, 4),
              "num_preemptions": engine.scheduler.num_preemptions,
              "weight_bytes": model_weight_bytes(engine.runner.model)}
+    encdec = getattr(engine.runner, "encdec", None)
+    if encdec is not None:   # encoder-decoder (T5): encoder tokens run, warm-up included
+        extra["encoder_tokens"] = encdec.num_encoder_tokens
     return notes, extra
 
 
@@ -235,16 +238,20 @@ def _hf_batch(model: Any, seqs: list[_Seq], device: torch.device, pad_id: int = 
     with torch.inference_mode():
         out = model.generate(ids.to(device), attention_mask=mask.to(device),
                              stopping_criteria=StoppingCriteriaList([_clock_criteria(cuda, times)]), **kw)
-    out = out[:, width:].tolist()
+    # encoder-decoder (T5): the prompt is the encoder input; the output is the decoder's, after its start token
+    out = out[:, 1 if model.config.is_encoder_decoder else width:].tolist()
     return [o[: s.max_tokens] for o, s in zip(out, seqs)], times, start
 
 
 def _hf_import(model_dir: str) -> None:
     """Import the model's transformers module now, so startup_s times loading, not Python imports."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING)
 
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
+    cfg = AutoConfig.from_pretrained(model_dir)
+    mapping = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING if cfg.is_encoder_decoder else MODEL_FOR_CAUSAL_LM_MAPPING
+    mapping[type(cfg)]
 
 
 def run_hf(model_dir: str, workload: Workload, batch_size: int | None = None, dtype: str | None = None,
@@ -264,7 +271,10 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int | None = None, dt
     try:
         if warmup and workload.name != "startup":
             _hf_batch(model, _expand(warmup_requests(workload))[:1], dev)
-        seqs = _expand(workload.requests)
+        reqs = workload.requests
+        if batch_size == 1 and workload.hf_batch1_requests:   # W9: batch 1 over all 2,000 would take an hour
+            reqs = reqs[:workload.hf_batch1_requests]
+        seqs = _expand(reqs)
         bs = batch_size or len(seqs)
         batches = [seqs[i: i + bs] for i in range(0, len(seqs), bs)]
         if use_tqdm and len(batches) > 1:
@@ -276,8 +286,8 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int | None = None, dt
         for s, t in zip(seqs, ttft):
             first_by_request[s.request_index] = min(t, first_by_request.get(s.request_index, t))
         return RunResult(
-            elapsed_s=elapsed, num_requests=len(workload.requests), num_sequences=len(seqs),
-            prompt_tokens=workload.num_prompt_tokens, output_tokens=sum(len(o) for o in outputs),
+            elapsed_s=elapsed, num_requests=len(reqs), num_sequences=len(seqs),
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), output_tokens=sum(len(o) for o in outputs),
             startup_s=startup_s, ttft_ms=_median(list(first_by_request.values())), tpot_ms=_median(tpot),
             peak_memory_bytes=peak_memory_bytes(cuda), kv_cache_tokens=None,
             extra={"hf_batch_size": bs, "attn_implementation": "sdpa", "dtype": str(model.dtype)})

@@ -15,7 +15,9 @@ import numpy as np
 
 TOKEN_LOW, TOKEN_HIGH = 100, 10000
 W4_MAX_NUM_SEQS = [1, 4, 8, 14, 16, 32, 64]
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "startup")
+W9_HF_BATCH_SIZES = [1, 16, 64, 256]     # HF baseline batch 1 and the batches its best is taken from
+W9_HF_BATCH1_REQUESTS = 100              # HF batch 1 times the first 100 requests (all 2,000 take ~an hour)
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W9", "startup")
 DESCRIPTIONS = {
     "W1": "offline batch throughput: 256 x (512 prompt, 256 output)",
     "W2": "offline mixed lengths: 256 x (U[100,1024] prompt, U[100,1024] output)",
@@ -24,6 +26,8 @@ DESCRIPTIONS = {
     "W5": "shared prefix: 256 x (1024 shared + 128 own prompt, 64 output), prefix caching on vs off",
     "W6": "online serving: 512 x (512 prompt, 128 output), Poisson arrivals at 1,4,16,64,inf req/s (--base-url)",
     "W7": "many samples: 8 prompts x n=64, 256 prompt, 256 output, temperature 0.9",
+    "W9": "encoder-decoder extraction (T5): 2000 x (256 encoder tokens -> 64 output), requests/s and ms per "
+          "request; HF generate at batch 1 (first 100 requests) and batches 16, 64, 256",
     "startup": "engine construction (load, profile, CUDA graphs) and the first request",
 }
 
@@ -58,6 +62,7 @@ class Workload:
     variants: list[dict] = field(default_factory=lambda: [{}])
     ceiling: str | None = None
     vocab_size: int | None = None   # set by fit_to_vocab when the model's vocabulary is below TOKEN_HIGH
+    hf_batch1_requests: int | None = None   # HF baseline at batch 1 times only the first N requests (W9)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -156,13 +161,21 @@ def w7(scale: float = 1.0) -> Workload:
     return Workload("W7", reqs, scale)
 
 
+def w9(scale: float = 1.0) -> Workload:
+    """T5 receipt extraction: the 256 prompt ids are the encoder input; greedy, 64 outputs, EOS ignored."""
+    rng = np.random.default_rng(0)
+    reqs = _fixed(rng, _n(2000, scale), _n(256, scale), _n(64, scale))
+    return Workload("W9", reqs, scale, variants=[{"hf_batch_size": b} for b in W9_HF_BATCH_SIZES],
+                    hf_batch1_requests=_n(W9_HF_BATCH1_REQUESTS, scale))
+
+
 def startup(scale: float = 1.0) -> Workload:
     """One short request after construction: 'the first request can run' (16 prompt tokens, 1 output)."""
     rng = np.random.default_rng(0)
     return Workload("startup", _fixed(rng, 1, 16, 1), scale)
 
 
-BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "startup": startup}
+BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "W9": w9, "startup": startup}
 
 
 def get_workload(name: str, scale: float = 1.0) -> Workload:

@@ -35,6 +35,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[int]] = {}
+        self.req_to_cross_blocks: dict[str, list[int]] = {}   # encoder-decoder: cross-attention blocks
         self._num_cached: dict[str, int] = {}  # request id -> how many of its blocks are in the cache index
         self.num_query_tokens = 0              # prompt tokens looked up (prefix-hit statistics)
         self.num_hit_tokens = 0
@@ -141,11 +142,30 @@ class KVCacheManager:
         self.cache_full_blocks(request, total)
         return new_ids
 
+    def allocate_cross_blocks(self, request: Request, num_encoder_tokens: int) -> list[int] | None:
+        """Reserve the request's cross-attention blocks (encoder-decoder models): ``cdiv(num_encoder_tokens,
+        block_size)`` blocks from the same pool, never shared or prefix-cached, freed with the request.
+
+        Returns:
+            The block ids, or None if the pool is short (nothing is taken then).
+        """
+        assert request.request_id not in self.req_to_cross_blocks, request.request_id
+        num = cdiv(num_encoder_tokens, self.block_size)
+        if num > self.block_pool.num_free_blocks:
+            return None
+        ids = self.block_pool.take(num)
+        self.req_to_cross_blocks[request.request_id] = ids
+        return ids
+
     def free(self, request: Request) -> None:
-        """Drop the request's references (last block first, so its tail is evicted before its prefix)."""
+        """Drop the request's references (last block first, so its tail is evicted before its prefix), and its
+        cross-attention blocks."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
         self.block_pool.give_back(blocks[::-1])
+        cross = self.req_to_cross_blocks.pop(request.request_id, None)
+        if cross:
+            self.block_pool.give_back(cross[::-1])
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])

@@ -60,6 +60,9 @@ class Request:
         self.block_hashes: list[int] = []      # chained hashes of full blocks (KVCacheManager.block_hashes)
         self.num_cached_tokens = 0             # prompt tokens served from the prefix cache at admission
         self.structured = None                 # StructuredOutputRequest when the output is constrained
+        # encoder-decoder models: the encoder input (run when the request is admitted, again after preemption);
+        # prompt_token_ids is then the decoder prompt (decoder_start_token_id first)
+        self.encoder_prompt_token_ids: list[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,8 @@ class _StepPlan:
     reqs: list[Request] = field(default_factory=list)          # running ones first, then those admitted
     block_ids: list[list[int]] = field(default_factory=list)   # new block ids (the whole table when admitted)
     num_running: int = 0                                       # reqs[:num_running] were running already
+    encoder_tokens: int = 0                                    # encoder inputs run this step (encoder-decoder)
+    cross_block_ids: dict[str, list[int]] = field(default_factory=dict)   # admitted with an encoder input
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
 
@@ -163,7 +165,15 @@ class Scheduler:
             if not req.num_preemptions:
                 out.scheduled_new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
                                                              block_ids, req.num_computed_tokens))
+                if req.encoder_prompt_token_ids is not None:
+                    new = out.scheduled_new_reqs[-1]
+                    new.encoder_prompt_token_ids = req.encoder_prompt_token_ids
+                    new.cross_block_ids = plan.cross_block_ids[rid]
+                    out.scheduled_encoder_inputs[rid] = [0]
             else:  # resumed after preemption: the runner gave its row up
+                if req.encoder_prompt_token_ids is not None:  # its encoder runs again, into new cross blocks
+                    cached.cross_block_ids[rid] = plan.cross_block_ids[rid]
+                    out.scheduled_encoder_inputs[rid] = [0]
                 cached.req_ids.append(rid)
                 cached.resumed_from_preemption.append(True)
                 cached.new_token_ids.append(list(req.output_token_ids))
@@ -261,10 +271,14 @@ class Scheduler:
                 if not ready:
                     skipped.append(self.waiting.popleft())
                     continue
+            if req.encoder_prompt_token_ids is not None and not self._admit_encoder(req, plan):
+                break
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)    # num_computed_tokens is 0 here
             num_new = min(req.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)
             if new_blocks is None:
+                if req.encoder_prompt_token_ids is not None:
+                    self._unadmit_encoder(req, plan)
                 break
             req.num_computed_tokens = num_hit
             req.num_cached_tokens = num_hit
@@ -276,6 +290,26 @@ class Scheduler:
             budget -= num_new
         if skipped:
             self.waiting.extendleft(reversed(skipped))
+
+    def _admit_encoder(self, req: Request, plan: _StepPlan) -> bool:
+        """Encoder-decoder: the request's encoder runs this step, within the step's encoder budget
+        (max_num_batched_tokens encoder tokens; the first encoder input of a step always fits, since inputs are at
+        most max_model_len tokens), into cross-attention blocks taken now. False: not this step."""
+        n = len(req.encoder_prompt_token_ids)
+        if plan.encoder_tokens and plan.encoder_tokens + n > self.config.max_num_batched_tokens:
+            return False
+        cross = self.kv.allocate_cross_blocks(req, n)
+        if cross is None:
+            return False
+        plan.encoder_tokens += n
+        plan.cross_block_ids[req.request_id] = cross
+        return True
+
+    def _unadmit_encoder(self, req: Request, plan: _StepPlan) -> None:
+        """Undo _admit_encoder (its decoder blocks did not fit)."""
+        self.kv.free(req)
+        plan.encoder_tokens -= len(req.encoder_prompt_token_ids)
+        del plan.cross_block_ids[req.request_id]
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, out: SchedulerOutput,

@@ -26,6 +26,9 @@ class NewRequestData:
         num_computed_tokens: tokens whose KV is already in the cache before this step (prefix hit).
         mm_inputs: multimodal inputs (image features, ...) of the request; none yet.
         encoder_input_ids: ids of encoder inputs (images, an encoder prompt) of the request; none yet.
+        encoder_prompt_token_ids: encoder-decoder models (T5): the encoder input's token ids (None otherwise).
+        cross_block_ids: encoder-decoder models: the request's cross-attention block table (its encoder output's
+            K/V, ``cdiv(len(encoder_prompt_token_ids), block_size)`` blocks of the same pool as ``block_ids``).
     """
 
     req_id: str
@@ -35,6 +38,8 @@ class NewRequestData:
     num_computed_tokens: int
     mm_inputs: list = field(default_factory=list)
     encoder_input_ids: list[int] = field(default_factory=list)
+    encoder_prompt_token_ids: list[int] | None = None
+    cross_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -49,6 +54,8 @@ class CachedRequestData:
             they came back after it dropped the row); empty otherwise (the runner knows what it sampled).
         new_block_ids: block ids appended to the request's block table this step (all of them when resumed).
         num_computed_tokens: the request's num_computed_tokens before this step.
+        cross_block_ids: encoder-decoder models: request id -> its new cross-attention block table, for requests
+            resumed after preemption (their encoder runs again this step); empty otherwise.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -56,6 +63,7 @@ class CachedRequestData:
     new_token_ids: list[Sequence[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    cross_block_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -79,7 +87,8 @@ class SchedulerOutput:
         preempted_req_ids: requests preempted since the previous step; the runner gives their row up but keeps
             what it needs to resume them (their generator).
         scheduled_spec_decode_tokens: request id -> speculative tokens to verify this step; none yet.
-        scheduled_encoder_inputs: request id -> encoder inputs to run this step; none yet.
+        scheduled_encoder_inputs: request id -> indices of its encoder inputs to run this step (vLLM's shape);
+            encoder-decoder models: ``[0]`` (the encoder prompt) for each request admitted or resumed this step.
         step_id: the step's number (the scheduler matches the step's results to it).
         structured_output_req_ids: the sampling requests under a structured-output constraint, in bitmask order.
         grammar_bitmask: their next-token bitmask ([len(structured_output_req_ids), ceil(V / 32)] int32; bit j of

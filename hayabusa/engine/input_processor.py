@@ -127,6 +127,12 @@ class InputProcessor:
                                           f"(vocab_size={mc.vocab_size}).", parameter="stop_token_ids",
                                           value=bad_stop[0])
 
+    # public names for the encoder-decoder prompt path (engine/encoder_decoder_inputs.py): one prompt's (text, ids)
+    # unchecked; a list of ints from token ids; the decoder-prompt checks (vocab, length, logprobs, stop ids)
+    tokenize = _tokenize
+    as_ids = _as_ids
+    check = _check
+
     def max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """max_tokens, or what max_model_len leaves after the prompt when it is None."""
         left = self.model_config.max_model_len - num_prompt_tokens

@@ -13,6 +13,7 @@ from hayabusa.config import EngineArgs, EngineConfig
 from hayabusa.core.kv_cache_manager import KVCacheManager
 from hayabusa.core.request import Request, RequestStatus
 from hayabusa.core.scheduler import Scheduler
+from hayabusa.engine.encoder_decoder_inputs import process_encoder_decoder
 from hayabusa.engine.input_processor import InputProcessor, PromptType
 from hayabusa.engine.output_processor import OutputProcessor
 from hayabusa.errors import HayabusaValidationError
@@ -164,7 +165,11 @@ class LLMEngine:
                                           value=type(params).__name__)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self._check_request_ids(request_id, child_ids)
-        text, ids = self.input_processor.process(prompt, params)
+        encoder_ids = None
+        if self.config.model_config.is_encoder_decoder:   # T5: the prompt is the encoder input
+            text, ids, encoder_ids = process_encoder_decoder(self.input_processor, prompt, params)
+        else:
+            text, ids = self.input_processor.process(prompt, params)
         max_tokens = self.input_processor.max_tokens(len(ids), params)
         eos = self.config.model_config.eos_token_ids
         # checked now (a bad schema is refused before anything is queued); compiled off the step's path
@@ -176,6 +181,7 @@ class LLMEngine:
                 n=1, seed=None if params.seed is None else params.seed + i)
             child_params.all_stop_token_ids = set(child_params.stop_token_ids)
             child = Request(child_ids[i], ids, child_params, eos, max_tokens, arrival_time)
+            child.encoder_prompt_token_ids = encoder_ids
             if grammar is not None:
                 child.structured = self.structured_output.make_request(grammar, eos)
             children.append(child)

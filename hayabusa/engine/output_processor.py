@@ -196,6 +196,10 @@ class OutputProcessor:
                 token_ids=list(s.request.output_token_ids), cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None, finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason))
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
-                             metrics=state.metrics)
+        out = RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                            prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
+                            metrics=state.metrics)
+        encoder_ids = state.samples[0].request.encoder_prompt_token_ids
+        if encoder_ids is not None:   # encoder-decoder (T5)
+            out.encoder_prompt, out.encoder_prompt_token_ids = state.prompt, encoder_ids
+        return out

@@ -78,12 +78,14 @@ def _read_prompts(path: str) -> list[tuple[int, dict[str, Any]]]:
                                           parameter="prompts", value=lineno) from None
         if isinstance(row, str):
             row = {"prompt": row}
-        if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids", "messages"} & set(row)):
-            raise HayabusaValidationError(f"{path}:{lineno}: each line needs \"prompt\", \"prompt_token_ids\" "
-                                          "or \"messages\".", parameter="prompts", value=lineno)
+        if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids", "messages", "encoder_prompt"} & set(row)):
+            raise HayabusaValidationError(f"{path}:{lineno}: each line needs \"prompt\", \"prompt_token_ids\", "
+                                          "\"messages\" or (encoder-decoder models) \"encoder_prompt\".",
+                                          parameter="prompts", value=lineno)
         if "messages" in row:
             _check_messages(row["messages"], f"{path}:{lineno}")
-        unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "messages", "id"}
+        unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "messages", "id", "encoder_prompt",
+                                                "decoder_prompt"}
         if unknown:
             raise HayabusaValidationError(f"{path}:{lineno}: unknown field(s) {sorted(unknown)}.",
                                           parameter="prompts", value=sorted(unknown))
@@ -127,10 +129,19 @@ def _engine_prompts(llm: Any, ns: argparse.Namespace, rows: list[tuple[int, dict
         try:
             if "messages" in row:  # rendered and tokenized as LLM.chat does
                 prompt = chat_prompt(llm.get_tokenizer(), row["messages"], chat_template=ns.chat_template)
+            elif "encoder_prompt" in row:   # encoder-decoder (T5): vLLM's explicit form, checked by the engine's rule
+                prompt = {k: row[k] for k in ("encoder_prompt", "decoder_prompt") if k in row}
             elif "prompt_token_ids" in row:
                 prompt = {"prompt_token_ids": row["prompt_token_ids"]}
             else:
                 prompt = row["prompt"]
+            if llm.llm_engine.config.model_config.is_encoder_decoder:
+                from hayabusa.engine.encoder_decoder_inputs import process_encoder_decoder
+
+                process_encoder_decoder(processor, prompt, sp)    # the encoder limit, the decoder prompt
+                if isinstance(prompt, dict) and "encoder_prompt" in prompt:
+                    prompts.append(prompt)
+                    continue
             text, ids = processor.process(prompt, sp)
         except HayabusaValidationError as e:
             raise e.prefixed(f"{ns.prompts}:{lineno}") from None

@@ -33,7 +33,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eval", allow_abbrev=False, help="task accuracy across settings (and logit fidelity with --fidelity)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF model folder or Hub id (default: the bundled demo model)")
-    p.add_argument("--data", help="JSONL: prompt or messages + gold (see hayabusa/eval/data.py)")
+    p.add_argument("--data", help="JSONL: prompt or messages + gold (see hayabusa/eval/data.py); 'receipts': the "
+                   "bundled receipts-to-JSON set (5 items)")
     p.add_argument("--task", choices=("extraction", "choice", "majority"), default="extraction")
     p.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                    help="engine or sampling argument values (repeatable: the grid is the product)")
@@ -89,6 +90,10 @@ def run_eval(ns: argparse.Namespace) -> int:
             return _run_fidelity(ns)
         if not ns.data:
             raise HayabusaValidationError("give --data FILE.jsonl (or --fidelity --text FILE).", parameter="data")
+        if ns.data == "receipts":   # the bundled receipts-to-JSON set
+            from hayabusa.assets import receipts_data_path
+
+            ns.data = receipts_data_path()
         return _run_tasks(ns)
     except HayabusaValidationError as e:
         print(f"hayabusa eval: error: {e}", file=sys.stderr)

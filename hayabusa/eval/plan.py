@@ -18,6 +18,11 @@ with
                         measures it at startup as (total - free) - torch reserved. 1 GiB is a round allowance on
                         the safe side; tests/eval/test_plan.py checks plan against the engine's profiled KV
                         capacity on a GPU (within 10 %).
+Encoder-decoder models (T5): the KV cache belongs to the decoder layers (layers = num_decoder_layers, head_dim =
+d_kv), and a request holds K/V for its decoder tokens and, in cross-attention blocks of the same pool, for each of
+its encoder tokens (every decoder layer's cross-attention K and V):
+  kv bytes per request = (decoder tokens + encoder tokens) x kv_bytes_per_token
+  max_num_seqs_at_max_model_len = floor(max_num_tokens / (2 x max_model_len))   (encoder inputs of max_model_len)
 CUDA graphs are captured after the KV cache is allocated and take memory beyond gpu_memory_utilization (some
 hundred MiB; enforce_eager avoids it); they are not in the budget, as in the engine.
 """
@@ -74,15 +79,16 @@ _NON_GATED_MLP = ("gpt2", "gpt_neox", "gptj", "opt", "falcon", "phi", "bloom", "
 # ------------------------------------------------------------------------------------------------ config
 def load_config(model: str, trust_remote_code: bool = False) -> Any:
     """The text config of `model`: a bench shape name, a local folder, or a Hub id (config.json only)."""
-    from hayabusa.bench.models import SHAPES, shape_config
+    from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, shape_config
 
-    if model in SHAPES:
+    if model in SHAPES or model in ARCH_SHAPE_NAMES:
         return shape_config(model)
     from transformers import AutoConfig
 
     if not os.path.isdir(model) and (os.path.exists(model) or model.startswith((".", "/")) or model.count("/") > 1):
         raise HayabusaValidationError(f"model {model!r} is neither a folder, a Hub id nor a bench shape "
-                                      f"({', '.join(SHAPES)}).", parameter="model", value=model)
+                                      f"({', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}).", parameter="model",
+                                      value=model)
     try:
         cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -117,12 +123,24 @@ class Shape:
     tied: bool
     max_position: int
     dtype: str                         # the checkpoint's dtype name
+    encoder_layers: int = 0            # encoder-decoder (T5): encoder layers; 0 = decoder-only
+    gated: bool = True                 # encoder-decoder: gated FFN (T5 v1.1) or not (original T5's ReLU)
 
 
 def model_shape(cfg: Any) -> Shape:
     from hayabusa.config import derive_max_model_len
 
     t = _text(cfg)
+    if getattr(t, "is_encoder_decoder", False) and getattr(t, "d_kv", None):   # T5: the decoder holds the KV cache
+        from hayabusa.config import derive_encoder_decoder_max_len
+
+        dtype = _attr(t, "dtype", "torch_dtype") or "float32"
+        raw_tied = getattr(t, "scale_decoder_outputs", getattr(t, "tie_word_embeddings", True))
+        return Shape((getattr(cfg, "architectures", None) or ["T5ForConditionalGeneration"])[0], t.model_type,
+                     t.d_model, getattr(t, "num_decoder_layers", None) or t.num_layers, t.num_heads, t.num_heads,
+                     t.d_kv, t.d_ff, t.vocab_size, bool(raw_tied), derive_encoder_decoder_max_len(t),
+                     str(dtype).replace("torch.", ""), encoder_layers=t.num_layers,
+                     gated=str(t.feed_forward_proj).startswith("gated"))
     h = _attr(t, "hidden_size", "n_embd", "d_model")
     heads = _attr(t, "num_attention_heads", "n_head")
     kv = _attr(t, "num_key_value_heads", default=1 if getattr(t, "multi_query", False) else heads)
@@ -140,6 +158,12 @@ def count_params(cfg: Any) -> dict[str, int]:
     "other": norms, biases, routers, "vision": vision tower estimate (0 without one), "total"}."""
     s, t = model_shape(cfg), _text(cfg)
     h, L, q, kv = s.hidden, s.layers, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    if s.encoder_layers:   # T5: encoder (self-attn + FF), decoder (self + cross attn + FF); two position-bias tables
+        ff = (3 if s.gated else 2) * h * s.intermediate
+        linear = s.encoder_layers * (4 * h * q + ff) + L * (8 * h * q + ff)
+        emb = s.vocab * h * (1 if s.tied else 2)
+        other = (2 * s.encoder_layers + 3 * L + 2) * h + 2 * t.relative_attention_num_buckets * s.heads
+        return {"linear": linear, "embedding": emb, "other": other, "vision": 0, "total": linear + emb + other}
     attn_bias = bool(getattr(t, "attention_bias", False))
     qkv_bias = s.model_type.startswith("qwen2") or attn_bias            # Qwen2 / 2.5 / -VL / -MoE: q, k, v biases
     attn = 2 * h * q + 2 * h * kv
@@ -280,7 +304,7 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
     if _attr(t, "num_local_experts", "num_experts", "n_routed_experts", default=0):
         experts_inter = max(shape.intermediate, (_attr(t, "moe_intermediate_size") or shape.intermediate)
                             * (_attr(t, "num_experts_per_tok", default=2)))
-    return {
+    out = {
         "model_type": shape.model_type, "architecture": shape.architecture, "params": params["total"],
         "param_breakdown": params, "dtype": dtype, "quantization": method,
         "weight_bits": round(bits, 4) if bits else 8 * b, "weight_bytes": weight_bytes,
@@ -293,7 +317,15 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
         "block_size": inp.block_size, "tp": inp.tp, "gpu_memory_utilization": inp.gpu_memory_utilization,
         "activation_bytes": activation_bytes(shape, b, inp.max_num_seqs, batched, inp.tp, experts_inter),
         "overhead_bytes": NON_TORCH_BYTES,
+        "tokens_per_request": max_len,
     }
+    if shape.encoder_layers:   # cross-attention K/V of an encoder input of max_model_len tokens, per request
+        out["encoder_decoder"] = True
+        out["cross_kv_bytes_per_request"] = kv_per_token * max_len
+        out["tokens_per_request"] = 2 * max_len
+        out["kv_formula"] += (f"; per request (decoder tokens + encoder tokens) x kv_bytes_per_token: cross-attention "
+                              f"K/V of {max_len} encoder tokens = {kv_per_token * max_len} bytes")
+    return out
 
 
 FIT_FIELDS = ("gpu_memory_bytes", "budget_bytes", "kv_cache_bytes", "max_num_tokens", "max_num_seqs_at_max_model_len",
@@ -310,8 +342,8 @@ def _fit(sizes: dict[str, Any], total_bytes: int) -> dict[str, Any]:
     per_block = sizes["kv_bytes_per_token_per_gpu"] * sizes["block_size"]
     tokens = max(kv_bytes, 0) // per_block * sizes["block_size"]
     return {"gpu_memory_bytes": total_bytes, "budget_bytes": budget, "kv_cache_bytes": max(kv_bytes, 0),
-            "max_num_tokens": tokens, "max_num_seqs_at_max_model_len": tokens // sizes["max_model_len"],
-            "weights_fit": kv_bytes > 0, "fits": tokens >= sizes["max_model_len"]}
+            "max_num_tokens": tokens, "max_num_seqs_at_max_model_len": tokens // sizes["tokens_per_request"],
+            "weights_fit": kv_bytes > 0, "fits": tokens >= sizes["tokens_per_request"]}
 
 
 def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib: float | None = None,

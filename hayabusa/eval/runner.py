@@ -145,7 +145,8 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
         eos, pad = _hf_eos_and_pad(model_dir, tokenizer)
         run.texts = [None] * len(items)
         limit = max_model_len or _max_position(model_dir)
-        ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < limit]
+        enc_dec = bool(getattr(hf.config, "is_encoder_decoder", False))   # T5: the prompt is the encoder input
+        ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < limit + enc_dec]
         run.item_errors = {i: f"prompt has {len(it.prompt_token_ids)} tokens; max_model_len={limit} leaves no room "
                               "for an answer" for i, it in enumerate(items) if i not in set(ok)}
         synchronize(cuda)
@@ -154,7 +155,8 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
             idx = ok[start:start + batch_size]
             outs = _hf_generate(hf, [items[i].prompt_token_ids for i in idx], max_tokens, eos, pad, dev)
             for i, ids in zip(idx, outs):
-                run.texts[i] = [_decode_continuation(tokenizer, items[i].prompt_token_ids, ids)]
+                run.texts[i] = [tokenizer.decode(ids, skip_special_tokens=True) if enc_dec else
+                                _decode_continuation(tokenizer, items[i].prompt_token_ids, ids)]
                 run.output_tokens += len(ids)
                 run.prompt_tokens += len(items[i].prompt_token_ids)
         synchronize(cuda)
@@ -169,10 +171,13 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
 
 
 def _max_position(model_dir: str) -> int:
-    from hayabusa.config import derive_max_model_len, load_hf_config
+    from hayabusa.config import derive_encoder_decoder_max_len, derive_max_model_len, load_hf_config
 
     cfg = load_hf_config(model_dir, False)
-    return derive_max_model_len(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(cfg, "is_encoder_decoder", False):
+        return derive_encoder_decoder_max_len(cfg)
+    return derive_max_model_len(cfg)
 
 
 def _hf_generate(model: Any, prompts: list[list[int]], max_tokens: int, eos: list[int], pad: int,
@@ -187,12 +192,17 @@ def _hf_generate(model: Any, prompts: list[list[int]], max_tokens: int, eos: lis
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
-    model.generation_config = GenerationConfig(eos_token_id=eos or None, pad_token_id=pad)
+    start = {}
+    if model.config.is_encoder_decoder:   # keep the decoder's first token (T5: generation_config or the pad id)
+        start["decoder_start_token_id"] = getattr(model.generation_config, "decoder_start_token_id", None) \
+            if getattr(model.generation_config, "decoder_start_token_id", None) is not None else pad
+    model.generation_config = GenerationConfig(eos_token_id=eos or None, pad_token_id=pad, **start)
     with torch.inference_mode():
         out = model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_tokens, do_sample=False,
                              pad_token_id=pad, eos_token_id=eos or None)
     result = []
-    for row in out[:, width:].tolist():
+    # encoder-decoder (T5): the output is the decoder's, after its start token
+    for row in out[:, 1 if model.config.is_encoder_decoder else width:].tolist():
         cut = next((j for j, t in enumerate(row) if t in eos), len(row))
         result.append(row[:cut])
     return result

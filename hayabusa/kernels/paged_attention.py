@@ -92,12 +92,17 @@ def _load_kv_tile(cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_b, stride
 
 
 @triton.jit
-def _scores(q, k, offs_n, pos, pre_scale, post_scale, window,
-            USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-    """Scores in log2 units: [BLOCK_M, TILE_N] fp32; if MASKED, -inf where a key is not visible."""
+def _scores(q, k, offs_n, pos, pre_scale, post_scale, window, bias_ptr, bias_row, bias_len,
+            USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, USE_BIAS: tl.constexpr):
+    """Scores in log2 units: [BLOCK_M, TILE_N] fp32; if MASKED, -inf where a key is not visible.
+    USE_BIAS: + bias[head, query_pos - key_pos] (T5), bias_row [BLOCK_M] int64 = head * stride (-1: idle row)."""
     s = tl.dot(q, k, input_precision="ieee") * pre_scale
     if USE_SOFTCAP:
         s = post_scale * _tanh(s)  # post_scale = softcap * log2(e), pre_scale = scale / softcap
+    if USE_BIAS:
+        dist = tl.minimum(tl.maximum(pos[:, None] - offs_n[None, :], 0), bias_len - 1)   # [BLOCK_M, TILE_N]
+        b = tl.load(bias_ptr + bias_row[:, None] + dist, mask=(bias_row >= 0)[:, None], other=0.0)
+        s = s + b * 1.4426950408889634   # to log2 units, like the scores
     if MASKED:
         visible = offs_n[None, :] <= pos[:, None]
         if USE_WINDOW:
@@ -120,10 +125,10 @@ def _online_softmax_step(s, v, m_i, l_i, acc):
 @triton.jit
 def _attend_tiles(q, m_i, l_i, acc, tile_start, tile_end, kv_end, pos, kv_head, bt_row_ptr,
                   k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  offs_d, d_mask, pre_scale, post_scale, window,
+                  offs_d, d_mask, pre_scale, post_scale, window, bias_ptr, bias_row, bias_len,
                   TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
                   USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
-                  KV_FP8: tl.constexpr):
+                  KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr):
     """Online-softmax update of (m_i, l_i, acc) over key tiles [tile_start, tile_end).
     With KV_FP8 the tiles are upcast to q's dtype (the scales are applied by the caller)."""
     for tile in range(tile_start, tile_end):
@@ -132,7 +137,7 @@ def _attend_tiles(q, m_i, l_i, acc, tile_start, tile_end, kv_end, pos, kv_head, 
         if KV_FP8:
             k = k.to(q.dtype)
         s = _scores(q, k, tile * TILE_N + tl.arange(0, TILE_N), pos, pre_scale, post_scale, window,
-                    USE_WINDOW, USE_SOFTCAP, MASKED)
+                    bias_ptr, bias_row, bias_len, USE_WINDOW, USE_SOFTCAP, MASKED, USE_BIAS)
         v = _load_kv_tile(v_cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_vb, stride_vs, stride_vh,
                           offs_d, d_mask, TILE_N, BLOCK_SIZE, False, DOT_FP32)
         if KV_FP8:
@@ -148,13 +153,14 @@ def _paged_attn_kernel(
     qsl_ptr, seq_lens_ptr, bt_ptr,                  # [R + 1] int32, [R] int32, [R, max_blocks] int32
     part_acc_ptr, part_m_ptr, part_l_ptr,            # split scratch [T, H, S, D_PAD] / [T, H, S] fp32
     k_scale_ptr, v_scale_ptr,                        # [1] fp32 each, read only when KV_FP8
+    bias_ptr, stride_bias, bias_len,                 # [H, bias_len] fp32 position bias, read only when USE_BIAS
     pre_scale, post_scale, window, num_q_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False,
 ):
     r = tl.program_id(0) // num_q_tiles
     qt = tl.program_id(0) % num_q_tiles
@@ -181,6 +187,7 @@ def _paged_attn_kernel(
     ctx_len, kv_end, tile_lo, tile_hi = _tile_range(qt, q_len, seq_len, window, split,
                                                     BLOCK_Q, TILE_N, USE_WINDOW, NUM_SPLITS)
     pos = ctx_len + tok
+    bias_row = tl.where(row_mask, head.to(tl.int64) * stride_bias, -1)   # [BLOCK_M], -1 = idle row
     bt_row_ptr = bt_ptr + r.to(tl.int64) * stride_bt
     if KV_FP8:  # fold k_scale into the softmax scale (before the soft-cap's tanh, as q.k * scale is)
         pre_scale = pre_scale * tl.load(k_scale_ptr)
@@ -196,11 +203,13 @@ def _paged_attn_kernel(
     m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tile_lo, tl.minimum(tile_hi, full_hi), kv_end, pos, kv_head,
                                   bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                   stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
-                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, False, DOT_FP32, KV_FP8)
+                                  bias_ptr, bias_row, bias_len,
+                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, False, DOT_FP32, KV_FP8, USE_BIAS)
     m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(tile_lo, full_hi), tile_hi, kv_end, pos, kv_head,
                                   bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                   stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
-                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, True, DOT_FP32, KV_FP8)
+                                  bias_ptr, bias_row, bias_len,
+                                  TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, True, DOT_FP32, KV_FP8, USE_BIAS)
     if KV_FP8:  # v_scale once on the (unnormalised) accumulator; the split merge is linear in acc
         acc = acc * tl.load(v_scale_ptr)
 
@@ -318,7 +327,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, max_query_len: int, num_seqs: int | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> None:
+                    v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None) -> None:
     """Causal attention of this step's queries over the paged KV cache; writes out in place.
 
     Args:
@@ -340,6 +349,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_kv_splits: split-KV count (1 = single pass); None picks one from (R, max_query_len, H_kv) on CUDA.
         k_scale, v_scale: [1] fp32 device tensors, the fp8 cache's dequantization scales (None = 1.0); read on
             the device (CUDA-graph safe); ignored unless the caches are fp8.
+        position_bias: [H, L] fp32 contiguous (T5's relative position bias): bias[h, p - j] is added to the
+            score of query head h at position p and key j (before the softmax; distances >= L use column L - 1).
+            Not combined with softcap. None = none.
     Raises:
         ValueError: on a shape, dtype, stride or device mismatch.
     The grid depends only on (num_seqs, max_query_len, H_kv, num_kv_splits), all per-request lengths are read
@@ -369,16 +381,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     post_scale = softcap * _LOG2E if use_softcap else 1.0
     kv_fp8 = is_fp8(k_cache.dtype)
     unit = unit_scale(q.device) if kv_fp8 else seq_lens  # never read unless kv_fp8
+    use_bias = position_bias is not None
+    if use_bias and (position_bias.dim() != 2 or position_bias.shape[0] != H or position_bias.dtype != torch.float32
+                     or not position_bias.is_contiguous() or use_softcap or position_bias.device != q.device):
+        raise ValueError(f"position_bias must be [H={H}, L] fp32 contiguous on q's device, without softcap; got "
+                         f"{tuple(position_bias.shape)} {position_bias.dtype}")
     _paged_attn_kernel[(R * num_q_tiles, H_kv, splits)](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, part_acc, part_m, part_l,
         unit if k_scale is None else k_scale, unit if v_scale is None else v_scale,
+        position_bias if use_bias else seq_lens, position_bias.stride(0) if use_bias else 0,
+        position_bias.shape[1] if use_bias else 1,
         pre_scale, post_scale, sliding_window if use_window else 0, num_q_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
         NUM_HEADS=H, GROUP=H // H_kv, HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
         # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
-        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, **cfg)
+        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias, **cfg)
     if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
@@ -399,7 +418,7 @@ def _gather(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int, scal
 
 def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_row: torch.Tensor,
                 seq_len: int, scale: float, window: int, softcap: float, k_scale=None, v_scale=None,
-                chunk: int = 256) -> torch.Tensor:
+                chunk: int = 256, position_bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 attention of one request's queries q [q_len, H, D] -> [q_len, H, D] (chunks bound the memory)."""
     q_len, H, D = q.shape
     H_kv = k_cache.shape[2]
@@ -422,7 +441,11 @@ def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
         s = torch.bmm(qh, k[:, :, :hi]) * scale  # [H_kv, G * n, S']
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
-        s = s.view(H_kv, G, n, hi).masked_fill(~visible, float("-inf"))
+        s = s.view(H_kv, G, n, hi)
+        if position_bias is not None:  # bias[h, query_pos - key_pos] (clamped to the table: masked anyway)
+            dist = (pos[:, None] - key_pos[None, :hi]).clamp(0, position_bias.shape[1] - 1)  # [n, S']
+            s = s + position_bias[:, dist].view(H_kv, G, n, hi)
+        s = s.masked_fill(~visible, float("-inf"))
         p = torch.softmax(s, dim=-1).view(H_kv, G * n, hi)
         o = torch.bmm(p, v[:, :hi])  # [H_kv, G * n, D]
         out[c0:c1] = o.view(H_kv, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
@@ -434,7 +457,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, max_query_len: int, num_seqs: int | None = None,
                         sliding_window: int | None = None, softcap: float | None = None,
                         *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> None:
+                        v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None) -> None:
     """Plain-torch paged_attention (same arguments and semantics; max_query_len and num_kv_splits are unused).
 
     A per-request loop that gathers K/V through the block table (fp8 caches dequantized to fp32 as fp8 * scale)
@@ -451,5 +474,5 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if q_end <= q_start or seq_len <= 0:
             continue
         o = _attend_one(q[q_start:q_end], k_cache, v_cache, block_table[r], seq_len, scale, window, cap,
-                        k_scale, v_scale)
+                        k_scale, v_scale, position_bias=position_bias)
         out[q_start:q_end] = o.to(out.dtype)

@@ -45,6 +45,7 @@ class CUDAGraphRunner:
         self.model = runner.model
         self.kv_caches = runner.kv_caches
         self.backend = runner.backend
+        self.encdec = runner.encdec   # encoder-decoder: cross-attention metadata buffers (None otherwise)
         self.device = runner.device
         self.max_model_len = runner.cfg.scheduler_config.max_model_len
         self.use_graphs = use_graphs
@@ -67,7 +68,8 @@ class CUDAGraphRunner:
 
     def _forward(self, bs: int) -> torch.Tensor:
         buf = self.buffers
-        ctx = ForwardContext(buf.attn_metadata(bs, bs, 1, self.max_model_len), self.kv_caches, self.backend)
+        ctx = ForwardContext(buf.attn_metadata(bs, bs, 1, self.max_model_len), self.kv_caches, self.backend,
+                             None if self.encdec is None else self.encdec.metadata(bs))
         hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], ctx)
         return self.model.compute_logits(hidden)
 

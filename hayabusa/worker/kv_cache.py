@@ -33,6 +33,8 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
     Order: num_gpu_blocks_override; else kv_cache_memory_bytes; else on CUDA
     ``total x gpu_memory_utilization - profiled peak (weights + activations) - non-torch memory``; on CPU
     ``CPU_KV_CACHE_DEFAULT_BYTES`` capped at what max_num_seqs sequences of max_model_len tokens can use.
+    Encoder-decoder models: a sequence also holds cross-attention K/V for up to max_model_len encoder tokens
+    (the encoder limit), in blocks of the same pool.
 
     Raises:
         KVCacheCapacityError: not even one max_model_len sequence fits; the message says which knob to turn.
@@ -40,6 +42,8 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
     cc, sc = cfg.cache_config, cfg.scheduler_config
     per_block = bytes_per_block(cfg)
     blocks_per_seq = -(-sc.max_model_len // cc.block_size)
+    if cfg.model_config.is_encoder_decoder:  # a request also holds its encoder input's cross-attention K/V
+        blocks_per_seq *= 2
     device = cfg.device_config.device
     if cc.num_gpu_blocks_override is not None:
         num_blocks, source = cc.num_gpu_blocks_override, "num_gpu_blocks_override"

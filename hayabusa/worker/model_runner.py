@@ -118,6 +118,12 @@ class ModelRunner:
         self.batch = InputBatch(self.max_num_reqs, sc.max_model_len, self.max_blocks_per_req, self.vocab_size,
                                 list(mc.eos_token_ids), self.device)
         self.buffers = StepBuffers(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.device)
+        self.encdec = None   # encoder-decoder models (T5): encoder runs and cross-attention metadata
+        if getattr(self.model, "is_encoder_decoder", False):
+            from hayabusa.worker.encoder_decoder import EncoderDecoderRunner
+
+            self.encdec = EncoderDecoderRunner(self.model, self.block_size, self.max_num_reqs, self.max_num_tokens,
+                                               sc.max_model_len, self.device)
         self._alloc_staging_buffers()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -164,6 +170,8 @@ class ModelRunner:
                 self.decode_runner.capture()
                 self.graphs = self.decode_runner
             self._warm_up_prefill_attention()
+            if self.encdec is not None:
+                self.encdec.warm_up_prefill(self.kv_caches, self.backend, self.buffers)
         return self.num_blocks
 
     @torch.inference_mode()
@@ -249,6 +257,9 @@ class ModelRunner:
         if self.staging is not None:
             self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
         inp = self.prepare_inputs(out)
+        if self.encdec is not None:   # encoders of admitted / resumed requests, then the cross metadata
+            self.encdec.run_encoders(out, self.kv_caches, self.backend)
+            self.encdec.prepare(inp.rows, inp.num_scheduled)
         logits = self._run_model(inp)                       # [R_s, V]
         if out.structured_output_req_ids and out.grammar_bitmask is None:
             return PendingSample(inp, logits, out)
@@ -340,6 +351,8 @@ class ModelRunner:
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
             if block_ids:
                 batch.append_blocks(rid, block_ids)
+        if self.encdec is not None:
+            self.encdec.update_states(out, batch.row_of)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's host inputs: per-request arrays from the SchedulerOutput, per-token ones vectorised."""
@@ -451,7 +464,8 @@ class ModelRunner:
                 logits = logits[torch.from_numpy(inp.logits_rows).to(self.device)]
             return logits
         buf = self.buffers
-        ctx = ForwardContext(buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend)
+        ctx = ForwardContext(buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend,
+                             None if self.encdec is None else self.encdec.metadata(T))
         hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)           # [T, hidden]
         if len(inp.logits_indices) == 0:
             return hidden.new_empty(0, self.vocab_size)

@@ -226,6 +226,9 @@ class OpenAIServing:
         self.request_chat_template_time_limit = REQUEST_CHAT_TEMPLATE_TIME_LIMIT
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model_config.max_model_len
+        # encoder-decoder (T5): the prompt is the encoder input (at most max_model_len tokens); the decoder starts
+        # from one token, which is what max_model_len bounds with the completion
+        self.is_encoder_decoder = engine.engine.config.model_config.is_encoder_decoder
         self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
         self.preprocess = concurrent.futures.ThreadPoolExecutor(NUM_PREPROCESS_THREADS,
                                                                 thread_name_prefix="hayabusa-preprocess")
@@ -266,7 +269,8 @@ class OpenAIServing:
         params = []
         for i, (_, ids) in enumerate(prompts):
             try:
-                params.append(self._sampling_params(req, len(ids), req.max_tokens, req.logprobs))
+                params.append(self._sampling_params(req, 1 if self.is_encoder_decoder else len(ids), req.max_tokens,
+                                                    req.logprobs))
             except OpenAIError as e:
                 if len(prompts) > 1:
                     e.message = f"prompt[{i}]: {e.message}"    # which prompt of the request's list
@@ -531,7 +535,8 @@ class OpenAIServing:
         if k is not None and isinstance(k, int) and k >= 1:
             ids = ids[-k:]
         try:
-            check_prompt_length(len(ids), self.max_model_len)   # the engine's one rule; OpenAI's message and code
+            # the engine's one rule (T5: the encoder limit, max_model_len tokens); OpenAI's message and code
+            check_prompt_length(len(ids) - 1 if self.is_encoder_decoder else len(ids), self.max_model_len)
         except HayabusaValidationError:
             raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"your prompt has {len(ids)} tokens, which leaves no room for the completion.",

@@ -1,0 +1,81 @@
+"""Prompts of encoder-decoder models (T5): what is the encoder input, what the decoder starts from.
+
+- A str, token ids or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` is the encoder input (tokenized as the
+  tokenizer does by default: T5's appends ``</s>``); the decoder starts from ``decoder_start_token_id`` alone, as
+  transformers' ``generate`` does.
+- vLLM's explicit form ``{"encoder_prompt": P, "decoder_prompt": D}``: P is any of the above; D (optional, None =
+  none) is a str (tokenized without special tokens) or token ids, and gets ``decoder_start_token_id`` in front
+  unless it already starts with it (vLLM's rule).
+
+Limits: the encoder input must be non-empty and at most ``max_model_len`` tokens (vLLM checks encoder prompts
+against max_model_len too; T5 has relative positions, so the limit is the engine's, default n_positions or 512);
+the decoder prompt must leave room for one output token (``check_prompt_length``). A longer input is refused by
+name before anything is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hayabusa.engine.input_processor import InputProcessor, check_prompt_length
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.sampling_params import SamplingParams
+
+
+def process_encoder_decoder(ip: InputProcessor, prompt: Any,
+                            params: SamplingParams) -> tuple[str | None, list[int], list[int]]:
+    """Returns (encoder prompt text or None, decoder prompt ids, encoder input ids).
+
+    Raises:
+        HayabusaValidationError: naming ``prompt`` / ``encoder_prompt`` / ``decoder_prompt``.
+    """
+    mc = ip.model_config
+    start = mc.decoder_start_token_id
+    decoder_part = None
+    name = "prompt"
+    if isinstance(prompt, dict) and ("encoder_prompt" in prompt or "decoder_prompt" in prompt):
+        extra = set(prompt) - {"encoder_prompt", "decoder_prompt"}
+        if extra or "encoder_prompt" not in prompt:
+            raise HayabusaValidationError(
+                "an explicit encoder-decoder prompt is {'encoder_prompt': ..., 'decoder_prompt': ... (optional)}; "
+                f"got keys {sorted(prompt)}.", parameter="prompt", value=sorted(prompt))
+        decoder_part = prompt.get("decoder_prompt")
+        prompt = prompt["encoder_prompt"]
+        name = "encoder_prompt"
+    text, enc_ids = ip.tokenize(prompt)
+    if params.truncate_prompt_tokens is not None:
+        enc_ids = enc_ids[-params.truncate_prompt_tokens:]
+    _check_encoder_ids(ip, enc_ids, name)
+    dec_ids = [start]
+    if decoder_part is not None:
+        if isinstance(decoder_part, str):
+            if ip.tokenizer is None:
+                raise HayabusaValidationError("a text decoder_prompt needs a tokenizer.", parameter="decoder_prompt",
+                                              value=decoder_part[:50])
+            ids = list(ip.tokenizer(decoder_part, add_special_tokens=False).input_ids)
+        elif isinstance(decoder_part, dict):
+            ids = ip.tokenize(decoder_part)[1]
+        else:
+            ids = ip.as_ids(decoder_part)
+        dec_ids = ids if ids and ids[0] == start else [start] + ids
+    ip.check(dec_ids, params)          # vocab, length (room for one output token), logprobs, stop ids
+    return text, dec_ids, enc_ids
+
+
+def _check_encoder_ids(ip: InputProcessor, ids: list[int], name: str) -> None:
+    mc = ip.model_config
+    if not ids:
+        raise HayabusaValidationError(f"the {name} (the encoder input) is empty (0 tokens).", parameter=name,
+                                      value="")
+    bad = next((i for i, t in enumerate(ids) if t < 0 or t >= mc.vocab_size), None)
+    if bad is not None:
+        raise HayabusaValidationError(
+            f"token id {ids[bad]} at position {bad} of the {name} is out of vocabulary (vocab_size="
+            f"{mc.vocab_size}).", parameter=name, value=ids[bad])
+    if len(ids) > mc.max_model_len:
+        raise HayabusaValidationError(
+            f"the {name} (the encoder input) has {len(ids)} tokens, more than the encoder limit max_model_len="
+            f"{mc.max_model_len}.", parameter=name, value=len(ids))
+
+
+__all__ = ["process_encoder_decoder", "check_prompt_length"]

@@ -1,0 +1,56 @@
+"""`hayabusa serve` with a T5 model: /v1/completions through the real openai client (plain and streaming) gives
+the engine's greedy output for the encoder input; a too-long encoder input is a 400 and the next request is
+served."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from hayabusa import LLM, SamplingParams
+from tests.entrypoints.conftest import Served, wait_idle
+from tests.models._t5 import T5_EN_PROMPTS, T5_JA_PROMPTS, save_tiny_t5
+
+
+@pytest.fixture(scope="module")
+def t5_model(tmp_path_factory) -> str:
+    return save_tiny_t5(tmp_path_factory.mktemp("t5_server"), "v1.1")
+
+
+@pytest.fixture(scope="module")
+def t5_server(t5_model):
+    s = Served(t5_model, "tiny-t5", max_model_len=64, max_num_seqs=4)
+    yield s
+    s.close()
+
+
+def test_completions_plain_and_streaming(t5_model, t5_server):
+    prompts = [T5_EN_PROMPTS[0], T5_JA_PROMPTS[1]]
+    ref = LLM(t5_model, max_model_len=64).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    client = t5_server.client()
+    for prompt, want in zip(prompts, ref):
+        r = client.completions.create(model="tiny-t5", prompt=prompt, max_tokens=10, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.outputs[0].text and r.usage.completion_tokens == 10
+        chunks = client.completions.create(model="tiny-t5", prompt=prompt, max_tokens=10, temperature=0.0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+    # the decoder (one start token + the completion) fills max_model_len; the encoder input does not count
+    r = client.completions.create(model="tiny-t5", prompt=T5_EN_PROMPTS[1], temperature=0.0, max_tokens=63,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 63 and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-t5", prompt=T5_EN_PROMPTS[1], max_tokens=64)
+    wait_idle(t5_server.engine)
+
+
+def test_too_long_encoder_input_is_a_400(t5_server):
+    client = t5_server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-t5", prompt=[5] * 65, max_tokens=4)
+    assert "64" in str(e.value)
+    r = client.completions.create(model="tiny-t5", prompt=[5] * 64, max_tokens=4, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    wait_idle(t5_server.engine)
