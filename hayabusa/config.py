@@ -388,6 +388,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quant_config: Any = None           # hayabusa.quantization.QuantizationConfig, checked against the device
     max_logprobs: int = 20             # most logprobs a request may ask for (vLLM's engine argument)
+    multimodal_config: Any = None      # the whole HF config of a model with a vision tower (vision_config), else None
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> "ModelConfig":
@@ -425,7 +426,8 @@ class ModelConfig:
                    head_dim=head_dim, hidden_size=text_config.hidden_size,
                    trust_remote_code=args.trust_remote_code, skip_tokenizer_init=args.skip_tokenizer_init,
                    load_format=args.load_format, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
-                   eos_token_ids=eos, quant_config=quant_config, max_logprobs=args.max_logprobs)
+                   eos_token_ids=eos, quant_config=quant_config, max_logprobs=args.max_logprobs,
+                   multimodal_config=hf_config if getattr(hf_config, "vision_config", None) is not None else None)
 
     @property
     def quantization(self) -> str | None:

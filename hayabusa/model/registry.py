@@ -15,6 +15,8 @@ _MODELS = {
     "MistralForCausalLM": ("hayabusa.model.mistral", "MistralForCausalLM"),
     "Gemma2ForCausalLM": ("hayabusa.model.gemma2", "Gemma2ForCausalLM"),
     "GPT2LMHeadModel": ("hayabusa.model.gpt2", "GPT2LMHeadModel"),
+    "Qwen2VLForConditionalGeneration": ("hayabusa.model.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("hayabusa.model.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 
