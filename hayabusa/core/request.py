@@ -60,6 +60,8 @@ class Request:
         self.block_hashes: list[int] = []      # chained hashes of full blocks (KVCacheManager.block_hashes)
         self.num_cached_tokens = 0             # prompt tokens served from the prefix cache at admission
         self.structured = None                 # StructuredOutputRequest when the output is constrained
+        self.mm_inputs: list = []              # ImageInputs (hayabusa.multimodal), in prompt order
+        self.mm_encoded: set[int] = set()      # indices of mm_inputs whose encoder output the runner holds
 
     @property
     def num_prompt_tokens(self) -> int:

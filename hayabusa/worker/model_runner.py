@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,6 +88,7 @@ class StepInputs:
     logits_indices: np.ndarray  # [R_s] int64, token index of each such row's last token
     placeholder_dst: np.ndarray  # [P] int64, token indices whose id comes from the previous step's samples
     placeholder_src: np.ndarray  # [P] int64, rows of the previous step's sampled-token tensor
+    mm: Any = None              # StepMultiModal (worker/mm_inputs.py): image rows / M-RoPE positions, or None
 
     @property
     def num_reqs(self) -> int:
@@ -129,6 +131,11 @@ class ModelRunner:
         self._prev_sample_index = np.full(self.max_num_reqs, -1, dtype=np.int64)    # [rows]
         # A step of one token per request skips the per-token repeats (tests turn it off to compare).
         self.decode_fast_path = True
+        self.mm = None   # MultiModalState: images, encoder cache and M-RoPE positions of a vision model's requests
+        if getattr(self.model, "is_multimodal", False):
+            from hayabusa.worker.mm_inputs import MultiModalState
+
+            self.mm = MultiModalState(self.model, self.device)
 
     def _alloc_staging_buffers(self) -> None:
         d, T, R = self.device, self.max_num_tokens, self.max_num_reqs
@@ -249,6 +256,9 @@ class ModelRunner:
         if self.staging is not None:
             self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
         inp = self.prepare_inputs(out)
+        if self.mm is not None:   # vision-tower runs, image rows and M-RoPE positions of the step
+            inp.positions, inp.mm = self.mm.prepare(out, inp.req_ids, inp.positions, inp.query_start_loc,
+                                                    out.batch_num_computed_tokens)
         logits = self._run_model(inp)                       # [R_s, V]
         if out.structured_output_req_ids and out.grammar_bitmask is None:
             return PendingSample(inp, logits, out)
@@ -331,6 +341,8 @@ class ModelRunner:
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids):
             if block_ids:
                 batch.append_blocks(rid, block_ids)
+        if self.mm is not None:
+            self.mm.update(out)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's host inputs: per-request arrays from the SchedulerOutput, per-token ones vectorised."""
@@ -434,7 +446,7 @@ class ModelRunner:
         T, R = len(inp.input_ids), inp.num_reqs
         max_q = int(inp.num_scheduled.max())
         self.copy_inputs(inp)
-        if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R):
+        if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None:
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
             # shapes with enforce_eager, so both give the same numbers).
             logits = self.decode_runner.run(inp)            # [R, V]
@@ -443,7 +455,10 @@ class ModelRunner:
             return logits
         buf = self.buffers
         ctx = ForwardContext(buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend)
-        hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)           # [T, hidden]
+        if inp.mm is not None:   # image rows into the input embeddings, [3, T] M-RoPE positions
+            hidden = inp.mm.run(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
+        else:
+            hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)       # [T, hidden]
         if len(inp.logits_indices) == 0:
             return hidden.new_empty(0, self.vocab_size)
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
