@@ -4,6 +4,8 @@ Qwen tokenizer, saved as safetensors in transformers 5.x (``model.visual.*``, ``
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import json
 import os
@@ -22,6 +24,16 @@ PROCESSOR = {"min_pixels": 28 * 28, "max_pixels": 112 * 112, "patch_size": 14, "
              "do_normalize": True, "resample": 3, "rescale_factor": 1 / 255, "do_convert_rgb": True}
 
 
+# Qwen2-VL's chat format for image parts (the tiny checkpoint's tokenizer template: transformers 5 loads the
+# checkpoint's AutoProcessor only with torchvision, so the seed script falls back to the tokenizer's template)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = "5.x", seed: int = 0) -> str:
     """Save a random-weight ``arch`` ("qwen2_5_vl" | "qwen2_vl") checkpoint to ``out``: 2 text layers (hidden
     64), 2 vision layers (the second full attention for Qwen2.5, window 56 px = 2 x 2 merge units)."""
@@ -34,7 +46,7 @@ def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = 
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                 rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                tie_word_embeddings=False, initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(seed)
@@ -43,12 +55,12 @@ def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = 
 
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                      fullatt_block_indexes=[1], hidden_act="silu", in_channels=3)
+                      fullatt_block_indexes=[1], hidden_act="silu", in_channels=3, initializer_range=0.2)
     else:
         from transformers import Qwen2VLConfig as Config, Qwen2VLForConditionalGeneration as Model
 
         vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu", in_channels=3)
+                      spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu", in_channels=3, initializer_range=0.2)
     cfg = Config(text_config=dict(text), vision_config=vision, **tokens, **text)
     cfg.architectures = [Model.__name__]
     model = Model(cfg).float().eval()
@@ -73,6 +85,7 @@ def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = 
         idx = out / "model.safetensors.index.json"
         assert not idx.exists()
     tok.save_pretrained(str(out))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     with open(out / "preprocessor_config.json", "w") as f:
         json.dump({**PROCESSOR, "image_processor_type": "Qwen2VLImageProcessor"}, f)
     return str(out)
@@ -92,19 +105,33 @@ def vl_prompt_ids(tok, text: str, num_images: int) -> list[int]:
     return tok(f"<|im_start|>user\n{vis}{text}<|im_end|>\n<|im_start|>assistant\n").input_ids
 
 
-def hf_vl_greedy(model_dir: str, expanded_ids: list[int], pixel_values, grid_thw, max_new_tokens: int
-                 ) -> list[int]:
-    """HF float32 greedy continuation of an already-expanded prompt (placeholders repeated) with its images."""
+@functools.lru_cache(maxsize=4)
+def hf_vl_model(model_dir: str):
+    """The checkpoint as an HF float32 model (cached per folder)."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_vl_greedy(model_dir: str, expanded_ids: list[int], images: list, max_new_tokens: int) -> list[int]:
+    """HF float32 greedy continuation (``generate``, batch 1) of an already-expanded prompt (placeholders
+    repeated) with its images, preprocessed by the checkpoint's own image processor."""
+    model = hf_vl_model(model_dir)
+    pixel_values = grid_thw = None
+    if images:
+        from hayabusa.multimodal.processor import load_image_processor
+
+        x = load_image_processor(model_dir)(images=images, return_tensors="pt")
+        pixel_values, grid_thw = x["pixel_values"], x["image_grid_thw"]
     ids = torch.tensor([expanded_ids])
     kw = {}
     if pixel_values is not None:
         kw = dict(pixel_values=pixel_values, image_grid_thw=grid_thw)
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
         kw["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    gen = copy.deepcopy(model.generation_config)   # no EOS: like ignore_eos=True, and no logits processor
+    gen.eos_token_id, gen.pad_token_id, gen.do_sample = None, 0, False
+    gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k = max_new_tokens, None, None, None
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, min_new_tokens=max_new_tokens, **kw)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, **kw)
     return out[0, len(expanded_ids):].tolist()
