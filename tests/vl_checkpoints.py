@@ -44,7 +44,7 @@ def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = 
     ids = {n: tok.convert_tokens_to_ids(n) for n in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
                                                      "<|video_pad|>")}
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-6,
                 rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
                 tie_word_embeddings=False, initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
