@@ -192,4 +192,6 @@ def test_encoder_budget_cuts_chunks_before_an_image_it_cannot_encode():
     big.left = 9
     assert big.fit(req, 16, 30) == (4, [])                  # ... but not after other work in the step
     req.mm_encoded.clear()
-    assert EncoderBudget(3).fit(req, 4, 8) == (0, [])       # starts inside image 0, which cannot run
+    spent = EncoderBudget(10)
+    spent.left = 3
+    assert spent.fit(req, 4, 8) == (0, [])                  # starts inside image 0 (prefix hit), which cannot run
