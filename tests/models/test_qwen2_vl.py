@@ -166,3 +166,17 @@ def test_prefix_caching_keys_images(vl_dir):
     first_image = outs[0].prompt_token_ids.index(tok.convert_tokens_to_ids("<|image_pad|>"))
     assert hits[0] == 0 and hits[1] <= first_image
     assert hits[2] >= len(outs[0].prompt_token_ids) - 4 > first_image
+
+
+def test_varlen_attention_equals_per_segment_reference():
+    """The vision tower's segment attention (equal-length segments batched) equals one SDPA per segment."""
+    from hayabusa.model.qwen2_vl import varlen_attention
+
+    torch.manual_seed(0)
+    cu = [0, 16, 32, 36, 52, 53, 80]
+    q, k, v = (torch.randn(cu[-1], 2, 8) for _ in range(3))
+    out = varlen_attention(q, k, v, cu, 8 ** -0.5)
+    for a, b in zip(cu[:-1], cu[1:]):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=8 ** -0.5)
+        torch.testing.assert_close(out[a:b], ref.transpose(0, 1), rtol=1e-5, atol=1e-6)
