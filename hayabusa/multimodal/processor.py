@@ -47,6 +47,23 @@ def load_image_processor(model_dir: str, trust_remote_code: bool = False) -> Any
     return AutoImageProcessor.from_pretrained(model_dir, use_fast=False, trust_remote_code=trust_remote_code)
 
 
+def max_image_tokens(model_dir: str, merge_size: int) -> int:
+    """The most tokens one image can take: the checkpoint's image processor's ``max_pixels`` (5.x:
+    ``size.longest_edge``; default Qwen2-VL's 12845056) over (patch * merge) ** 2 pixels per token."""
+    import json
+    import os
+
+    cfg: dict = {}
+    path = os.path.join(model_dir, "preprocessor_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            cfg = json.load(f)
+    size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+    max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or 12845056
+    patch = cfg.get("patch_size") or 14
+    return max(1, int(max_pixels) // (patch * merge_size) ** 2)
+
+
 def check_limit_mm_per_prompt(limit: Any) -> dict[str, int]:
     """``limit_mm_per_prompt`` as {modality: int} (None -> {}); unknown modalities or bad counts refused.
 

@@ -70,6 +70,19 @@ class MultiModalState:
         self.merge = int(model.spatial_merge_size)
         self.requests: dict[str, RequestImages] = {}
 
+    def profile(self, cfg) -> None:
+        """Run the vision tower once at the largest work one step may give it (the encoder budget, or one image
+        at the processor's max_pixels if larger), so memory profiling reserves room for it."""
+        from hayabusa.multimodal.processor import max_image_tokens
+
+        tokens = max(cfg.scheduler_config.max_num_encoder_input_tokens,
+                     max_image_tokens(cfg.model_config.model, self.merge))
+        side = int(np.ceil(np.sqrt(tokens)))           # a square image of side x side tokens
+        grid = (1, side * self.merge, side * self.merge)
+        visual = self.model.visual
+        pixels = torch.zeros(grid[1] * grid[2], visual.patch_dim, device=self.device)
+        self.model.get_image_embeddings(pixels, [grid])
+
     def update(self, out: SchedulerOutput) -> None:
         """Drop finished requests; forget preempted requests' embeddings (the tower runs again when they
         resume); register new requests with images."""

@@ -214,6 +214,8 @@ class ModelRunner:
         """Run the largest step without a KV cache; returns (torch peak bytes, non-torch bytes in use)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        if self.mm is not None:   # the vision tower at its largest step input
+            self.mm.profile(self.cfg)
         T = self.max_num_tokens
         ctx = ForwardContext(None, None, self.backend)
         hidden = self.model(self.buffers.input_ids[:T], self.buffers.positions[:T], ctx)
