@@ -35,6 +35,8 @@ class EncoderBudget:
             (num_new, possibly smaller, 0 when the chunk would start inside an image that cannot run;
             indices into ``req.mm_inputs``).
         """
+        if start >= req.mm_inputs[-1].end:   # past every image (decode): nothing to check
+            return num_new, []
         end = start + num_new
         run: list[int] = []
         left = self.left

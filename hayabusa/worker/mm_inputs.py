@@ -156,12 +156,19 @@ class MultiModalState:
         return rope, step
 
     def _encode(self, encoder_inputs: dict[str, list[int]]) -> None:
-        """One vision-tower call for every image the step encodes, across requests."""
+        """One vision-tower call for every distinct image (by content hash) the step encodes, across requests
+        (the n samples of a request share their images)."""
         todo = [(rid, i) for rid, idx in encoder_inputs.items() for i in idx if rid in self.requests]
         if not todo:
             return
-        images = [self.requests[rid].images[i] for rid, i in todo]
+        unique: dict[str, int] = {}          # content hash -> row in the batch
+        images = []
+        for rid, i in todo:
+            img = self.requests[rid].images[i]
+            if img.content_hash not in unique:
+                unique[img.content_hash] = len(images)
+                images.append(img)
         pixels = torch.from_numpy(np.concatenate([img.pixel_values for img in images])).to(self.device)
         embeds = self.model.get_image_embeddings(pixels, [img.grid_thw for img in images])
-        for (rid, i), emb in zip(todo, embeds):
-            self.requests[rid].cache[i] = emb
+        for rid, i in todo:
+            self.requests[rid].cache[i] = embeds[unique[self.requests[rid].images[i].content_hash]]
