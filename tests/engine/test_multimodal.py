@@ -195,3 +195,43 @@ def test_encoder_budget_cuts_chunks_before_an_image_it_cannot_encode():
     spent = EncoderBudget(10)
     spent.left = 3
     assert spent.fit(req, 4, 8) == (0, [])                  # starts inside image 0 (prefix hit), which cannot run
+
+
+def test_prefix_cache_block_keys_include_image_hashes():
+    """Blocks holding image placeholders are keyed by the images' content hashes too (plain KVCacheManager): same
+    tokens with another image hit only the blocks before the image; with the same image, every full block."""
+    from hayabusa.core.kv_cache_manager import KVCacheManager
+
+    mgr = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+
+    def req(rid, image_hash):
+        r = Request(rid, list(range(14)), SamplingParams(), (), 8)    # image tokens 5..8 (blocks 1 and 2)
+        r.mm_inputs = [ImageInput(np.zeros((16, 1), np.float32), (1, 4, 4), 5, 4, image_hash)]
+        return r
+
+    a = req("a", "cat")
+    assert mgr.allocate_slots(a, 14) == [0, 1, 2, 3]
+    mgr.cache_full_blocks(a)                                   # blocks 0, 1, 2 are full
+    assert mgr.get_computed_blocks(req("b", "dog")) == ([0], 4)
+    assert mgr.get_computed_blocks(req("c", "cat")) == ([0, 1, 2], 12)
+
+
+def test_scheduler_sends_each_image_in_the_step_that_first_touches_it():
+    from hayabusa.config import SchedulerConfig
+    from hayabusa.core.kv_cache_manager import KVCacheManager
+    from hayabusa.core.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=10, max_model_len=64,
+                                      max_num_encoder_input_tokens=8),
+                      KVCacheManager(num_blocks=16, block_size=4))
+    r = _req([(4, 8), (16, 8)], num_tokens=30)
+    sched.add_request(r)
+    steps = []
+    for _ in range(3):
+        out = sched.schedule()
+        steps.append((out.num_scheduled_tokens.get("r"), out.scheduled_encoder_inputs))
+        if out.scheduled_new_reqs:
+            assert out.scheduled_new_reqs[0].mm_inputs is r.mm_inputs
+        sched.update_from_output(out, {"r": []})
+    # [0, 10) touches image 0; [10, 20) image 1 (image 0 is held by the runner); [20, 30) none
+    assert steps == [(10, {"r": [0]}), (10, {"r": [1]}), (10, {})]
