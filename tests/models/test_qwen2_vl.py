@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,7 +69,7 @@ def test_forward_matches_hf(vl_dir, vl_prompts, layout, tmp_path):
     from hayabusa.model.loader import build_model
     from hayabusa.multimodal.processor import make_mm_processor
 
-    arch = "qwen2_5_vl" if "2_5" in open(f"{vl_dir}/config.json").read() else "qwen2_vl"
+    arch = "qwen2_5_vl" if "Qwen2_5" in open(f"{vl_dir}/config.json").read() else "qwen2_vl"
     model_dir = vl_dir if layout == "5.x" else make_vl_checkpoint(tmp_path / "ckpt", arch, layout="4.x")
     mc = EngineArgs(model=model_dir, device="cpu", dtype="float32").create_engine_config().model_config
     ours = build_model(mc, torch.device("cpu"))
@@ -81,8 +82,8 @@ def test_forward_matches_hf(vl_dir, vl_prompts, layout, tmp_path):
         feats = hf.model.get_image_features(kw["pixel_values"], kw["image_grid_thw"])
         feats = torch.cat(list(getattr(feats, "pooler_output", feats)))
         ref_logits = hf(input_ids=x, **kw).logits[0]
-        ours_feats = ours.get_image_embeddings(torch.from_numpy(__import__("numpy").concatenate(
-            [m.pixel_values for m in mm])), [m.grid_thw for m in mm])
+        ours_feats = ours.get_image_embeddings(torch.from_numpy(np.concatenate([m.pixel_values for m in mm])),
+                                               [m.grid_thw for m in mm])
         torch.testing.assert_close(torch.cat(ours_feats), feats, rtol=1e-4, atol=1e-5)
         from hayabusa.worker.mrope import mrope_prompt_positions
 
