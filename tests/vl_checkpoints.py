@@ -36,7 +36,8 @@ CHAT_TEMPLATE = (
 
 def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = "5.x", seed: int = 0) -> str:
     """Save a random-weight ``arch`` ("qwen2_5_vl" | "qwen2_vl") checkpoint to ``out``: 2 text layers (hidden
-    64), 2 vision layers (the second full attention for Qwen2.5, window 56 px = 2 x 2 merge units)."""
+    64), 2 vision layers (the second full attention for Qwen2.5, window 56 px = 2 x 2 merge units). ``layout``:
+    "5.x", "4.x" (4.x key names) or "4.x-flat" (also a 4.x-style config.json, text keys at the top level)."""
     from transformers import AutoTokenizer
 
     out = Path(out)
@@ -69,7 +70,7 @@ def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = 
             if name.endswith("bias") or "norm" in name or "ln_q" in name:
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(str(out), safe_serialization=True)
-    if layout == "4.x":
+    if layout.startswith("4.x"):
         from safetensors.torch import load_file, save_file
 
         for f in out.glob("*.safetensors"):
@@ -84,11 +85,31 @@ def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = 
             save_file(ren, str(f), metadata={"format": "pt"})
         idx = out / "model.safetensors.index.json"
         assert not idx.exists()
+    if layout == "4.x-flat":   # config.json as the released checkpoints have it: text keys at the top level
+        _flatten_config(out / "config.json")
     tok.save_pretrained(str(out))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     with open(out / "preprocessor_config.json", "w") as f:
         json.dump({**PROCESSOR, "image_processor_type": "Qwen2VLImageProcessor"}, f)
     return str(out)
+
+
+def _flatten_config(path: Path) -> None:
+    cfg = json.loads(path.read_text())
+    text = cfg.pop("text_config")
+    cfg.pop("rope_parameters", None)
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "max_position_embeddings", "rms_norm_eps", "vocab_size", "max_window_layers", "use_sliding_window",
+              "sliding_window", "hidden_act"):
+        cfg[k] = text[k]
+    cfg["rope_theta"] = 10000.0
+    cfg["rope_scaling"] = {"type": "mrope", "mrope_section": text["rope_parameters"]["mrope_section"]}
+    vision = cfg["vision_config"]
+    vision.pop("rope_parameters", None)
+    if "in_channels" in vision:
+        vision["in_chans"] = vision.pop("in_channels")
+    cfg["torch_dtype"] = cfg.pop("dtype", "float32")
+    path.write_text(json.dumps(cfg, indent=1))
 
 
 def random_image(w: int, h: int, seed: int):

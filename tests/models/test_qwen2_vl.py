@@ -59,10 +59,10 @@ def _hf_inputs(model_dir, images, expanded_ids):
     return ids, kw
 
 
-@pytest.mark.parametrize("layout", ["5.x", "4.x"])
+@pytest.mark.parametrize("layout", ["5.x", "4.x", "4.x-flat"])
 def test_forward_matches_hf(vl_dir, vl_prompts, layout, tmp_path):
     """One prefill of 5 images: the vision tower's rows and the logits at every position equal HF's, from a
-    checkpoint in either key layout."""
+    checkpoint in either key layout (and a released-style flat config.json)."""
     from hayabusa.attention.backends import get_attention_backend
     from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
     from hayabusa.config import EngineArgs
@@ -70,7 +70,7 @@ def test_forward_matches_hf(vl_dir, vl_prompts, layout, tmp_path):
     from hayabusa.multimodal.processor import make_mm_processor
 
     arch = "qwen2_5_vl" if "Qwen2_5" in open(f"{vl_dir}/config.json").read() else "qwen2_vl"
-    model_dir = vl_dir if layout == "5.x" else make_vl_checkpoint(tmp_path / "ckpt", arch, layout="4.x")
+    model_dir = vl_dir if layout == "5.x" else make_vl_checkpoint(tmp_path / "ckpt", arch, layout=layout)
     mc = EngineArgs(model=model_dir, device="cpu", dtype="float32").create_engine_config().model_config
     ours = build_model(mc, torch.device("cpu"))
     prompt = vl_prompts[3]
