@@ -186,9 +186,10 @@ class MultiModalProcessor:
                 parameter="multi_modal_data", value=len(images))
         if not images:
             return prompt_ids, []
-        out = self.image_processor(images=images, return_tensors="np")
-        pixels = np.asarray(out["pixel_values"], dtype=np.float32)        # [sum t*h*w, patch_dim]
-        grids = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])]
+        # "pt": the one tensor type both the PIL-backed and the torchvision-backed processors return
+        out = self.image_processor(images=images, return_tensors="pt")
+        pixels = out["pixel_values"].float().cpu().numpy()                # [sum t*h*w, patch_dim] float32
+        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
         unit = self.merge_size ** 2
         ids: list[int] = []
         inputs: list[ImageInput] = []
