@@ -190,21 +190,32 @@ def full_segments(grid_thw: GridTHW) -> list[int]:
     return cu
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Sequence[int],
-                     scale: float) -> torch.Tensor:
-    """Bidirectional attention within each segment [cu[i], cu[i+1]) of q, k, v [N, H, D] -> [N, H, D].
-
-    Segments of equal length run as one batched SDPA call (no padding; windows mostly share a length), so the
-    cost is the sum of the segments' squares, never the batch's longest squared.
-    """
-    out = torch.empty_like(q)
+def segment_groups(cu: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """Segments [cu[i], cu[i+1]) grouped by length: one [B, L] int64 index tensor per distinct length L > 0
+    (built once per forward on the host and copied to ``device`` in one go, shared by every layer)."""
     starts = np.asarray(cu[:-1], dtype=np.int64)
     lens = np.diff(np.asarray(cu, dtype=np.int64))
-    for L in np.unique(lens):
-        if L == 0:
-            continue
-        s = starts[lens == L]
-        idx = (torch.from_numpy(s)[:, None] + torch.arange(int(L))[None, :]).to(q.device)    # [B, L]
+    groups = [starts[lens == L][:, None] + np.arange(L, dtype=np.int64)[None, :] for L in np.unique(lens) if L > 0]
+    if not groups:
+        return []
+    flat = torch.from_numpy(np.concatenate([g.reshape(-1) for g in groups])).to(device)
+    out, at = [], 0
+    for g in groups:
+        out.append(flat[at:at + g.size].view(g.shape))
+        at += g.size
+    return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Sequence[torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    """Bidirectional attention within segments of q, k, v [N, H, D] -> [N, H, D]; ``groups`` from
+    ``segment_groups`` (every row in exactly one segment).
+
+    Segments of equal length run as one batched SDPA call (no padding; windows mostly share a length), so the
+    cost is the sum of the segments' squares, never the longest segment's square times their number.
+    """
+    out = torch.empty_like(q)
+    for idx in groups:                                                                        # [B, L]
         qs, ks, vs = (x[idx].transpose(1, 2) for x in (q, k, v))                             # [B, H, L, D]
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)                           # [B, H, L, D]
         out[idx] = o.transpose(1, 2)
@@ -218,13 +229,14 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(dim, [3 * dim], True, dtype, device)
         self.proj = Linear(dim, [dim], True, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                groups: Sequence[torch.Tensor]) -> torch.Tensor:
         N = x.shape[0]
         q, k, v = self.qkv(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)    # [N, H, D] each
         qf, kf = q.float(), k.float()                                                # RoPE in fp32 (HF)
         q = (qf * cos + _rotate_half(qf) * sin).to(x.dtype)
         k = (kf * cos + _rotate_half(kf) * sin).to(x.dtype)
-        out = varlen_attention(q, k, v, cu, self.head_dim ** -0.5)                   # [N, H, D]
+        out = varlen_attention(q, k, v, groups, self.head_dim ** -0.5)               # [N, H, D]
         return self.proj(out.reshape(N, -1))
 
 
@@ -263,8 +275,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, heads, dtype, device)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, cu):
-        x = x + self.attn(self.norm1(x), cos, sin, cu)
+    def forward(self, x, cos, sin, groups):
+        x = x + self.attn(self.norm1(x), cos, sin, groups)
         return x + self.mlp(self.norm2(x))
 
 
@@ -337,8 +349,10 @@ class VisionTransformer(nn.Module):
                 return t.view(-1, unit, t.shape[-1])[order].view(-1, t.shape[-1])
             x, emb = permute(x), permute(emb)
         cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)                     # [N, 1, D] fp32
+        full = segment_groups(full_cu, x.device)
+        window = full if window_cu is full_cu else segment_groups(window_cu, x.device)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, full_cu if i in self.full_blocks else window_cu)
+            x = blk(x, cos, sin, full if i in self.full_blocks else window)
         x = self.merger(x)                                                           # [N / unit, out_dim]
         if order is not None:
             x = x[torch.argsort(order)]

@@ -171,12 +171,12 @@ def test_prefix_caching_keys_images(vl_dir):
 
 def test_varlen_attention_equals_per_segment_reference():
     """The vision tower's segment attention (equal-length segments batched) equals one SDPA per segment."""
-    from hayabusa.model.qwen2_vl import varlen_attention
+    from hayabusa.model.qwen2_vl import segment_groups, varlen_attention
 
     torch.manual_seed(0)
     cu = [0, 16, 32, 36, 52, 53, 80]
     q, k, v = (torch.randn(cu[-1], 2, 8) for _ in range(3))
-    out = varlen_attention(q, k, v, cu, 8 ** -0.5)
+    out = varlen_attention(q, k, v, segment_groups(cu, q.device), 8 ** -0.5)
     for a, b in zip(cu[:-1], cu[1:]):
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=8 ** -0.5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hayabusa import LLM, SamplingParams
-from hayabusa.model.qwen2_vl import varlen_attention
+from hayabusa.model.qwen2_vl import segment_groups, varlen_attention
 from tests.vl_checkpoints import make_vl_checkpoint, random_image, vl_prompt_ids
 
 pytestmark = pytest.mark.cuda
@@ -82,7 +82,7 @@ def test_varlen_attention_equals_per_segment_reference(dtype):
     torch.manual_seed(0)
     cu = [0, 64, 128, 144, 208, 209, 300]           # windows of equal and unequal lengths, one of length 1
     q, k, v = (torch.randn(cu[-1], 4, 32, device="cuda", dtype=dtype) for _ in range(3))
-    out = varlen_attention(q, k, v, cu, 32 ** -0.5)
+    out = varlen_attention(q, k, v, segment_groups(cu, q.device), 32 ** -0.5)
     for a, b in zip(cu[:-1], cu[1:]):
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=32 ** -0.5).transpose(0, 1)
