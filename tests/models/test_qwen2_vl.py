@@ -181,3 +181,25 @@ def test_varlen_attention_equals_per_segment_reference():
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), scale=8 ** -0.5)
         torch.testing.assert_close(out[a:b], ref.transpose(0, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_prefix_hit_ending_inside_an_image(vl_dir):
+    """Same image, different text after it: the cached prefix ends inside the image's placeholders, so the tower
+    runs again and the prefill takes its rows from the middle; the output still equals HF's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vl_dir)
+    image = random_image(56, 112, 7)                       # 8 tokens at prompt index 4..11
+    llm = LLM(vl_dir, enable_prefix_caching=True, block_size=8, max_num_seqs=1)
+    kv = llm.llm_engine.kv_cache_manager
+    outs, hits = [], []
+    for text in ("Answer A.", "Answer B."):
+        before = kv.num_hit_tokens
+        outs.append(llm.generate({"prompt_token_ids": vl_prompt_ids(tok, text, 1),
+                                  "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0])
+        hits.append(kv.num_hit_tokens - before)
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    first, last = outs[1].prompt_token_ids.index(pad), len(outs[1].prompt_token_ids) - 1 - \
+        outs[1].prompt_token_ids[::-1].index(pad)
+    assert hits == [0, 8] and first < 8 <= last            # the hit ends inside the image
+    assert outs[1].outputs[0].token_ids == hf_vl_greedy(vl_dir, outs[1].prompt_token_ids, [image], MAX_TOKENS)
