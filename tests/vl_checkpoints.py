@@ -47,7 +47,8 @@ def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = 
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-6,
                 rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                tie_word_embeddings=False, initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                tie_word_embeddings=False, initializer_range=0.2, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id)
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(seed)
@@ -61,7 +62,8 @@ def make_vl_checkpoint(out: str | Path, arch: str = "qwen2_5_vl", layout: str = 
         from transformers import Qwen2VLConfig as Config, Qwen2VLForConditionalGeneration as Model
 
         vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu", in_channels=3, initializer_range=0.2)
+                      spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu", in_channels=3,
+                      initializer_range=0.2)
     cfg = Config(text_config=dict(text), vision_config=vision, **tokens, **text)
     cfg.architectures = [Model.__name__]
     model = Model(cfg).float().eval()

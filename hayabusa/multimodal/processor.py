@@ -26,7 +26,7 @@ def _torchvision_usable() -> bool:
     if importlib.util.find_spec("torchvision") is None:
         return False
     try:
-        import torchvision  # noqa: F401
+        importlib.import_module("torchvision")
     except Exception:  # noqa: BLE001 -- a torchvision built for another torch fails in many ways
         return False
     return True
