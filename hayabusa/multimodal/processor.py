@@ -168,19 +168,22 @@ class MultiModalProcessor:
         """Expand the prompt's image placeholders and preprocess the images (one batched processor call).
 
         Args:
-            prompt_ids: the tokenized prompt, one ``<|image_pad|>`` per image, in image order.
+            prompt_ids: the tokenized prompt with one run of ``<|image_pad|>`` per image, in image order: a single
+                token (as the chat template writes it; expanded here), or already the image's token count (as
+                the HF processor's ``input_ids`` have it; kept).
             images: the images (``parse_images``).
         Returns:
             (expanded prompt ids, one ImageInput per image in prompt order).
         Raises:
-            HayabusaValidationError: more images than ``limit_mm_per_prompt``, or a placeholder count that is not
-                the image count (``multi_modal_data``).
+            HayabusaValidationError: more images than ``limit_mm_per_prompt``, or placeholders that do not match
+                the images (their number, or a run whose length is neither 1 nor the image's token count)
+                (``multi_modal_data``).
         """
         self.check_limit(len(images))
-        slots = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
-        if len(slots) != len(images):
+        runs = self._placeholder_runs(prompt_ids)        # [(start, length)] of consecutive <|image_pad|>
+        if len(runs) != len(images):
             raise HayabusaValidationError(
-                f"the prompt has {len(slots)} image placeholder(s) (<|image_pad|>, token id {self.image_token_id}) "
+                f"the prompt has {len(runs)} image placeholder(s) (<|image_pad|>, token id {self.image_token_id}) "
                 f"but multi_modal_data has {len(images)} image(s); put one "
                 "<|vision_start|><|image_pad|><|vision_end|> per image in the prompt (the chat template does).",
                 parameter="multi_modal_data", value=len(images))
@@ -194,19 +197,31 @@ class MultiModalProcessor:
         ids: list[int] = []
         inputs: list[ImageInput] = []
         prev, row = 0, 0
-        for slot, grid in zip(slots, grids):
+        for k, ((start, run), grid) in enumerate(zip(runs, grids)):
             n_patch = grid[0] * grid[1] * grid[2]
+            length = n_patch // unit
+            if run not in (1, length):
+                raise HayabusaValidationError(
+                    f"image {k} has {run} <|image_pad|> tokens in the prompt; it takes {length} (write one "
+                    "placeholder per image and hayabusa expands it, or exactly its token count).",
+                    parameter="multi_modal_data", value=run)
             pv = np.ascontiguousarray(pixels[row:row + n_patch])
             row += n_patch
-            ids.extend(prompt_ids[prev:slot])
-            length = n_patch // unit
+            ids.extend(prompt_ids[prev:start])
             h = hashlib.blake2b(pv.tobytes(), digest_size=16)
             h.update(np.asarray(grid, dtype=np.int64).tobytes())
             inputs.append(ImageInput(pv, grid, len(ids), length, h.hexdigest()))
             ids.extend([self.image_token_id] * length)
-            prev = slot + 1
+            prev = start + run
         ids.extend(prompt_ids[prev:])
         return ids, inputs
+
+    def _placeholder_runs(self, ids: list[int]) -> list[tuple[int, int]]:
+        arr = np.asarray(ids, dtype=np.int64) == self.image_token_id
+        if not arr.any():
+            return []
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], arr.astype(np.int8), [0]])))   # starts, ends
+        return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def make_mm_processor(model_config: Any) -> MultiModalProcessor | None:

@@ -104,6 +104,10 @@ def test_image_forms_and_text_only(llm, tok, vl_dir):
     outs = llm.generate([single, as_array], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [one.outputs[0].token_ids] * 2
     assert one.outputs[0].token_ids == hf_vl_greedy(vl_dir, one.prompt_token_ids, [im], 6)
+    # the HF processor's input_ids (placeholders already expanded) are taken as they are
+    expanded = {"prompt_token_ids": one.prompt_token_ids, "multi_modal_data": {"image": [im]}}
+    again = llm.generate(expanded, GREEDY, use_tqdm=False)[0]
+    assert again.prompt_token_ids == one.prompt_token_ids and again.outputs[0].token_ids == one.outputs[0].token_ids
     ids = vl_prompt_ids(tok, "No picture.", 0)
     plain = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
     for mm in ({}, {"image": []}, {"image": None}):
@@ -112,13 +116,16 @@ def test_image_forms_and_text_only(llm, tok, vl_dir):
     assert plain.outputs[0].token_ids == hf_vl_greedy(vl_dir, ids, [], 6)
 
 
-@pytest.mark.parametrize("case", ["more_placeholders", "fewer_placeholders", "bad_type", "video", "too_long"])
+@pytest.mark.parametrize("case", ["more_placeholders", "fewer_placeholders", "wrong_run", "bad_type", "video",
+                                  "too_long"])
 def test_bad_image_input_is_refused_by_name(llm, tok, case):
     im = random_image(28, 28, 7)
     prompt = {
         "more_placeholders": {"prompt_token_ids": vl_prompt_ids(tok, "x", 2), "multi_modal_data": {"image": [im]}},
         "fewer_placeholders": {"prompt_token_ids": vl_prompt_ids(tok, "x", 1),
                                "multi_modal_data": {"image": [im, im]}},
+        "wrong_run": {"prompt_token_ids": [t for t in vl_prompt_ids(tok, "x", 1) for _ in range(
+            3 if t == tok.convert_tokens_to_ids("<|image_pad|>") else 1)], "multi_modal_data": {"image": [im]}},
         "bad_type": {"prompt_token_ids": vl_prompt_ids(tok, "x", 1), "multi_modal_data": {"image": "cat.png"}},
         "video": {"prompt_token_ids": vl_prompt_ids(tok, "x", 0), "multi_modal_data": {"video": [im]}},
         # 5 images of 112 x 112 px (16 tokens each) + ~190 text tokens > max_model_len 256 once expanded
