@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,18 @@ def check_limit_mm_per_prompt(limit: Any) -> dict[str, int]:
     return dict(limit)
 
 
+@dataclass
+class ProcessedImages:
+    """A prompt's images after the image processor (``MultiModalProcessor.preprocess``), so that the heavy part
+    can run on another thread (AsyncLLMEngine) and ``multi_modal_data={"image": ProcessedImages}`` is accepted.
+
+    pixel_values: [sum t * h * w, patch_dim] float32; grids: per image (t, h, w) in patches.
+    """
+
+    pixel_values: np.ndarray
+    grids: list[tuple[int, int, int]]
+
+
 class MultiModalProcessor:
     """Checks and preprocesses the images of a prompt.
 
@@ -138,6 +151,8 @@ class MultiModalProcessor:
         images = mm_data.get("image")
         if images is None:
             return []
+        if isinstance(images, ProcessedImages):
+            return images
         if not isinstance(images, (list, tuple)):
             images = [images]
         from PIL import Image
@@ -156,6 +171,20 @@ class MultiModalProcessor:
                                               parameter="multi_modal_data", value=size)
         return list(images)
 
+    def preprocess(self, images: list | ProcessedImages) -> ProcessedImages:
+        """The image processor over all of a prompt's images (one batched call); thread-safe.
+
+        Raises:
+            HayabusaValidationError: more images than ``limit_mm_per_prompt``.
+        """
+        if isinstance(images, ProcessedImages):
+            return images
+        self.check_limit(len(images))
+        # "pt": the one tensor type both the PIL-backed and the torchvision-backed processors return
+        out = self.image_processor(images=images, return_tensors="pt")
+        return ProcessedImages(out["pixel_values"].float().cpu().numpy(),
+                               [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()])
+
     def check_limit(self, num_images: int) -> None:
         limit = self.limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
         if num_images > limit:
@@ -171,7 +200,7 @@ class MultiModalProcessor:
             prompt_ids: the tokenized prompt with one run of ``<|image_pad|>`` per image, in image order: a single
                 token (as the chat template writes it; expanded here), or already the image's token count (as
                 the HF processor's ``input_ids`` have it; kept).
-            images: the images (``parse_images``).
+            images: the images (``parse_images``), or already ``preprocess``-ed.
         Returns:
             (expanded prompt ids, one ImageInput per image in prompt order).
         Raises:
@@ -179,20 +208,19 @@ class MultiModalProcessor:
                 the images (their number, or a run whose length is neither 1 nor the image's token count)
                 (``multi_modal_data``).
         """
-        self.check_limit(len(images))
+        num_images = len(images.grids) if isinstance(images, ProcessedImages) else len(images)
+        self.check_limit(num_images)
         runs = self._placeholder_runs(prompt_ids)        # [(start, length)] of consecutive <|image_pad|>
-        if len(runs) != len(images):
+        if len(runs) != num_images:
             raise HayabusaValidationError(
                 f"the prompt has {len(runs)} image placeholder(s) (<|image_pad|>, token id {self.image_token_id}) "
-                f"but multi_modal_data has {len(images)} image(s); put one "
+                f"but multi_modal_data has {num_images} image(s); put one "
                 "<|vision_start|><|image_pad|><|vision_end|> per image in the prompt (the chat template does).",
-                parameter="multi_modal_data", value=len(images))
-        if not images:
+                parameter="multi_modal_data", value=num_images)
+        if not num_images:
             return prompt_ids, []
-        # "pt": the one tensor type both the PIL-backed and the torchvision-backed processors return
-        out = self.image_processor(images=images, return_tensors="pt")
-        pixels = out["pixel_values"].float().cpu().numpy()                # [sum t*h*w, patch_dim] float32
-        grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()]
+        processed = self.preprocess(images)
+        pixels, grids = processed.pixel_values, processed.grids
         unit = self.merge_size ** 2
         ids: list[int] = []
         inputs: list[ImageInput] = []
@@ -222,6 +250,22 @@ class MultiModalProcessor:
             return []
         edges = np.flatnonzero(np.diff(np.concatenate([[0], arr.astype(np.int8), [0]])))   # starts, ends
         return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def preprocess_prompt_images(mm_processor: MultiModalProcessor | None, prompt: Any) -> Any:
+    """``prompt`` with its ``multi_modal_data`` images run through the image processor (a new dict; any other
+    prompt unchanged), for callers that do this heavy part on their own thread (AsyncLLMEngine.add_request);
+    the engine's add_request then only expands placeholders. Bad input is left for add_request to refuse."""
+    if mm_processor is None or not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
+        return prompt
+    try:
+        images = mm_processor.parse_images(prompt["multi_modal_data"])
+        if not images or isinstance(images, ProcessedImages):
+            return prompt
+        processed = mm_processor.preprocess(images)
+    except HayabusaValidationError:
+        return prompt
+    return {**prompt, "multi_modal_data": {**prompt["multi_modal_data"], "image": processed}}
 
 
 def make_mm_processor(model_config: Any) -> MultiModalProcessor | None:

@@ -243,3 +243,42 @@ def test_scheduler_sends_each_image_in_the_step_that_first_touches_it():
         sched.update_from_output(out, {"r": []})
     # [0, 10) touches image 0; [10, 20) image 1 (image 0 is held by the runner); [20, 30) none
     assert steps == [(10, {"r": [0]}), (10, {"r": [1]}), (10, {})]
+
+
+def test_async_engine_preprocesses_images_off_the_engine_thread(vl_dir, llm, tok, monkeypatch):
+    import asyncio
+    import threading
+
+    from hayabusa import AsyncEngineArgs, AsyncLLMEngine
+    from hayabusa.multimodal import processor as mm_processor
+
+    threads = []
+    real = mm_processor.MultiModalProcessor.preprocess
+
+    def spy(self, images):   # where the image processor really runs (not the pass-through of processed images)
+        if not isinstance(images, mm_processor.ProcessedImages):
+            threads.append(threading.current_thread().name)
+        return real(self, images)
+
+    monkeypatch.setattr(mm_processor.MultiModalProcessor, "preprocess", spy)
+    images = [random_image(56, 84, 21), random_image(84, 56, 22)]
+    ref = llm.generate(_prompt(tok, images), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=vl_dir, disable_log_requests=True,
+                                                          max_model_len=256, max_num_seqs=4,
+                                                          limit_mm_per_prompt={"image": 2}))
+    try:
+        async def run(prompt, rid):
+            last = None
+            async for out in eng.generate(prompt, GREEDY, rid):
+                last = out
+            return last
+
+        threads.clear()
+        out = asyncio.run(run(_prompt(tok, images), "img"))
+        assert out.outputs[0].token_ids == ref
+        assert len(threads) == 1 and threads[0] not in ("hayabusa-engine", threading.current_thread().name)
+        with pytest.raises(HayabusaValidationError, match="limit_mm_per_prompt"):
+            asyncio.run(run(_prompt(tok, images + images[:1]), "three"))
+        assert asyncio.run(run(_prompt(tok, images[:1]), "next")).finished
+    finally:
+        eng.shutdown()
