@@ -326,9 +326,9 @@ class VisionTransformer(nn.Module):
         head_dim = dim // heads
         rope = getattr(vc, "rope_parameters", None)
         theta = float(rope.get("rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
-        quarter = head_dim // 2
-        self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float32)
-                                                          / quarter)).to(device), persistent=False)
+        half = head_dim // 2            # h and w each rotate over half of the head: D / 4 frequencies each
+        self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32)
+                                                          / half)).to(device), persistent=False)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor:
         """pixel_values [N, C * tp * p * p] (any float dtype), grid_thw [(t, h, w)] per image (in patches) ->

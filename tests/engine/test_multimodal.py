@@ -6,6 +6,7 @@ encoder budget (plain Python). CPU."""
 from __future__ import annotations
 
 import functools
+import pickle
 
 import numpy as np
 import pytest
@@ -240,6 +241,8 @@ def test_scheduler_sends_each_image_in_the_step_that_first_touches_it():
         steps.append((out.num_scheduled_tokens.get("r"), out.scheduled_encoder_inputs))
         if out.scheduled_new_reqs:
             assert out.scheduled_new_reqs[0].mm_inputs is r.mm_inputs
+            sent = pickle.loads(pickle.dumps(out))            # plain data: it pickles, images included
+            assert sent.scheduled_new_reqs[0].mm_inputs[1].content_hash == "h16"
         sched.update_from_output(out, {"r": []})
     # [0, 10) touches image 0; [10, 20) image 1 (image 0 is held by the runner); [20, 30) none
     assert steps == [(10, {"r": [0]}), (10, {"r": [1]}), (10, {})]
