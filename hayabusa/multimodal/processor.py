@@ -268,6 +268,28 @@ def preprocess_prompt_images(mm_processor: MultiModalProcessor | None, prompt: A
     return {**prompt, "multi_modal_data": {**prompt["multi_modal_data"], "image": processed}}
 
 
+def preprocess_many(mm_processor: MultiModalProcessor | None, prompts: list) -> list:
+    """``preprocess_prompt_images`` over a batch of prompts on a thread pool (the image processors' resize and
+    normalisation release the GIL), before ``LLM.generate`` queues them; prompts without images pass through."""
+    with_images = [i for i, p in enumerate(prompts) if isinstance(p, dict) and p.get("multi_modal_data")]
+    if mm_processor is None or not with_images:
+        return prompts
+    out = list(prompts)
+    if len(with_images) == 1:
+        out[with_images[0]] = preprocess_prompt_images(mm_processor, prompts[with_images[0]])
+        return out
+    import concurrent.futures
+    import os
+
+    workers = min(8, os.cpu_count() or 1, len(with_images))
+    mm_processor.image_processor            # loaded once, before the threads
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hayabusa-images") as pool:
+        done = pool.map(lambda i: preprocess_prompt_images(mm_processor, prompts[i]), with_images)
+        for i, p in zip(with_images, done):
+            out[i] = p
+    return out
+
+
 def make_mm_processor(model_config: Any) -> MultiModalProcessor | None:
     """The engine's MultiModalProcessor for a model with a vision tower (``ModelConfig.multimodal_config``), else
     None (then ``limit_mm_per_prompt`` must not be given)."""
