@@ -154,6 +154,8 @@ class EngineArgs:
             default: the checkpoint's quantization_config, if any. See hayabusa/quantization/.
         async_scheduling: schedule and launch step N+1 before step N's tokens are back, so host work overlaps
             the GPU (vLLM's async scheduling). Default: on for CUDA, off on CPU (nothing to overlap there).
+        limit_mm_per_prompt: most multimodal items per prompt, e.g. {"image": 5} (a JSON string on the command
+            line); vLLM's meaning and default (V1: 999 per modality). Only for models with a vision tower.
     """
 
     model: str = ""
@@ -191,6 +193,7 @@ class EngineArgs:
     compilation_config: Any = None
     async_scheduling: bool | None = None
     max_logprobs: int = 20
+    limit_mm_per_prompt: Any = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -264,7 +267,7 @@ class EngineArgs:
         if batched < self.max_num_seqs:
             raise _bad("max_num_batched_tokens", batched, f"must be >= max_num_seqs ({self.max_num_seqs}).")
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-                                           max_model_len=max_len)
+                                           max_model_len=max_len, max_num_encoder_input_tokens=batched)
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -321,6 +324,9 @@ class EngineArgs:
             from hayabusa.quantization import normalize_method_name
 
             normalize_method_name(self.quantization)   # unknown names fail here, listing the known ones
+        from hayabusa.multimodal.processor import check_limit_mm_per_prompt
+
+        self.limit_mm_per_prompt = check_limit_mm_per_prompt(self.limit_mm_per_prompt) or None
         if self.cpu_offload_gb:
             raise _bad("cpu_offload_gb", self.cpu_offload_gb, "CPU offload is not supported in this version.")
 
@@ -397,6 +403,8 @@ class ModelConfig:
     # num_layers / num_kv_heads / head_dim describe the decoder, whose layers hold self- and cross-attention KV.
     is_encoder_decoder: bool = False
     decoder_start_token_id: int | None = None
+    multimodal_config: Any = None      # the whole HF config of a model with a vision tower (vision_config), else None
+    limit_mm_per_prompt: Any = None    # {modality: most items per prompt} (EngineArgs), None = vLLM's default
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> "ModelConfig":
@@ -441,7 +449,9 @@ class ModelConfig:
                    load_format=args.load_format, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
                    eos_token_ids=eos, quant_config=quant_config, max_logprobs=args.max_logprobs,
                    is_encoder_decoder=enc_dec,
-                   decoder_start_token_id=decoder_start_token_id(model_dir, text_config) if enc_dec else None)
+                   decoder_start_token_id=decoder_start_token_id(model_dir, text_config) if enc_dec else None,
+                   multimodal_config=hf_config if getattr(hf_config, "vision_config", None) is not None else None,
+                   limit_mm_per_prompt=args.limit_mm_per_prompt)
 
     @property
     def quantization(self) -> str | None:
@@ -569,6 +579,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # encoder (vision tower) budget per step, in encoder output tokens (vLLM's max_num_encoder_input_tokens; its
+    # default: max_num_batched_tokens); an image larger than the budget runs alone in its step
+    max_num_encoder_input_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 They are TypedDicts, so at run time they are plain dicts: ``TokensPrompt(prompt_token_ids=[1, 2, 3])`` is
 ``{"prompt_token_ids": [1, 2, 3]}``, and ``LLM.generate`` / ``AsyncLLMEngine.generate`` take them like any prompt
-dict. hayabusa reads the keys ``prompt`` and ``prompt_token_ids`` only; a dict with another of vLLM's keys
-(``multi_modal_data``, ``mm_processor_kwargs``, ...) is rejected with a HayabusaValidationError naming the key.
-Encoder-decoder models (T5) also take ``ExplicitEncoderDecoderPrompt`` (``encoder_prompt`` / ``decoder_prompt``).
+dict. hayabusa reads the keys ``prompt``, ``prompt_token_ids`` and ``multi_modal_data`` (``{"image": ...}``, for
+vision models); a dict with another of vLLM's keys (``mm_processor_kwargs``, ...) is rejected with a
+HayabusaValidationError naming the key. Encoder-decoder models (T5) also take ``ExplicitEncoderDecoderPrompt``
+(``encoder_prompt`` / ``decoder_prompt``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from hayabusa.engine.input_processor import PromptType
 
 
 class TextPrompt(TypedDict):
-    """A text prompt, tokenized by the engine."""
+    """A text prompt, tokenized by the engine (``multi_modal_data``: images for a vision model)."""
 
     prompt: str
+    multi_modal_data: NotRequired[dict]
 
 
 class TokensPrompt(TypedDict):
@@ -25,6 +27,7 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    multi_modal_data: NotRequired[dict]
 
 
 class ExplicitEncoderDecoderPrompt(TypedDict):

@@ -11,6 +11,18 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
+def block_key(request: Request, tokens: list[int], i: int, bs: int) -> tuple:
+    """What identifies block ``i`` of ``request`` besides its parent: its tokens, then the content hash of every
+    image whose placeholder tokens fall in it (vLLM's extra keys), so the same text with different images never
+    shares KV."""
+    key = tuple(tokens[i * bs:(i + 1) * bs])
+    if not request.mm_inputs:
+        return key
+    start, end = i * bs, (i + 1) * bs
+    extra = tuple(img.content_hash for img in request.mm_inputs if img.offset < end and img.end > start)
+    return key + extra if extra else key
+
+
 class KVCacheManager:
     """Allocates and frees KV-cache blocks for requests; with prefix caching, reuses blocks across requests.
 
@@ -47,7 +59,7 @@ class KVCacheManager:
         bs, tokens = self.block_size, request.all_token_ids
         while len(hashes) < len(tokens) // bs:
             i = len(hashes)
-            hashes.append(hash((hashes[-1] if i else None, tuple(tokens[i * bs:(i + 1) * bs]))))
+            hashes.append(hash((hashes[-1] if i else None, block_key(request, tokens, i, bs))))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -66,7 +78,7 @@ class KVCacheManager:
         hits: list[int] = []
         for i in range(max_blocks):
             block_id = self.block_pool.lookup(hashes[i], hashes[i - 1] if i else None,
-                                              tuple(tokens[i * bs:(i + 1) * bs]))
+                                              block_key(request, tokens, i, bs))
             if block_id is None:
                 break
             hits.append(block_id)
@@ -94,7 +106,7 @@ class KVCacheManager:
         hashes, tokens = self.block_hashes(request), request.all_token_ids
         for i in range(start, num_full):
             self.block_pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None,
-                                        tuple(tokens[i * bs:(i + 1) * bs]))
+                                        block_key(request, tokens, i, bs))
         self._num_cached[request.request_id] = num_full
 
     @property

@@ -63,6 +63,8 @@ class Request:
         # encoder-decoder models: the encoder input (run when the request is admitted, again after preemption);
         # prompt_token_ids is then the decoder prompt (decoder_start_token_id first)
         self.encoder_prompt_token_ids: list[int] | None = None
+        self.mm_inputs: list = []              # ImageInputs (hayabusa.multimodal), in prompt order
+        self.mm_encoded: set[int] = set()      # indices of mm_inputs whose encoder output the runner holds
 
     @property
     def num_prompt_tokens(self) -> int:

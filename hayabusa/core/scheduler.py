@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hayabusa.config import SchedulerConfig
+from hayabusa.core.encoder_budget import EncoderBudget
 from hayabusa.core.kv_cache_manager import KVCacheManager
 from hayabusa.core.request import Request, RequestStatus
 from hayabusa.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -35,6 +36,8 @@ class _StepPlan:
     cross_block_ids: dict[str, list[int]] = field(default_factory=dict)   # admitted with an encoder input
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    encoder: EncoderBudget | None = None                       # the step's vision-tower budget
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)   # request id -> images to encode
 
     def add(self, req: Request, num_new: int, block_ids: list[int], admitted: bool) -> None:
         """Running requests are all added before the first admitted one."""
@@ -133,7 +136,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their KV blocks."""
         budget = self.config.max_num_batched_tokens
-        plan = _StepPlan()
+        plan = _StepPlan(encoder=EncoderBudget(self.config.max_num_encoder_input_tokens or budget))
         budget = self._schedule_running(plan, budget)
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
@@ -149,6 +152,7 @@ class Scheduler:
             # An empty step is not launched, so the runner would never see the ids that left: they go out with
             # the next step that runs.
             return out
+        out.scheduled_encoder_inputs = plan.encoder_inputs
         out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, set()
         out.preempted_req_ids, self._preempted_since_last_step = self._preempted_since_last_step, set()
         # Running requests come first in the plan, all known to the runner: their changes in one pass per list.
@@ -164,7 +168,8 @@ class Scheduler:
                 req.first_scheduled_time = now
             if not req.num_preemptions:
                 out.scheduled_new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
-                                                             block_ids, req.num_computed_tokens))
+                                                             block_ids, req.num_computed_tokens,
+                                                             mm_inputs=req.mm_inputs))
                 if req.encoder_prompt_token_ids is not None:
                     new = out.scheduled_new_reqs[-1]
                     new.encoder_prompt_token_ids = req.encoder_prompt_token_ids
@@ -226,6 +231,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._num_new_tokens(req, budget)
+            enc = None
+            if num_new > 0 and req.mm_inputs:   # images: the chunk may stop before one the step cannot encode
+                num_new, enc = plan.encoder.fit(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -243,6 +251,9 @@ class Scheduler:
             plan.block_ids.append(new_blocks)
             plan.num_scheduled_tokens[req.request_id] = num_new
             plan.num_running += 1
+            if enc:
+                plan.encoder.charge(req, enc)
+                plan.encoder_inputs[req.request_id] = enc
             budget -= num_new
             i += 1
         return budget
@@ -251,6 +262,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.mm_encoded.clear()      # the runner drops a preempted request's image embeddings
         req.num_preemptions += 1
         self.num_preemptions += 1
         plan.preempted.add(req.request_id)
@@ -275,6 +287,11 @@ class Scheduler:
                 break
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)    # num_computed_tokens is 0 here
             num_new = min(req.num_tokens - num_hit, budget)
+            enc = None
+            if req.mm_inputs:
+                num_new, enc = plan.encoder.fit(req, num_hit, num_new)
+                if num_new <= 0:
+                    break
             new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)
             if new_blocks is None:
                 if req.encoder_prompt_token_ids is not None:
@@ -287,6 +304,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan.add(req, num_new, list(self.kv.get_block_ids(req.request_id)), True)
+            if enc:
+                plan.encoder.charge(req, enc)
+                plan.encoder_inputs[req.request_id] = enc
             budget -= num_new
         if skipped:
             self.waiting.extendleft(reversed(skipped))

@@ -24,7 +24,8 @@ class NewRequestData:
         sampling_params: the sample's params (``n`` already split off; ``all_stop_token_ids`` resolved).
         block_ids: the request's whole block table so far (prefix hits first).
         num_computed_tokens: tokens whose KV is already in the cache before this step (prefix hit).
-        mm_inputs: multimodal inputs (image features, ...) of the request; none yet.
+        mm_inputs: the request's images (``hayabusa.multimodal.ImageInput``: pixel values as numpy, grid_thw,
+            placeholder offset / length in the prompt, content hash), in prompt order; [] for text.
         encoder_input_ids: ids of encoder inputs (images, an encoder prompt) of the request; none yet.
         encoder_prompt_token_ids: encoder-decoder models (T5): the encoder input's token ids (None otherwise).
         cross_block_ids: encoder-decoder models: the request's cross-attention block table (its encoder output's
@@ -87,8 +88,10 @@ class SchedulerOutput:
         preempted_req_ids: requests preempted since the previous step; the runner gives their row up but keeps
             what it needs to resume them (their generator).
         scheduled_spec_decode_tokens: request id -> speculative tokens to verify this step; none yet.
-        scheduled_encoder_inputs: request id -> indices of its encoder inputs to run this step (vLLM's shape);
-            encoder-decoder models: ``[0]`` (the encoder prompt) for each request admitted or resumed this step.
+        scheduled_encoder_inputs: request id -> indices of its encoder inputs to run this step (vLLM's shape).
+            Vision models: indices into its ``mm_inputs`` whose vision-tower run this step does (the runner keeps
+            their embeddings until the prefill consumed them; see core/encoder_budget.py). Encoder-decoder models:
+            ``[0]`` (the encoder prompt) for each request admitted or resumed this step.
         step_id: the step's number (the scheduler matches the step's results to it).
         structured_output_req_ids: the sampling requests under a structured-output constraint, in bitmask order.
         grammar_bitmask: their next-token bitmask ([len(structured_output_req_ids), ceil(V / 32)] int32; bit j of

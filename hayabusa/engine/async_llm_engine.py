@@ -45,6 +45,7 @@ from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
 from hayabusa.engine.llm_engine import LLMEngine, as_request_id, as_request_ids
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.multimodal.processor import preprocess_prompt_images
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
 
@@ -266,6 +267,9 @@ class AsyncLLMEngine:
             raise HayabusaValidationError("LoRA adapters are not supported; pass lora_request=None or leave it out.",
                                           parameter="lora_request", value=repr(lora_request)[:80])
         self._check_alive()
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):   # images: preprocessed off the engine thread
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                None, preprocess_prompt_images, self.engine.input_processor.mm_processor, prompt)
         request_id = as_request_id(request_id)
         if request_id in self._streams:
             raise HayabusaValidationError(f"request_id {request_id!r} is already in use.", parameter="request_id",

@@ -38,27 +38,63 @@ class InputProcessor:
         tokenizer: a transformers tokenizer, or None when skip_tokenizer_init (then prompts must be token ids).
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None, mm_processor: Any | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.mm_processor = mm_processor    # hayabusa.multimodal.processor.MultiModalProcessor (vision models)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, prompt token ids).
+        """Returns (prompt text or None, prompt token ids) of a text-only prompt (``process_multimodal`` takes
+        images too).
 
         Raises:
             HayabusaValidationError: empty prompt, unknown prompt dict keys, token id outside the vocabulary,
                 text without a tokenizer, or a prompt that leaves no room for one output token
-                (``check_prompt_length``).
+                (``check_prompt_length``); a prompt with images.
+        """
+        text, ids, mm_inputs = self.process_multimodal(prompt, params)
+        if mm_inputs:
+            raise HayabusaValidationError("this entry point takes text-only prompts; images go through "
+                                          "LLMEngine.add_request.", parameter="multi_modal_data", value=len(mm_inputs))
+        return text, ids
+
+    def process_multimodal(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], list]:
+        """Returns (prompt text or None, prompt token ids with image placeholders expanded, ImageInputs).
+
+        Raises:
+            HayabusaValidationError: as ``process``; images for a model without a vision tower, more images than
+                ``limit_mm_per_prompt``, a placeholder count that is not the image count; the expanded prompt
+                (image tokens included) leaving no room for an output token, before any image work on the
+                device.
         """
         text, ids = self._tokenize(prompt)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        images = self._images(mm_data)
         if params.truncate_prompt_tokens is not None:
+            if images:
+                raise HayabusaValidationError("truncate_prompt_tokens cannot be used with images (it could cut an "
+                                              "image's placeholder).", parameter="truncate_prompt_tokens",
+                                              value=params.truncate_prompt_tokens)
             ids = ids[-params.truncate_prompt_tokens:]
+        mm_inputs: list = []
+        if self.mm_processor is not None and (images or self.mm_processor.image_token_id in ids):
+            ids, mm_inputs = self.mm_processor.process(ids, images)
         self._check(ids, params)
-        return text, ids
+        return text, ids, mm_inputs
+
+    def _images(self, mm_data: Any) -> list:
+        """The prompt's images (none for ``{}`` or no "image" key)."""
+        if self.mm_processor is None:
+            if mm_data:
+                raise HayabusaValidationError(
+                    f"multi_modal_data was given but model {self.model_config.architecture} takes text only.",
+                    parameter="multi_modal_data", value=sorted(mm_data) if isinstance(mm_data, dict) else mm_data)
+            return []
+        return self.mm_processor.parse_images(mm_data)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            extra = set(prompt) - {"prompt", "prompt_token_ids"}
+            extra = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
             if extra:
                 raise HayabusaValidationError(
                     f"prompt dict has unsupported key(s) {sorted(extra)}; use 'prompt' or 'prompt_token_ids'.",

@@ -17,6 +17,7 @@ from hayabusa.engine.encoder_decoder_inputs import process_encoder_decoder
 from hayabusa.engine.input_processor import InputProcessor, PromptType
 from hayabusa.engine.output_processor import OutputProcessor
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.multimodal.processor import make_mm_processor
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
 from hayabusa.structured_output import StructuredOutputManager
@@ -119,7 +120,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size,
                                                config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
-        self.input_processor = InputProcessor(mc, self.tokenizer)
+        self.input_processor = InputProcessor(mc, self.tokenizer, make_mm_processor(mc))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self.startup_seconds = time.perf_counter() - t0
@@ -165,11 +166,11 @@ class LLMEngine:
                                           value=type(params).__name__)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self._check_request_ids(request_id, child_ids)
-        encoder_ids = None
+        encoder_ids, mm_inputs = None, []
         if self.config.model_config.is_encoder_decoder:   # T5: the prompt is the encoder input
             text, ids, encoder_ids = process_encoder_decoder(self.input_processor, prompt, params)
         else:
-            text, ids = self.input_processor.process(prompt, params)
+            text, ids, mm_inputs = self.input_processor.process_multimodal(prompt, params)
         max_tokens = self.input_processor.max_tokens(len(ids), params)
         eos = self.config.model_config.eos_token_ids
         # checked now (a bad schema is refused before anything is queued); compiled off the step's path
@@ -182,6 +183,7 @@ class LLMEngine:
             child_params.all_stop_token_ids = set(child_params.stop_token_ids)
             child = Request(child_ids[i], ids, child_params, eos, max_tokens, arrival_time)
             child.encoder_prompt_token_ids = encoder_ids
+            child.mm_inputs = mm_inputs     # shared by the n samples (read-only plain data)
             if grammar is not None:
                 child.structured = self.structured_output.make_request(grammar, eos)
             children.append(child)

@@ -10,6 +10,7 @@ from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
 from hayabusa.engine.llm_engine import LLMEngine
 from hayabusa.errors import HayabusaTypeError, HayabusaValidationError
+from hayabusa.multimodal.processor import preprocess_many
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
 
@@ -73,6 +74,8 @@ class LLM:
         prompt_list = self._as_prompt_list(prompts, prompt_token_ids)
         params = self._as_params_list(sampling_params, len(prompt_list))
         engine = self.llm_engine
+        # images: the image processor runs for all prompts at once on a thread pool (add_request then expands)
+        prompt_list = preprocess_many(engine.input_processor.mm_processor, prompt_list)
         ids: list[str] = []
         try:
             for i, (p, sp) in enumerate(zip(prompt_list, params)):

@@ -195,7 +195,9 @@ def build_model(model_config, device: torch.device) -> nn.Module:
     cls = get_model_class(model_config.architecture)
     quant_config = getattr(model_config, "quant_config", None)
     with torch.device(device), set_quantization_config(quant_config):
-        model = cls(model_config.hf_config, model_config.dtype, device, model_config.max_model_len)
+        # a multimodal model is built from the whole config (vision_config too), the others from the text config
+        hf_config = model_config.multimodal_config if getattr(cls, "is_multimodal", False) else model_config.hf_config
+        model = cls(hf_config, model_config.dtype, device, model_config.max_model_len)
     if quant_config is not None:
         create_linear_weights(model, quant_config)
     allow_pt = model_config.load_format == "pt"

@@ -17,6 +17,8 @@ _MODELS = {
     "GPT2LMHeadModel": ("hayabusa.model.gpt2", "GPT2LMHeadModel"),
     "T5ForConditionalGeneration": ("hayabusa.model.t5", "T5ForConditionalGeneration"),
     "MT5ForConditionalGeneration": ("hayabusa.model.t5", "MT5ForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("hayabusa.model.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("hayabusa.model.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

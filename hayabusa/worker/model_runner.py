@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,6 +88,7 @@ class StepInputs:
     logits_indices: np.ndarray  # [R_s] int64, token index of each such row's last token
     placeholder_dst: np.ndarray  # [P] int64, token indices whose id comes from the previous step's samples
     placeholder_src: np.ndarray  # [P] int64, rows of the previous step's sampled-token tensor
+    mm: Any = None              # StepMultiModal (worker/mm_inputs.py): image rows / M-RoPE positions, or None
 
     @property
     def num_reqs(self) -> int:
@@ -135,6 +137,11 @@ class ModelRunner:
         self._prev_sample_index = np.full(self.max_num_reqs, -1, dtype=np.int64)    # [rows]
         # A step of one token per request skips the per-token repeats (tests turn it off to compare).
         self.decode_fast_path = True
+        self.mm = None   # MultiModalState: images, encoder cache and M-RoPE positions of a vision model's requests
+        if getattr(self.model, "is_multimodal", False):
+            from hayabusa.worker.mm_inputs import MultiModalState
+
+            self.mm = MultiModalState(self.model, self.device)
 
     def _alloc_staging_buffers(self) -> None:
         d, T, R = self.device, self.max_num_tokens, self.max_num_reqs
@@ -215,6 +222,8 @@ class ModelRunner:
         """Run the largest step without a KV cache; returns (torch peak bytes, non-torch bytes in use)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        if self.mm is not None:   # the vision tower at its largest step input
+            self.mm.profile(self.cfg)
         T = self.max_num_tokens
         ctx = ForwardContext(None, None, self.backend)
         hidden = self.model(self.buffers.input_ids[:T], self.buffers.positions[:T], ctx)
@@ -260,6 +269,9 @@ class ModelRunner:
         if self.encdec is not None:   # encoders of admitted / resumed requests, then the cross metadata
             self.encdec.run_encoders(out, self.kv_caches, self.backend)
             self.encdec.prepare(inp.rows, inp.num_scheduled)
+        if self.mm is not None:   # vision-tower runs, image rows and M-RoPE positions of the step
+            inp.positions, inp.mm = self.mm.prepare(out, inp.req_ids, inp.positions, inp.query_start_loc,
+                                                    out.batch_num_computed_tokens)
         logits = self._run_model(inp)                       # [R_s, V]
         if out.structured_output_req_ids and out.grammar_bitmask is None:
             return PendingSample(inp, logits, out)
@@ -353,6 +365,8 @@ class ModelRunner:
                 batch.append_blocks(rid, block_ids)
         if self.encdec is not None:
             self.encdec.update_states(out, batch.row_of)
+        if self.mm is not None:
+            self.mm.update(out)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step's host inputs: per-request arrays from the SchedulerOutput, per-token ones vectorised."""
@@ -456,7 +470,7 @@ class ModelRunner:
         T, R = len(inp.input_ids), inp.num_reqs
         max_q = int(inp.num_scheduled.max())
         self.copy_inputs(inp)
-        if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R):
+        if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None:
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
             # shapes with enforce_eager, so both give the same numbers).
             logits = self.decode_runner.run(inp)            # [R, V]
@@ -466,7 +480,10 @@ class ModelRunner:
         buf = self.buffers
         ctx = ForwardContext(buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend,
                              None if self.encdec is None else self.encdec.metadata(T))
-        hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)           # [T, hidden]
+        if inp.mm is not None:   # image rows into the input embeddings, [3, T] M-RoPE positions
+            hidden = inp.mm.run(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
+        else:
+            hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)       # [T, hidden]
         if len(inp.logits_indices) == 0:
             return hidden.new_empty(0, self.vocab_size)
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
