@@ -7,3 +7,9 @@ from importlib import resources
 def demo_model_dir() -> str:
     """The bundled demo model: Karpathy's stories260K (Llama, 260K parameters, MIT)."""
     return str(resources.files("hayabusa") / "assets" / "stories260K")
+
+
+def qwen2_vl_chat_template() -> str:
+    """Qwen2-VL's (and Qwen2.5-VL's) chat template: ``{"type": "image"}`` content parts become
+    ``<|vision_start|><|image_pad|><|vision_end|>``. Written by ``hayabusa bench --make-model qwen2.5-vl-*``."""
+    return (resources.files("hayabusa") / "assets" / "qwen2_vl_chat_template.jinja").read_text(encoding="utf-8")
