@@ -153,7 +153,7 @@ def _counted_stats(cfg: Any) -> dict[str, int]:
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, "tied": int(tied)}
 
 
-def _fill_random(model: torch.nn.Module, seed: int) -> None:
+def fill_random(model: torch.nn.Module, seed: int) -> None:
     """normal(0, INIT_STD) matrices, ones for norms, zeros for biases; one seeded generator, fixed order."""
     gen_device = next(model.parameters()).device
     gen = torch.Generator(device=gen_device).manual_seed(seed)
@@ -189,7 +189,7 @@ def make_model(name: str, out_dir: str, device: str | None = None, seed: int = 0
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model = model.to_empty(device=device)
     model.tie_weights()
-    _fill_random(model, seed)
+    fill_random(model, seed)
     # rotary inv_freq and other buffers are not saved but must be sane if anyone uses this in-process object
     model = model.to("cpu")
     os.makedirs(out_dir, exist_ok=True)

@@ -15,7 +15,12 @@ import numpy as np
 
 TOKEN_LOW, TOKEN_HIGH = 100, 10000
 W4_MAX_NUM_SEQS = [1, 4, 8, 14, 16, 32, 64]
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "startup")
+W8_MAX_NUM_SEQS = [1, 4, 8, 14, 16, 32]
+W8_TEXT = ("Extract every personnel change on these pages as JSON with the fields name, company, old_position, "
+           "new_position, effective_date.")
+# HF generate at batch 1 takes ~27 s per W8 request on an H200: the baseline runs the first few requests only.
+W8_HF_REQUESTS = 5
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "startup")
 DESCRIPTIONS = {
     "W1": "offline batch throughput: 256 x (512 prompt, 256 output)",
     "W2": "offline mixed lengths: 256 x (U[100,1024] prompt, U[100,1024] output)",
@@ -24,6 +29,8 @@ DESCRIPTIONS = {
     "W5": "shared prefix: 256 x (1024 shared + 128 own prompt, 64 output), prefix caching on vs off",
     "W6": "online serving: 512 x (512 prompt, 128 output), Poisson arrivals at 1,4,16,64,inf req/s (--base-url)",
     "W7": "many samples: 8 prompts x n=64, 256 prompt, 256 output, temperature 0.9",
+    "W8": "page images to JSON (Qwen2.5-VL): 100 x (2-5 random images up to 1024x768 + ~60 text tokens, 256 "
+          "output) at max_num_seqs 1,4,8,14,16,32",
     "startup": "engine construction (load, profile, CUDA graphs) and the first request",
 }
 
@@ -37,6 +44,10 @@ class BenchRequest:
     n: int = 1
     temperature: float = 0.0
     seed: int | None = None     # per-request seed (sampled workloads)
+    # image workloads (W8): the prompt is the chat template over one user message of these images, then `text`;
+    # prompt_token_ids stays empty until the runner renders it with the checkpoint's template
+    images: list[np.ndarray] | None = None   # each [h, w, 3] uint8 RGB
+    text: str | None = None
 
 
 @dataclass
@@ -58,6 +69,12 @@ class Workload:
     variants: list[dict] = field(default_factory=lambda: [{}])
     ceiling: str | None = None
     vocab_size: int | None = None   # set by fit_to_vocab when the model's vocabulary is below TOKEN_HIGH
+    engine_defaults: dict = field(default_factory=dict)   # engine arguments of record (flags override them)
+    hf_max_requests: int | None = None   # the HF baseline times only the first this many requests
+
+    @property
+    def has_images(self) -> bool:
+        return any(r.images for r in self.requests)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,7 +88,9 @@ class Workload:
 
     @property
     def max_seq_len(self) -> int:
-        """Longest prompt + output of any request (tokens)."""
+        """Longest prompt + output of any request (tokens; image workloads: their max_model_len of record)."""
+        if self.has_images:
+            return int(self.engine_defaults.get("max_model_len", 8192))
         return max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
 
 
@@ -87,7 +106,7 @@ def fit_to_vocab(workload: Workload, vocab_size: int | None) -> Workload:
     record, whose vocabularies exceed TOKEN_HIGH). The map is one-to-one on ids, so shared prefixes stay shared;
     lengths and counts are unchanged. Lets `hayabusa bench` run on small trained models (stories260K: 512 ids)."""
     lo, hi = token_range(vocab_size)
-    if (lo, hi) == (TOKEN_LOW, TOKEN_HIGH):
+    if (lo, hi) == (TOKEN_LOW, TOKEN_HIGH) or workload.has_images:   # image prompts are the template's text
         return workload
     for r in workload.requests:
         r.prompt_token_ids = [lo + (t - TOKEN_LOW) % (hi - lo) for t in r.prompt_token_ids]
@@ -156,13 +175,36 @@ def w7(scale: float = 1.0) -> Workload:
     return Workload("W7", reqs, scale)
 
 
+def w8(scale: float = 1.0) -> Workload:
+    """BENCHMARKS.md's W8 exactly: per request k = U[2, 5] images, each w = U[512, 1024], h = U[384, 768] and
+    uniform random pixels, drawn in that order from one default_rng(0); greedy, 256 tokens, EOS ignored. `scale`
+    shrinks the request count and output length, not the images."""
+    rng = np.random.default_rng(0)
+    reqs = []
+    for _ in range(_n(100, scale)):
+        images = []
+        for _ in range(int(rng.integers(2, 6))):
+            w, h = int(rng.integers(512, 1025)), int(rng.integers(384, 769))
+            images.append(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        reqs.append(BenchRequest([], _n(256, scale), images=images, text=W8_TEXT))
+    return Workload("W8", reqs, scale, variants=[{"max_num_seqs": m} for m in W8_MAX_NUM_SEQS],
+                    engine_defaults={"max_model_len": 8192, "limit_mm_per_prompt": {"image": 5}},
+                    hf_max_requests=W8_HF_REQUESTS)
+
+
+def image_chat_messages(r: BenchRequest) -> list[dict]:
+    """The one user message of an image request: its images, then its text (the chat template's content list)."""
+    return [{"role": "user", "content": [{"type": "image"} for _ in r.images or []] + [{"type": "text",
+                                                                                       "text": r.text or ""}]}]
+
+
 def startup(scale: float = 1.0) -> Workload:
     """One short request after construction: 'the first request can run' (16 prompt tokens, 1 output)."""
     rng = np.random.default_rng(0)
     return Workload("startup", _fixed(rng, 1, 16, 1), scale)
 
 
-BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "startup": startup}
+BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "W8": w8, "startup": startup}
 
 
 def get_workload(name: str, scale: float = 1.0) -> Workload:
