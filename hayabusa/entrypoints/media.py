@@ -28,7 +28,7 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hayabusa.errors import HayabusaValidationError
@@ -38,6 +38,11 @@ MAX_IMAGE_BYTES = 20 << 20
 # Pixels one image may have: Pillow's decompression-bomb limit (89,478,485 px, ~ 9459 x 9459), checked from the
 # header before decoding. The image processors resize far below this (Qwen2-VL: at most 12,845,056 px).
 MAX_IMAGE_PIXELS = 89_478_485
+# Pixels all images of one prompt may have together (2^28: twenty 12.8 MP images, ~800 MB as RGB): many small
+# encoded images of huge plain pages would otherwise decode to gigabytes from one request body.
+MAX_TOTAL_PIXELS = 1 << 28
+# Images one prompt may hold when limit_mm_per_prompt does not say (each costs a decode and >= 4 prompt tokens).
+MAX_IMAGES_PER_PROMPT = 256
 # Formats Pillow decodes in pure, well-fuzzed code paths; anything else (EPS runs Ghostscript, etc.) is refused.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 # Seconds a remote fetch may take (connect + read); vLLM's VLLM_IMAGE_FETCH_TIMEOUT is 5.
@@ -65,6 +70,7 @@ class MediaPolicy:
     max_images: int | None = None
     max_image_bytes: int = MAX_IMAGE_BYTES
     max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_total_pixels: int = MAX_TOTAL_PIXELS
     fetch_timeout: float = FETCH_TIMEOUT
 
     @classmethod
@@ -320,7 +326,11 @@ def extract_images(messages: Any, policy: MediaPolicy = MediaPolicy(), allow_obj
         raise HayabusaValidationError(f"the messages hold {count} images; at most {policy.max_images} may be given "
                                       f"in one prompt (limit_mm_per_prompt={{'image': {policy.max_images}}}).",
                                       parameter="limit_mm_per_prompt", value=count)
+    if count > MAX_IMAGES_PER_PROMPT:
+        raise HayabusaValidationError(f"the messages hold {count} images; at most {MAX_IMAGES_PER_PROMPT} are "
+                                      "accepted in one prompt.", parameter="messages", value=count)
     out, images = [], []
+    left = policy.max_total_pixels        # what the images decoded so far leave to the next ones
     for i, msg in enumerate(messages):
         content = msg.get("content") if isinstance(msg, dict) else None
         if not isinstance(content, (list, tuple)) or not any(is_image_part(p) for p in content):
@@ -329,7 +339,14 @@ def extract_images(messages: Any, policy: MediaPolicy = MediaPolicy(), allow_obj
         parts = []
         for j, part in enumerate(content):
             if is_image_part(part):
-                images.append(_image_of_part(part, f"messages[{i}].content[{j}]", policy, allow_objects, base_dir))
+                where = f"messages[{i}].content[{j}]"
+                if left < policy.max_image_pixels:
+                    where += f" (the prompt's images may hold {policy.max_total_pixels} pixels in all)"
+                img = _image_of_part(part, where, replace(policy, max_image_pixels=min(policy.max_image_pixels,
+                                                                                        left)),
+                                     allow_objects, base_dir)
+                left -= img.size[0] * img.size[1]
+                images.append(img)
                 parts.append({"type": "image"})
             else:
                 parts.append(part)

@@ -239,6 +239,18 @@ def test_too_many_images_is_refused_before_decoding():
     assert e.value.parameter == "limit_mm_per_prompt"
 
 
+def test_total_pixels_of_a_prompt_are_capped():
+    part = image_url_part(data_url(gradient(10, 10)))           # 100 pixels each
+    _, images = extract_images(user(part, part, part), MediaPolicy(max_total_pixels=300))
+    assert len(images) == 3
+    with pytest.raises(HayabusaValidationError) as e:
+        extract_images(user(part, part, part, part), MediaPolicy(max_total_pixels=350))
+    assert str(e.value).startswith("messages[0].content[3] (the prompt's images may hold 350 pixels in all): ")
+    many = user(*[image_url_part("data:image/png;base64,@@")] * 257)   # refused before any decoding
+    with pytest.raises(HayabusaValidationError, match="257 images; at most 256"):
+        extract_images(many)
+
+
 def test_chat_prompt_renders_qwen2_vl_placeholders(qwen_tokenizer):
     imgs = [gradient(10, 12), gradient(30, 20)]
     messages = user(image_url_part(data_url(imgs[0])), {"type": "image_pil", "image_pil": imgs[1]},
