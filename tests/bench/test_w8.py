@@ -27,7 +27,10 @@ def test_w8_is_benchmarks_md_exactly(tiny_vl):
     """k, sizes and pixels from one default_rng(0) in BENCHMARKS.md's order; with Qwen2.5-VL's image processor
     limits and chat template the 100 prompts hold 194,935 tokens: the count vLLM 0.25.0 reported for this run."""
     from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    try:   # transformers >= 5.2x: the PIL backend (no torchvision needed); before: beside the torchvision one
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    except ImportError:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     w = get_workload("W8")
     assert len(w.requests) == 100 and sum(len(r.images) for r in w.requests) == 338
