@@ -13,6 +13,7 @@ Exit codes: 0 ok, 1 a setting failed (its row says why), 2 bad arguments or data
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -199,7 +200,8 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
 # here: the plan divides weights and KV heads by it).
 PLAN_ENGINE_ARGS = ("dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
                     "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                    "trust_remote_code", "limit_mm_per_prompt")
+                    "trust_remote_code") + tuple(  # the image limit, once EngineArgs has it (the VL core)
+    n for n in ("limit_mm_per_prompt",) if n in {f.name for f in dataclasses.fields(EngineArgs)})
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -231,7 +233,11 @@ def _image_limits(ns: argparse.Namespace, args: EngineArgs) -> dict[str, int]:
 
     limits = getattr(args, "limit_mm_per_prompt", None)
     if isinstance(limits, str):
-        limits = json.loads(limits)
+        try:
+            limits = json.loads(limits)
+        except ValueError:
+            raise HayabusaValidationError(f"limit_mm_per_prompt must be JSON such as '{{\"image\": 5}}', got "
+                                          f"{limits!r}.", parameter="limit_mm_per_prompt", value=limits) from None
     images = ns.max_images or (limits.get("image") if isinstance(limits, dict) else None) or 1
     pixels = ns.max_pixels or max_pixels_of(ns.model)
     if images < 1 or pixels < 1:
