@@ -61,3 +61,20 @@ def test_plan_cli_reads_max_pixels_from_the_checkpoint(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["vision"]["max_pixels"] == 7840 and plan["vision"]["patches"] == 3 * 40
     assert plan["param_breakdown"]["vision"] == 83_616
+
+
+def test_image_limits_come_from_the_flags_or_limit_mm_per_prompt():
+    import argparse
+
+    from hayabusa.errors import HayabusaValidationError
+    from hayabusa.eval.cli import _image_limits
+
+    ns = argparse.Namespace(max_images=None, max_pixels=None, model="qwen2.5-vl-7b-shape")
+    limit = type("Args", (), {"limit_mm_per_prompt": {"image": 4}})()
+    assert _image_limits(ns, limit) == {"max_images": 4, "max_pixels": 12_845_056}
+    assert _image_limits(ns, type("Args", (), {})()) == {"max_images": 1, "max_pixels": 12_845_056}
+    ns.max_images, ns.max_pixels = 2, 3136
+    assert _image_limits(ns, limit) == {"max_images": 2, "max_pixels": 3136}      # the flags win
+    with pytest.raises(HayabusaValidationError) as e:
+        _image_limits(ns, type("Args", (), {"limit_mm_per_prompt": "{image: 5"})())
+    assert e.value.parameter == "limit_mm_per_prompt"
