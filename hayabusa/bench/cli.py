@@ -364,6 +364,9 @@ def _make_model(ns: argparse.Namespace) -> int:
     except OSError as e:
         print(f"hayabusa bench: --make-model {shape} {out_dir!r}: cannot write there ({e}).", file=sys.stderr)
         return 2
+    except ValueError as e:   # a VL shape without the Qwen tokenizer at hand
+        print(f"hayabusa bench: --make-model {shape}: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(info), flush=True)
     return 0
 

@@ -87,6 +87,9 @@ def write_processor_files(out_dir: str, arch: str = "Qwen2_5_VLForConditionalGen
     from hayabusa.assets import qwen2_vl_chat_template
 
     src = tokenizer_dir or os.path.join(os.environ.get("HAYABUSA_ASSETS", "../shared/assets"), "tokenizers", "qwen3")
+    if not os.path.isfile(os.path.join(src, "tokenizer.json")):
+        raise ValueError(f"the Qwen tokenizer is not at {src}; set HAYABUSA_ASSETS to the shared assets folder "
+                         "(it holds tokenizers/qwen3).")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
     template = qwen2_vl_chat_template()
