@@ -116,6 +116,8 @@ def make_vl_model(name: str, out_dir: str, device: str | None = None, seed: int 
 
     t0 = time.perf_counter()
     cfg = vl_shape_config(name)
+    os.makedirs(out_dir, exist_ok=True)
+    write_processor_files(out_dir, cfg.architectures[0])    # first: a missing tokenizer fails before the weights
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     with torch.device("meta"):
@@ -124,9 +126,7 @@ def make_vl_model(name: str, out_dir: str, device: str | None = None, seed: int 
     model.tie_weights()
     fill_random(model, seed)
     model = model.to("cpu")
-    os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, max_shard_size="100GB")
-    write_processor_files(out_dir, cfg.architectures[0])
     n_params = sum(p.numel() for p in model.parameters())
     n_vision = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
     info = {"shape": name, "dir": out_dir, "params": n_params, "vision_params": n_vision, "bytes": 2 * n_params,
