@@ -152,6 +152,10 @@ class EngineArgs:
             W4A16 g128), "w8a8_int8" (INT8 W8A8), "compressed-tensors" (FP8 / INT8 W8A8), "awq", "gptq",
             "bitsandbytes" (checkpoint formats, detected);
             default: the checkpoint's quantization_config, if any. See hayabusa/quantization/.
+        allowed_local_media_path: chat images given as file:// URLs are read only from under this folder
+            (default "": no local files).
+        allowed_media_domains: host names whose http(s) image URLs may be fetched (default: none; remote fetching
+            is off, stricter than vLLM).
         async_scheduling: schedule and launch step N+1 before step N's tokens are back, so host work overlaps
             the GPU (vLLM's async scheduling). Default: on for CUDA, off on CPU (nothing to overlap there).
         limit_mm_per_prompt: most multimodal items per prompt, e.g. {"image": 5} (a JSON string on the command
@@ -194,6 +198,8 @@ class EngineArgs:
     async_scheduling: bool | None = None
     max_logprobs: int = 20
     limit_mm_per_prompt: Any = None
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -236,7 +242,8 @@ class EngineArgs:
                 group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)
             elif kind == "list":
-                group.add_argument(*names, dest=f.name, type=int, nargs="+", default=None, help=help_text)
+                group.add_argument(*names, dest=f.name, type=str if "list[str" in str(f.type) else int, nargs="+",
+                                   default=None, help=help_text)
             else:
                 group.add_argument(*names, dest=f.name, type=kind, default=None, help=help_text)
         return group

@@ -14,3 +14,9 @@ def receipts_data_path() -> str:
     currency / total) in ``hayabusa eval``'s JSONL format, phrased for text-to-text models such as T5
     (``hayabusa eval --data receipts``)."""
     return str(resources.files("hayabusa") / "assets" / "receipts_t5.jsonl")
+
+
+def qwen2_vl_chat_template() -> str:
+    """Qwen2-VL's (and Qwen2.5-VL's) chat template: ``{"type": "image"}`` content parts become
+    ``<|vision_start|><|image_pad|><|vision_end|>``. Written by ``hayabusa bench --make-model qwen2.5-vl-*``."""
+    return (resources.files("hayabusa") / "assets" / "qwen2_vl_chat_template.jinja").read_text(encoding="utf-8")

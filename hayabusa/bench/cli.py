@@ -25,6 +25,7 @@ import torch
 from hayabusa.bench import report
 from hayabusa.bench.ceilings import measure_ceilings
 from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, make_model, model_name, model_stats, shape_config
+from hayabusa.bench.vl_models import VL_SHAPES, make_vl_model, vl_shape_config
 from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, fit_to_vocab, get_workload
 from hayabusa.config import NOT_CLI_ARGS, EngineArgs, cli_arg_type
 
@@ -46,7 +47,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot a sweep (needs matplotlib)")
     p.add_argument("--make-model", nargs=2, metavar=("SHAPE", "DIR"),
                    help="write a random-weight bf16 checkpoint; shapes: "
-                        f"{', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES))}")
+                        f"{', '.join(list(SHAPES) + list(ARCH_SHAPE_NAMES) + list(VL_SHAPES))}")
     p.add_argument("--ceilings", action="store_true",
                    help="measure copy GB/s and bf16 matmul TFLOP/s on this GPU (and report fractions of them)")
     p.add_argument("--ceilings-from", metavar="FILE",
@@ -124,6 +125,8 @@ def _variants(workload: Workload, sweep: tuple[str, list[Any]] | None, engine: s
     """Engine-argument overrides, one timed run each (workload variants x sweep values, deduplicated).
 
     For the HF baseline, max_num_seqs maps to the batch size and engine-only keys are dropped."""
+    if engine == "hf" and workload.has_images:
+        return [{"hf_batch_size": 1}]      # W8's baseline of record: generate at batch 1, once
     base = workload.variants
     if sweep:
         key, values = sweep
@@ -143,9 +146,10 @@ def _variants(workload: Workload, sweep: tuple[str, list[Any]] | None, engine: s
 def _engine_args(ns: argparse.Namespace, workload: Workload, variant: dict[str, Any]) -> dict[str, Any]:
     """The kwargs of LLM(...): the user's flags, the variant, skip_tokenizer_init, and on CPU a max_model_len
     that fits the workload (the CPU KV cache is sized for max_num_seqs x max_model_len)."""
-    args = EngineArgs.cli_kwargs(ns)
+    args = {**workload.engine_defaults, **EngineArgs.cli_kwargs(ns)}   # W8: max_model_len, limit_mm_per_prompt
     args.update(variant)
-    args["skip_tokenizer_init"] = not getattr(ns, "structured_output", None)   # a grammar needs the tokenizer
+    # a grammar needs the tokenizer, and so do image prompts (the chat template)
+    args["skip_tokenizer_init"] = not (getattr(ns, "structured_output", None) or workload.has_images)
     device = args.get("device", "auto")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if on_cpu and "max_model_len" not in args:
@@ -174,6 +178,13 @@ def _run_one(ns: argparse.Namespace, engine: str, workload: Workload, variant: d
         note = _hf_ignored_note(ns)
         if note:
             print(f"hayabusa bench: note: {note}", flush=True)
+        if workload.has_images:    # W8: the VL model's generate, batch 1
+            from hayabusa.bench.hf_vl import run_hf_images
+
+            dev = torch.device(ns.device if ns.device not in (None, "auto") else
+                               ("cuda" if torch.cuda.is_available() else "cpu"))
+            return run_hf_images(ns.model, workload, ns.dtype, dev, seed=ns.seed or 0, warmup=not ns.no_warmup,
+                                 use_tqdm=tqdm_on), {**hf_args, "hf_batch_size": 1}
         res = run_hf(ns.model, workload, batch_size=bs, dtype=ns.dtype, device=ns.device, seed=ns.seed or 0,
                      warmup=not ns.no_warmup, use_tqdm=tqdm_on)
         if note:
@@ -332,8 +343,10 @@ def _list() -> None:
     for k, v in DESCRIPTIONS.items():
         print(f"  {k:8s} {v}")
     print("model shapes (--make-model SHAPE DIR):")
-    for k in list(SHAPES) + list(ARCH_SHAPE_NAMES):
-        c = shape_config(k)
+    for k in list(SHAPES) + list(ARCH_SHAPE_NAMES) + list(VL_SHAPES):
+        c = vl_shape_config(k) if k in VL_SHAPES else shape_config(k)
+        arch = c.architectures[0]
+        c = c.get_text_config() if k in VL_SHAPES else c
         h, heads = c.hidden_size, c.num_attention_heads
         inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "d_ff", None) \
             or 4 * h   # GPT-2: 4 x hidden; T5: d_ff
@@ -341,7 +354,7 @@ def _list() -> None:
         # T5 v1.1 (transformers 5.2x forces tie_word_embeddings and keeps the checkpoint's value as
         # scale_decoder_outputs)
         tied = getattr(c, "scale_decoder_outputs", getattr(c, "tie_word_embeddings", False))
-        print(f"  {k:20s} {c.architectures[0]} hidden {h} intermediate {inter} layers {c.num_hidden_layers} "
+        print(f"  {k:20s} {arch} hidden {h} intermediate {inter} layers {c.num_hidden_layers} "
               f"heads {heads}/{kv} vocab {c.vocab_size} tied {bool(tied)}")
 
 
@@ -367,7 +380,8 @@ def _check_args(ns: argparse.Namespace) -> None:
     _check_hf_batch_size(ns.hf_batch_size)
     if ns.make_model:
         shape, out_dir = ns.make_model
-        shape_config(shape)          # an unknown shape: ValueError listing the known ones
+        if shape not in VL_SHAPES:
+            shape_config(shape)      # an unknown shape: ValueError listing the known ones
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise ValueError(f"--make-model {shape} {out_dir!r}: that path is a file, not a folder; give a new or "
                              "existing folder.")
@@ -377,9 +391,13 @@ def _make_model(ns: argparse.Namespace) -> int:
     """--make-model SHAPE DIR. Returns 0, or 2 when the folder cannot be written."""
     shape, out_dir = ns.make_model
     try:
-        info = make_model(shape, out_dir, device=ns.device if ns.device != "auto" else None)
+        make = make_vl_model if shape in VL_SHAPES else make_model
+        info = make(shape, out_dir, device=ns.device if ns.device not in (None, "auto") else None)
     except OSError as e:
         print(f"hayabusa bench: --make-model {shape} {out_dir!r}: cannot write there ({e}).", file=sys.stderr)
+        return 2
+    except ValueError as e:   # a VL shape without the Qwen tokenizer at hand
+        print(f"hayabusa bench: --make-model {shape}: {e}", file=sys.stderr)
         return 2
     print(json.dumps(info), flush=True)
     return 0
@@ -407,7 +425,7 @@ def run_bench(ns: argparse.Namespace) -> int:
 
         return run_w6(ns)     # a client of a running server: --model is its served name, not a folder
     if not ns.workload and not ns.ceilings:
-        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|W9|startup with --model DIR, --ceilings, or "
+        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|W8|W9|startup with --model DIR, --ceilings, or "
               "--make-model SHAPE DIR (see --list).", file=sys.stderr)
         return 2
     if ns.workload and not (ns.model and os.path.isfile(os.path.join(ns.model, "config.json"))):

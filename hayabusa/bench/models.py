@@ -167,7 +167,7 @@ def _auto_model_class(cfg: Any):
     return AutoModelForSeq2SeqLM if getattr(cfg, "is_encoder_decoder", False) else AutoModelForCausalLM
 
 
-def _fill_random(model: torch.nn.Module, seed: int) -> None:
+def fill_random(model: torch.nn.Module, seed: int) -> None:
     """normal(0, INIT_STD) matrices, ones for norms, zeros for biases; one seeded generator, fixed order."""
     gen_device = next(model.parameters()).device
     gen = torch.Generator(device=gen_device).manual_seed(seed)
@@ -201,7 +201,7 @@ def make_model(name: str, out_dir: str, device: str | None = None, seed: int = 0
         model = _auto_model_class(cfg).from_config(cfg, dtype=torch.bfloat16)
     model = model.to_empty(device=device)
     model.tie_weights()
-    _fill_random(model, seed)
+    fill_random(model, seed)
     # rotary inv_freq and other buffers are not saved but must be sane if anyone uses this in-process object
     model = model.to("cpu")
     os.makedirs(out_dir, exist_ok=True)

@@ -203,7 +203,7 @@ def plot_sweep(records: list[dict[str, Any]], path: str) -> str | None:
         return "nothing to plot: --plot needs a sweep (--sweep key=v1,v2 or workload W4)."
     key = next(iter(ok[0]["variant"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    w4 = ok[0]["workload"] == "W4"
+    w4 = ok[0]["workload"] in ("W4", "W8")   # seconds per request
     for (wl, eng), group in _groups(ok).items():
         xs = [r["variant"].get(key) for r in group]
         ys = [r["seconds_per_request"] if w4 else r["output_throughput"] for r in group]

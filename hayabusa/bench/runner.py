@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hayabusa.bench.common import is_cuda, load_hf_model, peak_memory_bytes, reset_peak_memory, synchronize
-from hayabusa.bench.workloads import BenchRequest, Workload, token_range
+from hayabusa.bench.workloads import BenchRequest, Workload, image_chat_messages, token_range
 
 WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 2
@@ -50,6 +50,10 @@ def warmup_requests(workload: Workload) -> list[BenchRequest]:
     WARMUP_TOKENS output tokens each (fresh ids so a prefix cache is not primed with the workload's prompts)."""
     rng = np.random.default_rng(1)
     reqs = workload.requests[:WARMUP_REQUESTS]
+    if workload.has_images:   # fresh pixels of the same sizes (a prefix cache keyed by image content misses them)
+        return [BenchRequest([], min(WARMUP_TOKENS, r.max_tokens), text=r.text,
+                             images=[rng.integers(0, 256, im.shape, dtype=np.uint8) for im in r.images or []])
+                for r in reqs]
     # Workloads whose prompts share a prefix (W5) warm up with a shared fresh prefix of the same length, so the
     # prefill of a request that hits the prefix cache (new tokens attending to cached ones) is warm as well.
     shared = _common_prefix_len([r.prompt_token_ids for r in reqs]) if len(reqs) > 1 else 0
@@ -82,9 +86,24 @@ def _sampling_params(r: BenchRequest, structured_output: str | None = None) -> A
                           ignore_eos=True, detokenize=False, structured_outputs=constraint)
 
 
-def _generate(llm: Any, reqs: list[BenchRequest], use_tqdm: bool, structured_output: str | None = None
-              ) -> list[Any]:
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+def bench_prompts(tokenizer: Any, reqs: list[BenchRequest]) -> list[dict[str, Any]]:
+    """The engine prompts of `reqs`: token ids, or for an image request the chat template's text over its
+    message (``image_chat_messages``) with ``multi_modal_data`` = its images as RGB PIL images."""
+    out: list[dict[str, Any]] = []
+    for r in reqs:
+        if not r.images:
+            out.append({"prompt_token_ids": r.prompt_token_ids})
+            continue
+        from PIL import Image
+
+        text = tokenizer.apply_chat_template(image_chat_messages(r), tokenize=False, add_generation_prompt=True)
+        out.append({"prompt": text, "multi_modal_data": {"image": [Image.fromarray(a) for a in r.images]}})
+    return out
+
+
+def _generate(llm: Any, reqs: list[BenchRequest], use_tqdm: bool, structured_output: str | None = None,
+              prompts: list[dict[str, Any]] | None = None) -> list[Any]:
+    prompts = prompts or bench_prompts(llm.get_tokenizer(), reqs)
     return llm.generate(prompts, [_sampling_params(r, structured_output) for r in reqs], use_tqdm=use_tqdm)
 
 
@@ -163,10 +182,11 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
             for part in (warm[:1], warm[1:]):  # the first request alone: the others then hit its cached prefix
                 if part:
                     _generate(llm, part, use_tqdm=False, structured_output=structured_output)
+        prompts = bench_prompts(llm.get_tokenizer(), workload.requests)   # templates and PIL images: not timed
         synchronize(cuda)
         stats0 = dict(llm.llm_engine.stats)
         t_mono, t1 = time.monotonic(), time.perf_counter()
-        outs = _generate(llm, workload.requests, use_tqdm, structured_output)
+        outs = _generate(llm, workload.requests, use_tqdm, structured_output, prompts)
         synchronize(cuda)
         elapsed = time.perf_counter() - t1
         ttft, tpot = _engine_latencies(outs, t_mono)

@@ -15,9 +15,14 @@ import numpy as np
 
 TOKEN_LOW, TOKEN_HIGH = 100, 10000
 W4_MAX_NUM_SEQS = [1, 4, 8, 14, 16, 32, 64]
+W8_MAX_NUM_SEQS = [1, 4, 8, 14, 16, 32]
+W8_TEXT = ("Extract every personnel change on these pages as JSON with the fields name, company, old_position, "
+           "new_position, effective_date.")
+# HF generate at batch 1 takes ~27 s per W8 request on an H200: the baseline runs the first few requests only.
+W8_HF_REQUESTS = 5
 W9_HF_BATCH_SIZES = [1, 16, 64, 256]     # HF baseline batch 1 and the batches its best is taken from
 W9_HF_BATCH1_REQUESTS = 100              # HF batch 1 times the first 100 requests (all 2,000 take ~an hour)
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W9", "startup")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "startup")
 DESCRIPTIONS = {
     "W1": "offline batch throughput: 256 x (512 prompt, 256 output)",
     "W2": "offline mixed lengths: 256 x (U[100,1024] prompt, U[100,1024] output)",
@@ -28,6 +33,8 @@ DESCRIPTIONS = {
     "W7": "many samples: 8 prompts x n=64, 256 prompt, 256 output, temperature 0.9",
     "W9": "encoder-decoder extraction (T5): 2000 x (256 encoder tokens -> 64 output), requests/s and ms per "
           "request; HF generate at batch 1 (first 100 requests) and batches 16, 64, 256",
+    "W8": "page images to JSON (Qwen2.5-VL): 100 x (2-5 random images up to 1024x768 + ~60 text tokens, 256 "
+          "output) at max_num_seqs 1,4,8,14,16,32",
     "startup": "engine construction (load, profile, CUDA graphs) and the first request",
 }
 
@@ -41,6 +48,10 @@ class BenchRequest:
     n: int = 1
     temperature: float = 0.0
     seed: int | None = None     # per-request seed (sampled workloads)
+    # image workloads (W8): the prompt is the chat template over one user message of these images, then `text`;
+    # prompt_token_ids stays empty until the runner renders it with the checkpoint's template
+    images: list[np.ndarray] | None = None   # each [h, w, 3] uint8 RGB
+    text: str | None = None
 
 
 @dataclass
@@ -63,6 +74,12 @@ class Workload:
     ceiling: str | None = None
     vocab_size: int | None = None   # set by fit_to_vocab when the model's vocabulary is below TOKEN_HIGH
     hf_batch1_requests: int | None = None   # HF baseline at batch 1 times only the first N requests (W9)
+    engine_defaults: dict = field(default_factory=dict)   # engine arguments of record (flags override them)
+    hf_max_requests: int | None = None   # the HF baseline times only the first this many requests
+
+    @property
+    def has_images(self) -> bool:
+        return any(r.images for r in self.requests)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,7 +93,9 @@ class Workload:
 
     @property
     def max_seq_len(self) -> int:
-        """Longest prompt + output of any request (tokens)."""
+        """Longest prompt + output of any request (tokens; image workloads: their max_model_len of record)."""
+        if self.has_images:
+            return int(self.engine_defaults.get("max_model_len", 8192))
         return max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
 
 
@@ -92,7 +111,7 @@ def fit_to_vocab(workload: Workload, vocab_size: int | None) -> Workload:
     record, whose vocabularies exceed TOKEN_HIGH). The map is one-to-one on ids, so shared prefixes stay shared;
     lengths and counts are unchanged. Lets `hayabusa bench` run on small trained models (stories260K: 512 ids)."""
     lo, hi = token_range(vocab_size)
-    if (lo, hi) == (TOKEN_LOW, TOKEN_HIGH):
+    if (lo, hi) == (TOKEN_LOW, TOKEN_HIGH) or workload.has_images:   # image prompts are the template's text
         return workload
     for r in workload.requests:
         r.prompt_token_ids = [lo + (t - TOKEN_LOW) % (hi - lo) for t in r.prompt_token_ids]
@@ -169,13 +188,37 @@ def w9(scale: float = 1.0) -> Workload:
                     hf_batch1_requests=_n(W9_HF_BATCH1_REQUESTS, scale))
 
 
+def w8(scale: float = 1.0) -> Workload:
+    """BENCHMARKS.md's W8 exactly: per request k = U[2, 5] images, each w = U[512, 1024], h = U[384, 768] and
+    uniform random pixels, drawn in that order from one default_rng(0); greedy, 256 tokens, EOS ignored. `scale`
+    shrinks the request count and output length, not the images."""
+    rng = np.random.default_rng(0)
+    reqs = []
+    for _ in range(_n(100, scale)):
+        images = []
+        for _ in range(int(rng.integers(2, 6))):
+            w, h = int(rng.integers(512, 1025)), int(rng.integers(384, 769))
+            images.append(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        reqs.append(BenchRequest([], _n(256, scale), images=images, text=W8_TEXT))
+    return Workload("W8", reqs, scale, variants=[{"max_num_seqs": m} for m in W8_MAX_NUM_SEQS],
+                    engine_defaults={"max_model_len": 8192, "limit_mm_per_prompt": {"image": 5}},
+                    hf_max_requests=W8_HF_REQUESTS)
+
+
+def image_chat_messages(r: BenchRequest) -> list[dict]:
+    """The one user message of an image request: its images, then its text (the chat template's content list)."""
+    return [{"role": "user", "content": [{"type": "image"} for _ in r.images or []] + [{"type": "text",
+                                                                                       "text": r.text or ""}]}]
+
+
 def startup(scale: float = 1.0) -> Workload:
     """One short request after construction: 'the first request can run' (16 prompt tokens, 1 output)."""
     rng = np.random.default_rng(0)
     return Workload("startup", _fixed(rng, 1, 16, 1), scale)
 
 
-BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "W9": w9, "startup": startup}
+BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "W8": w8, "W9": w9,
+            "startup": startup}
 
 
 def get_workload(name: str, scale: float = 1.0) -> Workload:

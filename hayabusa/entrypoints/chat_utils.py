@@ -63,7 +63,9 @@ def normalize_conversation(messages: Any, content_format: str = "auto") -> Conve
                                           parameter="messages", value=str(msg)[:80])
         content = msg.get("content")
         _check_strings(msg, f"messages[{i}]")
-        if isinstance(content, (list, tuple)) and content_format != "openai":
+        if isinstance(content, (list, tuple)) and content_format != "openai" and _has_image_part(content):
+            _check_text_and_image_parts(content, i)       # the template renders the parts (media.py made them)
+        elif isinstance(content, (list, tuple)) and content_format != "openai":
             texts = []
             for part in content:
                 if isinstance(part, str):
@@ -77,6 +79,19 @@ def normalize_conversation(messages: Any, content_format: str = "auto") -> Conve
             msg = {**msg, "content": "\n".join(texts)}
         out.append(dict(msg))
     return out
+
+
+def _has_image_part(content: Sequence[Any]) -> bool:
+    return any(isinstance(p, dict) and p.get("type") == "image" for p in content)
+
+
+def _check_text_and_image_parts(content: Sequence[Any], i: int) -> None:
+    for part in content:
+        if not (isinstance(part, dict) and (part.get("type") == "image" or (part.get("type", "text") == "text"
+                                                                              and "text" in part))):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise HayabusaValidationError(f"messages[{i}]: content part of type {kind!r} is not supported (text "
+                                          "and images only).", parameter="messages", value=kind)
 
 
 def _check_strings(value: Any, where: str, depth: int = 0) -> None:
@@ -163,11 +178,30 @@ def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None,
     return text
 
 
-def chat_prompt(tokenizer: Any, messages: Any, **kwargs: Any) -> dict[str, Any]:
+def chat_prompt(tokenizer: Any, messages: Any, media_policy: Any = None, **kwargs: Any) -> dict[str, Any]:
     """``{"prompt": rendered text, "prompt_token_ids": ids}`` for the engine; ids come from
-    ``tokenizer.encode(text, add_special_tokens=False)`` (vLLM: the template holds the special tokens)."""
-    text = render_chat(tokenizer, messages, **kwargs)
-    return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+    ``tokenizer.encode(text, add_special_tokens=False)`` (vLLM: the template holds the special tokens).
+
+    Image content parts (``entrypoints/media.py``; PIL images and numpy arrays accepted: a Python caller) are
+    loaded under ``media_policy`` (default: data URLs only) and returned in order as
+    ``"multi_modal_data": {"image": [...]}``; the template must write one image placeholder per image.
+    """
+    from hayabusa.entrypoints.media import MediaPolicy, check_placeholders, extract_images
+
+    messages, images = extract_images(messages, media_policy or MediaPolicy(), allow_objects=True)
+    try:
+        text = render_chat(tokenizer, messages, **kwargs)
+    except ChatTemplateError as e:
+        if not images:
+            raise
+        raise ChatTemplateError(f"{e} (the messages hold {len(images)} image(s): use the model's multimodal chat "
+                                "template, e.g. Qwen2.5-VL's)", parameter=e.parameter, value=e.value) from None
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+    if images:
+        check_placeholders(text, len(images))
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
 
 
 def is_conversation_list(messages: Any) -> bool:

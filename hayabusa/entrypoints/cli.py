@@ -127,8 +127,11 @@ def _engine_prompts(llm: Any, ns: argparse.Namespace, rows: list[tuple[int, dict
     prompts = []
     for (lineno, row), sp in zip(rows, params):
         try:
-            if "messages" in row:  # rendered and tokenized as LLM.chat does
-                prompt = chat_prompt(llm.get_tokenizer(), row["messages"], chat_template=ns.chat_template)
+            mm = None
+            if "messages" in row:  # rendered and tokenized as LLM.chat does (images under its media policy)
+                prompt = chat_prompt(llm.get_tokenizer(), row["messages"], llm.media_policy,
+                                     chat_template=ns.chat_template)
+                mm = prompt.pop("multi_modal_data", None)
             elif "encoder_prompt" in row:   # encoder-decoder (T5): vLLM's explicit form, checked by the engine's rule
                 prompt = {k: row[k] for k in ("encoder_prompt", "decoder_prompt") if k in row}
             elif "prompt_token_ids" in row:
@@ -146,6 +149,8 @@ def _engine_prompts(llm: Any, ns: argparse.Namespace, rows: list[tuple[int, dict
         except HayabusaValidationError as e:
             raise e.prefixed(f"{ns.prompts}:{lineno}") from None
         prompts.append({"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids})
+        if mm:
+            prompts[-1]["multi_modal_data"] = mm
     return prompts
 
 

@@ -35,7 +35,10 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        from hayabusa.entrypoints.media import MediaPolicy
+
         args = EngineArgs.from_kwargs(model, **kwargs)
+        self.media_policy = MediaPolicy.from_engine_args(args)   # where chat images may come from
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 
@@ -104,7 +107,9 @@ class LLM:
         ``RequestOutput.prompt`` is the rendered text.
 
         Args:
-            messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such conversations.
+            messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such conversations. Content may be a
+                list of parts: text, and images (``image_url`` with a data / file / http(s) URL, ``image_pil``,
+                ``image``; see entrypoints/media.py), which become the prompt's ``multi_modal_data``.
             sampling_params, use_tqdm: as in ``generate``.
             add_generation_prompt / continue_final_message: open a new assistant turn / continue the last message.
             tools, chat_template_kwargs: passed to the template (e.g. ``{"enable_thinking": False}``).
@@ -119,7 +124,7 @@ class LLM:
                                           "not supported; pass lora_request=None or leave it out.",
                                           parameter="lora_request", value=lora_request)
         conversations = messages if is_conversation_list(messages) else [messages]
-        prompts = [chat_prompt(self.get_tokenizer(), conv, chat_template=chat_template,
+        prompts = [chat_prompt(self.get_tokenizer(), conv, self.media_policy, chat_template=chat_template,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template_kwargs=chat_template_kwargs,

@@ -13,6 +13,7 @@ Exit codes: 0 ok, 1 a setting failed (its row says why), 2 bad arguments or data
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -204,7 +205,8 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
 # here: the plan divides weights and KV heads by it).
 PLAN_ENGINE_ARGS = ("dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
                     "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                    "trust_remote_code")
+                    "trust_remote_code") + tuple(  # the image limit, once EngineArgs has it (the VL core)
+    n for n in ("limit_mm_per_prompt",) if n in {f.name for f in dataclasses.fields(EngineArgs)})
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -221,8 +223,32 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None, help="same as --tensor-parallel-size")
     EngineArgs.add_cli_args(p, only=PLAN_ENGINE_ARGS, helps={
         "tensor_parallel_size": "GPUs the weights and KV heads are split over (the plan takes any; the engine runs 1)"})
+    p.add_argument("--max-images", type=int, default=None, metavar="N",
+                   help="vision-language models: images one prompt may hold (default: limit_mm_per_prompt's, else 1)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="vision-language models: pixels per image after the processor's resize (default: the "
+                        "checkpoint's preprocessor_config.json, else 12845056)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def _image_limits(ns: argparse.Namespace, args: EngineArgs) -> dict[str, int]:
+    """max_images / max_pixels for the vision tower's activation estimate."""
+    from hayabusa.eval.plan_vision import max_pixels_of
+
+    limits = getattr(args, "limit_mm_per_prompt", None)
+    if isinstance(limits, str):
+        try:
+            limits = json.loads(limits)
+        except ValueError:
+            raise HayabusaValidationError(f"limit_mm_per_prompt must be JSON such as '{{\"image\": 5}}', got "
+                                          f"{limits!r}.", parameter="limit_mm_per_prompt", value=limits) from None
+    images = ns.max_images or (limits.get("image") if isinstance(limits, dict) else None) or 1
+    pixels = ns.max_pixels or max_pixels_of(ns.model)
+    if images < 1 or pixels < 1:
+        raise HayabusaValidationError("--max-images and --max-pixels must be positive.", parameter="max_images",
+                                      value=(images, pixels))
+    return {"max_images": int(images), "max_pixels": int(pixels)}
 
 
 def run_plan(ns: argparse.Namespace) -> int:
@@ -235,7 +261,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         inp = PlanInputs(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                          max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         block_size=args.block_size, tp=args.tensor_parallel_size)
+                         block_size=args.block_size, tp=args.tensor_parallel_size, **_image_limits(ns, args))
         plan = make_plan(cfg, inp, ns.gpu, ns.gpu_memory, model=ns.model)
     except HayabusaValidationError as e:
         print(f"hayabusa plan: error: {e}", file=sys.stderr)

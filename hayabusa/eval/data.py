@@ -7,6 +7,11 @@ A line has a prompt -- ``"prompt": str`` or chat ``"messages": [{"role", "conten
   majority:   ``"answer": "42"`` (compared after normalize_answer).
 ``"id"`` is optional (default: the line number). Unknown keys are kept in ``extra`` and ignored.
 
+Messages may hold images (content parts as in ``LLM.chat``: ``{"type": "image", "image": "pages/001.png"}`` or
+``{"type": "image_url", "image_url": {"url": ...}}``): a path relative to the JSONL file's folder (files outside
+that folder are refused), or a data URL. They are loaded once, with the prompt, and go to every setting as
+``multi_modal_data``; the chat template must write one image placeholder per image (a VL model's template).
+
 Chat messages are rendered with the tokenizer's chat template (add_generation_prompt=True) and encoded without
 adding special tokens again (as vLLM's ``LLM.chat`` does); a plain prompt is encoded like ``LLM.generate`` encodes
 text. A tokenizer without a chat template gets the plain rendering ``"{role}: {content}\\n" ... "assistant:"``
@@ -16,10 +21,12 @@ text. A tokenizer without a chat template gets the plain rendering ``"{role}: {c
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from hayabusa.entrypoints.media import MediaPolicy, check_placeholders, extract_images
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.eval.scoring import choice_letter, normalize_answer
 
@@ -35,6 +42,9 @@ class EvalItem:
     choices: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     prompt_token_ids: list[int] = field(default_factory=list)   # filled by render_items
+    base_dir: str | None = None          # the JSONL file's folder: image paths are relative to it
+    images: list[Any] = field(default_factory=list)             # RGB PIL images, filled by render_items
+    prompt_text: str | None = None       # the rendered chat text (image items: the HF reference's processor input)
 
 
 def _bad(path: str, lineno: int, why: str) -> HayabusaValidationError:
@@ -85,7 +95,8 @@ def _parse_line(path: str, lineno: int, line: str, task: str) -> EvalItem:
     except ValueError as e:
         raise _bad(path, lineno, str(e)) from None
     extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages", "gold", "answer", "choices")}
-    return EvalItem(str(row.get("id", lineno)), prompt, messages, gold, choices, extra)
+    base_dir = os.path.dirname(os.path.abspath(path))
+    return EvalItem(str(row.get("id", lineno)), prompt, messages, gold, choices, extra, base_dir=base_dir)
 
 
 def _check_gold(task: str, gold: Any, choices: Any) -> Any:
@@ -108,8 +119,19 @@ def render_items(items: list[EvalItem], tokenizer: Any) -> None:
         if it.messages is None:
             it.prompt_token_ids = list(tokenizer(it.prompt).input_ids)
             continue
+        messages = _load_images(it)
+        if it.images and not has_template:
+            raise HayabusaValidationError(f"item {it.id}: it has images, but the tokenizer has no chat template to "
+                                          "place them with (use the VL model's tokenizer).", parameter="data",
+                                          value=it.id)
         if has_template:
-            text = tokenizer.apply_chat_template(it.messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if it.images:
+                try:
+                    check_placeholders(text, len(it.images))
+                except HayabusaValidationError as e:
+                    raise e.prefixed(f"item {it.id}") from None
+            it.prompt_text = text
         else:
             if not warned:
                 print("hayabusa eval: the tokenizer has no chat template; messages are rendered as "
@@ -119,6 +141,17 @@ def render_items(items: list[EvalItem], tokenizer: Any) -> None:
             it.prompt_token_ids = list(tokenizer(text).input_ids)
             continue
         it.prompt_token_ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _load_images(it: EvalItem) -> list[dict[str, Any]]:
+    """The item's messages with image parts replaced by ``{"type": "image"}``; ``it.images`` filled in order.
+    Relative paths resolve against the JSONL file's folder, the one folder files may come from."""
+    policy = MediaPolicy(allowed_local_media_path=it.base_dir)
+    try:
+        messages, it.images = extract_images(it.messages, policy, base_dir=it.base_dir)
+    except HayabusaValidationError as e:
+        raise e.prefixed(f"item {it.id}") from None
+    return messages
 
 
 def load_tokenizer(model_or_dir: str, tokenizer: str | None = None, trust_remote_code: bool = False) -> Any:

@@ -36,6 +36,7 @@ from typing import Any
 
 from hayabusa.config import DTYPES, default_max_num_batched_tokens, kv_bytes_per_token
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.eval.plan_vision import DEFAULT_MAX_PIXELS, vision_activation, vision_params
 
 GiB = 2**30
 NON_TORCH_BYTES = 1 * GiB
@@ -78,11 +79,14 @@ _NON_GATED_MLP = ("gpt2", "gpt_neox", "gptj", "opt", "falcon", "phi", "bloom", "
 
 # ------------------------------------------------------------------------------------------------ config
 def load_config(model: str, trust_remote_code: bool = False) -> Any:
-    """The text config of `model`: a bench shape name, a local folder, or a Hub id (config.json only)."""
+    """The config of `model`: a bench shape name, a local folder, or a Hub id (config.json only)."""
     from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, shape_config
+    from hayabusa.bench.vl_models import VL_SHAPES, vl_shape_config
 
     if model in SHAPES or model in ARCH_SHAPE_NAMES:
         return shape_config(model)
+    if model in VL_SHAPES:
+        return vl_shape_config(model)
     from transformers import AutoConfig
 
     if not os.path.isdir(model) and (os.path.exists(model) or model.startswith((".", "/")) or model.count("/") > 1):
@@ -185,22 +189,10 @@ def count_params(cfg: Any) -> dict[str, int]:
     else:
         mlp = L * mlp_mats * h * s.intermediate
     emb = s.vocab * h * (1 if s.tied else 2)
-    vision = _vision_params(cfg)
+    vision = vision_params(cfg)
     linear = L * attn + mlp
     return {"linear": linear, "embedding": emb, "other": other, "vision": vision,
             "total": linear + emb + other + vision}
-
-
-def _vision_params(cfg: Any) -> int:
-    """A rough vision-tower estimate (ViT blocks: 4 h^2 attention + 3 h i MLP; merger 16 h^2 + 4 h out)."""
-    v = getattr(cfg, "vision_config", None)
-    if v is None:
-        return 0
-    h = _attr(v, "hidden_size", "embed_dim", default=0)
-    depth = _attr(v, "depth", "num_hidden_layers", default=0)
-    i = _attr(v, "intermediate_size", default=None) or int(_attr(v, "mlp_ratio", default=4) * h)
-    out = _attr(v, "out_hidden_size", default=h)
-    return depth * (4 * h * h + 3 * h * i) + 16 * h * h + 4 * h * out
 
 
 # ------------------------------------------------------------------------------------------------ sizing
@@ -283,6 +275,8 @@ class PlanInputs:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     tp: int = 1
+    max_images: int = 1                 # images one prompt may hold (limit_mm_per_prompt["image"])
+    max_pixels: int = DEFAULT_MAX_PIXELS   # the image processor's max_pixels
 
 
 def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
@@ -325,6 +319,11 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
         out["tokens_per_request"] = 2 * max_len
         out["kv_formula"] += (f"; per request (decoder tokens + encoder tokens) x kv_bytes_per_token: cross-attention "
                               f"K/V of {max_len} encoder tokens = {kv_per_token * max_len} bytes")
+    vision = vision_activation(cfg, b, inp.max_images, inp.max_pixels, max_len)
+    if vision is not None:   # the LM's step holds the encoder outputs; the vision pass peaks on its own
+        out["lm_activation_bytes"] = out["activation_bytes"]
+        out["vision"] = vision
+        out["activation_bytes"] = max(out["activation_bytes"] + vision["encoder_output_bytes"], vision["peak_bytes"])
     return out
 
 
@@ -392,9 +391,12 @@ def _notes(plan: dict[str, Any]) -> list[str]:
     if plan["tp"] > 1:
         notes.append("tensor parallelism is planned per GPU (weights / tp, KV heads / tp); hayabusa runs tp=1 "
                      "today.")
-    if plan["param_breakdown"]["vision"]:
-        notes.append("the vision tower is a rough estimate (ViT blocks + merger); its activations are not "
-                     "included.")
+    if plan.get("vision"):
+        v = plan["vision"]
+        notes.append(f"vision tower: {plan['param_breakdown']['vision']:,} parameters; its activation peak "
+                     f"{_gib(v['peak_bytes'])} for {v['max_images']} image(s) of {v['max_pixels']:,} pixels "
+                     f"({v['patches']:,} patches; encoder output {_gib(v['encoder_output_bytes'])}); activations = "
+                     "max(LM step + encoder output, vision peak) (hayabusa/eval/plan_vision.py).")
     return notes
 
 
@@ -488,7 +490,8 @@ def format_plan(plan: dict[str, Any]) -> str:
                   f"{p['gpu_memory_utilization']} = {_gib(p['budget_bytes'])}",
                   f"    - weights     {_gib(p['weight_bytes_per_gpu'])}",
                   f"    - activations {_gib(p['activation_bytes'])}  (estimated peak of one "
-                  f"{p['max_num_batched_tokens']}-token step and its logits)",
+                  f"{p['max_num_batched_tokens']}-token step and its logits"
+                  + (f"; vision tower {_gib(p['vision']['peak_bytes'])}" if p.get("vision") else "") + ")",
                   f"    - overhead    {_gib(p['overhead_bytes'])}  (CUDA context and kernels, not tracked by torch)",
                   f"    = KV cache    {_gib(p['kv_cache_bytes'])} -> {p['max_num_tokens']:,} tokens = "
                   f"{p['max_num_seqs_at_max_model_len']} sequences of max_model_len",

@@ -47,6 +47,13 @@ def _sampling_params(sampling: dict[str, Any], index: int, sampling_seed: int) -
     return SamplingParams(**kw)
 
 
+def engine_prompt(item: EvalItem) -> dict[str, Any]:
+    """The item's prompt for ``LLM.generate``: its token ids, and its images as ``multi_modal_data``."""
+    if item.images:
+        return {"prompt_token_ids": item.prompt_token_ids, "multi_modal_data": {"image": item.images}}
+    return {"prompt_token_ids": item.prompt_token_ids}
+
+
 def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any], sampling: dict[str, Any],
                  label: str, setting: dict[str, Any], sampling_seed: int = 0, warmup: bool = True,
                  use_tqdm: bool = False, schemas: list[dict] | None = None) -> RunOutput:
@@ -67,7 +74,7 @@ def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any],
         ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < max_len]
         run.item_errors = {i: f"prompt has {len(it.prompt_token_ids)} tokens; max_model_len={max_len} leaves no "
                               "room for an answer" for i, it in enumerate(items) if len(it.prompt_token_ids) >= max_len}
-        prompts = [{"prompt_token_ids": items[i].prompt_token_ids} for i in ok]
+        prompts = [engine_prompt(items[i]) for i in ok]
         params = [_sampling_params(sampling, i, sampling_seed) for i in ok]
         if schemas is not None:
             from hayabusa.sampling_params import StructuredOutputsParams
@@ -139,6 +146,9 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
     hf = None
     try:
         model_dir = resolve_model_dir(model)
+        if any(it.images for it in items):
+            _run_hf_images(run, model_dir, items, tokenizer, max_tokens, dtype, dev)
+            return run
         t0 = time.perf_counter()
         hf = load_hf_model(model_dir, dtype, dev)
         run.startup_s = time.perf_counter() - t0
@@ -168,6 +178,34 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
         del hf
         reset_peak_memory(cuda)
     return run
+
+
+def _run_hf_images(run: RunOutput, model_dir: str, items: list[EvalItem], tokenizer: Any, max_tokens: int,
+                   dtype: str | None, dev: Any) -> None:
+    """The HF reference of a set with images: the VL model's ``generate`` one item at a time, inputs from the
+    checkpoint's image processor (``bench/hf_vl.py``), greedy, cut at the first EOS."""
+    from hayabusa.bench.hf_vl import hf_vl_generate, hf_vl_inputs, load_hf_vl
+
+    cuda = dev.type == "cuda"
+    t0 = time.perf_counter()
+    model, image_processor, _ = load_hf_vl(model_dir, dtype, dev)
+    run.startup_s = time.perf_counter() - t0
+    eos, _ = _hf_eos_and_pad(model_dir, tokenizer)
+    run.texts = [None] * len(items)
+    synchronize(cuda)
+    t1 = time.perf_counter()
+    for i, it in enumerate(items):
+        text = it.prompt_text if it.prompt_text is not None else tokenizer.decode(it.prompt_token_ids)
+        inputs = hf_vl_inputs(image_processor, tokenizer, text, it.images)
+        ids = hf_vl_generate(model, inputs, max_tokens, ignore_eos=False)
+        ids = ids[:next((j for j, t in enumerate(ids) if t in eos), len(ids))]
+        run.texts[i] = [tokenizer.decode(ids, skip_special_tokens=True)]
+        run.output_tokens += len(ids)
+        run.prompt_tokens += int(inputs["input_ids"].shape[1])
+    synchronize(cuda)
+    run.elapsed_s = time.perf_counter() - t1
+    run.peak_memory_bytes = peak_memory_bytes(cuda)
+    del model
 
 
 def _max_position(model_dir: str) -> int:

@@ -105,14 +105,17 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     chat_template = load_chat_template(ns.chat_template)
+    from hayabusa.entrypoints.media import MediaPolicy
+
     args = AsyncEngineArgs.from_cli_args(ns, model=model, disable_log_requests=ns.disable_log_requests)
+    media_policy = MediaPolicy.from_engine_args(args)    # a bad --allowed-local-media-path fails before loading
     engine = AsyncLLMEngine.from_engine_args(args)
     names = ns.served_model_name or [default_served_name(model)]
     app = build_app(engine, names, api_key=ns.api_key, chat_template=chat_template, model_path=model,
                     trust_request_chat_template=ns.trust_request_chat_template,
                     max_request_body_bytes=ns.max_request_body_bytes, request_body_timeout=ns.request_body_timeout,
                     allowed_hosts=allowed_hosts(ns.host, ns.allowed_hosts), allowed_origins=ns.allowed_origins,
-                    public_docs_and_metrics=ns.public_docs_and_metrics)
+                    public_docs_and_metrics=ns.public_docs_and_metrics, media_policy=media_policy)
     print(f"hayabusa serve: {names[0]} on http://{ns.host}:{ns.port} (OpenAI API under /v1; Ctrl-C stops)",
           file=sys.stderr, flush=True)
     try:

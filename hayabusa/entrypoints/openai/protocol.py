@@ -94,9 +94,15 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
+class ImageURL(OpenAIBaseModel):
+    url: str
+    detail: str | None = None      # OpenAI's "auto" / "low" / "high": accepted, the processor decides the size
+
+
 class ContentPart(OpenAIBaseModel):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None   # {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
 
 
 class ChatMessage(OpenAIBaseModel):

@@ -246,7 +246,8 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT,
               allowed_hosts: list[str] | tuple[str, ...] | None = LOOPBACK_HOSTS,
-              allowed_origins: list[str] | tuple[str, ...] = (), public_docs_and_metrics: bool = False) -> FastAPI:
+              allowed_origins: list[str] | tuple[str, ...] = (), public_docs_and_metrics: bool = False,
+              media_policy: Any = None) -> FastAPI:
     """The FastAPI app over a running AsyncLLMEngine.
 
     Args:
@@ -262,11 +263,12 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
         allowed_hosts: Host header names accepted (any port); None: any ("*" in the list too).
         allowed_origins: browser origins allowed cross-site (CORS on for them; "*": any); the server's own
             origin is always allowed.
+        media_policy: where chat images may come from (``entrypoints/media.MediaPolicy``; default: data URLs only).
     """
     metrics = ServerMetrics(engine, model_names[0])
     serving = OpenAIServing(engine, model_names, chat_template, metrics.on_request_finished,
                             model_aliases=[model_path] if model_path else [],
-                            trust_request_chat_template=trust_request_chat_template)
+                            trust_request_chat_template=trust_request_chat_template, media_policy=media_policy)
     app = FastAPI(title="hayabusa", version=__version__)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
     # add_middleware puts each one outside the ones before: a request meets Host/Origin, CORS, key, then the rest.

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Callable
 from hayabusa.engine.async_llm_engine import AsyncLLMEngine, RequestStream
 from hayabusa.engine.input_processor import check_prompt_length
 from hayabusa.entrypoints.chat_utils import render_chat
+from hayabusa.entrypoints.media import MediaPolicy, check_placeholders, extract_images
 from hayabusa.entrypoints.openai import REQUEST_CHAT_TEMPLATE_TIME_LIMIT
 from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                                   CompletionRequest, OpenAIError, SamplingFields, error_body)
@@ -212,12 +213,14 @@ class OpenAIServing:
         model_aliases: further names accepted in ``model`` (the model's path); responses show model_names[0].
         trust_request_chat_template: accept a request's ``chat_template`` (else 400); it renders under
             ``REQUEST_CHAT_TEMPLATE_TIME_LIMIT`` seconds.
+        media_policy: where chat images may come from (``entrypoints/media.py``); default: data URLs only.
     """
 
     def __init__(self, engine: AsyncLLMEngine, model_names: list[str], chat_template: str | None = None,
                  on_request_finished: Callable[..., None] | None = None, model_aliases: list[str] | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, media_policy: MediaPolicy | None = None) -> None:
         self.engine = engine
+        self.media_policy = media_policy or MediaPolicy()
         self.model_names = model_names
         self.model_aliases = set(model_aliases or []) - set(model_names)
         self.chat_template = chat_template
@@ -382,7 +385,7 @@ class OpenAIServing:
             raise OpenAIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         self._check_num_choices(req.n)
         self._check_prompt_chars(_conversation_chars(req), "messages", req.truncate_prompt_tokens is not None)
-        text = await self._render_chat(req)
+        text, images = await self._render_chat(req)
         self._check_prompt_chars(len(text), "messages", req.truncate_prompt_tokens is not None)   # tools, a template
         ids = self._truncate_and_check(await self._off_loop(self._tokenize, text, req.add_special_tokens,
                                                             "messages"), req, "messages")
@@ -392,7 +395,8 @@ class OpenAIServing:
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"))
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            streams = await self._add_all(rid, [(text, ids)], [params])
+            streams = await self._add_all(rid, [(text, ids)], [params],
+                                          {"image": images} if images else None)
         except HayabusaValidationError as e:
             if e.parameter == "prompt":
                 e.parameter = "messages"
@@ -407,9 +411,11 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
         return {**header, "choices": choices, "usage": self._usage([out]), "system_fingerprint": None}
 
-    async def _render_chat(self, req: ChatCompletionRequest) -> str:
+    async def _render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[Any]]:
         """The conversation as prompt text, rendered exactly as LLM.chat renders it (chat_utils.render_chat), on a
-        preprocessing thread; a request's own template (when trusted) on a thread of its own, under a time limit."""
+        preprocessing thread; a request's own template (when trusted) on a thread of its own, under a time limit.
+        Images in the messages are decoded (or fetched, when the media policy allows) on a preprocessing thread
+        first; returns (text, images)."""
         template = self.chat_template
         if req.chat_template is not None:
             if not self.trust_request_chat_template:
@@ -429,6 +435,7 @@ class OpenAIServing:
             d = m.model_dump(exclude_none=True)
             d.setdefault("content", None)
             messages.append(d)
+        messages, images = await self._off_loop(extract_images, messages, self.media_policy)
 
         def render() -> str:
             return render_chat(self.tokenizer, messages, chat_template=template,
@@ -438,9 +445,13 @@ class OpenAIServing:
 
         try:
             if req.chat_template is None:
-                return await self._off_loop(render)
-            limit = self.request_chat_template_time_limit
-            return await run_with_time_limit(render, limit)
+                text = await self._off_loop(render)
+            else:
+                limit = self.request_chat_template_time_limit
+                text = await run_with_time_limit(render, limit)
+            if images:
+                check_placeholders(text, len(images))
+            return text, images
         except TimeLimitExceeded:
             raise OpenAIError(400, f"chat_template took longer than {limit:g} s to render.",
                               param="chat_template") from None
@@ -577,12 +588,16 @@ class OpenAIServing:
             structured_outputs=structured_outputs_of(req))
 
     async def _add_all(self, rid: str, prompts: list[tuple[str | None, list[int]]],
-                       params: list[SamplingParams]) -> list[RequestStream]:
-        """Add one engine request per prompt; if one is refused, the others are aborted and the error raised."""
+                       params: list[SamplingParams], multi_modal_data: dict[str, Any] | None = None
+                       ) -> list[RequestStream]:
+        """Add one engine request per prompt; if one is refused, the others are aborted and the error raised.
+        ``multi_modal_data`` (a chat's images) goes with every prompt."""
         streams: list[RequestStream] = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+                if multi_modal_data:
+                    prompt["multi_modal_data"] = multi_modal_data
                 sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
                 try:
                     streams.append(await self.engine.add_request(sub_id, prompt, sp))
