@@ -165,7 +165,8 @@ class SamplingParams:
         max_tokens: maximum generated tokens per completion (None = up to max_model_len). Default 16.
         min_tokens: EOS and stop_token_ids are suppressed until this many tokens were generated.
         logprobs: number of top logprobs to return per generated token (the sampled token is always included).
-        prompt_logprobs: accepted for compatibility; only None is supported.
+        prompt_logprobs: number of top logprobs to return per prompt token (the actual token is always
+            included; the first prompt token has none). Such a request takes no prefix-cache hit.
         detokenize: produce text; False returns token ids only.
         skip_special_tokens: drop special tokens from the text.
         spaces_between_special_tokens: passed to the tokenizer when decoding.
@@ -298,8 +299,8 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise _bad("logprobs", self.logprobs, "must be a non-negative integer")
-        if self.prompt_logprobs is not None:
-            raise _bad("prompt_logprobs", self.prompt_logprobs, "is not supported yet; pass None")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise _bad("prompt_logprobs", self.prompt_logprobs, "must be a non-negative integer")
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # torch.Generator.manual_seed's range
             raise _bad("seed", self.seed, "must be in [-2**63, 2**64 - 1]")
         if any(s == "" for s in self.stop):

@@ -258,7 +258,9 @@ class Scheduler:
                 if not ready:
                     skipped.append(self.waiting.popleft())
                     continue
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req)    # num_computed_tokens is 0 here
+            # a cached block has no logits: a prompt_logprobs request recomputes its whole prompt (as vLLM does)
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req) \
+                if req.sampling_params.prompt_logprobs is None else ([], 0)    # num_computed_tokens is 0 here
             num_new = min(req.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)
             if new_blocks is None:

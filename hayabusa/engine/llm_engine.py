@@ -362,7 +362,7 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)   # [(request, new ids)]
         self.stats["num_steps"] += 1
         self.stats["num_generation_tokens"] += sum(len(new_ids) for _, new_ids in updates)
-        outputs, stop_hits = self.output_processor.process(updates, result.logprobs)
+        outputs, stop_hits = self.output_processor.process(updates, result.logprobs, result.prompt_logprobs)
         if stop_hits:
             self._finish_children(stop_hits, RequestStatus.FINISHED_STOPPED)
         return outputs
