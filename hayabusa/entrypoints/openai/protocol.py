@@ -21,7 +21,7 @@ MAX_LOGPROBS = 20
 # absent, null or one of these is accepted; anything else is a 400 naming the field (serving.py). Kept out of the
 # models, so they arrive in ``model_extra``; ``logit_bias`` is modelled and refused by SamplingParams.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (),
+    "prompt_logprobs": (),          # on chat; /v1/completions models it
     "allowed_token_ids": (),
     "bad_words": ([],),
     "use_beam_search": (False,),
@@ -92,6 +92,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
 
 class ContentPart(OpenAIBaseModel):

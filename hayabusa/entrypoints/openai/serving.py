@@ -257,16 +257,18 @@ class OpenAIServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.",
                               param="logprobs")
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs needs prompt logprobs, which are not supported.",
-                              param="echo")
+        prompt_lp = self._completion_prompt_logprobs(req)
+        # vLLM: echo with max_tokens=0 scores the prompt alone (one token is generated and dropped)
+        echo_only = bool(req.echo) and req.max_tokens == 0
         prompts = await self._completion_prompts(req)
         self._check_num_choices(req.n * len(prompts))
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         params = []
         for i, (_, ids) in enumerate(prompts):
             try:
-                params.append(self._sampling_params(req, len(ids), req.max_tokens, req.logprobs))
+                params.append(self._sampling_params(req, len(ids), 1 if echo_only else req.max_tokens,
+                                                    req.logprobs))
+                params[-1].prompt_logprobs = prompt_lp
             except OpenAIError as e:
                 if len(prompts) > 1:
                     e.message = f"prompt[{i}]: {e.message}"    # which prompt of the request's list
@@ -280,9 +282,14 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
-                lp = None if req.logprobs is None else self._completion_logprobs(c.logprobs or [], 0)
-                choices.append({"index": i * req.n + c.index, "text": echo_texts[i] + c.text, "logprobs": lp,
+                text, entries = ("", []) if echo_only else (c.text, c.logprobs or [])
+                lp = None
+                if req.logprobs is not None:
+                    lp = self._echo_logprobs(out, entries) if req.echo else self._completion_logprobs(entries, 0)
+                choices.append({"index": i * req.n + c.index, "text": echo_texts[i] + text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if req.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         return {**header, "choices": choices, "usage": self._usage(outs), "system_fingerprint": None}
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -652,6 +659,34 @@ class OpenAIServing:
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def _completion_prompt_logprobs(self, req: CompletionRequest) -> int | None:
+        """The prompt logprobs a completion request needs: ``prompt_logprobs`` (vLLM), or ``logprobs`` with
+        ``echo`` (the echoed prompt's tokens carry logprobs, OpenAI's legacy shape)."""
+        k = req.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}.",
+                              param="prompt_logprobs")
+        if req.max_tokens == 0 and not req.echo:
+            raise OpenAIError(400, "max_tokens must be at least 1, got 0 (0 is allowed only with echo).",
+                              param="max_tokens")
+        if req.echo and req.logprobs is not None:
+            if req.stream:
+                raise OpenAIError(400, "echo with logprobs is not supported yet when streaming; use stream=false.",
+                                  param="echo")
+            k = max(k or 0, req.logprobs)
+        return k
+
+    def _echo_logprobs(self, out: RequestOutput, entries: list[dict[int, Logprob]]) -> dict[str, Any]:
+        """Legacy completions logprobs of the echoed prompt then the output: the first prompt token has
+        ``null`` logprob and top_logprobs (nothing predicts it)."""
+        first = out.prompt_token_ids[0]
+        first_text = self.tokenizer.decode([first]) if self.tokenizer is not None else f"token_id:{first}"
+        body = self._completion_logprobs(list(out.prompt_logprobs[1:]) + list(entries), len(first_text))
+        for key, value in (("tokens", first_text), ("token_logprobs", None), ("top_logprobs", None),
+                           ("text_offset", 0)):
+            body[key].insert(0, value)
+        return body
+
     @staticmethod
     def _completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> dict[str, Any]:
         """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (one per token)."""
@@ -677,6 +712,16 @@ class OpenAIServing:
             (tid, sampled), *_ = entry.items()
             content.append({**one(tid, sampled), "top_logprobs": [one(t, p) for t, p in _ranked(entry)[:k]]})
         return content
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token null or {token id: {logprob, rank,
+    decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _clamp(p.logprob), "rank": p.rank,
+                                             "decoded_token": p.decoded_token} for t, p in e.items()}
+            for e in entries]
 
 
 def _longest_token_chars(tokenizer: Any) -> int:

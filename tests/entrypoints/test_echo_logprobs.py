@@ -1,0 +1,68 @@
+"""/v1/completions with echo and logprobs (what lm-eval's loglikelihood requests send): the prompt's tokens come
+back with their logprobs in OpenAI's legacy shape, equal to HF's float32 log-softmax; max_tokens=0 with echo."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.entrypoints.conftest import Served
+from tests.helpers import _hf_model
+
+
+@pytest.fixture(scope="module")
+def stories_server(stories_dir):
+    s = Served(stories_dir, "stories", dtype="float32", max_model_len=256, max_num_seqs=8)
+    yield s
+    s.close()
+
+
+def _post(s, body):
+    return httpx.post(s.url + "/v1/completions", json={"model": s.name, **body}, headers=s.headers(), timeout=60)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_logprobs_equal_hf(stories_server, stories_dir, max_tokens):
+    s = stories_server
+    ids = s.tokenizer("Once upon a time there was a little dog").input_ids
+    r = _post(s, {"prompt": ids, "max_tokens": max_tokens, "echo": True, "logprobs": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    n = len(ids) + max_tokens
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    with torch.no_grad():
+        ref = torch.log_softmax(_hf_model(stories_dir)(torch.tensor([ids])).logits[0].float(), -1)
+    for p in range(1, len(ids)):
+        assert lp["token_logprobs"][p] == pytest.approx(float(ref[p - 1, ids[p]]), abs=1e-4)
+        assert lp["tokens"][p] == s.tokenizer.decode([ids[p]]) or lp["tokens"][p].strip() == \
+            s.tokenizer.decode([ids[p]]).strip()
+        top = sorted(lp["top_logprobs"][p].values(), reverse=True)
+        assert top[0] == pytest.approx(float(ref[p - 1].max()), abs=1e-4)
+        assert 2 <= len(lp["top_logprobs"][p]) <= 3
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    if max_tokens == 0:
+        assert choice["text"] == s.tokenizer.decode(ids)
+    else:   # the output token follows, greedy: HF's argmax after the prompt
+        assert lp["token_logprobs"][-1] == pytest.approx(float(ref[-1].max()), abs=1e-4)
+
+
+def test_prompt_logprobs_field(stories_server):
+    s = stories_server
+    ids = s.tokenizer("The cat sat").input_ids
+    r = _post(s, {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert all(str(ids[p]) in plp[p] for p in range(1, len(ids)))
+
+
+@pytest.mark.parametrize("body,param", [({"max_tokens": 0}, "max_tokens"),
+                                        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                                        ({"echo": True, "logprobs": 1, "stream": True}, "echo")])
+def test_echo_bad_requests_are_400(stories_server, body, param):
+    r = _post(stories_server, {"prompt": "hi", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
