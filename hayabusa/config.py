@@ -66,6 +66,8 @@ IGNORED_ARGS: dict[str, str] = {
     "disable_custom_all_reduce": "there is no all-reduce: tensor_parallel_size is 1",
     "compilation_config": "hayabusa does not use torch.compile; CUDA graphs are set by enforce_eager and "
                           "cuda_graph_sizes",
+    "num_scheduler_steps": "every step is scheduled (async scheduling overlaps the host's work instead)",
+    "reasoning_parser": "the offline engine returns the whole text; reasoning is not split out",
 }
 
 # EngineArgs fields that are not command-line flags: each command names the model its own way (positional or
@@ -154,6 +156,7 @@ class EngineArgs:
             default: the checkpoint's quantization_config, if any. See hayabusa/quantization/.
         async_scheduling: schedule and launch step N+1 before step N's tokens are back, so host work overlaps
             the GPU (vLLM's async scheduling). Default: on for CUDA, off on CPU (nothing to overlap there).
+        num_scheduler_steps, reasoning_parser: accepted for vLLM compatibility and ignored (IGNORED_ARGS).
     """
 
     model: str = ""
@@ -191,11 +194,17 @@ class EngineArgs:
     compilation_config: Any = None
     async_scheduling: bool | None = None
     max_logprobs: int = 20
+    num_scheduler_steps: int = 1
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
         """Build from keyword arguments; an unknown name raises HayabusaValidationError naming it."""
+        from hayabusa.compat import pop_unsupported_engine_args
+
         names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = dict(kwargs)
+        pop_unsupported_engine_args(kwargs)     # vLLM features not here yet: "not supported yet", not "unknown"
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise HayabusaValidationError(

@@ -257,6 +257,17 @@ class LLMEngine:
         if orphans:
             self.scheduler.finish_requests(orphans, RequestStatus.FINISHED_ABORTED)
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Encode prompts and decode outputs with ``tokenizer`` from now on (requests in flight keep theirs)."""
+        self.tokenizer = tokenizer
+        self.input_processor.tokenizer = tokenizer
+        self.output_processor.tokenizer = tokenizer
+        # grammars compile against the tokenizer's vocabulary: a fresh manager for the new one
+        self.structured_output = StructuredOutputManager(tokenizer, self.config.model_config.vocab_size)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Returns False (nothing done) while requests are running."""
         return self.kv_cache_manager.reset_prefix_cache()
