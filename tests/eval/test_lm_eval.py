@@ -6,18 +6,13 @@ the same token sequences. Slow tier; skips when lm_eval is not installed (``pip 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from hayabusa.assets import demo_model_dir
+from tests.entrypoints.test_serve_demo import serve_demo
 from tests.helpers import _hf_model
 
 TASKS = Path(__file__).parent / "lmeval_tasks"
@@ -26,43 +21,15 @@ LIMIT = 6
 pytestmark = pytest.mark.slow
 
 
-def _lm_eval():
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"lm_eval is not importable ({e}); pip install 'hayabusa[lmeval]' to run this test")
-    import lm_eval.evaluator
-    import lm_eval.tasks
-    return lm_eval
+lm_eval = pytest.importorskip(
+    "lm_eval", reason="lm_eval is not importable; pip install 'hayabusa[lmeval]' to run this test")
 
 
 @pytest.fixture(scope="module")
 def served_demo():
-    pytest.importorskip("uvicorn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "hayabusa.entrypoints.cli", "serve", demo_model_dir(), "--port", str(port),
-           "--served-model-name", "stories", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
-           "--disable-log-requests", "--disable-uvicorn-access-log"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            cwd=Path(__file__).parents[2])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            time.sleep(0.2)
+    """`hayabusa serve` with no model: the bundled demo model, in float32 (HF's reference precision)."""
+    with serve_demo("--served-model-name", "stories", "--dtype", "float32") as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 def _tasks_dir(tmp_path: Path) -> Path:
@@ -86,7 +53,9 @@ def _hf_loglikelihood(model, tok, context: str, continuation: str) -> float:
 
 
 def test_lm_eval_local_completions(served_demo, tmp_path):
-    lm_eval = _lm_eval()
+    import lm_eval.evaluator
+    import lm_eval.tasks
+
     manager = lm_eval.tasks.TaskManager(include_path=str(_tasks_dir(tmp_path)))
     model_args = (f"model=stories,base_url={served_demo}/v1/completions,tokenizer={demo_model_dir()},"
                   "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,batch_size=4")
@@ -99,13 +68,13 @@ def test_lm_eval_local_completions(served_demo, tmp_path):
     assert all(isinstance(s["resps"][0][0], str) for s in gen_samples)      # generations came back
     assert "exact_match,none" in results["results"]["hayabusa_stories_gen"]
 
-    model, tok = _hf_model(demo_model_dir()), None
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(demo_model_dir())
+
+    model, tok = _hf_model(demo_model_dir()), AutoTokenizer.from_pretrained(demo_model_dir())
     correct = 0
     for s in mc_samples:
         ours = [r[0][0] for r in s["resps"]]
-        ref = [_hf_loglikelihood(model, tok, *a) for a in (x for x in s["arguments"])]
+        ref = [_hf_loglikelihood(model, tok, *a) for a in s["arguments"]]
         assert ours == pytest.approx(ref, abs=1e-3), s["doc"]
         correct += int(max(range(len(ref)), key=ref.__getitem__) == s["target"])
     acc = results["results"]["hayabusa_stories_mc"]["acc,none"]
