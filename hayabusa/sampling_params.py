@@ -352,3 +352,41 @@ def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
 
 
 SamplingParams.__init__ = _init  # type: ignore[method-assign]
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (vLLM's ``BeamSearchParams``), for ``LLM.beam_search``.
+
+    Args:
+        beam_width: beams kept per prompt (k); each step expands every beam by its top 2k tokens.
+        max_tokens: most tokens generated per beam.
+        ignore_eos: EOS does not end a beam.
+        temperature: accepted for compatibility; beams are ranked by the model's raw logprobs (as HF's
+            ``do_sample=False`` beam search), so it changes nothing.
+        length_penalty: a finished beam's score is its summed logprob / (generated tokens ** length_penalty).
+        include_stop_str_in_output: accepted for compatibility (beam search has no stop strings).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise _bad_type(name, v, "must be an integer")
+            if v < 1:
+                raise _bad(name, v, "must be at least 1")
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise _bad_type(name, v, "must be a finite number")
+        if self.temperature < 0:
+            raise _bad("temperature", self.temperature, "must be non-negative")
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad_type("ignore_eos", self.ignore_eos, "must be a bool (True or False)")

@@ -62,6 +62,18 @@ class LLM:
         """Forget every cached prefix (vLLM's LLM.reset_prefix_cache). Returns False while requests run."""
         return self.llm_engine.reset_prefix_cache()
 
+    def beam_search(self, prompts: Any, params: Any, lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[Any]:
+        """Beam search for each prompt (vLLM's LLM.beam_search): a ``BeamSearchParams`` -> one
+        ``BeamSearchOutput`` per prompt whose ``sequences`` are the beam_width best beams, best first. Ranking as
+        HF's ``generate(num_beams=k, do_sample=False)``; see hayabusa/beam_search.py."""
+        from hayabusa.beam_search import beam_search
+
+        if lora_request is not None:
+            raise HayabusaValidationError("beam_search() got a lora_request, but LoRA adapters are not supported.",
+                                          parameter="lora_request", value=lora_request)
+        return beam_search(self, prompts, params)
+
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None,
