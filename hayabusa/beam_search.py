@@ -21,14 +21,11 @@ beam running until max_tokens); the outputs here equal HF's, which is what the f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.outputs import Logprob
 from hayabusa.sampling_params import BeamSearchParams, SamplingParams
-
-if TYPE_CHECKING:
-    from hayabusa.entrypoints.llm import LLM
 
 
 @dataclass
@@ -72,44 +69,110 @@ class _PromptBeams:
     done: bool = False
 
 
-def beam_search(llm: "LLM", prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Run beam search for every prompt (str, ``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``).
+class BeamSearcher:
+    """The search state of a batch of prompts, independent of how a step's requests are run (``LLM`` or the
+    async engine): ``pending()`` gives the beams to expand, ``advance()`` takes their top-2k logprobs.
+
+    Args:
+        prompt_ids: each prompt's token ids.
+        params: the search settings.
+        eos_token_ids: the ids that end a beam (ignored with ``ignore_eos``).
+        max_model_len: a beam also ends when it fills the context.
+    """
+
+    def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams, eos_token_ids: Sequence[int],
+                 max_model_len: int) -> None:
+        self.params = params
+        self.k = params.beam_width
+        self.eos = set() if params.ignore_eos else set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.states = [_PromptBeams(len(ids), [BeamSearchSequence(list(ids))]) for ids in prompt_ids]
+        self.step = 0
+        # one engine request per beam: its tokens as the prompt, one token, the top 2k logprobs
+        self.step_params = SamplingParams(max_tokens=1, logprobs=2 * self.k, temperature=0.0, ignore_eos=True,
+                                          detokenize=False)
+
+    def pending(self) -> list[list[int]]:
+        """Token ids of every beam to expand this step (empty when the search is over)."""
+        if self.step >= self.params.max_tokens:
+            return []
+        return [b.tokens for s in self.states if not s.done for b in s.running]
+
+    def advance(self, dists: list[dict[int, Logprob]]) -> None:
+        """Take the next-token logprobs of the ``pending()`` beams, in that order."""
+        it = iter(dists)
+        for s in self.states:
+            if s.done:
+                continue
+            last = self.step + 1 == self.params.max_tokens or s.prompt_len + self.step + 1 >= self.max_model_len
+            _advance(s, [next(it) for _ in s.running], self.k, self.eos, last, self.params.length_penalty,
+                     self.step + 1)
+        self.step += 1
+
+    def outputs(self, tokenizer: Any) -> list[BeamSearchOutput]:
+        return [_finish(tokenizer, s, self.k) for s in self.states]
+
+
+def check_beam_search(params: Any, max_logprobs: int) -> None:
+    """Raises HayabusaValidationError: not a BeamSearchParams, or 2 x beam_width above max_logprobs."""
+    if not isinstance(params, BeamSearchParams):
+        raise HayabusaValidationError("params must be a BeamSearchParams.", parameter="params",
+                                      value=type(params).__name__)
+    k = params.beam_width
+    if 2 * k > max_logprobs:
+        raise HayabusaValidationError(
+            f"beam_width={k} needs the top {2 * k} logprobs per step, more than max_logprobs={max_logprobs}; "
+            "raise the engine argument max_logprobs.", parameter="beam_width", value=k)
+
+
+def beam_search(llm: Any, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Run beam search with ``llm`` (an ``LLM``) for every prompt (str, ``{"prompt": ...}`` or
+    ``{"prompt_token_ids": [...]}``).
 
     Raises:
         HayabusaValidationError: bad params or prompt; 2 x beam_width above the engine's max_logprobs.
     """
-    if not isinstance(params, BeamSearchParams):
-        raise HayabusaValidationError("params must be a BeamSearchParams.", parameter="params",
-                                      value=type(params).__name__)
     engine = llm.llm_engine
     mc = engine.config.model_config
-    k = params.beam_width
-    if 2 * k > mc.max_logprobs:
-        raise HayabusaValidationError(
-            f"beam_width={k} needs the top {2 * k} logprobs per step, more than max_logprobs={mc.max_logprobs}; "
-            "raise the engine argument max_logprobs.", parameter="beam_width", value=k)
+    check_beam_search(params, mc.max_logprobs)
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     probe = SamplingParams(max_tokens=1)
-    states = []
-    for p in prompts:
-        _, ids = engine.input_processor.process(p, probe)
-        states.append(_PromptBeams(len(ids), [BeamSearchSequence(list(ids))]))
-    eos = set() if params.ignore_eos else set(mc.eos_token_ids)
-    step_params = SamplingParams(max_tokens=1, logprobs=2 * k, temperature=0.0, ignore_eos=True,
-                                 detokenize=False)
-    for step in range(params.max_tokens):
-        live = [s for s in states if not s.done]
-        if not live:
+    ids = [engine.input_processor.process(p, probe)[1] for p in prompts]
+    search = BeamSearcher(ids, params, mc.eos_token_ids, mc.max_model_len)
+    while True:
+        beams = search.pending()
+        if not beams:
             break
-        beams = [b for s in live for b in s.running]
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for b in beams], step_params, use_tqdm=False)
-        it = iter(outs)
-        for s in live:
-            last = step + 1 == params.max_tokens or s.prompt_len + step + 1 >= mc.max_model_len
-            _advance(s, [next(it).outputs[0].logprobs[0] for _ in s.running], k, eos, last,
-                     params.length_penalty, step + 1)
-    return [_finish(llm, s, k) for s in states]
+        outs = llm.generate([{"prompt_token_ids": b} for b in beams], search.step_params, use_tqdm=False)
+        search.advance([o.outputs[0].logprobs[0] for o in outs])
+    return search.outputs(llm.get_tokenizer())
+
+
+async def beam_search_async(engine: Any, prompt_ids: list[list[int]], params: BeamSearchParams,
+                            request_id: str) -> list[BeamSearchOutput]:
+    """Beam search on an ``AsyncLLMEngine`` (the server's ``use_beam_search``): each step's beams run as
+    concurrent requests ``{request_id}-beam-{step}-{i}``."""
+    import asyncio
+
+    mc = engine.engine.config.model_config
+    check_beam_search(params, mc.max_logprobs)
+    search = BeamSearcher(prompt_ids, params, mc.eos_token_ids, mc.max_model_len)
+
+    async def one(tokens: list[int], rid: str) -> dict[int, Logprob]:
+        out = None
+        async for out in engine.generate({"prompt_token_ids": tokens}, search.step_params, rid):
+            pass
+        return out.outputs[0].logprobs[0]
+
+    while True:
+        beams = search.pending()
+        if not beams:
+            break
+        step = search.step
+        search.advance(await asyncio.gather(*[one(b, f"{request_id}-beam-{step}-{i}")
+                                              for i, b in enumerate(beams)]))
+    return search.outputs(engine.engine.tokenizer)
 
 
 def _advance(s: _PromptBeams, dists: list[dict[int, Logprob]], k: int, eos: set[int], last: bool,
@@ -141,8 +204,7 @@ def _advance(s: _PromptBeams, dists: list[dict[int, Logprob]], k: int, eos: set[
     s.done = last or not s.open or not running
 
 
-def _finish(llm: "LLM", s: _PromptBeams, k: int) -> BeamSearchOutput:
-    tok = llm.get_tokenizer()
+def _finish(tok: Any, s: _PromptBeams, k: int) -> BeamSearchOutput:
     best = s.finished if s.finished else s.running
     for b in best:
         if tok is not None:

@@ -66,3 +66,25 @@ def test_echo_bad_requests_are_400(stories_server, body, param):
     r = _post(stories_server, {"prompt": "hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_use_beam_search_equals_llm_beam_search(stories_server, stories_dir):
+    """/v1/completions with use_beam_search: the n best beams (vLLM: beam width = n), as LLM.beam_search."""
+    from hayabusa import LLM
+    from hayabusa.sampling_params import BeamSearchParams
+
+    s = stories_server
+    prompts = ["Once upon a time", "The dog"]
+    r = _post(s, {"prompt": prompts, "max_tokens": 8, "n": 3, "use_beam_search": True, "length_penalty": 0.5})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    llm = LLM(stories_dir, dtype="float32", max_model_len=256)
+    outs = llm.beam_search(prompts, BeamSearchParams(3, 8, length_penalty=0.5))
+    tok = llm.get_tokenizer()
+    want = [tok.decode(seq.tokens[len(tok(p).input_ids):], skip_special_tokens=True)
+            for p, o in zip(prompts, outs) for seq in o.sequences]
+    assert [c["text"] for c in choices] == want
+    assert r.json()["usage"]["completion_tokens"] == sum(len(seq.tokens) - len(tok(p).input_ids)
+                                                        for p, o in zip(prompts, outs) for seq in o.sequences)
+    bad = _post(s, {"prompt": "hi", "n": 2, "use_beam_search": True, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"

@@ -24,7 +24,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (),          # on chat; /v1/completions models it
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "use_beam_search": (False,),
+    "use_beam_search": (False,),   # on chat; /v1/completions models it
     "length_penalty": (1.0,),
     "logits_processors": (),
     # OpenAI's legacy function calling (superseded by tools / tool_choice)
@@ -93,6 +93,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     add_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class ContentPart(OpenAIBaseModel):

@@ -257,6 +257,8 @@ class OpenAIServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.",
                               param="logprobs")
+        if req.use_beam_search:
+            return await self._beam_search_completion(req, model)
         prompt_lp = self._completion_prompt_logprobs(req)
         # vLLM: echo with max_tokens=0 scores the prompt alone (one token is generated and dropped)
         echo_only = bool(req.echo) and req.max_tokens == 0
@@ -658,6 +660,39 @@ class OpenAIServing:
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def _beam_search_completion(self, req: CompletionRequest, model: str) -> dict[str, Any]:
+        """``use_beam_search``: the ``n`` best beams of each prompt as its choices (vLLM: beam width = n)."""
+        from hayabusa.beam_search import beam_search_async
+        from hayabusa.sampling_params import BeamSearchParams
+
+        for name, bad in (("stream", req.stream), ("logprobs", req.logprobs is not None), ("echo", req.echo),
+                          ("prompt_logprobs", req.prompt_logprobs is not None)):
+            if bad:
+                raise OpenAIError(400, f"{name} with use_beam_search is not supported yet.", param=name)
+        prompts = await self._completion_prompts(req)
+        self._check_num_choices(req.n * len(prompts))
+        left = min(self.max_model_len - len(ids) for _, ids in prompts)
+        max_tokens = left if req.max_tokens is None else req.max_tokens
+        self._sampling_params(req, max(len(ids) for _, ids in prompts), max_tokens, None)   # the usual checks
+        params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                  temperature=req.temperature or 0.0, length_penalty=req.length_penalty)
+        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        outs = await beam_search_async(self.engine, [ids for _, ids in prompts], params, rid)
+        choices, completion_tokens = [], 0
+        for i, ((_, ids), out) in enumerate(zip(prompts, outs)):
+            for j, seq in enumerate(out.sequences[:req.n]):
+                gen = seq.tokens[len(ids):]
+                completion_tokens += len(gen)
+                text = self.tokenizer.decode(gen, skip_special_tokens=req.skip_special_tokens) \
+                    if self.tokenizer is not None else ""
+                choices.append({"index": i * req.n + j, "text": text, "logprobs": None,
+                                "finish_reason": seq.finish_reason, "stop_reason": None})
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "system_fingerprint": None,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
 
     def _completion_prompt_logprobs(self, req: CompletionRequest) -> int | None:
         """The prompt logprobs a completion request needs: ``prompt_logprobs`` (vLLM), or ``logprobs`` with
