@@ -3,6 +3,8 @@ back with their logprobs in OpenAI's legacy shape, equal to HF's float32 log-sof
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -61,7 +63,7 @@ def test_prompt_logprobs_field(stories_server):
 
 @pytest.mark.parametrize("body,param", [({"max_tokens": 0}, "max_tokens"),
                                         ({"prompt_logprobs": 21}, "prompt_logprobs"),
-                                        ({"echo": True, "logprobs": 1, "stream": True}, "echo")])
+                                        ({"echo": True, "max_tokens": -1}, "max_tokens")])
 def test_echo_bad_requests_are_400(stories_server, body, param):
     r = _post(stories_server, {"prompt": "hi", **body})
     assert r.status_code == 400, r.text
@@ -88,3 +90,24 @@ def test_use_beam_search_equals_llm_beam_search(stories_server, stories_dir):
                                                         for p, o in zip(prompts, outs) for seq in o.sequences)
     bad = _post(s, {"prompt": "hi", "n": 2, "use_beam_search": True, "stream": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_logprobs_stream_equals_non_stream(stories_server, max_tokens):
+    s = stories_server
+    body = {"prompt": "Once upon a time there was", "max_tokens": max_tokens, "echo": True, "logprobs": 1,
+            "temperature": 0}
+    whole = _post(s, body).json()["choices"][0]
+    text, lp = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    with httpx.stream("POST", s.url + "/v1/completions", json={"model": s.name, **body, "stream": True},
+                      headers=s.headers(), timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                text += c["text"]
+                for key in lp:
+                    lp[key] += c["logprobs"][key]
+    assert text == whole["text"]
+    assert lp == whole["logprobs"]

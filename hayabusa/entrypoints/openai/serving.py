@@ -334,6 +334,9 @@ class OpenAIServing:
         sent_ids: dict[tuple[int, int], int] = {}
         last: dict[int, RequestOutput] = {}
 
+        echo_only = bool(req.echo) and req.max_tokens == 0   # the prompt alone: the generated token is dropped
+        echo_chars: dict[int, int] = {}     # echo with logprobs: the prompt tokens' characters (text_offset base)
+
         def chunks(pi: int, out: RequestOutput) -> bytes:
             """The SSE events of one output: one per choice with new tokens, or that finished, or to echo."""
             last[pi] = out
@@ -347,9 +350,16 @@ class OpenAIServing:
                 if n_ids < 0 or not (n_tok > n_ids or finish_reason or echo):
                     continue                      # finished already, or nothing new for this choice
                 n_text = sent_text.get(key, 0)
-                text = c.text
-                lp = "null" if req.logprobs is None else json.dumps(self._completion_logprobs(
-                    (c.logprobs or [])[n_ids:], n_text), ensure_ascii=False)
+                text = "" if echo_only else c.text
+                entries = [] if echo_only else (c.logprobs or [])[n_ids:]
+                if req.logprobs is None:
+                    lp = "null"
+                elif echo:      # the first event: the prompt's tokens and logprobs, then the output's so far
+                    lp = json.dumps(self._echo_logprobs(out, entries), ensure_ascii=False)
+                    echo_chars[pi] = self._prompt_chars(out)
+                else:
+                    lp = json.dumps(self._completion_logprobs(entries, n_text + echo_chars.get(pi, 0)),
+                                    ensure_ascii=False)
                 sent_text[key] = len(text)
                 sent_ids[key] = -1 if finish_reason is not None else n_tok
                 usage = f', "usage": {json.dumps(self._usage([out]))}' if continuous_usage else ""
@@ -705,17 +715,23 @@ class OpenAIServing:
             raise OpenAIError(400, "max_tokens must be at least 1, got 0 (0 is allowed only with echo).",
                               param="max_tokens")
         if req.echo and req.logprobs is not None:
-            if req.stream:
-                raise OpenAIError(400, "echo with logprobs is not supported yet when streaming; use stream=false.",
-                                  param="echo")
             k = max(k or 0, req.logprobs)
         return k
 
+    def _first_token_text(self, out: RequestOutput) -> str:
+        first = out.prompt_token_ids[0]
+        return self.tokenizer.decode([first]) if self.tokenizer is not None else f"token_id:{first}"
+
+    def _prompt_chars(self, out: RequestOutput) -> int:
+        """Characters of the prompt's tokens as the echoed logprobs list them (text_offset of the first output)."""
+        return len(self._first_token_text(out)) + sum(
+            len(next(iter(e.values())).decoded_token or "") for e in out.prompt_logprobs[1:])
+
     def _echo_logprobs(self, out: RequestOutput, entries: list[dict[int, Logprob]]) -> dict[str, Any]:
         """Legacy completions logprobs of the echoed prompt then the output: the first prompt token has
-        ``null`` logprob and top_logprobs (nothing predicts it)."""
-        first = out.prompt_token_ids[0]
-        first_text = self.tokenizer.decode([first]) if self.tokenizer is not None else f"token_id:{first}"
+        ``null`` logprob and top_logprobs (nothing predicts it). text_offset counts each token's text from the
+        first prompt token on (vLLM's rule)."""
+        first_text = self._first_token_text(out)
         body = self._completion_logprobs(list(out.prompt_logprobs[1:]) + list(entries), len(first_text))
         for key, value in (("tokens", first_text), ("token_logprobs", None), ("top_logprobs", None),
                            ("text_offset", 0)):
