@@ -27,8 +27,8 @@ from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
 from hayabusa.worker.input_batch import CachedRequestState, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
-from hayabusa.worker.prompt_logprobs import (PromptLogprobsPending, PromptLogprobsPlan, compute_prompt_logprobs,
-                                             plan_prompt_logprobs)
+from hayabusa.worker.prompt_logprobs import (CHUNK_ROWS, PromptLogprobsPending, PromptLogprobsPlan,
+                                             compute_prompt_logprobs, plan_prompt_logprobs)
 from hayabusa.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -479,7 +479,8 @@ class ModelRunner:
         ctx = ForwardContext(buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend)
         hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)           # [T, hidden]
         if inp.prompt_logprobs is not None:
-            inp.prompt_logprobs_out = compute_prompt_logprobs(hidden, inp.prompt_logprobs, self.model.compute_logits)
+            inp.prompt_logprobs_out = compute_prompt_logprobs(hidden, inp.prompt_logprobs, self.model.compute_logits,
+                                                              min(CHUNK_ROWS, self.max_num_reqs))
         if len(inp.logits_indices) == 0:
             return hidden.new_empty(0, self.vocab_size)
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Prompt positions whose [rows, V] fp32 logits exist at once.
+# Most prompt positions whose [rows, V] fp32 logits exist at once. The runner passes min(CHUNK_ROWS, max_num_seqs):
+# the memory profile already holds the sampler's sort of [max_num_seqs, V] logits (values + int64 indices), which
+# is at least what a chunk takes (model-dtype and fp32 logits, fp32 logprobs, a bool mask).
 CHUNK_ROWS = 256
 
 
@@ -103,22 +105,25 @@ def plan_prompt_logprobs(req_ids: list[str], rows: np.ndarray, num_computed: np.
     return PromptLogprobsPlan(plan_ids, counts, np.concatenate(index), np.concatenate(targets), np.concatenate(ks))
 
 
-def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan, compute_logits) -> PromptLogprobsPending:
-    """Logprobs of the plan's positions from the step's hidden states [T, hidden], CHUNK_ROWS positions at a time.
+def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan, compute_logits,
+                            chunk_rows: int = CHUNK_ROWS) -> PromptLogprobsPending:
+    """Logprobs of the plan's positions from the step's hidden states [T, hidden], ``chunk_rows`` positions at a
+    time.
 
     Args:
         hidden: the step's hidden states.
         plan: which tokens and which targets.
         compute_logits: the model's hidden [N, hidden] -> logits [N, V].
+        chunk_rows: positions per chunk (bounds the [chunk_rows, V] fp32 logits alive at once).
     """
     device = hidden.device
     index = torch.from_numpy(plan.token_index).to(device, non_blocking=True)
     targets = torch.from_numpy(plan.target_ids).to(device, non_blocking=True)
     K = int(plan.num_logprobs.max())
     ids, vals, ranks = [], [], []
-    for s in range(0, len(plan.token_index), CHUNK_ROWS):
-        logprobs = torch.log_softmax(compute_logits(hidden[index[s:s + CHUNK_ROWS]]).float(), dim=-1)  # [n, V]
-        tgt = targets[s:s + CHUNK_ROWS, None]                                                          # [n, 1]
+    for s in range(0, len(plan.token_index), chunk_rows):
+        logprobs = torch.log_softmax(compute_logits(hidden[index[s:s + chunk_rows]]).float(), dim=-1)  # [n, V]
+        tgt = targets[s:s + chunk_rows, None]                                                          # [n, 1]
         actual = logprobs.gather(1, tgt)                                                               # [n, 1]
         ranks.append((logprobs > actual).sum(-1) + 1)
         if K > 0:
