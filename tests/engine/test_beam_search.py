@@ -32,7 +32,7 @@ def _hf_beams(model_dir, ids, k, max_new, length_penalty, eos):
 @pytest.mark.parametrize("k,length_penalty", [(2, 1.0), (3, 0.5), (4, 2.0)])
 def test_beam_search_equals_hf(arch, k, length_penalty, request):
     model_dir = request.getfixturevalue(arch)
-    llm = LLM(model_dir, dtype="float32", max_model_len=256)
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=128)
     tok = llm.get_tokenizer()
     prompts = ["Once upon a time, there was a", "The dog"]
     eos = llm.llm_engine.config.model_config.eos_token_ids[0]
@@ -53,7 +53,7 @@ def test_beam_search_equals_hf(arch, k, length_penalty, request):
 
 
 def test_beam_search_ignore_eos_runs_to_max_tokens(stories_dir):
-    llm = LLM(stories_dir, dtype="float32", max_model_len=256)
+    llm = LLM(stories_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=128)
     ids = llm.get_tokenizer()("Tom had a red ball. He").input_ids
     out = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=2, max_tokens=12,
                                                                         ignore_eos=True))[0]
@@ -67,7 +67,7 @@ def test_beam_search_params_are_checked(stories_dir):
     with pytest.raises(HayabusaValidationError) as e:
         BeamSearchParams(beam_width=0, max_tokens=4)
     assert e.value.parameter == "beam_width"
-    llm = LLM(stories_dir, max_logprobs=4)
+    llm = LLM(stories_dir, max_logprobs=4, num_gpu_blocks_override=64)
     with pytest.raises(HayabusaValidationError) as e:
         llm.beam_search(["Hi"], BeamSearchParams(beam_width=3, max_tokens=4))
     assert e.value.parameter == "beam_width"
@@ -82,10 +82,12 @@ def test_beam_search_with_finished_beams_equals_hf(stories_dir, tmp_path, length
 
     model = tmp_path / "m"
     shutil.copytree(stories_dir, model)
-    tok = LLM(stories_dir).get_tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stories_dir)
     period = tok.convert_tokens_to_ids(".")
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": period}))
-    llm = LLM(str(model), dtype="float32", max_model_len=256)
+    llm = LLM(str(model), dtype="float32", max_model_len=256, num_gpu_blocks_override=128)
     assert llm.llm_engine.config.model_config.eos_token_ids == (period,)
     finished = 0
     for p in ["Once upon a time, there was a", "Lily was sad. She", "The dog"]:

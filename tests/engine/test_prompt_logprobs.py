@@ -12,6 +12,7 @@ from tests.helpers import _hf_model
 
 K = 3
 TOL = 2e-4   # float32 on CPU; on CUDA the matmuls order their sums differently
+BLOCKS = 128  # a fixed KV size: on a GPU the engines of later tests must fit beside earlier ones
 
 
 def _hf_prompt_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
@@ -51,7 +52,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize("extra", [{}, {"max_num_batched_tokens": 7, "max_num_seqs": 4}], ids=["one_chunk", "chunked"])
 def test_prompt_logprobs_equal_hf(arch, extra, request):
     model_dir = request.getfixturevalue(arch)
-    llm = LLM(model_dir, dtype="float32", max_model_len=256, **extra)
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=BLOCKS, **extra)
     prompts = _prompts(llm)
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=K)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -62,7 +63,8 @@ def test_prompt_logprobs_equal_hf(arch, extra, request):
 def test_prompt_logprobs_with_prefix_cache_hit(stories_dir):
     """A prompt whose blocks are cached by an earlier request is recomputed for its prompt logprobs (a cached
     block has no logits); a request without prompt_logprobs still takes the hit."""
-    llm = LLM(stories_dir, dtype="float32", block_size=4, enable_prefix_caching=True, max_model_len=256)
+    llm = LLM(stories_dir, dtype="float32", block_size=4, enable_prefix_caching=True, max_model_len=256,
+              num_gpu_blocks_override=BLOCKS)
     kv = llm.llm_engine.kv_cache_manager
     ids = _prompts(llm)[0]
     llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)
@@ -78,7 +80,8 @@ def test_prompt_logprobs_with_prefix_cache_hit(stories_dir):
 def test_prompt_logprobs_n_and_mixed_batch(stories_dir):
     """n > 1 returns the prompt's logprobs once; requests without prompt_logprobs in the same batch get None,
     and their outputs do not change."""
-    llm = LLM(stories_dir, dtype="float32", max_num_batched_tokens=9, max_num_seqs=4, max_model_len=256)
+    llm = LLM(stories_dir, dtype="float32", max_num_batched_tokens=9, max_num_seqs=4, max_model_len=256,
+              num_gpu_blocks_override=BLOCKS)
     prompts = _prompts(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     want = [o.outputs[0].token_ids for o in
@@ -116,7 +119,8 @@ def test_prompt_logprobs_validation():
 
 def _mixed_run(model_dir: str, **kw):
     """Prompt-logprob requests arriving while others decode, their prompts split into chunks."""
-    llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4, **kw)
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4,
+              num_gpu_blocks_override=BLOCKS, **kw)
     prompts = _prompts(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=3),

@@ -15,7 +15,7 @@ from tests.helpers import _hf_model
 
 @pytest.fixture(scope="module")
 def stories_server(stories_dir):
-    s = Served(stories_dir, "stories", dtype="float32", max_model_len=256, max_num_seqs=8)
+    s = Served(stories_dir, "stories", dtype="float32", max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=128)
     yield s
     s.close()
 
@@ -80,7 +80,7 @@ def test_use_beam_search_equals_llm_beam_search(stories_server, stories_dir):
     r = _post(s, {"prompt": prompts, "max_tokens": 8, "n": 3, "use_beam_search": True, "length_penalty": 0.5})
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-    llm = LLM(stories_dir, dtype="float32", max_model_len=256)
+    llm = LLM(stories_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=128)
     outs = llm.beam_search(prompts, BeamSearchParams(3, 8, length_penalty=0.5))
     tok = llm.get_tokenizer()
     want = [tok.decode(seq.tokens[len(tok(p).input_ids):], skip_special_tokens=True)

@@ -22,7 +22,8 @@ def test_llm_jp_eval_offline_flow(tiny_llama, caplog):
     model_cfg = {"model": tiny_llama, "dtype": "float32", "trust_remote_code": False,
                  "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                  "max_model_len": 256, "enable_prefix_caching": True, "reasoning_parser": None,
-                 "num_scheduler_steps": 8, "disable_log_requests": True, "enable_lora": False}
+                 "num_scheduler_steps": 8, "disable_log_requests": True, "enable_lora": False,
+                 "num_gpu_blocks_override": 128}   # (not llm-jp's: a fixed KV size, so GPU tests share the device)
     tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path=tiny_llama, trust_remote_code=False,
                                               use_fast=True, padding_side="left")
     if tokenizer.pad_token_id is None:
@@ -65,11 +66,11 @@ def test_default_sampling_params(stories_dir, tmp_path):
     import json
     import shutil
 
-    llm = vllm.LLM(stories_dir)
+    llm = vllm.LLM(stories_dir, num_gpu_blocks_override=64)
     assert llm.get_default_sampling_params() == vllm.SamplingParams()
     model = tmp_path / "m"
     shutil.copytree(stories_dir, model)
     (model / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6,
                                                               "top_p": 0.9, "max_new_tokens": 32}))
-    p = vllm.LLM(str(model)).get_default_sampling_params()
+    p = vllm.LLM(str(model), num_gpu_blocks_override=64).get_default_sampling_params()
     assert (p.temperature, p.top_p, p.max_tokens) == (0.6, 0.9, 32)
