@@ -66,6 +66,8 @@ IGNORED_ARGS: dict[str, str] = {
     "disable_custom_all_reduce": "there is no all-reduce: tensor_parallel_size is 1",
     "compilation_config": "hayabusa does not use torch.compile; CUDA graphs are set by enforce_eager and "
                           "cuda_graph_sizes",
+    "num_scheduler_steps": "every step is scheduled (async scheduling overlaps the host's work instead)",
+    "reasoning_parser": "the offline engine returns the whole text; reasoning is not split out",
 }
 
 # EngineArgs fields that are not command-line flags: each command names the model its own way (positional or
@@ -160,6 +162,7 @@ class EngineArgs:
             the GPU (vLLM's async scheduling). Default: on for CUDA, off on CPU (nothing to overlap there).
         limit_mm_per_prompt: most multimodal items per prompt, e.g. {"image": 5} (a JSON string on the command
             line); vLLM's meaning and default (V1: 999 per modality). Only for models with a vision tower.
+        num_scheduler_steps, reasoning_parser: accepted for vLLM compatibility and ignored (IGNORED_ARGS).
     """
 
     model: str = ""
@@ -200,11 +203,17 @@ class EngineArgs:
     limit_mm_per_prompt: Any = None
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
+    num_scheduler_steps: int = 1
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
         """Build from keyword arguments; an unknown name raises HayabusaValidationError naming it."""
+        from hayabusa.compat import pop_unsupported_engine_args
+
         names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = dict(kwargs)
+        pop_unsupported_engine_args(kwargs)     # vLLM features not here yet: "not supported yet", not "unknown"
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise HayabusaValidationError(

@@ -60,7 +60,8 @@ class RequestOutput:
         prompt_token_ids: prompt token ids.
         outputs: one CompletionOutput per sample (``n``).
         finished: True when every completion has finished.
-        prompt_logprobs: not computed yet; always None.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: one entry per prompt token, None for the first,
+            then a dict token id -> Logprob (the actual token and the top ``prompt_logprobs``); else None.
         metrics: timing of the request (seconds since the epoch), see ``RequestMetrics``.
         encoder_prompt, encoder_prompt_token_ids: encoder-decoder models (T5): the encoder input's text (when
             given as text) and ids; ``prompt_token_ids`` is then the decoder prompt (vLLM's fields). None otherwise.
@@ -71,7 +72,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: None = None
+    prompt_logprobs: "list[dict[int, Logprob] | None] | None" = None
     metrics: "RequestMetrics | None" = None
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None

@@ -165,7 +165,8 @@ class SamplingParams:
         max_tokens: maximum generated tokens per completion (None = up to max_model_len). Default 16.
         min_tokens: EOS and stop_token_ids are suppressed until this many tokens were generated.
         logprobs: number of top logprobs to return per generated token (the sampled token is always included).
-        prompt_logprobs: accepted for compatibility; only None is supported.
+        prompt_logprobs: number of top logprobs to return per prompt token (the actual token is always
+            included; the first prompt token has none). Such a request takes no prefix-cache hit.
         detokenize: produce text; False returns token ids only.
         skip_special_tokens: drop special tokens from the text.
         spaces_between_special_tokens: passed to the tokenizer when decoding.
@@ -298,8 +299,8 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise _bad("logprobs", self.logprobs, "must be a non-negative integer")
-        if self.prompt_logprobs is not None:
-            raise _bad("prompt_logprobs", self.prompt_logprobs, "is not supported yet; pass None")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise _bad("prompt_logprobs", self.prompt_logprobs, "must be a non-negative integer")
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 64:  # torch.Generator.manual_seed's range
             raise _bad("seed", self.seed, "must be in [-2**63, 2**64 - 1]")
         if any(s == "" for s in self.stop):
@@ -351,3 +352,41 @@ def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
 
 
 SamplingParams.__init__ = _init  # type: ignore[method-assign]
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (vLLM's ``BeamSearchParams``), for ``LLM.beam_search``.
+
+    Args:
+        beam_width: beams kept per prompt (k); each step expands every beam by its top 2k tokens.
+        max_tokens: most tokens generated per beam.
+        ignore_eos: EOS does not end a beam.
+        temperature: accepted for compatibility; beams are ranked by the model's raw logprobs (as HF's
+            ``do_sample=False`` beam search), so it changes nothing.
+        length_penalty: a finished beam's score is its summed logprob / (generated tokens ** length_penalty).
+        include_stop_str_in_output: accepted for compatibility (beam search has no stop strings).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise _bad_type(name, v, "must be an integer")
+            if v < 1:
+                raise _bad(name, v, "must be at least 1")
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise _bad_type(name, v, "must be a finite number")
+        if self.temperature < 0:
+            raise _bad("temperature", self.temperature, "must be non-negative")
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad_type("ignore_eos", self.ignore_eos, "must be a bool (True or False)")

@@ -71,7 +71,7 @@ def test_plan_lists_the_engine_flags_that_change_what_fits(capsys):
 def test_ignored_arguments_warn_by_name_when_set(stories_dir, caplog):
     assert sorted(IGNORED_ARGS) == sorted(["tokenizer_mode", "max_seq_len_to_capture", "disable_log_stats",
                                            "swap_space", "enable_chunked_prefill", "disable_custom_all_reduce",
-                                           "compilation_config"])
+                                           "compilation_config", "num_scheduler_steps", "reasoning_parser"])
     with caplog.at_level(logging.WARNING, logger="hayabusa.config"):
         EngineArgs(model=stories_dir, device="cpu").create_engine_config()
     assert caplog.records == []                                                 # defaults: silent

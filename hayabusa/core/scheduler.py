@@ -285,7 +285,9 @@ class Scheduler:
                     continue
             if req.encoder_prompt_token_ids is not None and not self._admit_encoder(req, plan):
                 break
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req)    # num_computed_tokens is 0 here
+            # a cached block has no logits: a prompt_logprobs request recomputes its whole prompt (as vLLM does)
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req) \
+                if req.sampling_params.prompt_logprobs is None else ([], 0)    # num_computed_tokens is 0 here
             num_new = min(req.num_tokens - num_hit, budget)
             enc = None
             if req.mm_inputs:

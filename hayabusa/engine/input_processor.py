@@ -152,11 +152,13 @@ class InputProcessor:
                 f"(vocab_size={mc.vocab_size}: ids are 0 to {mc.vocab_size - 1}).",
                 parameter="prompt_token_ids", value=ids[bad])
         check_prompt_length(len(ids), mc.max_model_len)
-        if params.logprobs is not None and params.logprobs > min(mc.max_logprobs, mc.vocab_size):
-            raise HayabusaValidationError(
-                f"logprobs={params.logprobs} is more than the engine allows (max_logprobs={mc.max_logprobs}, "
-                f"vocab_size={mc.vocab_size}); ask for fewer or raise the engine argument max_logprobs.",
-                parameter="logprobs", value=params.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > min(mc.max_logprobs, mc.vocab_size):
+                raise HayabusaValidationError(
+                    f"{name}={k} is more than the engine allows (max_logprobs={mc.max_logprobs}, "
+                    f"vocab_size={mc.vocab_size}); ask for fewer or raise the engine argument max_logprobs.",
+                    parameter=name, value=k)
         bad_stop = [t for t in params.stop_token_ids if t >= mc.vocab_size]
         if bad_stop:
             raise HayabusaValidationError(f"stop token id {bad_stop[0]} is out of vocabulary "

@@ -270,6 +270,17 @@ class LLMEngine:
         if orphans:
             self.scheduler.finish_requests(orphans, RequestStatus.FINISHED_ABORTED)
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Encode prompts and decode outputs with ``tokenizer`` from now on (requests in flight keep theirs)."""
+        self.tokenizer = tokenizer
+        self.input_processor.tokenizer = tokenizer
+        self.output_processor.tokenizer = tokenizer
+        # grammars compile against the tokenizer's vocabulary: a fresh manager for the new one
+        self.structured_output = StructuredOutputManager(tokenizer, self.config.model_config.vocab_size)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Returns False (nothing done) while requests are running."""
         return self.kv_cache_manager.reset_prefix_cache()
@@ -382,7 +393,7 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)   # [(request, new ids)]
         self.stats["num_steps"] += 1
         self.stats["num_generation_tokens"] += sum(len(new_ids) for _, new_ids in updates)
-        outputs, stop_hits = self.output_processor.process(updates, result.logprobs)
+        outputs, stop_hits = self.output_processor.process(updates, result.logprobs, result.prompt_logprobs)
         if stop_hits:
             self._finish_children(stop_hits, RequestStatus.FINISHED_STOPPED)
         return outputs

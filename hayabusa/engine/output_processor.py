@@ -44,6 +44,8 @@ class RequestState:
     child_index: dict[str, int] = field(default_factory=dict)
     # "final": only the finished output is wanted (LLM.generate); "cumulative" / "delta": every step's output.
     output_kind: str = "cumulative"
+    # prompt_logprobs requests: [None, then a dict per prompt token whose logprobs came back so far]
+    prompt_logprobs: list | None = None
 
     @property
     def lazy(self) -> bool:
@@ -81,15 +83,20 @@ class OutputProcessor:
         state = RequestState(request_id, prompt, prompt_token_ids, params, samples,
                              RequestMetrics(arrival_time=children[0].arrival_time), output_kind=output_kind)
         state.child_index = {c.request_id: i for i, c in enumerate(children)}
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.states[request_id] = state
 
     def process(self, updates: list[tuple[Request, list[int]]],
-                logprobs: dict[str, tuple[list[int], list[float], int]]) -> tuple[list[RequestOutput], list[str]]:
+                logprobs: dict[str, tuple[list[int], list[float], int]],
+                prompt_logprobs: dict | None = None) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's new tokens.
 
         Args:
             updates: (child request, its new token ids) for every request that produced tokens.
             logprobs: child request id -> (ids, logprobs, rank of the sampled token) for this step's token.
+            prompt_logprobs: child request id -> (ids [n][k+1], logprobs [n][k+1], ranks [n]) of its next n
+                prompt tokens (ModelRunnerOutput.prompt_logprobs); the first sample's are kept.
 
         Returns:
             (RequestOutputs of the parents that changed, child ids that hit a stop string and must be finished
@@ -99,6 +106,8 @@ class OutputProcessor:
         stop_hits: list[str] = []
         now = time.monotonic()
         child_to_parent, states = self.child_to_parent, self.states
+        if prompt_logprobs:
+            self._add_prompt_logprobs(prompt_logprobs)
         for req, new_ids in updates:
             rid = req.request_id
             parent = child_to_parent.get(rid)
@@ -163,13 +172,32 @@ class OutputProcessor:
 
     def _add_logprobs(self, sample: SampleState, entry: tuple[list[int], list[float], int]) -> None:
         ids, vals, rank = entry
+        sample.logprobs.append(self._logprob_dict(ids, vals, rank, sample.request.sampling_params))
+        sample.cumulative_logprob += vals[0]
+
+    def _logprob_dict(self, ids: list[int], vals: list[float], rank: int,
+                      params: SamplingParams) -> dict[int, Logprob]:
+        """ids / vals [k+1] (column 0: the chosen or actual token, then the top k) -> vLLM's dict: that token
+        with its rank first, then the top k with ranks 1..k (a token already in it is not repeated)."""
         d: dict[int, Logprob] = {}
         for j, (tid, lp) in enumerate(zip(ids, vals)):
             if tid in d:
                 continue
-            d[tid] = Logprob(lp, rank if j == 0 else j, self._decode_one(tid, sample.request.sampling_params))
-        sample.logprobs.append(d)
-        sample.cumulative_logprob += vals[0]
+            d[tid] = Logprob(lp, rank if j == 0 else j, self._decode_one(tid, params))
+        return d
+
+    def _add_prompt_logprobs(self, prompt_logprobs: dict) -> None:
+        """Append a step's prompt logprobs to their parent requests (from the first sample only: the others
+        compute the same numbers)."""
+        for rid, (ids, vals, ranks) in prompt_logprobs.items():
+            parent = self.child_to_parent.get(rid)
+            if parent is None:
+                continue
+            state = self.states[parent]
+            if state.child_index[rid] != 0 or state.prompt_logprobs is None:
+                continue
+            state.prompt_logprobs.extend(self._logprob_dict(i, v, r, state.params)
+                                         for i, v, r in zip(ids, vals, ranks))
 
     def _decode_one(self, token_id: int, params: SamplingParams) -> str | None:
         """A logprob's token text: the id decoded alone, with the leading spaces that SentencePiece's decode
@@ -198,6 +226,7 @@ class OutputProcessor:
                 stop_reason=s.stop_reason))
         out = RequestOutput(request_id=state.request_id, prompt=state.prompt,
                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
+                            prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
                             metrics=state.metrics)
         encoder_ids = state.samples[0].request.encoder_prompt_token_ids
         if encoder_ids is not None:   # encoder-decoder (T5)

@@ -35,19 +35,47 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        from hayabusa.compat import pop_llm_ignored_kwargs
         from hayabusa.entrypoints.media import MediaPolicy
 
+        pop_llm_ignored_kwargs(kwargs)          # e.g. disable_log_requests: one warning naming them
         args = EngineArgs.from_kwargs(model, **kwargs)
         self.media_policy = MediaPolicy.from_engine_args(args)   # where chat images may come from
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded and outputs decoded with (transformers)."""
         return self.llm_engine.tokenizer
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Use ``tokenizer`` (a transformers tokenizer) from now on, for prompts, outputs and logprob texts
+        (vLLM's LLM.set_tokenizer)."""
+        self.llm_engine.set_tokenizer(tokenizer)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the sampling defaults of the checkpoint's generation_config.json (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's LLM.get_default_sampling_params.
+        ``generate`` without sampling_params uses SamplingParams() itself."""
+        from hayabusa.compat import generation_config_defaults
+
+        return SamplingParams(**generation_config_defaults(self.llm_engine.config.model_config.model))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's LLM.reset_prefix_cache). Returns False while requests run."""
         return self.llm_engine.reset_prefix_cache()
+
+    def beam_search(self, prompts: Any, params: Any, lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[Any]:
+        """Beam search for each prompt (vLLM's LLM.beam_search): a ``BeamSearchParams`` -> one
+        ``BeamSearchOutput`` per prompt whose ``sequences`` are the beam_width best beams, best first. Ranking as
+        HF's ``generate(num_beams=k, do_sample=False)``; see hayabusa/beam_search.py."""
+        from hayabusa.beam_search import beam_search
+
+        if lora_request is not None:
+            raise HayabusaValidationError("beam_search() got a lora_request, but LoRA adapters are not supported.",
+                                          parameter="lora_request", value=lora_request)
+        return beam_search(self, prompts, params)
 
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

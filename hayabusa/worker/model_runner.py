@@ -28,6 +28,8 @@ from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
 from hayabusa.worker.input_batch import CachedRequestState, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from hayabusa.worker.prompt_logprobs import (CHUNK_ROWS, PromptLogprobsPending, PromptLogprobsPlan,
+                                             compute_prompt_logprobs, plan_prompt_logprobs)
 from hayabusa.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -41,10 +43,13 @@ class ModelRunnerOutput:
         sampled_token_ids: request id -> new token ids ([] for a request still in a partial prefill).
         logprobs: request id -> (token ids [K+1], logprobs [K+1], rank of the sampled token) for requests that
             asked for logprobs; column 0 is the sampled token.
+        prompt_logprobs: request id -> (ids [n][k+1], logprobs [n][k+1], ranks [n]) of the next n prompt tokens
+            whose logprobs this step computed (column 0: the actual prompt token), for prompt_logprobs requests.
     """
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,6 +64,7 @@ class StepHandle:
     rows: np.ndarray | None = None        # [R_s] int64, the sampled requests' rows
     epochs: np.ndarray | None = None      # [R_s] int64, those rows' owners (InputBatch.row_epoch) at launch
     num_logprobs: list[int] | None = None  # [R_s] each sampled request's logprobs (-1 = none)
+    prompt_logprobs: PromptLogprobsPending | None = None   # copied with the step's sync
 
 
 @dataclass
@@ -89,6 +95,8 @@ class StepInputs:
     placeholder_dst: np.ndarray  # [P] int64, token indices whose id comes from the previous step's samples
     placeholder_src: np.ndarray  # [P] int64, rows of the previous step's sampled-token tensor
     mm: Any = None              # StepMultiModal (worker/mm_inputs.py): image rows / M-RoPE positions, or None
+    prompt_logprobs: PromptLogprobsPlan | None = None       # positions whose prompt logprobs this step computes
+    prompt_logprobs_out: PromptLogprobsPending | None = None  # their logprobs (device), set by _run_model
 
     @property
     def num_reqs(self) -> int:
@@ -142,6 +150,9 @@ class ModelRunner:
             from hayabusa.worker.mm_inputs import MultiModalState
 
             self.mm = MultiModalState(self.model, self.device)
+        # prompt_logprobs: request id -> k while its prompt logprobs are incomplete; -> prompt positions done
+        self._prompt_lp_wanted: dict[str, int] = {}
+        self._prompt_lp_done: dict[str, int] = {}
 
     def _alloc_staging_buffers(self) -> None:
         d, T, R = self.device, self.max_num_tokens, self.max_num_reqs
@@ -277,7 +288,7 @@ class ModelRunner:
             return PendingSample(inp, logits, out)
         if out.grammar_bitmask is not None:
             self._apply_grammar_bitmask(out.structured_output_req_ids, out.grammar_bitmask, inp, logits)
-        return self._sample(inp, logits)
+        return self._with_prompt_logprobs(self._sample(inp, logits), inp)
 
     @torch.inference_mode()
     def sample_tokens(self, pending: PendingSample, bitmask: np.ndarray | None) -> StepHandle:
@@ -286,7 +297,20 @@ class ModelRunner:
         if bitmask is not None:
             self._apply_grammar_bitmask(pending.out.structured_output_req_ids, bitmask, pending.inputs,
                                         pending.logits)
-        return self._sample(pending.inputs, pending.logits)
+        return self._with_prompt_logprobs(self._sample(pending.inputs, pending.logits), pending.inputs)
+
+    def _with_prompt_logprobs(self, handle: StepHandle, inp: StepInputs) -> StepHandle:
+        """Attach the step's prompt logprobs to its handle; on CUDA queue their copy to the host and record the
+        event that ``finish`` waits for after it (later on the same stream: it covers the sampled ids too)."""
+        pl = inp.prompt_logprobs_out
+        if pl is None:
+            return handle
+        handle.prompt_logprobs = pl
+        if self.device.type == "cuda":
+            pl.to_host(non_blocking=True)
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        return handle
 
     def _apply_grammar_bitmask(self, req_ids: list[str], bitmask: np.ndarray, inp: StepInputs,
                                logits: torch.Tensor) -> None:
@@ -318,16 +342,17 @@ class ModelRunner:
     def finish(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step (the step's one sync), append its tokens to the rows' token ids, and return
         them as host lists."""
-        if handle.ids is None:
-            return ModelRunnerOutput({rid: [] for rid in handle.req_ids})
         if handle.event is not None:
             handle.event.synchronize()
+        prompt_lps = handle.prompt_logprobs.as_lists() if handle.prompt_logprobs is not None else {}
+        if handle.ids is None:
+            return ModelRunnerOutput({rid: [] for rid in handle.req_ids}, prompt_logprobs=prompt_lps)
         ids = handle.ids.numpy()
         self.batch.write_sampled(handle.rows, handle.epochs, ids)
         sampled = dict(zip(handle.sampled_req_ids, ([t] for t in ids.tolist())))
         if len(sampled) < len(handle.req_ids):  # requests in a partial prefill: no token
             sampled = {rid: sampled.get(rid, []) for rid in handle.req_ids}
-        result = ModelRunnerOutput(sampled)
+        result = ModelRunnerOutput(sampled, prompt_logprobs=prompt_lps)
         if handle.logprobs is not None:
             lp_ids, lp_vals, ranks = (t.tolist() for t in handle.logprobs)
             for i, (rid, k) in enumerate(zip(handle.sampled_req_ids, handle.num_logprobs)):
@@ -344,6 +369,8 @@ class ModelRunner:
         for rid in out.finished_req_ids:
             batch.remove(rid)
             self.requests.pop(rid, None)
+            self._prompt_lp_wanted.pop(rid, None)
+            self._prompt_lp_done.pop(rid, None)
         for new in out.scheduled_new_reqs:
             seed = new.sampling_params.seed
             generator = None
@@ -352,6 +379,8 @@ class ModelRunner:
                 generator.manual_seed(seed)
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids), new.sampling_params, generator)
             self.requests[new.req_id] = state
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_lp_wanted[new.req_id] = new.sampling_params.prompt_logprobs
             batch.add(state, state.prompt_token_ids, new.block_ids)
         cached = out.scheduled_cached_reqs
         if any(cached.resumed_from_preemption):
@@ -401,9 +430,13 @@ class ModelRunner:
         slot_mapping = batch.block_table[tok_rows, positions // self.block_size].astype(np.int64) \
             * self.block_size + positions % self.block_size
         max_blocks = cdiv(int(seq_lens.max()), self.block_size)
+        plan = None
+        if self._prompt_lp_wanted:
+            plan = plan_prompt_logprobs(rids, rows, num_computed, qsl, self._prompt_lp_wanted, self._prompt_lp_done,
+                                        batch.token_ids, batch.num_prompt_tokens)
         return StepInputs(rids, rows, num_sched, qsl, seq_lens, positions, input_ids, slot_mapping,
                           batch.block_table[rows, :max_blocks], sampled_rows,
-                          (qsl[1:][sampled_rows] - 1).astype(np.int64), ph_dst, ph_src)
+                          (qsl[1:][sampled_rows] - 1).astype(np.int64), ph_dst, ph_src, prompt_logprobs=plan)
 
     def _gather_input_ids(self, tok_rows: np.ndarray, positions: np.ndarray
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -470,7 +503,8 @@ class ModelRunner:
         T, R = len(inp.input_ids), inp.num_reqs
         max_q = int(inp.num_scheduled.max())
         self.copy_inputs(inp)
-        if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None:
+        if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None \
+                and inp.prompt_logprobs is None:
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
             # shapes with enforce_eager, so both give the same numbers).
             logits = self.decode_runner.run(inp)            # [R, V]
@@ -484,6 +518,9 @@ class ModelRunner:
             hidden = inp.mm.run(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
         else:
             hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)       # [T, hidden]
+        if inp.prompt_logprobs is not None:
+            inp.prompt_logprobs_out = compute_prompt_logprobs(hidden, inp.prompt_logprobs, self.model.compute_logits,
+                                                              min(CHUNK_ROWS, self.max_num_reqs))
         if len(inp.logits_indices) == 0:
             return hidden.new_empty(0, self.vocab_size)
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)

@@ -230,8 +230,11 @@ UNSUPPORTED_VLLM_FIELDS = [("allowed_token_ids", [1, 2, 3]), ("bad_words", ["cat
                            ("prompt_logprobs", 0)]
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-@pytest.mark.parametrize("field,value", UNSUPPORTED_VLLM_FIELDS)
+# /v1/completions serves prompt_logprobs and use_beam_search (test_echo_logprobs.py); chat refuses them
+@pytest.mark.parametrize("endpoint,field,value",
+                         [(e, f, v) for e in ("completions", "chat") for f, v in UNSUPPORTED_VLLM_FIELDS
+                          if not (e == "completions" and f == "prompt_logprobs")]
+                         + [("chat", "use_beam_search", True)])
 def test_unsupported_vllm_field_is_400_naming_it(qwen_server, endpoint, field, value):
     c = qwen_server.client()
     kw = dict(model=qwen_server.name, max_tokens=2)

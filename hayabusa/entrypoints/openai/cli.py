@@ -24,7 +24,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to an argparse subparsers object; dispatch to ``run_serve(ns)``."""
     p = subparsers.add_parser("serve", allow_abbrev=False, help="run the OpenAI-compatible HTTP server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_tag", nargs="?", default=None, help="HF model folder or Hub id")
+    p.add_argument("model_tag", nargs="?", default=None,
+                   help="HF model folder or Hub id (default: the bundled demo model stories260K)")
     p.add_argument("--model", dest="serve_model", metavar="MODEL", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -84,8 +85,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     """Start the engine and serve until interrupted. Returns the exit code (2: bad arguments or missing extras)."""
     model = ns.serve_model or ns.model_tag
     if not model:
-        print("hayabusa serve: give a model: hayabusa serve MODEL (an HF folder or Hub id).", file=sys.stderr)
-        return 2
+        from hayabusa.assets import demo_model_dir
+
+        model = demo_model_dir()
+        print(f"hayabusa serve: no model given; serving the bundled demo model stories260K ({model}), a "
+              "260K-parameter TinyStories Llama with a small chat template. Give MODEL (an HF folder or Hub id) "
+              "for a real model.", file=sys.stderr, flush=True)
     if ns.max_request_body_bytes < 1 or not ns.shutdown_timeout >= 0:
         print("hayabusa serve: --max-request-body-bytes must be at least 1 and --shutdown-timeout at least 0, got "
               f"{ns.max_request_body_bytes} and {ns.shutdown_timeout}.", file=sys.stderr)

@@ -21,10 +21,10 @@ MAX_LOGPROBS = 20
 # absent, null or one of these is accepted; anything else is a 400 naming the field (serving.py). Kept out of the
 # models, so they arrive in ``model_extra``; ``logit_bias`` is modelled and refused by SamplingParams.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (),
+    "prompt_logprobs": (),          # on chat; /v1/completions models it
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "use_beam_search": (False,),
+    "use_beam_search": (False,),   # on chat; /v1/completions models it
     "length_penalty": (1.0,),
     "logits_processors": (),
     # OpenAI's legacy function calling (superseded by tools / tool_choice)
@@ -92,6 +92,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class ImageURL(OpenAIBaseModel):

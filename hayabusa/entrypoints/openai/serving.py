@@ -263,17 +263,20 @@ class OpenAIServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.",
                               param="logprobs")
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs needs prompt logprobs, which are not supported.",
-                              param="echo")
+        if req.use_beam_search:
+            return await self._beam_search_completion(req, model)
+        prompt_lp = self._completion_prompt_logprobs(req)
+        # vLLM: echo with max_tokens=0 scores the prompt alone (one token is generated and dropped)
+        echo_only = bool(req.echo) and req.max_tokens == 0
         prompts = await self._completion_prompts(req)
         self._check_num_choices(req.n * len(prompts))
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         params = []
         for i, (_, ids) in enumerate(prompts):
             try:
-                params.append(self._sampling_params(req, 1 if self.is_encoder_decoder else len(ids), req.max_tokens,
-                                                    req.logprobs))
+                params.append(self._sampling_params(req, 1 if self.is_encoder_decoder else len(ids),
+                                                    1 if echo_only else req.max_tokens, req.logprobs))
+                params[-1].prompt_logprobs = prompt_lp
             except OpenAIError as e:
                 if len(prompts) > 1:
                     e.message = f"prompt[{i}]: {e.message}"    # which prompt of the request's list
@@ -287,9 +290,14 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
-                lp = None if req.logprobs is None else self._completion_logprobs(c.logprobs or [], 0)
-                choices.append({"index": i * req.n + c.index, "text": echo_texts[i] + c.text, "logprobs": lp,
+                text, entries = ("", []) if echo_only else (c.text, c.logprobs or [])
+                lp = None
+                if req.logprobs is not None:
+                    lp = self._echo_logprobs(out, entries) if req.echo else self._completion_logprobs(entries, 0)
+                choices.append({"index": i * req.n + c.index, "text": echo_texts[i] + text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if req.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         return {**header, "choices": choices, "usage": self._usage(outs), "system_fingerprint": None}
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -332,6 +340,9 @@ class OpenAIServing:
         sent_ids: dict[tuple[int, int], int] = {}
         last: dict[int, RequestOutput] = {}
 
+        echo_only = bool(req.echo) and req.max_tokens == 0   # the prompt alone: the generated token is dropped
+        echo_chars: dict[int, int] = {}     # echo with logprobs: the prompt tokens' characters (text_offset base)
+
         def chunks(pi: int, out: RequestOutput) -> bytes:
             """The SSE events of one output: one per choice with new tokens, or that finished, or to echo."""
             last[pi] = out
@@ -345,9 +356,16 @@ class OpenAIServing:
                 if n_ids < 0 or not (n_tok > n_ids or finish_reason or echo):
                     continue                      # finished already, or nothing new for this choice
                 n_text = sent_text.get(key, 0)
-                text = c.text
-                lp = "null" if req.logprobs is None else json.dumps(self._completion_logprobs(
-                    (c.logprobs or [])[n_ids:], n_text), ensure_ascii=False)
+                text = "" if echo_only else c.text
+                entries = [] if echo_only else (c.logprobs or [])[n_ids:]
+                if req.logprobs is None:
+                    lp = "null"
+                elif echo:      # the first event: the prompt's tokens and logprobs, then the output's so far
+                    lp = json.dumps(self._echo_logprobs(out, entries), ensure_ascii=False)
+                    echo_chars[pi] = self._prompt_chars(out)
+                else:
+                    lp = json.dumps(self._completion_logprobs(entries, n_text + echo_chars.get(pi, 0)),
+                                    ensure_ascii=False)
                 sent_text[key] = len(text)
                 sent_ids[key] = -1 if finish_reason is not None else n_tok
                 usage = f', "usage": {json.dumps(self._usage([out]))}' if continuous_usage else ""
@@ -672,6 +690,73 @@ class OpenAIServing:
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    async def _beam_search_completion(self, req: CompletionRequest, model: str) -> dict[str, Any]:
+        """``use_beam_search``: the ``n`` best beams of each prompt as its choices (vLLM: beam width = n)."""
+        from hayabusa.beam_search import beam_search_async
+        from hayabusa.sampling_params import BeamSearchParams
+
+        for name, bad in (("stream", req.stream), ("logprobs", req.logprobs is not None), ("echo", req.echo),
+                          ("prompt_logprobs", req.prompt_logprobs is not None)):
+            if bad:
+                raise OpenAIError(400, f"{name} with use_beam_search is not supported yet.", param=name)
+        prompts = await self._completion_prompts(req)
+        self._check_num_choices(req.n * len(prompts))
+        left = min(self.max_model_len - len(ids) for _, ids in prompts)
+        max_tokens = left if req.max_tokens is None else req.max_tokens
+        self._sampling_params(req, max(len(ids) for _, ids in prompts), max_tokens, None)   # the usual checks
+        params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                  temperature=req.temperature or 0.0, length_penalty=req.length_penalty)
+        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        outs = await beam_search_async(self.engine, [ids for _, ids in prompts], params, rid)
+        choices, completion_tokens = [], 0
+        for i, ((_, ids), out) in enumerate(zip(prompts, outs)):
+            for j, seq in enumerate(out.sequences[:req.n]):
+                gen = seq.tokens[len(ids):]
+                completion_tokens += len(gen)
+                text = self.tokenizer.decode(gen, skip_special_tokens=req.skip_special_tokens) \
+                    if self.tokenizer is not None else ""
+                choices.append({"index": i * req.n + j, "text": text, "logprobs": None,
+                                "finish_reason": seq.finish_reason, "stop_reason": None})
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "system_fingerprint": None,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def _completion_prompt_logprobs(self, req: CompletionRequest) -> int | None:
+        """The prompt logprobs a completion request needs: ``prompt_logprobs`` (vLLM), or ``logprobs`` with
+        ``echo`` (the echoed prompt's tokens carry logprobs, OpenAI's legacy shape)."""
+        k = req.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}.",
+                              param="prompt_logprobs")
+        if req.max_tokens == 0 and not req.echo:
+            raise OpenAIError(400, "max_tokens must be at least 1, got 0 (0 is allowed only with echo).",
+                              param="max_tokens")
+        if req.echo and req.logprobs is not None:
+            k = max(k or 0, req.logprobs)
+        return k
+
+    def _first_token_text(self, out: RequestOutput) -> str:
+        first = out.prompt_token_ids[0]
+        return self.tokenizer.decode([first]) if self.tokenizer is not None else f"token_id:{first}"
+
+    def _prompt_chars(self, out: RequestOutput) -> int:
+        """Characters of the prompt's tokens as the echoed logprobs list them (text_offset of the first output)."""
+        return len(self._first_token_text(out)) + sum(
+            len(next(iter(e.values())).decoded_token or "") for e in out.prompt_logprobs[1:])
+
+    def _echo_logprobs(self, out: RequestOutput, entries: list[dict[int, Logprob]]) -> dict[str, Any]:
+        """Legacy completions logprobs of the echoed prompt then the output: the first prompt token has
+        ``null`` logprob and top_logprobs (nothing predicts it). text_offset counts each token's text from the
+        first prompt token on (vLLM's rule)."""
+        first_text = self._first_token_text(out)
+        body = self._completion_logprobs(list(out.prompt_logprobs[1:]) + list(entries), len(first_text))
+        for key, value in (("tokens", first_text), ("token_logprobs", None), ("top_logprobs", None),
+                           ("text_offset", 0)):
+            body[key].insert(0, value)
+        return body
+
     @staticmethod
     def _completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> dict[str, Any]:
         """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (one per token)."""
@@ -697,6 +782,16 @@ class OpenAIServing:
             (tid, sampled), *_ = entry.items()
             content.append({**one(tid, sampled), "top_logprobs": [one(t, p) for t, p in _ranked(entry)[:k]]})
         return content
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token null or {token id: {logprob, rank,
+    decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _clamp(p.logprob), "rank": p.rank,
+                                             "decoded_token": p.decoded_token} for t, p in e.items()}
+            for e in entries]
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
