@@ -60,3 +60,49 @@ def assert_greedy_close(model_dir: str, prompt_ids: list[int], ours: list[int], 
     assert ours[i] in hf_top, f"position {i}: ours {ours[i]} not in HF top-5 {hf_top}"
     if our_logprobs is not None:
         assert ref[i] in our_logprobs[i], f"position {i}: HF {ref[i]} not in our top-5 {list(our_logprobs[i])}"
+
+
+def step_until_done(engine) -> dict:
+    """Step an LLMEngine until nothing is unfinished; request id -> its final RequestOutput."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+def start_server(args: list[str], env: dict | None = None, timeout: float = 60.0):
+    """``hayabusa serve ARGS --port P`` in a subprocess (repo root as cwd), waited for until /health answers.
+
+    Returns (base url, the Popen; stdout and stderr merged into its ``stdout`` pipe). The caller terminates it.
+    Raises AssertionError with the log's tail when the server exits or does not answer within ``timeout`` s.
+    """
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "hayabusa.entrypoints.cli", "serve", *args, "--port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            cwd=Path(__file__).parents[1])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return url, proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(proc.communicate(timeout=20)[0].decode()[-3000:])
+        time.sleep(0.2)

@@ -16,6 +16,7 @@ from hayabusa import LLM, HayabusaValidationError, SamplingParams
 from hayabusa.core.encoder_budget import EncoderBudget
 from hayabusa.core.request import Request
 from hayabusa.multimodal.inputs import ImageInput
+from tests.helpers import step_until_done
 from tests.vl_checkpoints import hf_vl_greedy, make_vl_checkpoint, random_image, vl_prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -170,11 +171,7 @@ def test_n_and_abort_with_images(llm, tok, vl_dir):
     engine.add_request("b", _prompt(tok, images[:1]), GREEDY)
     engine.step()
     engine.abort_request("a")
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
+    done = step_until_done(engine)
     assert list(done) == ["b"] and "a" not in engine.runner.mm.requests   # a's images dropped on abort
     _serves(llm, tok)                   # the runner hears of b's end with the next step that runs
     assert "b" not in engine.runner.mm.requests

@@ -6,10 +6,6 @@ included), per-request chat templates, API keys, disconnects freeing KV blocks."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -17,7 +13,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from tests.conftest import JA_PROMPTS  # noqa: E402
-from tests.entrypoints.conftest import API_KEY, QWEN_TEMPLATE, repo_root, wait_idle  # noqa: E402
+from tests.entrypoints.conftest import API_KEY, QWEN_TEMPLATE, wait_idle  # noqa: E402
 
 MSG_JA = [{"role": "system", "content": "あなたは親切なアシスタントです。"},
           {"role": "user", "content": "吾輩は猫である。名前は？"}]
@@ -406,27 +402,11 @@ def test_disconnect_while_waiting_non_streamed(qwen_server):
 # ------------------------------------------------------------------------------------------------ the CLI
 def test_hayabusa_serve_cli(stories_dir, tmp_path):
     pytest.importorskip("uvicorn")
-    import socket
+    from tests.helpers import start_server
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "hayabusa.entrypoints.cli", "serve", stories_dir, "--port", str(port),
-           "--served-model-name", "stories", "--max-model-len", "128", "--max-num-seqs", "4",
-           "--disable-log-requests", "--disable-uvicorn-access-log"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=repo_root())
+    url, proc = start_server([stories_dir, "--served-model-name", "stories", "--max-model-len", "128",
+                              "--max-num-seqs", "4", "--disable-log-requests", "--disable-uvicorn-access-log"])
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            time.sleep(0.2)
         r = httpx.post(url + "/v1/completions", json={"model": "stories", "prompt": "Once upon a time",
                                                       "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1

@@ -3,44 +3,23 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 
 from hayabusa.assets import demo_model_dir
+from tests.helpers import start_server
 
 
 @contextmanager
 def serve_demo(*flags: str):
     """``hayabusa serve`` with no model (plus flags) in a subprocess; yields (base url, the log so far)."""
     pytest.importorskip("uvicorn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "hayabusa.entrypoints.cli", "serve", "--port", str(port), "--max-model-len", "256",
-           "--max-num-seqs", "8", "--disable-log-requests", "--disable-uvicorn-access-log", *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1"}        # the demo needs no network
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            cwd=Path(__file__).parents[2])
-    url = f"http://127.0.0.1:{port}"
+    url, proc = start_server(["--max-model-len", "256", "--max-num-seqs", "8", "--disable-log-requests",
+                              "--disable-uvicorn-access-log", *flags], env={"HF_HUB_OFFLINE": "1"},  # no network
+                             timeout=90)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            time.sleep(0.2)
         yield url, proc
     finally:
         proc.terminate()

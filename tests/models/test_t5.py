@@ -10,6 +10,7 @@ import torch
 
 from hayabusa import LLM, SamplingParams
 from hayabusa.errors import HayabusaValidationError
+from tests.helpers import step_until_done
 from tests.models._t5 import T5_EN_PROMPTS, T5_JA_PROMPTS, hf_t5, hf_t5_greedy, save_tiny_t5
 
 MAX_TOKENS = 16
@@ -166,11 +167,7 @@ def test_stop_string_and_abort(tiny_t5, refs):
     engine.add_request("b", PROMPTS[6], GREEDY)
     engine.step()
     engine.abort_request("a")
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
+    done = step_until_done(engine)
     assert "a" not in done and done["b"].outputs[0].token_ids == ref[6]
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
     # a stop string cut from the greedy text
