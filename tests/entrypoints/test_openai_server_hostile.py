@@ -470,7 +470,10 @@ def test_shutdown_drains_then_ends_open_streams_with_an_error_and_done(stories_d
         threads.append(threading.Thread(target=long_non_streamed, daemon=True))
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30      # all three long requests in the engine (a loaded machine is slow)
+        while s.engine.engine.get_num_unfinished_requests() < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
         t0 = time.monotonic()
         s.server.stop()
         stopped_after = time.monotonic() - t0
