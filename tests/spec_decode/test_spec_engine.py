@@ -157,3 +157,35 @@ def test_bad_config_is_named(tiny_llama, config, parameter):
     assert e.value.parameter == parameter
     if "method" in parameter:
         assert config["method"] in str(e.value)
+
+
+def test_turn_off_rule_by_batch_size(reference):
+    path, outs = reference["llama"]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for limit, expect_drafts in ((len(PROMPTS), False), (len(PROMPTS) + 1, True)):
+        llm = LLM(path, device="cpu", max_num_seqs=16, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": limit})
+        llm.llm_engine.scheduler.spec.proposer = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids
+                                                                 for o in outs])
+        # all requests run together to the end: at the limit no step gets proposals, one below it every step may
+        assert _ids(llm.generate(PROMPTS, params, use_tqdm=False)) == _ids(outs)
+        assert (llm.get_metrics()["spec_decode_num_draft_tokens"] > 0) == expect_drafts
+
+
+def test_speculative_config_from_cli_json(tiny_llama):
+    import argparse
+
+    from hayabusa.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                            "--device", "cpu"])
+    cfg = EngineArgs.from_cli_args(ns, model=tiny_llama).create_engine_config()
+    spec = cfg.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
+        ("ngram", 2, 5, 5)
+    assert cfg.async_scheduling is False
+    only_max = EngineArgs.from_kwargs(tiny_llama, device="cpu", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}).create_engine_config()
+    assert (only_max.speculative_config.prompt_lookup_min, only_max.speculative_config.prompt_lookup_max) == (3, 3)
