@@ -170,6 +170,10 @@ class ModelRunner:
                  "slot_mapping": pinned(T, torch.int64), "query_start_loc": pinned(R + 1, torch.int32),
                  "seq_lens": pinned(R, torch.int32), "block_table": pinned(R * self.max_blocks_per_req, torch.int32),
                  "sampled": pinned(R, torch.int64)} for _ in range(2)]
+            spec = self.cfg.speculative_config
+            if spec is not None:   # a verify step's emitted tokens, [R, k + 1]
+                for st in self._staging_sets:
+                    st["sampled_runs"] = pinned(R * (spec.num_speculative_tokens + 1), torch.int64)
             self.staging = self._staging_sets[0]
             self.block_table_staging = torch.empty(R * self.max_blocks_per_req, dtype=torch.int32, device=d)
 
@@ -568,7 +572,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return handle
         if ids.ndim == 2:
-            handle.ids = torch.empty(ids.shape, dtype=torch.int64, pin_memory=True)
+            handle.ids = self.staging["sampled_runs"][:ids.numel()].view(ids.shape)
         else:
             handle.ids = self.staging["sampled"][:len(rids)]
         handle.ids.copy_(ids, non_blocking=True)
