@@ -7,7 +7,8 @@ Keys (vLLM's names and defaults):
   num_speculative_tokens: proposals per request per step, k >= 1 (required).
   prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram the n-gram proposer matches; both unset:
       5 and 5 (vLLM's defaults); one unset: equal to the other.
-  disable_by_batch_size: no proposals in a step when this many requests (or more) are running: a step that is
+  disable_by_batch_size: no proposals in a step when more requests than this are running (vLLM's "larger than"
+      rule, applied per step): a step that is
       already compute-bound gains nothing from verifying extra tokens. vLLM's default is "never"; hayabusa's
       is DEFAULT_DISABLE_BY_BATCH_SIZE (its rule turns speculation off by itself); 0 = never turn it off.
 """
@@ -39,7 +40,7 @@ class SpeculativeConfig:
         num_speculative_tokens: k, proposals per request per step.
         prompt_lookup_max: longest suffix n-gram matched.
         prompt_lookup_min: shortest suffix n-gram matched.
-        disable_by_batch_size: no proposals in a step with at least this many running requests (0 = never).
+        disable_by_batch_size: no proposals in a step with more running requests than this (0 = never).
     """
 
     method: str
@@ -49,8 +50,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def enabled_for_batch(self, num_running: int) -> bool:
-        """The turn-off rule: proposals only while fewer than ``disable_by_batch_size`` requests run."""
-        return not self.disable_by_batch_size or num_running < self.disable_by_batch_size
+        """The turn-off rule: proposals only while at most ``disable_by_batch_size`` requests run."""
+        return not self.disable_by_batch_size or num_running <= self.disable_by_batch_size
 
 
 def _bad(name: str, value: Any, why: str) -> HayabusaValidationError:

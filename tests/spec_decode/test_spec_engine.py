@@ -116,16 +116,34 @@ def test_max_tokens_and_stop_token_inside_accepted_run(reference):
     assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop
 
 
-def test_ngram_keeps_greedy_output_and_mixes_with_other_requests(reference):
+def test_mixed_step_with_penalties_logprobs_and_structured_requests(reference):
+    from hayabusa.sampling_params import StructuredOutputsParams
+
     path, outs = reference["llama"]
-    llm = LLM(path, max_num_seqs=16, device="cpu", speculative_config=NGRAM)
-    # a request with a penalty (never proposed for) and one with logprobs run in the same steps as the others
+    # requests that get no proposals (penalty, logprobs, a choice constraint) share steps with ones that do
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True) for _ in PROMPTS]
     params[1] = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    params[2] = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3)
+    params[3] = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                               structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    base = LLM(path, max_num_seqs=16, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+    llm, _ = _oracle_llm(path, outs, max_num_seqs=16)
     spec = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert _ids(spec) == _ids(outs)
-    assert len(spec[1].outputs[0].logprobs) == MAX_TOKENS
-    assert spec[1].metrics.spec_num_draft_tokens == 0
+    assert _ids(spec) == _ids(base)
+    assert _ids(spec)[0] == _ids(outs)[0] and spec[3].outputs[0].text in ("yes", "no")
+    assert [len(o.outputs[0].logprobs) for o in (base[1], spec[1])] == [MAX_TOKENS, MAX_TOKENS]
+    for a, b in zip(spec[1].outputs[0].logprobs, base[1].outputs[0].logprobs):   # same tokens and ranks; the
+        assert a.keys() == b.keys()                                             # values up to float rounding
+        assert all(a[t].rank == b[t].rank and abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert [spec[i].metrics.spec_num_draft_tokens for i in (1, 2, 3)] == [0, 0, 0]
+    assert spec[0].metrics.spec_num_draft_tokens > 0
+
+
+def test_ngram_keeps_greedy_output(reference):
+    path, outs = reference["qwen2"]
+    llm = LLM(path, max_num_seqs=3, device="cpu", speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert _ids(llm.generate(PROMPTS, params, use_tqdm=False)) == _ids(outs)
 
 
 def test_sampling_with_seed_is_reproducible(reference):
@@ -162,12 +180,12 @@ def test_bad_config_is_named(tiny_llama, config, parameter):
 def test_turn_off_rule_by_batch_size(reference):
     path, outs = reference["llama"]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for limit, expect_drafts in ((len(PROMPTS), False), (len(PROMPTS) + 1, True)):
+    for limit, expect_drafts in ((len(PROMPTS) - 1, False), (len(PROMPTS), True)):
         llm = LLM(path, device="cpu", max_num_seqs=16, speculative_config={
             "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": limit})
         llm.llm_engine.scheduler.spec.proposer = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids
                                                                  for o in outs])
-        # all requests run together to the end: at the limit no step gets proposals, one below it every step may
+        # all requests run together to the end: above the limit no step gets proposals, at it every step may
         assert _ids(llm.generate(PROMPTS, params, use_tqdm=False)) == _ids(outs)
         assert (llm.get_metrics()["spec_decode_num_draft_tokens"] > 0) == expect_drafts
 
