@@ -207,3 +207,17 @@ def test_speculative_config_from_cli_json(tiny_llama):
     only_max = EngineArgs.from_kwargs(tiny_llama, device="cpu", speculative_config={
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}).create_engine_config()
     assert (only_max.speculative_config.prompt_lookup_min, only_max.speculative_config.prompt_lookup_max) == (3, 3)
+
+
+def test_metrics_endpoint_exports_spec_counters():
+    from hayabusa.entrypoints.openai.server import _EngineCollector
+
+    class FakeEngine:
+        def get_stats(self):
+            return {"num_requests_running": 1, "num_requests_waiting": 0, "kv_cache_usage": 0.5,
+                    "num_prompt_tokens": 10, "num_generation_tokens": 20, "num_preemptions": 0,
+                    "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 7}
+
+    families = {f.name: f for f in _EngineCollector(FakeEngine(), {"model_name": "m"}).collect()}
+    assert families["hayabusa:spec_decode_num_draft_tokens"].samples[0].value == 12
+    assert families["hayabusa:spec_decode_num_accepted_tokens"].samples[0].value == 7
