@@ -299,6 +299,16 @@ class EngineArgs:
         from hayabusa.spec_decode.config import parse_speculative_config
 
         spec = parse_speculative_config(self.speculative_config)
+        draft_config = None
+        if spec is not None and spec.method == "draft_model":
+            draft_config = ModelConfig.from_args(dataclasses.replace(
+                self, model=spec.model, tokenizer=None, quantization=None, max_model_len=max_len,
+                speculative_config=None), device)
+            if draft_config.vocab_size != model_config.vocab_size or model_config.is_encoder_decoder \
+                    or draft_config.is_encoder_decoder:
+                raise _bad("speculative_config.model", spec.model,
+                           f"the draft must be a decoder-only model with the target's vocabulary "
+                           f"({model_config.vocab_size} tokens; it has {draft_config.vocab_size}).")
         if spec is not None and self.async_scheduling:
             logger.warning("async_scheduling is off with speculative decoding: a step's proposals need the previous "
                            "step's tokens on the host.")
@@ -312,7 +322,7 @@ class EngineArgs:
                             max_cuda_graph_batch=capture_max, seed=self.seed or 0,
                             async_scheduling=False if spec is not None else (device.type == "cuda")
                             if self.async_scheduling is None else bool(self.async_scheduling),
-                            speculative_config=spec)
+                            speculative_config=spec, draft_model_config=draft_config)
 
     def _warn_ignored_args(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -628,4 +638,5 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = False
     speculative_config: Any = None            # hayabusa.spec_decode.SpeculativeConfig, or None (off)
+    draft_model_config: Any = None            # ModelConfig of the draft (speculative method "draft_model")
     extra: dict = field(default_factory=dict)

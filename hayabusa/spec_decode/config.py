@@ -1,8 +1,8 @@
 """SpeculativeConfig: vLLM's ``speculative_config`` dict (or JSON string), checked once at the edge.
 
 Keys (vLLM's names and defaults):
-  method: "ngram" (prompt lookup). "draft_model" / "eagle" / "eagle3" and the other vLLM methods are known but
-      not supported yet (a HayabusaValidationError says so); any other value is an error naming it. With only
+  method: "ngram" (prompt lookup) or "draft_model" (with "model": a smaller checkpoint of the same vocabulary;
+      its greedy proposals). "eagle" / "eagle3" and the other vLLM methods are known but not supported yet (a HayabusaValidationError says so); any other value is an error naming it. With only
       ``"model": DIR`` vLLM infers "draft_model".
   num_speculative_tokens: proposals per request per step, k >= 1 (required).
   prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram the n-gram proposer matches; both unset:
@@ -22,9 +22,9 @@ from typing import Any
 from hayabusa.errors import HayabusaValidationError
 
 # vLLM's methods (vllm/config/speculative.py): known names that are not supported here yet.
-KNOWN_UNSUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix",
+KNOWN_UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix",
                              "deepseek_mtp")
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "draft_model")
 # Running requests from which a step gets no proposals (the turn-off rule; see the module docstring).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -48,6 +48,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None            # draft_model: the draft checkpoint (same vocabulary as the target)
 
     def enabled_for_batch(self, num_running: int) -> bool:
         """The turn-off rule: proposals only while at most ``disable_by_batch_size`` requests run."""
@@ -100,7 +101,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise _bad("method", method, f"unknown method; supported: {', '.join(SUPPORTED_METHODS)}.")
     k = _positive_int(value, "num_speculative_tokens")
     if k is None:
-        raise _bad("num_speculative_tokens", None, "required for method 'ngram'.")
+        raise _bad("num_speculative_tokens", None, f"required for method {method!r}.")
+    model = value.get("model")
+    if method == "draft_model" and (not isinstance(model, str) or not model):
+        raise _bad("model", model, "method 'draft_model' needs the draft checkpoint's folder or Hub id.")
     lo, hi = _positive_int(value, "prompt_lookup_min"), _positive_int(value, "prompt_lookup_max")
     if lo is None and hi is None:
         lo = hi = 5
@@ -109,4 +113,5 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise _bad("prompt_lookup_min", lo, f"must be <= prompt_lookup_max ({hi}).")
     off = _positive_int(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, allow_zero=True)
     return SpeculativeConfig(method, k, prompt_lookup_max=hi, prompt_lookup_min=lo,
-                             disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE if off is None else off)
+                             disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE if off is None else off,
+                             model=model if method == "draft_model" else None)

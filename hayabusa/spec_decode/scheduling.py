@@ -29,7 +29,10 @@ class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # draft_model: the runner's draft makes the proposals at the start of the step; the scheduler sends k
+        # slots (-1 ids) for them
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.method == "ngram" else None
 
     def propose(self, req: Request, budget: int) -> list[int]:
         """Proposed tokens for a request whose step computes its last token (and samples the next one):
@@ -41,4 +44,6 @@ class SpecDecodeScheduling:
                 req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
         if k <= 0:
             return []
+        if self.proposer is None:
+            return [-1] * k
         return self.proposer.propose(req.all_token_ids, k)

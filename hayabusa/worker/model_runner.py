@@ -120,6 +120,16 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
         self.model = build_model(mc, self.device)
+        self.draft = None   # speculative decoding's draft model (worker/draft_model.py)
+        if cfg.draft_model_config is not None:
+            from hayabusa.worker.draft_model import DraftModel
+
+            if getattr(self.model, "is_multimodal", False):
+                from hayabusa.errors import HayabusaValidationError
+
+                raise HayabusaValidationError("a draft model needs a text-only target model.",
+                                              parameter="speculative_config.method", value="draft_model")
+            self.draft = DraftModel(cfg, self.device)
         self.load_seconds = time.perf_counter() - t0
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler()
@@ -186,6 +196,8 @@ class ModelRunner:
             peak, non_torch = self._profile_peak_memory()
         self.num_blocks = determine_num_blocks(self.cfg, peak, non_torch)
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks)
         if self.device.type == "cuda":
             from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
@@ -522,6 +534,8 @@ class ModelRunner:
         T, R = len(inp.input_ids), inp.num_reqs
         max_q = int(inp.num_scheduled.max())
         self.copy_inputs(inp)
+        if self.draft is not None:
+            return self._run_with_draft(inp, T, R, max_q)
         if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None \
                 and inp.prompt_logprobs is None:
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
@@ -599,3 +613,24 @@ class ModelRunner:
         if sampled.logprobs is not None:
             lp = (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)
         return sampled.sampled_token_ids, lp
+
+    def _run_with_draft(self, inp: StepInputs, T: int, R: int, max_q: int) -> torch.Tensor:
+        """A step with a draft model (eager): its proposals into the input ids first (verify steps), then the
+        target, then the same step on the draft, which keeps its KV cache in step with the target's."""
+        buf = self.buffers
+        meta = buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max()))
+        if inp.spec is not None:
+            sel = np.flatnonzero(inp.spec.num_drafts > 0)
+            if len(sel):
+                inp.spec.draft_ids_dev = self.draft.propose(
+                    inp.logits_rows[sel], inp.spec.num_drafts[sel], inp.query_start_loc, inp.positions,
+                    inp.slot_mapping, buf.input_ids, buf.block_table, self.backend)
+        hidden = self.model(buf.input_ids[:T], buf.positions[:T], ForwardContext(meta, self.kv_caches, self.backend))
+        self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
+        if inp.prompt_logprobs is not None:
+            inp.prompt_logprobs_out = compute_prompt_logprobs(hidden, inp.prompt_logprobs, self.model.compute_logits,
+                                                              min(CHUNK_ROWS, self.max_num_reqs))
+        if len(inp.logits_indices) == 0:
+            return hidden.new_empty(0, self.vocab_size)
+        idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[idx])

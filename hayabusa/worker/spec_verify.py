@@ -29,6 +29,7 @@ class SpecStepInputs:
     draft_ids: np.ndarray       # [R_s, K] int64, proposals padded with 0 (K = max proposals)
     last_index: np.ndarray      # [R_s] int64, each request's last position in the step's logits
     draft_index: np.ndarray     # [R_s, K] int64, the logits row that verifies each proposal (padding: last_index)
+    draft_ids_dev: torch.Tensor | None = None   # [R_d, K] int64 device: a draft model's proposals (rows with k > 0)
 
 
 def write_drafts(batch: InputBatch, rows: np.ndarray, req_ids: list[str], spec: dict[str, list[int]]
@@ -107,7 +108,9 @@ def verify(sampler_fn, batch: InputBatch, rows: np.ndarray, num_output: np.ndarr
         flat = Sampler.process_logits(draft_logits.reshape(R_d * K, V), md)
         target_probs = Sampler.compute_probs(flat, md).view(R_d, K, V)
         generators = {i: batch.generators[r] for i, r in enumerate(d_rows.tolist()) if r in batch.generators}
-    emitted = rejection_sample(torch.from_numpy(spec.draft_ids[sel]).to(device, non_blocking=True),
+    draft_ids = spec.draft_ids_dev if spec.draft_ids_dev is not None else \
+        torch.from_numpy(spec.draft_ids[sel]).to(device, non_blocking=True)
+    emitted = rejection_sample(draft_ids,
                                torch.from_numpy(spec.num_drafts[sel]).to(device, non_blocking=True),
                                target_argmax, target_probs, bonus[sel_t],
                                torch.from_numpy(greedy_np).to(device, non_blocking=True), generators)
