@@ -44,3 +44,14 @@ def test_rejection_sampler_has_no_host_sync_and_keeps_distribution():
         torch.cuda.set_sync_debug_mode("default")
     first = torch.bincount(out[:, 0], minlength=5).float().cpu()
     assert chi_square(first, p.cpu()) < CHI2_CRIT_0001[4]
+
+
+def test_draft_model_on_cuda_own_draft_accepts_everything(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
+    base = LLM(tiny_llama, **kwargs).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny_llama, speculative_config={"model": tiny_llama, "num_speculative_tokens": 3}, **kwargs)
+    assert _ids(llm.generate(PROMPTS, params, use_tqdm=False)) == _ids(base)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0
+    assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
