@@ -23,7 +23,6 @@ UNSUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "max_lora_rank": "LoRA adapters",
     "max_cpu_loras": "LoRA adapters",
     "lora_extra_vocab_size": "LoRA adapters",
-    "speculative_config": "speculative decoding",
     "speculative_model": "speculative decoding",
     "num_speculative_tokens": "speculative decoding",
     "mm_processor_kwargs": "multimodal inputs",

@@ -163,6 +163,9 @@ class EngineArgs:
         limit_mm_per_prompt: most multimodal items per prompt, e.g. {"image": 5} (a JSON string on the command
             line); vLLM's meaning and default (V1: 999 per modality). Only for models with a vision tower.
         num_scheduler_steps, reasoning_parser: accepted for vLLM compatibility and ignored (IGNORED_ARGS).
+        speculative_config: speculative decoding, vLLM's dict (a JSON string on the command line), e.g.
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; see
+            hayabusa/spec_decode/config.py. Steps then run synchronously (async_scheduling off).
     """
 
     model: str = ""
@@ -205,6 +208,7 @@ class EngineArgs:
     allowed_media_domains: list[str] | None = None
     num_scheduler_steps: int = 1
     reasoning_parser: str | None = None
+    speculative_config: Any = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -292,6 +296,22 @@ class EngineArgs:
             # encoder-decoder: a decoder's KV depends on its encoder input, so equal decoder prefixes share nothing
             enable_prefix_caching=not model_config.is_encoder_decoder and (
                 True if self.enable_prefix_caching is None else bool(self.enable_prefix_caching)))
+        from hayabusa.spec_decode.config import parse_speculative_config
+
+        spec = parse_speculative_config(self.speculative_config)
+        draft_config = None
+        if spec is not None and spec.method == "draft_model":
+            draft_config = ModelConfig.from_args(dataclasses.replace(
+                self, model=spec.model, tokenizer=None, quantization=None, max_model_len=max_len,
+                speculative_config=None), device)
+            if draft_config.vocab_size != model_config.vocab_size or model_config.is_encoder_decoder \
+                    or draft_config.is_encoder_decoder:
+                raise _bad("speculative_config.model", spec.model,
+                           f"the draft must be a decoder-only model with the target's vocabulary "
+                           f"({model_config.vocab_size} tokens; it has {draft_config.vocab_size}).")
+        if spec is not None and self.async_scheduling:
+            logger.warning("async_scheduling is off with speculative decoding: a step's proposals need the previous "
+                           "step's tokens on the host.")
         sizes = self.cuda_graph_sizes
         capture_max = min(self.max_num_seqs, max(sizes) if sizes else 512)
         return EngineConfig(model_config=model_config, cache_config=cache_config,
@@ -300,8 +320,9 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager or device.type != "cuda",
                             cuda_graph_sizes=sorted(set(sizes)) if sizes else None,
                             max_cuda_graph_batch=capture_max, seed=self.seed or 0,
-                            async_scheduling=(device.type == "cuda") if self.async_scheduling is None
-                            else bool(self.async_scheduling))
+                            async_scheduling=False if spec is not None else (device.type == "cuda")
+                            if self.async_scheduling is None else bool(self.async_scheduling),
+                            speculative_config=spec, draft_model_config=draft_config)
 
     def _warn_ignored_args(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -616,4 +637,6 @@ class EngineConfig:
     max_cuda_graph_batch: int
     seed: int = 0
     async_scheduling: bool = False
+    speculative_config: Any = None            # hayabusa.spec_decode.SpeculativeConfig, or None (off)
+    draft_model_config: Any = None            # ModelConfig of the draft (speculative method "draft_model")
     extra: dict = field(default_factory=dict)

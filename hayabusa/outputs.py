@@ -89,3 +89,19 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # speculative decoding (summed over the request's n samples): steps that verified proposals, tokens proposed,
+    # proposals accepted
+    spec_num_steps: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens; None when nothing was proposed."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted proposals + the bonus token: vLLM's mean acceptance length);
+        None without verify steps."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_steps if self.spec_num_steps else None

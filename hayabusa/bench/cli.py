@@ -127,6 +127,9 @@ def _variants(workload: Workload, sweep: tuple[str, list[Any]] | None, engine: s
     For the HF baseline, max_num_seqs maps to the batch size and engine-only keys are dropped."""
     if engine == "hf" and workload.has_images:
         return [{"hf_batch_size": 1}]      # W8's baseline of record: generate at batch 1, once
+    if engine == "hf" and workload.has_text:
+        raise ValueError(f"{workload.name} has no HF baseline (it compares speculative decoding on and off); run "
+                         "it with --engine hayabusa.")
     base = workload.variants
     if sweep:
         key, values = sweep
@@ -149,7 +152,8 @@ def _engine_args(ns: argparse.Namespace, workload: Workload, variant: dict[str, 
     args = {**workload.engine_defaults, **EngineArgs.cli_kwargs(ns)}   # W8: max_model_len, limit_mm_per_prompt
     args.update(variant)
     # a grammar needs the tokenizer, and so do image prompts (the chat template)
-    args["skip_tokenizer_init"] = not (getattr(ns, "structured_output", None) or workload.has_images)
+    args["skip_tokenizer_init"] = not (getattr(ns, "structured_output", None) or workload.has_images
+                                       or workload.has_text)
     device = args.get("device", "auto")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if on_cpu and "max_model_len" not in args:
@@ -425,7 +429,7 @@ def run_bench(ns: argparse.Namespace) -> int:
 
         return run_w6(ns)     # a client of a running server: --model is its served name, not a folder
     if not ns.workload and not ns.ceilings:
-        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|W8|W9|startup with --model DIR, --ceilings, or "
+        print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|W8|W9|W11|startup with --model DIR, --ceilings, or "
               "--make-model SHAPE DIR (see --list).", file=sys.stderr)
         return 2
     if ns.workload and not (ns.model and os.path.isfile(os.path.join(ns.model, "config.json"))):

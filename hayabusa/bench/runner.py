@@ -8,6 +8,7 @@ in the measurement; startup_s is the wall time of engine construction (``LLM(...
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ def warmup_requests(workload: Workload) -> list[BenchRequest]:
         return [BenchRequest([], min(WARMUP_TOKENS, r.max_tokens), text=r.text,
                              images=[rng.integers(0, 256, im.shape, dtype=np.uint8) for im in r.images or []])
                 for r in reqs]
+    if workload.has_text:     # W11: short text of another document (its lines are not in the prefix cache)
+        return [BenchRequest([], min(WARMUP_TOKENS, r.max_tokens), text=f"Copy this line: warm-up line {i}.",
+                             answer_prefix="warm-up") for i, r in enumerate(reqs)]
     # Workloads whose prompts share a prefix (W5) warm up with a shared fresh prefix of the same length, so the
     # prefill of a request that hits the prefix cache (new tokens attending to cached ones) is warm as well.
     shared = _common_prefix_len([r.prompt_token_ids for r in reqs]) if len(reqs) > 1 else 0
@@ -91,6 +95,11 @@ def bench_prompts(tokenizer: Any, reqs: list[BenchRequest]) -> list[dict[str, An
     message (``image_chat_messages``) with ``multi_modal_data`` = its images as RGB PIL images."""
     out: list[dict[str, Any]] = []
     for r in reqs:
+        if r.text and not r.images:   # W11: chat template over the text, then the answer's first words
+            text = tokenizer.apply_chat_template([{"role": "user", "content": r.text}], tokenize=False,
+                                                 add_generation_prompt=True)
+            out.append({"prompt": text + (r.answer_prefix or "")})
+            continue
         if not r.images:
             out.append({"prompt_token_ids": r.prompt_token_ids})
             continue
@@ -140,6 +149,15 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
              "prefix_cache_hit_rate": round(kv.prefix_hit_rate, 4),
              "num_preemptions": engine.scheduler.num_preemptions,
              "weight_bytes": model_weight_bytes(engine.runner.model)}
+    spec = engine.config.speculative_config
+    if spec is not None:     # speculative decoding: counters since start (warm-up included)
+        m = engine.get_metrics()
+        drafted, accepted = m["spec_decode_num_draft_tokens"], m["spec_decode_num_accepted_tokens"]
+        extra.update(speculative_config=dataclasses.asdict(spec), spec_decode_num_draft_tokens=drafted,
+                     spec_decode_num_accepted_tokens=accepted,
+                     spec_decode_acceptance_rate=round(accepted / drafted, 4) if drafted else None)
+        notes.append(f"speculative decoding: {spec.method}, k={spec.num_speculative_tokens}, acceptance "
+                     f"{accepted}/{drafted}")
     encdec = getattr(engine.runner, "encdec", None)
     if encdec is not None:   # encoder-decoder (T5): encoder tokens run, warm-up included
         extra["encoder_tokens"] = encdec.num_encoder_tokens

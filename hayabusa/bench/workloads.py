@@ -22,7 +22,8 @@ W8_TEXT = ("Extract every personnel change on these pages as JSON with the field
 W8_HF_REQUESTS = 5
 W9_HF_BATCH_SIZES = [1, 16, 64, 256]     # HF baseline batch 1 and the batches its best is taken from
 W9_HF_BATCH1_REQUESTS = 100              # HF batch 1 times the first 100 requests (all 2,000 take ~an hour)
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "startup")
+W11_MAX_NUM_SEQS = [1, 4, 16]
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W11", "startup")
 DESCRIPTIONS = {
     "W1": "offline batch throughput: 256 x (512 prompt, 256 output)",
     "W2": "offline mixed lengths: 256 x (U[100,1024] prompt, U[100,1024] output)",
@@ -35,6 +36,8 @@ DESCRIPTIONS = {
           "request; HF generate at batch 1 (first 100 requests) and batches 16, 64, 256",
     "W8": "page images to JSON (Qwen2.5-VL): 100 x (2-5 random images up to 1024x768 + ~60 text tokens, 256 "
           "output) at max_num_seqs 1,4,8,14,16,32",
+    "W11": "copy-heavy extraction (speculative decoding; a TRAINED model): 64 x (a ~40-line order list + a "
+           "question whose answer copies lines of it, 128 output) at max_num_seqs 1,4,16; TPOT and acceptance",
     "startup": "engine construction (load, profile, CUDA graphs) and the first request",
 }
 
@@ -52,6 +55,8 @@ class BenchRequest:
     # prompt_token_ids stays empty until the runner renders it with the checkpoint's template
     images: list[np.ndarray] | None = None   # each [h, w, 3] uint8 RGB
     text: str | None = None
+    # text workloads (W11): the prompt is the chat template over one user message `text`, then `answer_prefix`
+    answer_prefix: str | None = None
 
 
 @dataclass
@@ -82,6 +87,11 @@ class Workload:
         return any(r.images for r in self.requests)
 
     @property
+    def has_text(self) -> bool:
+        """Prompts are text (W11: rendered with the checkpoint's chat template), not token ids."""
+        return any(r.text and not r.images for r in self.requests)
+
+    @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens counted once per request (n samples share one prompt)."""
         return sum(len(r.prompt_token_ids) for r in self.requests)
@@ -94,7 +104,7 @@ class Workload:
     @property
     def max_seq_len(self) -> int:
         """Longest prompt + output of any request (tokens; image workloads: their max_model_len of record)."""
-        if self.has_images:
+        if self.has_images or self.has_text:
             return int(self.engine_defaults.get("max_model_len", 8192))
         return max(len(r.prompt_token_ids) + r.max_tokens for r in self.requests)
 
@@ -205,6 +215,32 @@ def w8(scale: float = 1.0) -> Workload:
                     hf_max_requests=W8_HF_REQUESTS)
 
 
+W11_ITEMS = ("blue ceramic mug", "oak cutting board", "steel water bottle", "wool scarf", "linen napkin set",
+             "glass teapot", "bamboo tray", "cotton tote bag")
+W11_CITIES = ("Gdansk", "Porto", "Lyon", "Graz", "Tartu", "Bergen", "Leeds", "Turin")
+
+
+def w11(scale: float = 1.0) -> Workload:
+    """Copy-heavy extraction: each of 64 requests holds 40 order lines drawn from one default_rng(0) (order number
+    U[1000, 9999], quantity U[1, 9], item, city, day U[1, 28]) and asks for the lines of one city copied exactly;
+    the answer starts with the first such line's first five words (so a small instruct model copies). Greedy, 128
+    output tokens, EOS ignored; max_num_seqs 1, 4, 16. Needs a trained model and its chat template."""
+    rng = np.random.default_rng(0)
+    reqs = []
+    for _ in range(_n(64, scale)):
+        lines, city = [], W11_CITIES[int(rng.integers(0, len(W11_CITIES)))]
+        for _ in range(40):
+            lines.append(f"Order {int(rng.integers(1000, 10000))}: {int(rng.integers(1, 10))} x "
+                         f"{W11_ITEMS[int(rng.integers(0, len(W11_ITEMS)))]} shipped to "
+                         f"{W11_CITIES[int(rng.integers(0, len(W11_CITIES)))]} on 2024-03-"
+                         f"{int(rng.integers(1, 29)):02d}.")
+        first = next((ln for ln in lines if city in ln), lines[0])
+        text = "\n".join(lines) + f"\n\nCopy every order shipped to {city}, each line exactly as written above."
+        reqs.append(BenchRequest([], _n(128, scale), text=text, answer_prefix=" ".join(first.split()[:5])))
+    return Workload("W11", reqs, scale, variants=[{"max_num_seqs": m} for m in W11_MAX_NUM_SEQS],
+                    engine_defaults={"max_model_len": 2048})
+
+
 def image_chat_messages(r: BenchRequest) -> list[dict]:
     """The one user message of an image request: its images, then its text (the chat template's content list)."""
     return [{"role": "user", "content": [{"type": "image"} for _ in r.images or []] + [{"type": "text",
@@ -218,7 +254,7 @@ def startup(scale: float = 1.0) -> Workload:
 
 
 BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "W8": w8, "W9": w9,
-            "startup": startup}
+            "W11": w11, "startup": startup}
 
 
 def get_workload(name: str, scale: float = 1.0) -> Workload:

@@ -65,6 +65,10 @@ class Request:
         self.encoder_prompt_token_ids: list[int] | None = None
         self.mm_inputs: list = []              # ImageInputs (hayabusa.multimodal), in prompt order
         self.mm_encoded: set[int] = set()      # indices of mm_inputs whose encoder output the runner holds
+        # speculative decoding: steps that verified proposals, tokens proposed, proposals accepted
+        self.spec_num_steps = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

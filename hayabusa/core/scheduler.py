@@ -38,6 +38,7 @@ class _StepPlan:
     preempted: set[str] = field(default_factory=set)
     encoder: EncoderBudget | None = None                       # the step's vision-tower budget
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)   # request id -> images to encode
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)      # request id -> proposals to verify
 
     def add(self, req: Request, num_new: int, block_ids: list[int], admitted: bool) -> None:
         """Running requests are all added before the first admitted one."""
@@ -74,6 +75,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_structured = 0                            # unfinished requests under a structured-output constraint
         self.grammar_failures: dict[str, BaseException] = {}   # request id -> why its grammar failed to compile
+        # speculative decoding (hayabusa/spec_decode): proposals for decoding requests, and engine-wide counters
+        self.spec = None                                   # SpecDecodeScheduling, or None when off
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -153,6 +158,7 @@ class Scheduler:
             # the next step that runs.
             return out
         out.scheduled_encoder_inputs = plan.encoder_inputs
+        out.scheduled_spec_decode_tokens = plan.spec_tokens
         out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, set()
         out.preempted_req_ids, self._preempted_since_last_step = self._preempted_since_last_step, set()
         # Running requests come first in the plan, all known to the runner: their changes in one pass per list.
@@ -185,9 +191,13 @@ class Scheduler:
                 cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
         sampling, num_scheduled = out.sampling_req_ids, plan.num_scheduled_tokens
+        spec = plan.spec_tokens
         for req in plan.reqs:
-            if self._advance(req, num_scheduled[req.request_id]):
+            # proposals are computed too, but the step samples (verifies) once: see update_from_output
+            k = len(spec[req.request_id]) if spec and req.request_id in spec else 0
+            if self._advance(req, num_scheduled[req.request_id] - k):
                 sampling.add(req.request_id)
+            req.num_computed_tokens += k
         self._in_flight[out.step_id] = plan.reqs
         if self.num_structured:
             out.structured_output_req_ids = [r.request_id for r in plan.reqs
@@ -228,9 +238,16 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan, budget: int) -> int:
         i = 0
+        spec = self.spec if self.spec is not None and self.spec.config.enabled_for_batch(len(self.running)) \
+            else None
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._num_new_tokens(req, budget)
+            drafts = None
+            if spec is not None and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1 \
+                    and not req.num_output_placeholders:
+                drafts = spec.propose(req, budget - 1)     # its last token + k proposals, verified in one step
+                num_new += len(drafts)
             enc = None
             if num_new > 0 and req.mm_inputs:   # images: the chunk may stop before one the step cannot encode
                 num_new, enc = plan.encoder.fit(req, req.num_computed_tokens, num_new)
@@ -241,6 +258,9 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, num_new)
                 if new_blocks is not None:
                     break
+                if drafts:   # no room for the proposals: the plain decode token first, before preempting
+                    num_new, drafts = 1, None
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, plan)
                 if victim is req:
@@ -251,6 +271,8 @@ class Scheduler:
             plan.block_ids.append(new_blocks)
             plan.num_scheduled_tokens[req.request_id] = num_new
             plan.num_running += 1
+            if drafts:
+                plan.spec_tokens[req.request_id] = drafts
             if enc:
                 plan.encoder.charge(req, enc)
                 plan.encoder_inputs[req.request_id] = enc
@@ -352,24 +374,54 @@ class Scheduler:
         if self._in_flight:  # steps never collected (dropped after an error): forget them
             for step_id in [s for s in self._in_flight if s < out.step_id]:
                 del self._in_flight[step_id]
+        spec = out.scheduled_spec_decode_tokens
         for req in reqs:
             if req.status.finished:  # aborted / stopped between schedule and update: drop its token
                 continue
             new_ids = sampled.get(req.request_id)
             if not new_ids:
                 continue
-            req.num_output_placeholders -= len(new_ids)
-            req.output_token_ids.extend(new_ids)
-            req.all_token_ids.extend(new_ids)
-            if req.structured is not None:
-                req.structured.accept(new_ids)
-            status = self._check_stop(req)
+            drafts = spec.get(req.request_id) if spec else None
+            if drafts is not None:
+                new_ids, status = self._accept_verified(req, drafts, new_ids)
+            else:
+                req.num_output_placeholders -= len(new_ids)
+                req.output_token_ids.extend(new_ids)
+                req.all_token_ids.extend(new_ids)
+                if req.structured is not None:
+                    req.structured.accept(new_ids)
+                status = self._check_stop(req)
             if status is not None:
                 (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
                 req.status = status
                 self._free(req)
             results.append((req, new_ids))
         return results
+
+    def _accept_verified(self, req: Request, drafts: list[int], new_ids: list[int]
+                         ) -> tuple[list[int], RequestStatus | None]:
+        """A step that verified ``drafts``: ``new_ids`` are the accepted proposals plus one bonus (or recovered)
+        token. The rejected proposals' KV is rolled back (num_computed_tokens; their slots stay in the request's
+        blocks and are overwritten by the next step, which computes those positions again). Tokens after a stop
+        (EOS, a stop token, max_tokens) are dropped. Returns (the tokens kept, the finish status or None)."""
+        #  before: |<-- num_computed = N - 1 -->| last | d_1 .. d_k |   scheduled 1 + k, num_computed += 1 + k
+        #  after:  accepted a, so N + a tokens have KV: num_computed = N + a = num_tokens - 1 (the new last one
+        #          is computed next step)
+        num_accepted = len(new_ids) - 1
+        req.num_output_placeholders -= 1
+        req.num_computed_tokens -= len(drafts) - num_accepted
+        req.spec_num_steps += 1
+        req.spec_num_draft_tokens += len(drafts)
+        req.spec_num_accepted_tokens += num_accepted
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += num_accepted
+        for i, token in enumerate(new_ids):
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+            status = self._check_stop(req)
+            if status is not None:
+                return new_ids[:i + 1], status
+        return new_ids, None
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         params = req.sampling_params

@@ -87,7 +87,9 @@ class SchedulerOutput:
             of their state.
         preempted_req_ids: requests preempted since the previous step; the runner gives their row up but keeps
             what it needs to resume them (their generator).
-        scheduled_spec_decode_tokens: request id -> speculative tokens to verify this step; none yet.
+        scheduled_spec_decode_tokens: request id -> speculative tokens (proposals) to verify this step. Such a
+            request's num_scheduled_tokens is 1 + len(proposals): its last token, then the proposals; it samples
+            once (in sampling_req_ids), and the runner returns the accepted proposals plus one token.
         scheduled_encoder_inputs: request id -> indices of its encoder inputs to run this step (vLLM's shape).
             Vision models: indices into its ``mm_inputs`` whose vision-tower run this step does (the runner keeps
             their embeddings until the prefill consumed them; see core/encoder_budget.py). Encoder-decoder models:

@@ -248,7 +248,8 @@ class AsyncLLMEngine:
     def get_stats(self) -> dict[str, Any]:
         """A snapshot taken by the engine thread after its last step: num_requests_running / _waiting (sequences),
         kv_cache_usage (0..1), num_kv_blocks, num_free_kv_blocks, num_preemptions, num_prompt_tokens,
-        num_generation_tokens, num_steps; prefix_cache_queries / _hits (tokens) when the KV manager counts them."""
+        num_generation_tokens, num_steps; prefix_cache_queries / _hits (tokens) when the KV manager counts them;
+        spec_decode_num_draft_tokens / _accepted_tokens with speculative decoding."""
         return dict(self._stats)
 
     async def add_request(self, request_id: Any, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -531,4 +532,7 @@ class AsyncLLMEngine:
             value = getattr(kv, attr, None)
             if isinstance(value, int):
                 stats[name] = value
+        if sched.spec is not None:   # speculative decoding: vLLM's counter names
+            stats["spec_decode_num_draft_tokens"] = sched.spec_num_draft_tokens
+            stats["spec_decode_num_accepted_tokens"] = sched.spec_num_accepted_tokens
         self._stats = stats

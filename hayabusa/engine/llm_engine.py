@@ -120,6 +120,11 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size,
                                                config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        if config.speculative_config is not None:
+            from hayabusa.spec_decode.scheduling import SpecDecodeScheduling
+
+            self.scheduler.spec = SpecDecodeScheduling(config.speculative_config,
+                                                       config.scheduler_config.max_model_len)
         self.input_processor = InputProcessor(mc, self.tokenizer, make_mm_processor(mc))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, mc.vocab_size)
@@ -280,6 +285,19 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_metrics(self) -> dict[str, float]:
+        """Engine-wide counters since start (vLLM's names where it has them): prompt / generation tokens, and
+        with speculative decoding ``spec_decode_num_draft_tokens`` (proposed) and
+        ``spec_decode_num_accepted_tokens``."""
+        s = self.scheduler
+        metrics = {"num_prompt_tokens": self.stats["num_prompt_tokens"],
+                   "num_generation_tokens": self.stats["num_generation_tokens"],
+                   "num_preemptions": s.num_preemptions}
+        if s.spec is not None:
+            metrics["spec_decode_num_draft_tokens"] = s.spec_num_draft_tokens
+            metrics["spec_decode_num_accepted_tokens"] = s.spec_num_accepted_tokens
+        return metrics
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Returns False (nothing done) while requests are running."""

@@ -120,6 +120,10 @@ class OutputProcessor:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens += len(new_ids)
+            if req.spec_num_steps:   # speculative decoding: the counters of all samples of the request
+                metrics.spec_num_steps = sum(s.request.spec_num_steps for s in state.samples)
+                metrics.spec_num_draft_tokens = sum(s.request.spec_num_draft_tokens for s in state.samples)
+                metrics.spec_num_accepted_tokens = sum(s.request.spec_num_accepted_tokens for s in state.samples)
             finished = req.is_finished()
             lazy = state.lazy
             if lazy and not finished and sample.logprobs is None:

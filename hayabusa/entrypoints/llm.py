@@ -44,6 +44,11 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 
+    def get_metrics(self) -> dict[str, float]:
+        """Engine-wide counters (LLMEngine.get_metrics): token counts and, with speculative decoding,
+        ``spec_decode_num_draft_tokens`` / ``spec_decode_num_accepted_tokens``."""
+        return self.llm_engine.get_metrics()
+
     def get_tokenizer(self) -> Any:
         """The tokenizer prompts are encoded and outputs decoded with (transformers)."""
         return self.llm_engine.tokenizer

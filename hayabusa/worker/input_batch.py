@@ -155,6 +155,15 @@ class InputBatch:
         self.token_ids[rows, pos] = token_ids
         self.num_tokens[rows] = pos + 1
 
+    def write_sampled_runs(self, rows: np.ndarray, epochs: np.ndarray, runs: list[list[int]]) -> None:
+        """Append several tokens per row (a verify step's emitted tokens), unless the row changed owner."""
+        keep = self.row_epoch[rows] == epochs
+        for row, ok, run in zip(rows.tolist(), keep.tolist(), runs):
+            if ok and run:
+                n = self.num_tokens[row]
+                self.token_ids[row, n:n + len(run)] = run
+                self.num_tokens[row] = n + len(run)
+
     def token_matrix(self, rows: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tokens ``start .. start + length`` of each row as [R, W] int64 padded with V (W = max length, >= 1),
         and a [R, W] mask of the cells inside ``length`` that the host does not know yet (placeholders)."""

@@ -18,8 +18,11 @@ def kv_cache_dtype(cfg: EngineConfig) -> torch.dtype:
 
 
 def bytes_per_token(cfg: EngineConfig) -> int:
-    """K + V bytes of one token over all layers, in the cache dtype (an fp8 cache halves bf16's)."""
-    return cfg.model_config.kv_bytes_per_token(kv_cache_dtype(cfg))
+    """K + V bytes of one token over all layers, in the cache dtype (an fp8 cache halves bf16's); with a draft
+    model (speculative decoding) its cache's bytes too (it has as many blocks as the target's)."""
+    draft = getattr(cfg, "draft_model_config", None)
+    extra = draft.kv_bytes_per_token(kv_cache_dtype(cfg)) if draft is not None else 0
+    return cfg.model_config.kv_bytes_per_token(kv_cache_dtype(cfg)) + extra
 
 
 def bytes_per_block(cfg: EngineConfig) -> int:

@@ -28,6 +28,7 @@ from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
 from hayabusa.worker.input_batch import CachedRequestState, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from hayabusa.worker.spec_verify import SpecStepInputs, plan_verify, verify, write_drafts
 from hayabusa.worker.prompt_logprobs import (CHUNK_ROWS, PromptLogprobsPending, PromptLogprobsPlan,
                                              compute_prompt_logprobs, plan_prompt_logprobs)
 from hayabusa.worker.step_buffers import StepBuffers
@@ -97,6 +98,7 @@ class StepInputs:
     mm: Any = None              # StepMultiModal (worker/mm_inputs.py): image rows / M-RoPE positions, or None
     prompt_logprobs: PromptLogprobsPlan | None = None       # positions whose prompt logprobs this step computes
     prompt_logprobs_out: PromptLogprobsPending | None = None  # their logprobs (device), set by _run_model
+    spec: SpecStepInputs | None = None   # a verify step (speculative decoding): logits_indices cover 1 + k positions
 
     @property
     def num_reqs(self) -> int:
@@ -118,6 +120,16 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
         self.model = build_model(mc, self.device)
+        self.draft = None   # speculative decoding's draft model (worker/draft_model.py)
+        if cfg.draft_model_config is not None:
+            from hayabusa.worker.draft_model import DraftModel
+
+            if getattr(self.model, "is_multimodal", False):
+                from hayabusa.errors import HayabusaValidationError
+
+                raise HayabusaValidationError("a draft model needs a text-only target model.",
+                                              parameter="speculative_config.method", value="draft_model")
+            self.draft = DraftModel(cfg, self.device)
         self.load_seconds = time.perf_counter() - t0
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler()
@@ -168,6 +180,10 @@ class ModelRunner:
                  "slot_mapping": pinned(T, torch.int64), "query_start_loc": pinned(R + 1, torch.int32),
                  "seq_lens": pinned(R, torch.int32), "block_table": pinned(R * self.max_blocks_per_req, torch.int32),
                  "sampled": pinned(R, torch.int64)} for _ in range(2)]
+            spec = self.cfg.speculative_config
+            if spec is not None:   # a verify step's emitted tokens, [R, k + 1]
+                for st in self._staging_sets:
+                    st["sampled_runs"] = pinned(R * (spec.num_speculative_tokens + 1), torch.int64)
             self.staging = self._staging_sets[0]
             self.block_table_staging = torch.empty(R * self.max_blocks_per_req, dtype=torch.int32, device=d)
 
@@ -180,6 +196,8 @@ class ModelRunner:
             peak, non_torch = self._profile_peak_memory()
         self.num_blocks = determine_num_blocks(self.cfg, peak, non_torch)
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks)
         if self.device.type == "cuda":
             from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
@@ -322,6 +340,8 @@ class ModelRunner:
             sampling_ids = [inp.req_ids[i] for i in inp.logits_rows.tolist()]
         index = {rid: i for i, rid in enumerate(sampling_ids)}
         rows = np.array([index[rid] for rid in req_ids], dtype=np.int64)
+        if inp.spec is not None:   # a verify step: each request's token is sampled at its last logits row
+            rows = inp.spec.last_index[rows]
         if self.staging is not None:  # through pinned buffers: the copy must not wait for the queued forward
             n, W = bitmask.shape
             if self.staging.get("bitmask") is None or self.staging["bitmask"].shape[1] != W:
@@ -348,8 +368,13 @@ class ModelRunner:
         if handle.ids is None:
             return ModelRunnerOutput({rid: [] for rid in handle.req_ids}, prompt_logprobs=prompt_lps)
         ids = handle.ids.numpy()
-        self.batch.write_sampled(handle.rows, handle.epochs, ids)
-        sampled = dict(zip(handle.sampled_req_ids, ([t] for t in ids.tolist())))
+        if ids.ndim == 2:   # a verify step: each row's emitted tokens, -1 padded
+            runs = [[t for t in row if t >= 0] for row in ids.tolist()]
+            self.batch.write_sampled_runs(handle.rows, handle.epochs, runs)
+            sampled = dict(zip(handle.sampled_req_ids, runs))
+        else:
+            self.batch.write_sampled(handle.rows, handle.epochs, ids)
+            sampled = dict(zip(handle.sampled_req_ids, ([t] for t in ids.tolist())))
         if len(sampled) < len(handle.req_ids):  # requests in a partial prefill: no token
             sampled = {rid: sampled.get(rid, []) for rid in handle.req_ids}
         result = ModelRunnerOutput(sampled, prompt_logprobs=prompt_lps)
@@ -420,7 +445,9 @@ class ModelRunner:
         else:
             positions = np.repeat(num_computed - qsl[:-1], num_sched) + np.arange(T, dtype=np.int64)
             tok_rows = np.repeat(rows, num_sched)
-        input_ids, ph_dst, ph_src = self._gather_input_ids(tok_rows, positions)
+        spec = out.scheduled_spec_decode_tokens
+        known = write_drafts(batch, rows, rids, spec) if spec else None      # proposals go in as input tokens
+        input_ids, ph_dst, ph_src = self._gather_input_ids(tok_rows, positions, known)
         sampling = out.sampling_req_ids
         if len(sampling) == R:
             sampled_rows = np.arange(R, dtype=np.int64)
@@ -434,19 +461,23 @@ class ModelRunner:
         if self._prompt_lp_wanted:
             plan = plan_prompt_logprobs(rids, rows, num_computed, qsl, self._prompt_lp_wanted, self._prompt_lp_done,
                                         batch.token_ids, batch.num_prompt_tokens)
+        logits_indices, verify_plan = (qsl[1:][sampled_rows] - 1).astype(np.int64), None
+        if spec:
+            logits_indices, verify_plan = plan_verify(rids, sampled_rows, qsl, spec)
         return StepInputs(rids, rows, num_sched, qsl, seq_lens, positions, input_ids, slot_mapping,
-                          batch.block_table[rows, :max_blocks], sampled_rows,
-                          (qsl[1:][sampled_rows] - 1).astype(np.int64), ph_dst, ph_src, prompt_logprobs=plan)
+                          batch.block_table[rows, :max_blocks], sampled_rows, logits_indices, ph_dst, ph_src,
+                          prompt_logprobs=plan, spec=verify_plan)
 
-    def _gather_input_ids(self, tok_rows: np.ndarray, positions: np.ndarray
+    def _gather_input_ids(self, tok_rows: np.ndarray, positions: np.ndarray, known: np.ndarray | None = None
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Input ids of the step ([T] int64, 0 where a placeholder goes), by one gather from the rows' token ids,
         and the placeholders' (dst, src) pairs ([P] int64 each): dst indexes this step's tokens, src the previous
         step's sampled-token tensor. A placeholder is a token the host does not know yet: the previous step
-        sampled it and it is still on the device."""
+        sampled it and it is still on the device. ``known``: tokens known per row when it is not
+        ``batch.num_tokens`` (a verify step's proposals, written after them)."""
         batch = self.batch
         ids = batch.token_ids[tok_rows, positions].astype(np.int64)
-        ph_dst = np.flatnonzero(positions >= batch.num_tokens[tok_rows])
+        ph_dst = np.flatnonzero(positions >= (batch.num_tokens if known is None else known)[tok_rows])
         if len(ph_dst) == 0:
             return ids, ph_dst, ph_dst
         ids[ph_dst] = 0
@@ -503,6 +534,8 @@ class ModelRunner:
         T, R = len(inp.input_ids), inp.num_reqs
         max_q = int(inp.num_scheduled.max())
         self.copy_inputs(inp)
+        if self.draft is not None:
+            return self._run_with_draft(inp, T, R, max_q)
         if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None \
                 and inp.prompt_logprobs is None:
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
@@ -540,27 +573,64 @@ class ModelRunner:
         batch = self.batch
         # outputs before this step's sample, placeholders included: the sequence so far minus the prompt
         num_output = inp.seq_lens[inp.logits_rows].astype(np.int64) - batch.num_prompt_tokens[rows]
-        lp = None
-        if batch.is_plain_greedy(rows, num_output):  # fast path: argmax, no sampling metadata
-            ids = logits.argmax(dim=-1)
+        if inp.spec is not None:   # a verify step: [R_s, K + 1] tokens; the next step knows them (synchronous)
+            num_output = num_output - inp.spec.num_drafts
+            ids, lp = verify(lambda lg, r, n: self._sample_one(inp, lg, r, n), batch, rows, num_output, inp.spec,
+                             logits)
+            self._prev_sample_index.fill(-1)
         else:
-            pending = None
-            if batch.has_penalties[rows].any():
-                idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
-                pending = self.buffers.input_ids[idx]                # [R_s] each row's last input token
-            sampled = self.sampler(logits, batch.sampling_metadata(rows, num_output, pending))
-            ids = sampled.sampled_token_ids
-            if sampled.logprobs is not None:
-                lp = (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)
+            ids, lp = self._sample_one(inp, logits, rows, num_output)
         self._prev_sampled = ids                               # [R_s] int64, read by the next step's placeholders
         handle = StepHandle(inp.req_ids, rids, ids, None, lp, rows, batch.row_epoch[rows].copy(),
                             batch.num_logprobs[rows].tolist() if lp is not None else None)
         if self.device.type != "cuda":
             return handle
-        handle.ids = self.staging["sampled"][:len(rids)]
+        if ids.ndim == 2:
+            handle.ids = self.staging["sampled_runs"][:ids.numel()].view(ids.shape)
+        else:
+            handle.ids = self.staging["sampled"][:len(rids)]
         handle.ids.copy_(ids, non_blocking=True)
         if lp is not None:
             handle.logprobs = tuple(t.to("cpu", non_blocking=True) for t in lp)
         handle.event = torch.cuda.Event()
         handle.event.record()
         return handle
+
+    def _sample_one(self, inp: StepInputs, logits: torch.Tensor, rows: np.ndarray, num_output: np.ndarray
+                    ) -> tuple[torch.Tensor, tuple | None]:
+        """One token per row of logits [R_s, V] (device): (ids [R_s] int64, (logprob ids, logprobs, ranks) or
+        None)."""
+        batch = self.batch
+        if batch.is_plain_greedy(rows, num_output):  # fast path: argmax, no sampling metadata
+            return logits.argmax(dim=-1), None
+        pending = None
+        if batch.has_penalties[rows].any():
+            last = inp.logits_indices if inp.spec is None else inp.logits_indices[inp.spec.last_index]
+            idx = torch.from_numpy(last).to(self.device, non_blocking=True)
+            pending = self.buffers.input_ids[idx]                # [R_s] each row's last input token
+        sampled = self.sampler(logits, batch.sampling_metadata(rows, num_output, pending))
+        lp = None
+        if sampled.logprobs is not None:
+            lp = (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)
+        return sampled.sampled_token_ids, lp
+
+    def _run_with_draft(self, inp: StepInputs, T: int, R: int, max_q: int) -> torch.Tensor:
+        """A step with a draft model (eager): its proposals into the input ids first (verify steps), then the
+        target, then the same step on the draft, which keeps its KV cache in step with the target's."""
+        buf = self.buffers
+        meta = buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max()))
+        if inp.spec is not None:
+            sel = np.flatnonzero(inp.spec.num_drafts > 0)
+            if len(sel):
+                inp.spec.draft_ids_dev = self.draft.propose(
+                    inp.logits_rows[sel], inp.spec.num_drafts[sel], inp.query_start_loc, inp.positions,
+                    inp.slot_mapping, buf.input_ids, buf.block_table, self.backend)
+        hidden = self.model(buf.input_ids[:T], buf.positions[:T], ForwardContext(meta, self.kv_caches, self.backend))
+        self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
+        if inp.prompt_logprobs is not None:
+            inp.prompt_logprobs_out = compute_prompt_logprobs(hidden, inp.prompt_logprobs, self.model.compute_logits,
+                                                              min(CHUNK_ROWS, self.max_num_reqs))
+        if len(inp.logits_indices) == 0:
+            return hidden.new_empty(0, self.vocab_size)
+        idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[idx])

@@ -141,6 +141,11 @@ class _EngineCollector:
             yield counter("hayabusa:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
             yield gauge("hayabusa:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries.",
                         hits / queries if queries else 0.0)
+        if "spec_decode_num_draft_tokens" in s:   # speculative decoding (vLLM's counter names)
+            yield counter("hayabusa:spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+                          s["spec_decode_num_draft_tokens"])
+            yield counter("hayabusa:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+                          s["spec_decode_num_accepted_tokens"])
 
 
 # ---------------------------------------------------------------------------------------------------- ASGI pieces

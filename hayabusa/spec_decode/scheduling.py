@@ -1,0 +1,49 @@
+"""Which running requests get proposals in a step, and how many: the scheduler's side of speculative decoding
+(plain Python; the scheduler calls ``propose`` for a request about to decode one token)."""
+
+from __future__ import annotations
+
+from hayabusa.core.request import Request
+from hayabusa.spec_decode.config import SpeculativeConfig
+from hayabusa.spec_decode.ngram import NgramProposer
+
+
+def eligible(req: Request) -> bool:
+    """Requests that speculation leaves alone (they decode one token per step, unchanged): penalties (their
+    history would change within a verified run), structured outputs (one bitmask per step), logprobs and
+    prompt_logprobs (one entry per step), min_tokens not yet reached (EOS is masked per token), and requests with
+    images or an encoder input (their decode steps stay one token)."""
+    p = req.sampling_params
+    return (req.structured is None and not req.mm_inputs and req.encoder_prompt_token_ids is None and not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None
+            and req.num_output_tokens >= p.min_tokens)
+
+
+class SpecDecodeScheduling:
+    """Proposals for the scheduler.
+
+    Args:
+        config: the checked speculative config.
+        max_model_len: the context limit (a proposal never runs past it).
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        # draft_model: the runner's draft makes the proposals at the start of the step; the scheduler sends k
+        # slots (-1 ids) for them
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.method == "ngram" else None
+
+    def propose(self, req: Request, budget: int) -> list[int]:
+        """Proposed tokens for a request whose step computes its last token (and samples the next one):
+        at most k, at most ``budget`` (the step's tokens left after its own one), and never past max_tokens or
+        max_model_len (accepted tokens plus the bonus token always fit)."""
+        if not eligible(req):
+            return []
+        k = min(self.config.num_speculative_tokens, budget,
+                req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        if k <= 0:
+            return []
+        if self.proposer is None:
+            return [-1] * k
+        return self.proposer.propose(req.all_token_ids, k)

@@ -1,0 +1,86 @@
+"""The draft model of speculative decoding ("draft_model"): a smaller checkpoint of the target's vocabulary with
+its own paged KV cache, indexed by the target's block ids (the scheduler's), so it stays in step with the target
+by construction: every forward the target runs, the draft runs on the same tokens, positions and slots
+(``mirror``), so prefix-hit blocks, recomputed prompts after preemption and rolled-back positions hold the same
+tokens in both caches. At the start of a verify step the draft proposes its k greedy tokens per request
+(``propose``: k one-token forwards, batched over the requests); they go into the step's input ids on the device.
+
+  target step (verify):   | last | d_0 | ... | d_{k-1} |     slots s_0 .. s_k of the scheduler's blocks
+  draft step j (0..k-1):  input d_{j-1} (j = 0: last) at position N - 1 + j, slot s_j -> argmax = d_j
+  mirror:                 the target's step again on the draft (rewrites s_0 .. s_k, so s_k holds d_{k-1})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
+from hayabusa.config import EngineConfig
+from hayabusa.model.loader import build_model
+from hayabusa.worker.kv_cache import allocate_kv_caches
+
+
+class DraftModel:
+    """The draft's weights and KV cache (rows of the target's block table).
+
+    Args:
+        cfg: the engine config (``draft_model_config`` set).
+        device: the device.
+    """
+
+    def __init__(self, cfg: EngineConfig, device: torch.device) -> None:
+        self.cfg = dataclasses.replace(cfg, model_config=cfg.draft_model_config)
+        self.device = device
+        self.model = build_model(cfg.draft_model_config, device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate(self, num_blocks: int) -> None:
+        """Its KV cache: as many blocks as the target's (the same block ids)."""
+        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks)
+
+    def mirror(self, attn_metadata: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+               backend) -> None:
+        """Run the target's step on the draft (KV only; no logits)."""
+        self.model(input_ids, positions, ForwardContext(attn_metadata, self.kv_caches, backend))
+
+    def propose(self, req_index: np.ndarray, num_drafts: np.ndarray, query_start_loc: np.ndarray,
+                positions: np.ndarray, slot_mapping: np.ndarray, input_ids: torch.Tensor,
+                block_table: torch.Tensor, backend) -> torch.Tensor:
+        """Greedy proposals of the draft, written into ``input_ids`` (the step's device input ids) right after each
+        request's last token.
+
+        Args:
+            req_index: [R_d] int64, the requests (indices in the step's batch) with proposal slots.
+            num_drafts: [R_d] int64, each one's k (>= 1).
+            query_start_loc: [R + 1] the step's token offsets (host).
+            positions, slot_mapping: [T] the step's token positions and slots (host).
+            input_ids: [T] int64 device, the step's input ids (proposal slots overwritten here).
+            block_table: [R, W] int32 device, the step's block table rows.
+            backend: the attention backend.
+
+        Returns:
+            [R_d, K] int64 device, the proposals (K = max k; columns >= k are unused).
+        """
+        dev, R_d, K = self.device, len(req_index), int(num_drafts.max())
+        first = query_start_loc[req_index].astype(np.int64)                  # [R_d] token index of the last token
+        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a, dtype=dt)).to(dev, non_blocking=True)  # noqa
+        tables = block_table[to(req_index, np.int64)]
+        qsl = to(np.arange(R_d + 1), np.int32)
+        tokens = input_ids[to(first, np.int64)]                               # [R_d] step 0's inputs
+        drafts = []
+        for j in range(K):
+            valid = j < num_drafts                                            # rows past their k: no KV write
+            idx = first + np.minimum(j, num_drafts - 1)
+            pos = positions[idx]
+            slots = np.where(valid, slot_mapping[idx], -1)
+            meta = AttentionMetadata(qsl, to(pos + 1, np.int32), tables, to(slots, np.int64), R_d, 1,
+                                     int(pos.max()) + 1)
+            hidden = self.model(tokens, to(pos, np.int64), ForwardContext(meta, self.kv_caches, backend))
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)        # [R_d] d_j
+            drafts.append(tokens)
+            rows = np.flatnonzero(valid)
+            input_ids[to(first[rows] + 1 + j, np.int64)] = tokens[to(rows, np.int64)]
+        return torch.stack(drafts, dim=1)

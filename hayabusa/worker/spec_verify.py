@@ -1,0 +1,118 @@
+"""The runner's side of speculative decoding: where a verify step's proposals go in the input, which logits it
+computes, and how its tokens are chosen (``hayabusa/sample/rejection_sampler.py``).
+
+A request with k proposals is scheduled 1 + k tokens: its last token, then the proposals. Its logits are computed
+at all 1 + k positions: position j < k predicts proposal j (verified), position k gives the bonus token.
+
+  input:   | last | d_0 | d_1 | ... | d_{k-1} |
+  logits:  |  p_0 | p_1 | p_2 | ... |   p_k   |     p_j verifies d_j; p_k samples the bonus token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hayabusa.sample.rejection_sampler import rejection_sample
+from hayabusa.sample.sampler import Sampler
+from hayabusa.sampling_params import SAMPLING_EPS
+from hayabusa.worker.input_batch import InputBatch
+
+
+@dataclass
+class SpecStepInputs:
+    """Host arrays of a verify step, over its R_s sampled requests (in the order of ``logits_rows``)."""
+
+    num_drafts: np.ndarray      # [R_s] int64, proposals per sampled request (0 for those without)
+    draft_ids: np.ndarray       # [R_s, K] int64, proposals padded with 0 (K = max proposals)
+    last_index: np.ndarray      # [R_s] int64, each request's last position in the step's logits
+    draft_index: np.ndarray     # [R_s, K] int64, the logits row that verifies each proposal (padding: last_index)
+    draft_ids_dev: torch.Tensor | None = None   # [R_d, K] int64 device: a draft model's proposals (rows with k > 0)
+
+
+def write_drafts(batch: InputBatch, rows: np.ndarray, req_ids: list[str], spec: dict[str, list[int]]
+                 ) -> np.ndarray:
+    """Put each request's proposals in its row right after its known tokens (the input gather reads them from
+    there; the next write_sampled overwrites them). Returns [rows] int64: tokens known per row, proposals
+    included."""
+    known = batch.num_tokens.copy()
+    for rid, row in zip(req_ids, rows.tolist()):
+        drafts = spec.get(rid)
+        if drafts:
+            n = known[row]
+            batch.token_ids[row, n:n + len(drafts)] = drafts
+            known[row] = n + len(drafts)
+    return known
+
+
+def plan_verify(req_ids: list[str], sampled_rows: np.ndarray, query_start_loc: np.ndarray,
+                spec: dict[str, list[int]]) -> tuple[np.ndarray, SpecStepInputs]:
+    """The logits indices of a verify step ([sum(1 + k)] int64 token indices, request by request) and its
+    SpecStepInputs."""
+    R_s = len(sampled_rows)
+    num_drafts = np.array([len(spec.get(req_ids[i], ())) for i in sampled_rows.tolist()], dtype=np.int64)
+    width = num_drafts + 1
+    ends = query_start_loc[1:][sampled_rows].astype(np.int64)                     # [R_s] one past each last token
+    starts = np.cumsum(width) - width                                             # [R_s] first logits row
+    logits_indices = np.repeat(ends - width - starts, width) + np.arange(int(width.sum()), dtype=np.int64)
+    K = max(int(num_drafts.max()) if R_s else 0, 1)
+    draft_ids = np.zeros((R_s, K), dtype=np.int64)
+    for i, n in enumerate(num_drafts.tolist()):
+        if n:
+            draft_ids[i, :n] = spec[req_ids[int(sampled_rows[i])]]
+    last_index = starts + num_drafts
+    col = np.arange(K)
+    draft_index = np.where(col[None, :] < num_drafts[:, None], starts[:, None] + col[None, :], last_index[:, None])
+    return logits_indices, SpecStepInputs(num_drafts, draft_ids, last_index, draft_index)
+
+
+def verify(sampler_fn, batch: InputBatch, rows: np.ndarray, num_output: np.ndarray, spec: SpecStepInputs,
+           logits: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """Choose a verify step's tokens on the device (no host sync).
+
+    Args:
+        sampler_fn: (logits [R_s, V], rows, num_output) -> (ids [R_s], logprobs or None): the runner's usual
+            sampling of one token per request, used at each request's last position (its bonus token, or its one
+            token when it has no proposals: penalties, logprobs and min_tokens apply there as in any step).
+        batch: the runner's rows.
+        rows: [R_s] int64, the sampled requests' rows.
+        num_output: [R_s] int64, their output tokens before this step (placeholders included).
+        spec: the step's SpecStepInputs.
+        logits: [sum(1 + k), V], the step's logits (plan_verify's indices).
+
+    Returns:
+        ([R_s, K + 1] int64 emitted tokens, -1 padded; the last positions' logprobs or None).
+    """
+    device = logits.device
+    last = torch.from_numpy(spec.last_index).to(device, non_blocking=True)
+    bonus, lp = sampler_fn(logits[last], rows, num_output)
+    R_s, K = spec.draft_ids.shape
+    out = torch.full((R_s, K + 1), -1, dtype=torch.int64, device=device)
+    out[:, 0] = bonus
+    sel = np.flatnonzero(spec.num_drafts > 0)           # requests with proposals: eligible ones (no penalties)
+    if len(sel) == 0:
+        return out, lp
+    sel_t = torch.from_numpy(sel).to(device, non_blocking=True)
+    d_rows = rows[sel]
+    index = torch.from_numpy(spec.draft_index[sel]).to(device, non_blocking=True)          # [R_d, K]
+    draft_logits = logits[index]                                                           # [R_d, K, V]
+    target_argmax = draft_logits.argmax(dim=-1)
+    greedy_np = batch.params_np["temperature"][d_rows] < SAMPLING_EPS
+    target_probs = None
+    generators: dict[int, torch.Generator] = {}
+    if not greedy_np.all():
+        R_d, V = len(sel), draft_logits.shape[-1]
+        md = batch.sampling_metadata(np.repeat(d_rows, K), np.repeat(num_output[sel], K), None)
+        flat = Sampler.process_logits(draft_logits.reshape(R_d * K, V), md)
+        target_probs = Sampler.compute_probs(flat, md).view(R_d, K, V)
+        generators = {i: batch.generators[r] for i, r in enumerate(d_rows.tolist()) if r in batch.generators}
+    draft_ids = spec.draft_ids_dev if spec.draft_ids_dev is not None else \
+        torch.from_numpy(spec.draft_ids[sel]).to(device, non_blocking=True)
+    emitted = rejection_sample(draft_ids,
+                               torch.from_numpy(spec.num_drafts[sel]).to(device, non_blocking=True),
+                               target_argmax, target_probs, bonus[sel_t],
+                               torch.from_numpy(greedy_np).to(device, non_blocking=True), generators)
+    out[sel_t] = emitted
+    return out, lp

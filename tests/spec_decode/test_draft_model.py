@@ -1,0 +1,82 @@
+"""Speculative decoding with a draft model: a smaller random checkpoint of the same vocabulary keeps greedy output
+unchanged; the target as its own draft has every proposal accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hayabusa import LLM, SamplingParams
+from tests.spec_decode.test_spec_engine import MAX_TOKENS, PROMPTS, _ids
+
+
+@pytest.fixture(scope="module")
+def small_draft(tiny_llama, tmp_path_factory) -> str:
+    """A 1-layer, 32-wide random Llama with tiny_llama's tokenizer and vocabulary."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    out = tmp_path_factory.mktemp("small_draft")
+    LlamaForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return LLM(tiny_llama, max_num_seqs=16, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 16])
+def test_small_draft_keeps_greedy_output(tiny_llama, small_draft, base, max_num_seqs):
+    llm = LLM(tiny_llama, max_num_seqs=max_num_seqs, device="cpu",
+              speculative_config={"method": "draft_model", "model": small_draft, "num_speculative_tokens": 3})
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                       use_tqdm=False)
+    assert _ids(out) == _ids(base)
+    assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_num_seqs=3), dict(max_num_seqs=8, num_gpu_blocks_override=20,
+                                                                block_size=4, max_model_len=64)])
+def test_target_as_its_own_draft_accepts_everything(tiny_llama, base, kwargs):
+    llm = LLM(tiny_llama, device="cpu", speculative_config={"model": tiny_llama, "num_speculative_tokens": 3},
+              **kwargs)
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                       use_tqdm=False)
+    assert _ids(out) == _ids(base)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0
+    assert m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_draft_tokens"] == 1.0
+    assert all(o.metrics.spec_acceptance_rate == 1.0 for o in out)
+    if "num_gpu_blocks_override" in kwargs:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_own_draft_after_prefix_hits_accepts_everything(tiny_llama, base):
+    # the second generate() hits the prefix cache: the draft's cache must hold those blocks too (same block ids)
+    llm = LLM(tiny_llama, device="cpu", max_num_seqs=4, enable_prefix_caching=True, block_size=4,
+              speculative_config={"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    hits0 = llm.llm_engine.kv_cache_manager.num_hit_tokens
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.llm_engine.kv_cache_manager.num_hit_tokens > hits0
+    assert _ids(out) == _ids(base)
+    assert all(o.metrics.spec_num_draft_tokens > 0 and o.metrics.spec_acceptance_rate == 1.0 for o in out)
+
+
+def test_draft_model_config_errors(tiny_llama, tiny_qwen2):
+    from hayabusa.errors import HayabusaValidationError
+
+    with pytest.raises(HayabusaValidationError) as e:
+        LLM(tiny_llama, device="cpu", speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    assert e.value.parameter == "speculative_config.model"
+    with pytest.raises(HayabusaValidationError) as e:   # another vocabulary
+        LLM(tiny_llama, device="cpu", speculative_config={"model": tiny_qwen2, "num_speculative_tokens": 2})
+    assert e.value.parameter == "speculative_config.model"

@@ -1,0 +1,78 @@
+"""The scheduler's side of speculative decoding, with pinned ids (no model): proposals in the step budget and KV
+slots, num_computed_tokens rolled back past rejected proposals, stops inside an accepted run, the caps."""
+
+from hayabusa.core.request import RequestStatus
+from hayabusa.spec_decode.config import SpeculativeConfig
+from hayabusa.spec_decode.scheduling import SpecDecodeScheduling
+from tests.core.test_scheduler import make_scheduler, req
+
+
+class FixedProposer:
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def propose(self, token_ids, k):
+        return self.drafts[:k]
+
+
+def spec_scheduler(drafts, k=3, **kw):
+    s = make_scheduler(**kw)
+    s.spec = SpecDecodeScheduling(SpeculativeConfig("ngram", k, 3, 1), s.config.max_model_len)
+    s.spec.proposer = FixedProposer(drafts)
+    return s
+
+
+def test_proposals_are_scheduled_verified_and_rolled_back():
+    s = spec_scheduler([50, 51, 52], num_blocks=16, block_size=4)
+    a = req("a", 6, max_tokens=20)
+    s.add_request(a)
+    out = s.schedule()                                   # prefill: no proposals
+    assert out.num_scheduled_tokens == {"a": 6} and out.scheduled_spec_decode_tokens == {}
+    s.update_from_output(out, {"a": [9]})
+    out = s.schedule()                                   # last token + 3 proposals: positions 6..9, a 3rd block
+    assert out.num_scheduled_tokens == {"a": 4} and out.scheduled_spec_decode_tokens == {"a": [50, 51, 52]}
+    assert out.new_block_ids == {"a": [2]} and out.sampling_req_ids == {"a"}
+    assert a.num_computed_tokens == 10
+    s.update_from_output(out, {"a": [50, 60]})           # 1 accepted + the token the target chose instead of 51
+    assert a.output_token_ids == [9, 50, 60]
+    assert a.num_computed_tokens == 8 == a.num_tokens - 1    # positions 8, 9 (rejected 51, 52) are recomputed
+    assert (a.spec_num_draft_tokens, a.spec_num_accepted_tokens, a.spec_num_steps) == (3, 1, 1)
+    assert (s.spec_num_draft_tokens, s.spec_num_accepted_tokens) == (3, 1)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 4} and out.new_block_ids == {"a": []}   # its blocks still hold them
+
+
+def test_budget_max_tokens_and_stop_inside_run():
+    s = spec_scheduler([50, 2, 52], k=3, max_num_batched_tokens=64)
+    a, b = req("a", 4, max_tokens=3), req("b", 4, max_tokens=10)
+    s.add_request(a)
+    s.add_request(b)
+    s.update_from_output(s.schedule(), {"a": [9], "b": [9]})
+    out = s.schedule()
+    # a may make 2 more tokens: one proposal (+ the bonus) at most; b gets all 3
+    assert out.scheduled_spec_decode_tokens == {"a": [50], "b": [50, 2, 52]}
+    s.update_from_output(out, {"a": [50, 8], "b": [50, 2, 52, 7]})
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [9, 50, 8]
+    # EOS (2) accepted inside b's run ends it there; what followed is dropped
+    assert b.status == RequestStatus.FINISHED_STOPPED and b.output_token_ids == [9, 50, 2]
+
+
+def test_tight_budget_trims_proposals_and_no_kv_room_drops_them():
+    s = spec_scheduler([50, 51, 52], k=3, max_num_batched_tokens=7, max_num_seqs=4)
+    a, b = req("a", 3, max_tokens=10), req("b", 3, max_tokens=10)
+    s.add_request(a)
+    s.add_request(b)
+    s.update_from_output(s.schedule(), {"a": [9], "b": [9]})
+    out = s.schedule()
+    # a budget of 7: a's full run (4), then b's token and the 2 proposals that still fit
+    assert out.num_scheduled_tokens == {"a": 4, "b": 3}
+    assert out.scheduled_spec_decode_tokens == {"a": [50, 51, 52], "b": [50, 51]}
+    # one free block for two requests that each need a new one: proposals go before anyone is preempted
+    s2 = spec_scheduler([50, 51, 52], k=3, num_blocks=2, block_size=4)
+    c = req("c", 3, max_tokens=10)
+    s2.add_request(c)
+    s2.update_from_output(s2.schedule(), {"c": [9]})
+    s2.kv.block_pool.take(1)                                     # someone else holds the last free block
+    out = s2.schedule()
+    assert out.num_scheduled_tokens == {"c": 1} and out.scheduled_spec_decode_tokens == {}
+    assert s2.num_preemptions == 0

@@ -1,0 +1,26 @@
+"""W11 (copy-heavy extraction) as the bench builds it: deterministic text prompts whose answer starts a copy."""
+
+from __future__ import annotations
+
+from hayabusa.bench.runner import bench_prompts, warmup_requests
+from hayabusa.bench.workloads import get_workload
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt and len(messages) == 1
+        return f"<user>{messages[0]['content']}</user><assistant>"
+
+
+def test_w11_requests_are_fixed_and_render_with_the_answer_start():
+    w = get_workload("W11")
+    assert len(w.requests) == 64 and [v["max_num_seqs"] for v in w.variants] == [1, 4, 16]
+    assert w.has_text and not w.has_images and w.max_seq_len == 2048
+    r = w.requests[0]
+    assert r.max_tokens == 128 and r.text.count("\n") == 41 and r.text.startswith("Order ")
+    # the answer prefix is the start of a line of the document (one of the requested city's orders)
+    assert r.answer_prefix.startswith("Order ") and r.answer_prefix in r.text
+    assert get_workload("W11").requests[5].text == w.requests[5].text          # same rng, same prompts
+    prompt = bench_prompts(FakeTokenizer(), [r])[0]["prompt"]
+    assert prompt.endswith("</user><assistant>" + r.answer_prefix)
+    assert all(q.text and q.answer_prefix for q in warmup_requests(w))
