@@ -91,6 +91,10 @@ def check_limit_mm_per_prompt(limit: Any) -> dict[str, int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise HayabusaValidationError(f"limit_mm_per_prompt[{k!r}] must be a non-negative integer, got {v!r}.",
                                           parameter="limit_mm_per_prompt", value=limit)
+        if k not in SUPPORTED_MODALITIES and v:
+            raise HayabusaValidationError(f"limit_mm_per_prompt[{k!r}]={v}: {k} inputs are not supported yet in "
+                                          f"hayabusa (only {', '.join(SUPPORTED_MODALITIES)}); leave it out or 0.",
+                                          parameter="limit_mm_per_prompt", value=limit)
     return dict(limit)
 
 
@@ -114,10 +118,12 @@ class MultiModalProcessor:
         model_dir: the checkpoint folder (its ``preprocessor_config.json``).
         limit_mm_per_prompt: {modality: most items per prompt} (vLLM's meaning); missing modalities get 999.
         trust_remote_code: passed to transformers.
+        max_model_len: images whose tokens alone reach it are refused from their sizes, before any resizing.
     """
 
     def __init__(self, hf_config: Any, model_dir: str, limit_mm_per_prompt: dict[str, int] | None,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, max_model_len: int | None = None) -> None:
+        self.max_model_len = max_model_len
         self.image_token_id = int(hf_config.image_token_id)
         self.merge_size = int(hf_config.vision_config.spatial_merge_size)
         self.limits = dict(limit_mm_per_prompt or {})
@@ -180,10 +186,43 @@ class MultiModalProcessor:
         if isinstance(images, ProcessedImages):
             return images
         self.check_limit(len(images))
-        # "pt": the one tensor type both the PIL-backed and the torchvision-backed processors return
-        out = self.image_processor(images=images, return_tensors="pt")
+        if self.max_model_len is not None:   # from the sizes alone: a huge image costs seconds to resize
+            tokens = self.num_image_tokens(images)
+            if sum(tokens) >= self.max_model_len:
+                raise HayabusaValidationError(
+                    f"the prompt's {len(images)} image(s) take {sum(tokens)} tokens ({tokens}) at the image "
+                    f"processor's resolution, which leaves no room in max_model_len={self.max_model_len}; send "
+                    "smaller or fewer images, or raise max_model_len.", parameter="multi_modal_data",
+                    value=sum(tokens))
+        try:
+            # "pt": the one tensor type both the PIL-backed and the torchvision-backed processors return
+            out = self.image_processor(images=images, return_tensors="pt")
+        except (ValueError, TypeError) as e:
+            raise HayabusaValidationError(f"the image processor refused the prompt's images: {e}",
+                                          parameter="multi_modal_data", value=len(images)) from None
         return ProcessedImages(out["pixel_values"].float().cpu().numpy(),
                                [tuple(int(x) for x in g) for g in out["image_grid_thw"].tolist()])
+
+    def num_image_tokens(self, images: list) -> list[int]:
+        """Tokens each image will take, from its size alone (transformers' ``get_number_of_image_patches`` of the
+        checkpoint's processor: its resize rule, min / max pixels), without resizing anything.
+
+        Raises:
+            HayabusaValidationError: an image the processor's resize rule refuses (e.g. an aspect ratio over 200),
+                naming ``multi_modal_data`` and the image's index. ([] when the processor cannot count.)
+        """
+        proc = self.image_processor
+        if not hasattr(proc, "get_number_of_image_patches"):   # an older processor class: no early count
+            return []
+        out = []
+        for i, im in enumerate(images):
+            w, h = im.size if hasattr(im, "size") and not isinstance(im, np.ndarray) else (im.shape[1], im.shape[0])
+            try:
+                out.append(int(proc.get_number_of_image_patches(h, w)) // self.merge_size ** 2)
+            except ValueError as e:
+                raise HayabusaValidationError(f"multi_modal_data['image'][{i}] ({w} x {h}) is refused by the image "
+                                              f"processor: {e}", parameter="multi_modal_data", value=[w, h]) from None
+        return out
 
     def check_limit(self, num_images: int) -> None:
         limit = self.limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
@@ -300,4 +339,5 @@ def make_mm_processor(model_config: Any) -> MultiModalProcessor | None:
                 parameter="limit_mm_per_prompt", value=model_config.limit_mm_per_prompt)
         return None
     return MultiModalProcessor(model_config.multimodal_config, model_config.model,
-                               model_config.limit_mm_per_prompt, model_config.trust_remote_code)
+                               model_config.limit_mm_per_prompt, model_config.trust_remote_code,
+                               max_model_len=model_config.max_model_len)

@@ -11,6 +11,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from hayabusa import LLM, HayabusaValidationError, SamplingParams
 from hayabusa.core.encoder_budget import EncoderBudget
@@ -119,7 +120,7 @@ def test_image_forms_and_text_only(llm, tok, vl_dir):
 
 
 @pytest.mark.parametrize("case", ["more_placeholders", "fewer_placeholders", "wrong_run", "bad_type", "video",
-                                  "too_long"])
+                                  "too_long", "aspect_ratio", "grayscale_2d"])
 def test_bad_image_input_is_refused_by_name(llm, tok, case):
     im = random_image(28, 28, 7)
     prompt = {
@@ -132,6 +133,9 @@ def test_bad_image_input_is_refused_by_name(llm, tok, case):
         "video": {"prompt_token_ids": vl_prompt_ids(tok, "x", 0), "multi_modal_data": {"video": [im]}},
         # 5 images of 112 x 112 px (16 tokens each) + ~190 text tokens > max_model_len 256 once expanded
         "too_long": _prompt(tok, [random_image(112, 112, j) for j in range(5)], "word " * 180),
+        "aspect_ratio": _prompt(tok, [Image.new("RGB", (10000, 3))]),   # transformers' resize rule refuses it
+        "grayscale_2d": {"prompt_token_ids": vl_prompt_ids(tok, "x", 1),
+                         "multi_modal_data": {"image": np.zeros((28, 28), dtype=np.uint8)}},
     }[case]
     engine = llm.llm_engine
     known = set(engine.runner.mm.requests)
@@ -140,6 +144,27 @@ def test_bad_image_input_is_refused_by_name(llm, tok, case):
     assert e.value.parameter == ("prompt" if case == "too_long" else "multi_modal_data")
     # refused before any work: nothing queued, no image reached the runner
     assert not engine.has_unfinished_requests() and set(engine.runner.mm.requests) <= known
+    _serves(llm, tok)
+
+
+def test_images_whose_tokens_exceed_max_model_len_are_refused_from_their_sizes(llm, tok, monkeypatch):
+    # a huge image costs seconds to resize: its token count comes from its size alone (the processor's own rule)
+    mp = llm.llm_engine.input_processor.mm_processor
+    real = mp.image_processor
+
+    class CountOnly:   # the processor's counting rule, but no resizing allowed
+        get_number_of_image_patches = staticmethod(real.get_number_of_image_patches)
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("the image processor ran on images that were refused by their sizes")
+
+    monkeypatch.setattr(mp, "_image_processor", CountOnly())
+    monkeypatch.setattr(mp, "max_model_len", 20)
+    images = [Image.new("RGB", (9400, 9400)), Image.new("RGB", (9400, 9400))]   # 16 tokens each here
+    with pytest.raises(HayabusaValidationError, match=r"take 32 tokens \(\[16, 16\]\).*max_model_len=20") as e:
+        llm.generate(_prompt(tok, images), GREEDY, use_tqdm=False)
+    assert e.value.parameter == "multi_modal_data"
+    monkeypatch.undo()
     _serves(llm, tok)
 
 
@@ -154,7 +179,7 @@ def test_text_model_refuses_images(tiny_qwen2):
 
 
 def test_bad_limit_mm_per_prompt_is_refused(vl_dir):
-    for bad in ({"image": -1}, {"audio": 1}, "image=3", [5]):
+    for bad in ({"image": -1}, {"audio": 1}, "image=3", [5], {"image": 2, "video": 1}):
         with pytest.raises(HayabusaValidationError) as e:
             LLM(vl_dir, limit_mm_per_prompt=bad)
         assert e.value.parameter == "limit_mm_per_prompt"
