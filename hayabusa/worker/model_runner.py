@@ -23,6 +23,8 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.config import EngineConfig
 from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
+from hayabusa.distributed.parallel_state import tp_rank, tp_size
+from hayabusa.model.layers.tensor_parallel import build_sharded_model
 from hayabusa.model.loader import build_model
 from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
@@ -117,7 +119,8 @@ class ModelRunner:
         self.block_size = cfg.cache_config.block_size
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
-        self.model = build_model(mc, self.device)
+        self.model = build_model(mc, self.device) if tp_size() == 1 else build_sharded_model(
+            mc, self.device, tp_rank(), tp_size())   # a tensor-parallel worker keeps its shard only
         self.load_seconds = time.perf_counter() - t0
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler()
