@@ -45,18 +45,6 @@ def rank_config(config: Any, rank: int) -> Any:
                                device_config=dataclasses.replace(config.device_config, device=device))
 
 
-def _num_blocks(runner: Any, cfg: Any) -> int:
-    """This rank's KV capacity in blocks (profiled on CUDA, the budget on CPU)."""
-    from hayabusa.worker.kv_cache import determine_num_blocks
-
-    peak, non_torch = None, 0
-    cc = cfg.cache_config
-    if cfg.device_config.device.type == "cuda" and cc.num_gpu_blocks_override is None \
-            and cc.kv_cache_memory_bytes is None:
-        peak, non_torch = runner._profile_peak_memory()
-    return determine_num_blocks(cfg, peak, non_torch)
-
-
 def worker_main(config: Any, rank: int, init_method: str, conn: Any, parent_pid: int) -> None:
     """Entry point of a spawned worker (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle; it ends us
@@ -85,12 +73,10 @@ def _serve(config: Any, rank: int, init_method: str, conn: Any) -> None:
     init_distributed(rank, pc.world_size, init_method, pc.dist_backend)
     torch.manual_seed(config.seed)   # every rank draws unseeded samples from the same default generator
     runner = ModelRunner(cfg)
-    conn.send_bytes(pickle.dumps(("ready", _num_blocks(runner, cfg))))
+    conn.send_bytes(pickle.dumps(("ready", runner.profile_num_blocks())))
     kind, num_blocks = pickle.loads(conn.recv_bytes())
     assert kind == "init_kv", kind
-    runner.cfg = cfg = dataclasses.replace(cfg, cache_config=dataclasses.replace(
-        cfg.cache_config, num_gpu_blocks_override=num_blocks))
-    runner.initialize_kv_cache()
+    runner.initialize_kv_cache(num_blocks)    # the minimum over the ranks
     conn.send_bytes(pickle.dumps(("kv_ready",)))
     while True:
         msg = pickle.loads(conn.recv_bytes())

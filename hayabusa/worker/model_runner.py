@@ -175,13 +175,18 @@ class ModelRunner:
             self.block_table_staging = torch.empty(R * self.max_blocks_per_req, dtype=torch.int32, device=d)
 
     # ------------------------------------------------------------------ KV cache + graphs
-    def initialize_kv_cache(self) -> int:
-        """Profile peak memory (CUDA), size and allocate the KV cache, capture CUDA graphs. Returns num_blocks."""
+    def profile_num_blocks(self) -> int:
+        """The KV blocks this runner has room for (peak memory profiled on CUDA; see determine_num_blocks)."""
         peak, non_torch = None, 0
         if self.device.type == "cuda" and self.cfg.cache_config.num_gpu_blocks_override is None \
                 and self.cfg.cache_config.kv_cache_memory_bytes is None:
             peak, non_torch = self._profile_peak_memory()
-        self.num_blocks = determine_num_blocks(self.cfg, peak, non_torch)
+        return determine_num_blocks(self.cfg, peak, non_torch)
+
+    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Size (``num_blocks``, else profile_num_blocks: a tensor-parallel worker is given the minimum over its
+        ranks) and allocate the KV cache, capture CUDA graphs. Returns num_blocks."""
+        self.num_blocks = self.profile_num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
         if self.device.type == "cuda":
             from hayabusa.worker.cuda_graph import CUDAGraphRunner
