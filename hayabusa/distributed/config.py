@@ -75,28 +75,44 @@ def make_parallel_config(args: Any, model_config: Any, device: torch.device) -> 
     return cfg
 
 
-def check_tensor_parallel(mc: Any, tp: int) -> None:
-    """Refuse, by name, a model that cannot be split ``tp`` ways."""
+def tp_refusal(architecture: str, num_heads: int, num_kv_heads: int, intermediate: int, quantized: bool,
+               tp: int) -> tuple[str, str] | None:
+    """Why the engine refuses to split this model ``tp`` ways, as (parameter, reason); None when it can.
+    The one rule for the engine (check_tensor_parallel) and for ``hayabusa plan``'s suggestion."""
     if tp == 1:
-        return
-    if mc.architecture not in TP_ARCHITECTURES:
-        raise _bad("tensor_parallel_size", tp, f"{mc.architecture} cannot be split over ranks yet; tensor "
-                   f"parallelism supports {', '.join(TP_ARCHITECTURES)}.")
-    if mc.quant_config is not None:
-        raise HayabusaValidationError(
-            f"quantization={mc.quant_config.name!r} with tensor_parallel_size={tp}: quantized linears are not "
-            "sharded yet; use an unquantized checkpoint or tensor_parallel_size=1.", parameter="quantization",
-            value=mc.quant_config.name)
-    if mc.num_heads % tp:
-        raise _bad("tensor_parallel_size", tp, f"must divide the number of attention heads ({mc.num_heads}).")
-    kv = mc.num_kv_heads
-    if kv % tp and tp % kv:
-        raise _bad("tensor_parallel_size", tp, f"must divide the number of KV heads ({kv}) or be a multiple of it "
-                   "(then KV heads are replicated).")
+        return None
+    if architecture not in TP_ARCHITECTURES:
+        return "tensor_parallel_size", (f"{architecture} cannot be split over ranks yet; tensor parallelism "
+                                        f"supports {', '.join(TP_ARCHITECTURES)}.")
+    if quantized:
+        return "quantization", "quantized linears are not sharded yet; use an unquantized checkpoint or " \
+                               "tensor_parallel_size=1."
+    if num_heads % tp:
+        return "tensor_parallel_size", f"must divide the number of attention heads ({num_heads})."
+    if num_kv_heads % tp and tp % num_kv_heads:
+        return "tensor_parallel_size", (f"must divide the number of KV heads ({num_kv_heads}) or be a multiple of "
+                                        "it (then KV heads are replicated).")
+    if intermediate % tp:
+        return "tensor_parallel_size", f"must divide the MLP width (intermediate_size={intermediate})."
+    return None
+
+
+def check_tensor_parallel(mc: Any, tp: int) -> None:
+    """Refuse, by name, a model that cannot be split ``tp`` ways.
+
+    Raises:
+        HayabusaValidationError: naming tensor_parallel_size, or quantization for a quantized model.
+    """
     hf = mc.hf_config
     inter = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * mc.hidden_size
-    if inter % tp:
-        raise _bad("tensor_parallel_size", tp, f"must divide the MLP width (intermediate_size={inter}).")
+    why = tp_refusal(mc.architecture, mc.num_heads, mc.num_kv_heads, inter, mc.quant_config is not None, tp)
+    if why is None:
+        return
+    name, reason = why
+    if name == "quantization":
+        raise HayabusaValidationError(f"quantization={mc.quant_config.name!r} with tensor_parallel_size={tp}: "
+                                      f"{reason}", parameter="quantization", value=mc.quant_config.name)
+    raise _bad("tensor_parallel_size", tp, reason)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:

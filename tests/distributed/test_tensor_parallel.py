@@ -126,3 +126,22 @@ def test_killed_worker_fails_generate_fast(tmp_path):
     assert not any(p.is_alive() for p in ex.procs)
     with pytest.raises(WorkerError):   # the engine stays failed, it does not hang
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
+def test_plan_suggests_only_sizes_the_engine_runs(tmp_path):
+    """`hayabusa plan` and the engine share one rule: Qwen2.5-7B's 28 heads split 2 and 4 ways, not 8; the
+    engine refuses 8 by name, and the plan never suggests it."""
+    from hayabusa.distributed.config import tp_refusal
+    from hayabusa.eval.plan import PlanInputs, advice, load_config, make_plan
+
+    assert tp_refusal("Qwen2ForCausalLM", 28, 4, 18944, False, 2) is None
+    assert tp_refusal("Qwen2ForCausalLM", 28, 4, 18944, False, 4) is None
+    assert tp_refusal("Qwen2ForCausalLM", 28, 4, 18944, False, 8)[0] == "tensor_parallel_size"
+    assert tp_refusal("Qwen2ForCausalLM", 28, 4, 18944, True, 2)[0] == "quantization"
+    cfg = load_config("qwen2.5-7b-shape")
+    t4 = make_plan(cfg, PlanInputs(max_model_len=8192), gpu="T4")
+    assert "tensor_parallel_size=2" in " ".join(t4["advice"])
+    # one 4 GiB GPU: 2 and 4 ranks are too few, 8 would fit but the engine cannot split 28 heads 8 ways
+    small = make_plan(cfg, PlanInputs(max_model_len=1024), gpu_memory_gib=4)
+    assert not small["weights_fit"]
+    assert not any("tensor_parallel_size=" in a for a in advice(cfg, PlanInputs(max_model_len=1024), small))
