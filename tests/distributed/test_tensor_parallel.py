@@ -6,6 +6,7 @@ caching and n > 1; a worker killed mid-generation fails generate within seconds 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -146,3 +147,27 @@ def test_plan_suggests_only_sizes_the_engine_runs(tmp_path):
     small = make_plan(cfg, PlanInputs(max_model_len=1024), gpu_memory_gib=4)
     assert not small["weights_fit"]
     assert not any("tensor_parallel_size=" in a for a in advice(cfg, PlanInputs(max_model_len=1024), small))
+
+
+def test_worker_start_timeout_and_failed_step(tmp_path, monkeypatch):
+    """A worker that does not report ready in time, and a step that raises in a worker: each a WorkerError in the
+    caller within seconds (the failing worker's traceback in the message), and no worker process left."""
+    from hayabusa.core.scheduler_output import CachedRequestData, SchedulerOutput
+    path = _build("llama", tmp_path / "m")
+    monkeypatch.setenv("HAYABUSA_WORKER_START_TIMEOUT", "0.5")   # less than spawning takes
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="did not answer within 0 s|did not answer within 1 s"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - t0 < 10.0
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("hayabusa-worker")]
+    monkeypatch.delenv("HAYABUSA_WORKER_START_TIMEOUT")
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    ex = llm.llm_engine.runner
+    # a step naming a request no worker knows: the runner raises KeyError in both ranks
+    bad = SchedulerOutput([], CachedRequestData(["ghost"], [False], [()], [[]], [3]), {"ghost": 1}, 1,
+                          sampling_req_ids={"ghost"})
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="worker [01] failed:(.|\n)*KeyError"):
+        ex.execute_model(bad)
+    assert time.monotonic() - t0 < 10.0
+    assert not any(p.is_alive() for p in ex.procs)
