@@ -171,3 +171,34 @@ def test_worker_start_timeout_and_failed_step(tmp_path, monkeypatch):
         ex.execute_model(bad)
     assert time.monotonic() - t0 < 10.0
     assert not any(p.is_alive() for p in ex.procs)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its new parent to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_process_killed_leaves_no_worker(tmp_path):
+    """SIGKILL of the engine's process (no atexit, no finalizer): its workers notice and exit within seconds."""
+    import subprocess
+    import sys
+
+    path = _build("llama", tmp_path / "m")
+    script = ("import time\nfrom hayabusa import LLM\n"
+              f"llm = LLM({path!r}, tensor_parallel_size=2, dtype='float32', device='cpu', max_model_len=64)\n"
+              "print(' '.join(str(p.pid) for p in llm.llm_engine.runner.procs), flush=True)\ntime.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5.0
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids)
