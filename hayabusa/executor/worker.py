@@ -63,7 +63,7 @@ def worker_main(config: Any, rank: int, init_method: str, conn: Any, parent_pid:
 
 
 def _serve(config: Any, rank: int, init_method: str, conn: Any) -> None:
-    from hayabusa.distributed.parallel_state import destroy_distributed, init_distributed
+    from hayabusa.distributed.parallel_state import destroy_distributed, init_distributed, tp_all_reduce
     from hayabusa.worker.model_runner import ModelRunner
 
     pc = config.parallel_config
@@ -71,6 +71,9 @@ def _serve(config: Any, rank: int, init_method: str, conn: Any) -> None:
     if cfg.device_config.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
     init_distributed(rank, pc.world_size, init_method, pc.dist_backend)
+    # one collective now: NCCL sets its communicator up lazily, and that must not happen inside a CUDA graph
+    # capture (with num_gpu_blocks_override there is no profiling forward before the capture)
+    tp_all_reduce(torch.zeros(1, device=cfg.device_config.device))
     torch.manual_seed(config.seed)   # every rank draws unseeded samples from the same default generator
     runner = ModelRunner(cfg)
     conn.send_bytes(pickle.dumps(("ready", runner.profile_num_blocks())))
