@@ -64,23 +64,35 @@ def _build(arch: str, out) -> str:
     return str(out)
 
 
-def _run(llm: LLM) -> dict:
-    """Greedy over every prompt (preemption, chunks), again (prefix hits), and n=2 seeded samples."""
+CHOICES = ["yes", "no", "maybe so"]
+
+
+def _run(llm: LLM, structured: bool = False) -> dict:
+    """Greedy over every prompt (preemption, chunks), again (prefix hits), n=2 seeded samples, and (structured)
+    a choice constraint: its step waits for the grammar bitmask before it goes to the workers."""
+    choice = None
+    if structured:
+        from hayabusa.sampling_params import StructuredOutputsParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=8,
+                                structured_outputs=StructuredOutputsParams(choice=CHOICES))
+        choice = [o.outputs[0].text for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
     greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     seeded = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], SEEDED, use_tqdm=False)]
-    return {"greedy": greedy, "again": again, "seeded": seeded,
+    return {"greedy": greedy, "again": again, "seeded": seeded, "choice": choice,
             "preemptions": llm.llm_engine.scheduler.num_preemptions}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "gemma2"])
 def test_tp2_equals_tp1(arch, tmp_path):
     path = _build(arch, tmp_path / arch)
-    ref = _run(LLM(path, **ENGINE))
+    structured = arch == "qwen2"
+    ref = _run(LLM(path, **ENGINE), structured)
     # Gemma 2's TP engine also overlaps steps (async scheduling: step N+1 sent before step N's tokens are back)
     llm = LLM(path, tensor_parallel_size=2, async_scheduling=arch == "gemma2", **ENGINE)
     try:
-        got = _run(llm)
+        got = _run(llm, structured)
     finally:
         llm.llm_engine.shutdown()
     assert ref["preemptions"] > 0 and got["preemptions"] == ref["preemptions"]
@@ -89,6 +101,7 @@ def test_tp2_equals_tp1(arch, tmp_path):
     assert got["again"] == got["greedy"]                   # prefix-cache hits change nothing
     assert got["seeded"] == ref["seeded"]
     assert all(a != b for a, b in got["seeded"])           # the two samples differ (seed + i)
+    assert got["choice"] == ref["choice"] and (not structured or all(t in CHOICES for t in got["choice"]))
     assert not any(p.is_alive() for p in llm.llm_engine.runner.procs)
 
 
