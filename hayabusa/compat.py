@@ -26,7 +26,6 @@ UNSUPPORTED_ENGINE_ARGS: dict[str, str] = {
     "speculative_model": "speculative decoding",
     "num_speculative_tokens": "speculative decoding",
     "mm_processor_kwargs": "multimodal inputs",
-    "distributed_executor_backend": "multi-process / Ray executors",
     "enable_expert_parallel": "expert parallelism",
     "data_parallel_size": "data parallelism",
     "kv_transfer_config": "KV-cache transfer (disaggregated prefill)",

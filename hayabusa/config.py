@@ -63,7 +63,7 @@ IGNORED_ARGS: dict[str, str] = {
     "disable_log_stats": "hayabusa logs no periodic stats (the server's /metrics has them)",
     "swap_space": "a preempted request is recomputed, never swapped to CPU memory",
     "enable_chunked_prefill": "chunked prefill is always on (max_num_batched_tokens bounds each step)",
-    "disable_custom_all_reduce": "there is no all-reduce: tensor_parallel_size is 1",
+    "disable_custom_all_reduce": "the all-reduce is torch.distributed's (NCCL / gloo); there is no custom one",
     "compilation_config": "hayabusa does not use torch.compile; CUDA graphs are set by enforce_eager and "
                           "cuda_graph_sizes",
     "num_scheduler_steps": "every step is scheduled (async scheduling overlaps the host's work instead)",
@@ -144,7 +144,10 @@ class EngineArgs:
         load_format: "auto"/"safetensors" (default, safe), or "pt" to allow pickle ``.bin`` checkpoints, which can
             run arbitrary code: only for checkpoints you trust.
         revision, tokenizer_revision: passed to transformers / huggingface_hub.
-        tensor_parallel_size, pipeline_parallel_size: only 1 is supported for now.
+        tensor_parallel_size: GPUs (CPU processes) the model is split over, Megatron-style (hayabusa/distributed/);
+            > 1 runs the model in that many worker processes (hayabusa/executor/). pipeline_parallel_size: only 1.
+        distributed_executor_backend: "mp" (worker processes on this machine; the default when
+            tensor_parallel_size > 1) or "ray" (workers placed by Ray; ``pip install hayabusa[ray]``).
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
         cuda_graph_sizes: decode batch sizes captured in CUDA graphs (default: 1, 2, 4, 8, then every 16 up to
             min(max_num_seqs, 512)).
@@ -190,6 +193,7 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     enable_prefix_caching: bool | None = None
     max_seq_len_to_capture: int = 8192
     cuda_graph_sizes: list[int] | None = None
@@ -314,6 +318,12 @@ class EngineArgs:
                            "step's tokens on the host.")
         sizes = self.cuda_graph_sizes
         capture_max = min(self.max_num_seqs, max(sizes) if sizes else 512)
+        from hayabusa.distributed.config import make_parallel_config
+
+        parallel_config = make_parallel_config(self, model_config, device)
+        if spec is not None and parallel_config.world_size > 1:
+            raise _bad("speculative_config", self.speculative_config, "speculative decoding with "
+                       f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use one of them.")
         return EngineConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config,
                             device_config=DeviceConfig(device=device),
@@ -322,7 +332,8 @@ class EngineArgs:
                             max_cuda_graph_batch=capture_max, seed=self.seed or 0,
                             async_scheduling=False if spec is not None else (device.type == "cuda")
                             if self.async_scheduling is None else bool(self.async_scheduling),
-                            speculative_config=spec, draft_model_config=draft_config)
+                            speculative_config=spec, draft_model_config=draft_config,
+                            parallel_config=parallel_config)
 
     def _warn_ignored_args(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -349,9 +360,10 @@ class EngineArgs:
                 raise _bad(name, v, "must be a positive integer or None.")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1].")
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            name = "tensor_parallel_size" if self.tensor_parallel_size != 1 else "pipeline_parallel_size"
-            raise _bad(name, getattr(self, name), "only 1 is supported in this version.")
+        from hayabusa.distributed.config import check_parallel_args
+
+        check_parallel_args(self.tensor_parallel_size, self.pipeline_parallel_size,
+                            self.distributed_executor_backend)
         if self.load_format not in ("auto", "safetensors", "pt"):
             raise _bad("load_format", self.load_format, "must be 'auto', 'safetensors' or 'pt'.")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -640,3 +652,4 @@ class EngineConfig:
     speculative_config: Any = None            # hayabusa.spec_decode.SpeculativeConfig, or None (off)
     draft_model_config: Any = None            # ModelConfig of the draft (speculative method "draft_model")
     extra: dict = field(default_factory=dict)
+    parallel_config: Any = None   # hayabusa.distributed.config.ParallelConfig (None: one process, no ranks)

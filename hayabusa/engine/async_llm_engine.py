@@ -343,11 +343,14 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still in flight end with EngineDeadError."""
+        """Stop the engine thread and the engine's worker processes; requests still in flight end with
+        EngineDeadError."""
         if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()
             return
         self._commands.put(StopCommand())
         self._thread.join(timeout)
+        self.engine.shutdown()     # worker processes (tensor_parallel_size > 1) end with the thread
 
     # ------------------------------------------------------------------ event-loop side helpers
     def _check_alive(self) -> None:
@@ -413,6 +416,9 @@ class AsyncLLMEngine:
                     outbox.extend((o.request_id, o) for o in self.engine.step())
                 except Exception as e:  # noqa: BLE001 -- one bad step must not stop the server
                     self._recover_from_step_error(e, outbox)
+                    if getattr(e, "engine_dead", False):   # a worker process is gone: no step can run again
+                        self._send(outbox)
+                        raise
             self._update_stats()
             self._send(outbox)
 

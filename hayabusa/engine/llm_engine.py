@@ -21,7 +21,7 @@ from hayabusa.multimodal.processor import make_mm_processor
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
 from hayabusa.structured_output import StructuredOutputManager
-from hayabusa.worker.model_runner import ModelRunner
+from hayabusa.executor import make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # default generator for unseeded requests (CPU and CUDA)
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(
             mc.tokenizer, mc.trust_remote_code, mc.tokenizer_revision)
-        self.runner = ModelRunner(config)
+        self.runner = make_executor(config)   # the ModelRunner itself on one device; else worker processes
         self.num_blocks = self.runner.initialize_kv_cache()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size,
                                                config.cache_config.enable_prefix_caching)
@@ -274,6 +274,12 @@ class LLMEngine:
         orphans = [rid for rid in self.scheduler.requests if rid not in self.output_processor.child_to_parent]
         if orphans:
             self.scheduler.finish_requests(orphans, RequestStatus.FINISHED_ABORTED)
+
+    def shutdown(self) -> None:
+        """End the worker processes (tensor_parallel_size > 1; they also end at interpreter exit). Idempotent."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Encode prompts and decode outputs with ``tokenizer`` from now on (requests in flight keep theirs)."""

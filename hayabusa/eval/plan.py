@@ -389,8 +389,8 @@ def _notes(plan: dict[str, Any]) -> list[str]:
                      + (" (hayabusa runs it)." if runs else f"; hayabusa does not run it (it runs "
                                                             f"{', '.join(KV_CACHE_DTYPES)})."))
     if plan["tp"] > 1:
-        notes.append("tensor parallelism is planned per GPU (weights / tp, KV heads / tp); hayabusa runs tp=1 "
-                     "today.")
+        notes.append("tensor parallelism is planned per GPU (weights / tp, KV heads / tp, at least one KV head "
+                     "per GPU), as hayabusa's tensor_parallel_size runs it.")
     if plan.get("vision"):
         v = plan["vision"]
         notes.append(f"vision tower: {plan['param_breakdown']['vision']:,} parameters; its activation peak "
@@ -403,6 +403,15 @@ def _notes(plan: dict[str, Any]) -> list[str]:
 def _with(cfg: Any, inp: PlanInputs, total: int, **changes: Any) -> dict[str, Any]:
     new = PlanInputs(**{**inp.__dict__, **changes})
     return _fit(_sizes(cfg, new), total)
+
+
+def _engine_can_split(cfg: Any, inp: PlanInputs, tp: int) -> bool:
+    """Whether the engine would accept tensor_parallel_size=tp for this model (the engine's own rule)."""
+    from hayabusa.distributed.config import tp_refusal
+
+    shape = model_shape(cfg)
+    quantized = quant_bits(inp.quantization, cfg)[0] is not None
+    return tp_refusal(shape.architecture, shape.heads, shape.kv_heads, shape.intermediate, quantized, tp) is None
 
 
 def advice(cfg: Any, inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
@@ -421,7 +430,7 @@ def advice(cfg: Any, inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
                                f"({f['max_num_seqs_at_max_model_len']} sequences of {L}).")
                     break
         for tp in (2, 4, 8):
-            if tp > inp.tp and _with(cfg, inp, total, tp=tp)["fits"]:
+            if tp > inp.tp and _engine_can_split(cfg, inp, tp) and _with(cfg, inp, total, tp=tp)["fits"]:
                 out.append(f"tensor_parallel_size={tp}: the model fits on {tp} of these GPUs.")
                 break
     elif not plan["fits"]:

@@ -23,6 +23,8 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.config import EngineConfig
 from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
+from hayabusa.distributed.parallel_state import tp_rank, tp_size
+from hayabusa.model.layers.tensor_parallel import build_sharded_model
 from hayabusa.model.loader import build_model
 from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
@@ -119,7 +121,8 @@ class ModelRunner:
         self.block_size = cfg.cache_config.block_size
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
-        self.model = build_model(mc, self.device)
+        self.model = build_model(mc, self.device) if tp_size() == 1 else build_sharded_model(
+            mc, self.device, tp_rank(), tp_size())   # a tensor-parallel worker keeps its shard only
         self.draft = None   # speculative decoding's draft model (worker/draft_model.py)
         if cfg.draft_model_config is not None:
             from hayabusa.worker.draft_model import DraftModel
@@ -188,13 +191,18 @@ class ModelRunner:
             self.block_table_staging = torch.empty(R * self.max_blocks_per_req, dtype=torch.int32, device=d)
 
     # ------------------------------------------------------------------ KV cache + graphs
-    def initialize_kv_cache(self) -> int:
-        """Profile peak memory (CUDA), size and allocate the KV cache, capture CUDA graphs. Returns num_blocks."""
+    def profile_num_blocks(self) -> int:
+        """The KV blocks this runner has room for (peak memory profiled on CUDA; see determine_num_blocks)."""
         peak, non_torch = None, 0
         if self.device.type == "cuda" and self.cfg.cache_config.num_gpu_blocks_override is None \
                 and self.cfg.cache_config.kv_cache_memory_bytes is None:
             peak, non_torch = self._profile_peak_memory()
-        self.num_blocks = determine_num_blocks(self.cfg, peak, non_torch)
+        return determine_num_blocks(self.cfg, peak, non_torch)
+
+    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Size (``num_blocks``, else profile_num_blocks: a tensor-parallel worker is given the minimum over its
+        ranks) and allocate the KV cache, capture CUDA graphs. Returns num_blocks."""
+        self.num_blocks = self.profile_num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks)

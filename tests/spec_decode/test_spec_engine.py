@@ -221,3 +221,10 @@ def test_metrics_endpoint_exports_spec_counters():
     families = {f.name: f for f in _EngineCollector(FakeEngine(), {"model_name": "m"}).collect()}
     assert families["hayabusa:spec_decode_num_draft_tokens"].samples[0].value == 12
     assert families["hayabusa:spec_decode_num_accepted_tokens"].samples[0].value == 7
+
+
+def test_speculative_decoding_with_tensor_parallelism_is_refused_by_name(tiny_llama):
+    # refused while the engine's config is built, before any worker process starts
+    with pytest.raises(HayabusaValidationError, match="not supported yet") as e:
+        LLM(tiny_llama, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert e.value.parameter == "speculative_config"

@@ -1,0 +1,94 @@
+"""The body of one worker process: join the process group, load this rank's shard, size the KV cache with the
+others (the minimum of every rank's capacity), then run each step it is sent.
+
+Messages on the pipe from the engine (pickled tuples): ("init_kv", num_blocks), ("step", seq, SchedulerOutput),
+("forget",), ("shutdown",). Replies: ("ready", num_blocks) from every rank, ("kv_ready",) from every rank, and per
+step ("out", seq, ModelRunnerOutput) from rank 0 only. Any exception is sent as ("error", rank, text) and ends the
+process; so does the engine's end of the pipe closing (the engine process is gone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End this process when the engine process is gone (no orphan workers, even after a SIGKILL)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def rank_config(config: Any, rank: int) -> Any:
+    """The engine config as rank ``rank`` sees it: its GPU, its share of the KV heads."""
+    from hayabusa.distributed.config import kv_heads_per_rank
+
+    pc = config.parallel_config
+    mc = dataclasses.replace(config.model_config,
+                             num_kv_heads=kv_heads_per_rank(config.model_config.num_kv_heads,
+                                                            pc.tensor_parallel_size))
+    device = config.device_config.device
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    return dataclasses.replace(config, model_config=mc,
+                               device_config=dataclasses.replace(config.device_config, device=device))
+
+
+def worker_main(config: Any, rank: int, init_method: str, conn: Any, parent_pid: int) -> None:
+    """Entry point of a spawned worker (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle; it ends us
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        _serve(config, rank, init_method, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        os._exit(0)                                # the engine is gone
+    except BaseException:
+        try:
+            conn.send_bytes(pickle.dumps(("error", rank, traceback.format_exc())))
+        except Exception:
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
+def _serve(config: Any, rank: int, init_method: str, conn: Any) -> None:
+    from hayabusa.distributed.parallel_state import destroy_distributed, init_distributed, tp_all_reduce
+    from hayabusa.worker.model_runner import ModelRunner
+
+    pc = config.parallel_config
+    cfg = rank_config(config, rank)
+    if cfg.device_config.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
+    init_distributed(rank, pc.world_size, init_method, pc.dist_backend)
+    # one collective now: NCCL sets its communicator up lazily, and that must not happen inside a CUDA graph
+    # capture (with num_gpu_blocks_override there is no profiling forward before the capture)
+    tp_all_reduce(torch.zeros(1, device=cfg.device_config.device))
+    torch.manual_seed(config.seed)   # every rank draws unseeded samples from the same default generator
+    runner = ModelRunner(cfg)
+    conn.send_bytes(pickle.dumps(("ready", runner.profile_num_blocks())))
+    kind, num_blocks = pickle.loads(conn.recv_bytes())
+    assert kind == "init_kv", kind
+    runner.initialize_kv_cache(num_blocks)    # the minimum over the ranks
+    conn.send_bytes(pickle.dumps(("kv_ready",)))
+    while True:
+        msg = pickle.loads(conn.recv_bytes())
+        if msg[0] == "step":
+            out = runner.execute_model(msg[2])
+            if rank == 0:
+                conn.send_bytes(pickle.dumps(("out", msg[1], out)))
+        elif msg[0] == "forget":
+            runner.forget_previous_step()
+        elif msg[0] == "shutdown":
+            break
+    destroy_distributed()
