@@ -33,6 +33,7 @@ def test_completions_plain_and_streaming(t5_model, t5_server):
         r = client.completions.create(model="tiny-t5", prompt=prompt, max_tokens=10, temperature=0.0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == want.outputs[0].text and r.usage.completion_tokens == 10
+        assert r.usage.prompt_tokens == len(want.encoder_prompt_token_ids) > 1   # the encoder input's tokens
         chunks = client.completions.create(model="tiny-t5", prompt=prompt, max_tokens=10, temperature=0.0,
                                            stream=True, extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
@@ -53,4 +54,16 @@ def test_too_long_encoder_input_is_a_400(t5_server):
     r = client.completions.create(model="tiny-t5", prompt=[5] * 64, max_tokens=4, temperature=0.0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
+    wait_idle(t5_server.engine)
+
+
+def test_echo_and_prompt_logprobs_are_refused_for_t5(t5_server):
+    # the prompt is the encoder's input: it has no next-token logprobs to echo
+    client = t5_server.client()
+    for extra in ({"echo": True, "logprobs": 1}, {"extra_body": {"prompt_logprobs": 1}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny-t5", prompt=T5_EN_PROMPTS[0], max_tokens=2, **extra)
+        assert "encoder-decoder" in str(e.value)
+    r = client.completions.create(model="tiny-t5", prompt=T5_EN_PROMPTS[0], max_tokens=2, temperature=0.0)
+    assert r.usage.completion_tokens >= 1
     wait_idle(t5_server.engine)

@@ -263,6 +263,10 @@ class OpenAIServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise OpenAIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.",
                               param="logprobs")
+        if self.is_encoder_decoder and (req.echo or req.prompt_logprobs is not None):
+            name = "echo" if req.echo else "prompt_logprobs"
+            raise OpenAIError(400, f"{name} is not supported for encoder-decoder models (the prompt is the "
+                                   "encoder's input, which has no next-token logprobs).", param=name)
         if req.use_beam_search:
             return await self._beam_search_completion(req, model)
         prompt_lp = self._completion_prompt_logprobs(req)
@@ -686,7 +690,9 @@ class OpenAIServing:
 
     @staticmethod
     def _usage(outs: list[RequestOutput]) -> dict[str, int]:
-        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        """OpenAI's usage; an encoder-decoder request's prompt tokens are its encoder input's."""
+        prompt = sum(len(o.prompt_token_ids if getattr(o, "encoder_prompt_token_ids", None) is None
+                         else o.encoder_prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
