@@ -178,17 +178,22 @@ def render_chat(tokenizer: Any, messages: Any, chat_template: str | None = None,
     return text
 
 
-def chat_prompt(tokenizer: Any, messages: Any, media_policy: Any = None, **kwargs: Any) -> dict[str, Any]:
+def chat_prompt(tokenizer: Any, messages: Any, media_policy: Any = None, takes_images: bool = True,
+                **kwargs: Any) -> dict[str, Any]:
     """``{"prompt": rendered text, "prompt_token_ids": ids}`` for the engine; ids come from
     ``tokenizer.encode(text, add_special_tokens=False)`` (vLLM: the template holds the special tokens).
 
     Image content parts (``entrypoints/media.py``; PIL images and numpy arrays accepted: a Python caller) are
     loaded under ``media_policy`` (default: data URLs only) and returned in order as
     ``"multi_modal_data": {"image": [...]}``; the template must write one image placeholder per image.
+    ``takes_images=False`` (a text-only model): image parts are a HayabusaValidationError naming ``messages``.
     """
     from hayabusa.entrypoints.media import MediaPolicy, check_placeholders, extract_images
 
     messages, images = extract_images(messages, media_policy or MediaPolicy(), allow_objects=True)
+    if images and not takes_images:
+        raise HayabusaValidationError(f"the messages hold {len(images)} image(s), but this model takes text only.",
+                                      parameter="messages", value=len(images))
     try:
         text = render_chat(tokenizer, messages, **kwargs)
     except ChatTemplateError as e:

@@ -157,8 +157,9 @@ class LLM:
                                           "not supported; pass lora_request=None or leave it out.",
                                           parameter="lora_request", value=lora_request)
         conversations = messages if is_conversation_list(messages) else [messages]
-        prompts = [chat_prompt(self.get_tokenizer(), conv, self.media_policy, chat_template=chat_template,
-                               add_generation_prompt=add_generation_prompt,
+        takes_images = self.llm_engine.input_processor.mm_processor is not None
+        prompts = [chat_prompt(self.get_tokenizer(), conv, self.media_policy, takes_images,
+                               chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template_kwargs=chat_template_kwargs,
                                content_format=chat_template_content_format) for conv in conversations]

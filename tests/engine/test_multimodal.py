@@ -173,6 +173,10 @@ def test_text_model_refuses_images(tiny_qwen2):
     with pytest.raises(HayabusaValidationError) as e:
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": [random_image(28, 28, 0)]}}, GREEDY)
     assert e.value.parameter == "multi_modal_data"
+    with pytest.raises(HayabusaValidationError, match="takes text only") as e:   # LLM.chat says so too
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(28, 28, 0)},
+                                               {"type": "text", "text": "hi"}]}], GREEDY, use_tqdm=False)
+    assert e.value.parameter == "messages"
     assert llm.generate({"prompt": "hi", "multi_modal_data": {}}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(HayabusaValidationError, match="limit_mm_per_prompt"):
         LLM(tiny_qwen2, limit_mm_per_prompt={"image": 2})
