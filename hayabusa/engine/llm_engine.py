@@ -118,7 +118,8 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.initialize_kv_cache()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size,
-                                               config.cache_config.enable_prefix_caching)
+                                               config.cache_config.enable_prefix_caching,
+                                               num_cpu_blocks=self.runner.num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.input_processor = InputProcessor(mc, self.tokenizer, make_mm_processor(mc))
         self.output_processor = OutputProcessor(self.tokenizer)
