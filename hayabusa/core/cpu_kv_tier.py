@@ -270,6 +270,15 @@ class CpuTierMixin:
         if cpu_ids:
             self.cpu.give_back(cpu_ids)
 
+    def swap_stats(self) -> dict[str, int]:
+        """The CPU tier's counters (engine stats, /metrics, bench JSON): blocks copied each way, prefix-cache
+        blocks restored from the CPU tier, the tier's size and its blocks in use."""
+        return {"num_blocks_swapped_out": self.num_blocks_swapped_out,
+                "num_blocks_swapped_in": self.num_blocks_swapped_in,
+                "cpu_prefix_cache_hit_blocks": self.num_cpu_hit_blocks,
+                "num_cpu_kv_blocks": self.cpu.num_blocks if self.cpu is not None else 0,
+                "num_used_cpu_kv_blocks": self.num_used_cpu_blocks}
+
     @property
     def num_used_cpu_blocks(self) -> int:
         return self.cpu.num_used_blocks if self.cpu is not None else 0

@@ -125,3 +125,25 @@ def test_bad_swap_space_and_preemption_mode_are_refused_by_name(tiny_qwen2):
         assert e.value.parameter == name and name in str(e.value)
     with pytest.raises(HayabusaValidationError, match="host memory available"):
         EngineArgs(model=tiny_qwen2, device="cpu", swap_space=10 ** 6).create_engine_config()
+
+
+def test_swap_counters_reach_metrics(tiny_qwen2, example_prompts):
+    from hayabusa.entrypoints.openai.server import _EngineCollector
+
+    llm = LLM(tiny_qwen2, preemption_mode="swap", **SMALL)
+    llm.generate(example_prompts, GREEDY, use_tqdm=False)
+    kv, sched = llm.llm_engine.kv_cache_manager, llm.llm_engine.scheduler
+    stats = kv.swap_stats()
+    assert stats["num_blocks_swapped_out"] == kv.num_blocks_swapped_out > 0
+    assert stats["num_cpu_kv_blocks"] == kv.cpu.num_blocks > 0 and stats["num_used_cpu_kv_blocks"] == 0
+
+    class FakeEngine:
+        def get_stats(self):
+            return {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0,
+                    "num_prompt_tokens": 1, "num_generation_tokens": 2, "num_preemptions": sched.num_preemptions,
+                    "num_swap_preemptions": sched.num_swap_preemptions, **stats}
+
+    metrics = {m.name: m.samples[0].value for m in _EngineCollector(FakeEngine(), {"model_name": "m"}).collect()}
+    assert metrics["hayabusa:kv_blocks_swapped_in"] == kv.num_blocks_swapped_in > 0
+    assert metrics["hayabusa:num_swap_preemptions"] == sched.num_swap_preemptions > 0
+    assert metrics["hayabusa:cpu_kv_cache_usage_perc"] == 0.0
