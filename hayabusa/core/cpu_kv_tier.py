@@ -194,18 +194,15 @@ class CpuTierMixin:
             self._swaps.swap_out.append((block.block_id, cpu_block))
             self.num_blocks_swapped_out += 1
 
-    def _lookup_cpu(self, request, hashes: list[int], tokens: list[int], start: int, stop: int) -> int:
-        """CPU-tier prefix hits for blocks start..stop-1 (after the GPU hits), remembered for allocate_slots.
-        Returns their number."""
-        from hayabusa.core.kv_cache_manager import block_key
-
+    def _lookup_cpu(self, request, hashes: list[int], key, start: int, stop: int) -> int:
+        """CPU-tier prefix hits for blocks start..stop-1 (after the GPU hits; ``key(i)``: block i's key),
+        remembered for allocate_slots. Returns their number."""
         self._cpu_hits.pop(request.request_id, None)
         if self.cpu is None:
             return 0
         hits = []
         for i in range(start, stop):
-            block = self.cpu.lookup(hashes[i], hashes[i - 1] if i else None,
-                                    block_key(request, tokens, i, self.block_size))
+            block = self.cpu.lookup(hashes[i], hashes[i - 1] if i else None, key(i))
             if block is None:
                 break
             hits.append(block)

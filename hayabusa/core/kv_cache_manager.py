@@ -88,7 +88,8 @@ class KVCacheManager(CpuTierMixin):
             if block_id is None:
                 break
             hits.append(block_id)
-        num_cpu = self._lookup_cpu(request, hashes, tokens, len(hits), max_blocks)   # the CPU tier's run after
+        num_cpu = self._lookup_cpu(request, hashes, lambda i: block_key(request, tokens, i, bs), len(hits),
+                                   max_blocks)   # the CPU tier's run after the GPU's
         return hits, (len(hits) + num_cpu) * bs
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
