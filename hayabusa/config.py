@@ -147,7 +147,8 @@ class EngineArgs:
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
         cuda_graph_sizes: decode batch sizes captured in CUDA graphs (default: 1, 2, 4, 8, then every 16 up to
             min(max_num_seqs, 512)).
-        cpu_offload_gb: only 0 (no CPU offload) is supported.
+        cpu_offload_gb: GiB of weights per GPU kept in CPU memory (vLLM's meaning). Not supported on GPUs yet (a
+            non-zero value is refused by name there); on a CPU device it is accepted and changes nothing (logged).
         swap_space: GiB of CPU memory for the KV cache's CPU tier (vLLM's meaning and default, 4): preempted
             requests' KV is swapped there instead of recomputed (see preemption_mode), and prefix-cache blocks
             evicted from the GPU move there and come back on a prefix hit. 0 turns the tier off. More than the
@@ -281,6 +282,12 @@ class EngineArgs:
         self._verify_args()
         self._warn_ignored_args()
         device = resolve_device(self.device)
+        if self.cpu_offload_gb:
+            if device.type != "cpu":
+                raise _bad("cpu_offload_gb", self.cpu_offload_gb,
+                           "weight offload to CPU memory is not supported on GPUs in this version.")
+            logger.info("cpu_offload_gb=%s is accepted and changes nothing on a CPU device (the weights are in CPU "
+                        "memory already).", self.cpu_offload_gb)
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
         if model_config.is_encoder_decoder and self.enable_prefix_caching:
@@ -359,8 +366,9 @@ class EngineArgs:
             raise _bad("swap_space", self.swap_space, "must be a non-negative number of GiB.")
         if self.preemption_mode == "swap" and not self.swap_space:
             raise _bad("preemption_mode", self.preemption_mode, "needs swap_space > 0 (the CPU tier it swaps to).")
-        if self.cpu_offload_gb:
-            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "CPU offload is not supported in this version.")
+        if not isinstance(self.cpu_offload_gb, (int, float)) or isinstance(self.cpu_offload_gb, bool) \
+                or not 0 <= self.cpu_offload_gb < float("inf"):
+            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "must be a non-negative number of GiB.")
 
 
 def available_host_memory() -> int:

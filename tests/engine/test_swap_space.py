@@ -147,3 +147,15 @@ def test_swap_counters_reach_metrics(tiny_qwen2, example_prompts):
     assert metrics["hayabusa:kv_blocks_swapped_in"] == kv.num_blocks_swapped_in > 0
     assert metrics["hayabusa:num_swap_preemptions"] == sched.num_swap_preemptions > 0
     assert metrics["hayabusa:cpu_kv_cache_usage_perc"] == 0.0
+
+
+def test_cpu_offload_gb_is_accepted_on_cpu_and_changes_nothing(tiny_qwen2, example_prompts, base, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="hayabusa.config"):
+        llm = LLM(tiny_qwen2, cpu_offload_gb=4)
+    assert any("cpu_offload_gb=4 is accepted and changes nothing" in r.getMessage() for r in caplog.records)
+    assert ids(llm.generate(example_prompts, GREEDY, use_tqdm=False)) == base
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=tiny_qwen2, device="cpu", cpu_offload_gb=-1).create_engine_config()
+    assert e.value.parameter == "cpu_offload_gb"
