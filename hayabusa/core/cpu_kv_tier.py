@@ -182,6 +182,18 @@ class CpuTierMixin:
             self.cpu.release_locks()
         return swaps
 
+    def drop_cpu_tier_state(self) -> list[str]:
+        """After a failed step (its copies may not have run): free every swapped-out request's CPU blocks, drop
+        the pending copies and the CPU prefix index. Returns the ids of the requests that were swapped out (they
+        must be recomputed)."""
+        swapped = list(self.req_to_cpu_blocks)
+        for rid in swapped:
+            self.free_cpu_blocks(rid)
+        self.take_swaps()
+        if self.cpu is not None:
+            self.cpu.reset_prefix_cache()
+        return swapped
+
     @property
     def has_pending_swaps(self) -> bool:
         return bool(self._swaps.swap_out or self._swaps.swap_in)

@@ -115,8 +115,14 @@ class Scheduler:
         return [req.request_id for reqs in self._in_flight.values() for req in reqs]
 
     def forget_in_flight(self) -> None:
-        """Forget the steps scheduled but not updated (the engine dropped them after an error)."""
+        """Forget the steps scheduled but not updated (the engine dropped them after an error). Their copies
+        between the KV tiers may not have run: swapped-out requests will be recomputed, and the CPU tier's prefix
+        index is dropped."""
         self._in_flight.clear()
+        for rid in self.kv.drop_cpu_tier_state():
+            req = self.requests.get(rid)
+            if req is not None:
+                req.num_computed_tokens = 0
 
     def grammars_pending(self) -> list:
         """Futures of the grammars that waiting requests wait for (they are not admitted before)."""

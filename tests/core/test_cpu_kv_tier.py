@@ -180,3 +180,20 @@ def test_recompute_mode_never_swaps_and_abort_while_swapped_frees_cpu_blocks():
             _run_all(sched)
         sched.kv.take_swaps()
         assert sched.kv.num_free_blocks == 6 and sched.kv.num_used_cpu_blocks == 0
+
+
+def test_after_a_dropped_step_swapped_requests_are_recomputed():
+    sched = _scheduler("swap")
+    a, b = make_request("a", list(range(10, 22))), make_request("b", list(range(30, 42)))
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(2):
+        _run_step(sched, 5)
+    assert sched.kv.is_swapped("b") and b.num_computed_tokens == 12
+    sched.forget_in_flight()                  # the engine dropped a step: its swap-out may never have run
+    assert not sched.kv.is_swapped("b") and b.num_computed_tokens == 0 and sched.kv.num_used_cpu_blocks == 0
+    outs = _run_all(sched)
+    assert not any(o.blocks_to_swap_in for o in outs)            # b recomputed, not swapped in
+    assert b.num_output_tokens == 8
+    sched.kv.take_swaps()
+    assert sched.kv.num_free_blocks == 6 and sched.kv.num_used_cpu_blocks == 0
