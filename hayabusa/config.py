@@ -61,7 +61,6 @@ IGNORED_ARGS: dict[str, str] = {
     "max_seq_len_to_capture": "CUDA graphs are captured per decode batch size (cuda_graph_sizes, max_num_seqs), "
                               "for any sequence length",
     "disable_log_stats": "hayabusa logs no periodic stats (the server's /metrics has them)",
-    "swap_space": "a preempted request is recomputed, never swapped to CPU memory",
     "enable_chunked_prefill": "chunked prefill is always on (max_num_batched_tokens bounds each step)",
     "disable_custom_all_reduce": "the all-reduce is torch.distributed's (NCCL / gloo); there is no custom one",
     "compilation_config": "hayabusa does not use torch.compile; CUDA graphs are set by enforce_eager and "
@@ -116,7 +115,7 @@ def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
 class EngineArgs:
     """Arguments of ``LLM(...)`` and ``AsyncEngineArgs`` (vLLM's names, defaults and meanings).
 
-    tokenizer_mode, max_seq_len_to_capture, disable_log_stats, swap_space, enable_chunked_prefill,
+    tokenizer_mode, max_seq_len_to_capture, disable_log_stats, enable_chunked_prefill,
     disable_custom_all_reduce and compilation_config are accepted so that vLLM scripts run, and ignored
     (``IGNORED_ARGS`` says why); a value other than the default logs a warning naming the argument.
 
@@ -151,7 +150,15 @@ class EngineArgs:
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
         cuda_graph_sizes: decode batch sizes captured in CUDA graphs (default: 1, 2, 4, 8, then every 16 up to
             min(max_num_seqs, 512)).
-        cpu_offload_gb: only 0 (no CPU offload) is supported.
+        cpu_offload_gb: GiB of weights per GPU kept in CPU memory (vLLM's meaning). Not supported on GPUs yet (a
+            non-zero value is refused by name there); on a CPU device it is accepted and changes nothing (logged).
+        swap_space: GiB of CPU memory for the KV cache's CPU tier (vLLM's meaning and default, 4): preempted
+            requests' KV is swapped there instead of recomputed (see preemption_mode), and prefix-cache blocks
+            evicted from the GPU move there and come back on a prefix hit. 0 turns the tier off. More than the
+            host's available memory is an error.
+        preemption_mode: "swap" (a preempted request's KV goes to the CPU tier and comes back), "recompute" (it
+            is recomputed), or None: swap long contexts (at least ``SWAP_MIN_TOKENS`` computed tokens), recompute
+            short ones. vLLM's name. A request with images or prompt_logprobs is always recomputed.
         max_logprobs: most logprobs a request may ask for.
         quantization: "fp8" (FP8 W8A8; FP8 checkpoints are detected), "int8" / "int4" (weight-only W8A16 /
             W4A16 g128), "w8a8_int8" (INT8 W8A8), "compressed-tensors" (FP8 / INT8 W8A8), "awq", "gptq",
@@ -200,6 +207,7 @@ class EngineArgs:
     disable_log_stats: bool = True
     swap_space: float = 4
     cpu_offload_gb: float = 0
+    preemption_mode: str | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     enable_chunked_prefill: bool | None = None
@@ -282,6 +290,12 @@ class EngineArgs:
         self._verify_args()
         self._warn_ignored_args()
         device = resolve_device(self.device)
+        if self.cpu_offload_gb:
+            if device.type != "cpu":
+                raise _bad("cpu_offload_gb", self.cpu_offload_gb,
+                           "weight offload to CPU memory is not supported on GPUs in this version.")
+            logger.info("cpu_offload_gb=%s is accepted and changes nothing on a CPU device (the weights are in CPU "
+                        "memory already).", self.cpu_offload_gb)
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
         if model_config.is_encoder_decoder and self.enable_prefix_caching:
@@ -291,12 +305,14 @@ class EngineArgs:
         if batched < self.max_num_seqs:
             raise _bad("max_num_batched_tokens", batched, f"must be >= max_num_seqs ({self.max_num_seqs}).")
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-                                           max_model_len=max_len, max_num_encoder_input_tokens=batched)
+                                           max_model_len=max_len, max_num_encoder_input_tokens=batched,
+                                           preemption_mode=self.preemption_mode)
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
             kv_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype, device),
+            swap_space_bytes=check_swap_space(self.swap_space),
             # encoder-decoder: a decoder's KV depends on its encoder input, so equal decoder prefixes share nothing
             enable_prefix_caching=not model_config.is_encoder_decoder and (
                 True if self.enable_prefix_caching is None else bool(self.enable_prefix_caching)))
@@ -376,8 +392,45 @@ class EngineArgs:
         from hayabusa.multimodal.processor import check_limit_mm_per_prompt
 
         self.limit_mm_per_prompt = check_limit_mm_per_prompt(self.limit_mm_per_prompt) or None
-        if self.cpu_offload_gb:
-            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "CPU offload is not supported in this version.")
+        if self.preemption_mode not in (None, "swap", "recompute"):
+            raise _bad("preemption_mode", self.preemption_mode, "must be 'swap', 'recompute' or None (auto).")
+        if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) \
+                or not 0 <= self.swap_space < float("inf"):
+            raise _bad("swap_space", self.swap_space, "must be a non-negative number of GiB.")
+        if self.preemption_mode == "swap" and not self.swap_space:
+            raise _bad("preemption_mode", self.preemption_mode, "needs swap_space > 0 (the CPU tier it swaps to).")
+        if not isinstance(self.cpu_offload_gb, (int, float)) or isinstance(self.cpu_offload_gb, bool) \
+                or not 0 <= self.cpu_offload_gb < float("inf"):
+            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "must be a non-negative number of GiB.")
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available now (MemAvailable; psutil's reading when /proc/meminfo is absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_swap_space(swap_space: float) -> int:
+    """swap_space GiB -> bytes, refused by name when the host has less memory available. vLLM's default (4 GiB)
+    shrinks to half the available memory instead, with a warning."""
+    want = int(swap_space * (1 << 30))
+    avail = available_host_memory()
+    if want <= avail:
+        return want
+    if swap_space == EngineArgs.swap_space:
+        logger.warning("swap_space=%s GiB (the default) is more than the %.1f GiB of host memory available: the KV "
+                       "cache's CPU tier gets %.1f GiB.", swap_space, avail / 2**30, avail / 2**31)
+        return avail // 2
+    raise _bad("swap_space", swap_space, f"{swap_space} GiB of CPU memory for the KV cache's CPU tier is more than "
+               f"the {avail / 2**30:.1f} GiB of host memory available; lower swap_space (0 turns the tier off).")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -621,6 +674,7 @@ class CacheConfig:
     cache_dtype: str = "auto"                 # kv_cache_dtype as given ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     enable_prefix_caching: bool = True
     kv_dtype: torch.dtype | None = None       # dtype of the cache tensors (resolved; None = the model dtype)
+    swap_space_bytes: int = 0                 # the KV cache's CPU tier (swap_space; 0 = none)
 
 
 @dataclass(frozen=True)
@@ -631,6 +685,7 @@ class SchedulerConfig:
     # encoder (vision tower) budget per step, in encoder output tokens (vLLM's max_num_encoder_input_tokens; its
     # default: max_num_batched_tokens); an image larger than the budget runs alone in its step
     max_num_encoder_input_tokens: int = 0
+    preemption_mode: str | None = None        # "swap", "recompute", None = auto (core/cpu_kv_tier.prefer_swap)
 
 
 @dataclass(frozen=True)

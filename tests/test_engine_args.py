@@ -70,17 +70,17 @@ def test_plan_lists_the_engine_flags_that_change_what_fits(capsys):
 
 def test_ignored_arguments_warn_by_name_when_set(stories_dir, caplog):
     assert sorted(IGNORED_ARGS) == sorted(["tokenizer_mode", "max_seq_len_to_capture", "disable_log_stats",
-                                           "swap_space", "enable_chunked_prefill", "disable_custom_all_reduce",
+                                           "enable_chunked_prefill", "disable_custom_all_reduce",
                                            "compilation_config", "num_scheduler_steps", "reasoning_parser"])
     with caplog.at_level(logging.WARNING, logger="hayabusa.config"):
         EngineArgs(model=stories_dir, device="cpu").create_engine_config()
     assert caplog.records == []                                                 # defaults: silent
     with caplog.at_level(logging.WARNING, logger="hayabusa.config"):
-        EngineArgs(model=stories_dir, device="cpu", swap_space=8, enable_chunked_prefill=False,
+        EngineArgs(model=stories_dir, device="cpu", disable_log_stats=False, enable_chunked_prefill=False,
                    compilation_config={"level": 3}).create_engine_config()
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3
-    assert messages[0].startswith("swap_space=8 is accepted for vLLM compatibility and ignored")
+    assert messages[0].startswith("disable_log_stats=False is accepted for vLLM compatibility and ignored")
     assert messages[1].startswith("enable_chunked_prefill=False is accepted")
     assert messages[2].startswith("compilation_config={'level': 3} is accepted")
 

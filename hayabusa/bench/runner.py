@@ -148,6 +148,8 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
              "enable_prefix_caching": kv.enable_prefix_caching,
              "prefix_cache_hit_rate": round(kv.prefix_hit_rate, 4),
              "num_preemptions": engine.scheduler.num_preemptions,
+             "num_swap_preemptions": getattr(engine.scheduler, "num_swap_preemptions", 0),
+             **(kv.swap_stats() if hasattr(kv, "swap_stats") else {}),
              "weight_bytes": model_weight_bytes(engine.runner.model)}
     spec = engine.config.speculative_config
     if spec is not None:     # speculative decoding: counters since start (warm-up included)

@@ -23,7 +23,7 @@ W8_HF_REQUESTS = 5
 W9_HF_BATCH_SIZES = [1, 16, 64, 256]     # HF baseline batch 1 and the batches its best is taken from
 W9_HF_BATCH1_REQUESTS = 100              # HF batch 1 times the first 100 requests (all 2,000 take ~an hour)
 W11_MAX_NUM_SEQS = [1, 4, 16]
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W11", "startup")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10", "W11", "startup")
 DESCRIPTIONS = {
     "W1": "offline batch throughput: 256 x (512 prompt, 256 output)",
     "W2": "offline mixed lengths: 256 x (U[100,1024] prompt, U[100,1024] output)",
@@ -36,6 +36,8 @@ DESCRIPTIONS = {
           "request; HF generate at batch 1 (first 100 requests) and batches 16, 64, 256",
     "W8": "page images to JSON (Qwen2.5-VL): 100 x (2-5 random images up to 1024x768 + ~60 text tokens, 256 "
           "output) at max_num_seqs 1,4,8,14,16,32",
+    "W10": "prefixes that outgrow the GPU: 8 system prompts x 64 x (1024 shared + 128 own, 64 output), "
+           "num_gpu_blocks_override=1024 (room for about 4 prefixes), CPU KV tier on (swap_space=4) vs off",
     "W11": "copy-heavy extraction (speculative decoding; a TRAINED model): 64 x (a ~40-line order list + a "
            "question whose answer copies lines of it, 128 output) at max_num_seqs 1,4,16; TPOT and acceptance",
     "startup": "engine construction (load, profile, CUDA graphs) and the first request",
@@ -253,8 +255,22 @@ def startup(scale: float = 1.0) -> Workload:
     return Workload("startup", _fixed(rng, 1, 16, 1), scale)
 
 
+def w10(scale: float = 1.0) -> Workload:
+    """W5 with 8 different system prompts whose KV does not all fit the GPU: rounds of 16 requests per prompt,
+    cycling through the 8 prompts 4 times, so each round comes back to a prefix evicted since."""
+    rng = np.random.default_rng(0)
+    prompts = [_tokens(rng, _n(1024, scale)) for _ in range(8)]
+    own, per_round = _n(128, scale), _n(16, scale)
+    reqs = [BenchRequest(prompts[p] + _tokens(rng, own), _n(64, scale))
+            for _ in range(4) for p in range(8) for _ in range(per_round)]
+    blocks = max(_n(1024, scale), 64)   # with 16-token blocks: 16,384 tokens, 8 prefixes need 8,192 of them
+    return Workload("W10", reqs, scale, variants=[{"swap_space": 4}, {"swap_space": 0}],
+                    engine_defaults={"num_gpu_blocks_override": blocks, "enable_prefix_caching": True,
+                                     "max_model_len": _n(2048, scale)})
+
+
 BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "W8": w8, "W9": w9,
-            "W11": w11, "startup": startup}
+            "W10": w10, "W11": w11, "startup": startup}
 
 
 def get_workload(name: str, scale: float = 1.0) -> Workload:

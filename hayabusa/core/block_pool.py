@@ -43,6 +43,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block_hash -> block_id
         self.num_evictions = 0
+        # called with a cached block about to be evicted, before its content is lost (the CPU tier copies it)
+        self.on_evict = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +66,8 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
                 block.block_hash = block.tokens = block.parent_hash = None

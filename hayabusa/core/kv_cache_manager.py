@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from hayabusa.core.block_pool import BlockPool
+from hayabusa.core.cpu_kv_tier import CpuTierMixin
 from hayabusa.core.request import Request
 
 
@@ -23,7 +24,7 @@ def block_key(request: Request, tokens: list[int], i: int, bs: int) -> tuple:
     return key + extra if extra else key
 
 
-class KVCacheManager:
+class KVCacheManager(CpuTierMixin):
     """Allocates and frees KV-cache blocks for requests; with prefix caching, reuses blocks across requests.
 
     A request's blocks form its block table: token position p lives in block ``blocks[p // block_size]`` at
@@ -40,9 +41,12 @@ class KVCacheManager:
         num_blocks: blocks in the cache.
         block_size: tokens per block.
         enable_prefix_caching: reuse cached prefixes.
+        num_cpu_blocks: blocks of the CPU tier (``swap_space``; 0 = none): swapped-out requests, and prefix-cache
+            blocks evicted from the GPU (see core/cpu_kv_tier.py).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_cpu_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
@@ -51,6 +55,7 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # request id -> how many of its blocks are in the cache index
         self.num_query_tokens = 0              # prompt tokens looked up (prefix-hit statistics)
         self.num_hit_tokens = 0
+        self.init_cpu_tier(num_cpu_blocks)
 
     # ------------------------------------------------------------------ prefix cache
     def block_hashes(self, request: Request) -> list[int]:
@@ -66,7 +71,8 @@ class KVCacheManager:
         """Longest cached prefix of the request, in whole blocks.
 
         Returns:
-            (block ids, number of tokens they hold). Nothing is taken: ``allocate_slots`` adds the references.
+            (GPU block ids, number of tokens hit). The tokens include blocks found in the CPU tier after the GPU
+            ones; ``allocate_slots`` copies those back into new GPU blocks. Nothing is taken here.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -82,7 +88,9 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits, len(hits) * bs
+        num_cpu = self._lookup_cpu(request, hashes, lambda i: block_key(request, tokens, i, bs), len(hits),
+                                   max_blocks)   # the CPU tier's run after the GPU's
+        return hits, (len(hits) + num_cpu) * bs
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup in the prefix-hit statistics."""
@@ -116,7 +124,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False (nothing done) while requests hold blocks."""
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.cpu is not None:
+            self.cpu.reset_prefix_cache()
+        return True
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -133,7 +145,8 @@ class KVCacheManager:
         """
         bs = self.block_size
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if not new_computed_blocks:  # the common decode step: its slot is already in the last block
+        cpu_hits = self._cpu_hits.pop(request.request_id, None) if self._cpu_hits else None
+        if not new_computed_blocks and not cpu_hits:  # the common decode step: its slot is already in the last block
             total = request.num_computed_tokens + num_new_tokens
             if total <= len(blocks) * bs:
                 if self.enable_prefix_caching and \
@@ -141,7 +154,8 @@ class KVCacheManager:
                     self.cache_full_blocks(request, total)
                 return []
         hits = new_computed_blocks or []
-        total = request.num_computed_tokens + len(hits) * bs + num_new_tokens
+        num_cpu = len(cpu_hits) if cpu_hits else 0   # restored into the first of the new blocks
+        total = request.num_computed_tokens + (len(hits) + num_cpu) * bs + num_new_tokens
         num_new = cdiv(total, self.block_size) - len(blocks) - len(hits)
         # Hit blocks that sit in the free queue are not available for new content.
         num_hits_free = sum(1 for b in hits if self.block_pool.is_free(b))
@@ -149,7 +163,11 @@ class KVCacheManager:
             return None
         self.block_pool.touch(hits)
         blocks.extend(hits)
+        if num_cpu:   # locked first: taking GPU blocks may evict to the CPU tier
+            self.cpu.lock(cpu_hits)
         new_ids = self.block_pool.take(num_new) if num_new > 0 else []
+        if num_cpu:
+            self._restore_cpu_hits(cpu_hits, new_ids)
         blocks.extend(new_ids)
         self.cache_full_blocks(request, total)
         return new_ids
@@ -170,8 +188,10 @@ class KVCacheManager:
         return ids
 
     def free(self, request: Request) -> None:
-        """Drop the request's references (last block first, so its tail is evicted before its prefix), and its
-        cross-attention blocks."""
+        """Drop the request's references (last block first, so its tail is evicted before its prefix), its
+        cross-attention blocks, and its CPU blocks when it was swapped out."""
+        if self.req_to_cpu_blocks or self._cpu_hits:
+            self.free_cpu_blocks(request.request_id)
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
         self.block_pool.give_back(blocks[::-1])

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hayabusa.config import SchedulerConfig
+from hayabusa.core.cpu_kv_tier import prefer_swap
 from hayabusa.core.encoder_budget import EncoderBudget
 from hayabusa.core.kv_cache_manager import KVCacheManager
 from hayabusa.core.request import Request, RequestStatus
@@ -73,6 +74,7 @@ class Scheduler:
         self._in_flight: dict[int, list[Request]] = {}     # step_id -> the step's requests, until its update
         self._step_id = 0
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0                      # of those, preempted by swapping KV to the CPU tier
         self.num_structured = 0                            # unfinished requests under a structured-output constraint
         self.grammar_failures: dict[str, BaseException] = {}   # request id -> why its grammar failed to compile
         # speculative decoding (hayabusa/spec_decode): proposals for decoding requests, and engine-wide counters
@@ -118,8 +120,14 @@ class Scheduler:
         return [req.request_id for reqs in self._in_flight.values() for req in reqs]
 
     def forget_in_flight(self) -> None:
-        """Forget the steps scheduled but not updated (the engine dropped them after an error)."""
+        """Forget the steps scheduled but not updated (the engine dropped them after an error). Their copies
+        between the KV tiers may not have run: swapped-out requests will be recomputed, and the CPU tier's prefix
+        index is dropped."""
         self._in_flight.clear()
+        for rid in self.kv.drop_cpu_tier_state():
+            req = self.requests.get(rid)
+            if req is not None:
+                req.num_computed_tokens = 0
 
     def grammars_pending(self) -> list:
         """Futures of the grammars that waiting requests wait for (they are not admitted before)."""
@@ -159,6 +167,9 @@ class Scheduler:
             return out
         out.scheduled_encoder_inputs = plan.encoder_inputs
         out.scheduled_spec_decode_tokens = plan.spec_tokens
+        if self.kv.has_pending_swaps:   # collected since the last step that ran (an empty step runs no copy)
+            swaps = self.kv.take_swaps()
+            out.blocks_to_swap_out, out.blocks_to_swap_in = swaps.swap_out, swaps.swap_in
         out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, set()
         out.preempted_req_ids, self._preempted_since_last_step = self._preempted_since_last_step, set()
         # Running requests come first in the plan, all known to the runner: their changes in one pass per list.
@@ -281,14 +292,19 @@ class Scheduler:
         return budget
 
     def _preempt(self, req: Request, plan: _StepPlan) -> None:
-        self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.mm_encoded.clear()      # the runner drops a preempted request's image embeddings
         req.num_preemptions += 1
         self.num_preemptions += 1
         plan.preempted.add(req.request_id)
         self.waiting.appendleft(req)
+        # swap its KV to the CPU tier (keeping num_computed_tokens) when asked or cheaper; text-only requests
+        if prefer_swap(self.config.preemption_mode, req.num_computed_tokens) and not req.mm_inputs \
+                and req.sampling_params.prompt_logprobs is None and self.kv.swap_out(req):
+            self.num_swap_preemptions += 1
+            return
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.mm_encoded.clear()      # the runner drops a preempted request's image embeddings
 
     def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
         skipped: list[Request] = []   # waiting for their grammar: they keep their place in the queue
@@ -305,6 +321,11 @@ class Scheduler:
                 if not ready:
                     skipped.append(self.waiting.popleft())
                     continue
+            if self.kv.req_to_cpu_blocks and self.kv.is_swapped(req.request_id):
+                if not self._resume_swapped(req, plan, budget):
+                    break
+                budget -= plan.num_scheduled_tokens[req.request_id]
+                continue
             if req.encoder_prompt_token_ids is not None and not self._admit_encoder(req, plan):
                 break
             # a cached block has no logits: a prompt_logprobs request recomputes its whole prompt (as vLLM does)
@@ -334,6 +355,18 @@ class Scheduler:
             budget -= num_new
         if skipped:
             self.waiting.extendleft(reversed(skipped))
+
+    def _resume_swapped(self, req: Request, plan: _StepPlan, budget: int) -> bool:
+        """Resume a swapped-out request: its KV comes back from the CPU tier (num_computed_tokens kept)."""
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        block_ids = self.kv.swap_in(req, num_new)
+        if block_ids is None:
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        plan.add(req, num_new, block_ids, True)
+        return True
 
     def _admit_encoder(self, req: Request, plan: _StepPlan) -> bool:
         """Encoder-decoder: the request's encoder runs this step, within the step's encoder budget

@@ -100,6 +100,10 @@ class SchedulerOutput:
             word w allows token 32 w + j). The engine leaves it None and fills it (``Scheduler.grammar_bitmask``)
             after the runner queued the model, so the host works while the device runs; the runner's
             ``sample_tokens`` then takes it. A worker that needs it up front may find it set here.
+        blocks_to_swap_out: (GPU block, CPU block) pairs to copy GPU -> CPU before the step's forward (KV of
+            preempted requests, prefix-cache blocks evicted from the GPU); the runner runs them first.
+        blocks_to_swap_in: (CPU block, GPU block) pairs to copy CPU -> GPU after the swap-outs, before the forward
+            (resumed requests, prefix hits in the CPU tier).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -114,6 +118,8 @@ class SchedulerOutput:
     step_id: int = 0
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -533,6 +533,8 @@ class AsyncLLMEngine:
                  "kv_cache_usage": kv.usage, "num_kv_blocks": eng.num_blocks,
                  "num_free_kv_blocks": kv.num_free_blocks, "num_preemptions": sched.num_preemptions,
                  **eng.stats}
+        if hasattr(kv, "swap_stats"):   # the CPU tier (swap_space)
+            stats.update(kv.swap_stats(), num_swap_preemptions=sched.num_swap_preemptions)
         # Prefix-cache lookups in tokens (vLLM's prefix_cache_queries / _hits), when the KV manager counts them.
         for name, attr in (("prefix_cache_queries", "num_query_tokens"), ("prefix_cache_hits", "num_hit_tokens")):
             value = getattr(kv, attr, None)

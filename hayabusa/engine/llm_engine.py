@@ -118,7 +118,8 @@ class LLMEngine:
         self.runner = make_executor(config)   # the ModelRunner itself on one device; else worker processes
         self.num_blocks = self.runner.initialize_kv_cache()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size,
-                                               config.cache_config.enable_prefix_caching)
+                                               config.cache_config.enable_prefix_caching,
+                                               num_cpu_blocks=self.runner.num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         if config.speculative_config is not None:
             from hayabusa.spec_decode.scheduling import SpecDecodeScheduling

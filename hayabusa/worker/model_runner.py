@@ -31,6 +31,7 @@ from hayabusa.sample.sampler import Sampler
 from hayabusa.worker.input_batch import CachedRequestState, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from hayabusa.worker.spec_verify import SpecStepInputs, plan_verify, verify, write_drafts
+from hayabusa.worker.kv_swap import KVSwapper, num_cpu_blocks
 from hayabusa.worker.prompt_logprobs import (CHUNK_ROWS, PromptLogprobsPending, PromptLogprobsPlan,
                                              compute_prompt_logprobs, plan_prompt_logprobs)
 from hayabusa.worker.step_buffers import StepBuffers
@@ -152,6 +153,7 @@ class ModelRunner:
         self._alloc_staging_buffers()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.num_cpu_blocks = 0
         self.graphs = None
         self.decode_runner = None
         # The previous launched step's sampled tokens (device), and for each row that sampled in it its index
@@ -206,6 +208,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks)
+        self.kv_swapper = None   # the KV cache's CPU tier (swap_space): copies the scheduler's swap lists
+        self.num_cpu_blocks = num_cpu_blocks(self.cfg)
+        if self.num_cpu_blocks:
+            self.kv_swapper = KVSwapper(self.cfg, self.kv_caches, self.num_cpu_blocks)
         if self.device.type == "cuda":
             from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
@@ -300,6 +306,8 @@ class ModelRunner:
         if out.is_empty:
             self.forget_previous_step()
             return StepHandle([], [], None, None, None)
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:   # before the forward (worker/kv_swap.py)
+            self.kv_swapper.execute(out.blocks_to_swap_out, out.blocks_to_swap_in)
         if self.staging is not None:
             self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
         inp = self.prepare_inputs(out)

@@ -134,7 +134,16 @@ class _EngineCollector:
         yield gauge("hayabusa:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s["kv_cache_usage"])
         yield counter("hayabusa:prompt_tokens", "Prompt tokens received.", s["num_prompt_tokens"])
         yield counter("hayabusa:generation_tokens", "Tokens generated.", s["num_generation_tokens"])
-        yield counter("hayabusa:num_preemptions", "Preemptions (recompute).", s["num_preemptions"])
+        yield counter("hayabusa:num_preemptions", "Preemptions (recompute or swap).", s["num_preemptions"])
+        if "num_blocks_swapped_out" in s:   # the KV cache's CPU tier (swap_space)
+            yield counter("hayabusa:num_swap_preemptions", "Preemptions whose KV went to the CPU tier.",
+                          s["num_swap_preemptions"])
+            yield counter("hayabusa:kv_blocks_swapped_out", "KV blocks copied GPU -> CPU.", s["num_blocks_swapped_out"])
+            yield counter("hayabusa:kv_blocks_swapped_in", "KV blocks copied CPU -> GPU.", s["num_blocks_swapped_in"])
+            yield counter("hayabusa:cpu_prefix_cache_hits", "Prefix-cache blocks restored from the CPU tier.",
+                          s["cpu_prefix_cache_hit_blocks"])
+            yield gauge("hayabusa:cpu_kv_cache_usage_perc", "Fraction of the CPU tier's blocks in use (0..1).",
+                        s["num_used_cpu_kv_blocks"] / s["num_cpu_kv_blocks"] if s["num_cpu_kv_blocks"] else 0.0)
         if "prefix_cache_queries" in s:
             queries, hits = s["prefix_cache_queries"], s.get("prefix_cache_hits", 0)
             yield counter("hayabusa:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)

@@ -1,0 +1,293 @@
+"""The CPU tier of the KV cache (``swap_space``): CPU block ids, owned by the KVCacheManager (plain Python).
+
+A CPU block is either held by a preempted request whose KV was swapped out (swap-based preemption), or free. A
+free block may still hold a prefix-cache block that was evicted from the GPU (its hash, parent hash and tokens are
+kept, like the GPU pool's): free blocks wait in an LRU queue, and a new use takes a never-used id first, then the
+least recently freed block (evicting its cached content).
+
+Copies between the tiers are plain ``(src, dst)`` id pairs collected per step (``SwapLists``); the runner runs
+every step's swap-outs, then its swap-ins, before the step's forward. Two rules keep that order safe:
+- a CPU block read by a swap-in in a step is locked (``lock``) until the step's lists are taken, so no swap-out of
+  the same step can overwrite it first;
+- a GPU block freed by a swap-out may be the destination of a swap-in in the same step: swap-outs run first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+# Swap-based preemption pays a copy of a request's KV over PCIe twice; recompute pays a prefill of its tokens. A
+# prefill of a few hundred tokens is cheap and batched with other work, so "auto" swaps only from this many
+# computed tokens on (long contexts), and recomputes shorter ones.
+SWAP_MIN_TOKENS = 512
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+def prefer_swap(preemption_mode: str | None, num_computed_tokens: int) -> bool:
+    """Whether a request with this much KV should be swapped out rather than recomputed, under
+    ``preemption_mode`` ("swap", "recompute" or None = auto: swap long contexts)."""
+    if preemption_mode is not None:
+        return preemption_mode == "swap"
+    return num_computed_tokens >= SWAP_MIN_TOKENS
+
+
+@dataclass
+class SwapLists:
+    """One step's copies between the tiers, as (src, dst) block id pairs.
+
+    Attributes:
+        swap_out: (GPU block, CPU block): GPU -> CPU, run first.
+        swap_in: (CPU block, GPU block): CPU -> GPU, run after the swap-outs; before the step's forward.
+    """
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+
+class CpuKVTier:
+    """CPU block ids 0..num_blocks-1 with reference counts, an LRU free queue and a prefix-cache index.
+
+    State is kept sparse (dicts), so a tier of millions of blocks costs nothing until used.
+
+    Args:
+        num_blocks: blocks of the tier (``swap_space`` bytes / bytes per block).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._next_fresh = 0                          # ids >= this were never used (free, hold nothing)
+        self._free: OrderedDict[int, None] = OrderedDict()   # used once, free now; front = least recently freed
+        self.ref_cnt: dict[int, int] = {}
+        self.meta: dict[int, tuple[int, int | None, tuple]] = {}   # block -> (hash, parent hash, tokens)
+        self.cached: dict[int, int] = {}              # block hash -> CPU block
+        self._locked: list[int] = []                  # released when the step's lists are taken
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self._next_fresh + len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by requests or locked for a swap-in (0 when the tier is idle)."""
+        return self.num_blocks - self.num_free_blocks
+
+    def take(self, n: int) -> list[int] | None:
+        """n blocks (ref 1): never-used ids first, then the LRU free ones (their cached content is evicted).
+        None when fewer than n are free."""
+        if n > self.num_free_blocks:
+            return None
+        fresh = min(n, self.num_blocks - self._next_fresh)
+        ids = list(range(self._next_fresh, self._next_fresh + fresh))
+        self._next_fresh += fresh
+        for _ in range(n - fresh):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)
+            ids.append(block)
+        for block in ids:
+            self.ref_cnt[block] = 1
+        return ids
+
+    def _forget(self, block: int) -> None:
+        meta = self.meta.pop(block, None)
+        if meta is not None:
+            if self.cached.get(meta[0]) == block:
+                del self.cached[meta[0]]
+            self.num_evictions += 1
+
+    def give_back(self, ids: list[int]) -> None:
+        """Drop one reference each; a block at 0 joins the back of the free queue (its cached content stays)."""
+        for block in ids:
+            cnt = self.ref_cnt[block] - 1
+            assert cnt >= 0, f"CPU block {block} freed twice"
+            if cnt:
+                self.ref_cnt[block] = cnt
+            else:
+                del self.ref_cnt[block]
+                self._free[block] = None
+
+    def lock(self, ids: list[int]) -> None:
+        """Hold cached blocks read by this step's swap-ins until ``release_locks``."""
+        for block in ids:
+            cnt = self.ref_cnt.get(block, 0)
+            if cnt == 0:
+                del self._free[block]
+            self.ref_cnt[block] = cnt + 1
+        self._locked.extend(ids)
+
+    def free_after_step(self, ids: list[int]) -> None:
+        """Give held blocks back once this step's lists are taken (they are read by this step's swap-ins)."""
+        self._locked.extend(ids)
+
+    def release_locks(self) -> None:
+        locked, self._locked = self._locked, []
+        self.give_back(locked)
+
+    # ------------------------------------------------------------------ prefix cache
+    def lookup(self, block_hash: int, parent_hash: int | None, tokens: tuple) -> int | None:
+        """The CPU block caching exactly ``tokens`` after ``parent_hash``, or None."""
+        block = self.cached.get(block_hash)
+        if block is None or self.meta[block][1:] != (parent_hash, tokens):
+            return None
+        return block
+
+    def store(self, block_hash: int, parent_hash: int | None, tokens: tuple) -> int | None:
+        """A free block to receive an evicted GPU block of the prefix cache, indexed and left free (LRU: most
+        recent); None when the content is here already (refreshed in the LRU) or no block is free."""
+        block = self.cached.get(block_hash)
+        if block is not None and self.meta[block][1:] == (parent_hash, tokens):
+            if block in self._free:
+                self._free.move_to_end(block)
+            return None
+        ids = self.take(1)
+        if ids is None:
+            return None
+        block = ids[0]
+        self.meta[block] = (block_hash, parent_hash, tokens)
+        self.cached[block_hash] = block
+        self.give_back(ids)
+        return block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (held blocks hold no cached content)."""
+        self.meta.clear()
+        self.cached.clear()
+
+
+class CpuTierMixin:
+    """The KVCacheManager's CPU-tier half: swap-based preemption, the prefix cache's CPU tier, and the step's copy
+    lists. Expects the manager's ``block_pool``, ``req_to_blocks``, ``block_size``, ``_num_cached``,
+    ``cache_full_blocks`` and ``allocate_slots``; ``init_cpu_tier`` is called from its __init__."""
+
+    def init_cpu_tier(self, num_cpu_blocks: int) -> None:
+        self.cpu: CpuKVTier | None = CpuKVTier(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.req_to_cpu_blocks: dict[str, list[int]] = {}   # swapped-out requests -> their CPU blocks, in order
+        self._cpu_hits: dict[str, list[int]] = {}           # request id -> CPU prefix hits of its last lookup
+        self._swaps = SwapLists()
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
+        self.num_cpu_hit_blocks = 0      # prefix-cache blocks restored from the CPU tier
+        if self.cpu is not None and self.enable_prefix_caching:
+            self.block_pool.on_evict = self._evict_to_cpu
+
+    # ------------------------------------------------------------------ step lists
+    def take_swaps(self) -> SwapLists:
+        """The copies collected since the last call (for one step's SchedulerOutput); releases the CPU blocks
+        that this step's swap-ins read."""
+        swaps, self._swaps = self._swaps, SwapLists()
+        self._cpu_hits.clear()
+        if self.cpu is not None:
+            self.cpu.release_locks()
+        return swaps
+
+    def drop_cpu_tier_state(self) -> list[str]:
+        """After a failed step (its copies may not have run): free every swapped-out request's CPU blocks, drop
+        the pending copies and the CPU prefix index. Returns the ids of the requests that were swapped out (they
+        must be recomputed)."""
+        swapped = list(self.req_to_cpu_blocks)
+        for rid in swapped:
+            self.free_cpu_blocks(rid)
+        self.take_swaps()
+        if self.cpu is not None:
+            self.cpu.reset_prefix_cache()
+        return swapped
+
+    @property
+    def has_pending_swaps(self) -> bool:
+        return bool(self._swaps.swap_out or self._swaps.swap_in)
+
+    # ------------------------------------------------------------------ prefix cache tier
+    def _evict_to_cpu(self, block) -> None:
+        """BlockPool hook: a cached GPU block is about to get new content; keep a copy in the CPU tier."""
+        cpu_block = self.cpu.store(block.block_hash, block.parent_hash, block.tokens)
+        if cpu_block is not None:
+            self._swaps.swap_out.append((block.block_id, cpu_block))
+            self.num_blocks_swapped_out += 1
+
+    def _lookup_cpu(self, request, hashes: list[int], key, start: int, stop: int) -> int:
+        """CPU-tier prefix hits for blocks start..stop-1 (after the GPU hits; ``key(i)``: block i's key),
+        remembered for allocate_slots. Returns their number."""
+        self._cpu_hits.pop(request.request_id, None)
+        if self.cpu is None:
+            return 0
+        hits = []
+        for i in range(start, stop):
+            block = self.cpu.lookup(hashes[i], hashes[i - 1] if i else None, key(i))
+            if block is None:
+                break
+            hits.append(block)
+        if hits:
+            self._cpu_hits[request.request_id] = hits
+        return len(hits)
+
+    def _restore_cpu_hits(self, cpu_hits: list[int], gpu_ids: list[int]) -> None:
+        """Swap-ins of CPU prefix hits into the first len(cpu_hits) of the new GPU blocks."""
+        self._swaps.swap_in.extend(zip(cpu_hits, gpu_ids))
+        self.num_blocks_swapped_in += len(cpu_hits)
+        self.num_cpu_hit_blocks += len(cpu_hits)
+
+    # ------------------------------------------------------------------ swap-based preemption
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.req_to_cpu_blocks
+
+    def swap_out(self, request) -> bool:
+        """Move a preempted request's KV to the CPU tier: its GPU blocks are freed, their copies queued for the
+        step. False (nothing done) when the tier is off or has too few free blocks."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if self.cpu is None or not blocks or getattr(self, "req_to_cross_blocks", {}).get(rid):
+            return False
+        cpu_ids = self.cpu.take(len(blocks))
+        if cpu_ids is None:
+            return False
+        self._swaps.swap_out.extend(zip(blocks, cpu_ids))
+        self.num_blocks_swapped_out += len(blocks)
+        self.req_to_cpu_blocks[rid] = cpu_ids
+        del self.req_to_blocks[rid]
+        self._num_cached.pop(rid, None)
+        self.block_pool.give_back(blocks[::-1])
+        return True
+
+    def swap_in(self, request, num_new_tokens: int) -> list[int] | None:
+        """Bring a swapped-out request's KV back into new GPU blocks and reserve room for ``num_new_tokens`` more.
+
+        Returns:
+            Its whole block table, or None when the GPU pool is short (nothing is taken then).
+        """
+        rid = request.request_id
+        cpu_ids = self.req_to_cpu_blocks[rid]
+        total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        if max(total, len(cpu_ids)) > self.block_pool.num_free_blocks:
+            return None
+        gpu_ids = self.block_pool.take(len(cpu_ids))
+        self._swaps.swap_in.extend(zip(cpu_ids, gpu_ids))
+        self.num_blocks_swapped_in += len(cpu_ids)
+        del self.req_to_cpu_blocks[rid]
+        self.cpu.free_after_step(cpu_ids)
+        self.req_to_blocks[rid] = gpu_ids
+        self.cache_full_blocks(request, request.num_computed_tokens)
+        new = self.allocate_slots(request, num_new_tokens)
+        assert new is not None
+        return list(self.req_to_blocks[rid])
+
+    def free_cpu_blocks(self, request_id: str) -> None:
+        """A swapped-out request ends (abort): its CPU blocks are free (after this step's copies into them)."""
+        cpu_ids = self.req_to_cpu_blocks.pop(request_id, None)
+        self._cpu_hits.pop(request_id, None)
+        if cpu_ids:
+            self.cpu.give_back(cpu_ids)
+
+    def swap_stats(self) -> dict[str, int]:
+        """The CPU tier's counters (engine stats, /metrics, bench JSON): blocks copied each way, prefix-cache
+        blocks restored from the CPU tier, the tier's size and its blocks in use."""
+        return {"num_blocks_swapped_out": self.num_blocks_swapped_out,
+                "num_blocks_swapped_in": self.num_blocks_swapped_in,
+                "cpu_prefix_cache_hit_blocks": self.num_cpu_hit_blocks,
+                "num_cpu_kv_blocks": self.cpu.num_blocks if self.cpu is not None else 0,
+                "num_used_cpu_kv_blocks": self.num_used_cpu_blocks}
+
+    @property
+    def num_used_cpu_blocks(self) -> int:
+        return self.cpu.num_used_blocks if self.cpu is not None else 0
