@@ -337,6 +337,9 @@ class EngineArgs:
         from hayabusa.distributed.config import make_parallel_config
 
         parallel_config = make_parallel_config(self, model_config, device)
+        if self.preemption_mode == "swap" and parallel_config.world_size > 1:
+            raise _bad("preemption_mode", self.preemption_mode, "swap-based preemption with tensor_parallel_size="
+                       f"{self.tensor_parallel_size} is not supported yet (the CPU tier is not split across ranks).")
         if spec is not None and parallel_config.world_size > 1:
             raise _bad("speculative_config", self.speculative_config, "speculative decoding with "
                        f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use one of them.")

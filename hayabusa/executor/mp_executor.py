@@ -84,6 +84,8 @@ class MultiprocExecutor:
         config: the engine config; ``config.parallel_config.world_size`` workers are started.
     """
 
+    num_cpu_blocks = 0   # the KV cache's CPU tier (swap_space) is not used across ranks yet
+
     def __init__(self, config: Any) -> None:
         from hayabusa.executor.worker import worker_main
 

@@ -76,6 +76,8 @@ class RayExecutor:
             local one.
     """
 
+    num_cpu_blocks = 0   # the KV cache's CPU tier (swap_space) is not used across ranks yet
+
     def __init__(self, config: Any) -> None:
         try:
             import ray

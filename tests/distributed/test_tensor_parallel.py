@@ -24,8 +24,10 @@ LONG = ("The quick brown fox jumps over the lazy dog while five boxing wizards j
         "and a journey of a thousand miles begins with a single step.")
 PROMPTS = EN_PROMPTS + JA_PROMPTS + [LONG]
 # block_size 4 and 24 blocks for 8 rows: preemption; 16-token steps: chunked prefill of every prompt
+# swap_space=0: the one-process engine has no CPU KV tier either (tensor-parallel ranks have none yet), so both
+# schedule, and preempt, alike
 ENGINE = dict(dtype="float32", device="cpu", max_num_seqs=8, block_size=4, num_gpu_blocks_override=24,
-              max_model_len=64, max_num_batched_tokens=16)
+              max_model_len=64, max_num_batched_tokens=16, swap_space=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True, n=2, seed=7)
 
@@ -117,6 +119,9 @@ def test_refusals(tmp_path):
     with pytest.raises(HayabusaValidationError) as e:
         LLM(path, tensor_parallel_size=2, quantization="int8", **ENGINE)
     assert e.value.parameter == "quantization"
+    with pytest.raises(HayabusaValidationError, match="not supported yet") as e:   # no CPU KV tier across ranks
+        LLM(path, tensor_parallel_size=2, preemption_mode="swap", **{**ENGINE, "swap_space": 1})
+    assert e.value.parameter == "preemption_mode"
     with pytest.raises(HayabusaValidationError) as e:
         LLM(path, distributed_executor_backend="slurm", **ENGINE)
     assert e.value.parameter == "distributed_executor_backend"
