@@ -289,6 +289,8 @@ def test_llm_chat_passes_images_to_generate(stories_dir, monkeypatch):
     llm = LLM(stories_dir, max_model_len=128, max_num_seqs=2)
     seen = []
     monkeypatch.setattr(llm, "generate", lambda prompts, params=None, use_tqdm=True: seen.extend(prompts) or [])
+    # chat() alone is under test: the (text-only) model stands in for a vision model
+    monkeypatch.setattr(llm.llm_engine.input_processor, "mm_processor", object())
     img = gradient(6, 9)
     llm.chat([user({"type": "text", "text": "once"}, {"type": "image_pil", "image_pil": img}),
               user({"type": "text", "text": "no image"})], chat_template=qwen2_vl_chat_template())
