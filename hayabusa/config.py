@@ -340,6 +340,9 @@ class EngineArgs:
         if self.preemption_mode == "swap" and parallel_config.world_size > 1:
             raise _bad("preemption_mode", self.preemption_mode, "swap-based preemption with tensor_parallel_size="
                        f"{self.tensor_parallel_size} is not supported yet (the CPU tier is not split across ranks).")
+        if self.preemption_mode == "swap" and draft_config is not None:
+            raise _bad("preemption_mode", self.preemption_mode, "swap-based preemption with a draft model is not "
+                       "supported yet (the CPU tier holds the target's KV only); leave preemption_mode unset.")
         if spec is not None and parallel_config.world_size > 1:
             raise _bad("speculative_config", self.speculative_config, "speculative decoding with "
                        f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use one of them.")

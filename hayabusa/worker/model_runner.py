@@ -210,7 +210,8 @@ class ModelRunner:
             self.draft.allocate(self.num_blocks)
         self.kv_swapper = None   # the KV cache's CPU tier (swap_space): copies the scheduler's swap lists
         # the CPU tier is not split across tensor-parallel ranks yet: swap_space is then unused (the executor says so)
-        self.num_cpu_blocks = num_cpu_blocks(self.cfg) if tp_size() == 1 else 0
+        # (nor kept for a draft model's KV cache: a restored block would hold the target's KV only)
+        self.num_cpu_blocks = num_cpu_blocks(self.cfg) if tp_size() == 1 and self.draft is None else 0
         if self.num_cpu_blocks:
             self.kv_swapper = KVSwapper(self.cfg, self.kv_caches, self.num_cpu_blocks)
         if self.device.type == "cuda":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hayabusa import LLM, SamplingParams
+from hayabusa import LLM, HayabusaValidationError, SamplingParams
 from tests.spec_decode.test_spec_engine import MAX_TOKENS, PROMPTS, _ids
 
 
@@ -80,3 +80,25 @@ def test_draft_model_config_errors(tiny_llama, tiny_qwen2):
     with pytest.raises(HayabusaValidationError) as e:   # another vocabulary
         LLM(tiny_llama, device="cpu", speculative_config={"model": tiny_qwen2, "num_speculative_tokens": 2})
     assert e.value.parameter == "speculative_config.model"
+
+
+def test_own_draft_with_preemption_and_evicted_prefixes_accepts_everything(tiny_llama):
+    # A tight cache: requests are preempted and shared prefixes evicted. The CPU KV tier (swap_space) would restore
+    # the target's blocks only, so with a draft model the engine keeps none: the draft stays in step (rate 1.0).
+    prompts = [f"{i} a b c d a b c d a b c d a b c " * 4 for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kwargs = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=24, block_size=16, swap_space=1,
+                  enable_prefix_caching=True, max_num_seqs=6)
+    ref = LLM(tiny_llama, **kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_llama, speculative_config={"model": tiny_llama, "num_speculative_tokens": 3}, **kwargs)
+    assert llm.llm_engine.runner.num_cpu_blocks == 0
+    for _ in range(2):   # the second round meets the first's (partly evicted) prefixes
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert _ids(out) == _ids(ref)
+    m = llm.get_metrics()
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"] > 0
+    with pytest.raises(HayabusaValidationError) as e:
+        LLM(tiny_llama, speculative_config={"model": tiny_llama, "num_speculative_tokens": 3},
+            **{**kwargs, "preemption_mode": "swap"})
+    assert e.value.parameter == "preemption_mode"
