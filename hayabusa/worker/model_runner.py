@@ -569,13 +569,17 @@ class ModelRunner:
             hidden = inp.mm.run(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
         else:
             hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)       # [T, hidden]
+        return self._logits(inp, hidden)                                            # [R_s, V]
+
+    def _logits(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """The step's prompt logprobs (when asked) and the logits of its sampling rows ([R_s, V]) from hidden states."""
         if inp.prompt_logprobs is not None:
             inp.prompt_logprobs_out = compute_prompt_logprobs(hidden, inp.prompt_logprobs, self.model.compute_logits,
                                                               min(CHUNK_ROWS, self.max_num_reqs))
         if len(inp.logits_indices) == 0:
             return hidden.new_empty(0, self.vocab_size)
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden[idx])                               # [R_s, V]
+        return self.model.compute_logits(hidden[idx])
 
     def _sample(self, inp: StepInputs, logits: torch.Tensor) -> StepHandle:
         """Sample on the device and queue the copy of the tokens to the host (no wait here)."""
@@ -645,10 +649,4 @@ class ModelRunner:
                     inp.slot_mapping, buf.input_ids, buf.block_table, self.backend)
         hidden = self.model(buf.input_ids[:T], buf.positions[:T], ForwardContext(meta, self.kv_caches, self.backend))
         self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
-        if inp.prompt_logprobs is not None:
-            inp.prompt_logprobs_out = compute_prompt_logprobs(hidden, inp.prompt_logprobs, self.model.compute_logits,
-                                                              min(CHUNK_ROWS, self.max_num_reqs))
-        if len(inp.logits_indices) == 0:
-            return hidden.new_empty(0, self.vocab_size)
-        idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden[idx])
+        return self._logits(inp, hidden)
