@@ -150,8 +150,13 @@ class EngineArgs:
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
         cuda_graph_sizes: decode batch sizes captured in CUDA graphs (default: 1, 2, 4, 8, then every 16 up to
             min(max_num_seqs, 512)).
-        cpu_offload_gb: GiB of weights per GPU kept in CPU memory (vLLM's meaning). Not supported on GPUs yet (a
-            non-zero value is refused by name there); on a CPU device it is accepted and changes nothing (logged).
+        cpu_offload_gb: GiB of weights per GPU kept in pinned CPU memory (vLLM's meaning): the fewest whole decoder
+            layers that hold that much, evenly spread over the stack, stream to the GPU each forward through a
+            ring of two layer-sized buffers, the next layer copied while one computes (hayabusa/worker/
+            cpu_offload.py; quantized models move their packed weights; CUDA graphs capture the copies). More than
+            the model has offloads every decoder layer (logged). The KV-cache sizing sees the weights no longer
+            resident and the ring. Not with tensor_parallel_size > 1, a draft model or an encoder-decoder model
+            yet (refused by name). On a CPU device it is accepted and changes nothing (logged).
         swap_space: GiB of CPU memory for the KV cache's CPU tier (vLLM's meaning and default, 4): preempted
             requests' KV is swapped there instead of recomputed (see preemption_mode), and prefix-cache blocks
             evicted from the GPU move there and come back on a prefix hit. 0 turns the tier off. More than the
@@ -290,12 +295,6 @@ class EngineArgs:
         self._verify_args()
         self._warn_ignored_args()
         device = resolve_device(self.device)
-        if self.cpu_offload_gb:
-            if device.type != "cpu":
-                raise _bad("cpu_offload_gb", self.cpu_offload_gb,
-                           "weight offload to CPU memory is not supported on GPUs in this version.")
-            logger.info("cpu_offload_gb=%s is accepted and changes nothing on a CPU device (the weights are in CPU "
-                        "memory already).", self.cpu_offload_gb)
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
         if model_config.is_encoder_decoder and self.enable_prefix_caching:
@@ -313,6 +312,7 @@ class EngineArgs:
             cache_dtype=self.kv_cache_dtype,
             kv_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype, device),
             swap_space_bytes=check_swap_space(self.swap_space),
+            cpu_offload_bytes=self._cpu_offload_bytes(device, model_config),
             # encoder-decoder: a decoder's KV depends on its encoder input, so equal decoder prefixes share nothing
             enable_prefix_caching=not model_config.is_encoder_decoder and (
                 True if self.enable_prefix_caching is None else bool(self.enable_prefix_caching)))
@@ -343,6 +343,12 @@ class EngineArgs:
         if self.preemption_mode == "swap" and draft_config is not None:
             raise _bad("preemption_mode", self.preemption_mode, "swap-based preemption with a draft model is not "
                        "supported yet (the CPU tier holds the target's KV only); leave preemption_mode unset.")
+        if cache_config.cpu_offload_bytes and parallel_config.world_size > 1:
+            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "weight offload with tensor_parallel_size="
+                       f"{self.tensor_parallel_size} is not supported yet; use one of them.")
+        if cache_config.cpu_offload_bytes and draft_config is not None:
+            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "weight offload with a draft model "
+                       "(speculative_config method 'draft_model') is not supported yet; use one of them.")
         if spec is not None and parallel_config.world_size > 1:
             raise _bad("speculative_config", self.speculative_config, "speculative decoding with "
                        f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use one of them.")
@@ -356,6 +362,25 @@ class EngineArgs:
                             if self.async_scheduling is None else bool(self.async_scheduling),
                             speculative_config=spec, draft_model_config=draft_config,
                             parallel_config=parallel_config)
+
+    def _cpu_offload_bytes(self, device: torch.device, model_config: "ModelConfig") -> int:
+        """cpu_offload_gb in bytes where it does something: on CUDA, and on CPU only in the test-only fake-device
+        mode (worker/cpu_offload.py); else 0 (logged). Encoder-decoder models are refused by name."""
+        if not self.cpu_offload_gb:
+            return 0
+        from hayabusa.worker.cpu_offload import FAKE_ENV, fake_device_offload
+
+        if device.type == "cpu" and not fake_device_offload():
+            logger.info("cpu_offload_gb=%s is accepted and changes nothing on a CPU device (the weights are in CPU "
+                        "memory already).", self.cpu_offload_gb)
+            return 0
+        if model_config.is_encoder_decoder:
+            raise _bad("cpu_offload_gb", self.cpu_offload_gb, f"weight offload is not supported for "
+                       f"encoder-decoder models ({model_config.architecture}) yet.")
+        if device.type == "cpu":
+            logger.info("cpu_offload_gb=%s on a CPU device in the fake-device mode (%s): the offload path runs with "
+                        "CPU copies (tests).", self.cpu_offload_gb, FAKE_ENV)
+        return int(self.cpu_offload_gb * (1 << 30))
 
     def _warn_ignored_args(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -681,6 +706,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_dtype: torch.dtype | None = None       # dtype of the cache tensors (resolved; None = the model dtype)
     swap_space_bytes: int = 0                 # the KV cache's CPU tier (swap_space; 0 = none)
+    cpu_offload_bytes: int = 0                # weights per GPU kept in CPU memory (cpu_offload_gb; 0 = none)
 
 
 @dataclass(frozen=True)

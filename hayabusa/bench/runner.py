@@ -160,6 +160,12 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
                      spec_decode_acceptance_rate=round(accepted / drafted, 4) if drafted else None)
         notes.append(f"speculative decoding: {spec.method}, k={spec.num_speculative_tokens}, acceptance "
                      f"{accepted}/{drafted}")
+    off = getattr(engine.runner, "offloader", None)
+    if off is not None:      # cpu_offload_gb: weights streamed from CPU memory each forward
+        extra.update(offloaded_layers=len(off.layer_indices), offloaded_bytes=off.offloaded_bytes,
+                     offload_ring_bytes=off.ring_bytes, gpu_weight_bytes=extra["weight_bytes"] - off.saved_bytes)
+        notes.append(f"cpu_offload_gb: {len(off.layer_indices)} of {off.num_layers} decoder layers "
+                     f"({off.offloaded_bytes / 2**30:.2f} GiB) streamed from CPU memory each forward")
     encdec = getattr(engine.runner, "encdec", None)
     if encdec is not None:   # encoder-decoder (T5): encoder tokens run, warm-up included
         extra["encoder_tokens"] = encdec.num_encoder_tokens

@@ -205,7 +205,7 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
 # here: the plan divides weights and KV heads by it).
 PLAN_ENGINE_ARGS = ("dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
                     "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                    "trust_remote_code") + tuple(  # the image limit, once EngineArgs has it (the VL core)
+                    "trust_remote_code", "cpu_offload_gb") + tuple(  # the image limit, once EngineArgs has it (the VL core)
     n for n in ("limit_mm_per_prompt",) if n in {f.name for f in dataclasses.fields(EngineArgs)})
 
 
@@ -261,7 +261,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         inp = PlanInputs(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                          max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         block_size=args.block_size, tp=args.tensor_parallel_size, **_image_limits(ns, args))
+                         block_size=args.block_size, tp=args.tensor_parallel_size,
+                         cpu_offload_gb=args.cpu_offload_gb, **_image_limits(ns, args))
         plan = make_plan(cfg, inp, ns.gpu, ns.gpu_memory, model=ns.model)
     except HayabusaValidationError as e:
         print(f"hayabusa plan: error: {e}", file=sys.stderr)

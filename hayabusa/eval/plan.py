@@ -277,6 +277,7 @@ class PlanInputs:
     tp: int = 1
     max_images: int = 1                 # images one prompt may hold (limit_mm_per_prompt["image"])
     max_pixels: int = DEFAULT_MAX_PIXELS   # the image processor's max_pixels
+    cpu_offload_gb: float = 0           # GiB of weights per GPU in CPU memory (worker/cpu_offload.py)
 
 
 def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
@@ -319,12 +320,29 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
         out["tokens_per_request"] = 2 * max_len
         out["kv_formula"] += (f"; per request (decoder tokens + encoder tokens) x kv_bytes_per_token: cross-attention "
                               f"K/V of {max_len} encoder tokens = {kv_per_token * max_len} bytes")
+    out.update(_offload(shape, params, linear_bytes, b, inp))
     vision = vision_activation(cfg, b, inp.max_images, inp.max_pixels, max_len)
     if vision is not None:   # the LM's step holds the encoder outputs; the vision pass peaks on its own
         out["lm_activation_bytes"] = out["activation_bytes"]
         out["vision"] = vision
         out["activation_bytes"] = max(out["activation_bytes"] + vision["encoder_output_bytes"], vision["peak_bytes"])
     return out
+
+
+def _offload(shape: Shape, params: dict[str, int], linear_bytes: float, b: int, inp: PlanInputs) -> dict[str, Any]:
+    """cpu_offload_gb as the engine runs it: the fewest whole decoder layers (evenly spread) whose weights reach
+    it leave the GPU, and a ring of min(2, n) layer-sized buffers joins it. A decoder layer is counted as
+    (linear weights + norms and biases) / layers, per GPU."""
+    from hayabusa.worker.cpu_offload import NUM_SLOTS, choose_offload_layers
+
+    L = max(shape.layers, 1)
+    layer = int((linear_bytes + params["other"] * b) / L) // inp.tp
+    n = len(choose_offload_layers([layer] * L, int(inp.cpu_offload_gb * GiB)))
+    offloaded, ring = n * layer, min(NUM_SLOTS, n) * layer
+    return {"cpu_offload_gb": inp.cpu_offload_gb, "layers": shape.layers, "offloaded_layers": n, "decoder_layer_bytes": layer,
+            "offloaded_bytes": offloaded, "offload_ring_bytes": ring,
+            "gpu_weight_bytes": (int(linear_bytes + (params["total"] - params["linear"]) * b) // inp.tp
+                                 - offloaded + ring)}
 
 
 FIT_FIELDS = ("gpu_memory_bytes", "budget_bytes", "kv_cache_bytes", "max_num_tokens", "max_num_seqs_at_max_model_len",
@@ -337,7 +355,7 @@ NO_GPU_NOTE = ("no GPU given (--gpu NAME or --gpu-memory GiB) and no CUDA device
 def _fit(sizes: dict[str, Any], total_bytes: int) -> dict[str, Any]:
     """KV budget, tokens and sequences on one GPU of `total_bytes`."""
     budget = int(total_bytes * sizes["gpu_memory_utilization"])
-    kv_bytes = budget - sizes["weight_bytes_per_gpu"] - sizes["activation_bytes"] - sizes["overhead_bytes"]
+    kv_bytes = budget - sizes["gpu_weight_bytes"] - sizes["activation_bytes"] - sizes["overhead_bytes"]
     per_block = sizes["kv_bytes_per_token_per_gpu"] * sizes["block_size"]
     tokens = max(kv_bytes, 0) // per_block * sizes["block_size"]
     return {"gpu_memory_bytes": total_bytes, "budget_bytes": budget, "kv_cache_bytes": max(kv_bytes, 0),
@@ -354,6 +372,9 @@ def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib:
     if not 0 < inp.gpu_memory_utilization <= 1:
         raise HayabusaValidationError("gpu_memory_utilization must be in (0, 1].",
                                       parameter="gpu_memory_utilization", value=inp.gpu_memory_utilization)
+    if not 0 <= inp.cpu_offload_gb < float("inf"):
+        raise HayabusaValidationError("cpu_offload_gb must be a non-negative number of GiB.",
+                                      parameter="cpu_offload_gb", value=inp.cpu_offload_gb)
     if inp.tp < 1 or inp.block_size < 1 or inp.max_num_seqs < 1:
         raise HayabusaValidationError("tp, block_size and max_num_seqs must be positive.", parameter="tp",
                                       value=inp.tp)
@@ -391,6 +412,13 @@ def _notes(plan: dict[str, Any]) -> list[str]:
     if plan["tp"] > 1:
         notes.append("tensor parallelism is planned per GPU (weights / tp, KV heads / tp, at least one KV head "
                      "per GPU), as hayabusa's tensor_parallel_size runs it.")
+    if plan["cpu_offload_gb"]:
+        notes.append(f"cpu_offload_gb={plan['cpu_offload_gb']}: {plan['offloaded_layers']} of {plan['layers']} "
+                     f"decoder layers ({_gib(plan['offloaded_bytes'])}) live in pinned CPU memory and stream to the "
+                     f"GPU each forward through a ring of {_gib(plan['offload_ring_bytes'])}; every forward copies "
+                     f"{_gib(plan['offloaded_bytes'])} over PCIe (about {plan['offloaded_bytes'] / 50e9 * 1e3:.0f} ms "
+                     "at 50 GB/s), so decode steps slow down; batch more per step to amortize it."
+                     + (" The engine does not run it with tensor_parallel_size > 1 yet." if plan["tp"] > 1 else ""))
     if plan.get("vision"):
         v = plan["vision"]
         notes.append(f"vision tower: {plan['param_breakdown']['vision']:,} parameters; its activation peak "
@@ -420,7 +448,7 @@ def advice(cfg: Any, inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
     total, L = plan["gpu_memory_bytes"], plan["max_model_len"]
     out: list[str] = []
     if not plan["weights_fit"]:
-        out.append(f"the weights ({plan['weight_bytes_per_gpu'] / GiB:.1f} GiB) plus activations and overhead do "
+        out.append(f"the weights ({plan['gpu_weight_bytes'] / GiB:.1f} GiB on the GPU) plus activations and overhead do "
                    f"not fit in {plan['budget_bytes'] / GiB:.1f} GiB.")
         if not plan["quantization"]:
             for q in ("fp8", "awq"):
@@ -497,7 +525,10 @@ def format_plan(plan: dict[str, Any]) -> str:
     else:
         lines += [f"  GPU             {p['gpu']}: {_gib(p['gpu_memory_bytes'])} x gpu_memory_utilization "
                   f"{p['gpu_memory_utilization']} = {_gib(p['budget_bytes'])}",
-                  f"    - weights     {_gib(p['weight_bytes_per_gpu'])}",
+                  f"    - weights     {_gib(p['gpu_weight_bytes'])}"
+                  + (f"  ({_gib(p['weight_bytes_per_gpu'])} - {_gib(p['offloaded_bytes'])} in CPU memory "
+                     f"({p['offloaded_layers']} layers, cpu_offload_gb) + ring {_gib(p['offload_ring_bytes'])})"
+                     if p["cpu_offload_gb"] else ""),
                   f"    - activations {_gib(p['activation_bytes'])}  (estimated peak of one "
                   f"{p['max_num_batched_tokens']}-token step and its logits"
                   + (f"; vision tower {_gib(p['vision']['peak_bytes'])}" if p.get("vision") else "") + ")",

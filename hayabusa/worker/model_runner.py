@@ -28,6 +28,7 @@ from hayabusa.model.layers.tensor_parallel import build_sharded_model
 from hayabusa.model.loader import build_model
 from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
+from hayabusa.worker.cpu_offload import maybe_offload
 from hayabusa.worker.input_batch import CachedRequestState, InputBatch
 from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
 from hayabusa.worker.spec_verify import SpecStepInputs, plan_verify, verify, write_drafts
@@ -124,6 +125,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(mc, self.device) if tp_size() == 1 else build_sharded_model(
             mc, self.device, tp_rank(), tp_size())   # a tensor-parallel worker keeps its shard only
+        # cpu_offload_gb: chosen layers' weights to CPU memory, streamed back each forward through a GPU ring (hooks
+        # on the layers; before the KV profile, so the cache sizing sees the freed weights and the ring)
+        self.offloader = maybe_offload(self.model, cfg, self.device)
         self.draft = None   # speculative decoding's draft model (worker/draft_model.py)
         if cfg.draft_model_config is not None:
             from hayabusa.worker.draft_model import DraftModel
