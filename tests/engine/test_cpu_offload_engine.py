@@ -1,0 +1,90 @@
+"""cpu_offload_gb in the engine, through the test-only fake-device mode on CPU (HAYABUSA_FAKE_DEVICE_OFFLOAD=1:
+the offload path runs with CPU copies): greedy output unchanged for Llama / Qwen2, plain and int8-quantized; the
+ring's order in a real model; the combinations refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from hayabusa import LLM, SamplingParams
+from hayabusa.config import EngineArgs
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.worker.cpu_offload import FAKE_ENV
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SMALL = dict(max_model_len=64, swap_space=0)
+ALL = 1.0     # GiB: more than any tiny model has
+ONE_LAYER = 1e-9
+
+
+def ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setenv(FAKE_ENV, "1")
+
+
+# 2-layer models: one layer offloaded (spread: the 2nd, one slot), or both (two slots)
+@pytest.mark.parametrize("model, gb, layers", [("tiny_llama", ONE_LAYER, [1]), ("tiny_qwen2", ALL, [0, 1])])
+def test_greedy_output_unchanged_with_offload(request, model, gb, layers, example_prompts, monkeypatch):
+    path = request.getfixturevalue(model)
+    prompts = example_prompts[::2]                              # English and Japanese
+    base = ids(LLM(path, **SMALL).generate(prompts, GREEDY, use_tqdm=False))
+    monkeypatch.setenv(FAKE_ENV, "1")
+    llm = LLM(path, cpu_offload_gb=gb, **SMALL)
+    off = llm.llm_engine.runner.offloader
+    assert off is not None and off.layer_indices == layers and off.num_slots == len(layers)
+    assert ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == base
+    assert ("compute", layers[-1], len(layers) - 1) in off.trace
+
+
+def test_ring_order_in_a_five_layer_model_and_int8(stories_dir, monkeypatch):
+    prompts = ["Once upon a time", "The little dog", "Lily and Tom"]
+    # every forward: layers 0, 1 into slots 0, 1 up front; then layer i+2 into layer i's slot once layer i ran
+    one = [("copy", 0, 0), ("copy", 1, 1), ("compute", 0, 0), ("copy", 2, 0), ("compute", 1, 1),
+           ("copy", 3, 1), ("compute", 2, 0), ("copy", 4, 0), ("compute", 3, 1), ("compute", 4, 0)]
+    moved = {}
+    for quantization in (None, "int8"):
+        monkeypatch.delenv(FAKE_ENV, raising=False)
+        base = ids(LLM(stories_dir, quantization=quantization, **SMALL).generate(prompts, GREEDY,
+                                                                                          use_tqdm=False))
+        monkeypatch.setenv(FAKE_ENV, "1")
+        llm = LLM(stories_dir, quantization=quantization, cpu_offload_gb=ALL, **SMALL)
+        off = llm.llm_engine.runner.offloader
+        assert off.layer_indices == [0, 1, 2, 3, 4] and off.num_slots == 2
+        off.trace.clear()
+        assert ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == base
+        forwards = len(off.trace) // len(one)
+        assert forwards >= GREEDY.max_tokens and off.trace == one * forwards
+        moved[quantization] = off.offloaded_bytes
+    # int8: the packed int8 weights move (the float32 model's linear weights are 4 bytes each)
+    assert moved["int8"] < moved[None] / 2
+
+
+def test_refused_by_name(tiny_qwen2, fake):
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=tiny_qwen2, device="cpu", cpu_offload_gb=1, tensor_parallel_size=2).create_engine_config()
+    assert e.value.parameter == "cpu_offload_gb" and "tensor_parallel_size" in str(e.value)
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=tiny_qwen2, device="cpu", cpu_offload_gb=1, speculative_config={
+            "method": "draft_model", "model": tiny_qwen2, "num_speculative_tokens": 2}).create_engine_config()
+    assert e.value.parameter == "cpu_offload_gb" and "draft model" in str(e.value)
+
+
+def test_speculative_verify_steps_with_offload(tiny_qwen2, example_prompts, monkeypatch):
+    """Verify steps (1 + k positions per request) run through the offloaded layers: proposals from the reference
+    continuation, some corrupted (tests/spec_decode's OracleProposer), so tokens are accepted and rejected."""
+    from tests.spec_decode.test_spec_engine import OracleProposer
+
+    prompts = example_prompts[:3]
+    base = LLM(tiny_qwen2, **SMALL).generate(prompts, GREEDY, use_tqdm=False)
+    monkeypatch.setenv(FAKE_ENV, "1")
+    llm = LLM(tiny_qwen2, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, cpu_offload_gb=ALL,
+              **SMALL)
+    llm.llm_engine.scheduler.spec.proposer = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids
+                                                             for o in base])
+    assert ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ids(base)
+    m = llm.get_metrics()
+    assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
