@@ -332,11 +332,11 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
 def _offload(shape: Shape, params: dict[str, int], linear_bytes: float, b: int, inp: PlanInputs) -> dict[str, Any]:
     """cpu_offload_gb as the engine runs it: the fewest whole decoder layers (evenly spread) whose weights reach
     it leave the GPU, and a ring of min(2, n) layer-sized buffers joins it. A decoder layer is counted as
-    (linear weights + norms and biases) / layers, per GPU."""
+    (linear weights + norms and biases but the final norm) / layers, per GPU."""
     from hayabusa.worker.cpu_offload import NUM_SLOTS, choose_offload_layers
 
     L = max(shape.layers, 1)
-    layer = int((linear_bytes + params["other"] * b) / L) // inp.tp
+    layer = int((linear_bytes + max(params["other"] - shape.hidden, 0) * b) / L) // inp.tp
     n = len(choose_offload_layers([layer] * L, int(inp.cpu_offload_gb * GiB)))
     offloaded, ring = n * layer, min(NUM_SLOTS, n) * layer
     return {"cpu_offload_gb": inp.cpu_offload_gb, "layers": shape.layers, "offloaded_layers": n, "decoder_layer_bytes": layer,

@@ -34,7 +34,8 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
     """Number of KV blocks.
 
     Order: num_gpu_blocks_override; else kv_cache_memory_bytes; else on CUDA
-    ``total x gpu_memory_utilization - profiled peak (weights + activations) - non-torch memory``; on CPU
+    ``total x gpu_memory_utilization - profiled peak (weights + activations) - non-torch memory`` (with
+    cpu_offload_gb the profiled weights are the resident ones plus the offload ring: worker/cpu_offload.py); on CPU
     ``CPU_KV_CACHE_DEFAULT_BYTES`` capped at what max_num_seqs sequences of max_model_len tokens can use.
     Encoder-decoder models: a sequence also holds cross-attention K/V for up to max_model_len encoder tokens
     (the encoder limit), in blocks of the same pool.

@@ -193,3 +193,29 @@ def test_plan_says_what_the_engine_refuses_below_sm89():
     assert "refuses kv_cache_dtype=fp8" in text and "fp8_e5m2" in text
     h200 = make_plan(cfg, PlanInputs(quantization="fp8", kv_cache_dtype="fp8"), gpu="H200")
     assert "refuses" not in " ".join(h200.get("advice", []) + h200["notes"])
+
+
+def test_cpu_offload_gb_by_hand(capsys):
+    # qwen2.5-7b-shape (see test_qwen25_7b_shape_by_hand): 233,057,792 parameters per decoder layer, bf16
+    layer = 2 * 233_057_792                                   # 466,115,584 bytes
+    weight_bytes = 15_231_233_024
+    n = -(-7 * GiB // layer)                                  # 7 GiB / layer = 16.1 -> the fewest whole layers: 17
+    assert n == 17
+    cfg = load_config("qwen2.5-7b-shape")
+    base = make_plan(cfg, PlanInputs(gpu_memory_utilization=0.1), gpu="H200")
+    plan = make_plan(cfg, PlanInputs(gpu_memory_utilization=0.1, cpu_offload_gb=7), gpu="H200")
+    assert plan["decoder_layer_bytes"] == layer and plan["offloaded_layers"] == n
+    assert plan["offloaded_bytes"] == n * layer and plan["offload_ring_bytes"] == 2 * layer
+    assert plan["gpu_weight_bytes"] == weight_bytes - (n - 2) * layer == base["gpu_weight_bytes"] - 15 * layer
+    assert not base["weights_fit"] and plan["fits"]           # 13.98 GiB budget: only with half the weights off
+    assert plan["kv_cache_bytes"] == int(139.80 * GiB * 0.1) - plan["gpu_weight_bytes"] \
+        - plan["activation_bytes"] - GiB
+    assert any("cpu_offload_gb=7" in n and "17 of 28 decoder layers" in n for n in plan["notes"])
+    everything = make_plan(cfg, PlanInputs(cpu_offload_gb=100), gpu="H200")
+    assert everything["offloaded_layers"] == 28
+    from hayabusa.entrypoints.cli import main
+
+    assert main(["plan", "--model", "qwen2.5-7b-shape", "--gpu", "H200", "--cpu-offload-gb", "7", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["offloaded_layers"] == 17
+    assert main(["plan", "--model", "qwen2.5-7b-shape", "--cpu-offload-gb", "-1"]) == 2
+    assert "cpu_offload_gb" in capsys.readouterr().err
