@@ -151,7 +151,8 @@ def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
                          ERROR_CELL] + [""] * (len(TABLE_COLUMNS) - 5))
             continue
         peak = r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None
-        wb = (r.get("extra") or {}).get("weight_bytes")
+        extra = r.get("extra") or {}
+        wb = extra.get("gpu_weight_bytes", extra.get("weight_bytes"))   # cpu_offload_gb: what stays on the GPU
         weights = wb / 2**30 if wb else None
         frac = 100 * r["fraction_of_ceiling"] if r.get("fraction_of_ceiling") is not None else None
         rows.append([r["workload"], str(r["model"]), r["engine"], _variant_label(r), _fmt(r["output_throughput"]),
