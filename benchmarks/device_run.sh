@@ -280,6 +280,20 @@ g_w8() {  # page images: hayabusa at the max_num_seqs of record, then HF batch 1
   [ -n "${W8_HF:-1}" ] && bench_step vl7_W8_hf 200 60 --workload W8 --model "$MODELS/qwen2.5-vl-7b-shape" --engine hf
 }
 
+g_offload() {  # cpu_offload_gb (issue 20): its CUDA tests, then the 7b shape with half the weights in CPU memory
+  ensure_q05
+  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 300)
+  step offload_tests 240 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE -p no:cacheprovider \
+    tests/worker/test_cpu_offload_cuda.py ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/offload_tests.log'; exit \${PIPESTATUS[0]}"
+  ensure_q7
+  step offload_plan 30 5 python -m hayabusa.entrypoints.cli plan --model "$Q7" --gpu H200 \
+    --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}" --cpu-offload-gb "${OFFLOAD_GB:-7}"
+  bench_step q7_W1_offload 300 60 --workload W1 --model "$Q7" --cpu-offload-gb "${OFFLOAD_GB:-7}" \
+    --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
+  bench_step q7_W3_offload 200 60 --workload W3 --model "$Q7" --cpu-offload-gb "${OFFLOAD_GB:-7}" \
+    --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

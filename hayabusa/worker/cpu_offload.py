@@ -227,11 +227,11 @@ class WeightOffloader:
         n, L = len(self.layer_indices), self.num_layers
         more = budget_bytes > self.model_layer_bytes
         logger.log(logging.WARNING if more else logging.INFO,
-                   "cpu_offload_gb=%.2f: %d of %d decoder layers (%s) offloaded, %.2f GiB of weights in %sCPU memory"
+                   "cpu_offload_gb=%g: %d of %d decoder layers (%s) offloaded, %.1f MiB of weights in %sCPU memory"
                    "%s; GPU ring %d x %.1f MiB%s", budget_bytes / GiB, n, L,
                    ", ".join(map(str, self.layer_indices)) if n <= 16 else f"{self.layer_indices[:16]}...",
-                   self.offloaded_bytes / GiB, "pinned " if self.cuda else "",
-                   f" (more than the {self.model_layer_bytes / GiB:.2f} GiB the decoder layers have: all of them "
+                   self.offloaded_bytes / 2**20, "pinned " if self.cuda else "",
+                   f" (more than the {self.model_layer_bytes / 2**20:.1f} MiB the decoder layers have: all of them "
                    "are offloaded)" if more else "", self.num_slots, self.ring_bytes / self.num_slots / 2**20,
                    " (fake-device mode: CPU copies)" if self.fake else "")
 
