@@ -97,11 +97,11 @@ def test_captured_graph_restreams_weights_each_replay():
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, want)
+        assert torch.allclose(out, want, rtol=0, atol=1e-6)
     # change layer 3's weights in CPU memory: the replay copies them again, and matches an eager forward
     pl = off.packed[3]
     pl.host.copy_(off.packed[2].host)
     eager = model(x)
     graph.replay()
     torch.cuda.synchronize()
-    assert not torch.equal(eager, want) and torch.equal(out, eager)
+    assert not torch.allclose(eager, want, rtol=0, atol=1e-3) and torch.allclose(out, eager, rtol=0, atol=1e-6)
