@@ -155,8 +155,9 @@ class EngineArgs:
             ring of two layer-sized buffers, the next layer copied while one computes (hayabusa/worker/
             cpu_offload.py; quantized models move their packed weights; CUDA graphs capture the copies). More than
             the model has offloads every decoder layer (logged). The KV-cache sizing sees the weights no longer
-            resident and the ring. Not with tensor_parallel_size > 1, a draft model or an encoder-decoder model
-            yet (refused by name). On a CPU device it is accepted and changes nothing (logged).
+            resident and the ring. With tensor_parallel_size > 1 each rank offloads that much of its shard; a
+            draft model (speculative decoding) stays resident; encoder-decoder models are refused by name. On a
+            CPU device it is accepted and changes nothing (logged).
         swap_space: GiB of CPU memory for the KV cache's CPU tier (vLLM's meaning and default, 4): preempted
             requests' KV is swapped there instead of recomputed (see preemption_mode), and prefix-cache blocks
             evicted from the GPU move there and come back on a prefix hit. 0 turns the tier off. More than the
@@ -343,12 +344,6 @@ class EngineArgs:
         if self.preemption_mode == "swap" and draft_config is not None:
             raise _bad("preemption_mode", self.preemption_mode, "swap-based preemption with a draft model is not "
                        "supported yet (the CPU tier holds the target's KV only); leave preemption_mode unset.")
-        if cache_config.cpu_offload_bytes and parallel_config.world_size > 1:
-            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "weight offload with tensor_parallel_size="
-                       f"{self.tensor_parallel_size} is not supported yet; use one of them.")
-        if cache_config.cpu_offload_bytes and draft_config is not None:
-            raise _bad("cpu_offload_gb", self.cpu_offload_gb, "weight offload with a draft model "
-                       "(speculative_config method 'draft_model') is not supported yet; use one of them.")
         if spec is not None and parallel_config.world_size > 1:
             raise _bad("speculative_config", self.speculative_config, "speculative decoding with "
                        f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use one of them.")

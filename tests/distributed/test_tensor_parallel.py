@@ -87,12 +87,19 @@ def _run(llm: LLM, structured: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2", "gemma2"])
-def test_tp2_equals_tp1(arch, tmp_path):
+def test_tp2_equals_tp1(arch, tmp_path, monkeypatch):
     path = _build(arch, tmp_path / arch)
     structured = arch == "qwen2"
     ref = _run(LLM(path, **ENGINE), structured)
+    offload = {}
+    if arch == "qwen2":   # cpu_offload_gb on every rank (its shard's layers through the ring; the fake-device mode
+        from hayabusa.worker.cpu_offload import FAKE_ENV   # reaches the spawned workers through the environment)
+
+        monkeypatch.setenv(FAKE_ENV, "1")
+        offload = {"cpu_offload_gb": 1.0}
     # Gemma 2's TP engine also overlaps steps (async scheduling: step N+1 sent before step N's tokens are back)
-    llm = LLM(path, tensor_parallel_size=2, async_scheduling=arch == "gemma2", **ENGINE)
+    llm = LLM(path, tensor_parallel_size=2, async_scheduling=arch == "gemma2", **ENGINE, **offload)
+    assert llm.llm_engine.config.cache_config.cpu_offload_bytes == (1 << 30 if offload else 0)
     try:
         got = _run(llm, structured)
     finally:

@@ -63,14 +63,33 @@ def test_ring_order_in_a_five_layer_model_and_int8(stories_dir, monkeypatch):
     assert moved["int8"] < moved[None] / 2
 
 
-def test_refused_by_name(tiny_qwen2, fake):
+def test_draft_model_speculation_with_offload(stories_dir, monkeypatch):
+    """The target's layers stream through the ring, its draft (here itself, as a second model) stays resident:
+    every proposal accepted, output unchanged."""
+    prompts = ["Once upon a time", "Lily and Tom"]
+    base = ids(LLM(stories_dir, **SMALL).generate(prompts, GREEDY, use_tqdm=False))
+    monkeypatch.setenv(FAKE_ENV, "1")
+    llm = LLM(stories_dir, cpu_offload_gb=ALL, speculative_config={"model": stories_dir, "num_speculative_tokens": 3},
+              **SMALL)
+    runner = llm.llm_engine.runner
+    assert runner.offloader.layer_indices == [0, 1, 2, 3, 4] and runner.draft.model is not runner.model
+    assert ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == base
+    m = llm.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] == m[
+        "spec_decode_num_draft_tokens"]
+
+
+def test_encoder_decoder_refused_by_name(tmp_path, monkeypatch):
+    from tests.models._t5 import save_tiny_t5
+
+    path = save_tiny_t5(tmp_path / "t5", "v1.0")
+    monkeypatch.setenv(FAKE_ENV, "1")
     with pytest.raises(HayabusaValidationError) as e:
-        EngineArgs(model=tiny_qwen2, device="cpu", cpu_offload_gb=1, tensor_parallel_size=2).create_engine_config()
-    assert e.value.parameter == "cpu_offload_gb" and "tensor_parallel_size" in str(e.value)
-    with pytest.raises(HayabusaValidationError) as e:
-        EngineArgs(model=tiny_qwen2, device="cpu", cpu_offload_gb=1, speculative_config={
-            "method": "draft_model", "model": tiny_qwen2, "num_speculative_tokens": 2}).create_engine_config()
-    assert e.value.parameter == "cpu_offload_gb" and "draft model" in str(e.value)
+        EngineArgs(model=path, device="cpu", cpu_offload_gb=1).create_engine_config()
+    assert e.value.parameter == "cpu_offload_gb" and "encoder-decoder" in str(e.value)
+    monkeypatch.delenv(FAKE_ENV)     # on a CPU device (no fake mode) the option changes nothing, even here
+    assert EngineArgs(model=path, device="cpu", cpu_offload_gb=1).create_engine_config() \
+        .cache_config.cpu_offload_bytes == 0
 
 
 def test_speculative_verify_steps_with_offload(tiny_qwen2, example_prompts, monkeypatch):

@@ -105,3 +105,21 @@ def test_captured_graph_restreams_weights_each_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert not torch.allclose(eager, want, rtol=0, atol=1e-3) and torch.allclose(out, eager, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_ranks_offload_their_shards(q05_dir):
+    kw = {**KW, "tensor_parallel_size": 2}
+    runs = []
+    for extra in ({}, {"cpu_offload_gb": OFFLOAD_GB / 2}):
+        llm = LLM(q05_dir, **kw, **extra)
+        try:
+            runs.append(([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
+                         llm.llm_engine.kv_cache_capacity_tokens))
+        finally:
+            llm.llm_engine.shutdown()
+        del llm
+        _free()
+    (base_ids, base_tokens), (off_ids, off_tokens) = runs
+    assert off_ids == base_ids
+    assert off_tokens > base_tokens     # each rank's KV cache grew by what its offload freed
