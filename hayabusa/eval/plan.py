@@ -360,7 +360,8 @@ def _fit(sizes: dict[str, Any], total_bytes: int) -> dict[str, Any]:
     tokens = max(kv_bytes, 0) // per_block * sizes["block_size"]
     return {"gpu_memory_bytes": total_bytes, "budget_bytes": budget, "kv_cache_bytes": max(kv_bytes, 0),
             "max_num_tokens": tokens, "max_num_seqs_at_max_model_len": tokens // sizes["tokens_per_request"],
-            "weights_fit": kv_bytes > 0, "fits": tokens >= sizes["tokens_per_request"]}
+            "weights_fit": kv_bytes > 0 and _loads(sizes, total_bytes),
+            "fits": tokens >= sizes["tokens_per_request"] and _loads(sizes, total_bytes)}
 
 
 def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib: float | None = None,
@@ -419,6 +420,10 @@ def _notes(plan: dict[str, Any]) -> list[str]:
                      f"{_gib(plan['offloaded_bytes'])} over PCIe (about {plan['offloaded_bytes'] / 50e9 * 1e3:.0f} ms "
                      "at 50 GB/s), so decode steps slow down; batch more per step to amortize it."
                      + (" The engine does not run it with tensor_parallel_size > 1 yet." if plan["tp"] > 1 else ""))
+    if plan["cpu_offload_gb"] and plan.get("gpu_memory_bytes") and not _loads(plan, plan["gpu_memory_bytes"]):
+        notes.append(f"cpu_offload_gb: the engine loads the whole model onto the GPU before it moves the chosen "
+                     f"layers to CPU memory, and {_gib(plan['weight_bytes_per_gpu'])} of weights do not fit in "
+                     f"{_gib(plan['gpu_memory_bytes'])} beside the CUDA context: loading would fail on this GPU.")
     if plan.get("vision"):
         v = plan["vision"]
         notes.append(f"vision tower: {plan['param_breakdown']['vision']:,} parameters; its activation peak "
@@ -442,14 +447,36 @@ def _engine_can_split(cfg: Any, inp: PlanInputs, tp: int) -> bool:
     return tp_refusal(shape.architecture, shape.heads, shape.kv_heads, shape.intermediate, quantized, tp) is None
 
 
+def _loads(sizes: dict[str, Any], total: int) -> bool:
+    """The engine loads every weight onto the GPU before it moves the offloaded layers to CPU memory: the whole
+    model (per GPU) must fit in the GPU's memory once, beside the CUDA context."""
+    return sizes["weight_bytes_per_gpu"] + sizes["overhead_bytes"] < total
+
+
+def _offload_that_fits(cfg: Any, inp: PlanInputs, total: int) -> int | None:
+    """The smallest whole number of GiB of cpu_offload_gb with which one max_model_len sequence fits, if any (and
+    if the whole model fits on the GPU while it loads: the engine offloads after loading)."""
+    if inp.cpu_offload_gb or inp.tp > 1 or model_shape(cfg).encoder_layers or not _loads(_sizes(cfg, inp), total):
+        return None
+    for gb in range(1, int(_sizes(cfg, inp)["weight_bytes"] // GiB) + 2):
+        if _with(cfg, inp, total, cpu_offload_gb=gb)["fits"]:
+            return gb
+    return None
+
+
 def advice(cfg: Any, inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
     """What to change: when the weights do not fit, when one max_model_len sequence does not, or how many
     max_model_len sequences can run at once."""
     total, L = plan["gpu_memory_bytes"], plan["max_model_len"]
     out: list[str] = []
     if not plan["weights_fit"]:
-        out.append(f"the weights ({plan['gpu_weight_bytes'] / GiB:.1f} GiB on the GPU) plus activations and overhead do "
-                   f"not fit in {plan['budget_bytes'] / GiB:.1f} GiB.")
+        if plan["kv_cache_bytes"] > 0:   # only the loading does not fit (cpu_offload_gb offloads after loading)
+            out.append(f"the whole model ({plan['weight_bytes_per_gpu'] / GiB:.1f} GiB) must fit on the GPU while it "
+                       f"loads (cpu_offload_gb moves layers to CPU memory after loading); it does not in "
+                       f"{total / GiB:.1f} GiB.")
+        else:
+            out.append(f"the weights ({plan['gpu_weight_bytes'] / GiB:.1f} GiB on the GPU) plus activations and "
+                       f"overhead do not fit in {plan['budget_bytes'] / GiB:.1f} GiB.")
         if not plan["quantization"]:
             for q in ("fp8", "awq"):
                 f = _with(cfg, inp, total, quantization=q)
@@ -461,6 +488,13 @@ def advice(cfg: Any, inp: PlanInputs, plan: dict[str, Any]) -> list[str]:
             if tp > inp.tp and _engine_can_split(cfg, inp, tp) and _with(cfg, inp, total, tp=tp)["fits"]:
                 out.append(f"tensor_parallel_size={tp}: the model fits on {tp} of these GPUs.")
                 break
+        gb = _offload_that_fits(cfg, inp, total)
+        if gb is not None:
+            sizes = _sizes(cfg, PlanInputs(**{**inp.__dict__, "cpu_offload_gb": gb}))
+            f = _fit(sizes, total)
+            out.append(f"cpu_offload_gb={gb}: {f['max_num_tokens']:,} KV tokens ({f['max_num_seqs_at_max_model_len']} "
+                       f"sequences of {L}), every forward copying {_gib(sizes['offloaded_bytes'])} from CPU memory "
+                       "(decode slows down).")
     elif not plan["fits"]:
         fit_len = plan["max_num_tokens"] // inp.block_size * inp.block_size
         out.append(f"one sequence of max_model_len={L} needs {L:,} KV tokens; only {plan['max_num_tokens']:,} fit.")

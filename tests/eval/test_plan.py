@@ -211,6 +211,15 @@ def test_cpu_offload_gb_by_hand(capsys):
     assert plan["kv_cache_bytes"] == int(139.80 * GiB * 0.1) - plan["gpu_weight_bytes"] \
         - plan["activation_bytes"] - GiB
     assert any("cpu_offload_gb=7" in n and "17 of 28 decoder layers" in n for n in plan["notes"])
+    # advice without it: the smallest whole GiB with which one 32768-token sequence (1.75 GiB of KV) fits: at 5 GiB
+    # 12 layers go (5.21 GiB, ring 0.87): 9.85 GiB resident + 1.05 activations + 1 overhead leave 2.08 of 13.98
+    assert any(a.startswith("cpu_offload_gb=5:") for a in base["advice"])
+    assert not any(a.startswith("cpu_offload_gb=") for a in make_plan(cfg, PlanInputs(max_model_len=4096),
+                                                                      gpu="T4")["advice"])
+    # the engine loads the whole model before offloading: 14.19 GiB + the context do not load on a T4's 14.56 GiB
+    t4 = make_plan(cfg, PlanInputs(max_model_len=4096, dtype="float16", cpu_offload_gb=8), gpu="T4")
+    assert t4["kv_cache_bytes"] > 0 and not t4["weights_fit"] and not t4["fits"]
+    assert any("loading would fail" in n for n in t4["notes"]) and "while it loads" in t4["advice"][0]
     everything = make_plan(cfg, PlanInputs(cpu_offload_gb=100), gpu="H200")
     assert everything["offloaded_layers"] == 28
     from hayabusa.entrypoints.cli import main
