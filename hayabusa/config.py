@@ -152,9 +152,10 @@ class EngineArgs:
             min(max_num_seqs, 512)).
         cpu_offload_gb: GiB of weights per GPU kept in pinned CPU memory (vLLM's meaning): the fewest whole decoder
             layers that hold that much, evenly spread over the stack, stream to the GPU each forward through a
-            ring of two layer-sized buffers, the next layer copied while one computes (hayabusa/worker/
-            cpu_offload.py; quantized models move their packed weights; CUDA graphs capture the copies). More than
-            the model has offloads every decoder layer (logged). The KV-cache sizing sees the weights no longer
+            ring of two layer-sized buffers, the next layer copied while one computes
+            (hayabusa/worker/cpu_offload.py; quantized models move their packed weights; CUDA graphs capture the
+            copies). More than the model has offloads every decoder layer (logged). The whole model must still
+            fit on the GPU while it loads (the layers move to CPU memory after loading). The KV-cache sizing sees the weights no longer
             resident and the ring. With tensor_parallel_size > 1 each rank offloads that much of its shard; a
             draft model (speculative decoding) stays resident; encoder-decoder models are refused by name. On a
             CPU device it is accepted and changes nothing (logged).
