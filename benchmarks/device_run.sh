@@ -260,8 +260,8 @@ g_arch1() {  # each architecture shape: W3 and W1 (scale 0.25) in one process
 }
 
 g_newcuda() {  # the CUDA tests of images, T5, the position-bias kernel, speculation and the KV swap (sessions 6-7)
-  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 300)
-  step newcuda "${NEWCUDA_S:-240}" 20 bash -c "python -m pytest -v -rfE --durations=15 -p no:cacheprovider \
+  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 110)
+  step newcuda "${NEWCUDA_S:-240}" 20 bash -c "python -m pytest -v -rfE -o faulthandler_timeout=100 --durations=15 -p no:cacheprovider \
     ${NEWCUDA_PATHS:-tests/models/test_qwen2_vl_cuda.py tests/models/test_t5_cuda.py tests/kernels/test_position_bias.py tests/spec_decode/test_spec_cuda.py tests/worker/test_kv_swap.py} \
     ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/newcuda.log'; exit \${PIPESTATUS[0]}"
 }
@@ -270,14 +270,15 @@ ensure_shape() { [ -s "$MODELS/$1/bench_shape.json" ] || [ -s "$MODELS/$1/config
 g_w9() {  # T5 extraction: hayabusa and the HF baseline (batch 1 on 100 requests, then batches 16/64/256)
   for shape in ${W9_SHAPES:-t5-small-shape}; do
     ensure_shape "$shape"
-    bench_step "${shape}_W9" "${W9_MAX_S:-300}" 60 --workload W9 --model "$MODELS/$shape" --engine both
+    bench_step "${shape}_W9${W9_TAG:-}" "${W9_MAX_S:-300}" 60 --workload W9 --model "$MODELS/$shape" \
+      --engine "${W9_ENGINE:-both}" ${W9_EXTRA:-}
   done
 }
 g_w8() {  # page images: hayabusa at the max_num_seqs of record, then HF batch 1 on 5 requests
   ensure_shape qwen2.5-vl-7b-shape 200
   bench_step vl7_W8 "${W8_MAX_S:-300}" 60 --workload W8 --model "$MODELS/qwen2.5-vl-7b-shape" \
     --sweep "max_num_seqs=${W8_SEQS:-14,16,32}"
-  [ -n "${W8_HF:-1}" ] && bench_step vl7_W8_hf 200 60 --workload W8 --model "$MODELS/qwen2.5-vl-7b-shape" --engine hf
+  [ -n "${W8_HF:-}" ] && bench_step vl7_W8_hf 200 60 --workload W8 --model "$MODELS/qwen2.5-vl-7b-shape" --engine hf
 }
 
 g_offload() {  # cpu_offload_gb (issue 20): its CUDA tests, then the 7b shape with half the weights in CPU memory

@@ -10,7 +10,7 @@ from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
 from hayabusa.engine.llm_engine import LLMEngine
 from hayabusa.errors import HayabusaTypeError, HayabusaValidationError
-from hayabusa.multimodal.processor import preprocess_many
+from hayabusa.multimodal.processor import PreprocessStream
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
 
@@ -110,23 +110,29 @@ class LLM:
         prompt_list = self._as_prompt_list(prompts, prompt_token_ids)
         params = self._as_params_list(sampling_params, len(prompt_list))
         engine = self.llm_engine
-        # images: the image processor runs for all prompts at once on a thread pool (add_request then expands)
-        prompt_list = preprocess_many(engine.input_processor.mm_processor, prompt_list)
+        # images: the image processor runs on a thread pool; prompts are queued in order as they are ready, so the
+        # engine steps while later prompts' images are still being processed
         ids: list[str] = []
-        try:
-            for i, (p, sp) in enumerate(zip(prompt_list, params)):
+
+        def feed(block: bool) -> None:
+            for i, p in stream.take(block):
                 rid = str(next(self._counter))
                 try:
-                    engine.add_request(rid, p, sp, output_kind="final")
+                    engine.add_request(rid, p, params[i], output_kind="final")
                 except HayabusaValidationError as e:
                     if len(prompt_list) == 1:
                         raise
                     raise e.prefixed(f"prompts[{i}]") from None   # which prompt of the batch
                 ids.append(rid)
-        except Exception:
-            engine.abort_request(ids)
-            raise
-        return self._run_engine(ids, use_tqdm)
+
+        with PreprocessStream(engine.input_processor.mm_processor, prompt_list) as stream:
+            try:
+                feed(block=True)
+            except Exception:
+                engine.abort_request(ids)
+                raise
+            more = None if stream.done else (stream, feed)
+            return self._run_engine(ids, use_tqdm, feed=more, total=len(prompt_list))
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None,
@@ -198,17 +204,27 @@ class LLM:
                                           "prompt.", parameter="sampling_params", value=len(sp))
         return sp
 
-    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, ids: list[str], use_tqdm: bool, feed: tuple[PreprocessStream, Any] | None = None,
+                    total: int | None = None) -> list[RequestOutput]:
+        """Step until every request of ``ids`` is finished. ``feed``: (stream, add) where ``add(block)`` queues the
+        stream's next ready prompts (appending to ``ids``) while the engine runs; a bad prompt found then aborts
+        this call's requests and raises."""
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            bar = tqdm(total=total or len(ids), desc="Processed prompts", dynamic_ncols=True)
         start, out_tokens = time.perf_counter(), 0
         try:
-            while engine.has_unfinished_requests():
+            while engine.has_unfinished_requests() or (feed is not None and not feed[0].done):
+                if feed is not None and not feed[0].done:
+                    try:
+                        feed[1](not engine.has_unfinished_requests())
+                    except HayabusaValidationError:
+                        engine.abort_request(ids)
+                        raise
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out
@@ -216,6 +232,8 @@ class LLM:
                             out_tokens += sum(len(c.token_ids) for c in out.outputs)
                             bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
                             bar.update(1)
+        except HayabusaValidationError:
+            raise
         except BaseException:
             # A failed step or Ctrl-C: abort what is in flight so this LLM still serves the next generate().
             engine.abort_all_after_error()

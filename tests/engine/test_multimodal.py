@@ -311,3 +311,73 @@ def test_async_engine_preprocesses_images_off_the_engine_thread(vl_dir, llm, tok
         assert asyncio.run(run(_prompt(tok, images[:1]), "next")).finished
     finally:
         eng.shutdown()
+
+
+def test_generate_steps_while_later_prompts_images_are_processed(llm, tok, vl_dir, monkeypatch):
+    """LLM.generate queues each prompt as soon as its images are processed (in prompt order) and steps the engine
+    meanwhile: with the last prompt's processing held until the engine has stepped, the batch still completes,
+    outputs come back in prompt order and equal a run without the hold."""
+    import threading
+
+    import hayabusa.multimodal.processor as proc
+
+    prompts = [_prompt(tok, [random_image(28 + 14 * k, 28, k)], f"Page {k}.") for k in range(4)]
+    ref = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stepped, real_step = threading.Event(), llm.llm_engine.step
+    real = proc.preprocess_prompt_images
+
+    def held(mm, prompt):
+        if prompt is prompts[-1]:
+            assert stepped.wait(60), "the engine never stepped while the last prompt was being processed"
+        return real(mm, prompt)
+
+    def step():
+        stepped.set()
+        return real_step()
+
+    monkeypatch.setattr(proc, "preprocess_prompt_images", held)
+    monkeypatch.setattr(llm.llm_engine, "step", step)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in ref]
+
+
+def test_bad_prompt_late_in_a_batch_aborts_the_call(llm, tok):
+    """A bad image found while earlier prompts already run: the error names its index, nothing stays queued, the
+    LLM serves the next call."""
+    good = [_prompt(tok, [random_image(28, 28, k)]) for k in range(3)]
+    bad = {"prompt_token_ids": vl_prompt_ids(tok, "x", 2), "multi_modal_data": {"image": [random_image(28, 28, 9)]}}
+    with pytest.raises(HayabusaValidationError) as e:
+        llm.generate(good + [bad], GREEDY, use_tqdm=False)
+    assert str(e.value).startswith("prompts[3]") and e.value.parameter == "multi_modal_data"
+    assert not llm.llm_engine.has_unfinished_requests()
+    _serves(llm, tok)
+
+
+def test_preprocess_stream_hands_prompts_out_in_order():
+    """take() returns the ready prefix in prompt order (text prompts at once), waits for one only when asked."""
+    import threading
+
+    from hayabusa.multimodal.processor import PreprocessStream
+
+    gates = {1: threading.Event(), 3: threading.Event()}
+
+    class Fake:
+        image_processor = object()
+
+        def parse_images(self, data):
+            return data["image"]
+
+        def preprocess(self, images):
+            gates[images[0]].wait(30)
+            return ("done", images[0])
+
+    prompts = ["t0", {"multi_modal_data": {"image": [1]}}, "t2", {"multi_modal_data": {"image": [3]}}, "t4"]
+    with PreprocessStream(Fake(), prompts) as s:
+        assert s.take() == [(0, "t0")] and s.take() == []
+        gates[1].set()
+        got = s.take(block=True)
+        assert got[0] == (1, {"multi_modal_data": {"image": ("done", 1)}}) and [i for i, _ in got] == [1, 2]
+        assert not s.done
+        gates[3].set()
+        assert [i for i, _ in s.take(block=True)] == [3, 4] and s.done

@@ -21,7 +21,7 @@ T5_JA_PROMPTS = [
 ]
 
 
-def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3) -> str:
+def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3, initializer_factor: float = 4.0) -> str:
     """A random 2-layer T5 in `out`: version "v1.0" (ReLU FFN, head tied to the embedding, decoder output scaled
     by d_model ** -0.5) or "v1.1" (gated-GELU FFN, its own lm_head, no scaling). vocab_size = the tokenizer's.
     2 encoder layers and 3 decoder layers by default (transformers' generate needs use_cache=False then: its cache
@@ -35,7 +35,7 @@ def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3) -> str:
                    relative_attention_num_buckets=8, relative_attention_max_distance=16,
                    feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                   decoder_start_token_id=tok.pad_token_id, initializer_factor=4.0)
+                   decoder_start_token_id=tok.pad_token_id, initializer_factor=initializer_factor)
     torch.manual_seed(1 if v11 else 0)
     model = T5ForConditionalGeneration(cfg)
     model.save_pretrained(str(out), safe_serialization=True)

@@ -1,6 +1,6 @@
-"""Qwen2-VL / Qwen2.5-VL on CUDA (run on the device): bf16 greedy ids equal the CPU path's (bf16) with CUDA
-graphs on and off, with async scheduling and chunked prefill; the vision tower's segment attention equals a
-per-segment reference in bf16."""
+"""Qwen2-VL / Qwen2.5-VL on CUDA (run on the device): bf16 greedy ids are near-argmaxes of the float32 HF model
+(teacher-forced on our sequence, tests.helpers.BF16_MARGIN_NATS) with CUDA graphs on and off, with async scheduling,
+chunked prefill and preemption; the vision tower's segment attention equals a per-segment reference in bf16."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from hayabusa import LLM, SamplingParams
 from hayabusa.model.qwen2_vl import segment_groups, varlen_attention
-from tests.vl_checkpoints import make_vl_checkpoint, random_image, vl_prompt_ids
+from tests.helpers import assert_near_greedy, greedy_margins
+from tests.vl_checkpoints import hf_vl_model, make_vl_checkpoint, random_image, vl_prompt_ids
 
 pytestmark = pytest.mark.cuda
 
@@ -36,25 +37,30 @@ def _prompts(model_dir):
     return out
 
 
-def _generate(model_dir, **kwargs):
-    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=4, max_model_len=512, **kwargs)
+def _generate(model_dir, max_model_len=512, **kwargs):
+    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=4, max_model_len=max_model_len, **kwargs)
     outs = llm.generate(_prompts(model_dir), PARAMS, use_tqdm=False)
     runner = llm.llm_engine.runner
     graphs = runner.graphs is not None
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return [o.outputs[0] for o in outs], graphs
+    return outs, graphs
 
 
-def _assert_greedy_close(ours, ref):
-    """STYLE.md's rule: equal ids; at a first difference each side's token is in the other's top-5 (a bf16
-    near-tie), and comparison stops there."""
-    for a, b in zip(ours, ref):
-        if a.token_ids == b.token_ids:
-            continue
-        i = next(j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
-        assert a.token_ids[i] in b.logprobs[i] and b.token_ids[i] in a.logprobs[i], (i, a.token_ids, b.token_ids)
+def _margins(model_dir, outs):
+    """Per request, each token's distance (nats) below the float32 HF model's best token on our sequence."""
+    from tests.models.test_qwen2_vl import _hf_inputs
+
+    hf, res = hf_vl_model(model_dir), []
+    with torch.no_grad():
+        for p, o in zip(_prompts(model_dir), outs):
+            full = list(o.prompt_token_ids) + list(o.outputs[0].token_ids[:-1])
+            images = p["multi_modal_data"]["image"]
+            ids, kw = _hf_inputs(model_dir, images, full) if images else (torch.tensor([full]), {})
+            lp = hf(input_ids=ids, **kw).logits[0, len(o.prompt_token_ids) - 1:].float().log_softmax(-1)
+            res.append(greedy_margins(lp, list(o.outputs[0].token_ids)))
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +69,18 @@ def cpu_ref(vl_dir):
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
-def test_cuda_bf16_greedy_equals_cpu(vl_dir, cpu_ref, enforce_eager):
+def test_cuda_bf16_greedy_near_argmax(vl_dir, cpu_ref, enforce_eager):
     outs, graphs = _generate(vl_dir, device="cuda", enforce_eager=enforce_eager, num_gpu_blocks_override=256)
     assert graphs == (not enforce_eager)
-    _assert_greedy_close(outs, cpu_ref)
-    # bf16 on two devices may flip a near-tie (the rule above); most prompts must still match exactly
-    exact = sum(a.token_ids == b.token_ids for a, b in zip(outs, cpu_ref))
-    assert exact * 2 > len(outs), f"only {exact} of {len(outs)} prompts equal the CPU path"
+    assert_near_greedy(_margins(vl_dir, outs))
+    exact = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, cpu_ref))
+    print(f"{exact} of {len(outs)} sequences equal the CPU bf16 path's")
 
 
-def test_cuda_chunked_prefill_and_preemption_equal_cpu(vl_dir, cpu_ref):
+def test_cuda_chunked_prefill_and_preemption_near_argmax(vl_dir):
     outs, _ = _generate(vl_dir, device="cuda", max_num_batched_tokens=16, block_size=16,
-                        num_gpu_blocks_override=8)
-    _assert_greedy_close(outs, cpu_ref)
+                        num_gpu_blocks_override=8, max_model_len=128)   # 4 requests in 128 KV slots: preemption
+    assert_near_greedy(_margins(vl_dir, outs))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

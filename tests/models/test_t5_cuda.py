@@ -1,5 +1,8 @@
 """On a GPU: T5 greedy output on CUDA (Triton attention with the position bias, cross-attention over the paged
-cache, CUDA graphs on and off) equals the CPU path's, on tiny random T5 v1.0 and v1.1 checkpoints, fp32 and bf16."""
+cache, CUDA graphs on and off) equals the CPU path's in float32; in bf16 every token is a near-argmax of the
+float32 model (HF, teacher-forced on our sequence). Tiny random T5 v1.0 and v1.1 checkpoints with transformers'
+default initialisation: with the CPU tests' initializer_factor=4 the logits span hundreds of nats and HF's own bf16
+greedy strays 30-90 nats from its float32 argmax, which makes any bf16 comparison noise."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import pytest
 import torch
 
 from hayabusa import LLM, SamplingParams
-from tests.models._t5 import T5_EN_PROMPTS, T5_JA_PROMPTS, save_tiny_t5
+from tests.helpers import assert_near_greedy, greedy_margins
+from tests.models._t5 import T5_EN_PROMPTS, T5_JA_PROMPTS, hf_t5, save_tiny_t5
 
 pytestmark = pytest.mark.cuda
 
@@ -20,7 +24,22 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprob
 
 @pytest.fixture(scope="module", params=["v1.0", "v1.1"])
 def t5_dir(request, tmp_path_factory) -> str:
-    return save_tiny_t5(tmp_path_factory.mktemp("t5_" + request.param.replace(".", "")), request.param)
+    return save_tiny_t5(tmp_path_factory.mktemp("t5_" + request.param.replace(".", "")), request.param,
+                        initializer_factor=1.0)
+
+
+def _margins(model_dir: str, outs) -> list[torch.Tensor]:
+    """Per request, each token's distance (nats) below the float32 HF model's best token on our sequence."""
+    from transformers import AutoTokenizer
+
+    tok, hf = AutoTokenizer.from_pretrained(model_dir), hf_t5(model_dir)
+    res = []
+    with torch.no_grad():
+        for prompt, (ids, _) in zip(PROMPTS, outs):
+            dec = torch.tensor([[hf.config.decoder_start_token_id] + list(ids[:-1])])
+            lp = hf(input_ids=tok(prompt, return_tensors="pt").input_ids, decoder_input_ids=dec).logits[0]
+            res.append(greedy_margins(lp.float().log_softmax(-1), list(ids)))
+    return res
 
 
 def _run(model_dir: str, device: str, dtype: str, **kw):
@@ -54,9 +73,11 @@ def _assert_close(ours, ref, min_equal: float):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_cuda_greedy_equals_cpu(t5_dir, dtype, enforce_eager):
-    cpu = _run(t5_dir, "cpu", dtype)
     gpu = _run(t5_dir, "cuda", dtype, enforce_eager=enforce_eager)
-    _assert_close(gpu, cpu, min_equal=0.9 if dtype == "float32" else 0.5)
+    if dtype == "float32":
+        _assert_close(gpu, _run(t5_dir, "cpu", dtype), min_equal=0.9)
+    else:
+        assert_near_greedy(_margins(t5_dir, gpu))
 
 
 def test_cuda_graphs_equal_eager_bf16(t5_dir):
