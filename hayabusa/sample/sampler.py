@@ -145,10 +145,23 @@ class Sampler(torch.nn.Module):
         raw ones (log_softmax of the input logits, before any penalty or temperature: vLLM's "raw_logprobs").
     """
 
+    def __init__(self, batch_invariant: bool = False) -> None:
+        super().__init__()
+        # batch-invariant mode: the raw logprobs and the random rows' softmax come from a per-row kernel whose
+        # bits depend only on the row (kernels/batch_invariant.py); everything else here is per row already
+        self.batch_invariant = batch_invariant
+
+    def _log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            from hayabusa.kernels.batch_invariant import log_softmax_bi
+
+            return log_softmax_bi(logits)
+        return torch.log_softmax(logits.to(torch.float32), dim=-1)
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+            raw_logprobs = self._log_softmax(logits)
         logits = self.process_logits(logits, metadata)
         sampled = self.sample(logits, metadata)
         if raw_logprobs is None:
@@ -164,11 +177,17 @@ class Sampler(torch.nn.Module):
         return apply_penalties(logits, metadata)
 
     @staticmethod
-    def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata, batch_invariant: bool = False
+                      ) -> torch.Tensor:
         """The distribution random rows sample from, probs [R, V] fp32, given processed logits [R, V] fp32:
-        softmax of (logits / temperature) after top-k, top-p and min-p. Greedy rows get temperature 1."""
+        softmax of (logits / temperature) after top-k, top-p and min-p. Greedy rows get temperature 1.
+        batch_invariant: the final softmax is exp(log_softmax_bi) (per-row kernel)."""
         logits = apply_temperature(logits, metadata.temperature)
         logits = apply_top_k_top_p_min_p(logits, metadata.top_k, metadata.top_p, metadata.min_p)
+        if batch_invariant:
+            from hayabusa.kernels.batch_invariant import log_softmax_bi
+
+            return log_softmax_bi(logits).exp()
         return logits.softmax(dim=-1)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -176,7 +195,8 @@ class Sampler(torch.nn.Module):
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy
-        sampled = sample_from_probs(self.compute_probs(logits, metadata), metadata.generators)
+        sampled = sample_from_probs(self.compute_probs(logits, metadata, self.batch_invariant),
+                                    metadata.generators)
         if greedy is None:
             return sampled
         return torch.where(metadata.temperature < SAMPLING_EPS, greedy, sampled)

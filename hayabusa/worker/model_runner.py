@@ -135,8 +135,9 @@ class ModelRunner:
                                               parameter="speculative_config.method", value="draft_model")
             self.draft = DraftModel(cfg, self.device)
         self.load_seconds = time.perf_counter() - t0
-        self.backend = get_attention_backend(self.device)
-        self.sampler = Sampler()
+        bi = getattr(mc, "batch_invariant", False)   # batch-invariant mode (hayabusa/batch_invariant.py)
+        self.backend = get_attention_backend(self.device, batch_invariant=bi)
+        self.sampler = Sampler(batch_invariant=bi)
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
         self.max_blocks_per_req = cdiv(sc.max_model_len, self.block_size)
