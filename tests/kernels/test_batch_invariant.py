@@ -125,7 +125,7 @@ def test_rms_norm_kernels_are_row_invariant(device):
 
 # -------------------------------------------------------------------------------------------------- attention
 H, H_KV, D, BS = 4, 2, 16, 8
-S = 150                                                     # the target request's length (3 tiles of 64 keys)
+S = 100                                                     # the target request's length (2 tiles of 64 keys)
 
 
 def _target_case(dtype, gen):
@@ -172,11 +172,11 @@ def _run_step(fn, target, chunk: tuple[int, int], others: list[tuple[int, int]],
 
 
 def _chunkings_and_batches():
-    """(chunks of the target's 150 positions, other requests) scenarios; all give the rows of every position."""
+    """(chunks of the target's 100 positions, other requests) scenarios; all give the rows of every position.
+    The last chunking ends in a one-token step (a decode of the last position)."""
     alone = [[(0, S)]]
-    chunked = [[(0, 64), (64, 150)], [(0, 37), (37, 101), (101, 149), (149, 150)],
-               [(0, 149)] + [(149, 150)]]                   # prefill, then a "decode" of the last position
-    others = [[], [(0, 5)], [(30, 1), (0, 70), (12, 1)], [(40, 1)] * 6]
+    chunked = [[(0, 64), (64, 100)], [(0, 37), (37, 99), (99, 100)]]
+    others = [[], [(30, 1), (0, 20), (12, 1)]]
     return [(c, o) for c in alone + chunked for o in others]
 
 
@@ -196,8 +196,6 @@ def test_paged_attention_batch_invariant_kernel(device, window):
     results = _positions_rows(paged_attention, dtype, device, sliding_window=window, batch_invariant=True)
     full = [r for r in results if r.shape[0] == S]
     _assert_all_equal(full)
-    for r in results:                                       # (0, 149) + (149, 150) covers all 150 as well
-        assert torch.equal(r, full[0][: r.shape[0]])
     ref = _positions_rows(paged_attention_ref, dtype, "cpu", sliding_window=window)[0]
     torch.testing.assert_close(full[0].float(), ref.float(), rtol=2e-2, atol=2e-2)
 
