@@ -35,7 +35,8 @@ _REF_CHUNK_ELEMS = 1 << 22   # rows x N x K products per chunk of matmul_bi_ref 
 
 
 # ------------------------------------------------------------------------------------------------------- matmul
-@triton.jit
+# M is not specialized: M == 1 or M % 16 == 0 must not compile a variant of its own (one program text for all M)
+@triton.jit(do_not_specialize=["M"])
 def _matmul_bi_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -141,7 +142,7 @@ def linear_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 
 # -------------------------------------------------------------------------------------------------- log_softmax
-@triton.jit
+@triton.jit(do_not_specialize=["V"])
 def _log_softmax_bi_kernel(x_ptr, y_ptr, V, stride_x, stride_y, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)

@@ -101,3 +101,19 @@ def test_default_mode_unchanged(stories_qwen2_dir):
     assert runner.backend.name == "torch" and not runner.sampler.batch_invariant
     assert "logits_linear" not in vars(runner.model)
     assert type(runner.model).logits_linear is torch.nn.functional.linear
+
+
+def test_invariance_experiment_runs_and_compares(stories_qwen2_dir):
+    """The experiment behind tests/test_batch_invariant_cuda.py and benchmarks/batch_invariance.py, on CPU with
+    two settings: every mode-on setting is identical to the alone run, and compare() finds a planted divergence."""
+    from hayabusa.eval.batch_invariance import Setting, compare, run_experiment
+
+    settings = [Setting("3 others, chunk 16", 3, {"max_num_seqs": 4, "max_num_batched_tokens": 16}),
+                Setting("prefix hit, 2 others", 2, {"max_num_seqs": 4, "enable_prefix_caching": True}, True)]
+    out = run_experiment(stories_qwen2_dir, settings, modes=(True,), num_tokens=6, target_len=40,
+                         base={"device": "cpu", "dtype": "bfloat16", "max_model_len": 256})
+    assert [o.setting for o in out] == ["alone, max_num_seqs=1"] + [s.name for s in settings]
+    assert all(o.identical and o.num_tokens == 6 for o in out)
+    planted = compare(([1, 2, 3], [-0.5, -1.0, -2.0]), ([1, 2, 4], [-0.5, -1.5, -2.0]), "x", False)
+    assert (planted.identical, planted.first_divergent_token, planted.first_logprob_mismatch) == (False, 2, 1)
+    assert planted.max_abs_logprob_diff == 0.5
