@@ -25,6 +25,8 @@ embedding are per-row or elementwise; argmax / topk / gather select exact values
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hayabusa.kernels._triton import tl, triton
@@ -71,14 +73,23 @@ def _matmul_bi_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def matmul_bi_config(N: int, K: int) -> dict:
-    """The one tile configuration of a weight [N, K]: from N and K only, never from M.
+def matmul_bi_config(N: int, K: int, num_sms: int = 132) -> dict:
+    """The one tile configuration of a weight [N, K] on a GPU of ``num_sms`` SMs: from N, K and the device only,
+    never from M (so every step, whatever its batch, runs the same program on the weight).
 
-    BLOCK_M 64 (a decode step uses one M tile; prefill many); BLOCK_N 128 when N gives at least ~2 waves of
-    programs at one M tile on a 132-SM GPU, else 64; BLOCK_K 64; 4 warps, 3 stages.
+    BLOCK_M 64 (a decode step uses one M tile; prefill many); BLOCK_N the largest of 128 / 64 / 32 that still
+    gives one program per SM at a single M tile (decode is bound by reading W: spread it over the SMs), 32 for
+    narrow weights; BLOCK_K 64; 4 warps, 3 stages.
     """
-    block_n = 128 if N >= 128 * 264 else 64
+    block_n = next((b for b in (128, 64) if triton.cdiv(N, b) >= num_sms), 32)
     return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132       # the interpreter: any fixed value
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def matmul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,7 +118,7 @@ def matmul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    cfg = matmul_bi_config(N, K)
+    cfg = matmul_bi_config(N, K, _num_sms(x.device))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _matmul_bi_kernel[grid](x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0),
                             weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
