@@ -160,7 +160,7 @@ def _paged_attn_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False,
+    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False, ALL_MASKED: tl.constexpr = False,
 ):
     r = tl.program_id(0) // num_q_tiles
     qt = tl.program_id(0) % num_q_tiles
@@ -195,8 +195,10 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # Tiles below full_hi hold only keys <= the tile's first query position: no row needs the causal mask.
-    # With a sliding window every tile is masked (simpler; window layers are the minority).
-    if USE_WINDOW:
+    # With a sliding window every tile is masked (simpler; window layers are the minority). ALL_MASKED (batch-
+    # invariant mode): every tile too, so a key tile is scored by the one loop body whichever query tile (and so
+    # chunking) a row is in: the unmasked body may contract q.k * scale - m into one FMA, the masked one cannot.
+    if USE_WINDOW or ALL_MASKED:
         full_hi = tile_lo
     else:
         full_hi = (ctx_len + qt * BLOCK_Q + 1) // TILE_N
@@ -325,9 +327,10 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int) -> 
 def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int) -> dict:
     """The one tile configuration of batch-invariant mode (``batch_invariant=True``): the same for prefill
     chunks and decode, a function of the model's head shape only. Every query row then walks its keys in TILE_N
-    tiles from position 0 with the same tl.dot shapes and the same online-softmax steps; tiles a row cannot see
-    (past its position, or before its window) add exact zeros (p = 0, alpha = 1), so whether the tile is visited
-    (which depends on the other rows of the query tile) changes nothing."""
+    tiles from position 0 with the same tl.dot shapes and the same online-softmax steps (every tile through the
+    masked loop body: ALL_MASKED); tiles a row cannot see (past its position, or before its window) add exact
+    zeros (p = 0, alpha = 1), so whether the tile is visited (which depends on the other rows of the query tile)
+    changes nothing."""
     block_m = max(64, triton.next_power_of_2(group))
     tile_n = 64
     while tile_n > 16 and 2 * tile_n * d_pad * elem_size * 2 > 160 * 1024:
@@ -419,7 +422,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_HEADS=H, GROUP=H // H_kv, HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
         # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
-        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias, **cfg)
+        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias,
+        ALL_MASKED=batch_invariant, **cfg)
     if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),

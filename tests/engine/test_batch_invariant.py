@@ -117,3 +117,23 @@ def test_invariance_experiment_runs_and_compares(stories_qwen2_dir):
     planted = compare(([1, 2, 3], [-0.5, -1.0, -2.0]), ([1, 2, 4], [-0.5, -1.5, -2.0]), "x", False)
     assert (planted.identical, planted.first_divergent_token, planted.first_logprob_mismatch) == (False, 2, 1)
     assert planted.max_abs_logprob_diff == 0.5
+
+
+@pytest.mark.parametrize("shape", ["t5-small-shape", "qwen2-vl-tiny"])
+def test_mode_refuses_t5_and_vision_models_by_name(tmp_path, shape):
+    """Only config.json is read before the refusal: no weights are written."""
+    from hayabusa.config import EngineArgs
+
+    if shape.startswith("t5"):
+        from hayabusa.bench.models import shape_config
+
+        cfg = shape_config(shape)
+    else:
+        from hayabusa.bench.vl_models import vl_shape_config
+
+        cfg = vl_shape_config(shape)
+    cfg.save_pretrained(str(tmp_path))
+    with pytest.raises(HayabusaValidationError, match="batch_invariant") as e:
+        EngineArgs.from_kwargs(str(tmp_path), device="cpu", batch_invariant=True,
+                               skip_tokenizer_init=True).create_engine_config()
+    assert e.value.parameter == "model" and cfg.architectures[0] in str(e.value)
