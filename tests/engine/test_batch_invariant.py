@@ -137,3 +137,32 @@ def test_mode_refuses_t5_and_vision_models_by_name(tmp_path, shape):
         EngineArgs.from_kwargs(str(tmp_path), device="cpu", batch_invariant=True,
                                skip_tokenizer_init=True).create_engine_config()
     assert e.value.parameter == "model" and cfg.architectures[0] in str(e.value)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, logprobs=3),
+                                    SamplingParams(temperature=0.9, top_p=0.8, min_p=0.01, seed=7, logprobs=2)])
+def test_sampler_row_alone_and_in_batch_bitwise(params):
+    """Sampler(batch_invariant=True): a row's token, logprobs and rank are the same bits alone and among others
+    (seeded rows draw from their own generator; the softmaxes are per-row kernels)."""
+    from hayabusa.sample import Sampler, build_sampling_metadata
+
+    V = 300
+    gen = torch.Generator().manual_seed(0)
+    row = 3 * torch.randn(V, generator=gen)
+    other = SamplingParams(temperature=1.1, top_k=40, logprobs=1)
+
+    def run(n: int, at: int):
+        logits = 3 * torch.randn(n, V, generator=gen)
+        logits[at] = row
+        ps = [other] * n
+        ps[at] = params
+        gens = [None] * n
+        gens[at] = torch.Generator().manual_seed(1234)
+        md = build_sampling_metadata(ps, [[1, 2]] * n, [[]] * n, gens, None, V, "cpu")
+        out = Sampler(batch_invariant=True)(logits, md)
+        return (out.sampled_token_ids[at].item(), out.logprob_token_ids[at].tolist(), out.logprobs[at].tolist(),
+                out.sampled_token_ranks[at].item())
+
+    alone = run(1, 0)
+    for n, at in ((2, 1), (9, 4), (33, 0)):
+        assert run(n, at) == alone
