@@ -161,7 +161,8 @@ class Sampler(torch.nn.Module):
         # bits depend only on the row (kernels/batch_invariant.py); everything else here is per row already
         self.batch_invariant = batch_invariant
 
-    def _log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] any float dtype -> log_softmax [R, V] fp32 (batch-invariant mode: the per-row kernel)."""
         if self.batch_invariant:
             from hayabusa.kernels.batch_invariant import log_softmax_bi
 
@@ -171,7 +172,7 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
-            raw_logprobs = self._log_softmax(logits)
+            raw_logprobs = self.log_softmax(logits)
         logits = self.process_logits(logits, metadata)
         sampled = self.sample(logits, metadata)
         if raw_logprobs is None:

@@ -166,3 +166,16 @@ def test_sampler_row_alone_and_in_batch_bitwise(params):
     alone = run(1, 0)
     for n, at in ((2, 1), (9, 4), (33, 0)):
         assert run(n, at) == alone
+
+
+def test_prompt_logprobs_alone_and_batched_chunked(stories_qwen2_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+
+    def plp(out):
+        return [None if d is None else sorted((t, lp.logprob) for t, lp in d.items()) for d in out.prompt_logprobs]
+
+    alone = plp(_llm(stories_qwen2_dir, max_num_seqs=1).generate([TARGET], params, use_tqdm=False)[0])
+    assert len(alone) == 45 and alone[0] is None and all(len(d) >= 2 for d in alone[1:])
+    outs = _llm(stories_qwen2_dir, max_num_seqs=4, max_num_batched_tokens=16).generate(
+        _prompts(2, 5) + [TARGET], params, use_tqdm=False)
+    assert plp(outs[2]) == alone
