@@ -2,8 +2,8 @@
 
 Kernel + launcher + reference for each op the mode swaps in:
 
-- ``matmul_bi``: y = x W^T + b, a Triton GEMM with ONE tile configuration per weight shape (N, K) (never a
-  function of M), no split-K: every output element is one program's fp32 accumulator walking K from 0 in
+- ``matmul_bi``: y = x W^T + b, a Triton GEMM with ONE tile configuration per weight shape (N, K) and GPU
+  (never a function of M), no split-K: every output element is one program's fp32 accumulator walking K from 0 in
   BLOCK_K steps, ``acc = dot(x_tile, w_tile, acc)``; the bias is added in fp32 before the one rounding. Which
   M-tile a row lands in, and which rows share it, changes nothing for that row (the rows of a tl.dot are
   independent and the instruction is fixed by the configuration). cuBLAS, in contrast, picks its algorithm
@@ -130,16 +130,18 @@ def matmul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 def matmul_bi_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch matmul_bi (the CPU path): y[m, n] = sum_k x[m, k] w[n, k] in fp32 (+ b[n]), one rounding.
 
-    Each output is an inner-dim sum of K fp32 products, whose order depends only on K; rows go in chunks that
-    bound the [rows, N, K] product tensor. Slow (no GEMM), meant for tiny CPU models and tests."""
+    Each output is an inner-dim sum of K fp32 products, whose order depends only on K; rows and outputs go in
+    chunks that bound the [rows, cols, K] product tensor (about 16 MB). Slow (no GEMM), meant for tiny CPU models and tests."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float()
     w = weight.float()
     N, K = w.shape
-    rows = max(1, _REF_CHUNK_ELEMS // max(1, N * K))
+    cols = max(1, min(N, _REF_CHUNK_ELEMS // max(1, K)))        # outputs per chunk
+    rows = max(1, _REF_CHUNK_ELEMS // max(1, cols * K))
     out = torch.empty((x2.shape[0], N), dtype=torch.float32, device=x.device)
     for s in range(0, x2.shape[0], rows):
-        out[s:s + rows] = (x2[s:s + rows, None, :] * w[None]).sum(-1)
+        for c in range(0, N, cols):
+            out[s:s + rows, c:c + cols] = (x2[s:s + rows, None, :] * w[None, c:c + cols]).sum(-1)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*lead, N)
