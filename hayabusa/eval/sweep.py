@@ -12,8 +12,8 @@ reference's answers.
 
 Token-level agreement (the "differ" column, ``token_differ`` in the JSON): per hayabusa setting, how many items'
 output token ids differ from those of its token baseline: the same setting with max_num_seqs=1 (else the first
-hayabusa setting with max_num_seqs=1, else the first that ran). A batch effect (a kernel whose result depends on the other requests) shows here at
-once, before it moves accuracy; with ``batch_invariant=True`` the count must be 0.
+hayabusa setting with max_num_seqs=1, else the first that ran). A batch effect (a kernel whose result depends on
+the other requests) shows here at once, before it moves accuracy; with ``batch_invariant=True`` the count must be 0.
 """
 
 from __future__ import annotations

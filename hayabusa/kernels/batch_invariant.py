@@ -131,7 +131,8 @@ def matmul_bi_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Plain-torch matmul_bi (the CPU path): y[m, n] = sum_k x[m, k] w[n, k] in fp32 (+ b[n]), one rounding.
 
     Each output is an inner-dim sum of K fp32 products, whose order depends only on K; rows and outputs go in
-    chunks that bound the [rows, cols, K] product tensor (about 16 MB). Slow (no GEMM), meant for tiny CPU models and tests."""
+    chunks that bound the [rows, cols, K] product tensor (about 16 MB). Slow (no GEMM): meant for tiny CPU
+    models and tests."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float()
     w = weight.float()
