@@ -183,6 +183,11 @@ class EngineArgs:
         speculative_config: speculative decoding, vLLM's dict (a JSON string on the command line), e.g.
             {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; see
             hayabusa/spec_decode/config.py. Steps then run synchronously (async_scheduling off).
+        batch_invariant: a request's token ids and logprobs do not depend on the other requests in its steps,
+            max_num_seqs / max_num_batched_tokens, prompt chunking, prefix-cache hits or CUDA graphs (fixed-tile
+            GEMM, one attention configuration, per-row reductions; hayabusa/batch_invariant.py). Also on with
+            the environment variable HAYABUSA_BATCH_INVARIANT=1. Quantization, T5, vision models, tensor
+            parallelism and speculative decoding are refused in the mode.
     """
 
     model: str = ""
@@ -228,6 +233,7 @@ class EngineArgs:
     num_scheduler_steps: int = 1
     reasoning_parser: str | None = None
     speculative_config: Any = None
+    batch_invariant: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -299,6 +305,10 @@ class EngineArgs:
         device = resolve_device(self.device)
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
+        if model_config.batch_invariant:
+            from hayabusa.batch_invariant import check_batch_invariant
+
+            check_batch_invariant(model_config, self.tensor_parallel_size, self.speculative_config)
         if model_config.is_encoder_decoder and self.enable_prefix_caching:
             logger.warning("enable_prefix_caching is off for encoder-decoder models (%s): a decoder's KV depends on "
                            "its encoder input, so equal decoder prefixes share nothing.", model_config.architecture)
@@ -395,6 +405,8 @@ class EngineArgs:
                 raise _bad(name, v, "must be a positive integer.")
         if self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise _bad("block_size", self.block_size, "must be 1, 2, 4, 8 or a multiple of 16.")
+        if not isinstance(self.batch_invariant, bool):
+            raise _bad("batch_invariant", self.batch_invariant, "must be True or False.")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise _bad("max_logprobs", self.max_logprobs, "must be a non-negative integer.")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
@@ -534,6 +546,7 @@ class ModelConfig:
     decoder_start_token_id: int | None = None
     multimodal_config: Any = None      # the whole HF config of a model with a vision tower (vision_config), else None
     limit_mm_per_prompt: Any = None    # {modality: most items per prompt} (EngineArgs), None = vLLM's default
+    batch_invariant: bool = False      # EngineArgs.batch_invariant or HAYABUSA_BATCH_INVARIANT=1
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> "ModelConfig":
@@ -563,6 +576,7 @@ class ModelConfig:
         if isinstance(config_dtype, str):
             config_dtype = DTYPES.get(config_dtype)
         eos = eos_token_ids(model_dir, text_config)
+        from hayabusa.batch_invariant import batch_invariant_requested
         from hayabusa.quantization import check_device, get_quantization_config
 
         quant_config = get_quantization_config(args.quantization, hf_config)
@@ -580,7 +594,8 @@ class ModelConfig:
                    is_encoder_decoder=enc_dec,
                    decoder_start_token_id=decoder_start_token_id(model_dir, text_config) if enc_dec else None,
                    multimodal_config=hf_config if getattr(hf_config, "vision_config", None) is not None else None,
-                   limit_mm_per_prompt=args.limit_mm_per_prompt)
+                   limit_mm_per_prompt=args.limit_mm_per_prompt,
+                   batch_invariant=batch_invariant_requested(args.batch_invariant))
 
     @property
     def quantization(self) -> str | None:

@@ -27,6 +27,8 @@ SHAPES: dict[str, tuple[str, int, int, int, int, int, int, bool]] = {
     # tiny shapes for tests and CPU smoke runs: vocab >= 10000 because workload token ids are in [100, 10000)
     "tiny-llama": ("LlamaForCausalLM", 64, 128, 2, 4, 2, 10240, False),
     "tiny-qwen2": ("Qwen2ForCausalLM", 64, 128, 2, 4, 2, 10240, True),
+    # small but with real head_dim (64) and GQA group (4): the batch-invariance CUDA test's model
+    "small-qwen2": ("Qwen2ForCausalLM", 512, 1408, 4, 8, 2, 32000, True),
 }
 INIT_STD = 0.02
 SHAPE_FILE = "bench_shape.json"

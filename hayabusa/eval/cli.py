@@ -38,7 +38,9 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "bundled receipts-to-JSON set (5 items)")
     p.add_argument("--task", choices=("extraction", "choice", "majority"), default="extraction")
     p.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
-                   help="engine or sampling argument values (repeatable: the grid is the product)")
+                   help="engine or sampling argument values (repeatable: the grid is the product); the table's "
+                        "'differ' column counts the items whose output token ids differ from the same setting "
+                        "at max_num_seqs=1 (e.g. --sweep max_num_seqs=1,14,16 shows batch effects)")
     p.add_argument("--reference", default=None,
                    help="eval: 'hf' (Transformers greedy); fidelity: 'hf' (default) or 'hayabusa-bf16'")
     p.add_argument("--tolerance", type=float, default=0.02, help="flag settings this far below the reference")

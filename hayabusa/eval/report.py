@@ -9,7 +9,7 @@ from typing import Any
 from hayabusa.eval.runner import RunOutput
 
 COLUMNS = ("setting", "engine", "s/item", "out tok/s", "peak GiB", "accuracy", "unparsable", "errors",
-           "agreement", "text agree", "flag")
+           "agreement", "text agree", "differ", "flag")
 
 
 def make_row(run: RunOutput, summary: dict[str, Any] | None, agree: list[float | None] | None,
@@ -58,7 +58,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append([r["setting"], r["engine"], _fmt(r["seconds_per_item"], ".3f"),
                       _fmt(r["output_throughput"], ",.1f"), _fmt(peak, ".2f"), _fmt(r["accuracy"], ".3f"),
                       str(r["unparsable"]), str(r["num_errors"]), _fmt(r["agreement"], ".3f"),
-                      _fmt(r["text_agreement"], ".3f"), r["flag"]])
+                      _fmt(r["text_agreement"], ".3f"), _fmt(r.get("token_differ"), "d"), r["flag"]])
     widths = [max(len(line[i]) for line in lines if isinstance(line, list)) for i in range(len(COLUMNS))]
     for i in (0, 1):
         widths[i] = max(len(line[i]) for line in lines)
@@ -114,7 +114,7 @@ def log_wandb(rows: list[dict[str, Any]], config: dict[str, Any], project: str =
     except ImportError:
         return "wandb is not installed: pip install wandb (and `wandb login`), or drop --wandb."
     cols = ["setting", "engine", "seconds_per_item", "output_throughput", "peak_memory_bytes", "accuracy",
-            "unparsable", "num_errors", "agreement", "text_agreement", "flag", "error"]
+            "unparsable", "num_errors", "agreement", "text_agreement", "token_differ", "flag", "error"]
     try:
         run = wandb.init(project=project, config=config, job_type="eval")
         table = wandb.Table(columns=cols, data=[[_plain(r.get(c)) for c in cols] for r in rows])

@@ -26,6 +26,7 @@ class RunOutput:
     engine: str                                   # "hayabusa" or "hf"
     setting: dict[str, Any]
     texts: list[list[str] | None] = field(default_factory=list)
+    token_ids: list[list[list[int]] | None] = field(default_factory=list)   # [item][sample] output ids (hayabusa)
     item_errors: dict[int, str] = field(default_factory=dict)
     elapsed_s: float | None = None
     startup_s: float | None = None
@@ -91,8 +92,10 @@ def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any],
         synchronize(cuda)
         run.elapsed_s = time.perf_counter() - t1
         run.texts = [None] * len(items)
+        run.token_ids = [None] * len(items)
         for i, out in zip(ok, outs):
             run.texts[i] = [c.text for c in out.outputs]
+            run.token_ids[i] = [list(c.token_ids) for c in out.outputs]
         run.prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
         run.output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         run.peak_memory_bytes = peak_memory_bytes(cuda)

@@ -9,6 +9,11 @@ kv_cache_dtype, dtype, ...) or a ``SamplingParams`` field (temperature, top_p, m
 Accuracy of a setting is compared with the reference accuracy: the HF run with ``--reference hf``, else the first
 setting that ran; a setting more than ``tolerance`` below it is flagged. Agreement is measured against the same
 reference's answers.
+
+Token-level agreement (the "differ" column, ``token_differ`` in the JSON): per hayabusa setting, how many items'
+output token ids differ from those of its token baseline: the same setting with max_num_seqs=1 (else the first
+hayabusa setting with max_num_seqs=1, else the first that ran). A batch effect (a kernel whose result depends on
+the other requests) shows here at once, before it moves accuracy; with ``batch_invariant=True`` the count must be 0.
 """
 
 from __future__ import annotations
@@ -121,6 +126,28 @@ def evaluate(model: str, items: list[EvalItem], task: str, engine_args: dict[str
     return _score_runs(task, items, runs, tolerance)
 
 
+def token_baseline(runs: list[RunOutput], run: RunOutput) -> int | None:
+    """Index of the run that ``run``'s "differ" column compares with: the hayabusa run without error whose setting
+    is ``run``'s with max_num_seqs=1 (same schema constraint), else the first hayabusa run without error whose
+    setting has max_num_seqs=1, else the first hayabusa run without error; None when there is none."""
+    ok = [i for i, r in enumerate(runs) if r.engine == "hayabusa" and not r.error and r.token_ids]
+    ones = [i for i in ok if runs[i].setting.get("max_num_seqs") == 1]
+    constrained = run.label.endswith(" +schema")
+    twin = {**run.setting, "max_num_seqs": 1}
+    same = [i for i in ones if {**runs[i].setting, "max_num_seqs": 1} == twin
+            and runs[i].label.endswith(" +schema") == constrained]
+    return (same or ones or ok or [None])[0]
+
+
+def token_differences(run: RunOutput, base: RunOutput) -> list[bool | None]:
+    """Per item: True when the run's output token ids differ from the baseline's (any sample), None when either
+    has no output for it."""
+    out: list[bool | None] = []
+    for a, b in zip(run.token_ids or [None] * len(base.token_ids), base.token_ids):
+        out.append(None if a is None or b is None else a != b)
+    return out
+
+
 def _score_runs(task: str, items: list[EvalItem], runs: list[RunOutput], tolerance: float) -> EvalResult:
     results = [tasks.score_run(task, items, r.texts, r.item_errors) if not r.error else None for r in runs]
     ref_idx = next((i for i, r in enumerate(runs) if not r.error), None)
@@ -128,7 +155,10 @@ def _score_runs(task: str, items: list[EvalItem], runs: list[RunOutput], toleran
         ref_idx = None                                  # a failed HF reference is not replaced silently
     rows, records = [], []
     for run, res in zip(runs, results):
-        summary = agree = text_agree = None
+        summary = agree = text_agree = differs = None
+        tok_ref = token_baseline(runs, run) if res is not None and run.engine == "hayabusa" else None
+        if tok_ref is not None:
+            differs = token_differences(run, runs[tok_ref])
         if res is not None:
             summary = tasks.summarize(task, res)
             if ref_idx is not None:
@@ -137,8 +167,13 @@ def _score_runs(task: str, items: list[EvalItem], runs: list[RunOutput], toleran
             for i, (it, r) in enumerate(zip(items, res)):
                 records.append({"setting": run.label, "engine": run.engine, "index": i, "id": it.id,
                                 "outputs": run.texts[i], "gold": it.gold, **r,
-                                "agreement": agree[i] if agree else None})
-        rows.append(report.make_row(run, summary, agree, text_agree))
+                                "agreement": agree[i] if agree else None,
+                                "tokens_differ": differs[i] if differs else None})
+        row = report.make_row(run, summary, agree, text_agree)
+        if differs is not None:
+            row["token_differ"] = sum(1 for d in differs if d)
+            row["token_baseline"] = runs[tok_ref].label
+        rows.append(row)
     ref_acc = rows[ref_idx].get("accuracy") if ref_idx is not None else None
     report.flag_rows(rows, ref_acc, tolerance)
     return EvalResult(rows, records, runs[ref_idx].label if ref_idx is not None else None, ref_acc, runs)

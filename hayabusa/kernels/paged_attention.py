@@ -160,7 +160,7 @@ def _paged_attn_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False,
+    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False, ALL_MASKED: tl.constexpr = False,
 ):
     r = tl.program_id(0) // num_q_tiles
     qt = tl.program_id(0) % num_q_tiles
@@ -195,8 +195,10 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # Tiles below full_hi hold only keys <= the tile's first query position: no row needs the causal mask.
-    # With a sliding window every tile is masked (simpler; window layers are the minority).
-    if USE_WINDOW:
+    # With a sliding window every tile is masked (simpler; window layers are the minority). ALL_MASKED (batch-
+    # invariant mode): every tile too, so a key tile is scored by the one loop body whichever query tile (and so
+    # chunking) a row is in: the unmasked body may contract q.k * scale - m into one FMA, the masked one cannot.
+    if USE_WINDOW or ALL_MASKED:
         full_hi = tile_lo
     else:
         full_hi = (ctx_len + qt * BLOCK_Q + 1) // TILE_N
@@ -322,12 +324,28 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int) -> 
                 num_stages=num_stages)
 
 
+def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int) -> dict:
+    """The one tile configuration of batch-invariant mode (``batch_invariant=True``): the same for prefill
+    chunks and decode, a function of the model's head shape only. Every query row then walks its keys in TILE_N
+    tiles from position 0 with the same tl.dot shapes and the same online-softmax steps (every tile through the
+    masked loop body: ALL_MASKED); tiles a row cannot see (past its position, or before its window) add exact
+    zeros (p = 0, alpha = 1), so whether the tile is visited (which depends on the other rows of the query tile)
+    changes nothing."""
+    block_m = max(64, triton.next_power_of_2(group))
+    tile_n = 64
+    while tile_n > 16 and 2 * tile_n * d_pad * elem_size * 2 > 160 * 1024:
+        tile_n //= 2
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n,
+                num_warps=8 if block_m * d_pad >= 64 * 256 else 4, num_stages=2)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     scale: float, max_query_len: int, num_seqs: int | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None) -> None:
+                    v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
+                    batch_invariant: bool = False) -> None:
     """Causal attention of this step's queries over the paged KV cache; writes out in place.
 
     Args:
@@ -352,6 +370,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         position_bias: [H, L] fp32 contiguous (T5's relative position bias): bias[h, p - j] is added to the
             score of query head h at position p and key j (before the softmax; distances >= L use column L - 1).
             Not combined with softcap. None = none.
+        batch_invariant: one tile configuration for every step (``batch_invariant_tile_config``) and no split-KV
+            (num_kv_splits ignored): a query row's output bits depend only on its request's queries' positions and
+            K/V, not on the other requests nor on how its prompt was chunked.
     Raises:
         ValueError: on a shape, dtype, stride or device mismatch.
     The grid depends only on (num_seqs, max_query_len, H_kv, num_kv_splits), all per-request lengths are read
@@ -368,9 +389,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
     d_pad = max(16, triton.next_power_of_2(D))
-    cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
+    if batch_invariant:
+        cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size())
+    else:
+        cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
     num_q_tiles = triton.cdiv(max_query_len, cfg["BLOCK_Q"])
-    splits = num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device)
+    splits = 1 if batch_invariant else (
+        num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device))
     if splits > 1:
         part_acc = torch.empty((T, H, splits, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
@@ -397,7 +422,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_HEADS=H, GROUP=H // H_kv, HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
         # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
-        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias, **cfg)
+        DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias,
+        ALL_MASKED=batch_invariant, **cfg)
     if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
@@ -405,7 +431,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_warps=4)
 
 
-def _gather(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int, scale) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int, scale) -> torch.Tensor:
     """Keys/values at positions lo..hi-1 of one request: [hi - lo, H_kv, D] fp32 (fp8 caches dequantized)."""
     bs = cache.shape[1]
     first = lo // bs
@@ -425,8 +451,8 @@ def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     G = H // H_kv
     ctx = seq_len - q_len
     lo = max(0, ctx - window + 1) if window > 0 else 0
-    k = _gather(k_cache, block_row, lo, seq_len, k_scale).permute(1, 2, 0)  # [H_kv, D, S] fp32
-    v = _gather(v_cache, block_row, lo, seq_len, v_scale).permute(1, 0, 2)  # [H_kv, S, D] fp32
+    k = gather_kv(k_cache, block_row, lo, seq_len, k_scale).permute(1, 2, 0)  # [H_kv, D, S] fp32
+    v = gather_kv(v_cache, block_row, lo, seq_len, v_scale).permute(1, 0, 2)  # [H_kv, S, D] fp32
     key_pos = torch.arange(lo, seq_len, device=q.device)
     out = torch.empty((q_len, H, D), dtype=torch.float32, device=q.device)
     for c0 in range(0, q_len, chunk):

@@ -83,6 +83,9 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2ForCausalLM(nn.Module):
     """HF ``Gemma2ForCausalLM`` (see the module docstring for the numerics)."""
 
+    # the lm_head matmul; batch-invariant mode sets linear_bi on the instance (model/loader.py)
+    logits_linear = staticmethod(torch.nn.functional.linear)
+
     stacked_params_mapping = MERGED_QKV_GATE_UP
 
     def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
@@ -119,7 +122,7 @@ class Gemma2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in the model dtype, soft-capped as HF does."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, w)
+        logits = self.logits_linear(hidden, w)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -99,6 +99,9 @@ class GPT2Model(nn.Module):
 class GPT2LMHeadModel(nn.Module):
     """HF ``GPT2LMHeadModel`` (see the module docstring)."""
 
+    # the lm_head matmul; batch-invariant mode sets linear_bi on the instance (model/loader.py)
+    logits_linear = staticmethod(torch.nn.functional.linear)
+
     def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
         super().__init__()
         if getattr(cfg, "add_cross_attention", False):
@@ -116,7 +119,7 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in the model dtype."""
         w = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)
+        return self.logits_linear(hidden, w)
 
     @staticmethod
     def rename_checkpoint_key(name: str) -> str:

@@ -116,6 +116,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """HF ``LlamaForCausalLM``: RMSNorm, RoPE, SwiGLU MLP, GQA; optional attention/MLP biases; tied embeddings."""
 
+    # the lm_head matmul; batch-invariant mode sets linear_bi on the instance (model/loader.py)
+    logits_linear = staticmethod(torch.nn.functional.linear)
+
     qkv_bias_default = False
     o_bias_follows_attention_bias = True
     attention_cls = LlamaAttention
@@ -149,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in the model dtype."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)
+        return self.logits_linear(hidden, w)
 
     def ignored_checkpoint_key(self, name: str) -> bool:
         """Keys that are present in some checkpoints but carry nothing we need."""

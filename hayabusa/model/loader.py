@@ -208,7 +208,25 @@ def build_model(model_config, device: torch.device) -> nn.Module:
     process_weights_after_loading(model)
     if quant_config is not None and device.type == "cuda":
         torch.cuda.empty_cache()   # the high-precision copies that online schemes freed
+    if getattr(model_config, "batch_invariant", False):
+        use_batch_invariant_linears(model)
     return model.eval()
+
+
+def use_batch_invariant_linears(model: nn.Module) -> None:
+    """Batch-invariant mode: every unquantized Linear and the lm_head (``model.logits_linear``) multiply through
+    ``kernels/batch_invariant.linear_bi`` (fixed tiles per weight shape, no split-K). Quantized linears never get
+    here (``check_batch_invariant`` refuses them by name)."""
+    from hayabusa.kernels.batch_invariant import linear_bi
+    from hayabusa.model.layers.linear import Linear
+    from hayabusa.quantization.base import BatchInvariantLinearMethod, UnquantizedLinearMethod
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            if type(module.quant_method) is not UnquantizedLinearMethod:
+                raise ValueError(f"batch_invariant: a {type(module.quant_method).__name__} linear is not covered")
+            module.quant_method = BatchInvariantLinearMethod()
+    model.logits_linear = linear_bi
 
 
 def create_linear_weights(model: nn.Module, quant_config) -> None:

@@ -163,6 +163,16 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
+class BatchInvariantLinearMethod(UnquantizedLinearMethod):
+    """Batch-invariant mode's Linear: the same weight, multiplied by ``kernels/batch_invariant.linear_bi`` (one tile
+    configuration per weight shape, no split-K), so a row's output does not depend on the other rows."""
+
+    def apply(self, layer, x):
+        from hayabusa.kernels.batch_invariant import linear_bi
+
+        return linear_bi(x, layer.weight, layer.bias)
+
+
 class QuantizationConfig(ABC):
     """One quantization scheme, as read from a checkpoint's ``quantization_config`` or asked for by name.
 

@@ -70,8 +70,17 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     return logits / temperature[:, None]
 
 
+def _softmax(logits: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    if batch_invariant:
+        from hayabusa.kernels.batch_invariant import log_softmax_bi
+
+        return log_softmax_bi(logits).exp()
+    return logits.softmax(dim=-1)
+
+
 def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Mask logits [R, V] fp32 to -inf outside each row's top-k, then top-p, then min-p set (one sort for all).
 
@@ -83,6 +92,7 @@ def apply_top_k_top_p_min_p(
         tokens whose probability is >= min_p x the top probability.
     The sort is stable and descending, so among tied logits the lowest id ranks first, as in ``argmax``: top_k=1,
     or a top_p small enough to keep one token, gives exactly the greedy token. The top token is never masked.
+    batch_invariant: the softmaxes are exp(log_softmax_bi) (one program per row; kernels/batch_invariant.py).
     """
     if top_k is None and top_p is None and min_p is None:
         return logits
@@ -92,13 +102,13 @@ def apply_top_k_top_p_min_p(
         position = torch.arange(V, device=logits.device)
         sorted_logits.masked_fill_(position[None, :] >= top_k[:, None], float("-inf"))
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
+        probs = _softmax(sorted_logits, batch_invariant)
         mass_before = probs.cumsum(dim=-1) - probs  # [R, V] mass of the strictly better tokens
         # p == 1 must keep everything, even where fp32 rounding pushes the cumulative sum over 1.
         drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         sorted_logits.masked_fill_(drop, float("-inf"))
     if min_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
+        probs = _softmax(sorted_logits, batch_invariant)
         sorted_logits.masked_fill_(probs < min_p[:, None] * probs[:, :1], float("-inf"))
     # Back to vocab order, so that a row's noise (and so its token) does not depend on whether another row sorted.
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
@@ -145,10 +155,24 @@ class Sampler(torch.nn.Module):
         raw ones (log_softmax of the input logits, before any penalty or temperature: vLLM's "raw_logprobs").
     """
 
+    def __init__(self, batch_invariant: bool = False) -> None:
+        super().__init__()
+        # batch-invariant mode: the raw logprobs and the random rows' softmax come from a per-row kernel whose
+        # bits depend only on the row (kernels/batch_invariant.py); everything else here is per row already
+        self.batch_invariant = batch_invariant
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] any float dtype -> log_softmax [R, V] fp32 (batch-invariant mode: the per-row kernel)."""
+        if self.batch_invariant:
+            from hayabusa.kernels.batch_invariant import log_softmax_bi
+
+            return log_softmax_bi(logits)
+        return torch.log_softmax(logits.to(torch.float32), dim=-1)
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+            raw_logprobs = self.log_softmax(logits)
         logits = self.process_logits(logits, metadata)
         sampled = self.sample(logits, metadata)
         if raw_logprobs is None:
@@ -164,19 +188,22 @@ class Sampler(torch.nn.Module):
         return apply_penalties(logits, metadata)
 
     @staticmethod
-    def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata, batch_invariant: bool = False
+                      ) -> torch.Tensor:
         """The distribution random rows sample from, probs [R, V] fp32, given processed logits [R, V] fp32:
-        softmax of (logits / temperature) after top-k, top-p and min-p. Greedy rows get temperature 1."""
+        softmax of (logits / temperature) after top-k, top-p and min-p. Greedy rows get temperature 1.
+        batch_invariant: the softmaxes are exp(log_softmax_bi) (per-row kernel)."""
         logits = apply_temperature(logits, metadata.temperature)
-        logits = apply_top_k_top_p_min_p(logits, metadata.top_k, metadata.top_p, metadata.min_p)
-        return logits.softmax(dim=-1)
+        logits = apply_top_k_top_p_min_p(logits, metadata.top_k, metadata.top_p, metadata.min_p, batch_invariant)
+        return _softmax(logits, batch_invariant)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Processed logits [R, V] fp32 -> token ids [R] int64: argmax for greedy rows, a draw for the others."""
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy
-        sampled = sample_from_probs(self.compute_probs(logits, metadata), metadata.generators)
+        sampled = sample_from_probs(self.compute_probs(logits, metadata, self.batch_invariant),
+                                    metadata.generators)
         if greedy is None:
             return sampled
         return torch.where(metadata.temperature < SAMPLING_EPS, greedy, sampled)

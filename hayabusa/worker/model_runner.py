@@ -139,8 +139,9 @@ class ModelRunner:
                                               parameter="speculative_config.method", value="draft_model")
             self.draft = DraftModel(cfg, self.device)
         self.load_seconds = time.perf_counter() - t0
-        self.backend = get_attention_backend(self.device)
-        self.sampler = Sampler()
+        bi = getattr(mc, "batch_invariant", False)   # batch-invariant mode (hayabusa/batch_invariant.py)
+        self.backend = get_attention_backend(self.device, batch_invariant=bi)
+        self.sampler = Sampler(batch_invariant=bi)
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
         self.max_blocks_per_req = cdiv(sc.max_model_len, self.block_size)
@@ -578,8 +579,9 @@ class ModelRunner:
     def _logits(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
         """The step's prompt logprobs (when asked) and the logits of its sampling rows ([R_s, V]) from hidden states."""
         if inp.prompt_logprobs is not None:
-            inp.prompt_logprobs_out = compute_prompt_logprobs(hidden, inp.prompt_logprobs, self.model.compute_logits,
-                                                              min(CHUNK_ROWS, self.max_num_reqs))
+            inp.prompt_logprobs_out = compute_prompt_logprobs(
+                hidden, inp.prompt_logprobs, self.model.compute_logits, min(CHUNK_ROWS, self.max_num_reqs),
+                log_softmax=self.sampler.log_softmax if self.sampler.batch_invariant else None)
         if len(inp.logits_indices) == 0:
             return hidden.new_empty(0, self.vocab_size)
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)

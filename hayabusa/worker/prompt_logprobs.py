@@ -106,7 +106,7 @@ def plan_prompt_logprobs(req_ids: list[str], rows: np.ndarray, num_computed: np.
 
 
 def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan, compute_logits,
-                            chunk_rows: int = CHUNK_ROWS) -> PromptLogprobsPending:
+                            chunk_rows: int = CHUNK_ROWS, log_softmax=None) -> PromptLogprobsPending:
     """Logprobs of the plan's positions from the step's hidden states [T, hidden], ``chunk_rows`` positions at a
     time.
 
@@ -115,6 +115,8 @@ def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan, comp
         plan: which tokens and which targets.
         compute_logits: the model's hidden [N, hidden] -> logits [N, V].
         chunk_rows: positions per chunk (bounds the [chunk_rows, V] fp32 logits alive at once).
+        log_softmax: logits [N, V] -> fp32 log-probabilities (default torch's; the sampler's in batch-invariant
+            mode).
     """
     device = hidden.device
     index = torch.from_numpy(plan.token_index).to(device, non_blocking=True)
@@ -122,7 +124,8 @@ def compute_prompt_logprobs(hidden: torch.Tensor, plan: PromptLogprobsPlan, comp
     K = int(plan.num_logprobs.max())
     ids, vals, ranks = [], [], []
     for s in range(0, len(plan.token_index), chunk_rows):
-        logprobs = torch.log_softmax(compute_logits(hidden[index[s:s + chunk_rows]]).float(), dim=-1)  # [n, V]
+        logits = compute_logits(hidden[index[s:s + chunk_rows]])
+        logprobs = log_softmax(logits) if log_softmax is not None else torch.log_softmax(logits.float(), dim=-1)
         tgt = targets[s:s + chunk_rows, None]                                                          # [n, 1]
         actual = logprobs.gather(1, tgt)                                                               # [n, 1]
         ranks.append((logprobs > actual).sum(-1) + 1)

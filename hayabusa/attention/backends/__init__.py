@@ -20,12 +20,26 @@ class AttentionBackend:
     rope_and_store_kv: Callable | None = None
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton kernels on CUDA, torch references elsewhere."""
+def get_attention_backend(device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+    """Triton kernels on CUDA, torch references elsewhere.
+
+    batch_invariant: attention whose per-row bits do not depend on the batch or on prompt chunking: on CUDA the
+    same Triton kernel with its one fixed tile configuration and no split-KV, on CPU ``paged_attention_bi_ref``
+    (kernels/batch_invariant.py). The KV-cache write and RoPE are per token already."""
+    import functools
+
     from hayabusa.kernels import paged_attention as pa
     from hayabusa.kernels import rope_store_kv as rskv
     from hayabusa.kernels import store_kv as skv
 
+    if batch_invariant:
+        from hayabusa.kernels.batch_invariant import paged_attention_bi_ref
+
+        if device.type == "cuda":
+            return AttentionBackend("triton-batch-invariant", skv.store_kv,
+                                    functools.partial(pa.paged_attention, batch_invariant=True),
+                                    rskv.rope_and_store_kv)
+        return AttentionBackend("torch-batch-invariant", skv.store_kv_ref, paged_attention_bi_ref)
     if device.type == "cuda":
         return AttentionBackend("triton", skv.store_kv, pa.paged_attention, rskv.rope_and_store_kv)
     return AttentionBackend("torch", skv.store_kv_ref, pa.paged_attention_ref)

@@ -1,0 +1,55 @@
+"""Batch-invariant mode (``LLM(..., batch_invariant=True)``, ``--batch-invariant``, ``HAYABUSA_BATCH_INVARIANT=1``):
+a request's token ids and logprobs do not depend on the other requests of its steps, on max_num_seqs /
+max_num_batched_tokens, on how its prompt was chunked, on prefix-cache hits or on CUDA graphs.
+
+What the mode swaps (the kernels are in ``kernels/batch_invariant.py``; why each is invariant is said there):
+linear layers and the lm_head -> ``linear_bi`` (``BatchInvariantLinearMethod``, ``model.logits_linear``);
+attention -> ``get_attention_backend(device, batch_invariant=True)``; the sampler's log-softmax / softmax ->
+``log_softmax_bi``. This module decides whether the mode is on and refuses, by name, what it does not cover.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hayabusa.errors import HayabusaValidationError
+
+ENV_VAR = "HAYABUSA_BATCH_INVARIANT"
+
+
+def batch_invariant_requested(value: bool | None) -> bool:
+    """The engine argument, or (when it is False / None) ``HAYABUSA_BATCH_INVARIANT`` = 1 / true / yes / on."""
+    if value:
+        return True
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _refuse(parameter: str, value: Any, why: str) -> HayabusaValidationError:
+    return HayabusaValidationError(f"{parameter}={value!r} is not supported with batch_invariant=True: {why}",
+                                   parameter=parameter, value=value)
+
+
+def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculative_config: Any) -> None:
+    """Refuse, by name, what the mode does not cover (called when the mode is on).
+
+    Raises:
+        HayabusaValidationError: quantization (its kernels pick tiles / split-K by M), an encoder-decoder (T5)
+            or vision (Qwen2-VL) model, tensor_parallel_size > 1 (NCCL's all-reduce order depends on the message
+            size), speculative decoding.
+    """
+    if model_config.quant_config is not None:
+        raise _refuse("quantization", model_config.quantization, "the quantized linears' kernels choose their "
+                      "tiling and split-K by the number of rows; use an unquantized checkpoint.")
+    if model_config.is_encoder_decoder:
+        raise _refuse("model", model_config.architecture, "encoder-decoder models (T5) are not covered by the "
+                      "mode yet (encoder and cross-attention kernels).")
+    if model_config.multimodal_config is not None:
+        raise _refuse("model", model_config.architecture, "vision models (Qwen2-VL / Qwen2.5-VL) are not covered "
+                      "by the mode yet (the vision tower's kernels).")
+    if tensor_parallel_size > 1:
+        raise _refuse("tensor_parallel_size", tensor_parallel_size, "the all-reduce's summation order depends on "
+                      "the message size (the number of tokens in the step).")
+    if speculative_config is not None:
+        raise _refuse("speculative_config", speculative_config, "speculative decoding is not covered by the mode "
+                      "yet.")
