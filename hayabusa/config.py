@@ -329,6 +329,11 @@ class EngineArgs:
                 raise _bad("speculative_config.model", spec.model,
                            f"the draft must be a decoder-only model with the target's vocabulary "
                            f"({model_config.vocab_size} tokens; it has {draft_config.vocab_size}).")
+        if spec is not None and spec.method in ("eagle", "eagle3"):
+            from hayabusa.spec_decode.eagle_config import EagleHeadConfig
+
+            draft_config = EagleHeadConfig.from_target(spec.method, spec.model, model_config, self.trust_remote_code,
+                                                       self.load_format)
         if spec is not None and self.async_scheduling:
             logger.warning("async_scheduling is off with speculative decoding: a step's proposals need the previous "
                            "step's tokens on the host.")
@@ -711,6 +716,6 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = False
     speculative_config: Any = None            # hayabusa.spec_decode.SpeculativeConfig, or None (off)
-    draft_model_config: Any = None            # ModelConfig of the draft (speculative method "draft_model")
+    draft_model_config: Any = None            # the draft's ModelConfig ("draft_model"), or EagleHeadConfig ("eagle[3]")
     extra: dict = field(default_factory=dict)
     parallel_config: Any = None   # hayabusa.distributed.config.ParallelConfig (None: one process, no ranks)
