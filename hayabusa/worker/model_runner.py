@@ -561,6 +561,10 @@ class ModelRunner:
         self.copy_inputs(inp)
         if self.draft is not None:
             return self._run_with_draft(inp, T, R, max_q)
+        if self.decode_runner is not None and inp.spec is not None and inp.mm is None and self.encdec is None \
+                and inp.prompt_logprobs is None and self.decode_runner.can_run_verify(R, max_q):
+            # a verify step (n-gram proposals): padded to a captured (batch, k + 1) size and replayed
+            return self._logits(inp, self.decode_runner.run_verify(inp))
         if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None \
                 and inp.prompt_logprobs is None:
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
