@@ -11,8 +11,8 @@ or with fewer, included) replays the (bs, Q) graph over T_pad = bs x Q tokens: t
 request (slot -1), requests R..bs-1 have no queries and seq_len 0 (``StepBuffers.pad_verify``); the attention
 kernel's grid depends only on (bs, Q), every length is read on the device. The graph's output is the hidden states
 [T_pad, H]; the step's logits rows (1 + k per request) are computed from its first T rows outside the graph.
-Sizes: the decode sizes whose bs x Q fits max_num_batched_tokens, up to the first one >= disable_by_batch_size
-(no step has proposals above it). Draft-model and EAGLE steps stay eager (their proposers run host-driven loops).
+Sizes: the decode sizes whose bs x Q fits max_num_batched_tokens and VERIFY_GRAPH_MAX_TOKENS, up to the first one
+>= disable_by_batch_size (no step has proposals above it); other verify steps run eagerly. Draft-model and EAGLE steps stay eager (their proposers run host-driven loops).
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
+
+# Verify graphs hold at most this many tokens (bs x (k + 1)): their activations live in the graphs' pool, outside
+# the profiled peak; larger verify steps run eagerly.
+VERIFY_GRAPH_MAX_TOKENS = 1024
 
 
 def capture_sizes(max_batch: int, sizes: list[int] | None = None) -> list[int]:
@@ -69,7 +73,8 @@ class CUDAGraphRunner:
         self.verify_width = spec.num_speculative_tokens + 1 if spec is not None and runner.draft is None else 0
         self.verify_sizes: list[int] = []
         if self.verify_width:
-            fit = [s for s in self.sizes if s * self.verify_width <= runner.max_num_tokens]
+            max_tokens = min(runner.max_num_tokens, VERIFY_GRAPH_MAX_TOKENS)
+            fit = [s for s in self.sizes if s * self.verify_width <= max_tokens]
             cap = spec.disable_by_batch_size
             if cap:
                 fit = [s for s in fit if s < cap] + [s for s in fit if s >= cap][:1]
