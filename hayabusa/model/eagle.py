@@ -39,13 +39,6 @@ from hayabusa.model.layers.rotary import RotaryEmbedding
 from hayabusa.model.llama import MERGED_QKV_GATE_UP, LlamaAttention, LlamaMLP
 
 
-def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default target layers (vLLM's and the EAGLE repo's): (2, L // 2, L - 3); the hidden state taken at
-    id i is the residual stream entering layer i."""
-    L = num_target_layers
-    return 2, L // 2, L - 3
-
-
 class EagleDecoderLayer(nn.Module):
     """The head's one decoder layer. EAGLE-1: no input norm. EAGLE-3: q/k/v read [input_norm(embeds);
     hidden_norm(hidden)] (2H wide)."""
@@ -199,4 +192,4 @@ def build_eagle_head(head_config, target: nn.Module, device: torch.device,
     return head.eval()
 
 
-__all__ = ["EagleHead", "build_eagle_head", "default_aux_layer_ids", "eagle_head_tensor_flags"]
+__all__ = ["EagleHead", "build_eagle_head", "eagle_head_tensor_flags"]

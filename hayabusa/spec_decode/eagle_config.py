@@ -8,11 +8,17 @@ from typing import Any
 
 import torch
 
-from hayabusa.config import kv_bytes_per_token
 from hayabusa.errors import HayabusaValidationError
 
 # Targets whose hidden states the heads read (Llama-shaped decoders with the aux-state hook of model/llama.py).
 EAGLE_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default target layers (vLLM's and the EAGLE repo's): (2, L // 2, L - 3); the hidden state taken at
+    id i is the residual stream entering layer i."""
+    L = num_target_layers
+    return 2, L // 2, L - 3
 
 
 def _bad(name: str, value: Any, why: str) -> HayabusaValidationError:
@@ -22,7 +28,8 @@ def _bad(name: str, value: Any, why: str) -> HayabusaValidationError:
 
 @dataclass
 class EagleHeadConfig:
-    """What the runner needs of a head (duck-types the ModelConfig fields the KV cache reads).
+    """What the runner needs of a head (duck-types the ModelConfig fields the KV cache reads: its KV bytes per token
+    come from config.py's formula on num_layers / num_kv_heads / head_dim, worker/kv_cache.py).
 
     Attributes:
         method: "eagle" or "eagle3".
@@ -48,11 +55,6 @@ class EagleHeadConfig:
     num_layers: int = 1
     is_encoder_decoder: bool = False
 
-    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        """K + V bytes of one token in the head's one layer."""
-        elem = torch.empty((), dtype=dtype or self.dtype).element_size()
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
-
     @classmethod
     def from_target(cls, method: str, model: str, target_config: Any, trust_remote_code: bool = False,
                     load_format: str = "auto") -> "EagleHeadConfig":
@@ -62,15 +64,15 @@ class EagleHeadConfig:
             HayabusaValidationError: the target is not a Llama / Qwen2 decoder, or the head's hidden size,
                 vocabulary or aux layer ids do not fit it (named).
         """
-        from hayabusa.config import load_hf_config
-        from hayabusa.model.eagle import default_aux_layer_ids
+        from transformers import AutoConfig
+
         from hayabusa.model.loader import resolve_model_dir
 
         if target_config.architecture not in EAGLE_TARGET_ARCHITECTURES:
             raise _bad("method", method, f"needs a {' / '.join(EAGLE_TARGET_ARCHITECTURES)} target; this one is "
                                          f"{target_config.architecture}.")
         model_dir = resolve_model_dir(model, allow_pt=load_format == "pt")
-        hf = load_hf_config(model_dir, trust_remote_code)
+        hf = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         target_hf = target_config.hf_config
         H = hf.hidden_size
