@@ -151,7 +151,8 @@ class EagleHead(nn.Module):
         return draft + self.d2t[draft]
 
     # ------------------------------------------------------------------ checkpoint names
-    def rename_checkpoint_key(self, name: str) -> str:
+    @staticmethod
+    def rename_checkpoint_key(name: str) -> str:
         if name.startswith("model."):
             name = name[len("model."):]
         return name.replace("midlayer.", "layers.0.", 1) if name.startswith("midlayer.") else name
@@ -172,16 +173,16 @@ def eagle_head_tensor_flags(names: set[str]) -> dict[str, bool]:
 
 def build_eagle_head(head_config, target: nn.Module, device: torch.device,
                      weights: Callable[[], Any]) -> EagleHead:
-    """Build and load a head: ``head_config`` an EagleHeadConfig (hayabusa/spec_decode/eagle_config.py),
-    ``weights()`` an iterator of (checkpoint name, tensor).
+    """Build and load a head: ``head_config`` an EagleHeadConfig (hayabusa/spec_decode/eagle_config.py; its
+    ``tensor_names()`` say which optional tensors the checkpoint has), ``weights()`` an iterator of (checkpoint
+    name, tensor).
 
     Raises:
         HayabusaValidationError: a tensor of the checkpoint has no place in the head, or the head misses one.
     """
     from hayabusa.model.loader import load_weights
 
-    probe = EagleHead.__new__(EagleHead)
-    names = {EagleHead.rename_checkpoint_key(probe, n) for n, _ in weights()}
+    names = {EagleHead.rename_checkpoint_key(n) for n in head_config.tensor_names()}
     flags = eagle_head_tensor_flags(names)
     eagle3 = head_config.method == "eagle3"
     flags["own_embed"] = flags["own_embed"] and eagle3

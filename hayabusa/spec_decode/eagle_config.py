@@ -55,6 +55,24 @@ class EagleHeadConfig:
     num_layers: int = 1
     is_encoder_decoder: bool = False
 
+    def tensor_names(self) -> list[str]:
+        """The checkpoint's tensor names (safetensors: read from the headers, no tensor loaded)."""
+        from hayabusa.model.loader import checkpoint_files
+
+        kind, files = checkpoint_files(self.model, self.load_format == "pt")
+        if kind == "safetensors":
+            from safetensors import safe_open
+
+            names: list[str] = []
+            for path in files:
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    names.extend(f.keys())
+            return names
+        names = []
+        for path in files:
+            names.extend(torch.load(path, map_location="cpu", weights_only=True).keys())
+        return names
+
     @classmethod
     def from_target(cls, method: str, model: str, target_config: Any, trust_remote_code: bool = False,
                     load_format: str = "auto") -> "EagleHeadConfig":

@@ -9,7 +9,8 @@ step's accepted run hold rejected tokens; they are never read: the next step wri
 attends to them (as for the target). Prefix hits, preemption and rollback thus keep both caches in step.
 
 At the last accepted position the head's output already gives the first proposal; ``mirror`` keeps it and the
-head's hidden state there per row (device tensors). A verify step then (``propose``) writes that first proposal
+head's hidden state there per row (device tensors), for every request of the step (a prompt chunk's last position
+too: a request whose last prompt token is computed alone gets proposals in that step). A verify step then (``propose``) writes that first proposal
 into the step's input ids and runs k - 1 more one-token head steps (input: the previous proposal and the head's own
 previous hidden state, at the step's own positions and slots, allocated by the scheduler for the verify step).
 
@@ -125,11 +126,11 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def mirror(self, meta: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
-               head_input: torch.Tensor, query_start_loc: np.ndarray, next_known: np.ndarray,
-               sampled: np.ndarray, num_drafts: np.ndarray, rows: np.ndarray, emitted: torch.Tensor | None,
-               backend) -> None:
-        """Run the head over a finished step's tokens (its KV cache) and keep each sampled request's next first
-        proposal and hidden state.
+               head_input: torch.Tensor, query_start_loc: np.ndarray, next_known: np.ndarray, req_rows: np.ndarray,
+               sampled: np.ndarray, num_drafts: np.ndarray, emitted: torch.Tensor | None, backend) -> None:
+        """Run the head over a finished step's tokens (its KV cache) and keep, for every request of the step, the
+        first proposal and the head's hidden state at its last known position (a sampled request's last emitted
+        token, or a prompt chunk's last token, whose next token is a known prompt token).
 
         Args:
             meta: the step's attention metadata (the target's).
@@ -138,9 +139,9 @@ class EagleDrafter:
             query_start_loc: [R + 1] host, the step's token offsets.
             next_known: [R] int64 host, the token after each request's last scheduled one when the host knows it
                 (a prompt chunk that samples nothing); ignored for sampled requests.
+            req_rows: [R] int64, the step's requests' rows in the runner's batch.
             sampled: [R_s] int64, the sampled requests (indices in the step's batch).
             num_drafts: [R_s] int64, their verified proposals (0 without).
-            rows: [R_s] int64, their rows in the runner's batch.
             emitted: [R_s, W] int64 device, each sampled request's emitted tokens, -1 padded (W >= 1 + k); None
                 when nothing was sampled.
             backend: the attention backend.
@@ -150,7 +151,7 @@ class EagleDrafter:
         nxt[:T - 1] = input_ids[1:T]
         last = query_start_loc[1:].astype(np.int64) - 1                        # [R] each request's last token
         nxt[_to(last, np.int64, dev)] = _to(next_known, np.int64, dev)
-        base = None
+        at = _to(last, np.int64, dev)                                          # [R] where each request's state is
         if emitted is not None and len(sampled):
             base = last[sampled] - num_drafts                                  # [R_s] index of the run's start
             width = num_drafts + 1
@@ -159,12 +160,10 @@ class EagleDrafter:
             dst = _to(np.repeat(base, width) + src_j, np.int64, dev)
             vals = emitted[_to(src_r, np.int64, dev), _to(src_j, np.int64, dev)]
             nxt[dst] = torch.where(vals >= 0, vals, nxt[dst])
+            accepted = (emitted >= 0).sum(dim=1) - 1                           # [R_s] a: tokens accepted
+            at[_to(sampled, np.int64, dev)] = _to(base, np.int64, dev) + accepted   # the run's last emitted one
         for_logits, hidden = self.head(nxt, positions, head_input, ForwardContext(meta, self.kv_caches, backend))
-        if base is None:
-            return
-        accepted = (emitted >= 0).sum(dim=1) - 1                               # [R_s] a: tokens accepted
-        at = _to(base, np.int64, dev) + accepted                               # the run's last emitted position
-        rows_t = _to(rows, np.int64, dev)
+        rows_t = _to(req_rows, np.int64, dev)
         self.first_token[rows_t] = self.head.propose_ids(for_logits[at])
         self.last_hidden[rows_t] = hidden[at]
 

@@ -602,7 +602,7 @@ class ModelRunner:
         self._prev_sample_index[rows] = np.arange(len(rows))
         if logits.shape[0] == 0:
             self._prev_sampled = None
-            self._eagle_mirror(inp, rows, None)
+            self._eagle_mirror(inp, None)
             return StepHandle(inp.req_ids, [], None, None, None)
         batch = self.batch
         # outputs before this step's sample, placeholders included: the sequence so far minus the prompt
@@ -615,7 +615,7 @@ class ModelRunner:
         else:
             ids, lp = self._sample_one(inp, logits, rows, num_output)
         self._prev_sampled = ids                               # [R_s] int64, read by the next step's placeholders
-        self._eagle_mirror(inp, rows, ids)
+        self._eagle_mirror(inp, ids)
         handle = StepHandle(inp.req_ids, rids, ids, None, lp, rows, batch.row_epoch[rows].copy(),
                             batch.num_logprobs[rows].tolist() if lp is not None else None)
         if self.device.type != "cuda":
@@ -676,7 +676,7 @@ class ModelRunner:
         self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
         return self._logits(inp, hidden)
 
-    def _eagle_mirror(self, inp: StepInputs, rows: np.ndarray, ids: torch.Tensor | None) -> None:
+    def _eagle_mirror(self, inp: StepInputs, ids: torch.Tensor | None) -> None:
         """EAGLE: the head over the step's tokens once its sampled tokens are known (worker/eagle.py)."""
         if inp.eagle is None:
             return
@@ -686,8 +686,8 @@ class ModelRunner:
         batch = self.batch
         last_pos = inp.positions[inp.query_start_loc[1:].astype(np.int64) - 1]
         next_known = batch.token_ids[inp.rows, np.minimum(last_pos + 1, batch.token_ids.shape[1] - 1)]
-        num_drafts = inp.spec.num_drafts if inp.spec is not None else np.zeros(len(rows), dtype=np.int64)
+        num_drafts = inp.spec.num_drafts if inp.spec is not None else np.zeros(len(inp.logits_rows), dtype=np.int64)
         emitted = None if ids is None else (ids if ids.ndim == 2 else ids[:, None])
         self.draft.mirror(meta, self.buffers.input_ids[:T], self.buffers.positions[:T], head_input,
-                          inp.query_start_loc, next_known.astype(np.int64), inp.logits_rows, num_drafts, rows,
+                          inp.query_start_loc, next_known.astype(np.int64), inp.rows, inp.logits_rows, num_drafts,
                           emitted, self.backend)

@@ -221,16 +221,18 @@ def _reference_proposals(target_dir: str, head_dir: str, eagle3: bool, aux_ids, 
     return props
 
 
-@pytest.mark.parametrize("arch, method", [("llama", "eagle"), ("qwen2", "eagle3")])
-def test_proposals_equal_a_dense_reference(heads, base, arch, method):
+@pytest.mark.parametrize("arch, method, budget", [("llama", "eagle", 5), ("qwen2", "eagle3", None)])
+def test_proposals_equal_a_dense_reference(heads, base, arch, method, budget):
     """The engine's proposals (paged head cache written after each step, batched one-token head steps) are the
     ones the EAGLE process gives on the full sequence, for several requests in one batch. The head's proposals
     are recorded, then replaced by the right continuation (all or all but the last) in two steps of three, so
-    the head's cache and kept state are checked after accepted runs of every length."""
+    the head's cache and kept state are checked after accepted runs of every length. With a step budget of 5
+    tokens prompts are computed in chunks (a last prompt token computed alone gets proposals at once)."""
     import json
 
     target, head = heads[(arch, method)]
-    llm = LLM(target, device="cpu", max_num_seqs=3, speculative_config=_spec(method, head))
+    llm = LLM(target, device="cpu", max_num_seqs=3, speculative_config=_spec(method, head),
+              **({"max_num_batched_tokens": budget} if budget else {}))
     runner = llm.llm_engine.runner
     drafter = runner.draft
     seen = []
