@@ -174,8 +174,10 @@ class EngineArgs:
             line); vLLM's meaning and default (V1: 999 per modality). Only for models with a vision tower.
         num_scheduler_steps, reasoning_parser: accepted for vLLM compatibility and ignored (IGNORED_ARGS).
         speculative_config: speculative decoding, vLLM's dict (a JSON string on the command line), e.g.
-            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; see
-            hayabusa/spec_decode/config.py. Steps then run synchronously (async_scheduling off).
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or {"method": "eagle" /
+            "eagle3", "model": HEAD, "num_speculative_tokens": 3} with a public EAGLE / EAGLE-3 head for a Llama /
+            Qwen2 target (pickle-only heads need load_format="pt"); see hayabusa/spec_decode/config.py (also the
+            turn-off rules). Steps then run synchronously (async_scheduling off).
     """
 
     model: str = ""
