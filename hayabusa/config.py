@@ -181,8 +181,10 @@ class EngineArgs:
             line); vLLM's meaning and default (V1: 999 per modality). Only for models with a vision tower.
         num_scheduler_steps, reasoning_parser: accepted for vLLM compatibility and ignored (IGNORED_ARGS).
         speculative_config: speculative decoding, vLLM's dict (a JSON string on the command line), e.g.
-            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; see
-            hayabusa/spec_decode/config.py. Steps then run synchronously (async_scheduling off).
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or {"method": "eagle" /
+            "eagle3", "model": HEAD, "num_speculative_tokens": 3} with a public EAGLE / EAGLE-3 head for a Llama /
+            Qwen2 target (pickle-only heads need load_format="pt"); see hayabusa/spec_decode/config.py (also the
+            turn-off rules). Steps then run synchronously (async_scheduling off).
         batch_invariant: a request's token ids and logprobs do not depend on the other requests in its steps,
             max_num_seqs / max_num_batched_tokens, prompt chunking, prefix-cache hits or CUDA graphs (fixed-tile
             GEMM, one attention configuration, per-row reductions; hayabusa/batch_invariant.py). Also on with
@@ -341,6 +343,11 @@ class EngineArgs:
                 raise _bad("speculative_config.model", spec.model,
                            f"the draft must be a decoder-only model with the target's vocabulary "
                            f"({model_config.vocab_size} tokens; it has {draft_config.vocab_size}).")
+        if spec is not None and spec.method in ("eagle", "eagle3"):
+            from hayabusa.spec_decode.eagle_config import EagleHeadConfig
+
+            draft_config = EagleHeadConfig.from_target(spec.method, spec.model, model_config, self.trust_remote_code,
+                                                       self.load_format)
         if spec is not None and self.async_scheduling:
             logger.warning("async_scheduling is off with speculative decoding: a step's proposals need the previous "
                            "step's tokens on the host.")
@@ -748,6 +755,6 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = False
     speculative_config: Any = None            # hayabusa.spec_decode.SpeculativeConfig, or None (off)
-    draft_model_config: Any = None            # ModelConfig of the draft (speculative method "draft_model")
+    draft_model_config: Any = None            # the draft's ModelConfig ("draft_model"), or EagleHeadConfig ("eagle[3]")
     extra: dict = field(default_factory=dict)
     parallel_config: Any = None   # hayabusa.distributed.config.ParallelConfig (None: one process, no ranks)

@@ -69,6 +69,11 @@ class Request:
         self.spec_num_steps = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        # the low-acceptance turn-off rule (spec_decode/scheduling.py): proposals and acceptances of the current
+        # window, and the output count before which the request gets no proposals
+        self.spec_window_drafts = 0
+        self.spec_window_accepted = 0
+        self.spec_backoff_until = 0
 
     @property
     def num_prompt_tokens(self) -> int:

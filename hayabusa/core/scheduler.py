@@ -448,6 +448,7 @@ class Scheduler:
         req.spec_num_accepted_tokens += num_accepted
         self.spec_num_draft_tokens += len(drafts)
         self.spec_num_accepted_tokens += num_accepted
+        self.spec.record(req, len(drafts), num_accepted)      # the low-acceptance turn-off rule
         for i, token in enumerate(new_ids):
             req.output_token_ids.append(token)
             req.all_token_ids.append(token)

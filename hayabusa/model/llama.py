@@ -104,12 +104,18 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                aux_layers: tuple[int, ...] | None = None):
         x = self.embed_tokens(input_ids)                                # [T, hidden]
         residual = None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if aux_layers is not None and i in aux_layers:   # the residual stream entering layer i
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, ctx)
         x, _ = self.norm(x, residual)
+        if aux_layers is not None:
+            return x, [aux[i] for i in aux_layers]
         return x
 
 
@@ -146,8 +152,12 @@ class LlamaForCausalLM(nn.Module):
         HF Llama ignores ``sliding_window`` even when a config.json carries one."""
         return None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                aux_layers: tuple[int, ...] | None = None):
+        """hidden [T, hidden] after the final norm; with ``aux_layers`` (EAGLE-3's target layer ids, each in
+        [0, num_layers)) also the residual stream entering each of those layers: (hidden, [[T, hidden], ...] in
+        ``aux_layers`` order)."""
+        return self.model(input_ids, positions, ctx, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in the model dtype."""

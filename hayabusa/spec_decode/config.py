@@ -1,9 +1,11 @@
 """SpeculativeConfig: vLLM's ``speculative_config`` dict (or JSON string), checked once at the edge.
 
 Keys (vLLM's names and defaults):
-  method: "ngram" (prompt lookup) or "draft_model" (with "model": a smaller checkpoint of the same vocabulary;
-      its greedy proposals). "eagle" / "eagle3" and the other vLLM methods are known but not supported yet (a HayabusaValidationError says so); any other value is an error naming it. With only
-      ``"model": DIR`` vLLM infers "draft_model".
+  method: "ngram" (prompt lookup), "draft_model" (with "model": a smaller checkpoint of the same vocabulary;
+      its greedy proposals), "eagle" / "eagle3" (with "model": a public EAGLE / EAGLE-3 head checkpoint for a
+      Llama / Qwen2 target; hayabusa/model/eagle.py). The other vLLM methods are known but not supported yet (a
+      HayabusaValidationError says so); any other value is an error naming it. With only ``"model": DIR`` vLLM
+      infers "draft_model".
   num_speculative_tokens: proposals per request per step, k >= 1 (required).
   prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram the n-gram proposer matches; both unset:
       5 and 5 (vLLM's defaults); one unset: equal to the other.
@@ -11,6 +13,18 @@ Keys (vLLM's names and defaults):
       rule, applied per step): a step that is
       already compute-bound gains nothing from verifying extra tokens. vLLM's default is "never"; hayabusa's
       is DEFAULT_DISABLE_BY_BATCH_SIZE (its rule turns speculation off by itself); 0 = never turn it off.
+
+hayabusa's own keys (vLLM has no low-acceptance rule), the per-request low-acceptance turn-off rule:
+  min_acceptance_rate (float in [0, 1], default DEFAULT_MIN_ACCEPTANCE_RATE; 0 = rule off),
+  acceptance_window (proposed tokens per window, default DEFAULT_ACCEPTANCE_WINDOW),
+  acceptance_backoff (output tokens, default DEFAULT_ACCEPTANCE_BACKOFF):
+      each request counts its verified proposals and accepted ones; when a window of at least acceptance_window
+      proposals has an acceptance rate below min_acceptance_rate, the request gets no proposals for its next
+      acceptance_backoff output tokens (plain one-token decode steps), then a new window starts.
+      Why: a verify step of 1 + k tokens costs about one decode step when memory-bound, plus the proposer's
+      work; at acceptance rate a it emits (1 - a^(k+1)) / (1 - a) tokens, about 1 + a for small a, so
+      below roughly 0.1-0.2 the proposals (a draft model's k forwards above all) cost more than they save.
+      The default 0.1 is that estimate; the crossover has not been measured on the device yet.
 """
 
 from __future__ import annotations
@@ -22,13 +36,17 @@ from typing import Any
 from hayabusa.errors import HayabusaValidationError
 
 # vLLM's methods (vllm/config/speculative.py): known names that are not supported here yet.
-KNOWN_UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix",
-                             "deepseek_mtp")
-SUPPORTED_METHODS = ("ngram", "draft_model")
+KNOWN_UNSUPPORTED_METHODS = ("medusa", "mlp_speculator", "mtp", "suffix", "deepseek_mtp")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# methods whose proposals come from a model in the runner (the scheduler sends k -1 slots)
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # Running requests from which a step gets no proposals (the turn-off rule; see the module docstring).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
+DEFAULT_ACCEPTANCE_WINDOW = 32
+DEFAULT_ACCEPTANCE_BACKOFF = 64
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "disable_by_batch_size")
+         "disable_by_batch_size", "min_acceptance_rate", "acceptance_window", "acceptance_backoff")
 
 
 @dataclass(frozen=True)
@@ -36,11 +54,13 @@ class SpeculativeConfig:
     """A checked speculative_config.
 
     Attributes:
-        method: "ngram".
+        method: "ngram", "draft_model", "eagle" or "eagle3".
         num_speculative_tokens: k, proposals per request per step.
         prompt_lookup_max: longest suffix n-gram matched.
         prompt_lookup_min: shortest suffix n-gram matched.
         disable_by_batch_size: no proposals in a step with more running requests than this (0 = never).
+        min_acceptance_rate / acceptance_window / acceptance_backoff: the per-request low-acceptance rule (rate
+            in [0, 1], 0 = off; window in proposed tokens; back-off in output tokens).
     """
 
     method: str
@@ -48,7 +68,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    model: str | None = None            # draft_model: the draft checkpoint (same vocabulary as the target)
+    model: str | None = None            # draft_model / eagle / eagle3: the draft or head checkpoint
+    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE    # the low-acceptance rule (module docstring)
+    acceptance_window: int = DEFAULT_ACCEPTANCE_WINDOW
+    acceptance_backoff: int = DEFAULT_ACCEPTANCE_BACKOFF
 
     def enabled_for_batch(self, num_running: int) -> bool:
         """The turn-off rule: proposals only while at most ``disable_by_batch_size`` requests run."""
@@ -103,8 +126,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if k is None:
         raise _bad("num_speculative_tokens", None, f"required for method {method!r}.")
     model = value.get("model")
-    if method == "draft_model" and (not isinstance(model, str) or not model):
-        raise _bad("model", model, "method 'draft_model' needs the draft checkpoint's folder or Hub id.")
+    if method in MODEL_METHODS and (not isinstance(model, str) or not model):
+        raise _bad("model", model, f"method {method!r} needs the "
+                                   f"{'draft checkpoint' if method == 'draft_model' else 'head checkpoint'}'s folder "
+                                   "or Hub id.")
     lo, hi = _positive_int(value, "prompt_lookup_min"), _positive_int(value, "prompt_lookup_max")
     if lo is None and hi is None:
         lo = hi = 5
@@ -112,6 +137,12 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if lo > hi:
         raise _bad("prompt_lookup_min", lo, f"must be <= prompt_lookup_max ({hi}).")
     off = _positive_int(value, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, allow_zero=True)
+    rate = value.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise _bad("min_acceptance_rate", rate, "must be a number in [0, 1] (0 turns the rule off).")
+    window = _positive_int(value, "acceptance_window", DEFAULT_ACCEPTANCE_WINDOW)
+    backoff = _positive_int(value, "acceptance_backoff", DEFAULT_ACCEPTANCE_BACKOFF)
     return SpeculativeConfig(method, k, prompt_lookup_max=hi, prompt_lookup_min=lo,
+                             min_acceptance_rate=float(rate), acceptance_window=window, acceptance_backoff=backoff,
                              disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE if off is None else off,
-                             model=model if method == "draft_model" else None)
+                             model=model if method in MODEL_METHODS else None)

@@ -38,7 +38,7 @@ class SpecDecodeScheduling:
         """Proposed tokens for a request whose step computes its last token (and samples the next one):
         at most k, at most ``budget`` (the step's tokens left after its own one), and never past max_tokens or
         max_model_len (accepted tokens plus the bonus token always fit)."""
-        if not eligible(req):
+        if not eligible(req) or req.num_output_tokens < req.spec_backoff_until:
             return []
         k = min(self.config.num_speculative_tokens, budget,
                 req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
@@ -47,3 +47,21 @@ class SpecDecodeScheduling:
         if self.proposer is None:
             return [-1] * k
         return self.proposer.propose(req.all_token_ids, k)
+
+    def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """The low-acceptance turn-off rule, per request (see SpeculativeConfig): once ``acceptance_window``
+        proposals have been verified, a window whose acceptance rate is below ``min_acceptance_rate`` stops the
+        request's proposals for its next ``acceptance_backoff`` output tokens (they decode one per step); then a
+        new window starts. Every window is judged afresh, so a request whose text turns copy-heavy later gets
+        proposals again after one back-off."""
+        cfg = self.config
+        if cfg.min_acceptance_rate <= 0:
+            return
+        req.spec_window_drafts += num_drafts
+        req.spec_window_accepted += num_accepted
+        if req.spec_window_drafts < cfg.acceptance_window:
+            return
+        if req.spec_window_accepted < cfg.min_acceptance_rate * req.spec_window_drafts:
+            # the tokens this step emits (num_accepted + 1) come first, then the back-off
+            req.spec_backoff_until = req.num_output_tokens + num_accepted + 1 + cfg.acceptance_backoff
+        req.spec_window_drafts = req.spec_window_accepted = 0

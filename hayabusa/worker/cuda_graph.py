@@ -1,9 +1,18 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps and for speculative decoding's verify steps.
 
 One graph per captured batch size, all sharing the runner's persistent input buffers (``StepBuffers``) and one
 memory pool.
 A step of R decode requests replays the smallest captured size bs >= R; rows R..bs-1 are padding: slot -1 (no
 KV write) and seq_len 0 (the attention kernel skips them), and their logits are dropped.
+
+Verify steps (n-gram proposals: the target's forward over 1 + k tokens per request; Q = num_speculative_tokens +
+1) are keyed by (bs, Q): a step of R <= bs requests whose query lengths are all <= Q (requests without proposals,
+or with fewer, included) replays the (bs, Q) graph over T_pad = bs x Q tokens: tokens T..T_pad-1 belong to no
+request (slot -1), requests R..bs-1 have no queries and seq_len 0 (``StepBuffers.pad_verify``); the attention
+kernel's grid depends only on (bs, Q), every length is read on the device. The graph's output is the hidden states
+[T_pad, H]; the step's logits rows (1 + k per request) are computed from its first T rows outside the graph.
+Sizes: the decode sizes whose bs x Q fits max_num_batched_tokens and VERIFY_GRAPH_MAX_TOKENS, up to the first one
+>= disable_by_batch_size (no step has proposals above it); other verify steps run eagerly. Draft-model and EAGLE steps stay eager (their proposers run host-driven loops).
 """
 
 from __future__ import annotations
@@ -17,6 +26,10 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
+
+# Verify graphs hold at most this many tokens (bs x (k + 1)): their activations live in the graphs' pool, outside
+# the profiled peak; larger verify steps run eagerly.
+VERIFY_GRAPH_MAX_TOKENS = 1024
 
 
 def capture_sizes(max_batch: int, sizes: list[int] | None = None) -> list[int]:
@@ -55,6 +68,21 @@ class CUDAGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        # verify steps (n-gram speculation only): Q tokens per request, sizes bs with bs * Q <= max_num_tokens
+        spec = runner.cfg.speculative_config
+        self.verify_width = spec.num_speculative_tokens + 1 if spec is not None and runner.draft is None else 0
+        self.verify_sizes: list[int] = []
+        if self.verify_width:
+            max_tokens = min(runner.max_num_tokens, VERIFY_GRAPH_MAX_TOKENS)
+            fit = [s for s in self.sizes if s * self.verify_width <= max_tokens]
+            cap = spec.disable_by_batch_size
+            if cap:
+                fit = [s for s in fit if s < cap] + [s for s in fit if s >= cap][:1]
+            self.verify_sizes = fit
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verify_hidden: dict[int, torch.Tensor] = {}
+        self.num_verify_runs = 0      # verify steps run on the padded (bs, Q) shapes
+        self.num_verify_replays = 0   # of those, replayed from a graph
 
     def can_run(self, num_reqs: int) -> bool:
         return num_reqs <= self.sizes[-1]
@@ -73,9 +101,14 @@ class CUDAGraphRunner:
         hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], ctx)
         return self.model.compute_logits(hidden)
 
+    def _forward_verify(self, bs: int) -> torch.Tensor:
+        buf, Q = self.buffers, self.verify_width
+        ctx = ForwardContext(buf.attn_metadata(bs, bs * Q, Q, self.max_model_len), self.kv_caches, self.backend)
+        return self.model(buf.input_ids[:bs * Q], buf.positions[:bs * Q], ctx)      # [bs * Q, H]
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first so smaller graphs reuse the pool."""
+        """Capture every size, largest first so smaller graphs reuse the pool; then the verify sizes."""
         t0 = time.perf_counter()
         for bs in sorted(self.sizes, reverse=True):
             self.buffers.pad_decode(0, bs)
@@ -87,10 +120,37 @@ class CUDAGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
+        for bs in sorted(self.verify_sizes, reverse=True):
+            self.buffers.pad_verify(0, 0, bs, bs * self.verify_width)
+            self._forward_verify(bs)  # warm up
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.verify_hidden[bs] = self._forward_verify(bs)
+            self.verify_graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (sizes %s) in %.1f s", len(self.sizes), self.sizes,
+        logger.info("captured %d CUDA graphs (sizes %s; verify sizes %s x %d tokens) in %.1f s",
+                    len(self.sizes) + len(self.verify_sizes), self.sizes, self.verify_sizes, self.verify_width,
                     self.capture_seconds)
+
+    def can_run_verify(self, num_reqs: int, max_query_len: int) -> bool:
+        """A verify step of ``num_reqs`` requests, none with more than Q tokens, fits a (bs, Q) size."""
+        return bool(self.verify_sizes) and max_query_len <= self.verify_width and num_reqs <= self.verify_sizes[-1]
+
+    def run_verify(self, inp) -> torch.Tensor:
+        """Replay (or, with enforce_eager, run eagerly on the same padded shapes) the target's forward of a verify
+        step whose inputs are already in the buffers; returns hidden [T, H] (a view of the graph's static
+        output: read it before the next replay)."""
+        R, T = inp.num_reqs, len(inp.input_ids)
+        bs = next(s for s in self.verify_sizes if s >= R)
+        self.buffers.pad_verify(T, R, bs, bs * self.verify_width)
+        self.num_verify_runs += 1
+        if not self.use_graphs:
+            return self._forward_verify(bs)[:T]
+        self.num_verify_replays += 1
+        self.verify_graphs[bs].replay()
+        return self.verify_hidden[bs][:T]
 
     def run(self, inp) -> torch.Tensor:
         """Replay for a decode-only step whose inputs are already in the buffers; returns logits [R, V] (a view

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from hayabusa.config import CPU_KV_CACHE_DEFAULT_BYTES, EngineConfig
+from hayabusa.config import CPU_KV_CACHE_DEFAULT_BYTES, EngineConfig, kv_bytes_per_token
 from hayabusa.errors import KVCacheCapacityError
 
 logger = logging.getLogger(__name__)
@@ -20,8 +20,11 @@ def kv_cache_dtype(cfg: EngineConfig) -> torch.dtype:
 def bytes_per_token(cfg: EngineConfig) -> int:
     """K + V bytes of one token over all layers, in the cache dtype (an fp8 cache halves bf16's); with a draft
     model (speculative decoding) its cache's bytes too (it has as many blocks as the target's)."""
-    draft = getattr(cfg, "draft_model_config", None)
-    extra = draft.kv_bytes_per_token(kv_cache_dtype(cfg)) if draft is not None else 0
+    draft = getattr(cfg, "draft_model_config", None)   # a draft's ModelConfig, or an EAGLE head's config
+    extra = 0
+    if draft is not None:
+        elem = torch.empty((), dtype=kv_cache_dtype(cfg)).element_size()
+        extra = kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, elem)
     return cfg.model_config.kv_bytes_per_token(kv_cache_dtype(cfg)) + extra
 
 

@@ -103,6 +103,7 @@ class StepInputs:
     prompt_logprobs: PromptLogprobsPlan | None = None       # positions whose prompt logprobs this step computes
     prompt_logprobs_out: PromptLogprobsPending | None = None  # their logprobs (device), set by _run_model
     spec: SpecStepInputs | None = None   # a verify step (speculative decoding): logits_indices cover 1 + k positions
+    eagle: Any = None            # EAGLE: (attention metadata, head input [T, H]) for the mirror after sampling
 
     @property
     def num_reqs(self) -> int:
@@ -130,14 +131,20 @@ class ModelRunner:
         self.offloader = maybe_offload(self.model, cfg, self.device)
         self.draft = None   # speculative decoding's draft model (worker/draft_model.py)
         if cfg.draft_model_config is not None:
-            from hayabusa.worker.draft_model import DraftModel
-
+            method = cfg.speculative_config.method
             if getattr(self.model, "is_multimodal", False):
                 from hayabusa.errors import HayabusaValidationError
 
                 raise HayabusaValidationError("a draft model needs a text-only target model.",
-                                              parameter="speculative_config.method", value="draft_model")
-            self.draft = DraftModel(cfg, self.device)
+                                              parameter="speculative_config.method", value=method)
+            if method in ("eagle", "eagle3"):   # a head on the target's hidden states (worker/eagle.py)
+                from hayabusa.worker.eagle import EagleDrafter
+
+                self.draft = EagleDrafter(cfg, self.model, self.device, sc.max_num_seqs)
+            else:
+                from hayabusa.worker.draft_model import DraftModel
+
+                self.draft = DraftModel(cfg, self.device)
         self.load_seconds = time.perf_counter() - t0
         bi = getattr(mc, "batch_invariant", False)   # batch-invariant mode (hayabusa/batch_invariant.py)
         self.backend = get_attention_backend(self.device, batch_invariant=bi)
@@ -559,6 +566,10 @@ class ModelRunner:
         self.copy_inputs(inp)
         if self.draft is not None:
             return self._run_with_draft(inp, T, R, max_q)
+        if self.decode_runner is not None and inp.spec is not None and inp.mm is None and self.encdec is None \
+                and inp.prompt_logprobs is None and self.decode_runner.can_run_verify(R, max_q):
+            # a verify step (n-gram proposals): padded to a captured (batch, k + 1) size and replayed
+            return self._logits(inp, self.decode_runner.run_verify(inp))
         if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None \
                 and inp.prompt_logprobs is None:
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
@@ -597,6 +608,7 @@ class ModelRunner:
         self._prev_sample_index[rows] = np.arange(len(rows))
         if logits.shape[0] == 0:
             self._prev_sampled = None
+            self._eagle_mirror(inp, None)
             return StepHandle(inp.req_ids, [], None, None, None)
         batch = self.batch
         # outputs before this step's sample, placeholders included: the sequence so far minus the prompt
@@ -609,6 +621,7 @@ class ModelRunner:
         else:
             ids, lp = self._sample_one(inp, logits, rows, num_output)
         self._prev_sampled = ids                               # [R_s] int64, read by the next step's placeholders
+        self._eagle_mirror(inp, ids)
         handle = StepHandle(inp.req_ids, rids, ids, None, lp, rows, batch.row_epoch[rows].copy(),
                             batch.num_logprobs[rows].tolist() if lp is not None else None)
         if self.device.type != "cuda":
@@ -647,12 +660,40 @@ class ModelRunner:
         target, then the same step on the draft, which keeps its KV cache in step with the target's."""
         buf = self.buffers
         meta = buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max()))
+        eagle = getattr(self.draft, "is_eagle", False)
         if inp.spec is not None:
             sel = np.flatnonzero(inp.spec.num_drafts > 0)
             if len(sel):
-                inp.spec.draft_ids_dev = self.draft.propose(
-                    inp.logits_rows[sel], inp.spec.num_drafts[sel], inp.query_start_loc, inp.positions,
-                    inp.slot_mapping, buf.input_ids, buf.block_table, self.backend)
-        hidden = self.model(buf.input_ids[:T], buf.positions[:T], ForwardContext(meta, self.kv_caches, self.backend))
+                req_index = inp.logits_rows[sel]
+                if eagle:
+                    inp.spec.draft_ids_dev = self.draft.propose(
+                        req_index, inp.spec.num_drafts[sel], inp.rows[req_index], inp.query_start_loc,
+                        inp.positions, inp.slot_mapping, buf.input_ids, buf.block_table, self.backend)
+                else:
+                    inp.spec.draft_ids_dev = self.draft.propose(
+                        req_index, inp.spec.num_drafts[sel], inp.query_start_loc, inp.positions,
+                        inp.slot_mapping, buf.input_ids, buf.block_table, self.backend)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        if eagle:   # the head runs after sampling (it needs the emitted tokens): _eagle_mirror
+            hidden, head_input = self.draft.target_forward(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
+            inp.eagle = (meta, head_input)
+            return self._logits(inp, hidden)
+        hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)
         self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
         return self._logits(inp, hidden)
+
+    def _eagle_mirror(self, inp: StepInputs, ids: torch.Tensor | None) -> None:
+        """EAGLE: the head over the step's tokens once its sampled tokens are known (worker/eagle.py)."""
+        if inp.eagle is None:
+            return
+        meta, head_input = inp.eagle
+        inp.eagle = None
+        T = len(inp.input_ids)
+        batch = self.batch
+        last_pos = inp.positions[inp.query_start_loc[1:].astype(np.int64) - 1]
+        next_known = batch.token_ids[inp.rows, np.minimum(last_pos + 1, batch.token_ids.shape[1] - 1)]
+        num_drafts = inp.spec.num_drafts if inp.spec is not None else np.zeros(len(inp.logits_rows), dtype=np.int64)
+        emitted = None if ids is None else (ids if ids.ndim == 2 else ids[:, None])
+        self.draft.mirror(meta, self.buffers.input_ids[:T], self.buffers.positions[:T], head_input,
+                          inp.query_start_loc, next_known.astype(np.int64), inp.rows, inp.logits_rows, num_drafts,
+                          emitted, self.backend)

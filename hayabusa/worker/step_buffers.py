@@ -42,3 +42,15 @@ class StepBuffers:
         self.slot_mapping[R:bs].fill_(-1)
         self.seq_lens[R:bs].zero_()
         self.query_start_loc[:bs + 1].copy_(self._arange[:bs + 1])  # decode: one query token per row
+
+    def pad_verify(self, T: int, R: int, bs: int, T_pad: int) -> None:
+        """Make a verify step of R requests / T tokens the shape of a captured (bs, Q) graph (T_pad = bs x Q):
+        tokens T..T_pad-1 padding (input 0, position 0, slot -1: no KV write, in no request's query range),
+        requests R..bs-1 without queries (query_start_loc = T) and seq_len 0 (the attention kernel skips them)."""
+        self.input_ids[T:T_pad].zero_()
+        self.positions[T:T_pad].zero_()
+        self.slot_mapping[T:T_pad].fill_(-1)
+        self.seq_lens[R:bs].zero_()
+        if R == 0:
+            self.query_start_loc[:1].zero_()
+        self.query_start_loc[R + 1:bs + 1].fill_(T)

@@ -162,7 +162,8 @@ def test_sampling_with_seed_is_reproducible(reference):
 
 @pytest.mark.parametrize("config, parameter", [
     ({"method": "lookahead", "num_speculative_tokens": 2}, "speculative_config.method"),
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "speculative_config.model"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

@@ -76,3 +76,57 @@ def test_tight_budget_trims_proposals_and_no_kv_room_drops_them():
     out = s2.schedule()
     assert out.num_scheduled_tokens == {"c": 1} and out.scheduled_spec_decode_tokens == {}
     assert s2.num_preemptions == 0
+
+
+def test_low_acceptance_rule_backs_off_then_tries_again():
+    # window 6 proposals, rate 0.5, back-off 4 output tokens; k = 3, every proposal wrong (target says 70 + i)
+    s = make_scheduler(num_blocks=64, block_size=4)
+    cfg = SpeculativeConfig("ngram", 3, 3, 1, min_acceptance_rate=0.5, acceptance_window=6, acceptance_backoff=4)
+    s.spec = SpecDecodeScheduling(cfg, s.config.max_model_len)
+    s.spec.proposer = FixedProposer([50, 51, 52])
+    a = req("a", 6, max_tokens=40)
+    s.add_request(a)
+    s.update_from_output(s.schedule(), {"a": [9]})
+    proposed = []
+    for i in range(12):
+        out = s.schedule()
+        drafts = out.scheduled_spec_decode_tokens.get("a", [])
+        proposed.append(len(drafts))
+        s.update_from_output(out, {"a": [70 + i]})     # nothing accepted: one token per step
+    # two verify steps fill the window (6 proposals, 0 accepted): the next 4 output tokens come without proposals,
+    # then a new window of two verify steps, then another back-off
+    assert proposed == [3, 3, 0, 0, 0, 0, 3, 3, 0, 0, 0, 0]
+    assert a.spec_num_draft_tokens == 12 and a.spec_num_accepted_tokens == 0
+
+
+def test_low_acceptance_rule_keeps_proposing_when_accepted():
+    s = make_scheduler(num_blocks=64, block_size=4)
+    cfg = SpeculativeConfig("ngram", 2, 3, 1, min_acceptance_rate=0.5, acceptance_window=4, acceptance_backoff=4)
+    s.spec = SpecDecodeScheduling(cfg, s.config.max_model_len)
+    s.spec.proposer = FixedProposer([50, 51])
+    a = req("a", 6, max_tokens=40)
+    s.add_request(a)
+    s.update_from_output(s.schedule(), {"a": [9]})
+    for i in range(6):   # one of two accepted each time: rate 0.5, not below the threshold
+        out = s.schedule()
+        assert out.scheduled_spec_decode_tokens == {"a": [50, 51]}
+        s.update_from_output(out, {"a": [50, 80 + i]})
+    assert a.spec_backoff_until == 0
+
+
+def test_low_acceptance_rule_config():
+    from hayabusa.spec_decode.config import (DEFAULT_ACCEPTANCE_BACKOFF, DEFAULT_ACCEPTANCE_WINDOW,
+                                             DEFAULT_MIN_ACCEPTANCE_RATE, parse_speculative_config)
+    from hayabusa.errors import HayabusaValidationError
+    import pytest
+
+    c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    assert (c.min_acceptance_rate, c.acceptance_window, c.acceptance_backoff) == (
+        DEFAULT_MIN_ACCEPTANCE_RATE, DEFAULT_ACCEPTANCE_WINDOW, DEFAULT_ACCEPTANCE_BACKOFF)
+    c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 0}')
+    assert c.min_acceptance_rate == 0.0
+    for key, value in (("min_acceptance_rate", 1.5), ("min_acceptance_rate", float("nan")),
+                       ("min_acceptance_rate", True), ("acceptance_window", 0), ("acceptance_backoff", -1)):
+        with pytest.raises(HayabusaValidationError) as e:
+            parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, key: value})
+        assert e.value.parameter == f"speculative_config.{key}"
