@@ -84,8 +84,6 @@ class MultiprocExecutor:
         config: the engine config; ``config.parallel_config.world_size`` workers are started.
     """
 
-    num_cpu_blocks = 0   # the KV cache's CPU tier (swap_space) is not used across ranks yet
-
     def __init__(self, config: Any) -> None:
         from hayabusa.executor.worker import worker_main
 
@@ -111,6 +109,8 @@ class MultiprocExecutor:
         start_timeout = float(os.environ.get("HAYABUSA_WORKER_START_TIMEOUT", "600"))
         replies = self._gather("ready", start_timeout)
         self.num_blocks_per_rank = [r[1] for r in replies]
+        # every rank keeps a CPU tier of its own KV heads (swap_space each); they share the CPU block ids
+        self.num_cpu_blocks = min(r[2] for r in replies)
         self.pids = [p.pid for p in self.procs]
 
     # ------------------------------------------------------------------ failure handling
@@ -182,7 +182,7 @@ class MultiprocExecutor:
     def initialize_kv_cache(self) -> int:
         """Every rank allocates the smallest capacity any rank has room for. Returns num_blocks."""
         num_blocks = min(self.num_blocks_per_rank)
-        self._broadcast(("init_kv", num_blocks))
+        self._broadcast(("init_kv", num_blocks, self.num_cpu_blocks))
         self._gather("kv_ready", float(os.environ.get("HAYABUSA_WORKER_START_TIMEOUT", "600")))
         return num_blocks
 

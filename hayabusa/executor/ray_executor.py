@@ -36,8 +36,8 @@ class RayWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def start(self, init_method: str) -> int:
-        """Join the process group, load this rank's shard; returns its KV capacity in blocks."""
+    def start(self, init_method: str) -> tuple[int, int]:
+        """Join the process group, load this rank's shard; returns its KV capacity in blocks and its CPU tier's."""
         import torch
 
         from hayabusa.distributed.parallel_state import init_distributed
@@ -49,10 +49,10 @@ class RayWorker:
         init_distributed(self.rank, pc.world_size, init_method, pc.dist_backend)
         torch.manual_seed(self.config.seed)
         self.runner = ModelRunner(cfg)
-        return self.runner.profile_num_blocks()
+        return self.runner.profile_num_blocks(), self.runner.profile_num_cpu_blocks()
 
-    def init_kv(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def init_kv(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, out: SchedulerOutput) -> Any:
         result = self.runner.execute_model(out)
@@ -75,8 +75,6 @@ class RayExecutor:
         config: the engine config; joins the running Ray cluster (``ray.init()``; ``RAY_ADDRESS``) or starts a
             local one.
     """
-
-    num_cpu_blocks = 0   # the KV cache's CPU tier (swap_space) is not used across ranks yet
 
     def __init__(self, config: Any) -> None:
         try:
@@ -110,7 +108,9 @@ class RayExecutor:
         ).remote(config, i) for i in range(self.world_size)]
         ip, port = self._get([self.actors[0].address.remote()], start_timeout)[0]
         init = f"tcp://{ip}:{port}"
-        self.num_blocks_per_rank = self._get([a.start.remote(init) for a in self.actors], start_timeout)
+        capacities = self._get([a.start.remote(init) for a in self.actors], start_timeout)
+        self.num_blocks_per_rank = [c[0] for c in capacities]
+        self.num_cpu_blocks = min(c[1] for c in capacities)   # every rank's CPU tier, of its own KV heads
 
     def _fail(self, why: str) -> WorkerError:
         if self._dead is None:
@@ -139,7 +139,7 @@ class RayExecutor:
 
     def initialize_kv_cache(self) -> int:
         num_blocks = min(self.num_blocks_per_rank)
-        self._get([a.init_kv.remote(num_blocks) for a in self.actors], None)
+        self._get([a.init_kv.remote(num_blocks, self.num_cpu_blocks) for a in self.actors], None)
         return num_blocks
 
     def launch(self, out: SchedulerOutput) -> RayStep:

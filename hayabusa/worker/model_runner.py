@@ -201,19 +201,24 @@ class ModelRunner:
             peak, non_torch = self._profile_peak_memory()
         return determine_num_blocks(self.cfg, peak, non_torch)
 
-    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
-        """Size (``num_blocks``, else profile_num_blocks: a tensor-parallel worker is given the minimum over its
-        ranks) and allocate the KV cache, capture CUDA graphs. Returns num_blocks."""
+    def profile_num_cpu_blocks(self) -> int:
+        """The CPU tier's blocks this runner has room for (``swap_space`` over its bytes per block: the target's
+        and the draft's KV, this rank's heads)."""
+        return num_cpu_blocks(self.cfg)
+
+    def initialize_kv_cache(self, num_blocks: int | None = None, num_cpu_blocks: int | None = None) -> int:
+        """Size (``num_blocks``, else profile_num_blocks; ``num_cpu_blocks``, else profile_num_cpu_blocks: a
+        tensor-parallel worker is given the minimum over its ranks of each) and allocate the KV cache and its CPU
+        tier, capture CUDA graphs. Returns num_blocks."""
         self.num_blocks = self.profile_num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks)
         self.kv_swapper = None   # the KV cache's CPU tier (swap_space): copies the scheduler's swap lists
-        # the CPU tier is not split across tensor-parallel ranks yet: swap_space is then unused (the executor says so)
-        # (nor kept for a draft model's KV cache: a restored block would hold the target's KV only)
-        self.num_cpu_blocks = num_cpu_blocks(self.cfg) if tp_size() == 1 and self.draft is None else 0
-        if self.num_cpu_blocks:
-            self.kv_swapper = KVSwapper(self.cfg, self.kv_caches, self.num_cpu_blocks)
+        self.num_cpu_blocks = self.profile_num_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
+        if self.num_cpu_blocks:   # the draft's cache shares the target's block ids: its blocks move with them
+            caches = [self.kv_caches] + ([self.draft.kv_caches] if self.draft is not None else [])
+            self.kv_swapper = KVSwapper(caches, self.num_cpu_blocks)
         if self.device.type == "cuda":
             from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
