@@ -215,17 +215,18 @@ class Scheduler:
                                              if r.structured is not None and r.request_id in sampling]
         return out
 
-    def grammar_bitmask(self, out: SchedulerOutput):
+    def grammar_bitmask(self, out: SchedulerOutput, buffer=None):
         """The next-token bitmask of the step's constrained requests (``out.structured_output_req_ids``), as a
         numpy array (see structured_output.fill_bitmask), or None when there are none. The engine calls it after
         launching the step's model and collecting the step before it (whose tokens its grammars must accept
         first), so the host fills it while the device runs. A request that finished meanwhile gets a row that
-        allows everything (its token is dropped)."""
+        allows everything (its token is dropped). ``buffer``: a host tensor [R_c, ceil(V / 32)] int32 to fill in
+        place (the runner's pinned staging buffer, ``grammar_bitmask_buffer``), or None."""
         if not out.structured_output_req_ids:
             return None
         reqs = [self.requests.get(rid) for rid in out.structured_output_req_ids]
         structured = [None if r is None or r.status.finished else r.structured for r in reqs]
-        return fill_bitmask(structured) if any(s is not None for s in structured) else None
+        return fill_bitmask(structured, out=buffer) if any(s is not None for s in structured) else None
 
     @staticmethod
     def _advance(req: Request, num_new: int) -> bool:

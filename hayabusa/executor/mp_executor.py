@@ -206,6 +206,10 @@ class MultiprocExecutor:
                 if msg[1] == handle.seq:
                     return msg[2]
 
+    def grammar_bitmask_buffer(self, n: int) -> None:
+        """No staging buffer here: the engine's bitmask is pickled to the workers."""
+        return None
+
     def execute_model(self, out: SchedulerOutput) -> Any:
         handle = self.launch(out)
         if handle.sched is not None:

@@ -158,6 +158,10 @@ class RayExecutor:
             else None
         return self._get(handle.refs, step_timeout)[0]
 
+    def grammar_bitmask_buffer(self, n: int) -> None:
+        """No staging buffer here: the engine's bitmask is pickled to the workers."""
+        return None
+
     def execute_model(self, out: SchedulerOutput) -> Any:
         handle = self.launch(out)
         if handle.sched is not None:

@@ -367,14 +367,25 @@ class ModelRunner:
             rows = inp.spec.last_index[rows]
         if self.staging is not None:  # through pinned buffers: the copy must not wait for the queued forward
             n, W = bitmask.shape
-            if self.staging.get("bitmask") is None or self.staging["bitmask"].shape[1] != W:
-                self.staging["bitmask"] = torch.empty(self.max_num_reqs, W, dtype=torch.int32, pin_memory=True)
-                self.staging["bitmask_rows"] = torch.empty(self.max_num_reqs, dtype=torch.int64, pin_memory=True)
-            bm, rws = self.staging["bitmask"][:n], self.staging["bitmask_rows"][:n]
-            bm.numpy()[:] = bitmask
+            bm = self.grammar_bitmask_buffer(n, W)
+            if bitmask.ctypes.data != bm.data_ptr():   # not filled in place (a mask given in the SchedulerOutput)
+                bm.numpy()[:] = bitmask
+            rws = self.staging["bitmask_rows"][:n]
             rws.numpy()[:] = rows
             bitmask, rows = bm, rws
         apply_token_bitmask(logits, bitmask, rows)
+
+    def grammar_bitmask_buffer(self, n: int, words: int | None = None) -> torch.Tensor | None:
+        """The current step's pinned staging buffer for a grammar bitmask of ``n`` constrained requests:
+        [n, words] int32 (default ceil(V / 32)), which the scheduler fills in place (CUDA); None on CPU (the mask
+        is used where it is)."""
+        if self.staging is None:
+            return None
+        words = cdiv(self.vocab_size, 32) if words is None else words
+        if self.staging.get("bitmask") is None or self.staging["bitmask"].shape[1] != words:
+            self.staging["bitmask"] = torch.empty(self.max_num_reqs, words, dtype=torch.int32, pin_memory=True)
+            self.staging["bitmask_rows"] = torch.empty(self.max_num_reqs, dtype=torch.int64, pin_memory=True)
+        return self.staging["bitmask"][:n]
 
     def forget_previous_step(self) -> None:
         """Drop the link to the previous step's sampled tokens (after a failed step whose requests are aborted):
