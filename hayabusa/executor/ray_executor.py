@@ -17,6 +17,7 @@ from typing import Any
 
 from hayabusa.core.scheduler_output import SchedulerOutput
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.executor.base import ExecutorBase, step_timeout, waits_for_bitmask
 from hayabusa.executor.mp_executor import WorkerError
 
 
@@ -68,7 +69,7 @@ class RayStep:
     sched: SchedulerOutput | None = None
 
 
-class RayExecutor:
+class RayExecutor(ExecutorBase):
     """ModelRunner's interface over Ray actors (see MultiprocExecutor).
 
     Args:
@@ -137,15 +138,13 @@ class RayExecutor:
                 raise self._fail(f"a Ray worker failed: {type(e).__name__}: {e}") from None
         return ray.get(list(refs))
 
-    def initialize_kv_cache(self) -> int:
-        num_blocks = min(self.num_blocks_per_rank)
-        self._get([a.init_kv.remote(num_blocks, self.num_cpu_blocks) for a in self.actors], None)
-        return num_blocks
+    def _send_init_kv(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._get([a.init_kv.remote(num_blocks, num_cpu_blocks) for a in self.actors], None)
 
     def launch(self, out: SchedulerOutput) -> RayStep:
         if self._dead is not None:
             raise WorkerError(self._dead)
-        if out.structured_output_req_ids and out.grammar_bitmask is None:
+        if waits_for_bitmask(out):
             return RayStep([], out)
         ref = self._ray.put(out)
         return RayStep([a.execute_model.remote(ref) for a in self.actors])
@@ -154,23 +153,10 @@ class RayExecutor:
         return self.launch(dataclasses.replace(handle.sched, grammar_bitmask=bitmask))
 
     def finish(self, handle: RayStep) -> Any:
-        step_timeout = float(os.environ["HAYABUSA_STEP_TIMEOUT"]) if os.environ.get("HAYABUSA_STEP_TIMEOUT") \
-            else None
-        return self._get(handle.refs, step_timeout)[0]
+        return self._get(handle.refs, step_timeout())[0]
 
-    def grammar_bitmask_buffer(self, n: int) -> None:
-        """No staging buffer here: the engine's bitmask is pickled to the workers."""
-        return None
-
-    def execute_model(self, out: SchedulerOutput) -> Any:
-        handle = self.launch(out)
-        if handle.sched is not None:
-            handle = self.sample_tokens(handle, None)
-        return self.finish(handle)
-
-    def forget_previous_step(self) -> None:
-        if self._dead is None:
-            self._get([a.forget_previous_step.remote() for a in self.actors], None)
+    def _send_forget(self) -> None:
+        self._get([a.forget_previous_step.remote() for a in self.actors], None)
 
     def shutdown(self) -> None:
         """Kill the actors and remove the placement group; idempotent."""
