@@ -191,11 +191,11 @@ class Scheduler:
                     new = out.scheduled_new_reqs[-1]
                     new.encoder_prompt_token_ids = req.encoder_prompt_token_ids
                     new.cross_block_ids = plan.cross_block_ids[rid]
-                    out.scheduled_encoder_inputs[rid] = [0]
+                    out.scheduled_encoder_prompt_req_ids.append(rid)
             else:  # resumed after preemption: the runner gave its row up
                 if req.encoder_prompt_token_ids is not None:  # its encoder runs again, into new cross blocks
                     cached.cross_block_ids[rid] = plan.cross_block_ids[rid]
-                    out.scheduled_encoder_inputs[rid] = [0]
+                    out.scheduled_encoder_prompt_req_ids.append(rid)
                 cached.req_ids.append(rid)
                 cached.resumed_from_preemption.append(True)
                 cached.new_token_ids.append(list(req.output_token_ids))
