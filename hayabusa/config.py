@@ -159,10 +159,11 @@ class EngineArgs:
             resident and the ring. With tensor_parallel_size > 1 each rank offloads that much of its shard; a
             draft model (speculative decoding) stays resident; encoder-decoder models are refused by name. On a
             CPU device it is accepted and changes nothing (logged).
-        swap_space: GiB of CPU memory for the KV cache's CPU tier (vLLM's meaning and default, 4): preempted
-            requests' KV is swapped there instead of recomputed (see preemption_mode), and prefix-cache blocks
-            evicted from the GPU move there and come back on a prefix hit. 0 turns the tier off. More than the
-            host's available memory is an error.
+        swap_space: GiB of CPU memory for the KV cache's CPU tier per rank (vLLM's meaning and default, 4):
+            preempted requests' KV is swapped there instead of recomputed (see preemption_mode), and prefix-cache
+            blocks evicted from the GPU move there and come back on a prefix hit. It holds a draft model's KV too
+            (speculative decoding); each tensor-parallel rank keeps its own tier of its KV heads. 0 turns the tier
+            off. More than the host's available memory (over the ranks) is an error.
         preemption_mode: "swap" (a preempted request's KV goes to the CPU tier and comes back), "recompute" (it
             is recomputed), or None: swap long contexts (at least ``SWAP_MIN_TOKENS`` computed tokens), recompute
             short ones. vLLM's name. A request with images or prompt_logprobs is always recomputed.
@@ -325,7 +326,8 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
             kv_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype, device),
-            swap_space_bytes=check_swap_space(self.swap_space),
+            swap_space_bytes=check_swap_space(self.swap_space,
+                                              self.tensor_parallel_size * self.pipeline_parallel_size),
             cpu_offload_bytes=self._cpu_offload_bytes(device, model_config),
             # encoder-decoder: a decoder's KV depends on its encoder input, so equal decoder prefixes share nothing
             enable_prefix_caching=not model_config.is_encoder_decoder and (
@@ -356,12 +358,6 @@ class EngineArgs:
         from hayabusa.distributed.config import make_parallel_config
 
         parallel_config = make_parallel_config(self, model_config, device)
-        if self.preemption_mode == "swap" and parallel_config.world_size > 1:
-            raise _bad("preemption_mode", self.preemption_mode, "swap-based preemption with tensor_parallel_size="
-                       f"{self.tensor_parallel_size} is not supported yet (the CPU tier is not split across ranks).")
-        if self.preemption_mode == "swap" and draft_config is not None:
-            raise _bad("preemption_mode", self.preemption_mode, "swap-based preemption with a draft model is not "
-                       "supported yet (the CPU tier holds the target's KV only); leave preemption_mode unset.")
         if spec is not None and parallel_config.world_size > 1:
             raise _bad("speculative_config", self.speculative_config, "speculative decoding with "
                        f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use one of them.")
@@ -464,19 +460,22 @@ def available_host_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_swap_space(swap_space: float) -> int:
-    """swap_space GiB -> bytes, refused by name when the host has less memory available. vLLM's default (4 GiB)
-    shrinks to half the available memory instead, with a warning."""
+def check_swap_space(swap_space: float, num_ranks: int = 1) -> int:
+    """swap_space GiB (per rank, as vLLM's "per GPU": each tensor-parallel rank keeps a CPU tier of its KV heads)
+    -> bytes per rank, refused by name when ``num_ranks`` tiers need more host memory than is available. vLLM's
+    default (4 GiB) shrinks to half the available memory (over the ranks) instead, with a warning."""
     want = int(swap_space * (1 << 30))
     avail = available_host_memory()
-    if want <= avail:
+    if want * num_ranks <= avail:
         return want
     if swap_space == EngineArgs.swap_space:
-        logger.warning("swap_space=%s GiB (the default) is more than the %.1f GiB of host memory available: the KV "
-                       "cache's CPU tier gets %.1f GiB.", swap_space, avail / 2**30, avail / 2**31)
-        return avail // 2
-    raise _bad("swap_space", swap_space, f"{swap_space} GiB of CPU memory for the KV cache's CPU tier is more than "
-               f"the {avail / 2**30:.1f} GiB of host memory available; lower swap_space (0 turns the tier off).")
+        logger.warning("swap_space=%s GiB (the default) x %d rank(s) is more than the %.1f GiB of host memory "
+                       "available: the KV cache's CPU tier gets %.1f GiB per rank.", swap_space, num_ranks,
+                       avail / 2**30, avail / 2**31 / num_ranks)
+        return avail // 2 // num_ranks
+    raise _bad("swap_space", swap_space, f"{swap_space} GiB of CPU memory for the KV cache's CPU tier x {num_ranks} "
+               f"rank(s) is more than the {avail / 2**30:.1f} GiB of host memory available; lower swap_space (0 "
+               "turns the tier off).")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -723,7 +722,7 @@ class CacheConfig:
     cache_dtype: str = "auto"                 # kv_cache_dtype as given ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     enable_prefix_caching: bool = True
     kv_dtype: torch.dtype | None = None       # dtype of the cache tensors (resolved; None = the model dtype)
-    swap_space_bytes: int = 0                 # the KV cache's CPU tier (swap_space; 0 = none)
+    swap_space_bytes: int = 0                 # the KV cache's CPU tier per rank (swap_space; 0 = none)
     cpu_offload_bytes: int = 0                # weights per GPU kept in CPU memory (cpu_offload_gb; 0 = none)
 
 

@@ -74,14 +74,14 @@ def _one(model: Any, ip: Any, tok: Any, r: BenchRequest) -> tuple[int, list[int]
 
 def run_hf_images(model_dir: str, workload: Workload, dtype: str | None, device: torch.device, seed: int = 0,
                   warmup: bool = True, use_tqdm: bool = True) -> RunResult:
-    """Time the first ``workload.hf_max_requests`` requests (all when None) one at a time."""
+    """Time the first ``workload.hf_batch1_requests`` requests (all when None) one at a time."""
     cuda = device.type == "cuda"
     reset_peak_memory(cuda)
     t0 = time.perf_counter()
     model, ip, tok = load_hf_vl(model_dir, dtype, device)
     startup_s = time.perf_counter() - t0
     torch.manual_seed(seed)
-    reqs = workload.requests[: workload.hf_max_requests or len(workload.requests)]
+    reqs = workload.requests[: workload.hf_batch1_requests or len(workload.requests)]
     try:
         if warmup:
             _one(model, ip, tok, warmup_requests(workload)[0])

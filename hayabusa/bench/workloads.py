@@ -72,6 +72,8 @@ class Workload:
         variants: engine-argument overrides, one run each (W4: max_num_seqs list; W5: prefix caching on/off);
             [{}] = one run with the user's arguments.
         ceiling: "matmul" (compute floor), "bandwidth" (decode floor) or None (no fraction reported).
+        hf_batch1_requests: the HF baseline at batch size 1 times only the first this many requests (None: all):
+            W9 (its batch-1 variant; the larger batches run all) and W8 (whose baseline runs at batch 1 only).
     """
 
     name: str
@@ -80,9 +82,8 @@ class Workload:
     variants: list[dict] = field(default_factory=lambda: [{}])
     ceiling: str | None = None
     vocab_size: int | None = None   # set by fit_to_vocab when the model's vocabulary is below TOKEN_HIGH
-    hf_batch1_requests: int | None = None   # HF baseline at batch 1 times only the first N requests (W9)
+    hf_batch1_requests: int | None = None
     engine_defaults: dict = field(default_factory=dict)   # engine arguments of record (flags override them)
-    hf_max_requests: int | None = None   # the HF baseline times only the first this many requests
 
     @property
     def has_images(self) -> bool:
@@ -214,7 +215,7 @@ def w8(scale: float = 1.0) -> Workload:
         reqs.append(BenchRequest([], _n(256, scale), images=images, text=W8_TEXT))
     return Workload("W8", reqs, scale, variants=[{"max_num_seqs": m} for m in W8_MAX_NUM_SEQS],
                     engine_defaults={"max_model_len": 8192, "limit_mm_per_prompt": {"image": 5}},
-                    hf_max_requests=W8_HF_REQUESTS)
+                    hf_batch1_requests=W8_HF_REQUESTS)
 
 
 W11_ITEMS = ("blue ceramic mug", "oak cutting board", "steel water bottle", "wool scarf", "linen napkin set",

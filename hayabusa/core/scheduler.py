@@ -191,11 +191,11 @@ class Scheduler:
                     new = out.scheduled_new_reqs[-1]
                     new.encoder_prompt_token_ids = req.encoder_prompt_token_ids
                     new.cross_block_ids = plan.cross_block_ids[rid]
-                    out.scheduled_encoder_inputs[rid] = [0]
+                    out.scheduled_encoder_prompt_req_ids.append(rid)
             else:  # resumed after preemption: the runner gave its row up
                 if req.encoder_prompt_token_ids is not None:  # its encoder runs again, into new cross blocks
                     cached.cross_block_ids[rid] = plan.cross_block_ids[rid]
-                    out.scheduled_encoder_inputs[rid] = [0]
+                    out.scheduled_encoder_prompt_req_ids.append(rid)
                 cached.req_ids.append(rid)
                 cached.resumed_from_preemption.append(True)
                 cached.new_token_ids.append(list(req.output_token_ids))
@@ -215,17 +215,18 @@ class Scheduler:
                                              if r.structured is not None and r.request_id in sampling]
         return out
 
-    def grammar_bitmask(self, out: SchedulerOutput):
+    def grammar_bitmask(self, out: SchedulerOutput, buffer=None):
         """The next-token bitmask of the step's constrained requests (``out.structured_output_req_ids``), as a
         numpy array (see structured_output.fill_bitmask), or None when there are none. The engine calls it after
         launching the step's model and collecting the step before it (whose tokens its grammars must accept
         first), so the host fills it while the device runs. A request that finished meanwhile gets a row that
-        allows everything (its token is dropped)."""
+        allows everything (its token is dropped). ``buffer``: a host tensor [R_c, ceil(V / 32)] int32 to fill in
+        place (the runner's pinned staging buffer, ``grammar_bitmask_buffer``), or None."""
         if not out.structured_output_req_ids:
             return None
         reqs = [self.requests.get(rid) for rid in out.structured_output_req_ids]
         structured = [None if r is None or r.status.finished else r.structured for r in reqs]
-        return fill_bitmask(structured) if any(s is not None for s in structured) else None
+        return fill_bitmask(structured, out=buffer) if any(s is not None for s in structured) else None
 
     @staticmethod
     def _advance(req: Request, num_new: int) -> bool:

@@ -90,10 +90,12 @@ class SchedulerOutput:
         scheduled_spec_decode_tokens: request id -> speculative tokens (proposals) to verify this step. Such a
             request's num_scheduled_tokens is 1 + len(proposals): its last token, then the proposals; it samples
             once (in sampling_req_ids), and the runner returns the accepted proposals plus one token.
-        scheduled_encoder_inputs: request id -> indices of its encoder inputs to run this step (vLLM's shape).
-            Vision models: indices into its ``mm_inputs`` whose vision-tower run this step does (the runner keeps
-            their embeddings until the prefill consumed them; see core/encoder_budget.py). Encoder-decoder models:
-            ``[0]`` (the encoder prompt) for each request admitted or resumed this step.
+        scheduled_encoder_inputs: vision models: request id -> indices into its ``mm_inputs`` (images) whose
+            vision-tower run this step does (vLLM's shape; the runner keeps their embeddings until the prefill
+            consumed them; see core/encoder_budget.py). Empty for other models.
+        scheduled_encoder_prompt_req_ids: encoder-decoder models (T5): the requests whose encoder runs this step
+            over their ``encoder_prompt_token_ids``, writing the cross-attention K/V into their cross blocks (each
+            request admitted, or resumed after preemption, this step), in that order. Empty for other models.
         step_id: the step's number (the scheduler matches the step's results to it).
         structured_output_req_ids: the sampling requests under a structured-output constraint, in bitmask order.
         grammar_bitmask: their next-token bitmask ([len(structured_output_req_ids), ceil(V / 32)] int32; bit j of
@@ -115,6 +117,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_encoder_prompt_req_ids: list[str] = field(default_factory=list)
     step_id: int = 0
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None

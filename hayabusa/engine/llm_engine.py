@@ -344,7 +344,7 @@ class LLMEngine:
         constrained = handle is not None and bool(sched.structured_output_req_ids)
         if constrained and not overlap:
             # the model is queued: fill the grammar bitmask while the device runs it, then mask and sample
-            handle = self.runner.sample_tokens(handle, self.scheduler.grammar_bitmask(sched))
+            handle = self.runner.sample_tokens(handle, self._grammar_bitmask(sched))
         self.stats["schedule_s"] += t1 - t0
         self.stats["launch_s"] += time.perf_counter() - t1
         if handle is None and self._pending is None:
@@ -365,10 +365,16 @@ class LLMEngine:
         outputs = self._collect(*previous) if previous is not None else []
         if constrained:  # the previous step's tokens are accepted: this step's mask, while its model runs
             t2 = time.perf_counter()
-            handle = self.runner.sample_tokens(handle, self.scheduler.grammar_bitmask(sched))
+            handle = self.runner.sample_tokens(handle, self._grammar_bitmask(sched))
             self.stats["launch_s"] += time.perf_counter() - t2
         self._pending = (sched, handle) if handle is not None else None
         return outputs
+
+    def _grammar_bitmask(self, sched):
+        """The step's grammar bitmask, filled by the scheduler straight into the runner's pinned staging buffer
+        when it has one (CUDA; executors have none: the mask is pickled to the workers)."""
+        buffer = self.runner.grammar_bitmask_buffer(len(sched.structured_output_req_ids))
+        return self.scheduler.grammar_bitmask(sched, buffer)
 
     def _abort_grammar_failures(self) -> list[RequestOutput]:
         """Requests whose grammar failed to compile (the scheduler never admitted them) end as aborted, logged."""

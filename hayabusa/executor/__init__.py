@@ -3,10 +3,7 @@ worker processes on this machine (mp_executor.py), or Ray workers (ray_executor.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 
 def make_executor(config: Any) -> Any:
@@ -16,9 +13,6 @@ def make_executor(config: Any) -> Any:
         from hayabusa.worker.model_runner import ModelRunner
 
         return ModelRunner(config)
-    if config.cache_config.swap_space_bytes and pc.world_size > 1:
-        logger.info("swap_space: the KV cache's CPU tier is not split across tensor-parallel ranks yet, so it is "
-                    "unused here (preemption recomputes).")
     if pc.backend == "ray":
         from hayabusa.executor.ray_executor import RayExecutor
 

@@ -28,6 +28,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from hayabusa.core.scheduler_output import SchedulerOutput
+from hayabusa.executor.base import ExecutorBase, step_timeout, waits_for_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +77,13 @@ def _end_workers(procs: list, conns: list, graceful: bool) -> None:
         c.close()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(ExecutorBase):
     """ModelRunner's interface (initialize_kv_cache, launch, sample_tokens, finish, forget_previous_step) over
     worker processes, plus ``shutdown``.
 
     Args:
         config: the engine config; ``config.parallel_config.world_size`` workers are started.
     """
-
-    num_cpu_blocks = 0   # the KV cache's CPU tier (swap_space) is not used across ranks yet
 
     def __init__(self, config: Any) -> None:
         from hayabusa.executor.worker import worker_main
@@ -94,8 +93,7 @@ class MultiprocExecutor:
         self.device = config.device_config.device
         self._seq = 0
         self._dead: str | None = None
-        self.step_timeout = float(os.environ["HAYABUSA_STEP_TIMEOUT"]) if os.environ.get(
-            "HAYABUSA_STEP_TIMEOUT") else None
+        self.step_timeout = step_timeout()
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs, self.conns = [], []
@@ -111,6 +109,8 @@ class MultiprocExecutor:
         start_timeout = float(os.environ.get("HAYABUSA_WORKER_START_TIMEOUT", "600"))
         replies = self._gather("ready", start_timeout)
         self.num_blocks_per_rank = [r[1] for r in replies]
+        # every rank keeps a CPU tier of its own KV heads (swap_space each); they share the CPU block ids
+        self.num_cpu_blocks = min(r[2] for r in replies)
         self.pids = [p.pid for p in self.procs]
 
     # ------------------------------------------------------------------ failure handling
@@ -179,17 +179,14 @@ class MultiprocExecutor:
                 raise self._fail(f"worker {rank} (pid {self.procs[rank].pid}) is gone") from None
 
     # ------------------------------------------------------------------ ModelRunner's interface
-    def initialize_kv_cache(self) -> int:
-        """Every rank allocates the smallest capacity any rank has room for. Returns num_blocks."""
-        num_blocks = min(self.num_blocks_per_rank)
-        self._broadcast(("init_kv", num_blocks))
+    def _send_init_kv(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._broadcast(("init_kv", num_blocks, num_cpu_blocks))
         self._gather("kv_ready", float(os.environ.get("HAYABUSA_WORKER_START_TIMEOUT", "600")))
-        return num_blocks
 
     def launch(self, out: SchedulerOutput) -> RemoteStep:
         """Send the step to every worker (a step with constrained requests waits for its bitmask first)."""
         self._seq += 1
-        if out.structured_output_req_ids and out.grammar_bitmask is None:
+        if waits_for_bitmask(out):
             return RemoteStep(self._seq, out)
         self._broadcast(("step", self._seq, out))
         return RemoteStep(self._seq)
@@ -206,15 +203,8 @@ class MultiprocExecutor:
                 if msg[1] == handle.seq:
                     return msg[2]
 
-    def execute_model(self, out: SchedulerOutput) -> Any:
-        handle = self.launch(out)
-        if handle.sched is not None:
-            handle = self.sample_tokens(handle, None)
-        return self.finish(handle)
-
-    def forget_previous_step(self) -> None:
-        if self._dead is None:
-            self._broadcast(("forget",))
+    def _send_forget(self) -> None:
+        self._broadcast(("forget",))
 
     def shutdown(self) -> None:
         """Stop the workers (gracefully, then by force); idempotent."""

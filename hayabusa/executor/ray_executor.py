@@ -17,6 +17,7 @@ from typing import Any
 
 from hayabusa.core.scheduler_output import SchedulerOutput
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.executor.base import ExecutorBase, step_timeout, waits_for_bitmask
 from hayabusa.executor.mp_executor import WorkerError
 
 
@@ -36,8 +37,8 @@ class RayWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def start(self, init_method: str) -> int:
-        """Join the process group, load this rank's shard; returns its KV capacity in blocks."""
+    def start(self, init_method: str) -> tuple[int, int]:
+        """Join the process group, load this rank's shard; returns its KV capacity in blocks and its CPU tier's."""
         import torch
 
         from hayabusa.distributed.parallel_state import init_distributed
@@ -49,10 +50,10 @@ class RayWorker:
         init_distributed(self.rank, pc.world_size, init_method, pc.dist_backend)
         torch.manual_seed(self.config.seed)
         self.runner = ModelRunner(cfg)
-        return self.runner.profile_num_blocks()
+        return self.runner.profile_num_blocks(), self.runner.profile_num_cpu_blocks()
 
-    def init_kv(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def init_kv(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, out: SchedulerOutput) -> Any:
         result = self.runner.execute_model(out)
@@ -68,15 +69,13 @@ class RayStep:
     sched: SchedulerOutput | None = None
 
 
-class RayExecutor:
+class RayExecutor(ExecutorBase):
     """ModelRunner's interface over Ray actors (see MultiprocExecutor).
 
     Args:
         config: the engine config; joins the running Ray cluster (``ray.init()``; ``RAY_ADDRESS``) or starts a
             local one.
     """
-
-    num_cpu_blocks = 0   # the KV cache's CPU tier (swap_space) is not used across ranks yet
 
     def __init__(self, config: Any) -> None:
         try:
@@ -110,7 +109,9 @@ class RayExecutor:
         ).remote(config, i) for i in range(self.world_size)]
         ip, port = self._get([self.actors[0].address.remote()], start_timeout)[0]
         init = f"tcp://{ip}:{port}"
-        self.num_blocks_per_rank = self._get([a.start.remote(init) for a in self.actors], start_timeout)
+        capacities = self._get([a.start.remote(init) for a in self.actors], start_timeout)
+        self.num_blocks_per_rank = [c[0] for c in capacities]
+        self.num_cpu_blocks = min(c[1] for c in capacities)   # every rank's CPU tier, of its own KV heads
 
     def _fail(self, why: str) -> WorkerError:
         if self._dead is None:
@@ -137,15 +138,13 @@ class RayExecutor:
                 raise self._fail(f"a Ray worker failed: {type(e).__name__}: {e}") from None
         return ray.get(list(refs))
 
-    def initialize_kv_cache(self) -> int:
-        num_blocks = min(self.num_blocks_per_rank)
-        self._get([a.init_kv.remote(num_blocks) for a in self.actors], None)
-        return num_blocks
+    def _send_init_kv(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._get([a.init_kv.remote(num_blocks, num_cpu_blocks) for a in self.actors], None)
 
     def launch(self, out: SchedulerOutput) -> RayStep:
         if self._dead is not None:
             raise WorkerError(self._dead)
-        if out.structured_output_req_ids and out.grammar_bitmask is None:
+        if waits_for_bitmask(out):
             return RayStep([], out)
         ref = self._ray.put(out)
         return RayStep([a.execute_model.remote(ref) for a in self.actors])
@@ -154,19 +153,10 @@ class RayExecutor:
         return self.launch(dataclasses.replace(handle.sched, grammar_bitmask=bitmask))
 
     def finish(self, handle: RayStep) -> Any:
-        step_timeout = float(os.environ["HAYABUSA_STEP_TIMEOUT"]) if os.environ.get("HAYABUSA_STEP_TIMEOUT") \
-            else None
-        return self._get(handle.refs, step_timeout)[0]
+        return self._get(handle.refs, step_timeout())[0]
 
-    def execute_model(self, out: SchedulerOutput) -> Any:
-        handle = self.launch(out)
-        if handle.sched is not None:
-            handle = self.sample_tokens(handle, None)
-        return self.finish(handle)
-
-    def forget_previous_step(self) -> None:
-        if self._dead is None:
-            self._get([a.forget_previous_step.remote() for a in self.actors], None)
+    def _send_forget(self) -> None:
+        self._get([a.forget_previous_step.remote() for a in self.actors], None)
 
     def shutdown(self) -> None:
         """Kill the actors and remove the placement group; idempotent."""

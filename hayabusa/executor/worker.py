@@ -1,8 +1,9 @@
 """The body of one worker process: join the process group, load this rank's shard, size the KV cache with the
 others (the minimum of every rank's capacity), then run each step it is sent.
 
-Messages on the pipe from the engine (pickled tuples): ("init_kv", num_blocks), ("step", seq, SchedulerOutput),
-("forget",), ("shutdown",). Replies: ("ready", num_blocks) from every rank, ("kv_ready",) from every rank, and per
+Messages on the pipe from the engine (pickled tuples): ("init_kv", num_blocks, num_cpu_blocks),
+("step", seq, SchedulerOutput), ("forget",), ("shutdown",). Replies: ("ready", num_blocks, num_cpu_blocks) from
+every rank (its KV capacity and its CPU tier's, of its own KV heads), ("kv_ready",) from every rank, and per
 step ("out", seq, ModelRunnerOutput) from rank 0 only. Any exception is sent as ("error", rank, text) and ends the
 process; so does the engine's end of the pipe closing (the engine process is gone).
 """
@@ -76,10 +77,10 @@ def _serve(config: Any, rank: int, init_method: str, conn: Any) -> None:
     tp_all_reduce(torch.zeros(1, device=cfg.device_config.device))
     torch.manual_seed(config.seed)   # every rank draws unseeded samples from the same default generator
     runner = ModelRunner(cfg)
-    conn.send_bytes(pickle.dumps(("ready", runner.profile_num_blocks())))
-    kind, num_blocks = pickle.loads(conn.recv_bytes())
+    conn.send_bytes(pickle.dumps(("ready", runner.profile_num_blocks(), runner.profile_num_cpu_blocks())))
+    kind, num_blocks, num_cpu_blocks = pickle.loads(conn.recv_bytes())
     assert kind == "init_kv", kind
-    runner.initialize_kv_cache(num_blocks)    # the minimum over the ranks
+    runner.initialize_kv_cache(num_blocks, num_cpu_blocks)    # the minimum over the ranks of each
     conn.send_bytes(pickle.dumps(("kv_ready",)))
     while True:
         msg = pickle.loads(conn.recv_bytes())

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.fp8 import FP8_FORMATS, quantize_fp8_ref, round_to_fp8_grid
+from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs, per_token_scales_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX, _MANT, _EMIN = FP8_FORMATS[FP8_DTYPE]          # 448.0, 3, -6
@@ -26,7 +27,6 @@ FP8_MAX, _MANT, _EMIN = FP8_FORMATS[FP8_DTYPE]          # 448.0, 3, -6
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # Columns one program holds at once: rows up to this long are read once, longer ones twice (amax, then quantize).
 MAX_BLOCK = 4096
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -76,20 +76,8 @@ def _per_token_quant_fp8_kernel(
 
 def _check_inputs(x: torch.Tensor, static_scale: torch.Tensor | None, out_cols: int | None) -> int:
     """Raises ValueError naming the argument; returns the number of output columns."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
-        got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be [M, K] float32/float16/bfloat16, got {got}")
+    check_per_token_quant_inputs(x, static_scale)
     K = x.shape[1]
-    if K == 0:
-        raise ValueError("x has K = 0 columns")
-    if x.stride(1) != 1 and x.shape[0] > 0:
-        raise ValueError(f"x needs a unit stride on the last dim, got strides {x.stride()}")
-    if static_scale is not None and not (
-            isinstance(static_scale, torch.Tensor) and static_scale.numel() == 1
-            and static_scale.dtype == torch.float32 and static_scale.device == x.device):
-        got = ((tuple(static_scale.shape), static_scale.dtype, str(static_scale.device))
-               if isinstance(static_scale, torch.Tensor) else static_scale)
-        raise ValueError(f"static_scale must be None or a one-element float32 tensor on {x.device}, got {got!r}")
     if out_cols is None:
         return K
     if isinstance(out_cols, bool) or not isinstance(out_cols, int) or out_cols < K:
@@ -142,18 +130,12 @@ def per_token_quant_fp8_ref(x: torch.Tensor, static_scale: torch.Tensor | None =
                             out_cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch per_token_quant_fp8 (same arguments and results); also the CPU engine's path.
 
-    x may be any float dtype and static_scale any one-element float tensor here (no checks). The amax is divided
-    by a tensor holding 448, not by the Python float: on CUDA torch computes ``t / 448.0`` as t * fl(1 / 448),
-    which is an ulp off IEEE division for about half of all values; a tensor divisor is IEEE division on every
-    device (CPU gives the same bits either way).
+    x may be any float dtype and static_scale any one-element float tensor here (no checks). The scales are
+    per_token_scales_ref's (IEEE division of the amax by 448 on every device).
     """
     tf = x.float()
-    M, K = x.shape
-    if static_scale is None:
-        amax = tf.abs().amax(dim=-1, keepdim=True)                                        # [M, 1]
-        s = (amax / torch.full((1, 1), FP8_MAX, device=x.device)).clamp_min(MIN_SCALE)
-    else:
-        s = static_scale.float().reshape(1, 1).expand(M, 1).contiguous()
+    K = x.shape[1]
+    s = per_token_scales_ref(tf, static_scale, FP8_MAX, MIN_SCALE)                        # [M, 1]
     q = quantize_fp8_ref(tf, s, FP8_DTYPE)
     if out_cols is not None and out_cols > K:
         q = F.pad(q.view(torch.uint8), (0, out_cols - K)).view(FP8_DTYPE)                 # zero bytes = +0.0

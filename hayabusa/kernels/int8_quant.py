@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs, per_token_scales_ref
 
 INT8_MAX = 127.0
 # Smallest dynamic scale (fp32's smallest normal): an all-zero row would otherwise divide by zero; it quantizes to 0.
 MIN_SCALE_INT8 = 2.0 ** -126
 MAX_BLOCK = 4096     # columns one program holds at once (longer rows are read twice: amax, then quantize)
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -76,23 +76,6 @@ def _per_token_quant_int8_kernel(
             tl.store(xq_row + cols, q.to(tl.int8), mask=cols < K)
 
 
-def _check_inputs(x: torch.Tensor, static_scale: torch.Tensor | None) -> None:
-    """Raises ValueError naming the argument."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
-        got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be [M, K] float32/float16/bfloat16, got {got}")
-    if x.shape[1] == 0:
-        raise ValueError("x has K = 0 columns")
-    if x.stride(1) != 1 and x.shape[0] > 0:
-        raise ValueError(f"x needs a unit stride on the last dim, got strides {x.stride()}")
-    if static_scale is not None and not (
-            isinstance(static_scale, torch.Tensor) and static_scale.numel() == 1
-            and static_scale.dtype == torch.float32 and static_scale.device == x.device):
-        got = ((tuple(static_scale.shape), static_scale.dtype, str(static_scale.device))
-               if isinstance(static_scale, torch.Tensor) else static_scale)
-        raise ValueError(f"static_scale must be None or a one-element float32 tensor on {x.device}, got {got!r}")
-
-
 def per_token_quant_int8(x: torch.Tensor,
                          static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row of x to int8 with one fp32 scale per row, in one Triton launch (module docstring).
@@ -109,7 +92,7 @@ def per_token_quant_int8(x: torch.Tensor,
     No host sync: safe to capture in a CUDA graph. On CPU it needs TRITON_INTERPRET=1 (the CPU engine calls
     per_token_quant_int8_ref instead).
     """
-    _check_inputs(x, static_scale)
+    check_per_token_quant_inputs(x, static_scale)
     M, K = x.shape
     xq = torch.empty(M, K, dtype=torch.int8, device=x.device)
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
@@ -128,15 +111,10 @@ def per_token_quant_int8_ref(x: torch.Tensor, static_scale: torch.Tensor | None 
                                                                                                  torch.Tensor]:
     """Plain-torch per_token_quant_int8 (same arguments and results); also the CPU engine's path and the weight
     quantizer's rounding. x may be any float dtype and static_scale any one-element float tensor here (no checks).
-    The amax is divided by a tensor holding 127 (IEEE division on every device: on CUDA ``t / 127.0`` is
-    t * fl(1 / 127)); ``torch.round`` rounds ties to even."""
+    The scales are per_token_scales_ref's (IEEE division of the amax by 127 on every device); ``torch.round``
+    rounds ties to even."""
     tf = x.float()
-    M = x.shape[0]
-    if static_scale is None:
-        amax = tf.abs().amax(dim=-1, keepdim=True)                                         # [M, 1]
-        s = (amax / torch.full((1, 1), INT8_MAX, device=x.device)).clamp_min(MIN_SCALE_INT8)
-    else:
-        s = static_scale.float().reshape(1, 1).expand(M, 1).contiguous()
+    s = per_token_scales_ref(tf, static_scale, INT8_MAX, MIN_SCALE_INT8)                    # [M, 1]
     q = torch.round(tf / s).clamp_(-128, 127).to(torch.int8)
     return q, s
 

@@ -161,13 +161,26 @@ BATCH_FILL_MIN = 8
 _batch_matcher: list = []   # the BatchGrammarMatcher, made on first use
 
 
-def fill_bitmask(requests: list[StructuredOutputRequest | None]) -> np.ndarray:
+def fill_bitmask(requests: list[StructuredOutputRequest | None], out: Any = None) -> np.ndarray:
     """The next-token bitmask of each request ([len(requests), ceil(V / 32)] int32; bit j of word w allows token
     32 w + j), filled by their matchers; many at once on xgrammar's threads. The row of a terminated matcher, or of
-    None (a request that finished since the step was scheduled), allows everything: its token is dropped."""
+    None (a request that finished since the step was scheduled), allows everything: its token is dropped.
+
+    Args:
+        requests: the step's constrained requests, in ``structured_output_req_ids`` order (None: finished).
+        out: a host torch tensor [len(requests), ceil(V / 32)] int32, contiguous, to fill in place (the runner's
+            pinned staging buffer: no copy before the device upload); None: a new one.
+
+    Returns:
+        the bitmask as a numpy array (a view of ``out`` when given).
+    """
     xgr = import_xgrammar()
     vocab_size = next(r.vocab_size for r in requests if r is not None)   # at least one is not None
-    bitmask = xgr.allocate_token_bitmask(len(requests), vocab_size)
+    if out is None:
+        bitmask = xgr.allocate_token_bitmask(len(requests), vocab_size)
+    else:
+        assert tuple(out.shape) == tuple(xgr.get_bitmask_shape(len(requests), vocab_size)) and out.is_contiguous()
+        bitmask = out.fill_(-1)   # every row allows everything until its matcher fills it
     live = [i for i, r in enumerate(requests) if r is not None and not r.matcher.is_terminated()]
     if len(live) >= BATCH_FILL_MIN:
         if not _batch_matcher:

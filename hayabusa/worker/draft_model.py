@@ -2,7 +2,8 @@
 its own paged KV cache, indexed by the target's block ids (the scheduler's), so it stays in step with the target
 by construction: every forward the target runs, the draft runs on the same tokens, positions and slots
 (``mirror``), so prefix-hit blocks, recomputed prompts after preemption and rolled-back positions hold the same
-tokens in both caches. At the start of a verify step the draft proposes its k greedy tokens per request
+tokens in both caches; the CPU KV tier (``worker/kv_swap.py``) copies a block of both caches, so swapped-out and
+restored prefix blocks hold both models' KV too. At the start of a verify step the draft proposes its k greedy tokens per request
 (``propose``: k one-token forwards, batched over the requests); they go into the step's input ids on the device.
 
   target step (verify):   | last | d_0 | ... | d_{k-1} |     slots s_0 .. s_k of the scheduler's blocks

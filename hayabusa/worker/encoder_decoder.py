@@ -107,9 +107,9 @@ class EncoderDecoderRunner:
 
     # ------------------------------------------------------------------ one step
     def run_encoders(self, out: SchedulerOutput, kv_caches, backend) -> None:
-        """Run the encoders of the requests in ``out.scheduled_encoder_inputs`` as one varlen batch and write
-        every decoder layer's cross-attention K/V into their cross blocks."""
-        rids = list(out.scheduled_encoder_inputs)
+        """Run the encoders of the requests in ``out.scheduled_encoder_prompt_req_ids`` as one varlen batch and
+        write every decoder layer's cross-attention K/V into their cross blocks."""
+        rids = out.scheduled_encoder_prompt_req_ids
         if not rids:
             return
         new_blocks = {r.req_id: r.cross_block_ids for r in out.scheduled_new_reqs}

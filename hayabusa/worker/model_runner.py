@@ -213,19 +213,24 @@ class ModelRunner:
             peak, non_torch = self._profile_peak_memory()
         return determine_num_blocks(self.cfg, peak, non_torch)
 
-    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
-        """Size (``num_blocks``, else profile_num_blocks: a tensor-parallel worker is given the minimum over its
-        ranks) and allocate the KV cache, capture CUDA graphs. Returns num_blocks."""
+    def profile_num_cpu_blocks(self) -> int:
+        """The CPU tier's blocks this runner has room for (``swap_space`` over its bytes per block: the target's
+        and the draft's KV, this rank's heads)."""
+        return num_cpu_blocks(self.cfg)
+
+    def initialize_kv_cache(self, num_blocks: int | None = None, num_cpu_blocks: int | None = None) -> int:
+        """Size (``num_blocks``, else profile_num_blocks; ``num_cpu_blocks``, else profile_num_cpu_blocks: a
+        tensor-parallel worker is given the minimum over its ranks of each) and allocate the KV cache and its CPU
+        tier, capture CUDA graphs. Returns num_blocks."""
         self.num_blocks = self.profile_num_blocks() if num_blocks is None else num_blocks
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks)
         self.kv_swapper = None   # the KV cache's CPU tier (swap_space): copies the scheduler's swap lists
-        # the CPU tier is not split across tensor-parallel ranks yet: swap_space is then unused (the executor says so)
-        # (nor kept for a draft model's KV cache: a restored block would hold the target's KV only)
-        self.num_cpu_blocks = num_cpu_blocks(self.cfg) if tp_size() == 1 and self.draft is None else 0
-        if self.num_cpu_blocks:
-            self.kv_swapper = KVSwapper(self.cfg, self.kv_caches, self.num_cpu_blocks)
+        self.num_cpu_blocks = self.profile_num_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
+        if self.num_cpu_blocks:   # the draft's cache shares the target's block ids: its blocks move with them
+            caches = [self.kv_caches] + ([self.draft.kv_caches] if self.draft is not None else [])
+            self.kv_swapper = KVSwapper(caches, self.num_cpu_blocks)
         if self.device.type == "cuda":
             from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
@@ -374,14 +379,25 @@ class ModelRunner:
             rows = inp.spec.last_index[rows]
         if self.staging is not None:  # through pinned buffers: the copy must not wait for the queued forward
             n, W = bitmask.shape
-            if self.staging.get("bitmask") is None or self.staging["bitmask"].shape[1] != W:
-                self.staging["bitmask"] = torch.empty(self.max_num_reqs, W, dtype=torch.int32, pin_memory=True)
-                self.staging["bitmask_rows"] = torch.empty(self.max_num_reqs, dtype=torch.int64, pin_memory=True)
-            bm, rws = self.staging["bitmask"][:n], self.staging["bitmask_rows"][:n]
-            bm.numpy()[:] = bitmask
+            bm = self.grammar_bitmask_buffer(n, W)
+            if bitmask.ctypes.data != bm.data_ptr():   # not filled in place (a mask given in the SchedulerOutput)
+                bm.numpy()[:] = bitmask
+            rws = self.staging["bitmask_rows"][:n]
             rws.numpy()[:] = rows
             bitmask, rows = bm, rws
         apply_token_bitmask(logits, bitmask, rows)
+
+    def grammar_bitmask_buffer(self, n: int, words: int | None = None) -> torch.Tensor | None:
+        """The current step's pinned staging buffer for a grammar bitmask of ``n`` constrained requests:
+        [n, words] int32 (default ceil(V / 32)), which the scheduler fills in place (CUDA); None on CPU (the mask
+        is used where it is)."""
+        if self.staging is None:
+            return None
+        words = cdiv(self.vocab_size, 32) if words is None else words
+        if self.staging.get("bitmask") is None or self.staging["bitmask"].shape[1] != words:
+            self.staging["bitmask"] = torch.empty(self.max_num_reqs, words, dtype=torch.int32, pin_memory=True)
+            self.staging["bitmask_rows"] = torch.empty(self.max_num_reqs, dtype=torch.int64, pin_memory=True)
+        return self.staging["bitmask"][:n]
 
     def forget_previous_step(self) -> None:
         """Drop the link to the previous step's sampled tokens (after a failed step whose requests are aborted):

@@ -92,6 +92,18 @@ def test_hf_and_hayabusa_count_tokens_alike(tmp_path, tiny_bench_model, workload
     assert set(REQUIRED_KEYS) <= set(hf)
 
 
+def test_hf_batch1_requests_limits_only_the_batch1_baseline(tiny_bench_model):
+    import dataclasses
+
+    from hayabusa.bench.runner import run_hf
+
+    w = dataclasses.replace(get_workload("W1", 0.02), hf_batch1_requests=2)   # 5 requests
+    kw = dict(device="cpu", dtype="float32", warmup=False, use_tqdm=False)
+    one = run_hf(tiny_bench_model, w, batch_size=1, **kw)
+    assert one.num_requests == 2 and one.output_tokens == sum(r.max_tokens for r in w.requests[:2])
+    assert run_hf(tiny_bench_model, w, batch_size=3, **kw).num_requests == len(w.requests) == 5
+
+
 def test_ceilings_from_file_give_fractions(tmp_path, tiny_bench_model):
     ceil = tmp_path / "ceil.json"
     ceil.write_text(json.dumps({"gpu": "cpu", "copy_bandwidth_gbs": 1.0, "matmul_tflops": 1e-3}))

@@ -13,7 +13,7 @@ import torch
 
 from hayabusa.bench import cli
 from hayabusa.bench.vl_models import VL_SHAPES, make_vl_model, vl_shape_config
-from hayabusa.bench.workloads import W8_TEXT, get_workload, image_chat_messages
+from hayabusa.bench.workloads import W8_HF_REQUESTS, W8_TEXT, get_workload, image_chat_messages
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,7 @@ def test_w8_variants_and_engine_args():
     w = get_workload("W8", 0.01)
     assert len(w.requests) == 1 and w.requests[0].max_tokens == 3
     assert cli._variants(w, None, "hf") == [{"hf_batch_size": 1}]
+    assert w.hf_batch1_requests == W8_HF_REQUESTS == 5   # the HF baseline (batch 1) times the first 5 requests
     assert cli._variants(w, None, "hayabusa") == [{"max_num_seqs": m} for m in (1, 4, 8, 14, 16, 32)]
     p = argparse.ArgumentParser()
     cli._add_args(p)
@@ -108,14 +109,17 @@ def test_w8_variants_and_engine_args():
     assert args["max_num_seqs"] == 4 and args["skip_tokenizer_init"] is False           # the template needs it
 
 
-def test_bench_hf_w8_runs_on_the_tiny_checkpoint(tiny_vl, tmp_path, capsys):
+def test_bench_hf_w8_runs_on_the_tiny_checkpoint(tiny_vl, tmp_path, capsys, monkeypatch):
+    from hayabusa.bench import workloads
+
+    monkeypatch.setattr(workloads, "W8_HF_REQUESTS", 1)   # of the 2 requests at scale 0.02, HF times the first
     out = tmp_path / "w8.json"
-    rc = cli.main(["--workload", "W8", "--model", tiny_vl, "--engine", "hf", "--scale", "0.01", "--device", "cpu",
+    rc = cli.main(["--workload", "W8", "--model", tiny_vl, "--engine", "hf", "--scale", "0.02", "--device", "cpu",
                    "--no-tqdm", "--no-warmup", "--json", str(out)])
     assert rc == 0
     (rec,) = json.loads(out.read_text())
     assert rec["workload"] == "W8" and rec["engine"] == "hf" and rec["variant"] == {"hf_batch_size": 1}
-    assert rec["num_requests"] == 1 and rec["output_tokens"] == 3
+    assert rec["num_requests"] == 1 and rec["output_tokens"] == round(256 * 0.02)   # the first request only
     assert rec["prompt_tokens"] > 1000          # 5 images of ~600 x 800 pixels: hundreds of tokens each
     assert rec["seconds_per_request"] == pytest.approx(rec["elapsed_s"], rel=1e-3)
 

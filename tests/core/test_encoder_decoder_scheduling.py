@@ -39,11 +39,11 @@ def test_cross_blocks_are_taken_at_admission_and_sent_with_the_encoder_input():
     assert new["a"].cross_block_ids == [0, 1, 2] and new["a"].block_ids == [3]     # 9 encoder tokens, 1 decoder
     assert new["b"].cross_block_ids == [4] and new["b"].block_ids == [5]
     assert new["a"].encoder_prompt_token_ids == list(range(100, 109))
-    assert out.scheduled_encoder_inputs == {"a": [0], "b": [0]}
+    assert out.scheduled_encoder_prompt_req_ids == ["a", "b"] and out.scheduled_encoder_inputs == {}  # no images
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}                          # the decoder start token
     assert pickle.loads(pickle.dumps(out)).scheduled_new_reqs[0].cross_block_ids == [0, 1, 2]
     out = step(s)                                                                  # a decode step: no encoder
-    assert out.scheduled_encoder_inputs == {} and s.kv.num_free_blocks == 10
+    assert out.scheduled_encoder_prompt_req_ids == [] and s.kv.num_free_blocks == 10
     while s.has_unfinished_requests():
         step(s)
     assert s.kv.num_free_blocks == 16 and not s.kv.req_to_cross_blocks
@@ -54,8 +54,8 @@ def test_encoder_budget_per_step():
     s = make_scheduler(num_blocks=32, max_num_batched_tokens=20)
     for rid in "abc":
         s.add_request(t5_req(rid, 12))
-    assert list(step(s).scheduled_encoder_inputs) == ["a"]
-    assert list(step(s).scheduled_encoder_inputs) == ["b"]
+    assert step(s).scheduled_encoder_prompt_req_ids == ["a"]
+    assert step(s).scheduled_encoder_prompt_req_ids == ["b"]
 
 
 def test_no_room_for_the_cross_blocks_means_not_admitted():
@@ -80,7 +80,7 @@ def test_preemption_frees_cross_blocks_and_resumes_with_new_ones():
             break
     assert s.num_preemptions > 0 and resumed is not None
     (rid, blocks), = resumed.scheduled_cached_reqs.cross_block_ids.items()
-    assert len(blocks) == 2 and resumed.scheduled_encoder_inputs == {rid: [0]}
+    assert len(blocks) == 2 and resumed.scheduled_encoder_prompt_req_ids == [rid]
     while s.has_unfinished_requests():
         step(s)
     assert s.kv.num_free_blocks == 8 and a.output_token_ids == b.output_token_ids == [7] * 12

@@ -24,8 +24,7 @@ LONG = ("The quick brown fox jumps over the lazy dog while five boxing wizards j
         "and a journey of a thousand miles begins with a single step.")
 PROMPTS = EN_PROMPTS + JA_PROMPTS + [LONG]
 # block_size 4 and 24 blocks for 8 rows: preemption; 16-token steps: chunked prefill of every prompt
-# swap_space=0: the one-process engine has no CPU KV tier either (tensor-parallel ranks have none yet), so both
-# schedule, and preempt, alike
+# swap_space=0: preemption recomputes (test_tp2_swap_preemption_equals_recompute covers the CPU KV tier)
 ENGINE = dict(dtype="float32", device="cpu", max_num_seqs=8, block_size=4, num_gpu_blocks_override=24,
               max_model_len=64, max_num_batched_tokens=16, swap_space=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -114,6 +113,28 @@ def test_tp2_equals_tp1(arch, tmp_path, monkeypatch):
     assert not any(p.is_alive() for p in llm.llm_engine.runner.procs)
 
 
+def test_tp2_swap_preemption_equals_recompute(tmp_path):
+    """Every rank keeps a CPU KV tier of its own KV heads (Qwen2's 2 KV heads: one per rank) and runs the step's
+    swap lists on it: swap-based preemption and CPU-tier prefix restores give the one-process engine's
+    recompute output."""
+    path = _build("qwen2", tmp_path / "m")
+    ref = LLM(path, preemption_mode="recompute", **ENGINE)
+    want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert ref.llm_engine.scheduler.num_preemptions > 0
+    llm = LLM(path, tensor_parallel_size=2, preemption_mode="swap", **{**ENGINE, "swap_space": 0.002})
+    try:
+        engine = llm.llm_engine
+        assert engine.runner.num_cpu_blocks > 0
+        for _ in range(2):   # the second round's prefixes partly come back from the CPU tier
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            assert got == want
+        sched, kv = engine.scheduler, engine.kv_cache_manager
+        assert sched.num_swap_preemptions == sched.num_preemptions > 0
+        assert kv.num_blocks_swapped_in > kv.num_cpu_hit_blocks > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_refusals(tmp_path):
     """Bad sizes fail at the edge, by name, before any process starts."""
     path = _build("qwen2", tmp_path / "m")   # 4 heads, 2 KV heads
@@ -126,9 +147,6 @@ def test_refusals(tmp_path):
     with pytest.raises(HayabusaValidationError) as e:
         LLM(path, tensor_parallel_size=2, quantization="int8", **ENGINE)
     assert e.value.parameter == "quantization"
-    with pytest.raises(HayabusaValidationError, match="not supported yet") as e:   # no CPU KV tier across ranks
-        LLM(path, tensor_parallel_size=2, preemption_mode="swap", **{**ENGINE, "swap_space": 1})
-    assert e.value.parameter == "preemption_mode"
     with pytest.raises(HayabusaValidationError) as e:
         LLM(path, distributed_executor_backend="slurm", **ENGINE)
     assert e.value.parameter == "distributed_executor_backend"

@@ -265,6 +265,7 @@ def test_scheduler_sends_each_image_in_the_step_that_first_touches_it():
     for _ in range(3):
         out = sched.schedule()
         steps.append((out.num_scheduled_tokens.get("r"), out.scheduled_encoder_inputs))
+        assert out.scheduled_encoder_prompt_req_ids == []     # encoder-decoder models' field: no encoder prompt
         if out.scheduled_new_reqs:
             assert out.scheduled_new_reqs[0].mm_inputs is r.mm_inputs
             sent = pickle.loads(pickle.dumps(out))            # plain data: it pickles, images included

@@ -127,6 +127,17 @@ def test_bad_swap_space_and_preemption_mode_are_refused_by_name(tiny_qwen2):
         EngineArgs(model=tiny_qwen2, device="cpu", swap_space=10 ** 6).create_engine_config()
 
 
+def test_swap_space_is_per_rank_and_checked_over_the_ranks(monkeypatch):
+    from hayabusa import config
+
+    monkeypatch.setattr(config, "available_host_memory", lambda: 3 << 30)
+    assert config.check_swap_space(1.5, 1) == config.check_swap_space(1.5, 2) == 3 << 29   # bytes per rank
+    with pytest.raises(HayabusaValidationError, match="x 3 rank") as e:   # 4.5 GiB over three ranks
+        config.check_swap_space(1.5, 3)
+    assert e.value.parameter == "swap_space"
+    assert config.check_swap_space(EngineArgs.swap_space, 2) == (3 << 30) // 4   # the default shrinks: half, split
+
+
 def test_swap_counters_reach_metrics(tiny_qwen2, example_prompts):
     from hayabusa.entrypoints.openai.server import _EngineCollector
 

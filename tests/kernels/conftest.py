@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Qwen2.5-7B's linear layers, (K, N): the real shapes of the quantized-linear CUDA tests
+QWEN_7B = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
 
 
 def _kernels_usable() -> str | None:

@@ -1,6 +1,6 @@
 """per_token_quant_fp8 (Triton; CUDA, or the interpreter on CPU) against the torch quantize_fp8_rows that the CPU
 engine runs: the same e4m3 bits and fp32 scales, dynamic and static, with zero-padded columns, strided rows, all-zero
-rows (the MIN_SCALE floor) and saturating rows; and its input checks."""
+rows (the MIN_SCALE floor) and saturating rows; and its input checks (shared with per_token_quant_int8's)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.kernels.fp8_quant import MIN_SCALE, per_token_quant_fp8, per_token_quant_fp8_ref
+from hayabusa.kernels.int8_quant import per_token_quant_int8
 from hayabusa.quantization.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8_rows
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -123,6 +124,7 @@ def test_reference_on_cpu_is_the_float_division():
     assert torch.equal(_bits(q), _bits((x / s_old).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)))
 
 
+@pytest.mark.parametrize("quant", [per_token_quant_fp8, per_token_quant_int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("make, match", [
     (lambda d: dict(x=torch.randn(4, 8, 2, device=d)), "x must be"),
     (lambda d: dict(x=torch.randn(4, 8, device=d).to(torch.float64)), "x must be"),
@@ -134,15 +136,21 @@ def test_reference_on_cpu_is_the_float_division():
     (lambda d: dict(x=torch.randn(4, 8, device=d), static_scale=torch.tensor([1.0], dtype=torch.float64,
                                                                                device=d)), "static_scale"),
     (lambda d: dict(x=torch.randn(4, 8, device=d), static_scale=0.5), "static_scale"),
-    (lambda d: dict(x=torch.randn(4, 8, device=d), out_cols=7), "out_cols"),
-    (lambda d: dict(x=torch.randn(4, 8, device=d), out_cols=16.0), "out_cols"),
 ])
-def test_per_token_quant_fp8_rejects_bad_input(device, make, match):
+def test_per_token_quantizers_reject_bad_input_alike(device, quant, make, match):
+    """The int8 and fp8 activation quantizers share their input checks (kernels/per_token_quant.py)."""
     with pytest.raises(ValueError, match=match):
-        per_token_quant_fp8(**make(device))
+        quant(**make(device))
+
+
+@pytest.mark.parametrize("out_cols", [7, 16.0])
+def test_per_token_quant_fp8_rejects_bad_out_cols(device, out_cols):
+    with pytest.raises(ValueError, match="out_cols"):
+        per_token_quant_fp8(torch.randn(4, 8, device=device), out_cols=out_cols)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CPU and a CUDA tensor")
-def test_per_token_quant_fp8_rejects_scale_on_another_device():
+@pytest.mark.parametrize("quant", [per_token_quant_fp8, per_token_quant_int8], ids=["fp8", "int8"])
+def test_per_token_quant_rejects_scale_on_another_device(quant):
     with pytest.raises(ValueError, match="static_scale"):
-        per_token_quant_fp8(torch.randn(4, 8, device="cuda"), torch.tensor([1.0]))
+        quant(torch.randn(4, 8, device="cuda"), torch.tensor([1.0]))

@@ -15,7 +15,7 @@ from hayabusa.kernels.quant_linear import (
     int4_weight_only_linear_ref, int8_weight_only_linear, int8_weight_only_linear_ref, pack_int4, pick_config,
     quantize_int4_grouped, quantize_int8_per_channel, unpack_int4,
 )
-from tests.kernels.conftest import DEVICE
+from tests.kernels.conftest import DEVICE, QWEN_7B
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # interpreter-sized launches that reach every code path: GEMV with and without split-K, GEMM with and without
@@ -343,9 +343,6 @@ def test_validation_rejects_mixed_devices():
 
 
 # ----------------------------------------------------------------------------------------- real shapes (GPU)
-QWEN_7B = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("layer", list(QWEN_7B))
 @pytest.mark.parametrize("M", [1, 8, 64, 300])

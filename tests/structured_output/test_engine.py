@@ -195,6 +195,53 @@ def test_batch_fill_equals_one_by_one(llm):
     assert (batched != batched[0]).any()   # the rows differ by state
 
 
+def test_fill_bitmask_in_place_equals_a_new_mask(llm):
+    # the runner's pinned buffer is filled in place: stale words from an earlier step are overwritten, the rows of
+    # finished requests (None) allow everything, and the result is a view of the buffer (no copy)
+    import torch
+
+    from hayabusa.structured_output import manager
+
+    mgr = llm.llm_engine.structured_output
+    for n in (3, manager.BATCH_FILL_MIN + 2):   # one by one, and on xgrammar's threads
+        reqs = [mgr.make_request(mgr.grammar(StructuredOutputsParams(json=SCHEMA)), (0,)) for _ in range(n)]
+        for i, r in enumerate(reqs):
+            assert r.ready()
+            r.matcher.accept_string('{"name": "' + "ab"[: i % 3])
+        reqs[1] = None
+        want = manager.fill_bitmask(reqs)
+        buf = torch.zeros(n + 4, want.shape[1], dtype=torch.int32)   # zeros: every token forbidden (stale)
+        got = manager.fill_bitmask(reqs, out=buf[:n])
+        assert np.array_equal(got, want) and np.shares_memory(got, buf.numpy())
+        assert (got[1] == -1).all() and (buf[n:] == 0).all()        # only the n rows written
+
+
+@pytest.mark.cuda
+def test_cuda_bitmask_filled_in_the_runners_pinned_buffer(tiny_qwen2, monkeypatch):
+    import torch
+
+    from hayabusa.core import scheduler
+
+    seen = []
+
+    def fill(reqs, out=None):
+        seen.append(out)
+        return fill_bitmask(reqs, out=out)
+
+    fill_bitmask = scheduler.fill_bitmask
+    monkeypatch.setattr(scheduler, "fill_bitmask", fill)
+    for async_scheduling in (False, True):
+        seen.clear()
+        llm = LLM(tiny_qwen2, device="cuda", max_num_seqs=4, max_model_len=256, num_gpu_blocks_override=64,
+                  async_scheduling=async_scheduling)
+        outs = llm.generate(PROMPTS[:4], _json_params(temperature=0), use_tqdm=False)
+        for o in outs:
+            jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+        runner = llm.llm_engine.runner
+        buffers = {st["bitmask"].data_ptr() for st in runner._staging_sets if st.get("bitmask") is not None}
+        assert seen and all(b is not None and b.is_pinned() and b.data_ptr() in buffers for b in seen)
+
+
 def test_apply_token_bitmask_masks_only_the_given_rows():
     import torch
 
@@ -287,9 +334,9 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_qwen2, monkeypatch)
 
     finished_rows = []   # rows of requests that finished after their next step was scheduled (async only)
 
-    def fill(reqs):
+    def fill(reqs, out=None):
         finished_rows.append(sum(r is None for r in reqs))
-        return fill_bitmask(reqs)
+        return fill_bitmask(reqs, out=out)
 
     fill_bitmask = scheduler.fill_bitmask
     monkeypatch.setattr(scheduler, "fill_bitmask", fill)
