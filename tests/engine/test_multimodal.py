@@ -382,3 +382,26 @@ def test_preprocess_stream_hands_prompts_out_in_order():
         assert not s.done
         gates[3].set()
         assert [i for i, _ in s.take(block=True)] == [3, 4] and s.done
+
+
+def test_image_hashes_are_computed_where_the_processor_runs(llm, tok, monkeypatch):
+    """The content hash of each image (its prefix-cache key) is made with the pixels, on the preprocessing thread:
+    add_request of an already-processed prompt hashes nothing (W8's 338 pages cost ~9 s of engine-thread time)."""
+    import hayabusa.multimodal.processor as proc
+
+    mm = llm.llm_engine.input_processor.mm_processor
+    images = [random_image(56, 28, 1), random_image(28, 84, 2)]
+    done = mm.preprocess(images)
+    row = 0
+    for grid, h in zip(done.grids, done.hashes):
+        n = grid[0] * grid[1] * grid[2]
+        assert h == proc.image_hash(done.pixel_values[row:row + n], grid)
+        row += n
+    assert len(set(done.hashes)) == 2
+
+    def no_hash(*a):
+        raise AssertionError("hashed on the engine thread")
+
+    monkeypatch.setattr(proc, "image_hash", no_hash)
+    ids, inputs = mm.process(vl_prompt_ids(tok, "x", 2), done)
+    assert [i.content_hash for i in inputs] == done.hashes
