@@ -19,15 +19,27 @@ ENV_VAR = "HAYABUSA_BATCH_INVARIANT"
 
 
 def batch_invariant_requested(value: bool | None) -> bool:
-    """The engine argument, or (when it is False / None) ``HAYABUSA_BATCH_INVARIANT`` = 1 / true / yes / on."""
-    if value:
+    """The engine argument when given (True / False: an explicit False wins over the environment), else
+    ``HAYABUSA_BATCH_INVARIANT`` (1 / true / yes / on; unset, empty, 0 / false / no / off: off).
+
+    Raises:
+        HayabusaValidationError: any other value of the variable, naming it."""
+    if value is not None:
+        return bool(value)
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
         return True
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    raise HayabusaValidationError(f"{ENV_VAR}={raw!r}: set it to 1 / true / yes / on or 0 / false / no / off, or "
+                                  "unset it.", parameter=ENV_VAR, value=raw)
 
 
 def _refuse(parameter: str, value: Any, why: str) -> HayabusaValidationError:
-    return HayabusaValidationError(f"{parameter}={value!r} is not supported with batch_invariant=True: {why}",
-                                   parameter=parameter, value=value)
+    source = " (from the environment variable HAYABUSA_BATCH_INVARIANT; pass batch_invariant=False to turn the " \
+        "mode off)" if os.environ.get(ENV_VAR, "").strip() else ""
+    return HayabusaValidationError(f"{parameter}={value!r} is not supported with batch_invariant=True{source}: "
+                                   f"{why}", parameter=parameter, value=value)
 
 
 def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculative_config: Any) -> None:

@@ -189,7 +189,8 @@ class EngineArgs:
         batch_invariant: a request's token ids and logprobs do not depend on the other requests in its steps,
             max_num_seqs / max_num_batched_tokens, prompt chunking, prefix-cache hits or CUDA graphs (fixed-tile
             GEMM, one attention configuration, per-row reductions; hayabusa/batch_invariant.py). Also on with
-            the environment variable HAYABUSA_BATCH_INVARIANT=1. Quantization, T5, vision models, tensor
+            the environment variable HAYABUSA_BATCH_INVARIANT=1 when left at None (an explicit False wins over the
+            variable). Quantization, T5, vision models, tensor
             parallelism and speculative decoding are refused in the mode.
     """
 
@@ -236,7 +237,7 @@ class EngineArgs:
     num_scheduler_steps: int = 1
     reasoning_parser: str | None = None
     speculative_config: Any = None
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -361,16 +362,25 @@ class EngineArgs:
         if spec is not None and parallel_config.world_size > 1:
             raise _bad("speculative_config", self.speculative_config, "speculative decoding with "
                        f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use one of them.")
-        return EngineConfig(model_config=model_config, cache_config=cache_config,
-                            scheduler_config=scheduler_config,
-                            device_config=DeviceConfig(device=device),
-                            enforce_eager=self.enforce_eager or device.type != "cuda",
-                            cuda_graph_sizes=sorted(set(sizes)) if sizes else None,
-                            max_cuda_graph_batch=capture_max, seed=self.seed or 0,
-                            async_scheduling=False if spec is not None else (device.type == "cuda")
-                            if self.async_scheduling is None else bool(self.async_scheduling),
-                            speculative_config=spec, draft_model_config=draft_config,
-                            parallel_config=parallel_config)
+        cfg = EngineConfig(model_config=model_config, cache_config=cache_config,
+                           scheduler_config=scheduler_config,
+                           device_config=DeviceConfig(device=device),
+                           enforce_eager=self.enforce_eager or device.type != "cuda",
+                           cuda_graph_sizes=sorted(set(sizes)) if sizes else None,
+                           max_cuda_graph_batch=capture_max, seed=self.seed or 0,
+                           async_scheduling=False if spec is not None else (device.type == "cuda")
+                           if self.async_scheduling is None else bool(self.async_scheduling),
+                           speculative_config=spec, draft_model_config=draft_config,
+                           parallel_config=parallel_config)
+        if cache_config.swap_space_bytes and self.preemption_mode == "swap":
+            from hayabusa.worker.kv_cache import bytes_per_block
+
+            need = bytes_per_block(cfg)   # all KV heads: a bound for a tensor-parallel rank's share
+            if cache_config.swap_space_bytes < need:
+                raise _bad("swap_space", self.swap_space, f"holds no KV block ({need / 2**20:.2f} MiB each for "
+                           "this model), so preemption_mode='swap' could never swap; give at least "
+                           f"{need / 2**30:.4f} GiB.")
+        return cfg
 
     def _cpu_offload_bytes(self, device: torch.device, model_config: "ModelConfig") -> int:
         """cpu_offload_gb in bytes where it does something: on CUDA, and on CPU only in the test-only fake-device
@@ -379,13 +389,13 @@ class EngineArgs:
             return 0
         from hayabusa.worker.cpu_offload import FAKE_ENV, fake_device_offload
 
-        if device.type == "cpu" and not fake_device_offload():
-            logger.info("cpu_offload_gb=%s is accepted and changes nothing on a CPU device (the weights are in CPU "
-                        "memory already).", self.cpu_offload_gb)
-            return 0
-        if model_config.is_encoder_decoder:
+        if model_config.is_encoder_decoder:   # before the CPU no-op, so a CPU trial run learns it too
             raise _bad("cpu_offload_gb", self.cpu_offload_gb, f"weight offload is not supported for "
                        f"encoder-decoder models ({model_config.architecture}) yet.")
+        if device.type == "cpu" and not fake_device_offload():
+            logger.warning("cpu_offload_gb=%s is accepted and changes nothing on a CPU device (the weights are in "
+                           "CPU memory already).", self.cpu_offload_gb)
+            return 0
         if device.type == "cpu":
             logger.info("cpu_offload_gb=%s on a CPU device in the fake-device mode (%s): the offload path runs with "
                         "CPU copies (tests).", self.cpu_offload_gb, FAKE_ENV)
@@ -408,8 +418,9 @@ class EngineArgs:
                 raise _bad(name, v, "must be a positive integer.")
         if self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise _bad("block_size", self.block_size, "must be 1, 2, 4, 8 or a multiple of 16.")
-        if not isinstance(self.batch_invariant, bool):
-            raise _bad("batch_invariant", self.batch_invariant, "must be True or False.")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise _bad("batch_invariant", self.batch_invariant, "must be True or False (or None: "
+                       "HAYABUSA_BATCH_INVARIANT decides).")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise _bad("max_logprobs", self.max_logprobs, "must be a non-negative integer.")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):

@@ -120,6 +120,10 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size,
                                                config.cache_config.enable_prefix_caching,
                                                num_cpu_blocks=self.runner.num_cpu_blocks)
+        if config.cache_config.swap_space_bytes and not self.runner.num_cpu_blocks:
+            logger.warning("swap_space=%.4g GiB holds no KV block of this model: the CPU KV tier is off (preempted "
+                           "requests are recomputed, evicted prefixes are dropped); raise swap_space to use it.",
+                           config.cache_config.swap_space_bytes / 2**30)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         if config.speculative_config is not None:
             from hayabusa.spec_decode.scheduling import SpecDecodeScheduling

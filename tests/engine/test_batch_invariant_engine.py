@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from hayabusa import LLM, SamplingParams
+from hayabusa.assets import demo_model_dir
+from hayabusa.config import EngineArgs
 from hayabusa.errors import HayabusaValidationError
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
@@ -179,3 +181,20 @@ def test_prompt_logprobs_alone_and_batched_chunked(stories_qwen2_dir):
     outs = _llm(stories_qwen2_dir, max_num_seqs=4, max_num_batched_tokens=16).generate(
         _prompts(2, 5) + [TARGET], params, use_tqdm=False)
     assert plp(outs[2]) == alone
+
+
+def test_environment_variable_yields_to_an_explicit_false_and_bad_values_are_named(monkeypatch):
+    """HAYABUSA_BATCH_INVARIANT decides only when batch_invariant is left at None; refusals say the variable
+    turned the mode on; a value that is neither on nor off is refused naming the variable."""
+    from hayabusa.batch_invariant import batch_invariant_requested
+
+    monkeypatch.setenv("HAYABUSA_BATCH_INVARIANT", "1")
+    assert batch_invariant_requested(None) and not batch_invariant_requested(False)
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=demo_model_dir(), device="cpu", quantization="int8").create_engine_config()
+    assert "HAYABUSA_BATCH_INVARIANT" in str(e.value) and e.value.parameter == "quantization"
+    EngineArgs(model=demo_model_dir(), device="cpu", quantization="int8", batch_invariant=False).create_engine_config()
+    monkeypatch.setenv("HAYABUSA_BATCH_INVARIANT", "banana")
+    with pytest.raises(HayabusaValidationError) as e:
+        batch_invariant_requested(None)
+    assert e.value.parameter == "HAYABUSA_BATCH_INVARIANT"

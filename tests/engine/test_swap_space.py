@@ -170,3 +170,23 @@ def test_cpu_offload_gb_is_accepted_on_cpu_and_changes_nothing(tiny_qwen2, examp
     with pytest.raises(HayabusaValidationError) as e:
         EngineArgs(model=tiny_qwen2, device="cpu", cpu_offload_gb=-1).create_engine_config()
     assert e.value.parameter == "cpu_offload_gb"
+
+
+def test_swap_space_smaller_than_one_block_is_refused_with_swap_preemption(caplog):
+    """preemption_mode='swap' with a swap_space that holds no KV block is refused naming swap_space and the least
+    that works; without the forced mode the engine warns that the tier is off."""
+    import logging
+
+    from hayabusa import LLM
+    from hayabusa.assets import demo_model_dir
+    from hayabusa.config import EngineArgs
+    from hayabusa.errors import HayabusaValidationError
+
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=demo_model_dir(), device="cpu", preemption_mode="swap", swap_space=1e-6) \
+            .create_engine_config()
+    assert e.value.parameter == "swap_space" and "at least" in str(e.value)
+    with caplog.at_level(logging.WARNING, logger="hayabusa.engine.llm_engine"):
+        llm = LLM(demo_model_dir(), swap_space=1e-6)
+    assert llm.llm_engine.kv_cache_manager.cpu is None
+    assert any("holds no KV block" in r.getMessage() for r in caplog.records)
