@@ -178,8 +178,10 @@ def build_eagle_head(head_config, target: nn.Module, device: torch.device,
     name, tensor).
 
     Raises:
-        HayabusaValidationError: a tensor of the checkpoint has no place in the head, or the head misses one.
+        HayabusaValidationError: the checkpoint is not a head for this target (a tensor with no place in the head,
+            a missing one, a shape that does not fit), naming ``speculative_config`` and the head's folder.
     """
+    from hayabusa.errors import HayabusaValidationError
     from hayabusa.model.loader import load_weights
 
     names = {EagleHead.rename_checkpoint_key(n) for n in head_config.tensor_names()}
@@ -189,7 +191,14 @@ def build_eagle_head(head_config, target: nn.Module, device: torch.device,
     with torch.device(device):
         head = EagleHead(head_config.hf_config, eagle3, target, dtype=head_config.dtype, device=device,
                          max_position=head_config.max_model_len, **flags)
-    load_weights(head, weights())
+    try:
+        load_weights(head, weights())
+    except (ValueError, RuntimeError) as e:   # HayabusaValidationError is a ValueError too
+        where = getattr(head_config, "model", None) or "the head"
+        raise HayabusaValidationError(
+            f"speculative_config: {where} is not a {head_config.method} head for this target ({e}); give the "
+            "folder of an EAGLE / EAGLE-3 head trained for this model in speculative_config['model'].",
+            parameter="speculative_config", value=where) from None
     return head.eval()
 
 

@@ -281,3 +281,16 @@ def test_low_acceptance_rule_stops_a_random_head(heads, base):
     assert _ids(out) == base["llama"]
     low = [o for o in out if o.metrics.spec_num_accepted_tokens < 3]
     assert low and all(o.metrics.spec_num_draft_tokens == 6 for o in low)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_checkpoint_that_is_no_head_is_refused_naming_speculative_config(method):
+    """A plain model folder given as the head (a shape or tensor set that does not fit): HayabusaValidationError
+    naming speculative_config and the folder, for both methods."""
+    from hayabusa.assets import demo_model_dir
+    from hayabusa.errors import HayabusaValidationError
+
+    with pytest.raises(HayabusaValidationError) as e:
+        LLM(demo_model_dir(), speculative_config={"method": method, "model": demo_model_dir(),
+                                                  "num_speculative_tokens": 2})
+    assert e.value.parameter == "speculative_config" and f"not a {method} head" in str(e.value)
