@@ -265,9 +265,15 @@ def paged_attention_bi_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q_start, q_end, seq_len = qsl[r], qsl[r + 1], lens[r]
         if q_end <= q_start or seq_len <= 0:
             continue
-        o = _bi_attend_one(q[q_start:q_end], k_cache, v_cache, block_table[r], seq_len, scale, window, cap,
-                           k_scale, v_scale)
-        out[q_start:q_end] = o.to(out.dtype)
+        # One query row at a time, seeing keys 0..its position: every torch op then has a shape that depends on
+        # the row's position alone. (Computed n rows at once, torch's CPU kernels split a tensor's elements into
+        # SIMD vectors and a scalar tail by the tensor's size, and the two paths round exp2 / sums differently in
+        # the last bit: a row's bits then depended on how many rows its chunk had.)
+        first = seq_len - (q_end - q_start)
+        for i in range(q_end - q_start):
+            o = _bi_attend_one(q[q_start + i:q_start + i + 1], k_cache, v_cache, block_table[r], first + i + 1,
+                               scale, window, cap, k_scale, v_scale)
+            out[q_start + i] = o[0].to(out.dtype)
 
 
 __all__ = ["matmul_bi", "matmul_bi_ref", "matmul_bi_config", "linear_bi", "log_softmax_bi", "log_softmax_bi_ref",

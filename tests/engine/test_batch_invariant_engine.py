@@ -198,3 +198,20 @@ def test_environment_variable_yields_to_an_explicit_false_and_bad_values_are_nam
     with pytest.raises(HayabusaValidationError) as e:
         batch_invariant_requested(None)
     assert e.value.parameter == "HAYABUSA_BATCH_INVARIANT"
+
+
+@pytest.mark.parametrize("mnbt", [13, 16, 27])
+def test_logprobs_identical_when_the_prompt_is_chunked_beside_another_request(mnbt):
+    """The fresh tester's case: a 31-token prompt in chunks of 13 / 16 / 27 tokens beside another request gives
+    the ids and the logprobs of the prompt run alone and whole (before the fix: 1.4e-6 apart)."""
+    p = "Once upon a time there was a little dog named Max who loved to run in the park with his friend"
+    sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+    alone = LLM(demo_model_dir(), batch_invariant=True, enable_prefix_caching=False).generate([p], sp,
+                                                                                             use_tqdm=False)[0]
+    beside = LLM(demo_model_dir(), batch_invariant=True, enable_prefix_caching=False, max_num_batched_tokens=mnbt,
+                 max_num_seqs=4).generate(["Lily went", p], sp, use_tqdm=False)[1]
+
+    def lps(o):
+        return [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
+
+    assert beside.outputs[0].token_ids == alone.outputs[0].token_ids and lps(beside) == lps(alone)

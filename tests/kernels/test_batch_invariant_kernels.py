@@ -219,3 +219,26 @@ def test_paged_attention_bi_ref_invariant(window, softcap):
         assert torch.equal(r, full[: r.shape[0]])
     ref = _positions_rows(paged_attention_ref, dtype, "cpu", sliding_window=window, softcap=softcap)[0]
     torch.testing.assert_close(full.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_attention_rows_identical_at_every_chunk_split():
+    """The CPU reference of the mode: a prompt split into two chunks at every point gives each query row the bits
+    of the unchunked run (grouped-query heads, G = 2; a fresh tester found row 25 of 27 differing in the last bit
+    when rows of a chunk were computed together: torch's SIMD body and scalar tail round exp2 / sums apart)."""
+    from hayabusa.kernels.batch_invariant import paged_attention_bi_ref
+
+    torch.manual_seed(0)
+    H, H_kv, D, bs = 8, 4, 8, 16
+    kc, vc = torch.randn(8, bs, H_kv, D), torch.randn(8, bs, H_kv, D)
+    q = torch.randn(31, H, D)
+    bt = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+
+    def run(qs, seq_len):
+        out = torch.empty(len(qs), H, D)
+        paged_attention_bi_ref(qs, kc, vc, out, torch.tensor([0, len(qs)]), torch.tensor([seq_len]), bt,
+                               D ** -0.5, len(qs))
+        return out
+
+    full = run(q, 31)
+    for cut in range(1, 31):
+        assert torch.equal(torch.cat([run(q[:cut], cut), run(q[cut:], 31)]), full), cut
