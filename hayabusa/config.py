@@ -373,9 +373,8 @@ class EngineArgs:
                            speculative_config=spec, draft_model_config=draft_config,
                            parallel_config=parallel_config)
         if cache_config.swap_space_bytes and self.preemption_mode == "swap":
-            from hayabusa.worker.kv_cache import bytes_per_block
-
-            need = bytes_per_block(cfg)   # all KV heads: a bound for a tensor-parallel rank's share
+            # the target's K + V of one block, all KV heads (a draft's bytes come on top: the engine warns then)
+            need = model_config.kv_bytes_per_token(cache_config.kv_dtype) * cache_config.block_size
             if cache_config.swap_space_bytes < need:
                 raise _bad("swap_space", self.swap_space, f"holds no KV block ({need / 2**20:.2f} MiB each for "
                            "this model), so preemption_mode='swap' could never swap; give at least "
