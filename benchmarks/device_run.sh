@@ -194,6 +194,8 @@ g_profile256() {
   step profile_q7_256 90 40 bash -c "python benchmarks/profile_decode.py --model '$Q7' --batch 256 --eager false \
     --decode-steps 32 --json '$OUT/profile_q7_256.json' 2>&1 | tail -40"
 }
+
+g_final7() { g_final_tests; g_w8; g_bi_offload; }
 g_bg_make() {  # make the 7b and architecture checkpoints in the background (low priority, 4 threads)
   ( export OMP_NUM_THREADS=4; for d in "$LARGE" qwen3-0.6b-shape rinna-gpt-1b-shape gemma-2-2b-shape mistral-7b-shape; do
       [ -s "$MODELS/$d/bench_shape.json" ] || nice -n 19 python -m hayabusa.bench.cli --make-model "$d" "$MODELS/$d"
@@ -295,9 +297,8 @@ g_offload() {  # cpu_offload_gb (issue 20): its CUDA tests, then the 7b shape wi
     --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
 }
 
-g_final7() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed script
-               # with AutoProcessor; T5 and the position-bias kernel passed in session 7), then W8, the mode's cost,
-               # offload
+g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed
+                   # script with AutoProcessor; T5 and the position-bias kernel passed in session 7)
   ensure_q05
   step final_tests "${FINAL_TESTS_S:-400}" 30 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=25 \
     -p no:cacheprovider --timeout 100 -o faulthandler_timeout=95 \
@@ -305,7 +306,10 @@ g_final7() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload,
     tests/spec_decode/test_eagle_cuda.py tests/worker/test_kv_swap.py tests/worker/test_cpu_offload_cuda.py \
     tests/test_batch_invariant_cuda.py ${FINAL_EXTRA_TESTS:-} 'tests/engine/test_multimodal.py::test_seed_script_runs_as_written' \
     2>&1 | tee '$OUT/final_tests.log'; exit \${PIPESTATUS[0]}"
-  g_w8
+}
+
+g_bi_offload() {  # the batch-invariant mode's cost and cpu_offload_gb on the 0.5b shape, then batch_invariance.py
+  ensure_q05
   bench_step q05_W1_bi 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
   bench_step q05_W3_bi 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
   bench_step q05_W1_offload 60 20 --workload W1 --model "$Q05" --sweep cpu_offload_gb=0,0.4
