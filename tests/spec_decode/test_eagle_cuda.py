@@ -19,7 +19,7 @@ def test_eagle_on_cuda(tiny_llama, tmp_path, method, max_num_seqs):
     aux = [1, 0, 1]
     write_eagle_head(tiny_llama, head, eagle3=method == "eagle3", seed=3, aux_ids=aux, draft_vocab_size=300)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3)
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=max_num_seqs, kv_cache_memory_bytes=256 << 20)
     base = LLM(tiny_llama, **kwargs).generate(PROMPTS, params, use_tqdm=False)
     llm = LLM(tiny_llama, speculative_config=_spec(method, head), **kwargs)
     drafter = llm.llm_engine.runner.draft

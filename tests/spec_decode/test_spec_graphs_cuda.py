@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cuda
 def _run(path, base, enforce_eager, **kwargs):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0}
-    llm = LLM(path, device="cuda", dtype="float32", gpu_memory_utilization=0.3, enforce_eager=enforce_eager,
+    llm = LLM(path, device="cuda", dtype="float32", kv_cache_memory_bytes=256 << 20, enforce_eager=enforce_eager,
               speculative_config=spec, **kwargs)
     llm.llm_engine.scheduler.spec.proposer = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids
                                                              for o in base])
@@ -26,7 +26,7 @@ def _run(path, base, enforce_eager, **kwargs):
 def test_verify_graphs_equal_eager(tiny_qwen2, max_num_seqs):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     kwargs = dict(max_num_seqs=max_num_seqs)
-    base = LLM(tiny_qwen2, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+    base = LLM(tiny_qwen2, device="cuda", dtype="float32", kv_cache_memory_bytes=256 << 20,
                **kwargs).generate(PROMPTS, params, use_tqdm=False)
     graphs, ids_graphs = _run(tiny_qwen2, base, False, **kwargs)
     eager, ids_eager = _run(tiny_qwen2, base, True, **kwargs)
@@ -43,7 +43,7 @@ def test_verify_graphs_with_chunked_prefill_and_preemption(tiny_llama):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     kwargs = dict(max_num_seqs=8, max_num_batched_tokens=40, num_gpu_blocks_override=24, block_size=4,
                   max_model_len=64)
-    base = LLM(tiny_llama, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+    base = LLM(tiny_llama, device="cuda", dtype="float32", kv_cache_memory_bytes=256 << 20,
                **kwargs).generate(PROMPTS, params, use_tqdm=False)
     graphs, ids_graphs = _run(tiny_llama, base, False, **kwargs)
     assert ids_graphs == _ids(base)
