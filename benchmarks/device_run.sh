@@ -302,9 +302,10 @@ g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, off
   ensure_q05
   step final_tests "${FINAL_TESTS_S:-400}" 30 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=25 \
     -p no:cacheprovider --timeout 100 -o faulthandler_timeout=95 \
-    tests/spec_decode/test_spec_cuda.py tests/spec_decode/test_spec_graphs_cuda.py \
+    ${FINAL_TESTS:-tests/spec_decode/test_spec_cuda.py tests/spec_decode/test_spec_graphs_cuda.py \
     tests/spec_decode/test_eagle_cuda.py tests/worker/test_kv_swap.py tests/worker/test_cpu_offload_cuda.py \
-    tests/test_batch_invariant_cuda.py ${FINAL_EXTRA_TESTS:-} 'tests/engine/test_multimodal.py::test_seed_script_runs_as_written' \
+    tests/test_batch_invariant_cuda.py tests/engine/test_multimodal.py::test_seed_script_runs_as_written} \
+    ${FINAL_EXTRA_TESTS:-} \
     2>&1 | tee '$OUT/final_tests.log'; exit \${PIPESTATUS[0]}"
 }
 
