@@ -297,6 +297,20 @@ g_offload() {  # cpu_offload_gb (issue 20): its CUDA tests, then the 7b shape wi
     --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
 }
 
+g_w11() {  # speculative decoding on a TRAINED model: SmolLM2-135M-Instruct, its Q4_1 GGUF carried in two halves
+           # ($SMOL_PARTS: folders part1 / part2 + tools/ from ../shared/assets/tools) and converted here to fp16
+  local smol=$MODELS/smollm2-135m parts=${SMOL_PARTS:-..}
+  if [ ! -s "$smol/config.json" ]; then
+    mkdir -p "$smol"
+    cat "$parts/.gg1/part1" "$parts/.gg2/part2" > "$smol/SmolLM2-135M-Instruct.Q4_1.gguf" || return 0
+    step make_smollm2 120 10 python "$parts/.gg2/tools/gguf_llama_to_hf.py" "$smol/SmolLM2-135M-Instruct.Q4_1.gguf" \
+      "$smol" --dtype float16
+  fi
+  bench_step smol_W11_off "${W11_MAX_S:-120}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
+  bench_step smol_W11_ngram "${W11_MAX_S:-120}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+}
+
 g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed
                    # script with AutoProcessor; T5 and the position-bias kernel passed in session 7)
   ensure_q05
