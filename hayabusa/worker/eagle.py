@@ -84,14 +84,8 @@ class EagleDrafter:
         """Greedy proposals, written into ``input_ids`` right after each request's last token.
 
         Args:
-            req_index: [R_d] int64, the requests (indices in the step's batch) with proposal slots.
-            num_drafts: [R_d] int64, each one's k (>= 1).
-            rows: [R_d] int64, their rows in the runner's batch (the kept state's index).
-            query_start_loc: [R + 1] the step's token offsets (host).
-            positions, slot_mapping: [T] the step's token positions and slots (host).
-            input_ids: [T] int64 device, the step's input ids (proposal slots overwritten here).
-            block_table: [R, W] int32 device, the step's block table rows.
-            backend: the attention backend.
+            rows: [R_d] int64, the proposing requests' rows in the runner's batch (the kept state's index).
+            the others: as DraftModel.propose (worker/draft_model.py).
 
         Returns:
             [R_d, K] int64 device, the proposals (K = max k; columns >= k are unused).
