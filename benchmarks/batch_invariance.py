@@ -4,7 +4,8 @@
     python benchmarks/batch_invariance.py /tmp/q05 --json bi_q05.json                 # the test's grid, 64 tokens
     python benchmarks/batch_invariance.py /tmp/q7b --full --num-tokens 256 --json bi_7b.json   # the issue's grid
 
-One fixed random prompt (200 tokens) is generated greedily with logprobs, first alone (max_num_seqs=1, no chunking,
+One fixed random prompt (200 tokens; the engine's max_model_len, 2048 + --num-tokens, and the prompts are capped by
+the model's context, e.g. 512 tokens for the tests' tiny models) is generated greedily with logprobs, first alone (max_num_seqs=1, no chunking,
 no prefix cache), then under every setting of ``hayabusa/eval/batch_invariance.py`` (1 / 15 / 63 (/ 255) other
 random requests, max_num_seqs 14 / 16 / 256, prefill chunks 64 / 512 / 8192, a prefix-cache hit, CUDA graphs off),
 in batch-invariant mode and in the default mode. Prints, per (mode, setting): identical to the alone run (token ids

@@ -298,13 +298,20 @@ class LLMEngine:
         return self.tokenizer
 
     def get_metrics(self) -> dict[str, float]:
-        """Engine-wide counters since start (vLLM's names where it has them): prompt / generation tokens, and
-        with speculative decoding ``spec_decode_num_draft_tokens`` (proposed) and
-        ``spec_decode_num_accepted_tokens``."""
-        s = self.scheduler
+        """Engine-wide counters since start (vLLM's names where it has them): prompt / generation tokens,
+        preemptions; with the CPU KV tier (``swap_space``) ``num_swap_preemptions`` (preemptions whose KV went to
+        the CPU), ``num_blocks_swapped_out`` / ``num_blocks_swapped_in`` (KV blocks copied GPU -> CPU / back) and
+        ``cpu_prefix_cache_hit_blocks`` (prefix-cache blocks restored from the CPU tier), as on /metrics; with
+        speculative decoding ``spec_decode_num_draft_tokens`` (proposed) and ``spec_decode_num_accepted_tokens``."""
+        s, kv = self.scheduler, self.kv_cache_manager
         metrics = {"num_prompt_tokens": self.stats["num_prompt_tokens"],
                    "num_generation_tokens": self.stats["num_generation_tokens"],
                    "num_preemptions": s.num_preemptions}
+        if kv.cpu is not None:   # the CPU KV tier: its counters (swap_stats' sizes are gauges, not counters)
+            swap = kv.swap_stats()
+            metrics["num_swap_preemptions"] = s.num_swap_preemptions
+            for name in ("num_blocks_swapped_out", "num_blocks_swapped_in", "cpu_prefix_cache_hit_blocks"):
+                metrics[name] = swap[name]
         if s.spec is not None:
             metrics["spec_decode_num_draft_tokens"] = s.spec_num_draft_tokens
             metrics["spec_decode_num_accepted_tokens"] = s.spec_num_accepted_tokens

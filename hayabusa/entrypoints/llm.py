@@ -45,8 +45,10 @@ class LLM:
         self._counter = itertools.count()
 
     def get_metrics(self) -> dict[str, float]:
-        """Engine-wide counters (LLMEngine.get_metrics): token counts and, with speculative decoding,
-        ``spec_decode_num_draft_tokens`` / ``spec_decode_num_accepted_tokens``."""
+        """Engine-wide counters (LLMEngine.get_metrics): token counts, preemptions; with the CPU KV tier
+        (``swap_space``) ``num_swap_preemptions``, ``num_blocks_swapped_out`` / ``num_blocks_swapped_in`` and
+        ``cpu_prefix_cache_hit_blocks``; with speculative decoding ``spec_decode_num_draft_tokens`` /
+        ``spec_decode_num_accepted_tokens``."""
         return self.llm_engine.get_metrics()
 
     def get_tokenizer(self) -> Any:

@@ -14,6 +14,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hayabusa.errors import HayabusaValidationError
+
 
 @dataclass
 class Setting:
@@ -62,18 +64,21 @@ def random_prompts(n: int, seed: int, vocab: int, lo: int = 8, hi: int = 300) ->
 
 def run_setting(model: str, setting: Setting, target: list[int], num_tokens: int, batch_invariant: bool,
                 base: dict[str, Any] | None = None, seed: int = 1) -> tuple[list[int], list[float]]:
-    """The target's greedy token ids and the logprob of each under ``setting``; the engine is freed after."""
+    """The target's greedy token ids and the logprob of each under ``setting``; the engine is freed after. The
+    other requests' prompts are at most ``max_model_len - 2 * num_tokens`` tokens (their outputs < 2 * num_tokens),
+    so each fits the engine's context."""
     from hayabusa import LLM, SamplingParams
 
     args = {"skip_tokenizer_init": True, "enable_prefix_caching": False, "max_model_len": 2048,
             **(base or {}), **setting.engine, "batch_invariant": batch_invariant}
     llm = LLM(model, **args)
     try:
-        vocab = llm.llm_engine.config.model_config.vocab_size
+        mc = llm.llm_engine.config.model_config
         params = SamplingParams(temperature=0.0, max_tokens=num_tokens, logprobs=1, ignore_eos=True)
         if setting.prefix_hit:
             llm.generate([{"prompt_token_ids": target}], params, use_tqdm=False)
-        others = random_prompts(setting.num_others, seed, vocab)
+        hi = min(300, mc.max_model_len - 2 * num_tokens + 1)
+        others = random_prompts(setting.num_others, seed, mc.vocab_size, min(8, hi - 1), hi)
         rng = random.Random(seed + 1)
         other_params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 2 * num_tokens),
                                        ignore_eos=True) for _ in others]
@@ -112,7 +117,18 @@ def run_experiment(model: str, settings: list[Setting], modes: tuple[bool, ...] 
                    num_tokens: int = 64, target_len: int = 200, base: dict[str, Any] | None = None,
                    log: Any = None) -> list[Outcome]:
     """For each mode: the alone run (max_num_seqs=1, no chunking, no prefix cache) and every setting compared
-    with it. Returns one Outcome per (mode, setting), the alone run itself included as the first."""
+    with it. Returns one Outcome per (mode, setting), the alone run itself included as the first.
+
+    ``base["max_model_len"]`` (default 2048) is capped by the model's own context length, and the target's prompt
+    by ``max_model_len - num_tokens``. Raises ValueError (naming num_tokens) when the context has no room for a
+    prompt and 2 * num_tokens output tokens (the other requests' longest)."""
+    max_len = min(int((base or {}).get("max_model_len", 2048)), _model_max_len(model))
+    if max_len - 2 * num_tokens < 2:
+        raise HayabusaValidationError(
+            f"num_tokens={num_tokens} leaves no room for prompts in the model's context of {max_len} tokens "
+            f"(the other requests generate up to 2 * num_tokens).", parameter="num_tokens", value=num_tokens)
+    base = {**(base or {}), "max_model_len": max_len}
+    target_len = min(target_len, max_len - num_tokens)
     target = random_prompts(1, 12345, _vocab_size(model), target_len, target_len + 1)[0]
     results = []
     for mode in modes:
@@ -125,6 +141,14 @@ def run_experiment(model: str, settings: list[Setting], modes: tuple[bool, ...] 
             if log is not None:
                 log(format_outcome(out))
     return results
+
+
+def _model_max_len(model: str) -> int:
+    """The model's context length from its config.json (config.py's rule, as the engine derives it)."""
+    from hayabusa.config import derive_max_model_len, load_hf_config
+
+    cfg = load_hf_config(model, False)
+    return derive_max_model_len(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
 
 
 def _vocab_size(model: str) -> int:

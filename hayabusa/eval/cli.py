@@ -140,22 +140,26 @@ def _run_tasks(ns: argparse.Namespace) -> int:
     schemas = _schemas(ns, items)
     sampling = {**TASK_DEFAULTS[ns.task],
                 **{k[3:]: v for k, v in vars(ns).items() if k.startswith("sp_") and v is not None}}
+    engine_line = report.engine_settings_line(engine_args)   # a bad HAYABUSA_BATCH_INVARIANT fails before any run
     res = evaluate(model, items, ns.task, engine_args, sampling, ns.sweep, ns.reference, ns.tolerance, tok,
                    ns.hf_batch_size, ns.sampling_seed, warmup=not ns.no_warmup, use_tqdm=not ns.no_tqdm,
                    schemas=schemas)
     ref = f"reference: {res.reference} (accuracy {res.reference_accuracy:.3f})" if res.reference else "no reference"
     print(f"\nhayabusa eval: {ns.task} on {len(items)} items of {ns.data}; {ref}; tolerance {ns.tolerance}")
+    print(engine_line)
     print(report.format_table(res.rows))
     _print_fields(res.rows)
     if ns.output:
         report.write_jsonl(ns.output, res.records)
         report.say(f"{len(res.records)} per-item results -> {ns.output}")
     if ns.summary_json:
+        from hayabusa.batch_invariant import batch_invariant_requested
         from hayabusa.bench.report import environment
 
         env = environment(engine_args.get("device"))
         with open(ns.summary_json, "w", encoding="utf-8") as f:
             json.dump({"task": ns.task, "data": ns.data, "model": model, "engine_args": engine_args,
+                       "batch_invariant": batch_invariant_requested(engine_args.get("batch_invariant")),
                        "sampling": sampling, "reference": res.reference, "tolerance": ns.tolerance, **env,
                        "rows": res.rows}, f, indent=1, ensure_ascii=False, default=str)
     if ns.plot:

@@ -43,6 +43,17 @@ def flag_rows(rows: list[dict[str, Any]], reference_accuracy: float | None, tole
             r["flag"] = f"DROP >{tolerance:g}"
 
 
+def engine_settings_line(engine_args: dict[str, Any]) -> str:
+    """The header's engine settings: the engine arguments given (``key=value``, as the setting column writes
+    them) and always the batch-invariant mode as it resolves (``batch_invariant=True`` from ``--batch-invariant``
+    or ``HAYABUSA_BATCH_INVARIANT``). Raises HayabusaValidationError for a bad value of that variable."""
+    from hayabusa.batch_invariant import batch_invariant_requested
+
+    shown = {k: v for k, v in engine_args.items() if k != "batch_invariant"}
+    shown["batch_invariant"] = batch_invariant_requested(engine_args.get("batch_invariant"))
+    return "engine: " + ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
 def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 

@@ -256,15 +256,10 @@ def paged_attention_bi_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Raises ValueError for ``position_bias`` (T5 is refused in the mode)."""
     if position_bias is not None:
         raise ValueError("position_bias is not supported in batch-invariant mode")
-    R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
-    qsl = query_start_loc[: R + 1].tolist()
-    lens = seq_lens[:R].tolist()
-    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
-    cap = softcap if softcap is not None and softcap > 0 else 0.0
-    for r in range(R):
-        q_start, q_end, seq_len = qsl[r], qsl[r + 1], lens[r]
-        if q_end <= q_start or seq_len <= 0:
-            continue
+    from hayabusa.kernels.paged_attention import ref_requests, ref_window_softcap
+
+    window, cap = ref_window_softcap(sliding_window, softcap)
+    for r, q_start, q_end, seq_len in ref_requests(query_start_loc, seq_lens, num_seqs):
         # One query row at a time, seeing keys 0..its position: every torch op then has a shape that depends on
         # the row's position alone. (Computed n rows at once, torch's CPU kernels split a tensor's elements into
         # SIMD vectors and a scalar tail by the tensor's size, and the two paths round exp2 / sums differently in

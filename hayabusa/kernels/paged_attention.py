@@ -30,6 +30,7 @@ vs * sum_j p_j v8_j, so k_scale joins the softmax scale and v_scale multiplies t
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -478,6 +479,28 @@ def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     return out
 
 
+def ref_window_softcap(sliding_window: int | None, softcap: float | None) -> tuple[int, float]:
+    """The reference attentions' window and softcap: None or <= 0 -> 0 (off)."""
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    cap = softcap if softcap is not None and softcap > 0 else 0.0
+    return window, cap
+
+
+def ref_requests(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 num_seqs: int | None = None) -> Iterator[tuple[int, int, int, int]]:
+    """The reference attentions' per-request walk: (r, q_start, q_end, seq_len) for each request r < R (R =
+    num_seqs, or query_start_loc's length - 1) with queries (q_end > q_start, token offsets into q) and a context
+    (seq_len > 0, in tokens); other rows (padding) are skipped. Reads query_start_loc [R + 1] / seq_lens [R] on the
+    host (a sync on CUDA)."""
+    R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
+    qsl = query_start_loc[: R + 1].tolist()
+    lens = seq_lens[:R].tolist()
+    for r in range(R):
+        q_start, q_end, seq_len = qsl[r], qsl[r + 1], lens[r]
+        if q_end > q_start and seq_len > 0:
+            yield r, q_start, q_end, seq_len
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                         scale: float, max_query_len: int, num_seqs: int | None = None,
@@ -490,15 +513,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     and runs a masked fp32 softmax; the CPU engine's attention path. Reads query_start_loc / seq_lens on the host
     (a sync on CUDA).
     """
-    R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
-    qsl = query_start_loc[: R + 1].tolist()
-    lens = seq_lens[:R].tolist()
-    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
-    cap = softcap if softcap is not None and softcap > 0 else 0.0
-    for r in range(R):
-        q_start, q_end, seq_len = qsl[r], qsl[r + 1], lens[r]
-        if q_end <= q_start or seq_len <= 0:
-            continue
+    window, cap = ref_window_softcap(sliding_window, softcap)
+    for r, q_start, q_end, seq_len in ref_requests(query_start_loc, seq_lens, num_seqs):
         o = _attend_one(q[q_start:q_end], k_cache, v_cache, block_table[r], seq_len, scale, window, cap,
                         k_scale, v_scale, position_bias=position_bias)
         out[q_start:q_end] = o.to(out.dtype)

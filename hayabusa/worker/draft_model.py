@@ -22,6 +22,7 @@ from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
 from hayabusa.config import EngineConfig
 from hayabusa.model.loader import build_model
 from hayabusa.worker.kv_cache import allocate_kv_caches
+from hayabusa.worker.spec_verify import draft_batch, to_device
 
 
 class DraftModel:
@@ -65,23 +66,17 @@ class DraftModel:
         Returns:
             [R_d, K] int64 device, the proposals (K = max k; columns >= k are unused).
         """
-        dev, R_d, K = self.device, len(req_index), int(num_drafts.max())
-        first = query_start_loc[req_index].astype(np.int64)                  # [R_d] token index of the last token
-        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a, dtype=dt)).to(dev, non_blocking=True)  # noqa
-        tables = block_table[to(req_index, np.int64)]
-        qsl = to(np.arange(R_d + 1), np.int32)
-        tokens = input_ids[to(first, np.int64)]                               # [R_d] step 0's inputs
+        dev, K = self.device, int(num_drafts.max())
+        db = draft_batch(req_index, query_start_loc, block_table, dev)
+        first = db.first                                                     # [R_d] token index of the last token
+        tokens = input_ids[to_device(first, np.int64, dev)]                   # [R_d] step 0's inputs
         drafts = []
         for j in range(K):
             valid = j < num_drafts                                            # rows past their k: no KV write
-            idx = first + np.minimum(j, num_drafts - 1)
-            pos = positions[idx]
-            slots = np.where(valid, slot_mapping[idx], -1)
-            meta = AttentionMetadata(qsl, to(pos + 1, np.int32), tables, to(slots, np.int64), R_d, 1,
-                                     int(pos.max()) + 1)
-            hidden = self.model(tokens, to(pos, np.int64), ForwardContext(meta, self.kv_caches, backend))
+            meta, pos = db.metadata(first + np.minimum(j, num_drafts - 1), valid, positions, slot_mapping)
+            hidden = self.model(tokens, pos, ForwardContext(meta, self.kv_caches, backend))
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)        # [R_d] d_j
             drafts.append(tokens)
             rows = np.flatnonzero(valid)
-            input_ids[to(first[rows] + 1 + j, np.int64)] = tokens[to(rows, np.int64)]
+            input_ids[to_device(first[rows] + 1 + j, np.int64, dev)] = tokens[to_device(rows, np.int64, dev)]
         return torch.stack(drafts, dim=1)

@@ -36,10 +36,7 @@ from hayabusa.config import EngineConfig
 from hayabusa.model.eagle import build_eagle_head
 from hayabusa.model.loader import iterate_weights
 from hayabusa.worker.kv_cache import allocate_kv_caches
-
-
-def _to(a: np.ndarray, dtype, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device, non_blocking=True)
+from hayabusa.worker.spec_verify import draft_batch, to_device
 
 
 class EagleDrafter:
@@ -87,41 +84,29 @@ class EagleDrafter:
         """Greedy proposals, written into ``input_ids`` right after each request's last token.
 
         Args:
-            req_index: [R_d] int64, the requests (indices in the step's batch) with proposal slots.
-            num_drafts: [R_d] int64, each one's k (>= 1).
-            rows: [R_d] int64, their rows in the runner's batch (the kept state's index).
-            query_start_loc: [R + 1] the step's token offsets (host).
-            positions, slot_mapping: [T] the step's token positions and slots (host).
-            input_ids: [T] int64 device, the step's input ids (proposal slots overwritten here).
-            block_table: [R, W] int32 device, the step's block table rows.
-            backend: the attention backend.
+            rows: [R_d] int64, the proposing requests' rows in the runner's batch (the kept state's index).
+            the others: as DraftModel.propose (worker/draft_model.py).
 
         Returns:
             [R_d, K] int64 device, the proposals (K = max k; columns >= k are unused).
         """
-        dev, R_d, K = self.device, len(req_index), int(num_drafts.max())
-        first = query_start_loc[req_index].astype(np.int64)                  # [R_d] token index of the last token
-        rows_t = _to(rows, np.int64, dev)
+        dev, K = self.device, int(num_drafts.max())
+        db = draft_batch(req_index, query_start_loc, block_table, dev)
+        first = db.first                                                     # [R_d] token index of the last token
+        rows_t = to_device(rows, np.int64, dev)
         tokens = self.first_token[rows_t]                                    # [R_d] d_0, kept by the last mirror
         hidden = self.last_hidden[rows_t]
-        input_ids[_to(first + 1, np.int64, dev)] = tokens
+        input_ids[to_device(first + 1, np.int64, dev)] = tokens
         drafts = [tokens]
-        if K > 1:
-            tables = block_table[_to(req_index, np.int64, dev)]
-            qsl = _to(np.arange(R_d + 1), np.int32, dev)
         for j in range(1, K):
             valid = j < num_drafts                                            # rows past their k: no KV write
-            idx = first + np.minimum(j, num_drafts) - 1                       # position c + j - 1
-            pos = positions[idx]
-            slots = np.where(valid, slot_mapping[idx], -1)
-            meta = AttentionMetadata(qsl, _to(pos + 1, np.int32, dev), tables, _to(slots, np.int64, dev), R_d, 1,
-                                     int(pos.max()) + 1)
-            for_logits, hidden = self.head(tokens, _to(pos, np.int64, dev), hidden,
-                                           ForwardContext(meta, self.kv_caches, backend))
+            # position c + j - 1
+            meta, pos = db.metadata(first + np.minimum(j, num_drafts) - 1, valid, positions, slot_mapping)
+            for_logits, hidden = self.head(tokens, pos, hidden, ForwardContext(meta, self.kv_caches, backend))
             tokens = self.head.propose_ids(for_logits)                      # [R_d] d_j
             drafts.append(tokens)
             keep = np.flatnonzero(valid)
-            input_ids[_to(first[keep] + 1 + j, np.int64, dev)] = tokens[_to(keep, np.int64, dev)]
+            input_ids[to_device(first[keep] + 1 + j, np.int64, dev)] = tokens[to_device(keep, np.int64, dev)]
         return torch.stack(drafts, dim=1)
 
     @torch.inference_mode()
@@ -150,20 +135,21 @@ class EagleDrafter:
         nxt = torch.empty_like(input_ids)
         nxt[:T - 1] = input_ids[1:T]
         last = query_start_loc[1:].astype(np.int64) - 1                        # [R] each request's last token
-        nxt[_to(last, np.int64, dev)] = _to(next_known, np.int64, dev)
-        at = _to(last, np.int64, dev)                                          # [R] where each request's state is
+        nxt[to_device(last, np.int64, dev)] = to_device(next_known, np.int64, dev)
+        at = to_device(last, np.int64, dev)                                    # [R] where each request's state is
         if emitted is not None and len(sampled):
             base = last[sampled] - num_drafts                                  # [R_s] index of the run's start
             width = num_drafts + 1
             src_r = np.repeat(np.arange(len(sampled)), width)
             src_j = np.arange(int(width.sum())) - np.repeat(np.cumsum(width) - width, width)
-            dst = _to(np.repeat(base, width) + src_j, np.int64, dev)
-            vals = emitted[_to(src_r, np.int64, dev), _to(src_j, np.int64, dev)]
+            dst = to_device(np.repeat(base, width) + src_j, np.int64, dev)
+            vals = emitted[to_device(src_r, np.int64, dev), to_device(src_j, np.int64, dev)]
             nxt[dst] = torch.where(vals >= 0, vals, nxt[dst])
             accepted = (emitted >= 0).sum(dim=1) - 1                           # [R_s] a: tokens accepted
-            at[_to(sampled, np.int64, dev)] = _to(base, np.int64, dev) + accepted   # the run's last emitted one
+            # the run's last emitted one
+            at[to_device(sampled, np.int64, dev)] = to_device(base, np.int64, dev) + accepted
         for_logits, hidden = self.head(nxt, positions, head_input, ForwardContext(meta, self.kv_caches, backend))
-        rows_t = _to(req_rows, np.int64, dev)
+        rows_t = to_device(req_rows, np.int64, dev)
         self.first_token[rows_t] = self.head.propose_ids(for_logits[at])
         self.last_hidden[rows_t] = hidden[at]
 

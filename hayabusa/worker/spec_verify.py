@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hayabusa.attention.metadata import AttentionMetadata
 from hayabusa.sample.rejection_sampler import rejection_sample
 from hayabusa.sample.sampler import Sampler
 from hayabusa.sampling_params import SAMPLING_EPS
@@ -30,6 +31,49 @@ class SpecStepInputs:
     last_index: np.ndarray      # [R_s] int64, each request's last position in the step's logits
     draft_index: np.ndarray     # [R_s, K] int64, the logits row that verifies each proposal (padding: last_index)
     draft_ids_dev: torch.Tensor | None = None   # [R_d, K] int64 device: a draft model's proposals (rows with k > 0)
+
+
+def to_device(a: np.ndarray, dtype, device: torch.device) -> torch.Tensor:
+    """A host array as a ``dtype`` (numpy) tensor on ``device``, copied without blocking."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device, non_blocking=True)
+
+
+@dataclass
+class DraftBatch:
+    """What a proposer's batched one-token forwards share (EagleDrafter / DraftModel ``propose``), over its R_d
+    requests: one query token per request per forward, at a token of the verify step (its position and slot)."""
+
+    first: np.ndarray               # [R_d] int64 host, the step's token index of each request's last token
+    query_start_loc: torch.Tensor   # [R_d + 1] int32 device, 0 .. R_d
+    block_table: torch.Tensor       # [R_d, W] int32 device, the requests' rows of the step's block table
+    device: torch.device
+
+    def metadata(self, idx: np.ndarray, valid: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray
+                 ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """One forward's metadata: request i's query at the step's token ``idx[i]`` ([R_d] int64 host), writing
+        its KV at that token's slot when ``valid[i]`` ([R_d] bool; otherwise no write). ``positions`` /
+        ``slot_mapping``: [T] host, the step's. Returns (metadata, the queries' positions [R_d] int64 device)."""
+        pos = positions[idx]
+        slots = np.where(valid, slot_mapping[idx], -1)
+        dev = self.device
+        meta = AttentionMetadata(self.query_start_loc, to_device(pos + 1, np.int32, dev), self.block_table,
+                                 to_device(slots, np.int64, dev), len(idx), 1, int(pos.max()) + 1)
+        return meta, to_device(pos, np.int64, dev)
+
+
+def draft_batch(req_index: np.ndarray, query_start_loc: np.ndarray, block_table: torch.Tensor,
+                device: torch.device) -> DraftBatch:
+    """The DraftBatch of a verify step's proposing requests.
+
+    Args:
+        req_index: [R_d] int64, the requests (indices in the step's batch) with proposal slots.
+        query_start_loc: [R + 1] host, the step's token offsets.
+        block_table: [R, W] int32 device, the step's block table rows.
+        device: the proposer's device.
+    """
+    first = query_start_loc[req_index].astype(np.int64)
+    return DraftBatch(first, to_device(np.arange(len(req_index) + 1), np.int32, device),
+                      block_table[to_device(req_index, np.int64, device)], device)
 
 
 def write_drafts(batch: InputBatch, rows: np.ndarray, req_ids: list[str], spec: dict[str, list[int]]

@@ -158,6 +158,19 @@ def test_swap_counters_reach_metrics(tiny_qwen2, example_prompts):
     assert metrics["hayabusa:kv_blocks_swapped_in"] == kv.num_blocks_swapped_in > 0
     assert metrics["hayabusa:num_swap_preemptions"] == sched.num_swap_preemptions > 0
     assert metrics["hayabusa:cpu_kv_cache_usage_perc"] == 0.0
+    m = llm.get_metrics()   # LLM.get_metrics: the same counters
+    assert m["num_blocks_swapped_out"] == kv.num_blocks_swapped_out > 0
+    assert m["num_blocks_swapped_in"] == kv.num_blocks_swapped_in > 0
+    assert m["num_swap_preemptions"] == sched.num_swap_preemptions > 0
+    assert m["cpu_prefix_cache_hit_blocks"] == kv.num_cpu_hit_blocks
+    assert m["num_preemptions"] == sched.num_preemptions >= m["num_swap_preemptions"]
+
+
+def test_get_metrics_has_no_swap_counters_without_the_cpu_tier(tiny_qwen2):
+    m = LLM(tiny_qwen2, swap_space=0).get_metrics()
+    assert m["num_preemptions"] == 0
+    assert not {"num_swap_preemptions", "num_blocks_swapped_out", "num_blocks_swapped_in",
+                "cpu_prefix_cache_hit_blocks"} & set(m)
 
 
 def test_cpu_offload_gb_is_accepted_on_cpu_and_changes_nothing(tiny_qwen2, example_prompts, base, caplog):

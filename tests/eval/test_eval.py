@@ -285,3 +285,33 @@ def test_schema_runs_each_setting_with_and_without_the_constraint(tiny_qwen2, tm
     assert by["default +schema"]["unparsable"] == 0  # under the schema every answer parses
     assert main(["eval", "--model", tiny_qwen2, "--data", str(DATA), "--task", "extraction", "--device", "cpu",
                  "--schema", "items", "--no-tqdm"]) == 2   # these items carry no schema of their own
+
+
+def test_eval_header_shows_the_batch_invariant_mode(stories_dir, tmp_path, capsys):
+    from hayabusa.entrypoints.cli import main
+
+    data, summary = tmp_path / "two.jsonl", tmp_path / "summary.json"
+    data.write_text("".join(json.dumps({"prompt": p, "gold": {"name": "Lily"}}) + "\n"
+                            for p in ("Once upon a time", "Lily went to the park")))
+    rc = main(["eval", "--model", stories_dir, "--data", str(data), "--task", "extraction", "--device", "cpu",
+               "--max-tokens", "4", "--batch-invariant", "--json", str(summary), "--no-tqdm", "--no-warmup"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("hayabusa eval: extraction on 2 items")))
+    assert lines[header + 1] == "engine: device=cpu, batch_invariant=True"      # right above the table
+    assert lines[header + 2].startswith("setting")
+    assert json.loads(summary.read_text())["batch_invariant"] is True
+
+
+def test_engine_settings_line_resolves_the_mode(monkeypatch):
+    from hayabusa.eval.report import engine_settings_line
+
+    monkeypatch.delenv("HAYABUSA_BATCH_INVARIANT", raising=False)
+    assert engine_settings_line({}) == "engine: batch_invariant=False"
+    monkeypatch.setenv("HAYABUSA_BATCH_INVARIANT", "1")
+    assert engine_settings_line({"dtype": "float32"}) == "engine: dtype=float32, batch_invariant=True"
+    assert engine_settings_line({"batch_invariant": False}) == "engine: batch_invariant=False"   # the flag wins
+    monkeypatch.setenv("HAYABUSA_BATCH_INVARIANT", "maybe")
+    with pytest.raises(HayabusaValidationError) as e:
+        engine_settings_line({})
+    assert e.value.parameter == "HAYABUSA_BATCH_INVARIANT"
