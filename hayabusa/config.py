@@ -144,7 +144,9 @@ class EngineArgs:
             run arbitrary code: only for checkpoints you trust.
         revision, tokenizer_revision: passed to transformers / huggingface_hub.
         tensor_parallel_size: GPUs (CPU processes) the model is split over, Megatron-style (hayabusa/distributed/);
-            > 1 runs the model in that many worker processes (hayabusa/executor/). pipeline_parallel_size: only 1.
+            > 1 runs the model in that many worker processes (hayabusa/executor/). pipeline_parallel_size: stages
+            the decoder layers are split into (vLLM's split; each stage's ranks hold only their layers and their
+            KV cache; tensor_parallel_size ranks inside each stage: tp x pp worker processes, mp backend only).
         distributed_executor_backend: "mp" (worker processes on this machine; the default when
             tensor_parallel_size > 1) or "ray" (workers placed by Ray; ``pip install hayabusa[ray]``).
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).

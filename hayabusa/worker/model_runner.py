@@ -23,7 +23,9 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.config import EngineConfig
 from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
-from hayabusa.distributed.parallel_state import tp_rank, tp_size
+from hayabusa.distributed.config import get_pp_indices
+from hayabusa.distributed.parallel_state import broadcast_from_last_stage, pp_rank, pp_size, tp_rank, tp_size
+from hayabusa.model.layers.pipeline import run_stage
 from hayabusa.model.layers.tensor_parallel import build_sharded_model
 from hayabusa.model.loader import build_model
 from hayabusa.sample.bitmask import apply_token_bitmask
@@ -124,8 +126,14 @@ class ModelRunner:
         self.block_size = cfg.cache_config.block_size
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
-        self.model = build_model(mc, self.device) if tp_size() == 1 else build_sharded_model(
-            mc, self.device, tp_rank(), tp_size())   # a tensor-parallel worker keeps its shard only
+        # a pipeline stage (pipeline_parallel_size > 1) holds decoder layers [first_layer, end) only, and their KV
+        self.pipeline = pp_size() > 1
+        self.first_layer, stage = 0, None
+        if self.pipeline:
+            start, end = get_pp_indices(mc.hf_config.num_hidden_layers, pp_rank(), pp_size())
+            self.first_layer, stage = start, (start, end, pp_rank() == 0, pp_rank() == pp_size() - 1)
+        self.model = build_model(mc, self.device) if tp_size() == 1 and stage is None else build_sharded_model(
+            mc, self.device, tp_rank(), tp_size(), stage)   # a worker keeps its stage's layers, its shard of them
         # cpu_offload_gb: chosen layers' weights to CPU memory, streamed back each forward through a GPU ring (hooks
         # on the layers; before the KV profile, so the cache sizing sees the freed weights and the ring)
         self.offloader = maybe_offload(self.model, cfg, self.device)
@@ -163,7 +171,7 @@ class ModelRunner:
             self.encdec = EncoderDecoderRunner(self.model, self.block_size, self.max_num_reqs, self.max_num_tokens,
                                                sc.max_model_len, self.device)
         self._alloc_staging_buffers()
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []   # by layer; None: another stage's
         self.num_blocks = 0
         self.num_cpu_blocks = 0
         self.graphs = None
@@ -223,21 +231,23 @@ class ModelRunner:
         tensor-parallel worker is given the minimum over its ranks of each) and allocate the KV cache and its CPU
         tier, capture CUDA graphs. Returns num_blocks."""
         self.num_blocks = self.profile_num_blocks() if num_blocks is None else num_blocks
-        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
+        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, self.first_layer)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks)
         self.kv_swapper = None   # the KV cache's CPU tier (swap_space): copies the scheduler's swap lists
         self.num_cpu_blocks = self.profile_num_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
         if self.num_cpu_blocks:   # the draft's cache shares the target's block ids: its blocks move with them
-            caches = [self.kv_caches] + ([self.draft.kv_caches] if self.draft is not None else [])
+            caches = [[c for c in self.kv_caches if c is not None]] + (
+                [self.draft.kv_caches] if self.draft is not None else [])
             self.kv_swapper = KVSwapper(caches, self.num_cpu_blocks)
         if self.device.type == "cuda":
-            from hayabusa.worker.cuda_graph import CUDAGraphRunner
+            if not self.pipeline:   # a pipeline stage runs eagerly (its send / recv are outside any graph)
+                from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
-            self.decode_runner = CUDAGraphRunner(self, use_graphs=not self.cfg.enforce_eager)  # reads self.buffers
-            if self.decode_runner.use_graphs:
-                self.decode_runner.capture()
-                self.graphs = self.decode_runner
+                self.decode_runner = CUDAGraphRunner(self, use_graphs=not self.cfg.enforce_eager)  # reads buffers
+                if self.decode_runner.use_graphs:
+                    self.decode_runner.capture()
+                    self.graphs = self.decode_runner
             self._warm_up_prefill_attention()
             if self.encdec is not None:
                 self.encdec.warm_up_prefill(self.kv_caches, self.backend, self.buffers)
@@ -288,12 +298,21 @@ class ModelRunner:
             self.mm.profile(self.cfg)
         T = self.max_num_tokens
         ctx = ForwardContext(None, None, self.backend)
-        hidden = self.model(self.buffers.input_ids[:T], self.buffers.positions[:T], ctx)
-        idx = torch.arange(min(self.max_num_reqs, T), device=self.device)
-        logits = self.model.compute_logits(hidden[idx]).float()
-        # The sampler's top-p/top-k path sorts the fp32 logits: keep that peak in the profile.
-        torch.sort(logits, dim=-1)
-        del hidden, logits
+        kwargs = {}
+        if self.pipeline and pp_rank() > 0:   # no peer to receive from here: zeros of the stage's input shape
+            from hayabusa.model.layers.pipeline import IntermediateTensors
+
+            z = torch.zeros(T, self.cfg.model_config.hidden_size, dtype=self.cfg.model_config.dtype,
+                            device=self.device)
+            kwargs["intermediate"] = IntermediateTensors(z, z.clone())
+        hidden = self.model(self.buffers.input_ids[:T], self.buffers.positions[:T], ctx, **kwargs)
+        if not self.pipeline or pp_rank() == pp_size() - 1:
+            idx = torch.arange(min(self.max_num_reqs, T), device=self.device)
+            logits = self.model.compute_logits(hidden[idx]).float()
+            # The sampler's top-p/top-k path sorts the fp32 logits: keep that peak in the profile.
+            torch.sort(logits, dim=-1)
+            del logits
+        del hidden, kwargs
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -339,7 +358,7 @@ class ModelRunner:
         logits = self._run_model(inp)                       # [R_s, V]
         if out.structured_output_req_ids and out.grammar_bitmask is None:
             return PendingSample(inp, logits, out)
-        if out.grammar_bitmask is not None:
+        if out.grammar_bitmask is not None and logits is not None:
             self._apply_grammar_bitmask(out.structured_output_req_ids, out.grammar_bitmask, inp, logits)
         return self._with_prompt_logprobs(self._sample(inp, logits), inp)
 
@@ -599,12 +618,18 @@ class ModelRunner:
                              None if self.encdec is None else self.encdec.metadata(T))
         if inp.mm is not None:   # image rows into the input embeddings, [3, T] M-RoPE positions
             hidden = inp.mm.run(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
+        elif self.pipeline:      # this stage's layers between a recv and a send (None before the last stage)
+            mc = self.cfg.model_config
+            hidden = run_stage(self.model, buf.input_ids[:T], buf.positions[:T], ctx, mc.hidden_size, mc.dtype)
         else:
             hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)       # [T, hidden]
         return self._logits(inp, hidden)                                            # [R_s, V]
 
-    def _logits(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
-        """The step's prompt logprobs (when asked) and the logits of its sampling rows ([R_s, V]) from hidden states."""
+    def _logits(self, inp: StepInputs, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's prompt logprobs (when asked) and the logits of its sampling rows ([R_s, V]) from hidden states
+        (None before the last pipeline stage: no logits there)."""
+        if hidden is None:
+            return None
         if inp.prompt_logprobs is not None:
             inp.prompt_logprobs_out = compute_prompt_logprobs(
                 hidden, inp.prompt_logprobs, self.model.compute_logits, min(CHUNK_ROWS, self.max_num_reqs),
@@ -614,15 +639,16 @@ class ModelRunner:
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[idx])
 
-    def _sample(self, inp: StepInputs, logits: torch.Tensor) -> StepHandle:
-        """Sample on the device and queue the copy of the tokens to the host (no wait here)."""
+    def _sample(self, inp: StepInputs, logits: torch.Tensor | None) -> StepHandle:
+        """Sample on the device and queue the copy of the tokens to the host (no wait here). Pipeline stages:
+        the last stage samples and broadcasts the tokens; the earlier ones (``logits`` None) receive them."""
         if len(inp.logits_rows) == inp.num_reqs:  # every request samples (decode)
             rids, rows = inp.req_ids, inp.rows
         else:
             rids, rows = [inp.req_ids[i] for i in inp.logits_rows.tolist()], inp.rows[inp.logits_rows]
         self._prev_sample_index.fill(-1)
         self._prev_sample_index[rows] = np.arange(len(rows))
-        if logits.shape[0] == 0:
+        if len(rows) == 0:
             self._prev_sampled = None
             self._eagle_mirror(inp, None)
             return StepHandle(inp.req_ids, [], None, None, None)
@@ -634,8 +660,11 @@ class ModelRunner:
             ids, lp = verify(lambda lg, r, n: self._sample_one(inp, lg, r, n), batch, rows, num_output, inp.spec,
                              logits)
             self._prev_sample_index.fill(-1)
+        elif logits is None:    # an earlier pipeline stage: the last stage's tokens, as its next inputs
+            ids, lp = broadcast_from_last_stage(torch.empty(len(rows), dtype=torch.int64, device=self.device)), None
         else:
             ids, lp = self._sample_one(inp, logits, rows, num_output)
+            ids = broadcast_from_last_stage(ids)   # pipeline stages only: the earlier stages' inputs
         self._prev_sampled = ids                               # [R_s] int64, read by the next step's placeholders
         self._eagle_mirror(inp, ids)
         handle = StepHandle(inp.req_ids, rids, ids, None, lp, rows, batch.row_epoch[rows].copy(),
