@@ -1,5 +1,6 @@
 """pipeline_parallel_size=2 on CPU (gloo, spawned worker processes): greedy token ids and seeded samples equal the
-one-process engine (float32) on tiny Llama (3 layers: stages of 2 and 1, each sizing its own KV cache) and GPT-2
+one-process engine (float32) on tiny Llama (3 layers: stages of 2 and 1, each sizing its own KV cache and CPU tier;
+swap preemption) and GPT-2
 (learned positions, tied head on the last stage; async scheduling), under chunked prefill, preemption, prefix
 caching and n > 1; tensor_parallel_size=2 x pipeline_parallel_size=2 (4 processes) with a structured-output step;
 a stage's worker killed mid-generation (GPT-2's engine, after its checks: one engine start less) fails the next
@@ -53,8 +54,10 @@ def test_pp2_equals_pp1(arch, tmp_path):
     if arch == "llama":
         # Each stage sizes the KV cache of its own layers: 2 layers (stage 0) and 1 (stage 1), 1 KV head of 16,
         # float32, blocks of 4 tokens: 1024 and 512 bytes a block. The engine takes the smaller count (24), the
-        # one-process engine's num_gpu_blocks_override, so both schedule (and preempt) alike.
-        engine_args.update(num_gpu_blocks_override=None, kv_cache_memory_bytes=24 * 2 * 2 * 16 * 4 * 4)
+        # one-process engine's num_gpu_blocks_override, so both schedule (and preempt) alike. Preemption swaps
+        # here (each stage's CPU tier holds its own layers' KV): the same tokens as the reference's recompute.
+        engine_args.update(num_gpu_blocks_override=None, kv_cache_memory_bytes=24 * 2 * 2 * 16 * 4 * 4,
+                           preemption_mode="swap", swap_space=0.002)
     llm = LLM(path, pipeline_parallel_size=2, async_scheduling=arch == "gpt2", **engine_args)
     engine = llm.llm_engine
     try:
@@ -64,6 +67,9 @@ def test_pp2_equals_pp1(arch, tmp_path):
         assert engine.config.parallel_config.driver_rank == 1
         got = _run(llm)
         assert engine.kv_cache_manager.num_hit_tokens > 0
+        if arch == "llama":
+            assert engine.scheduler.num_swap_preemptions == engine.scheduler.num_preemptions > 0
+            assert engine.kv_cache_manager.num_blocks_swapped_in > 0
         if arch == "gpt2":
             _kill_stage_worker_mid_generation(llm)
     finally:
