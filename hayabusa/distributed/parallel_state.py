@@ -108,10 +108,11 @@ def pp_recv(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
-def broadcast_from_last_stage(x: torch.Tensor) -> torch.Tensor:
+def broadcast_from_last_stage(x: torch.Tensor, async_op: bool = False):
     """Every rank gets the last stage's tp rank 0's ``x`` (in place; same shape and dtype everywhere): the
-    step's sampled token ids, which the earlier stages need as the next step's inputs."""
+    step's sampled token ids, which the earlier stages need as later steps' inputs. Returns ``x``, or with
+    ``async_op`` the Work to ``wait()`` on before reading it (an earlier stage goes on to its next step meanwhile)."""
     if _PP_SIZE == 1:
-        return x
-    dist.broadcast(x, (_PP_SIZE - 1) * _TP_SIZE)
-    return x
+        return None if async_op else x
+    work = dist.broadcast(x, (_PP_SIZE - 1) * _TP_SIZE, async_op=async_op)
+    return work if async_op else x

@@ -11,6 +11,7 @@ process; so does the engine's end of the pipe closing (the engine process is gon
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pickle
@@ -88,14 +89,49 @@ def _serve(config: Any, rank: int, init_method: str, conn: Any) -> None:
     assert kind == "init_kv", kind
     runner.initialize_kv_cache(num_blocks, num_cpu_blocks)    # the minimum over the ranks of each
     conn.send_bytes(pickle.dumps(("kv_ready",)))
+    # a pipeline stage before the last finishes its steps lazily (EarlierStage): it runs step N + 1 meanwhile
+    earlier = EarlierStage(runner, pc.pipeline_parallel_size) \
+        if rank // pc.tensor_parallel_size < pc.pipeline_parallel_size - 1 else None
     while True:
         msg = pickle.loads(conn.recv_bytes())
-        if msg[0] == "step":
+        if msg[0] == "step" and earlier is not None:
+            earlier.launch(msg[2])
+        elif msg[0] == "step":
             out = runner.execute_model(msg[2])
             if rank == pc.driver_rank:
                 conn.send_bytes(pickle.dumps(("out", msg[1], out)))
         elif msg[0] == "forget":
+            if earlier is not None:
+                earlier.pending.clear()
             runner.forget_previous_step()
         elif msg[0] == "shutdown":
             break
     destroy_distributed()
+
+
+class EarlierStage:
+    """A pipeline stage before the last: it launches each step (its layers, the hidden states sent on) and
+    finishes it (waits for the last stage's sampled ids, written into its rows) only when a later step touches
+    one of its requests or more than ``depth`` steps are pending. So while the later stages run step N it already
+    runs step N + 1 (the engine keeps up to pipeline_parallel_size micro-batches of disjoint requests in flight).
+
+    Args:
+        runner: this rank's ModelRunner.
+        depth: pipeline_parallel_size.
+    """
+
+    def __init__(self, runner: Any, depth: int) -> None:
+        self.runner, self.depth = runner, depth
+        self.pending: collections.deque = collections.deque()   # StepHandles launched, oldest first
+
+    def launch(self, out: Any) -> None:
+        from hayabusa.worker.model_runner import PendingSample
+
+        touched = set(out.scheduled_req_ids) | set(out.finished_req_ids) | set(out.preempted_req_ids)
+        last = max((i for i, h in enumerate(self.pending) if touched.intersection(h.req_ids)), default=-1)
+        for _ in range(max(last + 1, len(self.pending) - self.depth + 1)):
+            self.runner.finish(self.pending.popleft())   # oldest first: their tokens into the rows
+        handle = self.runner.launch(out)
+        if isinstance(handle, PendingSample):   # constrained rows: no logits here, nothing to mask
+            handle = self.runner.sample_tokens(handle, out.grammar_bitmask)
+        self.pending.append(handle)

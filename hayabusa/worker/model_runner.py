@@ -72,6 +72,7 @@ class StepHandle:
     epochs: np.ndarray | None = None      # [R_s] int64, those rows' owners (InputBatch.row_epoch) at launch
     num_logprobs: list[int] | None = None  # [R_s] each sampled request's logprobs (-1 = none)
     prompt_logprobs: PromptLogprobsPending | None = None   # copied with the step's sync
+    received: Any = None                  # a pipeline stage before the last: the broadcast of `ids` (a Work)
 
 
 @dataclass
@@ -429,6 +430,9 @@ class ModelRunner:
         them as host lists."""
         if handle.event is not None:
             handle.event.synchronize()
+        if handle.received is not None:   # a pipeline stage before the last: the last stage's tokens
+            handle.received.wait()
+            handle.received, handle.ids = None, handle.ids.cpu()
         prompt_lps = handle.prompt_logprobs.as_lists() if handle.prompt_logprobs is not None else {}
         if handle.ids is None:
             return ModelRunnerOutput({rid: [] for rid in handle.req_ids}, prompt_logprobs=prompt_lps)
@@ -660,8 +664,11 @@ class ModelRunner:
             ids, lp = verify(lambda lg, r, n: self._sample_one(inp, lg, r, n), batch, rows, num_output, inp.spec,
                              logits)
             self._prev_sample_index.fill(-1)
-        elif logits is None:    # an earlier pipeline stage: the last stage's tokens, as its next inputs
-            ids, lp = broadcast_from_last_stage(torch.empty(len(rows), dtype=torch.int64, device=self.device)), None
+        elif logits is None:    # an earlier pipeline stage: the last stage's tokens, received by finish
+            ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            self._prev_sampled = None   # no placeholder reads them (the scheduler waits for pipelined samples)
+            return StepHandle(inp.req_ids, rids, ids, None, None, rows, batch.row_epoch[rows].copy(),
+                              received=broadcast_from_last_stage(ids, async_op=True))
         else:
             ids, lp = self._sample_one(inp, logits, rows, num_output)
             ids = broadcast_from_last_stage(ids)   # pipeline stages only: the earlier stages' inputs

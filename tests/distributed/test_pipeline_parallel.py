@@ -1,7 +1,7 @@
 """pipeline_parallel_size=2 on CPU (gloo, spawned worker processes): greedy token ids and seeded samples equal the
-one-process engine (float32) on tiny Llama (3 layers: stages of 2 and 1, each sizing its own KV cache and CPU tier;
+one-process engine (float32), with two micro-batches of disjoint requests in flight, on tiny Llama (3 layers: stages of 2 and 1, each sizing its own KV cache and CPU tier;
 swap preemption) and GPT-2
-(learned positions, tied head on the last stage; async scheduling), under chunked prefill, preemption, prefix
+(learned positions, tied head on the last stage), under chunked prefill, preemption, prefix
 caching and n > 1; tensor_parallel_size=2 x pipeline_parallel_size=2 (4 processes) with a structured-output step;
 a stage's worker killed mid-generation (GPT-2's engine, after its checks: one engine start less) fails the next
 step within seconds and leaves no process; what stages do not run is refused by name before any process starts."""
@@ -36,7 +36,8 @@ def test_get_pp_indices_is_vllms_split():
 
 
 def _check(got: dict, ref: dict) -> None:
-    assert ref["preemptions"] > 0 and got["preemptions"] == ref["preemptions"]
+    # micro-batches (two steps in flight, disjoint requests) preempt at other moments than one batch: both do
+    assert ref["preemptions"] > 0 and got["preemptions"] > 0
     assert all(len(ids) == 12 for ids in got["greedy"])
     assert got["greedy"] == ref["greedy"]
     assert got["again"] == got["greedy"]                   # prefix-cache hits change nothing
@@ -54,11 +55,11 @@ def test_pp2_equals_pp1(arch, tmp_path):
     if arch == "llama":
         # Each stage sizes the KV cache of its own layers: 2 layers (stage 0) and 1 (stage 1), 1 KV head of 16,
         # float32, blocks of 4 tokens: 1024 and 512 bytes a block. The engine takes the smaller count (24), the
-        # one-process engine's num_gpu_blocks_override, so both schedule (and preempt) alike. Preemption swaps
-        # here (each stage's CPU tier holds its own layers' KV): the same tokens as the reference's recompute.
+        # one-process engine's num_gpu_blocks_override. Preemption swaps here (each stage's CPU tier holds its own
+        # layers' KV): the same tokens as the reference's recompute.
         engine_args.update(num_gpu_blocks_override=None, kv_cache_memory_bytes=24 * 2 * 2 * 16 * 4 * 4,
                            preemption_mode="swap", swap_space=0.002)
-    llm = LLM(path, pipeline_parallel_size=2, async_scheduling=arch == "gpt2", **engine_args)
+    llm = LLM(path, pipeline_parallel_size=2, **engine_args)
     engine = llm.llm_engine
     try:
         if arch == "llama":
@@ -67,6 +68,7 @@ def test_pp2_equals_pp1(arch, tmp_path):
         assert engine.config.parallel_config.driver_rank == 1
         got = _run(llm)
         assert engine.kv_cache_manager.num_hit_tokens > 0
+        assert engine.most_steps_in_flight == 2      # stage 0 ran step N + 1 while stage 1 ran step N
         if arch == "llama":
             assert engine.scheduler.num_swap_preemptions == engine.scheduler.num_preemptions > 0
             assert engine.kv_cache_manager.num_blocks_swapped_in > 0
@@ -110,6 +112,7 @@ def test_tp2_pp2_equals_tp1(tmp_path):
     try:
         assert len(engine.runner.procs) == 4 and engine.config.parallel_config.driver_rank == 2
         got = _run(llm, structured=True)
+        assert engine.most_steps_in_flight == 2
     finally:
         engine.shutdown()
     _check(got, ref)

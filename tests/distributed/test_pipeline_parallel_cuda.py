@@ -1,7 +1,7 @@
 """pipeline_parallel_size on CUDA (NCCL send / recv between stages, the sampled ids broadcast from the last stage;
 run on the device): greedy ids equal the one-GPU engine's (float32, eager: a stage runs without CUDA graphs) on
-tiny Llama (3 layers: stages of 2 and 1) and GPT-2, with async scheduling (the CUDA default) and seeded n > 1
-samples; each stage profiles its own KV capacity (the 1-layer stage has room for about twice the blocks) and the
+tiny Llama (3 layers: stages of 2 and 1) and GPT-2, two micro-batches in flight (stage 0 runs step N + 1 while
+stage 1 runs step N) and seeded n > 1 samples; each stage profiles its own KV capacity (the 1-layer stage has room for about twice the blocks) and the
 engine takes the minimum; tensor_parallel_size=2 x pipeline_parallel_size=2 on 4 GPUs."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _run(path: str, **kw) -> dict:
         got = {"greedy": [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
                "seeded": [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], SEEDED,
                                                                                    use_tqdm=False)],
-               "num_blocks": engine.num_blocks,
+               "num_blocks": engine.num_blocks, "in_flight": engine.most_steps_in_flight,
                "per_rank": getattr(engine.runner, "num_blocks_per_rank", None)}
     finally:
         engine.shutdown()
@@ -48,6 +48,7 @@ def test_pp2_equals_one_gpu(arch, tmp_path):
     assert all(len(ids) == 24 for ids in got["greedy"])
     assert got["greedy"] == ref["greedy"]
     assert got["seeded"] == ref["seeded"]
+    assert got["in_flight"] == 2 and ref["in_flight"] == 0
     per_rank = got["per_rank"]
     assert len(per_rank) == 2 and got["num_blocks"] == min(per_rank)
     if arch == "llama":   # stage 0 holds 2 layers' KV per block, stage 1 one
