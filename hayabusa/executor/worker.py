@@ -128,7 +128,8 @@ class EarlierStage:
         from hayabusa.worker.model_runner import PendingSample
 
         touched = set(out.scheduled_req_ids) | set(out.finished_req_ids) | set(out.preempted_req_ids)
-        last = max((i for i, h in enumerate(self.pending) if touched.intersection(h.req_ids)), default=-1)
+        # only sampled rows get tokens written: a prompt chunk in flight needs no wait before its next chunk
+        last = max((i for i, h in enumerate(self.pending) if touched.intersection(h.sampled_req_ids)), default=-1)
         for _ in range(max(last + 1, len(self.pending) - self.depth + 1)):
             self.runner.finish(self.pending.popleft())   # oldest first: their tokens into the rows
         handle = self.runner.launch(out)
