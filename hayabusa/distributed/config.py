@@ -93,6 +93,19 @@ def make_parallel_config(args: Any, model_config: Any, device: torch.device) -> 
     return cfg
 
 
+def pp_refusal(architecture: str, num_layers: int, pp: int) -> str | None:
+    """Why the engine refuses to split this model into ``pp`` stages (the model's part of the rule), None when it
+    can. The one rule for the engine (check_pipeline_parallel) and for ``hayabusa plan``."""
+    if pp == 1:
+        return None
+    if architecture not in TP_ARCHITECTURES:
+        return (f"{architecture} cannot be split into pipeline stages yet; pipeline parallelism supports "
+                f"{', '.join(TP_ARCHITECTURES)}.")
+    if pp > num_layers:
+        return f"is more than the model's {num_layers} decoder layers (every stage needs one)."
+    return None
+
+
 def check_pipeline_parallel(args: Any, mc: Any, pp: int, backend: str) -> None:
     """Refuse, by name, what pipeline stages do not run: an architecture tensor parallelism cannot split
     (T5, vision models), more stages than decoder layers, the Ray backend, speculative decoding and
@@ -101,17 +114,12 @@ def check_pipeline_parallel(args: Any, mc: Any, pp: int, backend: str) -> None:
     Raises:
         HayabusaValidationError: naming pipeline_parallel_size.
     """
-    why = None
-    if mc.architecture not in TP_ARCHITECTURES:
-        why = (f"{mc.architecture} cannot be split into pipeline stages yet; pipeline parallelism supports "
-               f"{', '.join(TP_ARCHITECTURES)}.")
-    elif pp > mc.num_layers:
-        why = f"is more than the model's {mc.num_layers} decoder layers (every stage needs one)."
-    elif backend == "ray":
+    why = pp_refusal(mc.architecture, mc.num_layers, pp)
+    if why is None and backend == "ray":
         why = "runs with distributed_executor_backend='mp' only (Ray workers are tensor-parallel only)."
-    elif getattr(args, "speculative_config", None):
+    if why is None and getattr(args, "speculative_config", None):
         why = "speculative decoding with pipeline stages is not supported; use one of them."
-    elif getattr(args, "cpu_offload_gb", 0):
+    if why is None and getattr(args, "cpu_offload_gb", 0):
         why = "cpu_offload_gb with pipeline stages is not supported (each stage holds only its layers already)."
     if why is not None:
         raise _bad("pipeline_parallel_size", pp, why)
