@@ -200,12 +200,14 @@ class ModelRunner:
                 return torch.empty(n, dtype=dtype, pin_memory=True)
 
             # Two sets, alternating per step: with async scheduling step N+1 is prepared while step N's copies
-            # may still be queued.
+            # may still be queued. A pipeline stage has up to pipeline_parallel_size steps in flight: one set each
+            # (its step's event is waited for before the set comes round again: launch / worker.EarlierStage).
+            self._staging_index = 0
             self._staging_sets = [
                 {"input_ids": pinned(T, torch.int64), "positions": pinned(T, torch.int64),
                  "slot_mapping": pinned(T, torch.int64), "query_start_loc": pinned(R + 1, torch.int32),
                  "seq_lens": pinned(R, torch.int32), "block_table": pinned(R * self.max_blocks_per_req, torch.int32),
-                 "sampled": pinned(R, torch.int64)} for _ in range(2)]
+                 "sampled": pinned(R, torch.int64)} for _ in range(max(2, pp_size()))]
             spec = self.cfg.speculative_config
             if spec is not None:   # a verify step's emitted tokens, [R, k + 1]
                 for st in self._staging_sets:
@@ -348,7 +350,8 @@ class ModelRunner:
         if out.blocks_to_swap_out or out.blocks_to_swap_in:   # before the forward (worker/kv_swap.py)
             self.kv_swapper.execute(out.blocks_to_swap_out, out.blocks_to_swap_in)
         if self.staging is not None:
-            self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
+            self._staging_index = (self._staging_index + 1) % len(self._staging_sets)
+            self.staging = self._staging_sets[self._staging_index]
         inp = self.prepare_inputs(out)
         if self.encdec is not None:   # encoders of admitted / resumed requests, then the cross metadata
             self.encdec.run_encoders(out, self.kv_caches, self.backend)
@@ -361,7 +364,13 @@ class ModelRunner:
             return PendingSample(inp, logits, out)
         if out.grammar_bitmask is not None and logits is not None:
             self._apply_grammar_bitmask(out.structured_output_req_ids, out.grammar_bitmask, inp, logits)
-        return self._with_prompt_logprobs(self._sample(inp, logits), inp)
+        handle = self._with_prompt_logprobs(self._sample(inp, logits), inp)
+        if self.pipeline and handle.event is None and self.staging is not None:
+            # a stage before the last (or a step that samples nothing): finish still waits for this step's work,
+            # so its staging set is free once the step is finished
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        return handle
 
     @torch.inference_mode()
     def sample_tokens(self, pending: PendingSample, bitmask: np.ndarray | None) -> StepHandle:
