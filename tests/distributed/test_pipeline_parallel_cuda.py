@@ -2,7 +2,7 @@
 run on the device): greedy ids equal the one-GPU engine's (float32, eager: a stage runs without CUDA graphs) on
 tiny Llama (3 layers: stages of 2 and 1) and GPT-2, two micro-batches in flight (stage 0 runs step N + 1 while
 stage 1 runs step N) and seeded n > 1 samples; each stage profiles its own KV capacity (the 1-layer stage has room for about twice the blocks) and the
-engine takes the minimum; tensor_parallel_size=2 x pipeline_parallel_size=2 on 4 GPUs."""
+engine takes the minimum (the reference sizes its cache in bytes); tensor_parallel_size=2 x pipeline_parallel_size=2 on 4 GPUs."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from tests.distributed.test_tensor_parallel import PROMPTS, _build
 
 pytestmark = pytest.mark.cuda
 
-KW = dict(device="cuda", dtype="float32", max_model_len=128, max_num_seqs=8, gpu_memory_utilization=0.1,
-          swap_space=0, max_num_batched_tokens=32)
+KW = dict(device="cuda", dtype="float32", max_model_len=128, max_num_seqs=8, swap_space=0, max_num_batched_tokens=32)
+# the one-GPU reference sizes its KV cache in bytes (a GPU fraction would count memory that earlier engines of this
+# process still hold); the 2-GPU pipeline engine profiles each stage (worker processes, ended before the reference)
+BY_BYTES = dict(kv_cache_memory_bytes=1 << 30)
+PROFILED = dict(gpu_memory_utilization=0.3)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True, n=2, seed=7)
 
@@ -43,8 +46,8 @@ def _run(path: str, **kw) -> dict:
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_pp2_equals_one_gpu(arch, tmp_path):
     path = _build(arch, tmp_path / arch, num_layers=3 if arch == "llama" else 2)
-    ref = _run(path, enforce_eager=True)
-    got = _run(path, pipeline_parallel_size=2)
+    got = _run(path, pipeline_parallel_size=2, **PROFILED)
+    ref = _run(path, enforce_eager=True, **BY_BYTES)
     assert all(len(ids) == 24 for ids in got["greedy"])
     assert got["greedy"] == ref["greedy"]
     assert got["seeded"] == ref["seeded"]
@@ -58,8 +61,10 @@ def test_pp2_equals_one_gpu(arch, tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 def test_tp2_pp2_equals_one_gpu(tmp_path):
     path = _build("qwen2", tmp_path / "m", num_layers=3)
-    ref = _run(path, enforce_eager=True)
-    got = _run(path, tensor_parallel_size=2, pipeline_parallel_size=2)
-    assert len(got["per_rank"]) == 4
+    got = _run(path, tensor_parallel_size=2, pipeline_parallel_size=2, **BY_BYTES)
+    ref = _run(path, enforce_eager=True, **BY_BYTES)
+    # 1 GiB over each rank's bytes per block: ranks 0, 1 hold 2 layers, ranks 2, 3 one (1 KV head each)
+    assert got["per_rank"][2] == got["per_rank"][3] == 2 * got["per_rank"][0] == 2 * got["per_rank"][1]
+    assert got["in_flight"] == 2
     assert got["greedy"] == ref["greedy"]
     assert got["seeded"] == ref["seeded"]
