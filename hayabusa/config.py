@@ -144,7 +144,10 @@ class EngineArgs:
             run arbitrary code: only for checkpoints you trust.
         revision, tokenizer_revision: passed to transformers / huggingface_hub.
         tensor_parallel_size: GPUs (CPU processes) the model is split over, Megatron-style (hayabusa/distributed/);
-            > 1 runs the model in that many worker processes (hayabusa/executor/). pipeline_parallel_size: only 1.
+            > 1 runs the model in that many worker processes (hayabusa/executor/). pipeline_parallel_size: stages
+            the decoder layers are split into (vLLM's split; each stage's ranks hold only their layers and their
+            KV cache; tensor_parallel_size ranks inside each stage: tp x pp worker processes, mp backend only;
+            up to pp micro-batches of disjoint requests in flight, which replaces async_scheduling).
         distributed_executor_backend: "mp" (worker processes on this machine; the default when
             tensor_parallel_size > 1) or "ray" (workers placed by Ray; ``pip install hayabusa[ray]``).
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (default on, as in vLLM).
@@ -321,7 +324,8 @@ class EngineArgs:
             raise _bad("max_num_batched_tokens", batched, f"must be >= max_num_seqs ({self.max_num_seqs}).")
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                            max_model_len=max_len, max_num_encoder_input_tokens=batched,
-                                           preemption_mode=self.preemption_mode)
+                                           preemption_mode=self.preemption_mode,
+                                           pipeline_depth=self.pipeline_parallel_size)
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -368,7 +372,9 @@ class EngineArgs:
                            enforce_eager=self.enforce_eager or device.type != "cuda",
                            cuda_graph_sizes=sorted(set(sizes)) if sizes else None,
                            max_cuda_graph_batch=capture_max, seed=self.seed or 0,
-                           async_scheduling=False if spec is not None else (device.type == "cuda")
+                           # pipeline stages overlap steps their own way (micro-batches: _step_pipelined)
+                           async_scheduling=False if spec is not None or self.pipeline_parallel_size > 1
+                           else (device.type == "cuda")
                            if self.async_scheduling is None else bool(self.async_scheduling),
                            speculative_config=spec, draft_model_config=draft_config,
                            parallel_config=parallel_config)
@@ -745,6 +751,9 @@ class SchedulerConfig:
     # default: max_num_batched_tokens); an image larger than the budget runs alone in its step
     max_num_encoder_input_tokens: int = 0
     preemption_mode: str | None = None        # "swap", "recompute", None = auto (core/cpu_kv_tier.prefer_swap)
+    # steps in flight at once (pipeline_parallel_size: one per stage, vLLM's batch queue); > 1: micro-batches of
+    # disjoint sampling requests (a running request whose sampled token is still in flight waits for it)
+    pipeline_depth: int = 1
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,9 @@ class Scheduler:
             else None
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_output_placeholders and self.config.pipeline_depth > 1:
+                i += 1   # pipeline stages: its next input is still in flight; other requests fill this micro-batch
+                continue
             num_new = self._num_new_tokens(req, budget)
             drafts = None
             if spec is not None and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1 \

@@ -20,8 +20,9 @@ class ParallelConfig:
     """Ranks of one engine. ``world_size == 1`` runs in the engine process (no executor, no collectives).
 
     Attributes:
-        tensor_parallel_size: ranks each layer is split over.
-        pipeline_parallel_size: stages the layers are split into (1 today).
+        tensor_parallel_size: ranks each layer is split over (inside each stage).
+        pipeline_parallel_size: stages the decoder layers are split into (``get_pp_indices``); stage 0 holds the
+            embedding, the last stage the final norm, lm_head and sampler.
         backend: "mp" (spawned processes on this machine) or "ray".
         dist_backend: torch.distributed backend of the workers: "nccl" on CUDA, "gloo" on CPU.
     """
@@ -34,6 +35,22 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def driver_rank(self) -> int:
+        """The global rank that returns the sampled tokens: the last stage's tp rank 0 (tp inner, pp outer)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The decoder layers [start, end) of stage ``pp_rank``: vLLM's rule (``vllm.distributed.utils``), an even
+    split whose remainder goes one layer each to the stages before the last, from the second-to-last backwards
+    (the last stage also runs the final norm, lm_head and sampler; 7 layers over 3 stages: 2, 3, 2)."""
+    parts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        parts[-i] += 1
+    start = sum(parts[:pp_rank])
+    return start, start + parts[pp_rank]
 
 
 def _bad(name: str, value: Any, why: str) -> HayabusaValidationError:
@@ -49,30 +66,63 @@ def check_parallel_args(tp: Any, pp: Any, backend: Any) -> None:
     for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise _bad(name, v, "must be a positive integer.")
-    if pp != 1:
-        raise _bad("pipeline_parallel_size", pp, "only 1 is supported in this version (tensor_parallel_size "
-                   "splits a model over several GPUs).")
     if backend is not None and backend not in EXECUTOR_BACKENDS:
         raise _bad("distributed_executor_backend", backend, f"must be one of {EXECUTOR_BACKENDS} or None.")
 
 
 def make_parallel_config(args: Any, model_config: Any, device: torch.device) -> ParallelConfig:
     """The engine's ParallelConfig, after the checks that need the model: a supported architecture, heads and
-    MLP width that split evenly, no quantization, enough GPUs.
+    MLP width that split evenly, no quantization, enough GPUs; with pipeline_parallel_size > 1 also a stage per
+    layer at most and none of the features stages do not run (``check_pipeline_parallel``).
 
     Raises:
-        HayabusaValidationError: naming tensor_parallel_size (or quantization / device).
+        HayabusaValidationError: naming tensor_parallel_size or pipeline_parallel_size (or quantization / device).
     """
-    tp = args.tensor_parallel_size
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     backend = args.distributed_executor_backend or "mp"
-    cfg = ParallelConfig(tp, args.pipeline_parallel_size, backend, "nccl" if device.type == "cuda" else "gloo")
+    cfg = ParallelConfig(tp, pp, backend, "nccl" if device.type == "cuda" else "gloo")
     if cfg.world_size == 1 and backend != "ray":
         return cfg
     check_tensor_parallel(model_config, tp)
+    if pp > 1:
+        check_pipeline_parallel(args, model_config, pp, backend)
     if device.type == "cuda" and backend == "mp" and torch.cuda.device_count() < cfg.world_size:
-        raise _bad("tensor_parallel_size", tp, f"needs {cfg.world_size} GPUs; this machine has "
-                   f"{torch.cuda.device_count()}.")
+        name, value = ("pipeline_parallel_size", pp) if pp > 1 else ("tensor_parallel_size", tp)
+        raise _bad(name, value, f"needs {cfg.world_size} GPUs (tensor_parallel_size x pipeline_parallel_size); "
+                   f"this machine has {torch.cuda.device_count()}.")
     return cfg
+
+
+def pp_refusal(architecture: str, num_layers: int, pp: int) -> str | None:
+    """Why the engine refuses to split this model into ``pp`` stages (the model's part of the rule), None when it
+    can. The one rule for the engine (check_pipeline_parallel) and for ``hayabusa plan``."""
+    if pp == 1:
+        return None
+    if architecture not in TP_ARCHITECTURES:
+        return (f"{architecture} cannot be split into pipeline stages yet; pipeline parallelism supports "
+                f"{', '.join(TP_ARCHITECTURES)}.")
+    if pp > num_layers:
+        return f"is more than the model's {num_layers} decoder layers (every stage needs one)."
+    return None
+
+
+def check_pipeline_parallel(args: Any, mc: Any, pp: int, backend: str) -> None:
+    """Refuse, by name, what pipeline stages do not run: an architecture tensor parallelism cannot split
+    (T5, vision models), more stages than decoder layers, the Ray backend, speculative decoding and
+    cpu_offload_gb.
+
+    Raises:
+        HayabusaValidationError: naming pipeline_parallel_size.
+    """
+    why = pp_refusal(mc.architecture, mc.num_layers, pp)
+    if why is None and backend == "ray":
+        why = "runs with distributed_executor_backend='mp' only (Ray workers are tensor-parallel only)."
+    if why is None and getattr(args, "speculative_config", None):
+        why = "speculative decoding with pipeline stages is not supported; use one of them."
+    if why is None and getattr(args, "cpu_offload_gb", 0):
+        why = "cpu_offload_gb with pipeline stages is not supported (each stage holds only its layers already)."
+    if why is not None:
+        raise _bad("pipeline_parallel_size", pp, why)
 
 
 def tp_refusal(architecture: str, num_heads: int, num_kv_heads: int, intermediate: int, quantized: bool,

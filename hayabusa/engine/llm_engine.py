@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
@@ -141,6 +142,10 @@ class LLMEngine:
                       "launch_s": 0.0, "wait_s": 0.0, "collect_s": 0.0}
         self.async_scheduling = config.async_scheduling
         self._pending = None                 # (SchedulerOutput, StepHandle) launched but not collected
+        # pipeline_parallel_size M > 1: up to M steps in flight, oldest first (see _step_pipelined)
+        self.pipeline_depth = config.scheduler_config.pipeline_depth
+        self._in_pipeline: collections.deque = collections.deque()
+        self.most_steps_in_flight = 0        # the most steps that were in flight at once
         self._collecting = None              # the SchedulerOutput whose results are being collected
         self.error_log = RateLimitedLog(logger)
         logger.info("engine ready in %.2f s: %d KV blocks x %d tokens", self.startup_seconds, self.num_blocks,
@@ -242,6 +247,7 @@ class LLMEngine:
         were mid-step may have advanced their state without their tokens; aborting them is the only consistent
         way on. Returns the aborted request ids."""
         self._pending = None
+        self._in_pipeline.clear()
         self._collecting = None
         self.scheduler.forget_in_flight()
         self.runner.forget_previous_step()
@@ -263,6 +269,7 @@ class LLMEngine:
         if self._collecting is not None:
             suspects.update(self._collecting.scheduled_req_ids)
         self._pending = None
+        self._in_pipeline.clear()
         self._collecting = None
         self.scheduler.forget_in_flight()
         self.runner.forget_previous_step()
@@ -322,7 +329,7 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return self.scheduler.has_unfinished_requests() or self._pending is not None or bool(self._in_pipeline)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -345,6 +352,8 @@ class LLMEngine:
         two: its model is queued, the previous step is collected (its tokens accepted by the grammars), then the
         step's bitmask is filled on the host while the device still runs the model, and the step samples under it.
         """
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         overlap = self.async_scheduling
         if not overlap and self._pending is not None:
             return self._collect(*self._drain())
@@ -359,16 +368,7 @@ class LLMEngine:
         self.stats["schedule_s"] += t1 - t0
         self.stats["launch_s"] += time.perf_counter() - t1
         if handle is None and self._pending is None:
-            if self.scheduler.grammar_failures:
-                return self._abort_grammar_failures()
-            pending_grammars = self.scheduler.grammars_pending()
-            if pending_grammars:  # nothing else to run: wait (briefly) for a grammar being compiled
-                concurrent.futures.wait(pending_grammars, timeout=0.1,
-                                        return_when=concurrent.futures.FIRST_COMPLETED)
-                return []
-            if self.scheduler.has_unfinished_requests():
-                return self._fail_unschedulable()
-            return []
+            return self._nothing_to_run()
         if not overlap:  # handle is set here (an empty step with nothing pending returned above)
             self._pending = (sched, handle)
             return self._collect(*self._drain())
@@ -380,6 +380,48 @@ class LLMEngine:
             self.stats["launch_s"] += time.perf_counter() - t2
         self._pending = (sched, handle) if handle is not None else None
         return outputs
+
+    def _nothing_to_run(self) -> list[RequestOutput]:
+        """No step was scheduled and none is in flight: end failed grammars, wait briefly for one being compiled,
+        or abort the requests that block."""
+        if self.scheduler.grammar_failures:
+            return self._abort_grammar_failures()
+        pending_grammars = self.scheduler.grammars_pending()
+        if pending_grammars:  # nothing else to run: wait (briefly) for a grammar being compiled
+            concurrent.futures.wait(pending_grammars, timeout=0.1, return_when=concurrent.futures.FIRST_COMPLETED)
+            return []
+        if self.scheduler.has_unfinished_requests():
+            return self._fail_unschedulable()
+        return []
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """pipeline_parallel_size M > 1 (vLLM's batch queue): launch steps until M are in flight or nothing more
+        can be scheduled, then collect the oldest. The scheduler skips a request whose sampled token is still in
+        flight, so the steps in flight are micro-batches of disjoint sampling requests and each stage works on a
+        different one (stage 0 on step N + 1 while stage 1 runs step N). A constrained step's bitmask is filled
+        before it is sent: its requests' earlier tokens are collected already."""
+        queue = self._in_pipeline
+        if len(queue) < self.pipeline_depth:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            self.stats["schedule_s"] += t1 - t0
+            if not sched.is_empty:
+                handle = self.runner.launch(sched)
+                if sched.structured_output_req_ids:
+                    handle = self.runner.sample_tokens(handle, self._grammar_bitmask(sched))
+                self.stats["launch_s"] += time.perf_counter() - t1
+                queue.append((sched, handle))
+                self.most_steps_in_flight = max(self.most_steps_in_flight, len(queue))
+                if len(queue) < self.pipeline_depth:
+                    return []   # fill the pipeline before waiting for its oldest step
+        if not queue:
+            return self._nothing_to_run()
+        sched, handle = queue.popleft()
+        t0 = time.perf_counter()
+        result = self.runner.finish(handle)
+        self.stats["wait_s"] += time.perf_counter() - t0
+        return self._collect(sched, result)
 
     def _grammar_bitmask(self, sched):
         """The step's grammar bitmask, filled by the scheduler straight into the runner's pinned staging buffer

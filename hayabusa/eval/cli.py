@@ -211,6 +211,7 @@ def _run_fidelity(ns: argparse.Namespace) -> int:
 # here: the plan divides weights and KV heads by it).
 PLAN_ENGINE_ARGS = ("dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
                     "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                    "pipeline_parallel_size",
                     "trust_remote_code", "cpu_offload_gb") + tuple(  # the image limit, once EngineArgs has it (the VL core)
     n for n in ("limit_mm_per_prompt",) if n in {f.name for f in dataclasses.fields(EngineArgs)})
 
@@ -228,7 +229,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="total GPU memory in GiB")
     p.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None, help="same as --tensor-parallel-size")
     EngineArgs.add_cli_args(p, only=PLAN_ENGINE_ARGS, helps={
-        "tensor_parallel_size": "GPUs the weights and KV heads are split over (the plan takes any; the engine runs 1)"})
+        "tensor_parallel_size": "GPUs the weights and KV heads are split over (the plan takes any; the engine runs 1)",
+        "pipeline_parallel_size": "stages the decoder layers are split into (the plan sizes the largest stage per "
+                                  "GPU; refused as the engine refuses it)"})
     p.add_argument("--max-images", type=int, default=None, metavar="N",
                    help="vision-language models: images one prompt may hold (default: limit_mm_per_prompt's, else 1)")
     p.add_argument("--max-pixels", type=int, default=None,
@@ -268,6 +271,7 @@ def run_plan(ns: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          block_size=args.block_size, tp=args.tensor_parallel_size,
+                         pp=args.pipeline_parallel_size,
                          cpu_offload_gb=args.cpu_offload_gb, **_image_limits(ns, args))
         plan = make_plan(cfg, inp, ns.gpu, ns.gpu_memory, model=ns.model)
     except HayabusaValidationError as e:

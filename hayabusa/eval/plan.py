@@ -275,6 +275,7 @@ class PlanInputs:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     tp: int = 1
+    pp: int = 1                         # pipeline stages: a GPU holds the largest stage's layers
     max_images: int = 1                 # images one prompt may hold (limit_mm_per_prompt["image"])
     max_pixels: int = DEFAULT_MAX_PIXELS   # the image processor's max_pixels
     cpu_offload_gb: float = 0           # GiB of weights per GPU in CPU memory (worker/cpu_offload.py)
@@ -321,12 +322,29 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
         out["kv_formula"] += (f"; per request (decoder tokens + encoder tokens) x kv_bytes_per_token: cross-attention "
                               f"K/V of {max_len} encoder tokens = {kv_per_token * max_len} bytes")
     out.update(_offload(shape, params, linear_bytes, b, inp))
+    out["pp"] = inp.pp
+    if inp.pp > 1:   # per GPU: the largest stage's layers (and their KV) and one vocabulary-sized matrix
+        out.update(_pipeline_stage(shape, kv_heads_per_gpu, kv_b, out["decoder_layer_bytes"] * inp.tp, b, inp))
     vision = vision_activation(cfg, b, inp.max_images, inp.max_pixels, max_len)
     if vision is not None:   # the LM's step holds the encoder outputs; the vision pass peaks on its own
         out["lm_activation_bytes"] = out["activation_bytes"]
         out["vision"] = vision
         out["activation_bytes"] = max(out["activation_bytes"] + vision["encoder_output_bytes"], vision["peak_bytes"])
     return out
+
+
+def _pipeline_stage(shape: Shape, kv_heads_per_gpu: int, kv_b: int, layer_bytes: int, b: int, inp: PlanInputs
+                    ) -> dict[str, Any]:
+    """pipeline_parallel_size as the engine runs it (vLLM's layer split, distributed/config.get_pp_indices): a GPU
+    holds its stage's decoder layers (``layer_bytes`` each, over tp) and their KV, stage 0 the embedding and the
+    last stage the lm_head (a tied one as a copy): the largest stage with one vocab x hidden matrix bounds them all
+    (the engine takes the smallest KV capacity over its GPUs)."""
+    from hayabusa.distributed.config import get_pp_indices
+
+    stage_layers = max(e - s for s, e in (get_pp_indices(shape.layers, r, inp.pp) for r in range(inp.pp)))
+    weights = (stage_layers * layer_bytes + shape.vocab * shape.hidden * b) // inp.tp
+    return {"stage_layers": stage_layers, "weight_bytes_per_gpu": weights, "gpu_weight_bytes": weights,
+            "kv_bytes_per_token_per_gpu": kv_bytes_per_token(stage_layers, kv_heads_per_gpu, shape.head_dim, kv_b)}
 
 
 def _offload(shape: Shape, params: dict[str, int], linear_bytes: float, b: int, inp: PlanInputs) -> dict[str, Any]:
@@ -379,6 +397,7 @@ def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib:
     if inp.tp < 1 or inp.block_size < 1 or inp.max_num_seqs < 1:
         raise HayabusaValidationError("tp, block_size and max_num_seqs must be positive.", parameter="tp",
                                       value=inp.tp)
+    _check_pipeline(cfg, inp)
     sizes = _sizes(cfg, inp)
     name, total = gpu_memory_bytes(gpu, gpu_memory_gib)
     plan: dict[str, Any] = {"model": model, **sizes, "gpu": name}
@@ -392,6 +411,22 @@ def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib:
     plan["advice"] = advice(cfg, inp, plan) if total else []
     plan["notes"] = _notes(plan)
     return plan
+
+
+def _check_pipeline(cfg: Any, inp: PlanInputs) -> None:
+    """What the engine refuses of pipeline_parallel_size, the plan refuses too, by name (the same rule)."""
+    from hayabusa.distributed.config import pp_refusal
+
+    if not isinstance(inp.pp, int) or inp.pp < 1:
+        raise HayabusaValidationError("pipeline_parallel_size must be a positive integer.",
+                                      parameter="pipeline_parallel_size", value=inp.pp)
+    shape = model_shape(cfg)
+    why = pp_refusal(shape.architecture, shape.layers, inp.pp)
+    if why is None and inp.pp > 1 and inp.cpu_offload_gb:
+        why = "cpu_offload_gb with pipeline stages is not supported (each stage holds only its layers already)."
+    if why is not None:
+        raise HayabusaValidationError(f"pipeline_parallel_size={inp.pp}: {why}", parameter="pipeline_parallel_size",
+                                      value=inp.pp)
 
 
 def _notes(plan: dict[str, Any]) -> list[str]:
@@ -413,6 +448,11 @@ def _notes(plan: dict[str, Any]) -> list[str]:
     if plan["tp"] > 1:
         notes.append("tensor parallelism is planned per GPU (weights / tp, KV heads / tp, at least one KV head "
                      "per GPU), as hayabusa's tensor_parallel_size runs it.")
+    if plan["pp"] > 1:
+        notes.append(f"pipeline parallelism is planned per GPU for the largest of {plan['pp']} stages "
+                     f"({plan['stage_layers']} of {plan['layers']} decoder layers and their KV, plus one vocab x "
+                     "hidden matrix: the embedding on stage 0, the lm_head on the last), as hayabusa's "
+                     "pipeline_parallel_size runs it; the engine takes the smallest KV capacity over the GPUs.")
     if plan["cpu_offload_gb"]:
         notes.append(f"cpu_offload_gb={plan['cpu_offload_gb']}: {plan['offloaded_layers']} of {plan['layers']} "
                      f"decoder layers ({_gib(plan['offloaded_bytes'])}) live in pinned CPU memory and stream to the "
@@ -456,7 +496,7 @@ def _loads(sizes: dict[str, Any], total: int) -> bool:
 def _offload_that_fits(cfg: Any, inp: PlanInputs, total: int) -> int | None:
     """The smallest whole number of GiB of cpu_offload_gb with which one max_model_len sequence fits, if any (and
     if the whole model fits on the GPU while it loads: the engine offloads after loading)."""
-    if inp.cpu_offload_gb or inp.tp > 1 or model_shape(cfg).encoder_layers or not _loads(_sizes(cfg, inp), total):
+    if inp.cpu_offload_gb or inp.tp > 1 or inp.pp > 1 or model_shape(cfg).encoder_layers or not _loads(_sizes(cfg, inp), total):
         return None
     for gb in range(1, int(_sizes(cfg, inp)["weight_bytes"] // GiB) + 2):
         if _with(cfg, inp, total, cpu_offload_gb=gb)["fits"]:
@@ -549,7 +589,8 @@ def format_plan(plan: dict[str, Any]) -> str:
              + (f", vision ~{_count(pb['vision'])}" if pb["vision"] else "") + ")",
              f"  weights         {_gib(p['weight_bytes'])}  ({p['dtype']}"
              + (f"; linear weights at {p['weight_bits']:.2f} bits ({p['quantization']})" if p["quantization"] else "")
-             + (f"; {_gib(p['weight_bytes_per_gpu'])} per GPU at tp={p['tp']}" if p["tp"] > 1 else "") + ")",
+             + (f"; {_gib(p['weight_bytes_per_gpu'])} per GPU at tp={p['tp']}, pp={p['pp']}"
+                if p["tp"] > 1 or p["pp"] > 1 else "") + ")",
              f"  KV per token    {p['kv_bytes_per_token']:,} bytes  ({p['kv_formula']})",
              f"  max_model_len   {p['max_model_len']:,}   max_num_seqs {p['max_num_seqs']}   "
              f"max_num_batched_tokens {p['max_num_batched_tokens']}"]

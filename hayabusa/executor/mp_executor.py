@@ -1,11 +1,13 @@
-"""MultiprocExecutor: tensor_parallel_size worker processes on this machine, driven like a ModelRunner.
+"""MultiprocExecutor: tensor_parallel_size x pipeline_parallel_size worker processes on this machine, driven like a
+ModelRunner.
 
 The scheduler stays in the engine process. Every worker (rank 0 included) is a spawned process that owns its
 model shard and KV-cache shard: the engine process then holds no device memory and no process group, and one
 rule covers every rank's failure (a dead or failing rank 0 is found like any other). Each step's SchedulerOutput
-is pickled once and the same bytes written to every worker's pipe; only rank 0 answers with the sampled tokens
-(every rank samples the same tokens from the same all-gathered logits and seeded generators, so the others'
-states agree without a reply).
+is pickled once and the same bytes written to every worker's pipe; only the driver rank (the last pipeline stage's
+tp rank 0; rank 0 without stages) answers with the sampled tokens (the last stage's ranks sample the same tokens
+from the same all-gathered logits and seeded generators; the earlier stages get them by a broadcast within the
+step, so every rank's state agrees without a reply).
 
 Failures surface as WorkerError in the caller: a worker that exits (killed, crashed) is seen through its process
 sentinel at once, one that raises sends its traceback, one that does not answer the start within
@@ -90,6 +92,7 @@ class MultiprocExecutor(ExecutorBase):
 
         self.config = config
         self.world_size = config.parallel_config.world_size
+        self.driver_rank = config.parallel_config.driver_rank   # the last pipeline stage's tp rank 0
         self.device = config.device_config.device
         self._seq = 0
         self._dead: str | None = None
@@ -196,10 +199,10 @@ class MultiprocExecutor(ExecutorBase):
         return RemoteStep(handle.seq)
 
     def finish(self, handle: RemoteStep) -> Any:
-        """Rank 0's ModelRunnerOutput of the step (answers of earlier, forgotten steps are skipped)."""
+        """The driver rank's ModelRunnerOutput of the step (answers of earlier, forgotten steps are skipped)."""
         self._check_alive()
         while True:
-            for _, msg in self._recv(0, self.step_timeout):
+            for _, msg in self._recv(self.driver_rank, self.step_timeout):
                 if msg[1] == handle.seq:
                     return msg[2]
 

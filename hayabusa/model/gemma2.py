@@ -23,6 +23,7 @@ from hayabusa.errors import UnsupportedModelError
 from hayabusa.model.layers.activation import gelu_tanh_and_mul
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import GemmaRMSNorm, norm_first
+from hayabusa.model.layers.pipeline import IntermediateTensors
 from hayabusa.model.layers.rotary import RotaryEmbedding
 from hayabusa.model.llama import MERGED_QKV_GATE_UP, LlamaAttention
 
@@ -104,6 +105,8 @@ class Gemma2ForCausalLM(nn.Module):
         self.model.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, i, rotary, dtype, device)
                                           for i in range(cfg.num_hidden_layers))
         self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        # a pipeline stage's layers (model/layers/pipeline.py sets them; the whole stack by default)
+        self.model.start_layer, self.model.end_layer, self.model.last_stage = 0, cfg.num_hidden_layers, True
         # HF multiplies by sqrt(hidden) held as a tensor of the model dtype (bf16: sqrt(3584) = 59.87 -> 60.0)
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype))
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
@@ -111,12 +114,19 @@ class Gemma2ForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype,
                                                                     device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids) * self.embed_scale       # [T, hidden]
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(positions, x, residual, ctx)
-        x, _ = self.model.norm(x, residual)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                intermediate: IntermediateTensors | None = None):
+        """hidden [T, hidden] after the final norm (a pipeline stage: see model/layers/pipeline.py)."""
+        m = self.model
+        if intermediate is None:
+            x, residual = m.embed_tokens(input_ids) * self.embed_scale, None   # [T, hidden]
+        else:                                                           # the previous pipeline stage's output
+            x, residual = intermediate.hidden, intermediate.residual
+        for i in range(m.start_layer, m.end_layer):
+            x, residual = m.layers[i](positions, x, residual, ctx)
+        if not m.last_stage:
+            return IntermediateTensors(x, residual)
+        x, _ = m.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

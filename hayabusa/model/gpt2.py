@@ -21,6 +21,7 @@ from hayabusa.model.layers.activation import get_act_fn
 from hayabusa.model.layers.attention import Attention
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import LayerNorm, norm_first
+from hayabusa.model.layers.pipeline import IntermediateTensors
 
 
 class Conv1DLinear(Linear):
@@ -86,12 +87,19 @@ class GPT2Model(nn.Module):
         self.wpe.weight.requires_grad_(False)
         self.h = nn.ModuleList(GPT2Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
         self.ln_f = LayerNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype, device)
+        # a pipeline stage's layers (model/layers/pipeline.py sets them; the whole stack by default)
+        self.start_layer, self.end_layer, self.last_stage = 0, cfg.num_hidden_layers, True
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)                   # [T, hidden]
-        residual = None
-        for block in self.h:
-            x, residual = block(x, residual, ctx)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                intermediate: IntermediateTensors | None = None):
+        if intermediate is None:
+            x, residual = self.wte(input_ids) + self.wpe(positions), None   # [T, hidden]
+        else:                                                           # the previous pipeline stage's output
+            x, residual = intermediate.hidden, intermediate.residual
+        for i in range(self.start_layer, self.end_layer):
+            x, residual = self.h[i](x, residual, ctx)
+        if not self.last_stage:
+            return IntermediateTensors(x, residual)
         x, _ = self.ln_f(x, residual)
         return x
 
@@ -113,8 +121,10 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, [cfg.vocab_size], False, dtype,
                                                                     device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.transformer(input_ids, positions, ctx)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                intermediate: IntermediateTensors | None = None):
+        """hidden [T, hidden] after ln_f (a pipeline stage: see model/layers/pipeline.py)."""
+        return self.transformer(input_ids, positions, ctx, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in the model dtype."""

@@ -17,6 +17,7 @@ from hayabusa.model.layers.activation import silu_and_mul
 from hayabusa.model.layers.attention import Attention
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import RMSNorm, norm_first
+from hayabusa.model.layers.pipeline import IntermediateTensors
 from hayabusa.model.layers.rotary import RotaryEmbedding
 
 
@@ -103,16 +104,22 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, arch, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        # a pipeline stage's layers (model/layers/pipeline.py sets them; the whole stack by default)
+        self.start_layer, self.end_layer, self.last_stage = 0, cfg.num_hidden_layers, True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                aux_layers: tuple[int, ...] | None = None):
-        x = self.embed_tokens(input_ids)                                # [T, hidden]
-        residual = None
+                aux_layers: tuple[int, ...] | None = None, intermediate: IntermediateTensors | None = None):
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None            # [T, hidden]
+        else:                                                           # the previous pipeline stage's output
+            x, residual = intermediate.hidden, intermediate.residual
         aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i in range(self.start_layer, self.end_layer):
             if aux_layers is not None and i in aux_layers:   # the residual stream entering layer i
                 aux[i] = x if residual is None else x + residual
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = self.layers[i](positions, x, residual, ctx)
+        if not self.last_stage:
+            return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         if aux_layers is not None:
             return x, [aux[i] for i in aux_layers]
@@ -153,11 +160,12 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                aux_layers: tuple[int, ...] | None = None):
+                aux_layers: tuple[int, ...] | None = None, intermediate: IntermediateTensors | None = None):
         """hidden [T, hidden] after the final norm; with ``aux_layers`` (EAGLE-3's target layer ids, each in
         [0, num_layers)) also the residual stream entering each of those layers: (hidden, [[T, hidden], ...] in
-        ``aux_layers`` order)."""
-        return self.model(input_ids, positions, ctx, aux_layers)
+        ``aux_layers`` order). A pipeline stage (model/layers/pipeline.py) starts from ``intermediate`` after
+        stage 0 and returns an IntermediateTensors before the last stage."""
+        return self.model(input_ids, positions, ctx, aux_layers, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in the model dtype."""

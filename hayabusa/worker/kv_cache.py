@@ -74,10 +74,12 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
     return int(num_blocks)
 
 
-def allocate_kv_caches(cfg: EngineConfig, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_caches(cfg: EngineConfig, num_blocks: int, first_layer: int = 0
+                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, H_kv, D] in the cache dtype (the model dtype,
-    or float8_e4m3fn / float8_e5m2), zeroed."""
+    or float8_e4m3fn / float8_e5m2), zeroed. A pipeline stage's config counts its own ``num_layers`` only, which
+    start at decoder layer ``first_layer``: the list is indexed by the global layer index, None before them."""
     mc = cfg.model_config
     shape = (mc.num_layers, 2, num_blocks, cfg.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
     buf = torch.zeros(shape, dtype=kv_cache_dtype(cfg), device=cfg.device_config.device)
-    return [(buf[i, 0], buf[i, 1]) for i in range(mc.num_layers)]
+    return [None] * first_layer + [(buf[i, 0], buf[i, 1]) for i in range(mc.num_layers)]

@@ -23,7 +23,9 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.config import EngineConfig
 from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
-from hayabusa.distributed.parallel_state import tp_rank, tp_size
+from hayabusa.distributed.config import get_pp_indices
+from hayabusa.distributed.parallel_state import broadcast_from_last_stage, pp_rank, pp_size, tp_rank, tp_size
+from hayabusa.model.layers.pipeline import run_stage
 from hayabusa.model.layers.tensor_parallel import build_sharded_model
 from hayabusa.model.loader import build_model
 from hayabusa.sample.bitmask import apply_token_bitmask
@@ -70,6 +72,7 @@ class StepHandle:
     epochs: np.ndarray | None = None      # [R_s] int64, those rows' owners (InputBatch.row_epoch) at launch
     num_logprobs: list[int] | None = None  # [R_s] each sampled request's logprobs (-1 = none)
     prompt_logprobs: PromptLogprobsPending | None = None   # copied with the step's sync
+    received: Any = None                  # a pipeline stage before the last: the broadcast of `ids` (a Work)
 
 
 @dataclass
@@ -124,8 +127,14 @@ class ModelRunner:
         self.block_size = cfg.cache_config.block_size
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
-        self.model = build_model(mc, self.device) if tp_size() == 1 else build_sharded_model(
-            mc, self.device, tp_rank(), tp_size())   # a tensor-parallel worker keeps its shard only
+        # a pipeline stage (pipeline_parallel_size > 1) holds decoder layers [first_layer, end) only, and their KV
+        self.pipeline = pp_size() > 1
+        self.first_layer, stage = 0, None
+        if self.pipeline:
+            start, end = get_pp_indices(mc.hf_config.num_hidden_layers, pp_rank(), pp_size())
+            self.first_layer, stage = start, (start, end, pp_rank() == 0, pp_rank() == pp_size() - 1)
+        self.model = build_model(mc, self.device) if tp_size() == 1 and stage is None else build_sharded_model(
+            mc, self.device, tp_rank(), tp_size(), stage)   # a worker keeps its stage's layers, its shard of them
         # cpu_offload_gb: chosen layers' weights to CPU memory, streamed back each forward through a GPU ring (hooks
         # on the layers; before the KV profile, so the cache sizing sees the freed weights and the ring)
         self.offloader = maybe_offload(self.model, cfg, self.device)
@@ -163,7 +172,7 @@ class ModelRunner:
             self.encdec = EncoderDecoderRunner(self.model, self.block_size, self.max_num_reqs, self.max_num_tokens,
                                                sc.max_model_len, self.device)
         self._alloc_staging_buffers()
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []   # by layer; None: another stage's
         self.num_blocks = 0
         self.num_cpu_blocks = 0
         self.graphs = None
@@ -191,12 +200,14 @@ class ModelRunner:
                 return torch.empty(n, dtype=dtype, pin_memory=True)
 
             # Two sets, alternating per step: with async scheduling step N+1 is prepared while step N's copies
-            # may still be queued.
+            # may still be queued. A pipeline stage has up to pipeline_parallel_size steps in flight: one set each
+            # (its step's event is waited for before the set comes round again: launch / worker.EarlierStage).
+            self._staging_index = 0
             self._staging_sets = [
                 {"input_ids": pinned(T, torch.int64), "positions": pinned(T, torch.int64),
                  "slot_mapping": pinned(T, torch.int64), "query_start_loc": pinned(R + 1, torch.int32),
                  "seq_lens": pinned(R, torch.int32), "block_table": pinned(R * self.max_blocks_per_req, torch.int32),
-                 "sampled": pinned(R, torch.int64)} for _ in range(2)]
+                 "sampled": pinned(R, torch.int64)} for _ in range(max(2, pp_size()))]
             spec = self.cfg.speculative_config
             if spec is not None:   # a verify step's emitted tokens, [R, k + 1]
                 for st in self._staging_sets:
@@ -223,21 +234,23 @@ class ModelRunner:
         tensor-parallel worker is given the minimum over its ranks of each) and allocate the KV cache and its CPU
         tier, capture CUDA graphs. Returns num_blocks."""
         self.num_blocks = self.profile_num_blocks() if num_blocks is None else num_blocks
-        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks)
+        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, self.first_layer)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks)
         self.kv_swapper = None   # the KV cache's CPU tier (swap_space): copies the scheduler's swap lists
         self.num_cpu_blocks = self.profile_num_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
         if self.num_cpu_blocks:   # the draft's cache shares the target's block ids: its blocks move with them
-            caches = [self.kv_caches] + ([self.draft.kv_caches] if self.draft is not None else [])
+            caches = [[c for c in self.kv_caches if c is not None]] + (
+                [self.draft.kv_caches] if self.draft is not None else [])
             self.kv_swapper = KVSwapper(caches, self.num_cpu_blocks)
         if self.device.type == "cuda":
-            from hayabusa.worker.cuda_graph import CUDAGraphRunner
+            if not self.pipeline:   # a pipeline stage runs eagerly (its send / recv are outside any graph)
+                from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
-            self.decode_runner = CUDAGraphRunner(self, use_graphs=not self.cfg.enforce_eager)  # reads self.buffers
-            if self.decode_runner.use_graphs:
-                self.decode_runner.capture()
-                self.graphs = self.decode_runner
+                self.decode_runner = CUDAGraphRunner(self, use_graphs=not self.cfg.enforce_eager)  # reads buffers
+                if self.decode_runner.use_graphs:
+                    self.decode_runner.capture()
+                    self.graphs = self.decode_runner
             self._warm_up_prefill_attention()
             if self.encdec is not None:
                 self.encdec.warm_up_prefill(self.kv_caches, self.backend, self.buffers)
@@ -288,12 +301,21 @@ class ModelRunner:
             self.mm.profile(self.cfg)
         T = self.max_num_tokens
         ctx = ForwardContext(None, None, self.backend)
-        hidden = self.model(self.buffers.input_ids[:T], self.buffers.positions[:T], ctx)
-        idx = torch.arange(min(self.max_num_reqs, T), device=self.device)
-        logits = self.model.compute_logits(hidden[idx]).float()
-        # The sampler's top-p/top-k path sorts the fp32 logits: keep that peak in the profile.
-        torch.sort(logits, dim=-1)
-        del hidden, logits
+        kwargs = {}
+        if self.pipeline and pp_rank() > 0:   # no peer to receive from here: zeros of the stage's input shape
+            from hayabusa.model.layers.pipeline import IntermediateTensors
+
+            z = torch.zeros(T, self.cfg.model_config.hidden_size, dtype=self.cfg.model_config.dtype,
+                            device=self.device)
+            kwargs["intermediate"] = IntermediateTensors(z, z.clone())
+        hidden = self.model(self.buffers.input_ids[:T], self.buffers.positions[:T], ctx, **kwargs)
+        if not self.pipeline or pp_rank() == pp_size() - 1:
+            idx = torch.arange(min(self.max_num_reqs, T), device=self.device)
+            logits = self.model.compute_logits(hidden[idx]).float()
+            # The sampler's top-p/top-k path sorts the fp32 logits: keep that peak in the profile.
+            torch.sort(logits, dim=-1)
+            del logits
+        del hidden, kwargs
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -328,7 +350,8 @@ class ModelRunner:
         if out.blocks_to_swap_out or out.blocks_to_swap_in:   # before the forward (worker/kv_swap.py)
             self.kv_swapper.execute(out.blocks_to_swap_out, out.blocks_to_swap_in)
         if self.staging is not None:
-            self.staging = self._staging_sets[1] if self.staging is self._staging_sets[0] else self._staging_sets[0]
+            self._staging_index = (self._staging_index + 1) % len(self._staging_sets)
+            self.staging = self._staging_sets[self._staging_index]
         inp = self.prepare_inputs(out)
         if self.encdec is not None:   # encoders of admitted / resumed requests, then the cross metadata
             self.encdec.run_encoders(out, self.kv_caches, self.backend)
@@ -339,9 +362,15 @@ class ModelRunner:
         logits = self._run_model(inp)                       # [R_s, V]
         if out.structured_output_req_ids and out.grammar_bitmask is None:
             return PendingSample(inp, logits, out)
-        if out.grammar_bitmask is not None:
+        if out.grammar_bitmask is not None and logits is not None:
             self._apply_grammar_bitmask(out.structured_output_req_ids, out.grammar_bitmask, inp, logits)
-        return self._with_prompt_logprobs(self._sample(inp, logits), inp)
+        handle = self._with_prompt_logprobs(self._sample(inp, logits), inp)
+        if self.pipeline and handle.event is None and self.staging is not None:
+            # a stage before the last (or a step that samples nothing): finish still waits for this step's work,
+            # so its staging set is free once the step is finished
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        return handle
 
     @torch.inference_mode()
     def sample_tokens(self, pending: PendingSample, bitmask: np.ndarray | None) -> StepHandle:
@@ -410,6 +439,9 @@ class ModelRunner:
         them as host lists."""
         if handle.event is not None:
             handle.event.synchronize()
+        if handle.received is not None:   # a pipeline stage before the last: the last stage's tokens
+            handle.received.wait()
+            handle.received, handle.ids = None, handle.ids.cpu()
         prompt_lps = handle.prompt_logprobs.as_lists() if handle.prompt_logprobs is not None else {}
         if handle.ids is None:
             return ModelRunnerOutput({rid: [] for rid in handle.req_ids}, prompt_logprobs=prompt_lps)
@@ -599,12 +631,18 @@ class ModelRunner:
                              None if self.encdec is None else self.encdec.metadata(T))
         if inp.mm is not None:   # image rows into the input embeddings, [3, T] M-RoPE positions
             hidden = inp.mm.run(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
+        elif self.pipeline:      # this stage's layers between a recv and a send (None before the last stage)
+            mc = self.cfg.model_config
+            hidden = run_stage(self.model, buf.input_ids[:T], buf.positions[:T], ctx, mc.hidden_size, mc.dtype)
         else:
             hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)       # [T, hidden]
         return self._logits(inp, hidden)                                            # [R_s, V]
 
-    def _logits(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
-        """The step's prompt logprobs (when asked) and the logits of its sampling rows ([R_s, V]) from hidden states."""
+    def _logits(self, inp: StepInputs, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's prompt logprobs (when asked) and the logits of its sampling rows ([R_s, V]) from hidden states
+        (None before the last pipeline stage: no logits there)."""
+        if hidden is None:
+            return None
         if inp.prompt_logprobs is not None:
             inp.prompt_logprobs_out = compute_prompt_logprobs(
                 hidden, inp.prompt_logprobs, self.model.compute_logits, min(CHUNK_ROWS, self.max_num_reqs),
@@ -614,15 +652,16 @@ class ModelRunner:
         idx = torch.from_numpy(inp.logits_indices).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[idx])
 
-    def _sample(self, inp: StepInputs, logits: torch.Tensor) -> StepHandle:
-        """Sample on the device and queue the copy of the tokens to the host (no wait here)."""
+    def _sample(self, inp: StepInputs, logits: torch.Tensor | None) -> StepHandle:
+        """Sample on the device and queue the copy of the tokens to the host (no wait here). Pipeline stages:
+        the last stage samples and broadcasts the tokens; the earlier ones (``logits`` None) receive them."""
         if len(inp.logits_rows) == inp.num_reqs:  # every request samples (decode)
             rids, rows = inp.req_ids, inp.rows
         else:
             rids, rows = [inp.req_ids[i] for i in inp.logits_rows.tolist()], inp.rows[inp.logits_rows]
         self._prev_sample_index.fill(-1)
         self._prev_sample_index[rows] = np.arange(len(rows))
-        if logits.shape[0] == 0:
+        if len(rows) == 0:
             self._prev_sampled = None
             self._eagle_mirror(inp, None)
             return StepHandle(inp.req_ids, [], None, None, None)
@@ -634,8 +673,14 @@ class ModelRunner:
             ids, lp = verify(lambda lg, r, n: self._sample_one(inp, lg, r, n), batch, rows, num_output, inp.spec,
                              logits)
             self._prev_sample_index.fill(-1)
+        elif logits is None:    # an earlier pipeline stage: the last stage's tokens, received by finish
+            ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            self._prev_sampled = None   # no placeholder reads them (the scheduler waits for pipelined samples)
+            return StepHandle(inp.req_ids, rids, ids, None, None, rows, batch.row_epoch[rows].copy(),
+                              received=broadcast_from_last_stage(ids, async_op=True))
         else:
             ids, lp = self._sample_one(inp, logits, rows, num_output)
+            ids = broadcast_from_last_stage(ids)   # pipeline stages only: the earlier stages' inputs
         self._prev_sampled = ids                               # [R_s] int64, read by the next step's placeholders
         self._eagle_mirror(inp, ids)
         handle = StepHandle(inp.req_ids, rids, ids, None, lp, rows, batch.row_epoch[rows].copy(),

@@ -158,3 +158,23 @@ def test_token_of_a_request_stopped_in_between_is_dropped():
     assert a.status == RequestStatus.FINISHED_STOPPED
     assert s.update_from_output(out1, {"a": [5]}) == []
     assert a.output_token_ids == [2]
+
+
+def test_pipeline_depth_schedules_disjoint_sampling_requests():
+    """pipeline_depth 2 (two pipeline stages): a request whose sampled token is still in flight waits for it, so
+    the next step in flight takes other requests; a prompt chunk (nothing sampled) may follow in the next step."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, pipeline_depth=2)
+    s = Scheduler(cfg, KVCacheManager(16, 4))
+    a, b = req("a", 3), req("b", 9)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()                           # a's whole prompt (samples), b's first 5-token chunk
+    assert first.num_scheduled_tokens == {"a": 3, "b": 5} and a.num_output_placeholders == 1
+    second = s.schedule()                          # in flight with the first: a waits, b's chunk goes on
+    assert second.num_scheduled_tokens == {"b": 4} and b.num_output_placeholders == 1
+    assert s.schedule().is_empty                   # both wait for their tokens
+    s.update_from_output(first, {"a": [7], "b": []})
+    third = s.schedule()                           # a is back; b still waits
+    assert third.num_scheduled_tokens == {"a": 1}
+    s.update_from_output(second, {"b": [8]})
+    assert s.schedule().num_scheduled_tokens == {"b": 1}

@@ -31,7 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True, n=2, seed=7)
 
 
-def _build(arch: str, out) -> str:
+def _build(arch: str, out, num_layers: int = 2) -> str:
     import transformers as tf
 
     tok_name = {"gpt2": "gpt2", "qwen2": "qwen3", "qwen3": "qwen3", "llama": "llm-jp-v3.1",
@@ -39,11 +39,11 @@ def _build(arch: str, out) -> str:
     tok = tf.AutoTokenizer.from_pretrained(str(require_asset(TOKENIZERS / tok_name)))
     ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                initializer_range=0.2)
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
                   max_position_embeddings=256, **ids)
     torch.manual_seed(0)
     if arch == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **ids))
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=num_layers, n_head=4, n_positions=256, **ids))
     elif arch == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=1, tie_word_embeddings=False))
     elif arch == "qwen2":

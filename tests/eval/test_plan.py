@@ -228,3 +228,31 @@ def test_cpu_offload_gb_by_hand(capsys):
     assert json.loads(capsys.readouterr().out)["offloaded_layers"] == 17
     assert main(["plan", "--model", "qwen2.5-7b-shape", "--cpu-offload-gb", "-1"]) == 2
     assert "cpu_offload_gb" in capsys.readouterr().err
+
+
+def test_pipeline_parallel_plans_the_largest_stage_and_refuses_as_the_engine(capsys):
+    """qwen2.5-7b-shape over 2 stages: 14 of 28 decoder layers per GPU (466,115,584 bytes each in bf16, see
+    test_cpu_offload_gb_by_hand) and one 152064 x 3584 bf16 matrix (embedding / lm_head), half the KV per token;
+    more stages than layers and cpu_offload_gb refused by name, by the engine's own rule."""
+    from hayabusa.distributed.config import get_pp_indices, pp_refusal
+    from hayabusa.entrypoints.cli import main
+    from hayabusa.errors import HayabusaValidationError
+
+    cfg = load_config("qwen2.5-7b-shape")
+    base = make_plan(cfg, PlanInputs(), gpu="H200")
+    pp2 = make_plan(cfg, PlanInputs(pp=2), gpu="H200")
+    assert [get_pp_indices(28, r, 2) for r in range(2)] == [(0, 14), (14, 28)]
+    assert pp2["weight_bytes_per_gpu"] == pp2["gpu_weight_bytes"] == 14 * 466_115_584 + 152064 * 3584 * 2
+    assert pp2["kv_bytes_per_token_per_gpu"] == base["kv_bytes_per_token"] // 2
+    assert pp2["max_num_tokens"] > 2 * base["max_num_tokens"] and any("largest of 2 stages" in n for n in pp2["notes"])
+    pp3 = make_plan(cfg, PlanInputs(pp=3, tp=2), gpu="H200")   # 28 = 9 + 10 + 9: the middle stage, over 2 GPUs
+    assert pp3["stage_layers"] == 10 and pp3["weight_bytes_per_gpu"] == (10 * 466_115_584 + 152064 * 3584 * 2) // 2
+    assert pp_refusal("Qwen2ForCausalLM", 28, 29) is not None
+    for inputs in (PlanInputs(pp=29), PlanInputs(pp=2, cpu_offload_gb=1)):
+        with pytest.raises(HayabusaValidationError) as e:
+            make_plan(cfg, inputs, gpu="H200")
+        assert e.value.parameter == "pipeline_parallel_size"
+    assert main(["plan", "--model", "qwen2.5-7b-shape", "--gpu", "H200", "-pp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stage_layers"] == 14
+    assert main(["plan", "--model", "qwen2.5-7b-shape", "--pipeline-parallel-size", "29"]) == 2
+    assert "pipeline_parallel_size" in capsys.readouterr().err

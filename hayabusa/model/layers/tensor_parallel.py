@@ -140,15 +140,14 @@ def shard_model(model: nn.Module, rank: int, tp: int) -> nn.Module:
             _shard_mlp(mod.gate_up_proj, mod.down_proj, rank, tp, gated=True)
         elif hasattr(mod, "c_fc") and hasattr(mod, "c_proj"):
             _shard_mlp(mod.c_fc, mod.c_proj, rank, tp, gated=False)
-    vocab = None
-    for parent in list(model.modules()):
+    vocab = model.config.vocab_size   # the embedding's and the lm_head's rows
+    for parent in list(model.modules()):   # a pipeline stage after the first may hold no token embedding
         for name in ("embed_tokens", "wte"):
             emb = getattr(parent, name, None)
             if isinstance(emb, nn.Embedding):
-                vocab = emb.num_embeddings
+                assert emb.num_embeddings == vocab, (emb.num_embeddings, vocab)
                 setattr(parent, name, VocabParallelEmbedding(emb.weight.data, rank, tp))
-    assert vocab is not None, "no token embedding found to shard"
-    if getattr(model, "lm_head", None) is not None:
+    if isinstance(getattr(model, "lm_head", None), Linear):   # not before the last pipeline stage
         _vocab_rows(model.lm_head, rank, tp)
     local_logits = model.compute_logits
 
@@ -160,10 +159,15 @@ def shard_model(model: nn.Module, rank: int, tp: int) -> nn.Module:
     return model
 
 
-def build_sharded_model(model_config, device: torch.device, rank: int, tp: int) -> nn.Module:
-    """Load the checkpoint on the host, keep rank ``rank``'s slice, move only that to ``device`` (a GPU never
-    holds more than its shard; the host holds one full copy per rank while loading)."""
+def build_sharded_model(model_config, device: torch.device, rank: int, tp: int,
+                        stage: tuple[int, int, bool, bool] | None = None) -> nn.Module:
+    """Load the checkpoint on the host, keep pipeline ``stage``'s layers (``(start, end, first, last)``,
+    model/layers/pipeline.py; None: all) and rank ``rank``'s slice of them, move only that to ``device`` (a GPU
+    never holds more than its shard; the host holds one full copy per rank while loading)."""
+    from hayabusa.model.layers.pipeline import stage_model
     from hayabusa.model.loader import build_model
 
-    model = shard_model(build_model(model_config, torch.device("cpu")), rank, tp)
-    return model.to(device)
+    model = build_model(model_config, torch.device("cpu"))
+    if stage is not None:
+        model = stage_model(model, *stage)
+    return shard_model(model, rank, tp).to(device)
