@@ -55,7 +55,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))   # PYTHONPATH first: another checkout of hayabusa can be measured
+
+clock = time.perf_counter   # --clock cpu: time.thread_time (steadier on a shared machine; the wait is then ~0)
 
 PHASES = ("schedule", "sched_out", "inputs", "swap", "forward", "sample", "wait", "finish", "update", "output",
           "engine", "llm", "total")
@@ -106,12 +108,12 @@ class PhaseTimer:
         @functools.wraps(fn)
         def timed(*a, **kw):
             before = sum(timer.cur.get(s, 0.0) for s in sub)
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return fn(*a, **kw)
             finally:
                 inner = sum(timer.cur.get(s, 0.0) for s in sub) - before
-                timer.add(key, time.perf_counter() - t0 - inner)
+                timer.add(key, clock() - t0 - inner)
 
         self.patch(obj, name, timed)
 
@@ -147,10 +149,10 @@ def instrument(llm, timer: PhaseTimer) -> None:
     finish = runner.finish
 
     def finish_with_wait(handle):
-        t0 = time.perf_counter()
+        t0 = clock()
         if getattr(handle, "event", None) is not None:
             handle.event.synchronize()
-        timer.add("wait", time.perf_counter() - t0)
+        timer.add("wait", clock() - t0)
         return finish(handle)
 
     timer.patch(runner, "finish", finish_with_wait)
@@ -162,13 +164,13 @@ def instrument(llm, timer: PhaseTimer) -> None:
 
     def timed_step():
         timer.cur = {}
-        t0 = time.perf_counter()
+        t0 = clock()
         outs = step()
-        total = time.perf_counter() - t0
+        total = clock() - t0
         rec = dict(timer.cur)
         rec["engine"] = total - sum(rec.get(p, 0.0) for p in inner)   # (gc is inside the phases)
         rec["step_wall"] = total
-        rec["t_end"] = time.perf_counter()
+        rec["t_end"] = clock()
         rec["R"], rec["T"] = last_sched.get("R", 0), last_sched.get("T", 0)
         rec["F"] = sum(1 for o in outs if o.finished)
         timer.records.append(rec)
@@ -216,18 +218,18 @@ def run_once(llm, ns, batch: int, seed: int, device_is_cpu: bool, profile: cProf
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
-            gc_state[0] = time.perf_counter()
+            gc_state[0] = clock()
         else:
-            timer.add("gc", time.perf_counter() - gc_state[0])
+            timer.add("gc", clock() - gc_state[0])
 
     gc.callbacks.append(on_gc)
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         if profile is not None:
             outs = profile.runcall(llm.generate, prompts, params, use_tqdm=False)
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        wall = clock() - t0
     finally:
         timer.unwrap()
         gc.callbacks.remove(on_gc)
@@ -262,7 +264,8 @@ def bench_model(model: str, label: str, ns) -> list[dict]:
     for batch in ns.batch:
         llm = LLM(model, device=ns.device, max_num_seqs=batch, max_model_len=ns.prompt_len + ns.max_tokens + 16,
                   max_num_batched_tokens=max(batch * ns.prompt_len, 2048), enforce_eager=ns.enforce_eager,
-                  gpu_memory_utilization=ns.gpu_memory_utilization)
+                  gpu_memory_utilization=ns.gpu_memory_utilization,
+                  **({} if ns.swap_space is None else {"swap_space": ns.swap_space}))
         dev_cpu = llm.llm_engine.runner.device.type == "cpu"
         if ns.fake_forward:
             fake_forward(llm.llm_engine.runner, batch)
@@ -274,7 +277,8 @@ def bench_model(model: str, label: str, ns) -> list[dict]:
             rows.append(run_once(llm, ns, batch, seed=r, device_is_cpu=dev_cpu, profile=prof))
         med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
         rec = {"model": label, "batch": batch, "device": str(llm.llm_engine.runner.device),
-               "fake_forward": ns.fake_forward,
+               "fake_forward": ns.fake_forward, "clock": ns.clock, "swap_space": ns.swap_space,
+               "hayabusa": str(Path(sys.modules["hayabusa"].__file__).parent),
                "prompt_len": ns.prompt_len, "max_tokens": ns.max_tokens, "repeats": ns.repeats,
                "us_per_step": med, "us_per_req_per_step": {k: v / batch for k, v in med.items()
                                                            if k not in ("steps", "generate_s") and not k.startswith("end_")},
@@ -317,15 +321,23 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--swap-space", type=float, default=None,
+                   help="GiB of the KV cache's CPU tier (default: the engine's); 0 turns it off, and with it the "
+                        "copies of evicted prefix-cache blocks (the swap phase)")
     p.add_argument("--fake-forward", action="store_true",
                    help="replace the forward by a slice of fixed logits (greedy output then follows them; on CPU the "
                         "reference attention's ~70 ms per step otherwise sits between the host phases)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: time.perf_counter; cpu: the engine thread's CPU time (time.thread_time), steadier "
+                        "when other processes share the CPU (not for CUDA: waiting for the device costs no CPU)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--profile", action="store_true", help="cProfile the last repeat; print the top functions")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--json", default=None, help="write the records to this file")
     ns = p.parse_args()
+    global clock
+    clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
     import torch
 
     torch.set_num_threads(ns.threads)
