@@ -163,6 +163,9 @@ def instrument(llm, timer: PhaseTimer) -> None:
     inner = tuple(p for p in PHASES if p not in ("engine", "llm", "total"))
 
     def timed_step():
+        nonlocal runs_before
+        swapper = getattr(runner, "kv_swapper", None)
+        runs_before = swapper.num_copies if swapper is not None else 0
         timer.cur = {}
         t0 = clock()
         outs = step()
@@ -173,10 +176,13 @@ def instrument(llm, timer: PhaseTimer) -> None:
         rec["t_end"] = clock()
         rec["R"], rec["T"] = last_sched.get("R", 0), last_sched.get("T", 0)
         rec["F"] = sum(1 for o in outs if o.finished)
+        swapper = getattr(runner, "kv_swapper", None)
+        rec["swap_runs"] = swapper.num_copies - runs_before if swapper is not None else 0
         timer.records.append(rec)
         return outs
 
     last_sched: dict = {}
+    runs_before = 0
     schedule = sched.schedule
 
     def recording_schedule():
@@ -249,6 +255,8 @@ def run_once(llm, ns, batch: int, seed: int, device_is_cpu: bool, profile: cProf
     row["gc"] = 1e6 * sum(r.get("gc", 0.0) for r in steady) / n
     row["host"] = row["total"] - row["wait"] - (row["forward"] if device_is_cpu else 0.0)
     row["steps"] = len(steady)
+    # block runs copied between the KV tiers per step (each is one copy per layer, K and V, on the device)
+    row["swap_runs"] = sum(r["swap_runs"] for r in steady) / n
     row["end_output_us_per_req"] = 1e6 * sum(r.get("output", 0.0) for r in ends) / batch
     row["end_step_us_per_req"] = 1e6 * sum(r["step_wall"] - r.get("wait", 0.0) for r in ends) / batch
     row["generate_s"] = wall
@@ -281,7 +289,7 @@ def bench_model(model: str, label: str, ns) -> list[dict]:
                "hayabusa": str(Path(sys.modules["hayabusa"].__file__).parent),
                "prompt_len": ns.prompt_len, "max_tokens": ns.max_tokens, "repeats": ns.repeats,
                "us_per_step": med, "us_per_req_per_step": {k: v / batch for k, v in med.items()
-                                                           if k not in ("steps", "generate_s") and not k.startswith("end_")},
+                                                           if k not in ("steps", "generate_s", "swap_runs") and not k.startswith("end_")},
                "host_us_per_step_repeats": [x["host"] for x in rows]}
         results.append(rec)
         print_table(rec)
@@ -307,7 +315,8 @@ def print_table(rec: dict) -> None:
     print(f"{'us/step':>8} " + " ".join(f"{med[c]:>9.1f}" for c in cols))
     print(f"{'per_req':>8} " + " ".join(f"{per[c]:>9.3f}" for c in cols))
     print(f"last step, per request: host {med['end_step_us_per_req']:.1f} us, of which output "
-          f"{med['end_output_us_per_req']:.1f} us")
+          f"{med['end_output_us_per_req']:.1f} us; KV block runs swapped per steady step: {med['swap_runs']:.1f} "
+          "(each one copy per layer for K and for V)")
 
 
 def main() -> None:
