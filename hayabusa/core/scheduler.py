@@ -307,15 +307,14 @@ class Scheduler:
         return budget
 
     def _schedule_decodes(self, plan: _StepPlan, budget: int) -> tuple[int, int]:
-        """The running requests from the first one on, while each is a plain step that needs no new block (no
-        images; its tokens fit the blocks it holds: a decode step inside its last block, the common case): the
-        same decisions as the general loop of _schedule_running, with the KV cache manager's fast path
-        (``fits_in_blocks``). Stops at the first request that is not such a step. Returns (requests done,
-        budget left)."""
+        """The running requests from the first one on, while each is a plain step (no images, no proposals) whose
+        blocks the pool has (most often none: a decode step inside its last block, ``fits_in_blocks``): the
+        same decisions as the general loop of _schedule_running. Stops at the first request that would need a
+        preemption (the general loop goes on from there). Returns (requests done, budget left)."""
         running, kv = self.running, self.kv
         max_model_len = self.config.max_model_len
         reqs, block_ids, num_scheduled = plan.reqs, plan.block_ids, plan.num_scheduled_tokens
-        fits = kv.fits_in_blocks
+        fits, allocate = kv.fits_in_blocks, kv.allocate_slots
         i, n, start = 0, len(running), len(reqs)
         while i < n and budget > 0:
             req = running[i]
@@ -333,10 +332,14 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if not fits(req, num_new):
-                break
+            if fits(req, num_new):
+                new_blocks = []
+            else:
+                new_blocks = allocate(req, num_new)
+                if new_blocks is None:   # the pool is short: the general loop preempts
+                    break
             reqs.append(req)
-            block_ids.append([])
+            block_ids.append(new_blocks)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             i += 1
