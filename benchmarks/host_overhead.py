@@ -2,7 +2,7 @@
 
     python benchmarks/host_overhead.py                                 # tiny Llama and tiny T5, batch 256, CPU
     python benchmarks/host_overhead.py --arch llama --batch 256 64 --repeats 3
-    python benchmarks/host_overhead.py --device cuda --model /tmp/q05  # a checkpoint of your own (decoder or T5)
+    python benchmarks/host_overhead.py --device cuda --model /tmp/q05 --skip-tokenizer-init   # your checkpoint
     python benchmarks/host_overhead.py --json host.json                # the records as JSON too
     python benchmarks/host_overhead.py --profile                       # cProfile of the last repeat: the top
     python benchmarks/host_overhead.py --fake-forward                  # CPU: fixed logits instead of the model
@@ -273,6 +273,7 @@ def bench_model(model: str, label: str, ns) -> list[dict]:
         llm = LLM(model, device=ns.device, max_num_seqs=batch, max_model_len=ns.prompt_len + ns.max_tokens + 16,
                   max_num_batched_tokens=max(batch * ns.prompt_len, 2048), enforce_eager=ns.enforce_eager,
                   gpu_memory_utilization=ns.gpu_memory_utilization,
+                  skip_tokenizer_init=ns.skip_tokenizer_init,
                   **({} if ns.swap_space is None else {"swap_space": ns.swap_space}))
         dev_cpu = llm.llm_engine.runner.device.type == "cpu"
         if ns.fake_forward:
@@ -330,6 +331,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer (a `hayabusa bench --make-model` checkpoint has none): no detokenization")
     p.add_argument("--swap-space", type=float, default=None,
                    help="GiB of the KV cache's CPU tier (default: the engine's); 0 turns it off, and with it the "
                         "copies of evicted prefix-cache blocks (the swap phase)")
