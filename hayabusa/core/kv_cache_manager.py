@@ -172,6 +172,24 @@ class KVCacheManager(CpuTierMixin):
         self.cache_full_blocks(request, total)
         return new_ids
 
+    def fits_in_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """allocate_slots' fast path alone: True when the request's ``num_computed_tokens + num_new_tokens``
+        tokens fit the blocks it holds (a decode step inside its last block), having done what allocate_slots
+        does then (full blocks entered into the prefix cache); False, with nothing done, when allocate_slots
+        must take blocks (or restore CPU-tier hits). The scheduler's decode loop calls this for every running
+        request."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if blocks is None or (self._cpu_hits and rid in self._cpu_hits):
+            return False
+        total = request.num_computed_tokens + num_new_tokens
+        bs = self.block_size
+        if total > len(blocks) * bs:
+            return False
+        if self.enable_prefix_caching and len(request.all_token_ids) // bs > self._num_cached.get(rid, 0):
+            self.cache_full_blocks(request, total)
+        return True
+
     def allocate_cross_blocks(self, request: Request, num_encoder_tokens: int) -> list[int] | None:
         """Reserve the request's cross-attention blocks (encoder-decoder models): ``cdiv(num_encoder_tokens,
         block_size)`` blocks from the same pool, never shared or prefix-cached, freed with the request.

@@ -175,8 +175,10 @@ class Scheduler:
         # Running requests come first in the plan, all known to the runner: their changes in one pass per list.
         k = plan.num_running
         running, admitted = plan.reqs[:k], plan.reqs[k:]
+        # (num_scheduled_tokens holds the plan's ids in plan order: its keys are the running ids first)
+        rids = list(plan.num_scheduled_tokens)
         out.scheduled_cached_reqs = cached = CachedRequestData(
-            [r.request_id for r in running], [False] * k, [_NO_TOKENS] * k, plan.block_ids[:k],
+            rids[:k] if admitted else rids, [False] * k, [_NO_TOKENS] * k, plan.block_ids[:k],
             [r.num_computed_tokens for r in running])
         now = time.monotonic()
         for req, block_ids in zip(admitted, plan.block_ids[k:]):
@@ -203,12 +205,22 @@ class Scheduler:
                 cached.num_computed_tokens.append(req.num_computed_tokens)
         sampling, num_scheduled = out.sampling_req_ids, plan.num_scheduled_tokens
         spec = plan.spec_tokens
-        for req in plan.reqs:
-            # proposals are computed too, but the step samples (verifies) once: see update_from_output
-            k = len(spec[req.request_id]) if spec and req.request_id in spec else 0
-            if self._advance(req, num_scheduled[req.request_id] - k):
-                sampling.add(req.request_id)
-            req.num_computed_tokens += k
+        if spec:
+            for req in plan.reqs:
+                # proposals are computed too, but the step samples (verifies) once: see update_from_output
+                k = len(spec[req.request_id]) if req.request_id in spec else 0
+                if self._advance(req, num_scheduled[req.request_id] - k):
+                    sampling.add(req.request_id)
+                req.num_computed_tokens += k
+        else:
+            add = sampling.add
+            for req in plan.reqs:   # _advance, inlined: this runs for every request of every step
+                rid = req.request_id
+                computed = req.num_computed_tokens + num_scheduled[rid]
+                req.num_computed_tokens = computed
+                if computed == len(req.all_token_ids) + req.num_output_placeholders:
+                    req.num_output_placeholders += 1
+                    add(rid)
         self._in_flight[out.step_id] = plan.reqs
         if self.num_structured:
             out.structured_output_req_ids = [r.request_id for r in plan.reqs
@@ -252,6 +264,8 @@ class Scheduler:
         i = 0
         spec = self.spec if self.spec is not None and self.spec.config.enabled_for_batch(len(self.running)) \
             else None
+        if spec is None:
+            i, budget = self._schedule_decodes(plan, budget)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_output_placeholders and self.config.pipeline_depth > 1:
@@ -294,6 +308,46 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _schedule_decodes(self, plan: _StepPlan, budget: int) -> tuple[int, int]:
+        """The running requests from the first one on, while each is a plain step (no images, no proposals) whose
+        blocks the pool has (most often none: a decode step inside its last block, ``fits_in_blocks``): the
+        same decisions as the general loop of _schedule_running. Stops at the first request that would need a
+        preemption (the general loop goes on from there). Returns (requests done, budget left)."""
+        running, kv = self.running, self.kv
+        max_model_len = self.config.max_model_len
+        reqs, block_ids, num_scheduled = plan.reqs, plan.block_ids, plan.num_scheduled_tokens
+        fits, allocate = kv.fits_in_blocks, kv.allocate_slots
+        i, n, start = 0, len(running), len(reqs)
+        while i < n and budget > 0:
+            req = running[i]
+            if req.mm_inputs:
+                break
+            # _num_new_tokens, inlined
+            pending = req.num_output_placeholders
+            num_tokens = len(req.all_token_ids)
+            num_new = num_tokens + pending - req.num_computed_tokens
+            if pending and (len(req.output_token_ids) + pending >= req.max_tokens
+                            or num_tokens + pending >= max_model_len):
+                num_new = 0
+            elif num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                i += 1
+                continue
+            if fits(req, num_new):
+                new_blocks = []
+            else:
+                new_blocks = allocate(req, num_new)
+                if new_blocks is None:   # the pool is short: the general loop preempts
+                    break
+            reqs.append(req)
+            block_ids.append(new_blocks)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+        plan.num_running += len(reqs) - start
+        return i, budget
 
     def _preempt(self, req: Request, plan: _StepPlan) -> None:
         req.status = RequestStatus.PREEMPTED
@@ -412,10 +466,13 @@ class Scheduler:
             for step_id in [s for s in self._in_flight if s < out.step_id]:
                 del self._in_flight[step_id]
         spec = out.scheduled_spec_decode_tokens
+        max_model_len = self.config.max_model_len
+        get = sampled.get
+        append = results.append
         for req in reqs:
             if req.status.finished:  # aborted / stopped between schedule and update: drop its token
                 continue
-            new_ids = sampled.get(req.request_id)
+            new_ids = get(req.request_id)
             if not new_ids:
                 continue
             drafts = spec.get(req.request_id) if spec else None
@@ -423,16 +480,28 @@ class Scheduler:
                 new_ids, status = self._accept_verified(req, drafts, new_ids)
             else:
                 req.num_output_placeholders -= len(new_ids)
-                req.output_token_ids.extend(new_ids)
+                out_ids = req.output_token_ids
+                out_ids.extend(new_ids)
                 req.all_token_ids.extend(new_ids)
                 if req.structured is not None:
                     req.structured.accept(new_ids)
-                status = self._check_stop(req)
+                    status = self._check_stop(req)
+                else:
+                    # _check_stop's common case, inlined: one token, nothing that can stop on it, not at a limit
+                    params = req.sampling_params
+                    last = out_ids[-1]
+                    if len(out_ids) < req.max_tokens and len(req.all_token_ids) < max_model_len and (
+                            len(out_ids) < params.min_tokens
+                            or ((params.ignore_eos or last not in req.eos_token_ids)
+                                and last not in params.all_stop_token_ids)):
+                        append((req, new_ids))
+                        continue
+                    status = self._check_stop(req)
             if status is not None:
                 (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
                 req.status = status
                 self._free(req)
-            results.append((req, new_ids))
+            append((req, new_ids))
         return results
 
     def _accept_verified(self, req: Request, drafts: list[int], new_ids: list[int]

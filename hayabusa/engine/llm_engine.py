@@ -6,6 +6,7 @@ import collections
 import concurrent.futures
 import logging
 import time
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -476,7 +477,7 @@ class LLMEngine:
     def _collect_outputs(self, sched, result) -> list[RequestOutput]:
         updates = self.scheduler.update_from_output(sched, result.sampled_token_ids)   # [(request, new ids)]
         self.stats["num_steps"] += 1
-        self.stats["num_generation_tokens"] += sum(len(new_ids) for _, new_ids in updates)
+        self.stats["num_generation_tokens"] += sum(map(len, map(itemgetter(1), updates)))   # new ids per request
         outputs, stop_hits = self.output_processor.process(updates, result.logprobs, result.prompt_logprobs)
         if stop_hits:
             self._finish_children(stop_hits, RequestStatus.FINISHED_STOPPED)

@@ -26,6 +26,9 @@ class SampleState:
     stop_reason: int | str | None = None
     # Ids not yet given to the detokenizer (only when text is needed at the end alone, see RequestState.lazy).
     pending_ids: list[int] = field(default_factory=list)
+    # Nothing to do before the sample finishes but keep its ids (RequestState.lazy and no logprobs); fixed when
+    # the request is added.
+    quiet: bool = False
 
 
 _SP_SPACE = "\u2581"   # SentencePiece's word-boundary marker: a space in the decoded text
@@ -71,6 +74,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
+        # child request id -> (its parent's state, its sample): one lookup per token in process()
+        self._child_state: dict[str, tuple[RequestState, SampleState]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, children: list[Request], output_kind: str = "cumulative") -> None:
@@ -86,6 +91,10 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.states[request_id] = state
+        lazy = state.lazy
+        for child, sample in zip(children, samples):
+            sample.quiet = lazy and sample.logprobs is None
+            self._child_state[child.request_id] = (state, sample)
 
     def process(self, updates: list[tuple[Request, list[int]]],
                 logprobs: dict[str, tuple[list[int], list[float], int]],
@@ -105,16 +114,15 @@ class OutputProcessor:
         changed: dict[str, RequestState] = {}
         stop_hits: list[str] = []
         now = time.monotonic()
-        child_to_parent, states = self.child_to_parent, self.states
+        child_state = self._child_state
         if prompt_logprobs:
             self._add_prompt_logprobs(prompt_logprobs)
         for req, new_ids in updates:
             rid = req.request_id
-            parent = child_to_parent.get(rid)
-            if parent is None:
+            entry = child_state.get(rid)
+            if entry is None:
                 continue
-            state = states[parent]
-            sample = state.samples[state.child_index[rid]]
+            state, sample = entry
             metrics = state.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -124,12 +132,13 @@ class OutputProcessor:
                 metrics.spec_num_steps = sum(s.request.spec_num_steps for s in state.samples)
                 metrics.spec_num_draft_tokens = sum(s.request.spec_num_draft_tokens for s in state.samples)
                 metrics.spec_num_accepted_tokens = sum(s.request.spec_num_accepted_tokens for s in state.samples)
-            finished = req.is_finished()
-            lazy = state.lazy
-            if lazy and not finished and sample.logprobs is None:
+            finished = req.status.finished
+            if sample.quiet and not finished:
                 # nothing reads the text before the end: keep the ids, detokenize once when finished
                 sample.pending_ids.extend(new_ids)
                 continue
+            parent = state.request_id
+            lazy = state.lazy
             if sample.logprobs is not None and rid in logprobs:
                 self._add_logprobs(sample, logprobs[rid])
             if lazy and not finished:
@@ -173,6 +182,7 @@ class OutputProcessor:
         self.states.pop(state.request_id, None)
         for s in state.samples:
             self.child_to_parent.pop(s.request.request_id, None)
+            self._child_state.pop(s.request.request_id, None)
 
     def _add_logprobs(self, sample: SampleState, entry: tuple[list[int], list[float], int]) -> None:
         ids, vals, rank = entry

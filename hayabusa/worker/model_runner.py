@@ -452,7 +452,7 @@ class ModelRunner:
             sampled = dict(zip(handle.sampled_req_ids, runs))
         else:
             self.batch.write_sampled(handle.rows, handle.epochs, ids)
-            sampled = dict(zip(handle.sampled_req_ids, ([t] for t in ids.tolist())))
+            sampled = dict(zip(handle.sampled_req_ids, ids.reshape(-1, 1).tolist()))   # rid -> [token]
         if len(sampled) < len(handle.req_ids):  # requests in a partial prefill: no token
             sampled = {rid: sampled.get(rid, []) for rid in handle.req_ids}
         result = ModelRunnerOutput(sampled, prompt_logprobs=prompt_lps)

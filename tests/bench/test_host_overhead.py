@@ -1,0 +1,57 @@
+"""benchmarks/host_overhead.py runs on the tiny Llama and T5 it builds, and its records add up: the phases are
+the step's time, steady decode steps were found, the outputs are complete (the script asserts it)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, monkeypatch, capsys, *args):
+    """The script's main() in this process (no second interpreter to import torch and transformers again)."""
+    out = tmp_path / "host.json"
+    script = runpy.run_path(str(REPO / "benchmarks" / "host_overhead.py"), run_name="host_overhead")
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--batch", "4", "--prompt-len", "5", "--max-tokens", "6",
+                                      "--repeats", "1", "--json", str(out), *args])
+    threads = torch.get_num_threads()
+    try:
+        script["main"]()
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def _check(records, models):
+    assert [r["model"] for r in records] == models
+    for r in records:
+        per_step = r["us_per_step"]
+        assert r["batch"] == 4 and per_step["steps"] == 4        # 6 tokens: prefill, 4 steady steps, the last
+        phases = ("schedule", "sched_out", "inputs", "swap", "forward", "sample", "wait", "finish", "update",
+                  "output", "engine", "llm")
+        assert per_step["total"] == pytest.approx(sum(per_step[p] for p in phases))
+        assert all(per_step[p] >= 0 for p in phases if p != "engine")
+        assert per_step["schedule"] > 0 and per_step["update"] > 0 and per_step["output"] > 0
+        assert 0 < per_step["host"] <= per_step["total"]
+        assert r["us_per_req_per_step"]["host"] == pytest.approx(per_step["host"] / 4)
+        assert per_step["end_step_us_per_req"] > 0
+
+
+def test_host_overhead_cpu(tmp_path, monkeypatch, capsys):
+    records, stdout = _run(tmp_path, monkeypatch, capsys, "--arch", "llama", "t5", "--fake-forward", "--clock", "cpu")
+    _check(records, ["tiny-llama", "tiny-t5"])
+    assert "per_req" in stdout and records[0]["fake_forward"]
+
+
+@pytest.mark.cuda
+def test_host_overhead_cuda(tmp_path, monkeypatch, capsys):
+    assert torch.cuda.is_available()
+    records, _ = _run(tmp_path, monkeypatch, capsys, "--device", "cuda")
+    _check(records, ["tiny-llama", "tiny-t5"])
+    assert all(r["device"].startswith("cuda") for r in records)
