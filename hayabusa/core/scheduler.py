@@ -264,8 +264,8 @@ class Scheduler:
         i = 0
         spec = self.spec if self.spec is not None and self.spec.config.enabled_for_batch(len(self.running)) \
             else None
-        if spec is None:
-            i, budget = self._schedule_decodes(plan, budget)
+        if spec is None and self.config.pipeline_depth == 1:   # (pipeline stages: the general loop skips requests
+            i, budget = self._schedule_decodes(plan, budget)     # whose sampled token is still in flight)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_output_placeholders and self.config.pipeline_depth > 1:
