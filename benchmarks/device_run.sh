@@ -311,6 +311,18 @@ g_w11() {  # speculative decoding on a TRAINED model: SmolLM2-135M-Instruct, its
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 }
 
+g_host8() {  # the engine's host work per step (issues #17 / #25): phase table on CUDA, then W9 / W3 / W1
+  ensure_q05
+  ensure_shape t5-small-shape
+  step host_q05 90 10 python benchmarks/host_overhead.py --device cuda --model "$Q05" --skip-tokenizer-init \
+    --batch 1 256 --json "$OUT/host_q05.json"
+  step host_t5s 60 10 python benchmarks/host_overhead.py --device cuda --model "$MODELS/t5-small-shape" \
+    --skip-tokenizer-init --batch 256 --json "$OUT/host_t5s.json"
+  bench_step t5s_W9_host "${W9_MAX_S:-120}" 30 --workload W9 --model "$MODELS/t5-small-shape" --engine hayabusa
+  bench_step q05_W3_host 60 20 --workload W3 --model "$Q05"
+  bench_step q05_W1_host 60 20 --workload W1 --model "$Q05"
+}
+
 g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed
                    # script with AutoProcessor; T5 and the position-bias kernel passed in session 7)
   ensure_q05
