@@ -144,6 +144,22 @@ class Qwen2VLTextModel(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ vision tower
+def host_to_device(a: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array as a tensor on ``device`` (converted to ``dtype`` on the host first, when given).
+
+    On CUDA the data goes through pinned memory (PyTorch's caching host allocator, which keeps the block until
+    the copy is done) by a non-blocking copy: a copy from pageable memory would make the host wait for the work
+    already queued on the device (the step's launch would wait for the vision tower). Elsewhere a plain copy.
+    """
+    device = torch.device(device)
+    src = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return src.to(device=device, dtype=dtype or src.dtype)
+    host = torch.empty(src.shape, dtype=dtype or src.dtype, pin_memory=True)
+    host.copy_(src)                                   # the dtype conversion (if any) happens here, on the host
+    return host.to(device, non_blocking=True)
+
+
 def vision_rotary_positions(grid_thw: GridTHW, merge: int) -> np.ndarray:
     """(h, w) of every patch, in the processor's block-major order over merge x merge units: [N_patch, 2] int64."""
     out = []
@@ -198,7 +214,7 @@ def segment_groups(cu: Sequence[int], device: torch.device) -> list[torch.Tensor
     groups = [starts[lens == L][:, None] + np.arange(L, dtype=np.int64)[None, :] for L in np.unique(lens) if L > 0]
     if not groups:
         return []
-    flat = torch.from_numpy(np.concatenate([g.reshape(-1) for g in groups])).to(device)
+    flat = host_to_device(np.concatenate([g.reshape(-1) for g in groups]), device)
     out, at = [], 0
     for g in groups:
         out.append(flat[at:at + g.size].view(g.shape))
@@ -335,7 +351,7 @@ class VisionTransformer(nn.Module):
         merged features [N / merge^2, out_dim] in the model dtype, images in input order."""
         w = self.patch_embed.proj.weight
         x = F.linear(pixel_values.to(w.dtype), w.view(w.shape[0], -1))                # [N, dim]
-        pos = torch.from_numpy(vision_rotary_positions(grid_thw, self.merge)).to(x.device)   # [N, 2]
+        pos = host_to_device(vision_rotary_positions(grid_thw, self.merge), x.device)   # [N, 2] int64
         freqs = (pos[..., None].float() * self.inv_freq).flatten(1)                  # [N, D/2]: h freqs, w freqs
         emb = torch.cat([freqs, freqs], dim=-1)                                      # [N, D] fp32
         unit = self.merge * self.merge
@@ -343,7 +359,7 @@ class VisionTransformer(nn.Module):
         order = None
         if self.v25:
             order_np, window_cu = window_order(grid_thw, self.merge, self.window_units)
-            order = torch.from_numpy(order_np).to(x.device)
+            order = host_to_device(order_np, x.device)
 
             def permute(t: torch.Tensor) -> torch.Tensor:   # by merge unit: [N, ...] -> [N, ...]
                 return t.view(-1, unit, t.shape[-1])[order].view(-1, t.shape[-1])

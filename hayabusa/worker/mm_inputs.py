@@ -15,6 +15,7 @@ import torch
 
 from hayabusa.attention.metadata import ForwardContext
 from hayabusa.core.scheduler_output import SchedulerOutput
+from hayabusa.model.qwen2_vl import host_to_device
 from hayabusa.worker.mrope import mrope_prompt_positions
 
 
@@ -112,48 +113,57 @@ class MultiModalState:
         if not self.requests:
             return positions, None
         self._encode(out.scheduled_encoder_inputs)
-        rope = positions
+        R = len(req_ids)
+        states = [self.requests.get(rid) for rid in req_ids]
+        P = np.fromiter((0 if s is None else s.prompt_positions.shape[1] for s in states), np.int64, count=R)
+        delta = np.fromiter((0 if s is None else s.rope_delta for s in states), np.int64, count=R)
+        # past its prompt a request's tokens sit at index + rope_delta on every row (decode steps: all of them)
+        rope = positions + np.repeat(delta, np.diff(query_start_loc))
         with_images: list[tuple[int, int, np.ndarray]] = []   # (a, b, M-RoPE rows) of requests with image tokens
         dst: list[np.ndarray] = []
         rows: list[torch.Tensor] = []
-        for r, rid in enumerate(req_ids):
-            state = self.requests.get(rid)
-            if state is None:
-                continue
+        for r in np.flatnonzero(np.asarray(num_computed, dtype=np.int64) < P).tolist():   # prompt tokens in step
+            state = states[r]
             a, b = int(query_start_loc[r]), int(query_start_loc[r + 1])
-            p = positions[a:b]
-            P = state.prompt_positions.shape[1]
-            in_prompt = p < P
-            # [3, n]: the prompt's rows inside it, index + rope_delta after it
-            rows3 = np.where(in_prompt, state.prompt_positions[:, np.minimum(p, P - 1)], p + state.rope_delta)
-            if rope is positions:
-                rope = positions.copy()
-            rope[a:b] = rows3[0]
-            c, n = num_computed[r], b - a
-            touched = False
-            for i, img in enumerate(state.images):
-                lo, hi = max(img.offset, c), min(img.end, c + n)
-                if lo >= hi:
-                    continue
-                touched = True
-                emb = state.cache[i]
-                dst.append(np.arange(a + lo - c, a + hi - c, dtype=np.int64))
-                rows.append(emb[lo - img.offset:hi - img.offset])
-                if hi == img.end:           # the prefill has consumed the whole image: free its embeddings
-                    del state.cache[i]
-            if touched:
+            rows3 = self._prompt_rows(state, positions[a:b], a, num_computed[r], rope, dst, rows)
+            if rows3 is not None:
                 with_images.append((a, b, rows3))
         if not dst:
             return rope, None
-        step = StepMultiModal()
-        if dst:
-            pos3 = np.broadcast_to(rope, (3, len(rope))).copy()        # [3, T]
-            for a, b, rows3 in with_images:
-                pos3[:, a:b] = rows3
-            step.positions = torch.from_numpy(pos3).to(self.device)
-            step.image_dst = torch.from_numpy(np.concatenate(dst)).to(self.device)
-            step.image_rows = torch.cat(rows)
+        pos3 = np.broadcast_to(rope, (3, len(rope))).copy()        # [3, T]
+        for a, b, rows3 in with_images:
+            pos3[:, a:b] = rows3
+        step = StepMultiModal(positions=host_to_device(pos3, self.device),
+                              image_dst=host_to_device(np.concatenate(dst), self.device), image_rows=torch.cat(rows))
         return rope, step
+
+    @staticmethod
+    def _rows3(state: RequestImages, p: np.ndarray) -> np.ndarray:
+        """[3, n] M-RoPE positions of a request's tokens at indices p: the prompt's rows inside it, index +
+        rope_delta after it."""
+        P = state.prompt_positions.shape[1]
+        return np.where(p < P, state.prompt_positions[:, np.minimum(p, P - 1)], p + state.rope_delta)
+
+    def _prompt_rows(self, state: RequestImages, p: np.ndarray, a: int, c: int, rope: np.ndarray,
+                     dst: list[np.ndarray], rows: list[torch.Tensor]) -> np.ndarray | None:
+        """A request's step tokens p (from step index a, c computed before) that reach into its prompt: their t
+        rows into ``rope``, the image embedding rows they take onto ``dst`` / ``rows`` (an image's embeddings
+        are freed once the prefill has consumed it). Returns their [3, n] M-RoPE rows when any of them is an
+        image token, else None."""
+        rows3 = self._rows3(state, p)
+        rope[a:a + len(p)] = rows3[0]
+        n, touched = len(p), False
+        for i, img in enumerate(state.images):
+            lo, hi = max(img.offset, c), min(img.end, c + n)
+            if lo >= hi:
+                continue
+            touched = True
+            emb = state.cache[i]
+            dst.append(np.arange(a + lo - c, a + hi - c, dtype=np.int64))
+            rows.append(emb[lo - img.offset:hi - img.offset])
+            if hi == img.end:           # the prefill has consumed the whole image: free its embeddings
+                del state.cache[i]
+        return rows3 if touched else None
 
     def _encode(self, encoder_inputs: dict[str, list[int]]) -> None:
         """One vision-tower call for every distinct image (by content hash) the step encodes, across requests
@@ -168,7 +178,9 @@ class MultiModalState:
             if img.content_hash not in unique:
                 unique[img.content_hash] = len(images)
                 images.append(img)
-        pixels = torch.from_numpy(np.concatenate([img.pixel_values for img in images])).to(self.device)
+        # pinned, non-blocking, already in the tower's dtype (its first op casts to it: the same numbers)
+        pixels = host_to_device(np.concatenate([img.pixel_values for img in images]), self.device,
+                                self.model.visual.patch_embed.proj.weight.dtype)
         embeds = self.model.get_image_embeddings(pixels, [img.grid_thw for img in images])
         for rid, i in todo:
             self.requests[rid].cache[i] = embeds[unique[self.requests[rid].images[i].content_hash]]
