@@ -80,6 +80,7 @@ class MRotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
         half = torch.repeat_interleave(torch.arange(3), torch.tensor(section))                # [D/2] in {0,1,2}
         self.register_buffer("row_of_dim", torch.cat([half, half]).to(device), persistent=False)   # [D]
+        self.step_cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (positions, cos, sin)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [3, T] or [T] -> (cos, sin) [T, 1, D]."""
@@ -93,7 +94,8 @@ class MRotaryEmbedding(nn.Module):
         return self.cos[pos, cols].unsqueeze(1), self.sin[pos, cols].unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin(positions)
+        step = self.step_cos_sin            # set by Qwen2VLTextModel.forward: one gather per forward, not per layer
+        cos, sin = step[1:] if step is not None and step[0] is positions else self.cos_sin(positions)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -137,27 +139,39 @@ class Qwen2VLTextModel(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+        # every layer rotates at the same positions: their cos / sin gathered once for the forward
+        self.rotary_emb.step_cos_sin = (positions, *self.rotary_emb.cos_sin(positions))
+        try:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, ctx)
+        finally:
+            self.rotary_emb.step_cos_sin = None
         x, _ = self.norm(x, residual)
         return x
 
 
 # ------------------------------------------------------------------------------------------------ vision tower
-def host_to_device(a: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host array as a tensor on ``device`` (converted to ``dtype`` on the host first, when given).
+def host_to_device(a: np.ndarray | Sequence[np.ndarray], device: torch.device,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array (or arrays, concatenated along dim 0) as a tensor on ``device``, converted to ``dtype`` on the
+    host when given (in the same pass that concatenates: each array is read once).
 
     On CUDA the data goes through pinned memory (PyTorch's caching host allocator, which keeps the block until
     the copy is done) by a non-blocking copy: a copy from pageable memory would make the host wait for the work
     already queued on the device (the step's launch would wait for the vision tower). Elsewhere a plain copy.
     """
     device = torch.device(device)
-    src = torch.from_numpy(np.ascontiguousarray(a))
-    if device.type != "cuda":
-        return src.to(device=device, dtype=dtype or src.dtype)
-    host = torch.empty(src.shape, dtype=dtype or src.dtype, pin_memory=True)
-    host.copy_(src)                                   # the dtype conversion (if any) happens here, on the host
-    return host.to(device, non_blocking=True)
+    parts = [torch.from_numpy(np.ascontiguousarray(x)) for x in ([a] if isinstance(a, np.ndarray) else a)]
+    cuda = device.type == "cuda"
+    if len(parts) == 1 and not cuda:
+        return parts[0].to(device=device, dtype=dtype or parts[0].dtype)
+    host = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=dtype or parts[0].dtype,
+                       pin_memory=cuda)
+    at = 0
+    for p in parts:
+        host[at:at + len(p)].copy_(p)                 # the dtype conversion (if any) happens here, on the host
+        at += len(p)
+    return host.to(device, non_blocking=True) if cuda else host.to(device)
 
 
 def vision_rotary_positions(grid_thw: GridTHW, merge: int) -> np.ndarray:
@@ -225,14 +239,21 @@ def segment_groups(cu: Sequence[int], device: torch.device) -> list[torch.Tensor
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Sequence[torch.Tensor],
                      scale: float) -> torch.Tensor:
     """Bidirectional attention within segments of q, k, v [N, H, D] -> [N, H, D]; ``groups`` from
+    ``segment_groups`` (every row in exactly one segment). See ``varlen_attention_packed``."""
+    return varlen_attention_packed(torch.stack([q, k, v], dim=1), groups, scale)
+
+
+def varlen_attention_packed(qkv: torch.Tensor, groups: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """Bidirectional attention within segments of qkv [N, 3, H, D] (q, k, v) -> [N, H, D]; ``groups`` from
     ``segment_groups`` (every row in exactly one segment).
 
     Segments of equal length run as one batched SDPA call (no padding; windows mostly share a length), so the
-    cost is the sum of the segments' squares, never the longest segment's square times their number.
+    cost is the sum of the segments' squares, never the longest segment's square times their number. One gather
+    per group takes q, k and v together (three kernel launches fewer per group than gathering each).
     """
-    out = torch.empty_like(q)
+    out = qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
     for idx in groups:                                                                        # [B, L]
-        qs, ks, vs = (x[idx].transpose(1, 2) for x in (q, k, v))                             # [B, H, L, D]
+        qs, ks, vs = qkv[idx].permute(2, 0, 3, 1, 4).unbind(0)                               # [B, H, L, D]
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)                           # [B, H, L, D]
         out[idx] = o.transpose(1, 2)
     return out
@@ -245,14 +266,16 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(dim, [3 * dim], True, dtype, device)
         self.proj = Linear(dim, [dim], True, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                 groups: Sequence[torch.Tensor]) -> torch.Tensor:
+        """x [N, dim]; cos, sin_signed [N, 1, 1, D] fp32 (``VisionTransformer.rotary``) -> [N, dim]."""
         N = x.shape[0]
-        q, k, v = self.qkv(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)    # [N, H, D] each
-        qf, kf = q.float(), k.float()                                                # RoPE in fp32 (HF)
-        q = (qf * cos + _rotate_half(qf) * sin).to(x.dtype)
-        k = (kf * cos + _rotate_half(kf) * sin).to(x.dtype)
-        out = varlen_attention(q, k, v, groups, self.head_dim ** -0.5)               # [N, H, D]
+        qkv = self.qkv(x).view(N, 3, self.num_heads, self.head_dim)                 # [N, 3, H, D]
+        qk = qkv[:, :2].float()                                                      # RoPE in fp32 (HF)
+        # HF's q * cos + rotate_half(q) * sin for q and k at once: rotate_half(x) = cat(-x2, x1) = roll(x) with
+        # the first half's sign moved into sin (exact), written back into qkv in its dtype (HF's .to(dtype))
+        qkv[:, :2].copy_(qk * cos + torch.roll(qk, self.head_dim // 2, dims=-1) * sin_signed)
+        out = varlen_attention_packed(qkv, groups, self.head_dim ** -0.5)           # [N, H, D]
         return self.proj(out.reshape(N, -1))
 
 
@@ -364,7 +387,9 @@ class VisionTransformer(nn.Module):
             def permute(t: torch.Tensor) -> torch.Tensor:   # by merge unit: [N, ...] -> [N, ...]
                 return t.view(-1, unit, t.shape[-1])[order].view(-1, t.shape[-1])
             x, emb = permute(x), permute(emb)
-        cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)                     # [N, 1, D] fp32
+        cos, sin = emb.cos().view(-1, 1, 1, emb.shape[-1]), emb.sin()                 # cos [N, 1, 1, D] fp32
+        half = emb.shape[-1] // 2
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).view_as(cos)        # rotate_half's sign in sin
         full = segment_groups(full_cu, x.device)
         window = full if window_cu is full_cu else segment_groups(window_cu, x.device)
         for i, blk in enumerate(self.blocks):

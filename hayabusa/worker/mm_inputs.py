@@ -134,7 +134,7 @@ class MultiModalState:
         for a, b, rows3 in with_images:
             pos3[:, a:b] = rows3
         step = StepMultiModal(positions=host_to_device(pos3, self.device),
-                              image_dst=host_to_device(np.concatenate(dst), self.device), image_rows=torch.cat(rows))
+                              image_dst=host_to_device(dst, self.device), image_rows=torch.cat(rows))
         return rope, step
 
     @staticmethod
@@ -179,7 +179,7 @@ class MultiModalState:
                 unique[img.content_hash] = len(images)
                 images.append(img)
         # pinned, non-blocking, already in the tower's dtype (its first op casts to it: the same numbers)
-        pixels = host_to_device(np.concatenate([img.pixel_values for img in images]), self.device,
+        pixels = host_to_device([img.pixel_values for img in images], self.device,
                                 self.model.visual.patch_embed.proj.weight.dtype)
         embeds = self.model.get_image_embeddings(pixels, [img.grid_thw for img in images])
         for rid, i in todo:
