@@ -196,19 +196,19 @@ def window_order(grid_thw: GridTHW, merge: int, window_units: int) -> tuple[np.n
         order: [N_units] int64, the unit index (over all images, in input order) at each new position.
         cu_window: cumulative patch counts of the windows, starting at 0 (empty windows dropped).
     """
-    order, cu = [], [0]
+    orders, counts = [], []
     base = 0
     for t, h, w in grid_thw:
         gh, gw = h // merge, w // merge
-        units = np.arange(t * gh * gw).reshape(t, gh, gw)
-        for f in range(t):
-            for r0 in range(0, gh, window_units):
-                for c0 in range(0, gw, window_units):
-                    win = units[f, r0:r0 + window_units, c0:c0 + window_units].reshape(-1)
-                    order.append(win + base)
-                    cu.append(cu[-1] + len(win) * merge * merge)
+        nwr, nwc = -(-gh // window_units), -(-gw // window_units)            # windows per column / row
+        f, r, c = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")   # units, row-major
+        win = ((f * nwr + r // window_units) * nwc + c // window_units).reshape(-1)       # [t * gh * gw]
+        # windows in row-major order, units row-major inside each (a stable sort keeps the units' order)
+        orders.append(np.argsort(win, kind="stable") + base)
+        counts.append(np.bincount(win, minlength=t * nwr * nwc))            # every window holds >= 1 unit
         base += t * gh * gw
-    return np.concatenate(order).astype(np.int64), cu
+    cu = np.concatenate([[0], np.cumsum(np.concatenate(counts)) * merge * merge])
+    return np.concatenate(orders).astype(np.int64), cu.tolist()
 
 
 def full_segments(grid_thw: GridTHW) -> list[int]:
