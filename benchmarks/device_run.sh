@@ -320,7 +320,15 @@ g_host8() {  # the engine's host work per step (issues #17 / #25): phase table o
     --skip-tokenizer-init --batch 256 --json "$OUT/host_t5s.json"
   bench_step t5s_W9_host "${W9_MAX_S:-120}" 30 --workload W9 --model "$MODELS/t5-small-shape" --engine hayabusa
   bench_step q05_W3_host 60 20 --workload W3 --model "$Q05"
-  bench_step q05_W1_host 60 20 --workload W1 --model "$Q05"
+  [ -n "${HOST_W1:-}" ] && bench_step q05_W1_host 60 20 --workload W1 --model "$Q05"
+}
+
+g_vlh() {  # Qwen2.5-VL steps' host work (issue #16): vl_host_profile.py's phase table, then W8
+  ensure_shape qwen2.5-vl-7b-shape 200
+  step vl_host_profile "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
+    --device cuda --requests 32 --max-num-seqs 32 --max-tokens 64 --json > '$OUT/vl_host.json'"
+  bench_step vl7_W8_host "${W8_MAX_S:-200}" 60 --workload W8 --model "$MODELS/qwen2.5-vl-7b-shape" \
+    --sweep "max_num_seqs=${W8_SEQS:-32}"
 }
 
 g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed
