@@ -1,7 +1,8 @@
 """pipeline_parallel_size=2 on CPU (gloo, spawned worker processes): greedy token ids and seeded samples equal the
 one-process engine (float32), with two micro-batches of disjoint requests in flight, on tiny Llama (3 layers: stages of 2 and 1, each sizing its own KV cache and CPU tier;
-swap preemption) and GPT-2
-(learned positions, tied head on the last stage), under chunked prefill, preemption, prefix
+swap preemption), GPT-2
+(learned positions, tied head on the last stage), Qwen2 (2 KV heads, tied head) and Gemma 2 (4 KV heads, soft-capping,
+sliding window, scaled embedding), under chunked prefill, preemption, prefix
 caching and n > 1; tensor_parallel_size=2 x pipeline_parallel_size=2 (4 processes) with a structured-output step;
 a stage's worker killed mid-generation (GPT-2's engine, after its checks: one engine start less) fails the next
 step within seconds and leaves no process; what stages do not run is refused by name before any process starts."""
@@ -46,7 +47,7 @@ def _check(got: dict, ref: dict) -> None:
     assert got["choice"] == ref["choice"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "gemma2"])
 def test_pp2_equals_pp1(arch, tmp_path):
     layers = 3 if arch == "llama" else 2
     path = _build(arch, tmp_path / arch, num_layers=layers)
