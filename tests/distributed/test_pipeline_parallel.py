@@ -2,7 +2,7 @@
 one-process engine (float32), with two micro-batches of disjoint requests in flight, on tiny Llama (3 layers: stages of 2 and 1, each sizing its own KV cache and CPU tier;
 swap preemption), GPT-2
 (learned positions, tied head on the last stage), Qwen2 (2 KV heads, tied head) and Gemma 2 (4 KV heads, soft-capping,
-sliding window, scaled embedding), under chunked prefill, preemption, prefix
+scaled embedding), under chunked prefill, preemption, prefix
 caching and n > 1; tensor_parallel_size=2 x pipeline_parallel_size=2 (4 processes) with a structured-output step;
 a stage's worker killed mid-generation (GPT-2's engine, after its checks: one engine start less) fails the next
 step within seconds and leaves no process; what stages do not run is refused by name before any process starts."""
