@@ -229,7 +229,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="total GPU memory in GiB")
     p.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None, help="same as --tensor-parallel-size")
     EngineArgs.add_cli_args(p, only=PLAN_ENGINE_ARGS, helps={
-        "tensor_parallel_size": "GPUs the weights and KV heads are split over (the plan takes any; the engine runs 1)",
+        "tensor_parallel_size": "GPUs the weights and KV heads are split over (refused as the engine refuses it)",
         "pipeline_parallel_size": "stages the decoder layers are split into (the plan sizes the largest stage per "
                                   "GPU; refused as the engine refuses it)"})
     p.add_argument("--max-images", type=int, default=None, metavar="N",

@@ -427,6 +427,13 @@ def _check_pipeline(cfg: Any, inp: PlanInputs) -> None:
     if why is not None:
         raise HayabusaValidationError(f"pipeline_parallel_size={inp.pp}: {why}", parameter="pipeline_parallel_size",
                                       value=inp.pp)
+    if isinstance(inp.tp, int) and inp.tp > 1 and not _engine_can_split(cfg, inp, inp.tp):
+        from hayabusa.distributed.config import tp_refusal
+
+        quantized = quant_bits(inp.quantization, cfg)[0] is not None
+        parameter, why = tp_refusal(shape.architecture, shape.heads, shape.kv_heads, shape.intermediate, quantized,
+                                    inp.tp)
+        raise HayabusaValidationError(f"tensor_parallel_size={inp.tp}: {why}", parameter=parameter, value=inp.tp)
 
 
 def _notes(plan: dict[str, Any]) -> list[str]:

@@ -256,3 +256,7 @@ def test_pipeline_parallel_plans_the_largest_stage_and_refuses_as_the_engine(cap
     assert json.loads(capsys.readouterr().out)["stage_layers"] == 14
     assert main(["plan", "--model", "qwen2.5-7b-shape", "--pipeline-parallel-size", "29"]) == 2
     assert "pipeline_parallel_size" in capsys.readouterr().err
+    # a tensor_parallel_size the engine refuses (28 heads over 3) is refused here too, by the engine's rule
+    with pytest.raises(HayabusaValidationError) as e:
+        make_plan(cfg, PlanInputs(tp=3), gpu="H200")
+    assert e.value.parameter == "tensor_parallel_size" and "28" in str(e.value)
