@@ -311,6 +311,10 @@ class EngineArgs:
         self._warn_ignored_args()
         device = resolve_device(self.device)
         model_config = ModelConfig.from_args(self, device)
+        from hayabusa.distributed.config import make_parallel_config
+
+        # the parallel checks that need the model first: a refused size is named before any warning about the rest
+        parallel_config = make_parallel_config(self, model_config, device)
         max_len = model_config.max_model_len
         if model_config.batch_invariant:
             from hayabusa.batch_invariant import check_batch_invariant
@@ -360,9 +364,6 @@ class EngineArgs:
                            "step's tokens on the host.")
         sizes = self.cuda_graph_sizes
         capture_max = min(self.max_num_seqs, max(sizes) if sizes else 512)
-        from hayabusa.distributed.config import make_parallel_config
-
-        parallel_config = make_parallel_config(self, model_config, device)
         if spec is not None and parallel_config.world_size > 1:
             raise _bad("speculative_config", self.speculative_config, "speculative decoding with "
                        f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use one of them.")
