@@ -331,6 +331,10 @@ g_vlh() {  # Qwen2.5-VL steps' host work (issue #16): vl_host_profile.py's phase
     --sweep "max_num_seqs=${W8_SEQS:-32}"
 }
 
+g_w8hf() {  # the HF baseline of W8 alone (batch 1 on 5 requests)
+  ensure_shape qwen2.5-vl-7b-shape 200
+  bench_step vl7_W8_hf "${W8HF_S:-200}" 60 --workload W8 --model "$MODELS/qwen2.5-vl-7b-shape" --engine hf
+}
 g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed
                    # script with AutoProcessor; T5 and the position-bias kernel passed in session 7)
   ensure_q05
