@@ -264,8 +264,8 @@ class Scheduler:
         i = 0
         spec = self.spec if self.spec is not None and self.spec.config.enabled_for_batch(len(self.running)) \
             else None
-        if spec is None and self.config.pipeline_depth == 1:   # (pipeline stages: the general loop skips requests
-            i, budget = self._schedule_decodes(plan, budget)     # whose sampled token is still in flight)
+        if spec is None:
+            i, budget = self._schedule_decodes(plan, budget)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_output_placeholders and self.config.pipeline_depth > 1:
@@ -312,10 +312,12 @@ class Scheduler:
     def _schedule_decodes(self, plan: _StepPlan, budget: int) -> tuple[int, int]:
         """The running requests from the first one on, while each is a plain step (no images, no proposals) whose
         blocks the pool has (most often none: a decode step inside its last block, ``fits_in_blocks``): the
-        same decisions as the general loop of _schedule_running. Stops at the first request that would need a
+        same decisions as the general loop of _schedule_running, including its pipeline rule (with pipeline stages
+        a request whose sampled token is still in flight is skipped). Stops at the first request that would need a
         preemption (the general loop goes on from there). Returns (requests done, budget left)."""
         running, kv = self.running, self.kv
         max_model_len = self.config.max_model_len
+        pipelined = self.config.pipeline_depth > 1
         reqs, block_ids, num_scheduled = plan.reqs, plan.block_ids, plan.num_scheduled_tokens
         fits, allocate = kv.fits_in_blocks, kv.allocate_slots
         i, n, start = 0, len(running), len(reqs)
@@ -325,6 +327,9 @@ class Scheduler:
                 break
             # _num_new_tokens, inlined
             pending = req.num_output_placeholders
+            if pending and pipelined:   # its next input is still in flight; other requests fill this micro-batch
+                i += 1
+                continue
             num_tokens = len(req.all_token_ids)
             num_new = num_tokens + pending - req.num_computed_tokens
             if pending and (len(req.output_token_ids) + pending >= req.max_tokens

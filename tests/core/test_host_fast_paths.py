@@ -15,8 +15,9 @@ from hayabusa.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks, prefix_caching, fast=True, block_size=4, max_num_seqs=6, budget=24,
-                   max_model_len=48):
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
+                   max_model_len=48, pipeline_depth=1):
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                          pipeline_depth=pipeline_depth)
     s = Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
     if not fast:   # the general loop of _schedule_running alone, and the general stop check
         s._schedule_decodes = lambda plan, budget: (0, budget)
@@ -81,19 +82,20 @@ def run(s, reqs, seed, overlap):
     return trace, [(r.request_id, r.output_token_ids, r.status, r.stop_reason, r.num_preemptions) for r in made]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap,pipeline_depth", [(False, 1), (True, 1), (True, 2)])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("num_blocks", [12, 64])       # 12: running requests preempt each other
-def test_fast_paths_take_the_general_paths_decisions(prefix_caching, num_blocks, overlap):
+def test_fast_paths_take_the_general_paths_decisions(prefix_caching, num_blocks, overlap, pipeline_depth):
+    """pipeline_depth 2 (pipeline stages): both loops skip a request whose sampled token is in flight."""
     for seed in range(3):
         reqs = make_requests(seed)
-        fast_sched = make_scheduler(num_blocks, prefix_caching)
+        fast_sched = make_scheduler(num_blocks, prefix_caching, pipeline_depth=pipeline_depth)
         calls = []
         fits = fast_sched.kv.fits_in_blocks
         fast_sched.kv.fits_in_blocks = lambda r, n: calls.append(n) or fits(r, n)
         fast = run(fast_sched, reqs, seed, overlap)
         assert len(calls) > 20                         # the fast loop ran
-        slow_sched = make_scheduler(num_blocks, prefix_caching, fast=False)
+        slow_sched = make_scheduler(num_blocks, prefix_caching, fast=False, pipeline_depth=pipeline_depth)
         slow_sched.update_from_output = _general_update(slow_sched)
         slow = run(slow_sched, reqs, seed, overlap)
         assert fast == slow
