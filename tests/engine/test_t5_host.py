@@ -60,3 +60,38 @@ def test_as_ids_fast_path_copies_and_refuses_as_before():
         with pytest.raises(HayabusaValidationError, match=f"position {pos}") as e:
             InputProcessor._as_ids(bad)
         assert e.value.parameter == "prompt_token_ids"
+
+
+def test_cross_slots_vectorised():
+    """Encoder tokens' cache slots: request i's token j at position j of its cross blocks (block_size 4)."""
+    from hayabusa.worker.encoder_decoder import EncoderDecoderRunner
+
+    r = EncoderDecoderRunner.__new__(EncoderDecoderRunner)
+    r.block_size = 4
+    slots = r.cross_slots([[7, 2], [5], [9, 3, 1]], np.array([6, 1, 9]))
+    assert slots.dtype == np.int64
+    assert slots.tolist() == [28, 29, 30, 31, 8, 9,                     # blocks 7 | 2
+                              20,                                       # block 5
+                              36, 37, 38, 39, 12, 13, 14, 15, 4]        # blocks 9 | 3 | 1
+
+
+def test_encoder_bias_is_a_corner_of_one_table():
+    """The encoder's position bias for any length is the top-left corner of the one cached table, equal to the
+    bias computed for that length directly (bidirectional buckets of key - query)."""
+    import torch
+    from transformers import T5Config
+
+    from hayabusa.model.t5 import T5ForConditionalGeneration, _Padding, relative_position_bucket
+
+    cfg = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+                   relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    model = T5ForConditionalGeneration(cfg, torch.float32, torch.device("cpu"), max_position=37)
+    torch.nn.init.normal_(model.enc_rel_bias.weight)
+    for L in (1, 5, 37, 50):
+        pos = torch.arange(L)
+        want = model.enc_rel_bias(relative_position_bucket(pos[None, :] - pos[:, None], True, 8, 16))
+        got = model._encoder_bias(L, _Padding([L, L], torch.device("cpu")), torch.float32)
+        assert got.shape == (1, 2, L, L) and torch.equal(got[0], want.permute(2, 0, 1))
+    assert model._enc_bias.shape[-1] == 64        # grown once past max_position (48: 37 rounded up to 16) for 50
+    ragged = model._encoder_bias(5, _Padding([5, 3], torch.device("cpu")), torch.float32)     # padding keys masked
+    assert ragged.shape == (2, 2, 5, 5) and (ragged[1, :, :, 3:] < -1e30).all() and torch.isfinite(ragged[0]).all()
