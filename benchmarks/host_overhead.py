@@ -19,8 +19,11 @@ small and the step is the engine's host work. Every phase is timed around the re
     sched_out     Scheduler._make_output(): the SchedulerOutput (plain data) and the tokens counted as computed
     inputs        ModelRunner.update_states + prepare_inputs + copy_inputs (host arrays, copies to the buffers;
                   T5: the cross-attention metadata, EncoderDecoderRunner.prepare)
+    encoders      T5: EncoderDecoderRunner.run_encoders less the model's encode / store_cross_kv (the encoder
+                  inputs' ids and cross-KV slots built on the host, copied to the device)
     forward       ModelRunner._run_model less copy_inputs (on CUDA: queueing the kernels / graph replay;
-                  on CPU: the model's compute, left out of host_us), plus T5's encoder runs
+                  on CPU: the model's compute, left out of host_us), plus T5's encoder runs (encode and
+                  store_cross_kv)
     swap          KVSwapper.execute: KV blocks copied between the GPU and its CPU tier (swap_space: prefix-cache
                   blocks evicted from the GPU when decoding takes new blocks)
     sample        ModelRunner._sample: argmax (or the Sampler) and queueing the device -> host copy
@@ -68,7 +71,7 @@ sys.path.append(str(REPO))   # PYTHONPATH first: another checkout of hayabusa ca
 
 clock = time.perf_counter   # --clock cpu: time.thread_time (steadier on a shared machine; the wait is then ~0)
 
-PHASES = ("schedule", "sched_out", "inputs", "swap", "forward", "sample", "wait", "finish", "update", "output",
+PHASES = ("schedule", "sched_out", "inputs", "encoders", "swap", "forward", "sample", "wait", "finish", "update", "output",
           "engine", "llm", "total")
 EXTRA = ("host", "gc")   # host: see the docstring; gc: wall in Python's cyclic garbage collector (inside the phases)
 
@@ -151,7 +154,9 @@ def instrument(llm, timer: PhaseTimer) -> None:
     timer.wrap(runner, "_run_model", "forward", sub=("inputs",))
     if runner.encdec is not None:
         timer.wrap(runner.encdec, "prepare", "inputs")
-        timer.wrap(runner.encdec, "run_encoders", "forward")
+        timer.wrap(runner.model, "encode", "forward")
+        timer.wrap(runner.model, "store_cross_kv", "forward")
+        timer.wrap(runner.encdec, "run_encoders", "encoders", sub=("forward",))
     timer.wrap(runner, "_sample", "sample")
     if getattr(runner, "kv_swapper", None) is not None:
         timer.wrap(runner.kv_swapper, "execute", "swap")

@@ -36,7 +36,7 @@ def _check(records, models):
         # for the tiny Llama (run X, 2026-12-02); why one more step passes as steady there is not found yet
         steady = per_step["steps"]
         assert r["batch"] == 4 and (steady == 4 or (r["device"].startswith("cuda") and steady == 5))
-        phases = ("schedule", "sched_out", "inputs", "swap", "forward", "sample", "wait", "finish", "update",
+        phases = ("schedule", "sched_out", "inputs", "encoders", "swap", "forward", "sample", "wait", "finish", "update",
                   "output", "engine", "llm")
         assert per_step["total"] == pytest.approx(sum(per_step[p] for p in phases))
         assert all(per_step[p] >= 0 for p in phases if p != "engine")
