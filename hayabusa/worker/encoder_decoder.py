@@ -131,20 +131,23 @@ class EncoderDecoderRunner:
 
     def cross_slots(self, blocks: list[list[int]], lens: np.ndarray) -> np.ndarray:
         """Cache slots of the encoder tokens [T_e] int64: request i's token j (j < lens[i]) goes to position j of
-        its cross blocks ``blocks[i]`` (each ``cdiv(lens[i], block_size)`` block ids). Vectorised over tokens.
+        its cross blocks ``blocks[i]`` (each ``cdiv(lens[i], block_size)`` block ids). Every slot of every block
+        in one broadcast, then the unused tail of each request's last block dropped:
 
-            token t of request i:  pos = t - start[i];  slot = blocks[i][pos // bs] * bs + pos % bs
+            blocks [7, 2], lens 6, bs 4:  7*4 + 0..3 | 2*4 + 0..3  ->  28 29 30 31 8 9 (10 11 dropped)
         """
         bs = self.block_size
+        flat = np.fromiter(itertools.chain.from_iterable(blocks), dtype=np.int64)      # [B_x] every block id
+        slots = (flat[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)     # [B_x * bs]
         nb = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))       # [R_e] blocks per request
-        flat = np.fromiter(itertools.chain.from_iterable(blocks), dtype=np.int64, count=int(nb.sum()))
-        block_start = np.zeros(len(blocks), dtype=np.int64)                          # [R_e] into `flat`
-        np.cumsum(nb[:-1], out=block_start[1:])
-        tok_start = np.zeros(len(blocks), dtype=np.int64)                            # [R_e] into the tokens
-        np.cumsum(lens[:-1], out=tok_start[1:])
-        T = int(lens.sum())
-        pos = np.arange(T, dtype=np.int64) - np.repeat(tok_start, lens)              # [T_e] position in request
-        return flat[np.repeat(block_start, lens) + pos // bs] * bs + pos % bs
+        tail = nb * bs - lens                                                        # [R_e] unused slots
+        if not tail.any():
+            return slots
+        keep = np.ones(len(slots), dtype=bool)
+        ends = np.cumsum(nb * bs)
+        for end, n in zip(ends[tail > 0].tolist(), tail[tail > 0].tolist()):      # ragged requests only
+            keep[end - n:end] = False
+        return slots[keep]
 
     def prepare(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
         """Per-token cross-attention metadata of the step (rows [R] int64, num_scheduled [R] int32) into the
