@@ -311,13 +311,15 @@ g_w11() {  # speculative decoding on a TRAINED model: SmolLM2-135M-Instruct, its
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 }
 
-g_host8() {  # the engine's host work per step (issues #17 / #25): phase table on CUDA, then W9 / W3 / W1
+g_host8() {  # the engine's host work per step (issues #17 / #25): phase tables on CUDA (steady decode; W9 by step kind), then W9 / W3 / W1
   ensure_q05
   ensure_shape t5-small-shape
   step host_q05 90 10 python benchmarks/host_overhead.py --device cuda --model "$Q05" --skip-tokenizer-init \
     --batch 1 256 --json "$OUT/host_q05.json"
   step host_t5s 60 10 python benchmarks/host_overhead.py --device cuda --model "$MODELS/t5-small-shape" \
     --skip-tokenizer-init --batch 256 --json "$OUT/host_t5s.json"
+  step host_t5s_w9 120 10 python benchmarks/host_overhead.py --w9 --device cuda --model "$MODELS/t5-small-shape" \
+    --skip-tokenizer-init --json "$OUT/host_t5s_w9.json"   # W9's 2,000 requests: host per step kind
   bench_step t5s_W9_host "${W9_MAX_S:-120}" 30 --workload W9 --model "$MODELS/t5-small-shape" --engine hayabusa
   bench_step q05_W3_host 60 20 --workload W3 --model "$Q05"
   [ -n "${HOST_W1:-}" ] && bench_step q05_W1_host 60 20 --workload W1 --model "$Q05"

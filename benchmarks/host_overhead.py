@@ -6,6 +6,8 @@
     python benchmarks/host_overhead.py --json host.json                # the records as JSON too
     python benchmarks/host_overhead.py --profile                       # cProfile of the last repeat: the top
     python benchmarks/host_overhead.py --fake-forward                  # CPU: fixed logits instead of the model
+    python benchmarks/host_overhead.py --w9 --arch t5 --fake-forward   # W9's requests, host time per step kind
+    python benchmarks/host_overhead.py --w9 --device cuda --model DIR --skip-tokenizer-init   # W9 on the GPU
 
 ``LLM.generate`` (the offline path, tokenizer on, outputs detokenized as LLM.generate does) of B prompts of
 ``--prompt-len`` random token ids -> ``--max-tokens`` tokens, greedy, ``ignore_eos``, max_num_seqs = B. Without
@@ -17,8 +19,11 @@ small and the step is the engine's host work. Every phase is timed around the re
     sched_out     Scheduler._make_output(): the SchedulerOutput (plain data) and the tokens counted as computed
     inputs        ModelRunner.update_states + prepare_inputs + copy_inputs (host arrays, copies to the buffers;
                   T5: the cross-attention metadata, EncoderDecoderRunner.prepare)
+    encoders      T5: EncoderDecoderRunner.run_encoders less the model's encode / store_cross_kv (the encoder
+                  inputs' ids and cross-KV slots built on the host, copied to the device)
     forward       ModelRunner._run_model less copy_inputs (on CUDA: queueing the kernels / graph replay;
-                  on CPU: the model's compute, left out of host_us), plus T5's encoder runs
+                  on CPU: the model's compute, left out of host_us), plus T5's encoder runs (encode and
+                  store_cross_kv)
     swap          KVSwapper.execute: KV blocks copied between the GPU and its CPU tier (swap_space: prefix-cache
                   blocks evicted from the GPU when decoding takes new blocks)
     sample        ModelRunner._sample: argmax (or the Sampler) and queueing the device -> host copy
@@ -36,6 +41,13 @@ steps and the last step are left out) and, in the per_req row, µs per request p
 every request finishes, with ``ignore_eos``) is reported apart, per request: ``end_step`` (its host time) and
 ``end_output`` (its OutputProcessor time: the whole text detokenized at once, as LLM.generate asks for the final
 output only). Median over ``--repeats``.
+
+``--w9`` (T5, issue #17): W9's requests instead (``--w9-requests``, default 2,000, of 256 random encoder ids ->
+64 tokens, greedy, ``ignore_eos``, max_num_seqs 256 and the engine's default max_num_batched_tokens, as ``hayabusa
+bench --workload W9`` runs them). Every step of one ``generate`` is timed and put in one kind: ``admit`` (encoders
+of newly admitted requests ran in it), ``finish`` (requests finished in it, none admitted), ``decode`` (the rest);
+the table gives per kind the steps, µs per step by phase, and host µs per step; then host ms in all and host µs
+per request (the whole run's host time over its requests).
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ sys.path.append(str(REPO))   # PYTHONPATH first: another checkout of hayabusa ca
 
 clock = time.perf_counter   # --clock cpu: time.thread_time (steadier on a shared machine; the wait is then ~0)
 
-PHASES = ("schedule", "sched_out", "inputs", "swap", "forward", "sample", "wait", "finish", "update", "output",
+PHASES = ("schedule", "sched_out", "inputs", "encoders", "swap", "forward", "sample", "wait", "finish", "update", "output",
           "engine", "llm", "total")
 EXTRA = ("host", "gc")   # host: see the docstring; gc: wall in Python's cyclic garbage collector (inside the phases)
 
@@ -142,7 +154,9 @@ def instrument(llm, timer: PhaseTimer) -> None:
     timer.wrap(runner, "_run_model", "forward", sub=("inputs",))
     if runner.encdec is not None:
         timer.wrap(runner.encdec, "prepare", "inputs")
-        timer.wrap(runner.encdec, "run_encoders", "forward")
+        timer.wrap(runner.model, "encode", "forward")
+        timer.wrap(runner.model, "store_cross_kv", "forward")
+        timer.wrap(runner.encdec, "run_encoders", "encoders", sub=("forward",))
     timer.wrap(runner, "_sample", "sample")
     if getattr(runner, "kv_swapper", None) is not None:
         timer.wrap(runner.kv_swapper, "execute", "swap")
@@ -176,6 +190,7 @@ def instrument(llm, timer: PhaseTimer) -> None:
         rec["t_end"] = clock()
         rec["R"], rec["T"] = last_sched.get("R", 0), last_sched.get("T", 0)
         rec["F"] = sum(1 for o in outs if o.finished)
+        rec["E"] = last_sched.get("E", 0)
         swapper = getattr(runner, "kv_swapper", None)
         rec["swap_runs"] = swapper.num_copies - runs_before if swapper is not None else 0
         timer.records.append(rec)
@@ -188,6 +203,7 @@ def instrument(llm, timer: PhaseTimer) -> None:
     def recording_schedule():
         out = schedule()
         last_sched["R"], last_sched["T"] = out.num_reqs, out.total_num_scheduled_tokens
+        last_sched["E"] = len(out.scheduled_encoder_prompt_req_ids)
         return out
 
     timer.patch(sched, "schedule", recording_schedule)
@@ -263,6 +279,132 @@ def run_once(llm, ns, batch: int, seed: int, device_is_cpu: bool, profile: cProf
     return row
 
 
+W9_KINDS = ("admit", "finish", "decode")
+
+
+def w9_step_kind(rec: dict) -> str:
+    """admit: encoders ran in the step; finish: requests finished in it (none admitted); decode: the rest."""
+    return "admit" if rec["E"] else "finish" if rec["F"] else "decode"
+
+
+def run_w9(llm, ns, device_is_cpu: bool, profile: cProfile.Profile | None) -> dict:
+    """One ``generate`` of W9's requests; host µs per step by kind and phase (see the module docstring)."""
+    from hayabusa import SamplingParams
+
+    rng = random.Random(0)
+    hi = min(llm.llm_engine.runner.vocab_size, 32000)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, hi) for _ in range(ns.prompt_len)]}
+               for _ in range(ns.w9_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
+    timer = PhaseTimer()
+    instrument(llm, timer)
+    engine = llm.llm_engine
+    add = engine.add_request
+    added = [0.0]
+
+    def timed_add(*a, **kw):     # LLM.generate queues every request before its first step: W9's wall has it
+        t0 = clock()
+        try:
+            return add(*a, **kw)
+        finally:
+            added[0] += clock() - t0
+
+    timer.patch(engine, "add_request", timed_add)
+    gc_state = [0.0, 0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_state[0] = clock()
+        else:
+            timer.add("gc", clock() - gc_state[0])
+            gc_state[1] += clock() - gc_state[0]
+
+    gc.callbacks.append(on_gc)
+    try:
+        t0 = clock()
+        if profile is not None:
+            outs = profile.runcall(llm.generate, prompts, params, use_tqdm=False)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = clock() - t0
+    finally:
+        timer.unwrap()
+        gc.callbacks.remove(on_gc)
+    assert all(len(o.outputs[0].token_ids) == ns.max_tokens for o in outs)
+    recs = timer.records
+    for prev, rec in zip(recs, recs[1:]):
+        rec["llm"] = max(rec["t_end"] - rec["step_wall"] - prev["t_end"], 0.0)
+    if recs:
+        recs[0]["llm"] = 0.0
+    for rec in recs:
+        rec["total"] = sum(rec.get(p, 0.0) for p in PHASES if p != "total")
+        rec["host"] = rec["total"] - rec.get("wait", 0.0) - (rec.get("forward", 0.0) if device_is_cpu else 0.0)
+    kinds = {}
+    for kind in W9_KINDS:
+        sel = [r for r in recs if w9_step_kind(r) == kind]
+        n = max(len(sel), 1)
+        row = {p: 1e6 * sum(r.get(p, 0.0) for r in sel) / n for p in PHASES + EXTRA}
+        row["steps"] = len(sel)
+        row["reqs"] = sum(r["R"] for r in sel) / n
+        row["admitted"] = sum(r["E"] for r in sel) / n
+        row["host_ms_all"] = 1e3 * sum(r["host"] for r in sel)
+        kinds[kind] = row
+    host_s = sum(r["host"] for r in recs) + added[0]
+    return {"kinds": kinds, "steps": len(recs), "generate_s": wall, "host_ms": 1e3 * host_s,
+            "host_us_per_req": 1e6 * host_s / len(outs), "requests": len(outs),
+            "add_request_us_per_req": 1e6 * added[0] / len(outs), "gc_ms": 1e3 * gc_state[1]}
+
+
+def bench_w9(model: str, label: str, ns) -> list[dict]:
+    from hayabusa import LLM
+
+    llm = LLM(model, device=ns.device, max_num_seqs=256, max_model_len=ns.prompt_len + ns.max_tokens + 16,
+              enforce_eager=ns.enforce_eager, gpu_memory_utilization=ns.gpu_memory_utilization,
+              skip_tokenizer_init=ns.skip_tokenizer_init)
+    runner = llm.llm_engine.runner
+    dev_cpu = runner.device.type == "cpu"
+    if ns.fake_forward:
+        fake_forward(runner, 256)
+    warm = ns.w9_requests
+    ns.w9_requests = min(warm, 64)
+    run_w9(llm, ns, dev_cpu, None)     # warm-up (compiles, first allocations)
+    ns.w9_requests = warm
+    rows = []
+    prof = None
+    for r in range(ns.repeats):
+        prof = cProfile.Profile() if ns.profile and r == ns.repeats - 1 else None
+        rows.append(run_w9(llm, ns, dev_cpu, prof))
+    best = sorted(rows, key=lambda x: x["host_ms"])[len(rows) // 2]     # the median run by host time
+    rec = {"model": label, "device": str(runner.device), "fake_forward": ns.fake_forward, "w9": True,
+           "requests": ns.w9_requests, "prompt_len": ns.prompt_len, "max_tokens": ns.max_tokens,
+           "repeats": ns.repeats, "hayabusa": str(Path(sys.modules["hayabusa"].__file__).parent), **best,
+           "host_ms_repeats": [x["host_ms"] for x in rows]}
+    print_w9_table(rec)
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(ns.top)
+        print(f"cProfile of the last repeat (whole generate()), top {ns.top} by own time:")
+        print(s.getvalue())
+    return [rec]
+
+
+def print_w9_table(rec: dict) -> None:
+    fake = " (forward faked)" if rec["fake_forward"] else ""
+    print(f"\nW9 on {rec['model']}, {rec['device']}{fake}: {rec['requests']} x {rec['prompt_len']} encoder tokens -> "
+          f"{rec['max_tokens']} tokens, max_num_seqs 256; {rec['steps']} steps, generate {rec['generate_s']:.2f} s; "
+          f"median of {rec['repeats']} by host time (host ms per repeat: "
+          f"{', '.join(f'{h:.0f}' for h in rec['host_ms_repeats'])})")
+    cols = PHASES + EXTRA
+    print(f"{'us/step':>8} {'steps':>6} {'reqs':>6} {'admit':>6} " + " ".join(f"{c:>9}" for c in cols)
+          + f" {'host_ms':>9}")
+    for kind, row in rec["kinds"].items():
+        print(f"{kind:>8} {row['steps']:>6} {row['reqs']:>6.0f} {row['admitted']:>6.1f} "
+              + " ".join(f"{row[c]:>9.1f}" for c in cols) + f" {row['host_ms_all']:>9.1f}")
+    print(f"add_request (before the first step): {rec['add_request_us_per_req']:.1f} us per request; host in all "
+          f"(steps + add_request): {rec['host_ms']:.1f} ms, {rec['host_us_per_req']:.1f} us per request; of the "
+          f"whole generate, {rec['gc_ms']:.1f} ms in the garbage collector")
+
+
 def bench_model(model: str, label: str, ns) -> list[dict]:
     import torch
 
@@ -327,7 +469,7 @@ def main() -> None:
                    help="tiny models to build when --model is not given")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, nargs="+", default=[256])
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=None, help="default 16 (--w9: 256)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--enforce-eager", action="store_true")
@@ -347,20 +489,27 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile the last repeat; print the top functions")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--json", default=None, help="write the records to this file")
+    p.add_argument("--w9", action="store_true",
+                   help="W9's requests (T5): host time per step kind (admit / finish / decode) over a whole run; "
+                        "--prompt-len defaults to 256 then")
+    p.add_argument("--w9-requests", type=int, default=2000, help="--w9: the number of requests")
     ns = p.parse_args()
     global clock
     clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
+    if ns.prompt_len is None:
+        ns.prompt_len = 256 if ns.w9 else 16
+    bench = bench_w9 if ns.w9 else bench_model
     import torch
 
     torch.set_num_threads(ns.threads)
     results = []
     if ns.model is not None:
-        results += bench_model(ns.model, Path(ns.model).name, ns)
+        results += bench(ns.model, Path(ns.model).name, ns)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             for arch in ns.arch:
                 path = build_tiny(arch, Path(tmp) / arch)
-                results += bench_model(path, f"tiny-{arch}", ns)
+                results += bench(path, f"tiny-{arch}", ns)
     if ns.json:
         Path(ns.json).write_text(json.dumps(results, indent=1))
         print(f"\nwrote {ns.json}")

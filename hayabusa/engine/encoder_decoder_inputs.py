@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hayabusa.engine.input_processor import InputProcessor, check_prompt_length
+from hayabusa.engine.input_processor import InputProcessor, check_prompt_length, first_out_of_vocab
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.sampling_params import SamplingParams
 
@@ -67,7 +67,7 @@ def _check_encoder_ids(ip: InputProcessor, ids: list[int], name: str) -> None:
     if not ids:
         raise HayabusaValidationError(f"the {name} (the encoder input) is empty (0 tokens).", parameter=name,
                                       value="")
-    bad = next((i for i, t in enumerate(ids) if t < 0 or t >= mc.vocab_size), None)
+    bad = first_out_of_vocab(ids, mc.vocab_size)
     if bad is not None:
         raise HayabusaValidationError(
             f"token id {ids[bad]} at position {bad} of the {name} is out of vocabulary (vocab_size="

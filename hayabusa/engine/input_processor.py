@@ -30,6 +30,13 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
             parameter="prompt", value=num_prompt_tokens)
 
 
+def first_out_of_vocab(ids: list[int], vocab_size: int) -> int | None:
+    """The index of the first id outside [0, vocab_size), or None (min / max first: no Python loop when all fit)."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return None
+    return next(i for i, t in enumerate(ids) if t < 0 or t >= vocab_size)
+
+
 class InputProcessor:
     """Turns one prompt into (prompt text or None, prompt token ids), and resolves ``max_tokens``.
 
@@ -129,6 +136,8 @@ class InputProcessor:
         if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
             raise HayabusaTypeError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}.",
                                     parameter="prompt_token_ids", value=str(ids)[:80])
+        if type(ids) is list and set(map(type, ids)) == {int}:
+            return ids.copy()    # plain ints (the common case): checked in C, no per-item Python (issue #17)
         out = []
         for i, t in enumerate(ids):
             try:
@@ -145,7 +154,7 @@ class InputProcessor:
         mc = self.model_config
         if not ids:
             raise HayabusaValidationError("the prompt is empty (0 tokens).", parameter="prompt", value="")
-        bad = next((i for i, t in enumerate(ids) if t < 0 or t >= mc.vocab_size), None)
+        bad = first_out_of_vocab(ids, mc.vocab_size)
         if bad is not None:
             raise HayabusaValidationError(
                 f"token id {ids[bad]} at position {bad} of prompt_token_ids is out of vocabulary "

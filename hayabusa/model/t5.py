@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,6 +136,12 @@ class T5EncoderSelfAttention(nn.Module):
         return self.o(pad.from_batch(o.transpose(1, 2)).reshape(T, -1))
 
 
+def _host_to(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without blocking the host (through pinned memory on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
+
+
 class _Padding:
     """Packed [T, ...] <-> padded [B, L, ...] for the encoder's attention (no copy when all lengths are equal)."""
 
@@ -143,10 +150,10 @@ class _Padding:
         self.equal = all(n == self.L for n in seq_lens)
         self.idx = None
         self.valid = None
-        if not self.equal:
-            lens = torch.tensor(seq_lens, device=device)
-            self.valid = torch.arange(self.L, device=device)[None, :] < lens[:, None]   # [B, L] bool
-            self.idx = self.valid.flatten().nonzero().squeeze(1)                          # [T] padded row of token
+        if not self.equal:   # built on the host and copied without blocking (no nonzero() sync on the device)
+            valid = np.arange(self.L)[None, :] < np.asarray(seq_lens)[:, None]           # [B, L] bool
+            self.valid = _host_to(valid, device)
+            self.idx = _host_to(np.flatnonzero(valid), device)                            # [T] padded row of token
 
     def to_batch(self, t: torch.Tensor) -> torch.Tensor:
         if self.equal:
@@ -291,6 +298,7 @@ class T5ForConditionalGeneration(nn.Module):
         self.has_lm_head = False
         self.max_position = max(max_position, 1)
         self._bias_table: torch.Tensor | None = None
+        self._enc_bias: torch.Tensor | None = None
 
     def _load_lm_head(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
         param.data.copy_(loaded)
@@ -335,14 +343,29 @@ class T5ForConditionalGeneration(nn.Module):
     # ------------------------------------------------------------------ encoder
     def _encoder_bias(self, L: int, pad: _Padding, dtype: torch.dtype) -> torch.Tensor:
         """[1 or B, H, L, L] additive mask: the bidirectional position bias, -inf on padding keys."""
-        pos = torch.arange(L, device=self.shared.weight.device)
-        buckets = relative_position_bucket(pos[None, :] - pos[:, None], True, self.num_buckets, self.max_distance)
-        bias = self.enc_rel_bias(buckets).permute(2, 0, 1).unsqueeze(0).to(dtype)   # [1, H, L, L]
+        bias = self._encoder_bias_table(L, dtype)[:, :, :L, :L]                     # [1, H, L, L]
         if pad.equal:
             return bias
         key_mask = torch.zeros(pad.B, 1, 1, L, dtype=dtype, device=bias.device)
         key_mask.masked_fill_(~pad.valid[:, None, None, :], torch.finfo(dtype).min)
         return bias + key_mask                                                        # [B, H, L, L]
+
+    def _encoder_bias_table(self, L: int, dtype: torch.dtype) -> torch.Tensor:
+        """[1, H, L', L'] the encoder's bidirectional position bias for every length up to L' >= L, computed once
+        (the bias depends on key - query only, so a shorter sequence's is the top-left corner): an encoder run
+        then launches none of the ~20 small ops of the bucket arithmetic (issue #17). L' = max(L, max_position)
+        (the decoder's max_model_len; the encoder limit is the same number; the memory profile runs the encoder at
+        that length, so the table is in the peak) rounded up to 16, so each row of a slice starts 32-byte aligned
+        (what SDPA's fused kernels want of a mask)."""
+        cached = self._enc_bias
+        if cached is None or cached.shape[-1] < L or cached.dtype != dtype:
+            n = -(-max(L, self.max_position) // 16) * 16
+            pos = torch.arange(n, device=self.shared.weight.device)
+            buckets = relative_position_bucket(pos[None, :] - pos[:, None], True, self.num_buckets,
+                                               self.max_distance)
+            cached = self.enc_rel_bias(buckets).permute(2, 0, 1).unsqueeze(0).to(dtype)   # [1, H, n, n]
+            self._enc_bias = cached
+        return cached
 
     def encode(self, input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """input_ids [T_e] (sequences packed, lengths ``seq_lens``) -> encoder output [T_e, d_model]."""

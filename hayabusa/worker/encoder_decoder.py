@@ -18,6 +18,8 @@ For a decode step (T = R) this is one row per request, in device buffers at fixe
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -54,7 +56,7 @@ class EncoderDecoderRunner:
         self.block_size = block_size
         self.device = device
         self.max_cross_blocks = cdiv(max_encoder_len, block_size)
-        self.encoder_ids: dict[str, list[int]] = {}                          # request id -> encoder input
+        self.encoder_ids: dict[str, np.ndarray] = {}                  # request id -> encoder input [n] int64
         R, T = max_num_reqs, max_num_tokens
         self.cross_table = np.zeros((R, self.max_cross_blocks), dtype=np.int32)   # [rows, max_cross_blocks]
         self.enc_lens = np.zeros(R, dtype=np.int32)                                # [rows]
@@ -78,7 +80,7 @@ class EncoderDecoderRunner:
             self.encoder_ids.pop(rid, None)
         for new in out.scheduled_new_reqs:
             if new.encoder_prompt_token_ids is not None:
-                self.encoder_ids[new.req_id] = list(new.encoder_prompt_token_ids)
+                self.encoder_ids[new.req_id] = np.array(new.encoder_prompt_token_ids, dtype=np.int64)
                 self._set_row(row_of[new.req_id], new.cross_block_ids, len(new.encoder_prompt_token_ids))
         for rid, blocks in out.scheduled_cached_reqs.cross_block_ids.items():
             self._set_row(row_of[rid], blocks, len(self.encoder_ids[rid]))
@@ -118,18 +120,34 @@ class EncoderDecoderRunner:
             return
         new_blocks = {r.req_id: r.cross_block_ids for r in out.scheduled_new_reqs}
         new_blocks.update(out.scheduled_cached_reqs.cross_block_ids)
-        lens = [len(self.encoder_ids[rid]) for rid in rids]
-        ids = np.fromiter((t for rid in rids for t in self.encoder_ids[rid]), dtype=np.int64, count=sum(lens))
-        bs = self.block_size
-        slots = []
-        for rid, n in zip(rids, lens):   # per request: positions 0..n-1 of its cross blocks
-            pos = np.arange(n, dtype=np.int64)
-            slots.append(np.asarray(new_blocks[rid], dtype=np.int64)[pos // bs] * bs + pos % bs)
+        enc = [self.encoder_ids[rid] for rid in rids]
+        lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))          # [R_e]
+        ids = np.concatenate(enc)                                                  # [T_e] int64
+        slots_t = _to_device(self.cross_slots([new_blocks[rid] for rid in rids], lens), self.device)
         ids_t = _to_device(ids, self.device)
-        slots_t = _to_device(np.concatenate(slots), self.device)
-        enc_out = self.model.encode(ids_t, lens)                                  # [T_e, d_model]
+        enc_out = self.model.encode(ids_t, lens.tolist())                         # [T_e, d_model]
         self.model.store_cross_kv(enc_out, slots_t, ForwardContext(None, kv_caches, backend))
         self.num_encoder_tokens += len(ids)
+
+    def cross_slots(self, blocks: list[list[int]], lens: np.ndarray) -> np.ndarray:
+        """Cache slots of the encoder tokens [T_e] int64: request i's token j (j < lens[i]) goes to position j of
+        its cross blocks ``blocks[i]`` (each ``cdiv(lens[i], block_size)`` block ids). Every slot of every block
+        in one broadcast, then the unused tail of each request's last block dropped:
+
+            blocks [7, 2], lens 6, bs 4:  7*4 + 0..3 | 2*4 + 0..3  ->  28 29 30 31 8 9 (10 11 dropped)
+        """
+        bs = self.block_size
+        flat = np.fromiter(itertools.chain.from_iterable(blocks), dtype=np.int64)      # [B_x] every block id
+        slots = (flat[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)     # [B_x * bs]
+        nb = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))       # [R_e] blocks per request
+        tail = nb * bs - lens                                                        # [R_e] unused slots
+        if not tail.any():
+            return slots
+        keep = np.ones(len(slots), dtype=bool)
+        ends = np.cumsum(nb * bs)
+        for end, n in zip(ends[tail > 0].tolist(), tail[tail > 0].tolist()):      # ragged requests only
+            keep[end - n:end] = False
+        return slots[keep]
 
     def prepare(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
         """Per-token cross-attention metadata of the step (rows [R] int64, num_scheduled [R] int32) into the

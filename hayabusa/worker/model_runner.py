@@ -207,7 +207,8 @@ class ModelRunner:
                 {"input_ids": pinned(T, torch.int64), "positions": pinned(T, torch.int64),
                  "slot_mapping": pinned(T, torch.int64), "query_start_loc": pinned(R + 1, torch.int32),
                  "seq_lens": pinned(R, torch.int32), "block_table": pinned(R * self.max_blocks_per_req, torch.int32),
-                 "sampled": pinned(R, torch.int64)} for _ in range(max(2, pp_size()))]
+                 "sampled": pinned(R, torch.int64), "placeholder_dst": pinned(R, torch.int64),
+                 "placeholder_src": pinned(R, torch.int64)} for _ in range(max(2, pp_size()))]
             spec = self.cfg.speculative_config
             if spec is not None:   # a verify step's emitted tokens, [R, k + 1]
                 for st in self._staging_sets:
@@ -604,8 +605,17 @@ class ModelRunner:
             # steady decode: token i's input is the previous step's sample i (same requests, same order)
             input_ids[:P].copy_(self._prev_sampled[:P])
             return
-        dst = torch.from_numpy(inp.placeholder_dst).to(self.device, non_blocking=True)
-        src = torch.from_numpy(inp.placeholder_src).to(self.device, non_blocking=True)
+        st = self.staging
+        if st is None or P > len(st["placeholder_dst"]):   # CPU (or more placeholders than rows: never seen)
+            dst = torch.from_numpy(inp.placeholder_dst).to(self.device, non_blocking=True)
+            src = torch.from_numpy(inp.placeholder_src).to(self.device, non_blocking=True)
+        else:   # through the step's pinned buffers: a copy from pageable memory would wait for the queued steps
+            # (a step that admits or finishes requests, where rows move, would otherwise stall async scheduling)
+            dst_host, src_host = st["placeholder_dst"][:P], st["placeholder_src"][:P]
+            dst_host.numpy()[:] = inp.placeholder_dst
+            src_host.numpy()[:] = inp.placeholder_src
+            dst = dst_host.to(self.device, non_blocking=True)
+            src = src_host.to(self.device, non_blocking=True)
         input_ids[dst] = self._prev_sampled[src]
 
     def _run_model(self, inp: StepInputs) -> torch.Tensor:

@@ -36,7 +36,7 @@ def _check(records, models):
         # for the tiny Llama (run X, 2026-12-02); why one more step passes as steady there is not found yet
         steady = per_step["steps"]
         assert r["batch"] == 4 and (steady == 4 or (r["device"].startswith("cuda") and steady == 5))
-        phases = ("schedule", "sched_out", "inputs", "swap", "forward", "sample", "wait", "finish", "update",
+        phases = ("schedule", "sched_out", "inputs", "encoders", "swap", "forward", "sample", "wait", "finish", "update",
                   "output", "engine", "llm")
         assert per_step["total"] == pytest.approx(sum(per_step[p] for p in phases))
         assert all(per_step[p] >= 0 for p in phases if p != "engine")
@@ -58,3 +58,20 @@ def test_host_overhead_cuda(tmp_path, monkeypatch, capsys):
     records, _ = _run(tmp_path, monkeypatch, capsys, "--device", "cuda")
     _check(records, ["tiny-llama", "tiny-t5"])
     assert all(r["device"].startswith("cuda") for r in records)
+
+
+def test_host_overhead_w9_step_kinds(tmp_path, monkeypatch, capsys):
+    """--w9: every step of the run in one kind; 40 requests of 8 encoder ids all fit the first step's encoder
+    budget (8192 tokens), so one admit step, then decode steps, and one finish step (the 4th token ends all)."""
+    records, stdout = _run(tmp_path, monkeypatch, capsys, "--arch", "t5", "--fake-forward", "--w9",
+                           "--w9-requests", "40", "--prompt-len", "8", "--max-tokens", "4")
+    (r,) = records
+    kinds = r["kinds"]
+    assert r["requests"] == 40 and r["steps"] == sum(k["steps"] for k in kinds.values())
+    assert kinds["admit"]["steps"] == 1 and kinds["admit"]["admitted"] == 40 and kinds["admit"]["reqs"] == 40
+    assert kinds["finish"]["steps"] == 1 and kinds["decode"]["steps"] == r["steps"] - 2
+    assert kinds["decode"]["admitted"] == 0 and kinds["finish"]["admitted"] == 0
+    host_steps = sum(k["host_ms_all"] for k in kinds.values())
+    assert r["host_ms"] == pytest.approx(host_steps + 40 * r["add_request_us_per_req"] / 1e3)
+    assert r["host_us_per_req"] == pytest.approx(1e3 * r["host_ms"] / 40)
+    assert all(k["host"] > 0 for k in kinds.values()) and "admit" in stdout
