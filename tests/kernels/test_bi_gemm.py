@@ -1,0 +1,161 @@
+"""The split-K batch-invariant GEMM (kernels/bi_gemm.py): one input row's bits are the same alone and inside batches
+of other rows of many sizes, whichever launch (split: a program per (tile, K chunk) + the partial-sum kernel;
+unsplit: a program per tile) M picks; they match F.linear within the dtype's tolerance. The configuration depends
+on (N, K) and the SM count only; the table and HAYABUSA_BI_GEMM_CONFIGS override it.
+
+Triton kernels run under TRITON_INTERPRET on CPU (its "GPU" has 4 SMs: bi_gemm.num_sms), tiny shapes. NOTE: the
+interpreter casts fp32 to bf16 / fp16 by truncation (the GPU rounds to nearest), hence the tolerance of 2 ulps.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.kernels import bi_gemm as bg
+from hayabusa.kernels.bi_gemm import BiGemmConfig, bi_gemm, bi_gemm_config, bi_gemm_splits
+
+SIZES = (1, 2, 3, 7, 16, 33, 64, 130)
+ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+SMALL = BiGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, CHUNK_K=64)
+# (N, K, config), each run split at M <= 16 and unsplit from M = 33 or 130 on (the interpreter's 4 SMs):
+# chunks of 64 over K = 200 (the last one 8 wide: K is no multiple of the chunk, nor of BLOCK_K) with 32-row tiles;
+# a narrow weight (N 40 < one 64 tile, chunks of 96, the last 12); the heuristic's own choice at K = 520 (three
+# chunks of 192, the last 136) with 64-row tiles.
+CASES = {
+    "small-tiles": (72, 200, SMALL),
+    "narrow": (40, 300, BiGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, CHUNK_K=96)),
+    "heuristic": (72, 520, None),
+}
+RUNS = [("small-tiles", torch.bfloat16, True), ("small-tiles", torch.float16, False),
+        ("narrow", torch.bfloat16, False), ("narrow", torch.float32, True),
+        ("heuristic", torch.bfloat16, True)]
+
+
+def _row_in_batches(fn, row: torch.Tensor, sizes=SIZES) -> list[torch.Tensor]:
+    """fn(batch)[at] for the same row placed among random rows in batches of each size, first / middle / last."""
+    gen = torch.Generator().manual_seed(1)
+    outs = []
+    for n in sizes:
+        for at in sorted({0, n // 2, n - 1}):
+            batch = torch.randn(n, row.shape[0], generator=gen).to(row.dtype)
+            batch[at] = row
+            outs.append(fn(batch)[at])
+    return outs
+
+
+def _weights(N: int, K: int, dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    row = torch.randn(K, generator=gen).to(dtype)
+    return w, b, row
+
+
+@pytest.mark.parametrize("case,dtype,bias", RUNS, ids=[f"{c}-{str(d)[6:]}-{'bias' if b else 'nobias'}"
+                                                         for c, d, b in RUNS])
+def test_bi_gemm_row_invariant_across_batch_sizes(device, case, dtype, bias):
+    N, K, cfg = CASES[case]
+    w, b, row = _weights(N, K, dtype, bias=bias)
+    w, b = w.to(device), (b.to(device) if b is not None else None)
+    sms = bg.num_sms(torch.device(device))
+    launches = {bi_gemm_splits(M, N, K, cfg or bi_gemm_config(N, K, sms), sms) for M in SIZES}
+    assert launches == {True, False} or device == "cuda", "the sizes should exercise both launches"
+    outs = _row_in_batches(lambda x: bi_gemm(x.to(device), w, b, config=cfg).cpu(), row)
+    for i, o in enumerate(outs[1:], 1):
+        assert torch.equal(o, outs[0]), f"variant {i} differs by {(o.float() - outs[0].float()).abs().max()}"
+    ref = F.linear(row[None].float(), w.float().cpu(), None if b is None else b.float().cpu())[0]
+    tol = 2 * ULP[dtype] * ref.abs().max().item() + 1e-6
+    torch.testing.assert_close(outs[0].float(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("M,dtype", [(1, torch.float32), (5, torch.float32), (70, torch.float32),
+                                     (70, torch.bfloat16)])
+def test_split_and_unsplit_launches_are_bit_identical(device, M, dtype):
+    """The same rows forced through both launches: the chunk partials and their index-order sum are the same float
+    operations whether one program sums them in registers or the partial-sum kernel does (bias included). fp32
+    shows a changed summation order (bf16's rounding mostly hides it at these sizes)."""
+    N, K, cfg = CASES["small-tiles"]
+    w, b, _ = _weights(N, K, dtype, bias=True, seed=3)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(4)).to(dtype)
+    w, b, x = w.to(device), b.to(device), x.to(device)
+    split = bi_gemm(x, w, b, config=cfg, split=True)
+    unsplit = bi_gemm(x, w, b, config=cfg, split=False)
+    assert torch.equal(split, unsplit)
+    assert not torch.equal(split, bi_gemm(x, w, None, config=cfg, split=True))   # the bias is really added
+
+
+def test_bi_gemm_leading_dims_and_strided_x(device):
+    """x [..., K] keeps its leading shape; a strided x (rows of a wider tensor) gives the contiguous x's bits."""
+    N, K, cfg = CASES["small-tiles"]
+    w, b, _ = _weights(N, K, torch.bfloat16, bias=True)
+    wide = torch.randn(6, K + 8, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(device)
+    x = wide[:, :K]
+    y = bi_gemm(x.reshape(2, 3, K), w.to(device), b.to(device), config=cfg)
+    assert y.shape == (2, 3, N)
+    assert torch.equal(y.reshape(6, N), bi_gemm(x.contiguous(), w.to(device), b.to(device), config=cfg))
+
+
+def test_bi_gemm_rejects_bad_inputs(device):
+    with pytest.raises(ValueError, match="weight"):
+        bi_gemm(torch.zeros(2, 8, device=device), torch.zeros(4, 9, device=device))
+    with pytest.raises(ValueError, match="bias"):
+        bi_gemm(torch.zeros(2, 8, device=device), torch.zeros(4, 8, device=device), torch.zeros(5, device=device))
+    assert bi_gemm(torch.zeros(0, 8, device=device), torch.zeros(4, 8, device=device)).shape == (0, 4)
+
+
+# ----------------------------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("N,K", [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896),
+                                 (4608, 3584), (3584, 18944), (37888, 3584), (128, 896), (72, 80)])
+def test_heuristic_config_splits_k_by_weight_shape(N, K):
+    """Chunks are whole BLOCK_K steps, at least MIN_CHUNK_K (or all of a short K), at most MAX_SPLITS of them; a
+    narrow weight splits (decode parallelism), one with a column tile per SM does not."""
+    cfg = bg.heuristic_config(N, K, 132)
+    S = cfg.num_chunks(K)
+    assert cfg.CHUNK_K % cfg.BLOCK_K == 0 and (cfg.CHUNK_K >= bg.MIN_CHUNK_K or S == 1)
+    assert 1 <= S <= bg.MAX_SPLITS and (S - 1) * cfg.CHUNK_K < K <= S * cfg.CHUNK_K
+    col_tiles = -(-N // cfg.BLOCK_N)
+    if col_tiles >= 132:                   # one row tile already gives every SM a program: no split
+        assert S == 1
+    elif K >= 2 * bg.MIN_CHUNK_K:          # a narrow weight: decode gets S x its column tiles
+        assert S > 1
+        assert S * col_tiles >= min(132, col_tiles * (K // bg.MIN_CHUNK_K)) // 2
+
+
+@pytest.fixture
+def fresh_config_cache():
+    bg._config.cache_clear()
+    yield
+    bg._config.cache_clear()
+
+
+def test_table_and_env_override_the_heuristic(monkeypatch, fresh_config_cache):
+    monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
+    assert bi_gemm_config(896, 896) == bg.heuristic_config(896, 896, 132)
+    measured = BiGemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, CHUNK_K=256, num_warps=8)
+    monkeypatch.setitem(bg.BI_GEMM_TABLE, (896, 896), measured)
+    bg._config.cache_clear()               # the table is read once per shape
+    assert bi_gemm_config(896, 896) == measured
+    monkeypatch.setenv(bg.ENV_CONFIGS, '{"896x896": {"CHUNK_K": 384, "num_stages": 4}}')
+    assert bi_gemm_config(896, 896) == BiGemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, CHUNK_K=384,
+                                                    num_warps=8, num_stages=4)
+    assert bi_gemm_config(896, 4864) == bg.heuristic_config(896, 4864, 132)     # other shapes untouched
+
+
+@pytest.mark.parametrize("raw,field", [("not json", bg.ENV_CONFIGS), ('{"896": {}}', bg.ENV_CONFIGS),
+                                       ('{"896x896": {"BLOCK_Q": 1}}', bg.ENV_CONFIGS),
+                                       ('{"896x896": {"CHUNK_K": 100}}', "BiGemmConfig.CHUNK_K")])
+def test_bad_env_config_is_refused_by_name(monkeypatch, fresh_config_cache, raw, field):
+    monkeypatch.setenv(bg.ENV_CONFIGS, raw)
+    with pytest.raises(HayabusaValidationError) as info:
+        bi_gemm_config(896, 896)
+    assert info.value.parameter == field
+
+
+def test_config_fields_are_checked():
+    with pytest.raises(HayabusaValidationError, match="BLOCK_N"):
+        BiGemmConfig(BLOCK_N=48)
+    with pytest.raises(HayabusaValidationError, match="CHUNK_K"):
+        BiGemmConfig(BLOCK_K=64, CHUNK_K=96)
+    with pytest.raises(HayabusaValidationError, match="num_warps"):
+        BiGemmConfig(num_warps=3)
