@@ -159,3 +159,15 @@ def test_config_fields_are_checked():
         BiGemmConfig(BLOCK_K=64, CHUNK_K=96)
     with pytest.raises(HayabusaValidationError, match="num_warps"):
         BiGemmConfig(num_warps=3)
+
+
+def test_linear_shapes_of_the_benchmark_models():
+    """The shapes the CUDA test and bench_bi_gemm.py use: q/k/v and gate/up merged as the engine holds them
+    (0.5b: 14 heads + 2 x 2 KV heads of 64 -> 1152; 7b: 28 + 2 x 4 of 128 -> 4608)."""
+    from hayabusa.bench.models import linear_shapes
+
+    assert linear_shapes("qwen2.5-0.5b-shape") == {"qkv": (1152, 896, True), "o": (896, 896, False),
+                                                   "gate_up": (9728, 896, False), "down": (896, 4864, False),
+                                                   "lm_head": (151936, 896, False)}
+    assert linear_shapes("qwen2.5-7b-shape")["qkv"] == (4608, 3584, True)
+    assert linear_shapes("qwen2.5-7b-shape")["down"] == (3584, 18944, False)
