@@ -140,6 +140,12 @@ def bi_gemm_config(N: int, K: int, num_sms: int = 132) -> BiGemmConfig:
     return _config(N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip())
 
 
+def reset_config_cache() -> None:
+    """Forget the configurations chosen so far (after ``BI_GEMM_TABLE`` changed; the environment variable is part
+    of the cache key already). Tests and benchmarks only: a running engine must keep its configurations."""
+    _config.cache_clear()
+
+
 @functools.lru_cache(maxsize=8)
 def num_sms(device: torch.device) -> int:
     """The SM count the configuration and the split decision use (the interpreter: a small fixed "GPU" of 4 SMs, so
@@ -151,11 +157,12 @@ def num_sms(device: torch.device) -> int:
 
 # ------------------------------------------------------------------------------------------------------ kernels
 # M and CHUNKS_PER_PROG are not specialized: M == 1 or CHUNKS_PER_PROG == 1 must not compile a variant of its own
-# (one program text, hence one instruction sequence for the dot loop, for every M and both launches)
+# (one program text, hence one instruction sequence for the dot loop, for every M and both launches). CHUNK_K is a
+# runtime value too (a multiple of BLOCK_K, fixed per weight): one compile per tile configuration.
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_PROG"])
-def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, CHUNK_K,
                     CHUNKS_PER_PROG, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
     # CHUNKS_PER_PROG: S (one program per output tile, summing its chunks; writes y) or 1 (one program per
     # (tile, chunk); writes the chunk's fp32 partial to part [S, M, N]; _bi_gemm_sum_kernel finishes)
     pid = tl.program_id(0)
@@ -266,9 +273,9 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     part = torch.empty((S, M, N) if split else (1,), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else weight
     _bi_gemm_kernel[(tiles * S if split else tiles,)](
-        x2, weight, b, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), 1 if split else S,
-        HAS_BIAS=bias is not None, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        CHUNK_K=cfg.CHUNK_K, GROUP_M=cfg.GROUP_M,
+        x2, weight, b, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), cfg.CHUNK_K,
+        1 if split else S, HAS_BIAS=bias is not None, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M,
         DOT_FP32=x.device.type == "cpu",   # the CPU interpreter computes bf16 tl.dot on raw bits: fp32 operands
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
@@ -278,4 +285,4 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 __all__ = ["BiGemmConfig", "BI_GEMM_TABLE", "ENV_CONFIGS", "bi_gemm", "bi_gemm_config", "bi_gemm_splits",
-           "heuristic_config", "num_sms"]
+           "heuristic_config", "num_sms", "reset_config_cache"]
