@@ -11,14 +11,16 @@ lm_head), or --shapes. bf16. Per (shape, M) the row has, in microseconds (CUDA-g
 medians): ``torch`` F.linear, ``unsplit`` the first BI GEMM, ``bi`` bi_gemm as the engine launches it (``launch``:
 split or unsplit by bi_gemm_splits), and ``bi_split`` / ``bi_unsplit`` forced each way (equal bits, checked: the
 split decision only trades parallelism for partial traffic, so these two columns say where SPLIT_BELOW_TILES should
-be). GB/s counts the bytes a perfect kernel moves (weight + x + y, bf16). 'bi/torch' = torch time / bi time
-(> 1: faster than cuBLAS; the mode's target is >= 0.9 end to end). Every case is checked first: bi_gemm vs F.linear
+be); ``bi_fused`` the split launch with SUM_IN_KERNEL (the tile's last chunk program sums: no second kernel).
+GB/s counts the bytes a perfect kernel moves (weight + x + y, bf16). 'bi/torch' = torch time / bi time (> 1: faster
+than cuBLAS; the mode's target is >= 0.9 end to end). Every case is checked first: bi_gemm vs F.linear
 within bf16 tolerance, forced split == forced unsplit bit for bit.
 
 --config: fields over a shape's configuration for this run (the same JSON as HAYABUSA_BI_GEMM_CONFIGS, which it sets).
 --sweep: also times a grid of configurations per shape (tiles, K chunks, warps; both launches at each M) and prints
 per shape the one configuration (the mode needs ONE per weight shape, never per M) with the smallest mean of
-bi / torch time over the M list, with its best SPLIT_BELOW_TILES, as a line to paste into BI_GEMM_TABLE. Not yet
+bi / torch time over the M list, with its best SPLIT_BELOW_TILES (and SUM_IN_KERNEL when that is faster), as a
+line to paste into BI_GEMM_TABLE. Not yet
 timed on a GPU: about 700 timings per shape (~70 configs x M x both launches, 10 ms each plus graph capture), so
 expect one to two minutes per shape: run one model (or a few --layers) per command to stay under 10 minutes.
 --device cpu runs the Triton interpreter (tiny --shapes only; times meaningless: a smoke test of this script).
@@ -80,6 +82,7 @@ def make_inputs(N: int, K: int, M: int, has_bias: bool, device: str):
 
 
 def check(x, w, b, cfg: bg.BiGemmConfig) -> None:
+    bg.reserve_tile_counters(x.device)
     split = bg.bi_gemm(x, w, b, config=cfg, split=True)
     unsplit = bg.bi_gemm(x, w, b, config=cfg, split=False)
     if not torch.equal(split, unsplit):
@@ -96,9 +99,13 @@ def bench_case(model: str, layer: str, N: int, K: int, has_bias: bool, M: int, d
     fns = {"torch": lambda: F.linear(x, w, b), "unsplit": lambda: matmul_bi_unsplit(x, w, b),
            "bi": lambda: bg.bi_gemm(x, w, b, config=cfg),
            "bi_split": lambda: bg.bi_gemm(x, w, b, config=cfg, split=True),
+           "bi_fused": lambda: bg.bi_gemm(x, w, b, config=fused, split=True),
            "bi_unsplit": lambda: bg.bi_gemm(x, w, b, config=cfg, split=False)}
-    if cfg.num_chunks(K) == 1:                 # one chunk: both launches are the same
-        del fns["bi_split"], fns["bi_unsplit"]
+    fused = dataclasses.replace(cfg, SUM_IN_KERNEL=True)
+    if cfg.num_chunks(K) == 1:                 # one chunk: the launches are the same
+        del fns["bi_split"], fns["bi_fused"], fns["bi_unsplit"]
+    elif not torch.equal(fns["bi_fused"](), fns["bi_unsplit"]()):
+        raise AssertionError(f"SUM_IN_KERNEL split != unsplit for {N}x{K} M={M}")
     nbytes = (N * K + M * K + M * N + (N if has_bias else 0)) * 2
     row = dict(model=model, layer=layer, N=N, K=K, M=M, config=dataclasses.asdict(cfg), S=cfg.num_chunks(K),
                launch="split" if bg.bi_gemm_splits(M, N, K, cfg, sms) else "unsplit")
@@ -112,14 +119,14 @@ def bench_case(model: str, layer: str, N: int, K: int, has_bias: bool, M: int, d
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ("torch", "unsplit", "bi", "bi_split", "bi_unsplit")
+    cols = ("torch", "unsplit", "bi", "bi_split", "bi_fused", "bi_unsplit")
     print(f"{'model':<20} {'layer':<8} {'N':>6} {'K':>6} {'M':>5} " + " ".join(f"{c + ' us':>13}" for c in cols)
           + f" {'bi GB/s':>8} {'bi/torch':>8} {'old/torch':>9} launch   config")
     for r in rows:
         us = [f"{r[c + '_us']:>13.1f}" if c + "_us" in r else f"{'-':>13}" for c in cols]
         c = r["config"]
         desc = (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} chunk {c['CHUNK_K']} (S {r['S']}) w{c['num_warps']} "
-                f"s{c['num_stages']}")
+                f"s{c['num_stages']}{' sum-in-kernel' if c['SUM_IN_KERNEL'] else ''}")
         print(f"{r['model'][:20]:<20} {r['layer']:<8} {r['N']:>6} {r['K']:>6} {r['M']:>5} " + " ".join(us)
               + f" {r['bi_gb_s']:>8.1f} {r['bi_vs_torch']:>8.2f} {r['unsplit_vs_torch']:>9.2f} {r['launch']:<8} {desc}")
 
@@ -176,10 +183,18 @@ def sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: str) -> d
         T, mean = best_threshold(times, torch_us)
         results.append((mean, dataclasses.replace(cfg, SPLIT_BELOW_TILES=T), times))
     mean, cfg, times = min(results, key=lambda r: r[0])
+    best_us = [s if t < cfg.SPLIT_BELOW_TILES else u for t, u, s in times]
+    # the winner's split launches again with the sum in the kernel (no second launch): kept if faster overall
+    fused = dataclasses.replace(cfg, SUM_IN_KERNEL=True)
+    fused_us = [time_us(lambda x=x, w=w, b=b: bg.bi_gemm(x, w, b, config=fused, split=True), device, 10)
+                if t < cfg.SPLIT_BELOW_TILES else u for (t, u, _), (x, w, b) in zip(times, inputs.values())]
+    if sum(f / r for f, r in zip(fused_us, torch_us)) < sum(b_ / r for b_, r in zip(best_us, torch_us)):
+        cfg, best_us = fused, fused_us
+        mean = sum(f / r for f, r in zip(fused_us, torch_us)) / len(ms)
     x, w, b = inputs[ms[0]]
     check(x, w, b, cfg)
     return dict(N=N, K=K, best=dataclasses.asdict(cfg), mean_ratio=mean, torch_us=torch_us, ms=ms,
-                best_us=[s if t < cfg.SPLIT_BELOW_TILES else u for t, u, s in times], candidates=len(results))
+                best_us=best_us, candidates=len(results))
 
 
 def print_sweep(best: list[dict]) -> None:

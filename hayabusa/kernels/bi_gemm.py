@@ -20,9 +20,15 @@ registers; otherwise (decode: a handful of tiles) each chunk is its own program 
 ``_bi_gemm_sum_kernel`` adds the S partials in the same order and applies the same epilogue. Both are the same
 kernel text (``_bi_gemm_kernel``; chunks per program a runtime argument, never specialized), so the partials and
 their sums are the same float operations in the same order either way. (The running total starts at +0.0, so the
-sign of an all-zero partial cannot tell the two apart either.) Splitting K thus buys decode its parallelism (S x the
-programs of an unsplit GEMM: a 896-wide weight has 14 column tiles, far below the SM count) without making the
-result depend on M, and prefill pays no partial traffic.
+sign of an all-zero partial cannot tell the two apart either.) With ``SUM_IN_KERNEL`` the split launch needs no
+second kernel: each chunk program stores its partial and bumps its tile's arrival counter (acq_rel, after a CTA
+barrier), and whichever program arrives last sums the S partials in index order and applies the epilogue, the same
+operations again (which program is last varies; what it computes does not).
+
+Splitting K thus buys decode its parallelism (S x the programs of an unsplit GEMM: a 896-wide weight has 14 column
+tiles of 64, far below the SM count) without making the result depend on M, and prefill pays no partial traffic.
+Why not simply pick a different tile configuration or split count per M (as cuBLAS does): a different BLOCK_K or
+chunking changes the order in which a row's products are added, so a row's bits would change with the batch size.
 
 Tile configurations: ``BI_GEMM_TABLE`` maps (N, K) to a measured configuration (``benchmarks/kernels/bench_bi_gemm.py
 --sweep`` prints the lines to paste); other shapes get ``heuristic_config``. ``HAYABUSA_BI_GEMM_CONFIGS`` (JSON,
@@ -60,6 +66,7 @@ class BiGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     SPLIT_BELOW_TILES: int = 0   # a step runs split when its output tiles are fewer than this (0: the SM count)
+    SUM_IN_KERNEL: bool = False  # split: the tile's last program sums the partials (one launch), else a 2nd kernel
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
@@ -70,6 +77,8 @@ class BiGemmConfig:
             raise _bad_config("CHUNK_K", self.CHUNK_K, f"must be a positive multiple of BLOCK_K={self.BLOCK_K}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise _bad_config("num_warps", self.num_warps, "must be 1, 2, 4, 8 or 16")
+        if not isinstance(self.SUM_IN_KERNEL, bool):
+            raise _bad_config("SUM_IN_KERNEL", self.SUM_IN_KERNEL, "must be true or false")
         for name, least in (("GROUP_M", 1), ("num_stages", 1), ("SPLIT_BELOW_TILES", 0)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise _bad_config(name, getattr(self, name), f"must be an int >= {least}")
@@ -140,6 +149,34 @@ def bi_gemm_config(N: int, K: int, num_sms: int = 132) -> BiGemmConfig:
     return _config(N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip())
 
 
+TILE_COUNTERS = 1 << 16   # per device: one int32 arrival counter per output tile of a SUM_IN_KERNEL launch
+_counters: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    if device.type == "cuda":
+        return "cuda", device.index if device.index is not None else torch.cuda.current_device()
+    return device.type, 0
+
+
+def reserve_tile_counters(device: torch.device) -> None:
+    """Allocate the tile counters of SUM_IN_KERNEL launches on ``device`` (TILE_COUNTERS int32 zeros, once); call it
+    before CUDA-graph capture (model/loader.py does, in batch-invariant mode). Each launch leaves them at zero.
+    A SUM_IN_KERNEL launch while they are missing and a graph is being captured sums with the second kernel
+    instead (the same arithmetic). Launches that use them must not overlap (the engine has one stream)."""
+    key = _device_key(device)
+    if key not in _counters:
+        _counters[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor | None:
+    if _device_key(device) not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        reserve_tile_counters(device)
+    return _counters[_device_key(device)]
+
+
 def reset_config_cache() -> None:
     """Forget the configurations chosen so far (after ``BI_GEMM_TABLE`` changed; the environment variable is part
     of the cache key already). Tests and benchmarks only: a running engine must keep its configurations."""
@@ -159,12 +196,22 @@ def num_sms(device: torch.device) -> int:
 # M and CHUNKS_PER_PROG are not specialized: M == 1 or CHUNKS_PER_PROG == 1 must not compile a variant of its own
 # (one program text, hence one instruction sequence for the dot loop, for every M and both launches). CHUNK_K is a
 # runtime value too (a multiple of BLOCK_K, fixed per weight): one compile per tile configuration.
+@triton.jit
+def _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr):
+    # y = total (+ b) rounded once to y's dtype; the one epilogue of both ways a tile is finished in this kernel
+    if HAS_BIAS:
+        total = total + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m64[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M", "CHUNKS_PER_PROG"])
-def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, CHUNK_K,
-                    CHUNKS_PER_PROG, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr):
+def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                    CHUNK_K, CHUNKS_PER_PROG, HAS_BIAS: tl.constexpr, SUM_IN_KERNEL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    DOT_FP32: tl.constexpr):
     # CHUNKS_PER_PROG: S (one program per output tile, summing its chunks; writes y) or 1 (one program per
-    # (tile, chunk); writes the chunk's fp32 partial to part [S, M, N]; _bi_gemm_sum_kernel finishes)
+    # (tile, chunk); writes the chunk's fp32 partial to part [S, M, N]; then either _bi_gemm_sum_kernel finishes,
+    # or, SUM_IN_KERNEL, the tile's last program to finish (a counter per tile in lock_ptr) does the same sum)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -203,11 +250,19 @@ def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, st
             p_ptrs = part_ptr + (c * M + offs_m64[:, None]) * N + offs_n[None, :]
             tl.store(p_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
         total = total + acc                                  # chunks in index order 0 .. S - 1
+    mask = m_mask[:, None] & n_mask[None, :]
     if CHUNKS_PER_PROG == num_chunks:
-        if HAS_BIAS:
-            total = total + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m64[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+    elif SUM_IN_KERNEL:
+        tl.debug_barrier()                      # every thread's partial stored before the release below
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_chunks - 1:           # the tile's last chunk program (any of them): all S partials are in
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, num_chunks):      # the partial-sum kernel's order and epilogue
+                p_ptrs = part_ptr + (s * M + offs_m64[:, None]) * N + offs_n[None, :]
+                total = total + tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # the counter back to 0 for the next launch
 
 
 @triton.jit(do_not_specialize=["M", "S"])
@@ -271,18 +326,20 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     # fp32 partials [S, M, N]; unsplit, a 1-element fp32 stand-in (never touched) so that both launches pass the
     # same argument types and run one compiled kernel
     part = torch.empty((S, M, N) if split else (1,), dtype=torch.float32, device=x.device)
+    counters = _tile_counters(x.device) if cfg.SUM_IN_KERNEL and tiles <= TILE_COUNTERS else None
+    in_kernel = counters is not None
     b = bias if bias is not None else weight
     _bi_gemm_kernel[(tiles * S if split else tiles,)](
-        x2, weight, b, y, part, M, N, K, x2.stride(0), weight.stride(0), y.stride(0), cfg.CHUNK_K,
-        1 if split else S, HAS_BIAS=bias is not None, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        GROUP_M=cfg.GROUP_M,
+        x2, weight, b, y, part, counters if in_kernel else part, M, N, K, x2.stride(0), weight.stride(0),
+        y.stride(0), cfg.CHUNK_K, 1 if split else S, HAS_BIAS=bias is not None, SUM_IN_KERNEL=in_kernel,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         DOT_FP32=x.device.type == "cpu",   # the CPU interpreter computes bf16 tl.dot on raw bits: fp32 operands
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split:
+    if split and not in_kernel:
         _bi_gemm_sum_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](part, b, y, M, N, S, HAS_BIAS=bias is not None,
                                                               BLOCK=SUM_BLOCK, num_warps=4)
     return y.view(*lead, N)
 
 
 __all__ = ["BiGemmConfig", "BI_GEMM_TABLE", "ENV_CONFIGS", "bi_gemm", "bi_gemm_config", "bi_gemm_splits",
-           "heuristic_config", "num_sms", "reset_config_cache"]
+           "heuristic_config", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]

@@ -84,6 +84,25 @@ def test_split_and_unsplit_launches_are_bit_identical(device, M, dtype):
     assert not torch.equal(split, bi_gemm(x, w, None, config=cfg, split=True))   # the bias is really added
 
 
+@pytest.mark.parametrize("M", [1, 70])
+def test_sum_in_kernel_equals_the_two_launch_sum(device, M):
+    """SUM_IN_KERNEL: the tile's last chunk program sums the partials (no second kernel): the same bits as the
+    partial-sum kernel and the unsplit launch, twice in a row (the arrival counters are back at zero after each)."""
+    import dataclasses
+
+    N, K, cfg = CASES["small-tiles"]
+    fused = dataclasses.replace(cfg, SUM_IN_KERNEL=True)
+    w, b, _ = _weights(N, K, torch.float32, bias=True, seed=5)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(6))
+    w, b, x = w.to(device), b.to(device), x.to(device)
+    want = bi_gemm(x, w, b, config=cfg, split=False)
+    for _ in range(2):
+        assert torch.equal(bi_gemm(x, w, b, config=fused, split=True), want)
+    assert torch.equal(bi_gemm(x, w, b, config=fused, split=False), want)
+    bg.reserve_tile_counters(torch.device(device))                       # already there: a no-op
+    assert not bg._tile_counters(torch.device(device)).any()
+
+
 def test_bi_gemm_leading_dims_and_strided_x(device):
     """x [..., K] keeps its leading shape; a strided x (rows of a wider tensor) gives the contiguous x's bits."""
     N, K, cfg = CASES["small-tiles"]
@@ -188,7 +207,7 @@ def test_bench_bi_gemm_runs(device, tmp_path):
     rows = data["rows"]
     assert [(r["N"], r["K"], r["M"]) for r in rows] == [(40, 200, 1), (40, 200, 3)]
     assert all(r["config"]["BLOCK_M"] == 16 and r["S"] == 2 for r in rows)       # --config reached the kernel
-    for col in ("torch_us", "unsplit_us", "bi_us", "bi_split_us", "bi_unsplit_us", "bi_gb_s"):
+    for col in ("torch_us", "unsplit_us", "bi_us", "bi_split_us", "bi_fused_us", "bi_unsplit_us", "bi_gb_s"):
         assert all(r[col] > 0 for r in rows), col
     assert {r["launch"] for r in rows} <= {"split", "unsplit"}
     (best,) = data["sweep"]
