@@ -53,6 +53,7 @@ MIN_CHUNK_K = 128        # the heuristic never splits K finer than this (two BLO
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2      # the heuristic's target for a one-row-tile (decode) step
 SUM_BLOCK = 1024         # elements per program of the partial-sum kernel
+DEFAULT_SUM_IN_KERNEL = False  # the heuristic's choice: False = the second (partial-sum) kernel, True = one launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +102,15 @@ BI_GEMM_TABLE: dict[tuple[int, int], BiGemmConfig] = {}
 def heuristic_config(N: int, K: int, num_sms: int) -> BiGemmConfig:
     """A configuration from (N, K) and the SM count alone: BLOCK_N 128 when the weight has at least one 128-wide
     column tile per SM, else 64; K split into S chunks (each a multiple of BLOCK_K = 64, at least MIN_CHUNK_K) so a
-    one-row-tile step has about PROGRAMS_PER_SM programs per SM; BLOCK_M 64, 4 warps, 3 stages."""
+    one-row-tile step has about PROGRAMS_PER_SM programs per SM; BLOCK_M 64, 4 warps, 3 stages; split launches sum
+    their partials as DEFAULT_SUM_IN_KERNEL says (flip it once the GPU run shows the one launch faster)."""
     block_n = 128 if triton.cdiv(N, 128) >= num_sms else 64
     block_k = 64
     want = max(1, PROGRAMS_PER_SM * num_sms // triton.cdiv(N, block_n))
     splits = max(1, min(want, K // MIN_CHUNK_K, MAX_SPLITS))
     chunk = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
-    return BiGemmConfig(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK_K=chunk)
+    return BiGemmConfig(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK_K=chunk,
+                        SUM_IN_KERNEL=DEFAULT_SUM_IN_KERNEL)
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,7 +119,7 @@ def _env_overrides(raw: str) -> dict[tuple[int, int], dict]:
         parsed = json.loads(raw)
         out = {}
         for key, fields in parsed.items():
-            n, k = (int(v) for v in key.lower().split("x"))
+            n, k = (0, 0) if key == "*" else (int(v) for v in key.lower().split("x"))
             if not isinstance(fields, dict):
                 raise TypeError(f"{key}: not an object")
             out[(n, k)] = fields
@@ -130,7 +133,8 @@ def _env_overrides(raw: str) -> dict[tuple[int, int], dict]:
 @functools.lru_cache(maxsize=256)
 def _config(N: int, K: int, num_sms: int, env: str) -> BiGemmConfig:
     cfg = BI_GEMM_TABLE.get((N, K)) or heuristic_config(N, K, num_sms)
-    fields = _env_overrides(env).get((N, K)) if env else None
+    overrides = _env_overrides(env) if env else {}
+    fields = {**overrides.get((0, 0), {}), **overrides.get((N, K), {})}     # "*" for every shape, then "NxK"
     if fields:
         unknown = set(fields) - {f.name for f in dataclasses.fields(BiGemmConfig)}
         if unknown:
@@ -142,7 +146,8 @@ def _config(N: int, K: int, num_sms: int, env: str) -> BiGemmConfig:
 
 def bi_gemm_config(N: int, K: int, num_sms: int = 132) -> BiGemmConfig:
     """The one configuration of a weight [N, K] on a GPU of ``num_sms`` SMs: ``BI_GEMM_TABLE``, else
-    ``heuristic_config``, with the fields of ``HAYABUSA_BI_GEMM_CONFIGS`` for "NxK" over it. Never a function of M.
+    ``heuristic_config``, with the fields of ``HAYABUSA_BI_GEMM_CONFIGS`` for "*" (every shape), then for "NxK",
+    over it (``{"*": {"SUM_IN_KERNEL": true}, "896x896": {"CHUNK_K": 128}}``). Never a function of M.
 
     Raises:
         HayabusaValidationError: a malformed ``HAYABUSA_BI_GEMM_CONFIGS`` or a bad field value in it."""

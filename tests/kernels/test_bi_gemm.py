@@ -158,11 +158,15 @@ def test_table_and_env_override_the_heuristic(monkeypatch, fresh_config_cache):
     assert bi_gemm_config(896, 896) == BiGemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, CHUNK_K=384,
                                                     num_warps=8, num_stages=4)
     assert bi_gemm_config(896, 4864) == bg.heuristic_config(896, 4864, 132)     # other shapes untouched
+    monkeypatch.setenv(bg.ENV_CONFIGS, '{"*": {"SUM_IN_KERNEL": true, "num_stages": 2}, "896x896": {"num_stages": 4}}')
+    assert bi_gemm_config(896, 4864).SUM_IN_KERNEL and bi_gemm_config(896, 4864).num_stages == 2
+    assert bi_gemm_config(896, 896).SUM_IN_KERNEL and bi_gemm_config(896, 896).num_stages == 4
 
 
 @pytest.mark.parametrize("raw,field", [("not json", bg.ENV_CONFIGS), ('{"896": {}}', bg.ENV_CONFIGS),
                                        ('{"896x896": {"BLOCK_Q": 1}}', bg.ENV_CONFIGS),
-                                       ('{"896x896": {"CHUNK_K": 100}}', "BiGemmConfig.CHUNK_K")])
+                                       ('{"896x896": {"CHUNK_K": 100}}', "BiGemmConfig.CHUNK_K"),
+                                       ('{"*": {"SUM_IN_KERNEL": 1}}', "BiGemmConfig.SUM_IN_KERNEL")])
 def test_bad_env_config_is_refused_by_name(monkeypatch, fresh_config_cache, raw, field):
     monkeypatch.setenv(bg.ENV_CONFIGS, raw)
     with pytest.raises(HayabusaValidationError) as info:
