@@ -21,8 +21,10 @@ within bf16 tolerance, forced split == forced unsplit bit for bit.
 per shape the one configuration (the mode needs ONE per weight shape, never per M) with the smallest mean of
 bi / torch time over the M list, with its best SPLIT_BELOW_TILES (and SUM_IN_KERNEL when that is faster), as a
 line to paste into BI_GEMM_TABLE. Not yet
-timed on a GPU: about 700 timings per shape (~70 configs x M x both launches, 10 ms each plus graph capture), so
-expect one to two minutes per shape: run one model (or a few --layers) per command to stay under 10 minutes.
+timed on a GPU: about 700 timings per shape (~70 configs x 5 M x both launches, 10 ms each plus the capture of
+thousands of launches for the microsecond-sized ones), so expect two to four minutes per shape: run one or two
+--layers per command (e.g. --models qwen2.5-0.5b-shape --layers qkv,o) to stay under a 10-minute limit.
+Without --sweep the table alone takes about 2-4 minutes for both models (300 timings).
 --device cpu runs the Triton interpreter (tiny --shapes only; times meaningless: a smoke test of this script).
 """
 
@@ -110,7 +112,7 @@ def bench_case(model: str, layer: str, N: int, K: int, has_bias: bool, M: int, d
     row = dict(model=model, layer=layer, N=N, K=K, M=M, config=dataclasses.asdict(cfg), S=cfg.num_chunks(K),
                launch="split" if bg.bi_gemm_splits(M, N, K, cfg, sms) else "unsplit")
     for name, fn in fns.items():
-        us = time_us(fn, device)
+        us = time_us(fn, device, 25)
         row[f"{name}_us"] = us
         row[f"{name}_gb_s"] = nbytes / us / 1e3
     row["bi_vs_torch"] = row["torch_us"] / row["bi_us"]

@@ -205,8 +205,9 @@ def test_bench_bi_gemm_runs(device, tmp_path):
     bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_bi_gemm.py"),
                            run_name="bench_bi_gemm")
     out = tmp_path / "bi.json"
-    bench["main"](["--device", device, "--shapes", "40x200", "--m", "1,3", "--sweep", "--json", str(out),
-                   "--config", '{"40x200": {"BLOCK_M": 16, "CHUNK_K": 128}}'])
+    sweep = ["--sweep"] if device == "cpu" else []          # on a GPU the real grid takes minutes
+    bench["main"](["--device", device, "--shapes", "40x200", "--m", "1,3", "--json", str(out),
+                   "--config", '{"40x200": {"BLOCK_M": 16, "CHUNK_K": 128}}'] + sweep)
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert [(r["N"], r["K"], r["M"]) for r in rows] == [(40, 200, 1), (40, 200, 3)]
@@ -214,6 +215,7 @@ def test_bench_bi_gemm_runs(device, tmp_path):
     for col in ("torch_us", "unsplit_us", "bi_us", "bi_split_us", "bi_fused_us", "bi_unsplit_us", "bi_gb_s"):
         assert all(r[col] > 0 for r in rows), col
     assert {r["launch"] for r in rows} <= {"split", "unsplit"}
-    (best,) = data["sweep"]
-    assert (best["N"], best["K"]) == (40, 200) and best["candidates"] > 0
-    BiGemmConfig(**best["best"])
+    if sweep:
+        (best,) = data["sweep"]
+        assert (best["N"], best["K"]) == (40, 200) and best["candidates"] > 0
+        BiGemmConfig(**best["best"])
