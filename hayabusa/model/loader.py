@@ -215,7 +215,7 @@ def build_model(model_config, device: torch.device) -> nn.Module:
 
 def use_batch_invariant_linears(model: nn.Module) -> None:
     """Batch-invariant mode: every unquantized Linear and the lm_head (``model.logits_linear``) multiply through
-    ``kernels/batch_invariant.linear_bi`` (fixed tiles per weight shape, no split-K). Quantized linears never get
+    ``kernels/batch_invariant.linear_bi`` (tiles and K chunks fixed per weight shape). Quantized linears never get
     here (``check_batch_invariant`` refuses them by name)."""
     from hayabusa.kernels.batch_invariant import linear_bi
     from hayabusa.kernels.bi_gemm import reserve_tile_counters
