@@ -146,6 +146,20 @@ def shape_stats(name_or_config: Any) -> dict[str, int]:
             "num_kv_heads": kv, "head_dim": d, "tied": int(tied)}
 
 
+def linear_shapes(name: str) -> dict[str, tuple[int, int, bool]]:
+    """The weight shapes of a Llama / Qwen2 shape's linears as the engine holds them (q/k/v and gate/up merged):
+    {"qkv" | "o" | "gate_up" | "down" | "lm_head": (N, K, has_bias)}, N output features, K input features.
+    E.g. qwen2.5-0.5b-shape: qkv (1152, 896, True), o (896, 896), gate_up (9728, 896), down (896, 4864),
+    lm_head (151936, 896)."""
+    st = shape_stats(name)
+    cfg = shape_config(name)
+    h, d = st["hidden_size"], st["head_dim"]
+    q, kv = st["num_heads"] * d, st["num_kv_heads"] * d
+    qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+    return {"qkv": (q + 2 * kv, h, qkv_bias), "o": (h, q, False), "gate_up": (2 * cfg.intermediate_size, h, False),
+            "down": (h, cfg.intermediate_size, False), "lm_head": (st["vocab_size"], h, False)}
+
+
 def _counted_stats(cfg: Any) -> dict[str, int]:
     """shape_stats by counting the parameters of the HF model built on the meta device (any architecture)."""
     with torch.device("meta"):

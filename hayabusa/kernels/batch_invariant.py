@@ -2,12 +2,14 @@
 
 Kernel + launcher + reference for each op the mode swaps in:
 
-- ``matmul_bi``: y = x W^T + b, a Triton GEMM with ONE tile configuration per weight shape (N, K) and GPU
-  (never a function of M), no split-K: every output element is one program's fp32 accumulator walking K from 0 in
-  BLOCK_K steps, ``acc = dot(x_tile, w_tile, acc)``; the bias is added in fp32 before the one rounding. Which
-  M-tile a row lands in, and which rows share it, changes nothing for that row (the rows of a tl.dot are
-  independent and the instruction is fixed by the configuration). cuBLAS, in contrast, picks its algorithm
-  (tiles, split-K) by M, so F.linear's bits depend on the batch.
+- ``matmul_bi``: y = x W^T + b on CUDA by ``kernels/bi_gemm.bi_gemm``: one tile configuration per weight shape
+  (N, K) and GPU (never a function of M) and a fixed split of K into chunks (also from (N, K) and the SM count),
+  the chunk partials summed in index order in fp32, the bias added before the one rounding; decode steps run the
+  chunks as separate programs (parallelism for a handful of output tiles), prefill steps one program per tile, the
+  same float operations either way (why: bi_gemm's docstring). cuBLAS, in contrast, picks its algorithm (tiles,
+  split-K) by M, so F.linear's bits depend on the batch.
+  ``matmul_bi_unsplit`` is the mode's first GEMM (no split-K: every output one program's fp32 accumulator walking
+  K from 0 in BLOCK_K steps), kept for the benchmark's comparison (benchmarks/kernels/bench_bi_gemm.py).
   Reference ``matmul_bi_ref`` (the CPU path): each output is ``sum(x_row * w_row)`` over the contiguous K dim in
   fp32 (an elementwise product, then torch's inner-dim sum whose order depends only on K), row by row in chunks.
 - ``log_softmax_bi``: per-row log-softmax in fp32, one program per row walking V in fixed BLOCK_V chunks
@@ -25,11 +27,10 @@ embedding are per-row or elementwise; argmax / topk / gather select exact values
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.bi_gemm import bi_gemm, num_sms
 
 _LOG2E = 1.4426950408889634
 BI_TILE_N = 16          # keys per online-softmax step of the CPU reference (any fixed value works)
@@ -73,7 +74,7 @@ def _matmul_bi_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def matmul_bi_config(N: int, K: int, num_sms: int = 132) -> dict:
+def matmul_bi_unsplit_config(N: int, K: int, num_sms: int = 132) -> dict:
     """The one tile configuration of a weight [N, K] on a GPU of ``num_sms`` SMs: from N, K and the device only,
     never from M (so every step, whatever its batch, runs the same program on the weight).
 
@@ -85,15 +86,8 @@ def matmul_bi_config(N: int, K: int, num_sms: int = 132) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132       # the interpreter: any fixed value
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def matmul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Batch-invariant y = x W^T + b (see the module docstring).
+def matmul_bi_unsplit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The mode's first GEMM, y = x W^T + b without split-K (kept for the benchmark; see the module docstring).
 
     Args:
         x: [M, K] (or [..., K]; flattened) fp32/fp16/bf16, unit last stride.
@@ -118,13 +112,19 @@ def matmul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    cfg = matmul_bi_config(N, K, _num_sms(x.device))
+    cfg = matmul_bi_unsplit_config(N, K, num_sms(x.device) if x.is_cuda else 132)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _matmul_bi_kernel[grid](x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0),
                             weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                             # the CPU interpreter computes bf16 tl.dot on raw bits: fp32 operands there
                             DOT_FP32=x.device.type == "cpu", **cfg)
     return y.view(*lead, N)
+
+
+def matmul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant y = x W^T + b: ``bi_gemm`` (x [M, K] or [..., K], weight [N, K] of x's dtype, bias [N] or
+    None -> [..., N] in x's dtype; row m depends only on x[m], W and b). Raises ValueError on mismatched inputs."""
+    return bi_gemm(x, weight, bias)
 
 
 def matmul_bi_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -271,5 +271,5 @@ def paged_attention_bi_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             out[q_start + i] = o[0].to(out.dtype)
 
 
-__all__ = ["matmul_bi", "matmul_bi_ref", "matmul_bi_config", "linear_bi", "log_softmax_bi", "log_softmax_bi_ref",
-           "paged_attention_bi_ref", "BI_TILE_N"]
+__all__ = ["matmul_bi", "matmul_bi_ref", "matmul_bi_unsplit", "matmul_bi_unsplit_config", "linear_bi",
+           "log_softmax_bi", "log_softmax_bi_ref", "paged_attention_bi_ref", "BI_TILE_N"]

@@ -215,9 +215,10 @@ def build_model(model_config, device: torch.device) -> nn.Module:
 
 def use_batch_invariant_linears(model: nn.Module) -> None:
     """Batch-invariant mode: every unquantized Linear and the lm_head (``model.logits_linear``) multiply through
-    ``kernels/batch_invariant.linear_bi`` (fixed tiles per weight shape, no split-K). Quantized linears never get
+    ``kernels/batch_invariant.linear_bi`` (tiles and K chunks fixed per weight shape). Quantized linears never get
     here (``check_batch_invariant`` refuses them by name)."""
     from hayabusa.kernels.batch_invariant import linear_bi
+    from hayabusa.kernels.bi_gemm import reserve_tile_counters
     from hayabusa.model.layers.linear import Linear
     from hayabusa.quantization.base import BatchInvariantLinearMethod, UnquantizedLinearMethod
 
@@ -227,6 +228,9 @@ def use_batch_invariant_linears(model: nn.Module) -> None:
                 raise ValueError(f"batch_invariant: a {type(module.quant_method).__name__} linear is not covered")
             module.quant_method = BatchInvariantLinearMethod()
     model.logits_linear = linear_bi
+    param = next(model.parameters(), None)
+    if param is not None and param.is_cuda:
+        reserve_tile_counters(param.device)     # the GEMM's workspace, before any CUDA-graph capture
 
 
 def create_linear_weights(model: nn.Module, quant_config) -> None:

@@ -165,7 +165,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
 class BatchInvariantLinearMethod(UnquantizedLinearMethod):
     """Batch-invariant mode's Linear: the same weight, multiplied by ``kernels/batch_invariant.linear_bi`` (one tile
-    configuration per weight shape, no split-K), so a row's output does not depend on the other rows."""
+    configuration and one split of K per weight shape, never per M), so a row's output does not depend on the other
+    rows."""
 
     def apply(self, layer, x):
         from hayabusa.kernels.batch_invariant import linear_bi

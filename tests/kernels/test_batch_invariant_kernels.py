@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.kernels.batch_invariant import (log_softmax_bi, log_softmax_bi_ref, matmul_bi, matmul_bi_ref,
-                                              paged_attention_bi_ref)
+                                              matmul_bi_unsplit, paged_attention_bi_ref)
 from hayabusa.kernels.fused_norm import fused_add_rms_norm, fused_add_rms_norm_ref
 from hayabusa.kernels.paged_attention import paged_attention, paged_attention_ref
 from hayabusa.kernels.store_kv import store_kv_ref
@@ -42,14 +42,15 @@ def _assert_all_equal(outs: list[torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ matmul
+@pytest.mark.parametrize("gemm", [matmul_bi, matmul_bi_unsplit])    # the mode's GEMM; its first one (benchmarks)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_matmul_bi_kernel_row_invariant(device, dtype):
+def test_matmul_bi_kernel_row_invariant(device, dtype, gemm):
     gen = torch.Generator().manual_seed(0)
     N, K = 72, 80                                          # both cross a 64 tile: masked tails in N and K
     w = torch.randn(N, K, generator=gen).to(dtype).to(device)
     b = torch.randn(N, generator=gen).to(dtype).to(device)
     row = torch.randn(K, generator=gen).to(dtype)
-    outs = _row_everywhere(lambda x: matmul_bi(x.to(device), w, b).cpu(), row)
+    outs = _row_everywhere(lambda x: gemm(x.to(device), w, b).cpu(), row)
     _assert_all_equal(outs)
     ref = F.linear(row[None].float(), w.float().cpu(), b.float().cpu())[0]
     torch.testing.assert_close(outs[0].float(), ref, rtol=TOL[dtype], atol=TOL[dtype] * 4)
@@ -67,9 +68,10 @@ def test_matmul_bi_ref_row_invariant(dtype):
                                rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def test_matmul_bi_rejects_mismatched_weight(device):
+@pytest.mark.parametrize("gemm", [matmul_bi, matmul_bi_unsplit])
+def test_matmul_bi_rejects_mismatched_weight(device, gemm):
     with pytest.raises(ValueError, match="weight"):
-        matmul_bi(torch.zeros(2, 8, device=device), torch.zeros(4, 9, device=device))
+        gemm(torch.zeros(2, 8, device=device), torch.zeros(4, 9, device=device))
 
 
 # ------------------------------------------------------------------------------------------------- log_softmax

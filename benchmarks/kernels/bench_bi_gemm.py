@@ -1,0 +1,252 @@
+"""Time batch-invariant mode's GEMM (kernels/bi_gemm.py: fixed split-K per weight shape) against the mode's first GEMM
+(``matmul_bi_unsplit``: one tile config, no split-K) and torch's F.linear (cuBLAS; not batch-invariant), per
+projection shape and M; print a table and JSON. The input for BI_GEMM_TABLE (kernels/bi_gemm.py).
+
+    python benchmarks/kernels/bench_bi_gemm.py --device cuda [--json FILE] [--m 1,8,32,256,2048]
+        [--models qwen2.5-0.5b-shape,qwen2.5-7b-shape] [--layers qkv,o,gate_up,down,lm_head] [--shapes NxK,...]
+        [--config '{"896x896": {"BLOCK_N": 32, "CHUNK_K": 128}}'] [--sweep]
+
+Shapes: each model's linears as the engine holds them (bench/models.linear_shapes: q/k/v and gate/up merged, the
+lm_head), or --shapes. bf16. Per (shape, M) the row has, in microseconds (CUDA-graph replays, how decode runs;
+medians): ``torch`` F.linear, ``unsplit`` the first BI GEMM, ``bi`` bi_gemm as the engine launches it (``launch``:
+split or unsplit by bi_gemm_splits), and ``bi_split`` / ``bi_unsplit`` forced each way (equal bits, checked: the
+split decision only trades parallelism for partial traffic, so these two columns say where SPLIT_BELOW_TILES should
+be); ``bi_fused`` the split launch with SUM_IN_KERNEL (the tile's last chunk program sums: no second kernel).
+GB/s counts the bytes a perfect kernel moves (weight + x + y, bf16). 'bi/torch' = torch time / bi time (> 1: faster
+than cuBLAS; the mode's target is >= 0.9 end to end). Every case is checked first: bi_gemm vs F.linear
+within bf16 tolerance, forced split == forced unsplit bit for bit.
+
+--config: fields over a shape's configuration for this run (the same JSON as HAYABUSA_BI_GEMM_CONFIGS, which it sets).
+--sweep: also times a grid of configurations per shape (tiles, K chunks, warps; both launches at each M) and prints
+per shape the one configuration (the mode needs ONE per weight shape, never per M) with the smallest mean of
+bi / torch time over the M list, with its best SPLIT_BELOW_TILES (and SUM_IN_KERNEL when that is faster), as a
+line to paste into BI_GEMM_TABLE. Not yet
+timed on a GPU: about 700 timings per shape (~70 configs x 5 M x both launches, 10 ms each plus the capture of
+thousands of launches for the microsecond-sized ones), so expect two to four minutes per shape: run one or two
+--layers per command (e.g. --models qwen2.5-0.5b-shape --layers qkv,o) to stay under a 10-minute limit.
+Without --sweep the table alone takes about 2-4 minutes for both models (300 timings).
+--device cpu runs the Triton interpreter (tiny --shapes only; times meaningless: a smoke test of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+
+from hayabusa.kernels import bi_gemm as bg  # noqa: E402
+from hayabusa.kernels.batch_invariant import matmul_bi_unsplit  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+def time_us(fn, device: str, rep_ms: int = 50) -> float:
+    """Median microseconds of fn(): CUDA-graph replays on CUDA, the wall time of one call elsewhere."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+    t = time.perf_counter()        # the interpreter: one call (a smoke test; its times mean nothing)
+    fn()
+    return (time.perf_counter() - t) * 1e6
+
+
+def shapes_to_run(args) -> list[tuple[str, str, int, int, bool]]:
+    """(model, layer, N, K, has_bias) for each shape of the run."""
+    if args.shapes:
+        out = []
+        for spec in args.shapes.split(","):
+            n, k = (int(v) for v in spec.lower().split("x"))
+            out.append(("-", spec, n, k, False))
+        return out
+    from hayabusa.bench.models import linear_shapes
+
+    layers = args.layers.split(",")
+    return [(model, layer, n, k, bias) for model in args.models.split(",")
+            for layer, (n, k, bias) in linear_shapes(model).items() if layer in layers]
+
+
+def make_inputs(N: int, K: int, M: int, has_bias: bool, device: str):
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = (torch.randn(N, K, device=device, generator=gen) / K ** 0.5).to(DTYPE)
+    b = torch.randn(N, device=device, generator=gen).to(DTYPE) if has_bias else None
+    x = torch.randn(M, K, device=device, generator=gen).to(DTYPE)
+    return x, w, b
+
+
+def check(x, w, b, cfg: bg.BiGemmConfig) -> None:
+    bg.reserve_tile_counters(x.device)
+    split = bg.bi_gemm(x, w, b, config=cfg, split=True)
+    unsplit = bg.bi_gemm(x, w, b, config=cfg, split=False)
+    if not torch.equal(split, unsplit):
+        raise AssertionError(f"split != unsplit for {tuple(w.shape)} M={x.shape[0]} {cfg}")
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(unsplit.float(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+
+
+def bench_case(model: str, layer: str, N: int, K: int, has_bias: bool, M: int, device: str) -> dict:
+    x, w, b = make_inputs(N, K, M, has_bias, device)
+    sms = bg.num_sms(torch.device(device))
+    cfg = bg.bi_gemm_config(N, K, sms)
+    check(x, w, b, cfg)
+    fns = {"torch": lambda: F.linear(x, w, b), "unsplit": lambda: matmul_bi_unsplit(x, w, b),
+           "bi": lambda: bg.bi_gemm(x, w, b, config=cfg),
+           "bi_split": lambda: bg.bi_gemm(x, w, b, config=cfg, split=True),
+           "bi_fused": lambda: bg.bi_gemm(x, w, b, config=fused, split=True),
+           "bi_unsplit": lambda: bg.bi_gemm(x, w, b, config=cfg, split=False)}
+    fused = dataclasses.replace(cfg, SUM_IN_KERNEL=True)
+    if cfg.num_chunks(K) == 1:                 # one chunk: the launches are the same
+        del fns["bi_split"], fns["bi_fused"], fns["bi_unsplit"]
+    elif not torch.equal(fns["bi_fused"](), fns["bi_unsplit"]()):
+        raise AssertionError(f"SUM_IN_KERNEL split != unsplit for {N}x{K} M={M}")
+    nbytes = (N * K + M * K + M * N + (N if has_bias else 0)) * 2
+    row = dict(model=model, layer=layer, N=N, K=K, M=M, config=dataclasses.asdict(cfg), S=cfg.num_chunks(K),
+               launch="split" if bg.bi_gemm_splits(M, N, K, cfg, sms) else "unsplit")
+    for name, fn in fns.items():
+        us = time_us(fn, device, 25)
+        row[f"{name}_us"] = us
+        row[f"{name}_gb_s"] = nbytes / us / 1e3
+    row["bi_vs_torch"] = row["torch_us"] / row["bi_us"]
+    row["unsplit_vs_torch"] = row["torch_us"] / row["unsplit_us"]
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ("torch", "unsplit", "bi", "bi_split", "bi_fused", "bi_unsplit")
+    print(f"{'model':<20} {'layer':<8} {'N':>6} {'K':>6} {'M':>5} " + " ".join(f"{c + ' us':>13}" for c in cols)
+          + f" {'bi GB/s':>8} {'bi/torch':>8} {'old/torch':>9} launch   config")
+    for r in rows:
+        us = [f"{r[c + '_us']:>13.1f}" if c + "_us" in r else f"{'-':>13}" for c in cols]
+        c = r["config"]
+        desc = (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} chunk {c['CHUNK_K']} (S {r['S']}) w{c['num_warps']} "
+                f"s{c['num_stages']}{' sum-in-kernel' if c['SUM_IN_KERNEL'] else ''}")
+        print(f"{r['model'][:20]:<20} {r['layer']:<8} {r['N']:>6} {r['K']:>6} {r['M']:>5} " + " ".join(us)
+              + f" {r['bi_gb_s']:>8.1f} {r['bi_vs_torch']:>8.2f} {r['unsplit_vs_torch']:>9.2f} {r['launch']:<8} {desc}")
+
+
+# ------------------------------------------------------------------------------------------------------- sweep
+def sweep_configs(N: int, K: int, device: str) -> list[bg.BiGemmConfig]:
+    """Candidates for one weight shape (about 70): BLOCK_M 16 / 64 x BLOCK_N 32 / 64 / 128 x BLOCK_K 64 / 128 x K
+    in S = 1 / 2 / 4 / 8 / 16 whole-BLOCK_K chunks, 4 warps (also 8 for 64 x 128 tiles). CHUNK_K is a runtime
+    argument of the kernel: one compile per tile configuration, shared by every shape."""
+    if device != "cuda":                       # the interpreter: a token grid
+        return [bg.BiGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, CHUNK_K=c) for c in (64, 128)]
+    out = {}
+    for bm in (16, 64):
+        for bn in (32, 64, 128):
+            for bk in (64, 128):
+                for splits in (1, 2, 4, 8, 16):
+                    chunk = -(-(-(-K // splits)) // bk) * bk
+                    for warps in ((4, 8) if bm * bn >= 64 * 128 else (4,)):
+                        out[bg.BiGemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK_K=chunk, num_warps=warps)] = 0
+    return list(out)
+
+
+MAX_PARTIAL_BYTES = 1 << 28    # the sweep does not time a split launch whose fp32 partials exceed 256 MiB
+
+
+def best_threshold(times: list[tuple[int, float, float]], torch_us: list[float]) -> tuple[int, float]:
+    """(SPLIT_BELOW_TILES, mean bi / torch time) for one config from (tiles, unsplit us, split us) per M (split us
+    = unsplit us when S = 1, inf when not timed): the rule "split below T tiles" that minimizes the mean ratio."""
+    best = (1, float("inf"))
+    for T in sorted({t for t, _, _ in times} | {1, 1 << 30}):
+        ratios = [(s if tiles < T else u) / ref for (tiles, u, s), ref in zip(times, torch_us)]
+        mean = sum(ratios) / len(ratios)
+        if mean < best[1]:
+            best = (T, mean)
+    return best
+
+
+def sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: str) -> dict:
+    inputs = {M: make_inputs(N, K, M, has_bias, device) for M in ms}
+    torch_us = [time_us(lambda x=x, w=w, b=b: F.linear(x, w, b), device, 10) for x, w, b in inputs.values()]
+    results = []
+    for cfg in sweep_configs(N, K, device):
+        S = cfg.num_chunks(K)
+        times = []
+        try:
+            for M, (x, w, b) in inputs.items():
+                u = time_us(lambda: bg.bi_gemm(x, w, b, config=cfg, split=False), device, 10)
+                s = u if S == 1 else float("inf") if S * M * N * 4 > MAX_PARTIAL_BYTES else \
+                    time_us(lambda: bg.bi_gemm(x, w, b, config=cfg, split=True), device, 10)
+                times.append((-(-M // cfg.BLOCK_M) * -(-N // cfg.BLOCK_N), u, s))
+        except Exception as e:  # noqa: BLE001 - out of shared memory / registers: not a candidate on this GPU
+            print(f"#   {cfg}: {type(e).__name__}", file=sys.stderr)
+            continue
+        T, mean = best_threshold(times, torch_us)
+        results.append((mean, dataclasses.replace(cfg, SPLIT_BELOW_TILES=T), times))
+    mean, cfg, times = min(results, key=lambda r: r[0])
+    best_us = [s if t < cfg.SPLIT_BELOW_TILES else u for t, u, s in times]
+    # the winner's split launches again with the sum in the kernel (no second launch): kept if faster overall
+    fused = dataclasses.replace(cfg, SUM_IN_KERNEL=True)
+    fused_us = [time_us(lambda x=x, w=w, b=b: bg.bi_gemm(x, w, b, config=fused, split=True), device, 10)
+                if t < cfg.SPLIT_BELOW_TILES else u for (t, u, _), (x, w, b) in zip(times, inputs.values())]
+    if sum(f / r for f, r in zip(fused_us, torch_us)) < sum(b_ / r for b_, r in zip(best_us, torch_us)):
+        cfg, best_us = fused, fused_us
+        mean = sum(f / r for f, r in zip(fused_us, torch_us)) / len(ms)
+    x, w, b = inputs[ms[0]]
+    check(x, w, b, cfg)
+    return dict(N=N, K=K, best=dataclasses.asdict(cfg), mean_ratio=mean, torch_us=torch_us, ms=ms,
+                best_us=best_us, candidates=len(results))
+
+
+def print_sweep(best: list[dict]) -> None:
+    print("# sweep: per shape the one config with the smallest mean (bi us / torch us) over M; paste into "
+          "BI_GEMM_TABLE (kernels/bi_gemm.py):")
+    for r in best:
+        fields = ", ".join(f"{k}={v}" for k, v in r["best"].items() if k != "GROUP_M")
+        per_m = " ".join(f"M{m}:{b:.1f}/{t:.1f}us" for m, b, t in zip(r["ms"], r["best_us"], r["torch_us"]))
+        print(f"    ({r['N']}, {r['K']}): BiGemmConfig({fields}),   # mean bi/torch {r['mean_ratio']:.2f}x time; "
+              f"{per_m}; {r['candidates']} candidates")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
+    parser.add_argument("--m", default="1,8,32,256,2048", help="comma-separated batch sizes M")
+    parser.add_argument("--models", default="qwen2.5-0.5b-shape,qwen2.5-7b-shape",
+                        help="comma-separated bench/models shapes (Llama / Qwen2)")
+    parser.add_argument("--layers", default="qkv,o,gate_up,down,lm_head", help="subset of the models' linears")
+    parser.add_argument("--shapes", help="comma-separated NxK weight shapes instead of --models / --layers")
+    parser.add_argument("--config", help=f"JSON per-shape config fields for this run (sets {bg.ENV_CONFIGS})")
+    parser.add_argument("--sweep", action="store_true", help="also search a grid of configs per shape (slow)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_bi_gemm --device cuda needs a CUDA GPU (--device cpu: the Triton interpreter, tiny shapes)")
+    if args.config:
+        os.environ[bg.ENV_CONFIGS] = args.config
+    ms = [int(m) for m in args.m.split(",")]
+    rows, best = [], []
+    for model, layer, N, K, has_bias in shapes_to_run(args):
+        for M in ms:
+            rows.append(bench_case(model, layer, N, K, has_bias, M, args.device))
+        if args.sweep:
+            best.append(sweep_shape(N, K, has_bias, ms, args.device))
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"
+    import triton
+
+    print(f"# {name}  torch {torch.__version__}  triton {triton.__version__}  bf16, SMs "
+          f"{bg.num_sms(torch.device(args.device))}")
+    print_table(rows)
+    if best:
+        print_sweep(best)
+    setup = dict(device=name, torch=torch.__version__, triton=triton.__version__, m=ms, config=args.config,
+                 sms=bg.num_sms(torch.device(args.device)))
+    out = dict(setup=setup, rows=rows, sweep=best)
+    print(json.dumps(out))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""Batch-invariant GEMM with a fixed split-K: y = x W^T + b whose row m depends only on x[m], W and b.
+
+The mode's linears and lm_head (``batch_invariant=True``) run here on CUDA. Why a row's bits never depend on M or on
+the other rows:
+
+- Everything that shapes the arithmetic comes from the weight shape (N, K) and the GPU's SM count, never from M:
+  the tile configuration (``BiGemmConfig``: BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages) and the K chunks
+  ``[c * CHUNK_K, min((c + 1) * CHUNK_K, K))`` for c = 0 .. S - 1, S = cdiv(K, CHUNK_K).
+- A chunk's partial of an output tile is ``acc = 0; for each BLOCK_K step from the chunk's start: acc = dot(x_tile,
+  w_tile, acc)``. The tl.dot of a fixed configuration is a fixed sequence of MMA instructions; each reduces one output
+  element's K slice from that element's own x row and w column, so what the other rows of the tile hold (other
+  requests, or the zeros of masked rows past M) changes nothing for a row. M only decides how many row tiles exist
+  and which tile a row lands in; every tile runs the same instructions.
+- The chunk partials are summed in index order, ``total = 0; total += p_0; ...; total += p_(S-1)`` in fp32, then the
+  bias is added in fp32 and the sum is rounded once to the output dtype.
+
+Where the chunks run is the one thing chosen by M, and it does not change the arithmetic: when the row tiles x column
+tiles fill the GPU (``tiles >= num_sms``: prefill) one program walks all S chunks of its tile and sums them in
+registers; otherwise (decode: a handful of tiles) each chunk is its own program that stores its fp32 partial, and
+``_bi_gemm_sum_kernel`` adds the S partials in the same order and applies the same epilogue. Both are the same
+kernel text (``_bi_gemm_kernel``; chunks per program a runtime argument, never specialized), so the partials and
+their sums are the same float operations in the same order either way. (The running total starts at +0.0, so the
+sign of an all-zero partial cannot tell the two apart either.) With ``SUM_IN_KERNEL`` the split launch needs no
+second kernel: each chunk program stores its partial and bumps its tile's arrival counter (acq_rel, after a CTA
+barrier), and whichever program arrives last sums the S partials in index order and applies the epilogue, the same
+operations again (which program is last varies; what it computes does not).
+
+Splitting K thus buys decode its parallelism (S x the programs of an unsplit GEMM: a 896-wide weight has 14 column
+tiles of 64, far below the SM count) without making the result depend on M, and prefill pays no partial traffic.
+Why not simply pick a different tile configuration or split count per M (as cuBLAS does): a different BLOCK_K or
+chunking changes the order in which a row's products are added, so a row's bits would change with the batch size.
+
+Tile configurations: ``BI_GEMM_TABLE`` maps (N, K) to a measured configuration (``benchmarks/kernels/bench_bi_gemm.py
+--sweep`` prints the lines to paste); other shapes get ``heuristic_config``. ``HAYABUSA_BI_GEMM_CONFIGS`` (JSON,
+``{"NxK": {"BLOCK_N": 64, "CHUNK_K": 256}}``) overrides fields per shape for an experiment. The reference is
+``kernels/batch_invariant.matmul_bi_ref`` (the CPU path of the mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import torch
+
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.kernels._triton import tl, triton
+
+ENV_CONFIGS = "HAYABUSA_BI_GEMM_CONFIGS"
+MIN_CHUNK_K = 128        # the heuristic never splits K finer than this (two BLOCK_K = 64 steps per program)
+MAX_SPLITS = 32
+PROGRAMS_PER_SM = 2      # the heuristic's target for a one-row-tile (decode) step
+SUM_BLOCK = 1024         # elements per program of the partial-sum kernel
+DEFAULT_SUM_IN_KERNEL = False  # the heuristic's choice: False = the second (partial-sum) kernel, True = one launch
+
+
+@dataclasses.dataclass(frozen=True)
+class BiGemmConfig:
+    """One weight shape's launch: tile sizes, the K chunk of a split program, and the compiler knobs."""
+    BLOCK_M: int = 64
+    BLOCK_N: int = 64
+    BLOCK_K: int = 64
+    CHUNK_K: int = 256     # a multiple of BLOCK_K; S = cdiv(K, CHUNK_K) chunks
+    GROUP_M: int = 8       # launch order of the unsplit grid (L2 reuse): which program runs when, never the math
+    num_warps: int = 4
+    num_stages: int = 3
+    SPLIT_BELOW_TILES: int = 0   # a step runs split when its output tiles are fewer than this (0: the SM count)
+    SUM_IN_KERNEL: bool = False  # split: the tile's last program sums the partials (one launch), else a 2nd kernel
+
+    def __post_init__(self) -> None:
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise _bad_config(name, v, "must be a power of two >= 16")
+        if not isinstance(self.CHUNK_K, int) or self.CHUNK_K <= 0 or self.CHUNK_K % self.BLOCK_K:
+            raise _bad_config("CHUNK_K", self.CHUNK_K, f"must be a positive multiple of BLOCK_K={self.BLOCK_K}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise _bad_config("num_warps", self.num_warps, "must be 1, 2, 4, 8 or 16")
+        if not isinstance(self.SUM_IN_KERNEL, bool):
+            raise _bad_config("SUM_IN_KERNEL", self.SUM_IN_KERNEL, "must be true or false")
+        for name, least in (("GROUP_M", 1), ("num_stages", 1), ("SPLIT_BELOW_TILES", 0)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
+                raise _bad_config(name, getattr(self, name), f"must be an int >= {least}")
+
+    def num_chunks(self, K: int) -> int:
+        """S, the number of K chunks (fixed by K and CHUNK_K)."""
+        return triton.cdiv(K, self.CHUNK_K)
+
+
+def _bad_config(field: str, value, why: str) -> HayabusaValidationError:
+    return HayabusaValidationError(f"BiGemmConfig.{field}={value!r} {why}.", parameter=f"BiGemmConfig.{field}",
+                                   value=value)
+
+
+# (N, K) -> the configuration measured on an H200 (132 SMs). Empty: every shape uses heuristic_config until the
+# lead's `bench_bi_gemm.py --sweep` run; each line it prints is one entry here.
+BI_GEMM_TABLE: dict[tuple[int, int], BiGemmConfig] = {}
+
+
+def heuristic_config(N: int, K: int, num_sms: int) -> BiGemmConfig:
+    """A configuration from (N, K) and the SM count alone: BLOCK_N 128 when the weight has at least one 128-wide
+    column tile per SM, else 64; K split into S chunks (each a multiple of BLOCK_K = 64, at least MIN_CHUNK_K) so a
+    one-row-tile step has about PROGRAMS_PER_SM programs per SM; BLOCK_M 64, 4 warps, 3 stages; split launches sum
+    their partials as DEFAULT_SUM_IN_KERNEL says (flip it once the GPU run shows the one launch faster)."""
+    block_n = 128 if triton.cdiv(N, 128) >= num_sms else 64
+    block_k = 64
+    want = max(1, PROGRAMS_PER_SM * num_sms // triton.cdiv(N, block_n))
+    splits = max(1, min(want, K // MIN_CHUNK_K, MAX_SPLITS))
+    chunk = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    return BiGemmConfig(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK_K=chunk,
+                        SUM_IN_KERNEL=DEFAULT_SUM_IN_KERNEL)
+
+
+@functools.lru_cache(maxsize=1)
+def _env_overrides(raw: str) -> dict[tuple[int, int], dict]:
+    try:
+        parsed = json.loads(raw)
+        out = {}
+        for key, fields in parsed.items():
+            n, k = (0, 0) if key == "*" else (int(v) for v in key.lower().split("x"))
+            if not isinstance(fields, dict):
+                raise TypeError(f"{key}: not an object")
+            out[(n, k)] = fields
+        return out
+    except (ValueError, TypeError, AttributeError) as e:
+        raise HayabusaValidationError(f"{ENV_CONFIGS}={raw!r} must be a JSON object like "
+                                      f'{{"896x896": {{"BLOCK_N": 64, "CHUNK_K": 256}}}} ({e}).',
+                                      parameter=ENV_CONFIGS, value=raw) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _config(N: int, K: int, num_sms: int, env: str) -> BiGemmConfig:
+    cfg = BI_GEMM_TABLE.get((N, K)) or heuristic_config(N, K, num_sms)
+    overrides = _env_overrides(env) if env else {}
+    fields = {**overrides.get((0, 0), {}), **overrides.get((N, K), {})}     # "*" for every shape, then "NxK"
+    if fields:
+        unknown = set(fields) - {f.name for f in dataclasses.fields(BiGemmConfig)}
+        if unknown:
+            raise HayabusaValidationError(f"{ENV_CONFIGS}: unknown field(s) {sorted(unknown)} for {N}x{K}.",
+                                          parameter=ENV_CONFIGS, value=env)
+        cfg = dataclasses.replace(cfg, **fields)
+    return cfg
+
+
+def bi_gemm_config(N: int, K: int, num_sms: int = 132) -> BiGemmConfig:
+    """The one configuration of a weight [N, K] on a GPU of ``num_sms`` SMs: ``BI_GEMM_TABLE``, else
+    ``heuristic_config``, with the fields of ``HAYABUSA_BI_GEMM_CONFIGS`` for "*" (every shape), then for "NxK",
+    over it (``{"*": {"SUM_IN_KERNEL": true}, "896x896": {"CHUNK_K": 128}}``). Never a function of M.
+
+    Raises:
+        HayabusaValidationError: a malformed ``HAYABUSA_BI_GEMM_CONFIGS`` or a bad field value in it."""
+    return _config(N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip())
+
+
+TILE_COUNTERS = 1 << 16   # per device: one int32 arrival counter per output tile of a SUM_IN_KERNEL launch
+_counters: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    if device.type == "cuda":
+        return "cuda", device.index if device.index is not None else torch.cuda.current_device()
+    return device.type, 0
+
+
+def reserve_tile_counters(device: torch.device) -> None:
+    """Allocate the tile counters of SUM_IN_KERNEL launches on ``device`` (TILE_COUNTERS int32 zeros, once); call it
+    before CUDA-graph capture (model/loader.py does, in batch-invariant mode). Each launch leaves them at zero.
+    A SUM_IN_KERNEL launch while they are missing and a graph is being captured sums with the second kernel
+    instead (the same arithmetic). Launches that use them must not overlap (the engine has one stream)."""
+    key = _device_key(device)
+    if key not in _counters:
+        _counters[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor | None:
+    if _device_key(device) not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        reserve_tile_counters(device)
+    return _counters[_device_key(device)]
+
+
+def reset_config_cache() -> None:
+    """Forget the configurations chosen so far (after ``BI_GEMM_TABLE`` changed; the environment variable is part
+    of the cache key already). Tests and benchmarks only: a running engine must keep its configurations."""
+    _config.cache_clear()
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """The SM count the configuration and the split decision use (the interpreter: a small fixed "GPU" of 4 SMs, so
+    CPU tests see both the split and the unsplit launch)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ------------------------------------------------------------------------------------------------------ kernels
+# M and CHUNKS_PER_PROG are not specialized: M == 1 or CHUNKS_PER_PROG == 1 must not compile a variant of its own
+# (one program text, hence one instruction sequence for the dot loop, for every M and both launches). CHUNK_K is a
+# runtime value too (a multiple of BLOCK_K, fixed per weight): one compile per tile configuration.
+@triton.jit
+def _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr):
+    # y = total (+ b) rounded once to y's dtype; the one epilogue of both ways a tile is finished in this kernel
+    if HAS_BIAS:
+        total = total + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m64[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "CHUNKS_PER_PROG"])
+def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                    CHUNK_K, CHUNKS_PER_PROG, HAS_BIAS: tl.constexpr, SUM_IN_KERNEL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    DOT_FP32: tl.constexpr):
+    # CHUNKS_PER_PROG: S (one program per output tile, summing its chunks; writes y) or 1 (one program per
+    # (tile, chunk); writes the chunk's fp32 partial to part [S, M, N]; then either _bi_gemm_sum_kernel finishes,
+    # or, SUM_IN_KERNEL, the tile's last program to finish (a counter per tile in lock_ptr) does the same sum)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_chunks = tl.cdiv(K, CHUNK_K)
+    progs_per_tile = num_chunks // CHUNKS_PER_PROG          # 1 (unsplit) or S (split)
+    tile = pid // progs_per_tile
+    c_lo = (pid % progs_per_tile) * CHUNKS_PER_PROG
+    # grouped order of the tiles (L2 reuse of W tiles): which tile a program gets, never the math
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % (GROUP_M * num_n)) % size_m
+    pid_n = (tile % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_m64 = offs_m.to(tl.int64)
+    x_rows = x_ptr + offs_m64[:, None] * stride_xm
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for c in range(c_lo, c_lo + CHUNKS_PER_PROG):
+        # the chunk's partial: from 0, BLOCK_K steps from the chunk's start (CHUNK_K is a multiple of BLOCK_K, so
+        # only the last step of the last chunk is masked, by K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(c * CHUNK_K, tl.minimum(c * CHUNK_K + CHUNK_K, K), BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_cols + (k0 + offs_k)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        if CHUNKS_PER_PROG != num_chunks:
+            p_ptrs = part_ptr + (c * M + offs_m64[:, None]) * N + offs_n[None, :]
+            tl.store(p_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+        total = total + acc                                  # chunks in index order 0 .. S - 1
+    mask = m_mask[:, None] & n_mask[None, :]
+    if CHUNKS_PER_PROG == num_chunks:
+        _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+    elif SUM_IN_KERNEL:
+        tl.debug_barrier()                      # every thread's partial stored before the release below
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_chunks - 1:           # the tile's last chunk program (any of them): all S partials are in
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, num_chunks):      # the partial-sum kernel's order and epilogue
+                p_ptrs = part_ptr + (s * M + offs_m64[:, None]) * N + offs_n[None, :]
+                total = total + tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # the counter back to 0 for the next launch
+
+
+@triton.jit(do_not_specialize=["M", "S"])
+def _bi_gemm_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # y [M, N] (contiguous) = sum_{s = 0 .. S-1} part[s] in index order (+ b), the unsplit launch's epilogue
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M.to(tl.int64) * N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, S):
+        total = total + tl.load(part_ptr + s * M.to(tl.int64) * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total = total + tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def bi_gemm_splits(M: int, N: int, K: int, cfg: BiGemmConfig, sms: int) -> bool:
+    """Whether a step of M rows runs split (one program per (tile, chunk)): when its output tiles are fewer than
+    ``cfg.SPLIT_BELOW_TILES`` (0: the SM count, i.e. the tiles alone would not give every SM a program). The
+    arithmetic is the same either way (module docstring); this only trades parallelism for partial traffic."""
+    tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    return cfg.num_chunks(K) > 1 and tiles < (cfg.SPLIT_BELOW_TILES or sms)
+
+
+def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+            config: BiGemmConfig | None = None, split: bool | None = None) -> torch.Tensor:
+    """Batch-invariant y = x W^T + b with a fixed split-K (see the module docstring).
+
+    Args:
+        x: [M, K] (or [..., K]; flattened) fp32 / fp16 / bf16.
+        weight: [N, K], x's dtype, unit last stride (HF layout).
+        bias: [N] or None.
+        config: the launch (default: ``bi_gemm_config(N, K, SMs)``); fixed per weight for invariance.
+        split: force (True) or forbid (False) the split launch; default: ``bi_gemm_splits`` (benchmarks and the
+            tests that compare the two launches bit for bit).
+    Returns:
+        y [M, N] (x's leading shape) in x's dtype; row m depends only on x[m], W, b and the configuration.
+    Raises:
+        ValueError: shape, dtype or stride mismatch.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    if weight.dim() != 2 or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(-1) != 1:
+        raise ValueError(f"need x [M, K] and weight [N, K] of one dtype with unit last strides; got "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
+    N = weight.shape[0]
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias must be [N={N}], got {tuple(bias.shape)}")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.view(*lead, N)
+    sms = num_sms(x.device)
+    cfg = config or bi_gemm_config(N, K, sms)
+    S = cfg.num_chunks(K)
+    if split is None:
+        split = bi_gemm_splits(M, N, K, cfg, sms)
+    split = split and S > 1
+    tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    # fp32 partials [S, M, N]; unsplit, a 1-element fp32 stand-in (never touched) so that both launches pass the
+    # same argument types and run one compiled kernel
+    part = torch.empty((S, M, N) if split else (1,), dtype=torch.float32, device=x.device)
+    counters = _tile_counters(x.device) if cfg.SUM_IN_KERNEL and tiles <= TILE_COUNTERS else None
+    in_kernel = counters is not None
+    b = bias if bias is not None else weight
+    _bi_gemm_kernel[(tiles * S if split else tiles,)](
+        x2, weight, b, y, part, counters if in_kernel else part, M, N, K, x2.stride(0), weight.stride(0),
+        y.stride(0), cfg.CHUNK_K, 1 if split else S, HAS_BIAS=bias is not None, SUM_IN_KERNEL=in_kernel,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        DOT_FP32=x.device.type == "cpu",   # the CPU interpreter computes bf16 tl.dot on raw bits: fp32 operands
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split and not in_kernel:
+        _bi_gemm_sum_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](part, b, y, M, N, S, HAS_BIAS=bias is not None,
+                                                              BLOCK=SUM_BLOCK, num_warps=4)
+    return y.view(*lead, N)
+
+
+__all__ = ["BiGemmConfig", "BI_GEMM_TABLE", "ENV_CONFIGS", "bi_gemm", "bi_gemm_config", "bi_gemm_splits",
+           "heuristic_config", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]

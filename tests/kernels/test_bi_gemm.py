@@ -1,0 +1,221 @@
+"""The split-K batch-invariant GEMM (kernels/bi_gemm.py): one input row's bits are the same alone and inside batches
+of other rows of many sizes, whichever launch (split: a program per (tile, K chunk) + the partial-sum kernel;
+unsplit: a program per tile) M picks; they match F.linear within the dtype's tolerance. The configuration depends
+on (N, K) and the SM count only; the table and HAYABUSA_BI_GEMM_CONFIGS override it.
+
+Triton kernels run under TRITON_INTERPRET on CPU (its "GPU" has 4 SMs: bi_gemm.num_sms), tiny shapes. NOTE: the
+interpreter casts fp32 to bf16 / fp16 by truncation (the GPU rounds to nearest), hence the tolerance of 2 ulps.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.kernels import bi_gemm as bg
+from hayabusa.kernels.bi_gemm import BiGemmConfig, bi_gemm, bi_gemm_config, bi_gemm_splits
+
+SIZES = (1, 2, 3, 7, 16, 33, 64, 130)
+ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+SMALL = BiGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, CHUNK_K=64)
+# (N, K, config), each run split at M <= 16 and unsplit from M = 33 or 130 on (the interpreter's 4 SMs):
+# chunks of 64 over K = 200 (the last one 8 wide: K is no multiple of the chunk, nor of BLOCK_K) with 32-row tiles;
+# a narrow weight (N 40 < one 64 tile, chunks of 96, the last 12); the heuristic's own choice at K = 520 (three
+# chunks of 192, the last 136) with 64-row tiles.
+CASES = {
+    "small-tiles": (72, 200, SMALL),
+    "narrow": (40, 300, BiGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, CHUNK_K=96)),
+    "heuristic": (72, 520, None),
+}
+RUNS = [("small-tiles", torch.bfloat16, True), ("narrow", torch.float16, False), ("narrow", torch.float32, True),
+        ("heuristic", torch.bfloat16, True)]
+
+
+def _row_in_batches(fn, row: torch.Tensor, sizes=SIZES) -> list[torch.Tensor]:
+    """fn(batch)[at] for the same row placed among random rows in batches of each size, in the middle and last
+    (first in a tile, last in a tile, or anywhere between, by the size)."""
+    gen = torch.Generator().manual_seed(1)
+    outs = []
+    for n in sizes:
+        for at in sorted({n // 2, n - 1}):
+            batch = torch.randn(n, row.shape[0], generator=gen).to(row.dtype)
+            batch[at] = row
+            outs.append(fn(batch)[at])
+    return outs
+
+
+def _weights(N: int, K: int, dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    row = torch.randn(K, generator=gen).to(dtype)
+    return w, b, row
+
+
+@pytest.mark.parametrize("case,dtype,bias", RUNS, ids=[f"{c}-{str(d)[6:]}-{'bias' if b else 'nobias'}"
+                                                         for c, d, b in RUNS])
+def test_bi_gemm_row_invariant_across_batch_sizes(device, case, dtype, bias):
+    N, K, cfg = CASES[case]
+    w, b, row = _weights(N, K, dtype, bias=bias)
+    w, b = w.to(device), (b.to(device) if b is not None else None)
+    sms = bg.num_sms(torch.device(device))
+    launches = {bi_gemm_splits(M, N, K, cfg or bi_gemm_config(N, K, sms), sms) for M in SIZES}
+    assert launches == {True, False} or device == "cuda", "the sizes should exercise both launches"
+    outs = _row_in_batches(lambda x: bi_gemm(x.to(device), w, b, config=cfg).cpu(), row)
+    for i, o in enumerate(outs[1:], 1):
+        assert torch.equal(o, outs[0]), f"variant {i} differs by {(o.float() - outs[0].float()).abs().max()}"
+    ref = F.linear(row[None].float(), w.float().cpu(), None if b is None else b.float().cpu())[0]
+    tol = 2 * ULP[dtype] * ref.abs().max().item() + 1e-6
+    torch.testing.assert_close(outs[0].float(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("M,dtype", [(1, torch.float32), (5, torch.float32), (70, torch.float32)])
+def test_split_and_unsplit_launches_are_bit_identical(device, M, dtype):
+    """The same rows forced through both launches: the chunk partials and their index-order sum are the same float
+    operations whether one program sums them in registers or the partial-sum kernel does (bias included). fp32
+    shows a changed summation order (bf16's rounding mostly hides it at these sizes; the row tests cover bf16)."""
+    N, K, cfg = CASES["small-tiles"]
+    w, b, _ = _weights(N, K, dtype, bias=True, seed=3)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(4)).to(dtype)
+    w, b, x = w.to(device), b.to(device), x.to(device)
+    split = bi_gemm(x, w, b, config=cfg, split=True)
+    unsplit = bi_gemm(x, w, b, config=cfg, split=False)
+    assert torch.equal(split, unsplit)
+    assert not torch.equal(split, bi_gemm(x, w, None, config=cfg, split=True))   # the bias is really added
+
+
+@pytest.mark.parametrize("M", [1, 70])
+def test_sum_in_kernel_equals_the_two_launch_sum(device, M):
+    """SUM_IN_KERNEL: the tile's last chunk program sums the partials (no second kernel): the same bits as the
+    partial-sum kernel and the unsplit launch, twice in a row (the arrival counters are back at zero after each)."""
+    import dataclasses
+
+    N, K, cfg = CASES["small-tiles"]
+    fused = dataclasses.replace(cfg, SUM_IN_KERNEL=True)
+    w, b, _ = _weights(N, K, torch.float32, bias=True, seed=5)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(6))
+    w, b, x = w.to(device), b.to(device), x.to(device)
+    want = bi_gemm(x, w, b, config=cfg, split=False)
+    for _ in range(2):
+        assert torch.equal(bi_gemm(x, w, b, config=fused, split=True), want)
+    assert torch.equal(bi_gemm(x, w, b, config=fused, split=False), want)
+    bg.reserve_tile_counters(torch.device(device))                       # already there: a no-op
+    assert not bg._tile_counters(torch.device(device)).any()
+
+
+def test_bi_gemm_leading_dims_and_strided_x(device):
+    """x [..., K] keeps its leading shape; a strided x (rows of a wider tensor) gives the contiguous x's bits."""
+    N, K, cfg = CASES["small-tiles"]
+    w, b, _ = _weights(N, K, torch.bfloat16, bias=True)
+    wide = torch.randn(6, K + 8, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(device)
+    x = wide[:, :K]
+    y = bi_gemm(x.reshape(2, 3, K), w.to(device), b.to(device), config=cfg)
+    assert y.shape == (2, 3, N)
+    assert torch.equal(y.reshape(6, N), bi_gemm(x.contiguous(), w.to(device), b.to(device), config=cfg))
+
+
+def test_bi_gemm_rejects_bad_inputs(device):
+    with pytest.raises(ValueError, match="weight"):
+        bi_gemm(torch.zeros(2, 8, device=device), torch.zeros(4, 9, device=device))
+    with pytest.raises(ValueError, match="bias"):
+        bi_gemm(torch.zeros(2, 8, device=device), torch.zeros(4, 8, device=device), torch.zeros(5, device=device))
+    assert bi_gemm(torch.zeros(0, 8, device=device), torch.zeros(4, 8, device=device)).shape == (0, 4)
+
+
+# ----------------------------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("N,K", [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896),
+                                 (4608, 3584), (3584, 18944), (37888, 3584), (128, 896), (72, 80)])
+def test_heuristic_config_splits_k_by_weight_shape(N, K):
+    """Chunks are whole BLOCK_K steps, at least MIN_CHUNK_K (or all of a short K), at most MAX_SPLITS of them; a
+    narrow weight splits (decode parallelism), one with a column tile per SM does not."""
+    cfg = bg.heuristic_config(N, K, 132)
+    S = cfg.num_chunks(K)
+    assert cfg.CHUNK_K % cfg.BLOCK_K == 0 and (cfg.CHUNK_K >= bg.MIN_CHUNK_K or S == 1)
+    assert 1 <= S <= bg.MAX_SPLITS and (S - 1) * cfg.CHUNK_K < K <= S * cfg.CHUNK_K
+    col_tiles = -(-N // cfg.BLOCK_N)
+    if col_tiles >= 132:                   # one row tile already gives every SM a program: no split
+        assert S == 1
+    elif K >= 2 * bg.MIN_CHUNK_K:          # a narrow weight: decode gets S x its column tiles
+        assert S > 1
+        assert S * col_tiles >= min(132, col_tiles * (K // bg.MIN_CHUNK_K)) // 2
+
+
+@pytest.fixture
+def fresh_config_cache():
+    bg.reset_config_cache()
+    yield
+    bg.reset_config_cache()
+
+
+def test_table_and_env_override_the_heuristic(monkeypatch, fresh_config_cache):
+    monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
+    assert bi_gemm_config(896, 896) == bg.heuristic_config(896, 896, 132)
+    measured = BiGemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, CHUNK_K=256, num_warps=8)
+    monkeypatch.setitem(bg.BI_GEMM_TABLE, (896, 896), measured)
+    bg.reset_config_cache()               # the table is read once per shape
+    assert bi_gemm_config(896, 896) == measured
+    monkeypatch.setenv(bg.ENV_CONFIGS, '{"896x896": {"CHUNK_K": 384, "num_stages": 4}}')
+    assert bi_gemm_config(896, 896) == BiGemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, CHUNK_K=384,
+                                                    num_warps=8, num_stages=4)
+    assert bi_gemm_config(896, 4864) == bg.heuristic_config(896, 4864, 132)     # other shapes untouched
+    monkeypatch.setenv(bg.ENV_CONFIGS, '{"*": {"SUM_IN_KERNEL": true, "num_stages": 2}, "896x896": {"num_stages": 4}}')
+    assert bi_gemm_config(896, 4864).SUM_IN_KERNEL and bi_gemm_config(896, 4864).num_stages == 2
+    assert bi_gemm_config(896, 896).SUM_IN_KERNEL and bi_gemm_config(896, 896).num_stages == 4
+
+
+@pytest.mark.parametrize("raw,field", [("not json", bg.ENV_CONFIGS), ('{"896": {}}', bg.ENV_CONFIGS),
+                                       ('{"896x896": {"BLOCK_Q": 1}}', bg.ENV_CONFIGS),
+                                       ('{"896x896": {"CHUNK_K": 100}}', "BiGemmConfig.CHUNK_K"),
+                                       ('{"*": {"SUM_IN_KERNEL": 1}}', "BiGemmConfig.SUM_IN_KERNEL")])
+def test_bad_env_config_is_refused_by_name(monkeypatch, fresh_config_cache, raw, field):
+    monkeypatch.setenv(bg.ENV_CONFIGS, raw)
+    with pytest.raises(HayabusaValidationError) as info:
+        bi_gemm_config(896, 896)
+    assert info.value.parameter == field
+
+
+def test_config_fields_are_checked():
+    with pytest.raises(HayabusaValidationError, match="BLOCK_N"):
+        BiGemmConfig(BLOCK_N=48)
+    with pytest.raises(HayabusaValidationError, match="CHUNK_K"):
+        BiGemmConfig(BLOCK_K=64, CHUNK_K=96)
+    with pytest.raises(HayabusaValidationError, match="num_warps"):
+        BiGemmConfig(num_warps=3)
+
+
+def test_linear_shapes_of_the_benchmark_models():
+    """The shapes the CUDA test and bench_bi_gemm.py use: q/k/v and gate/up merged as the engine holds them
+    (0.5b: 14 heads + 2 x 2 KV heads of 64 -> 1152; 7b: 28 + 2 x 4 of 128 -> 4608)."""
+    from hayabusa.bench.models import linear_shapes
+
+    assert linear_shapes("qwen2.5-0.5b-shape") == {"qkv": (1152, 896, True), "o": (896, 896, False),
+                                                   "gate_up": (9728, 896, False), "down": (896, 4864, False),
+                                                   "lm_head": (151936, 896, False)}
+    assert linear_shapes("qwen2.5-7b-shape")["qkv"] == (4608, 3584, True)
+    assert linear_shapes("qwen2.5-7b-shape")["down"] == (3584, 18944, False)
+
+
+def test_bench_bi_gemm_runs(device, tmp_path):
+    """benchmarks/kernels/bench_bi_gemm.py end to end on a tiny shape (the interpreter on CPU): a row per M with
+    every column, the engine's launch named, and a sweep result that is a valid configuration."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_bi_gemm.py"),
+                           run_name="bench_bi_gemm")
+    out = tmp_path / "bi.json"
+    sweep = ["--sweep"] if device == "cpu" else []          # on a GPU the real grid takes minutes
+    bench["main"](["--device", device, "--shapes", "40x200", "--m", "1,3", "--json", str(out),
+                   "--config", '{"40x200": {"BLOCK_M": 16, "CHUNK_K": 128}}'] + sweep)
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [(r["N"], r["K"], r["M"]) for r in rows] == [(40, 200, 1), (40, 200, 3)]
+    assert all(r["config"]["BLOCK_M"] == 16 and r["S"] == 2 for r in rows)       # --config reached the kernel
+    for col in ("torch_us", "unsplit_us", "bi_us", "bi_split_us", "bi_fused_us", "bi_unsplit_us", "bi_gb_s"):
+        assert all(r[col] > 0 for r in rows), col
+    assert {r["launch"] for r in rows} <= {"split", "unsplit"}
+    if sweep:
+        (best,) = data["sweep"]
+        assert (best["N"], best["K"]) == (40, 200) and best["candidates"] > 0
+        BiGemmConfig(**best["best"])

@@ -1,0 +1,99 @@
+"""On a GPU, with the real tile configurations (bi_gemm_config at the device's SM count): the split-K
+batch-invariant GEMM gives one row the same bits alone and among other rows at M = 1 .. 2048 (split launches for
+decode-sized M, unsplit for prefill-sized M), the two launches agree bit for bit at any M, a CUDA-graph replay equals
+the eager call, and the result matches F.linear within bf16 / fp16 tolerance. Shapes: the qwen2.5-0.5b and 7b
+linears (bench/models.linear_shapes: qkv, o, gate_up, down, lm_head) and a 128 x 896 weight (one k_proj).
+
+Run: pytest -q tests/kernels/test_bi_gemm_cuda.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hayabusa.bench.models import linear_shapes
+from hayabusa.kernels.bi_gemm import bi_gemm, bi_gemm_config, bi_gemm_splits, num_sms, reserve_tile_counters
+
+pytestmark = pytest.mark.cuda
+
+SIZES = (1, 2, 3, 7, 16, 33, 64, 130, 256, 2048)
+SHAPES = {f"{model[:-6]}-{name}": shape for model in ("qwen2.5-0.5b-shape", "qwen2.5-7b-shape")
+          for name, shape in linear_shapes(model).items()}
+SHAPES["k_proj-128x896"] = (128, 896, True)
+
+
+def _weights(N: int, K: int, has_bias: bool, dtype, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5).to(dtype)
+    b = torch.randn(N, device="cuda", generator=gen).to(dtype) if has_bias else None
+    row = torch.randn(K, device="cuda", generator=gen).to(dtype)
+    return w, b, row, gen
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_row_bits_do_not_depend_on_m(shape):
+    N, K, has_bias = SHAPES[shape]
+    w, b, row, gen = _weights(N, K, has_bias, torch.bfloat16)
+    alone = bi_gemm(row[None], w, b)[0]
+    cfg = bi_gemm_config(N, K, num_sms(torch.device("cuda")))
+    for M in SIZES[1:]:
+        x = torch.randn(M, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for at in sorted({0, M // 2, M - 1}):
+            saved = x[at].clone()
+            x[at] = row
+            assert torch.equal(bi_gemm(x, w, b)[at], alone), \
+                (shape, M, at, cfg, "split" if bi_gemm_splits(M, N, K, cfg, num_sms(x.device)) else "unsplit")
+            x[at] = saved
+    ref = F.linear(row[None].float(), w.float(), None if b is None else b.float())[0]
+    torch.testing.assert_close(alone.float(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_and_unsplit_launches_agree(shape, dtype):
+    """Forced both ways at the real configuration (S chunks from the weight shape): the same bits, whatever M; also
+    with SUM_IN_KERNEL (the tile's last chunk program sums: arrival counters, acq_rel atomics), three times in a
+    row (a memory-ordering slip would show as a differing or flaky result)."""
+    N, K, has_bias = SHAPES[shape]
+    w, b, _, gen = _weights(N, K, has_bias, dtype, seed=1)
+    fused = dataclasses.replace(bi_gemm_config(N, K, num_sms(w.device)), SUM_IN_KERNEL=True)
+    for M in (1, 64, 300):
+        x = torch.randn(M, K, device="cuda", generator=gen, dtype=dtype)
+        split, unsplit = bi_gemm(x, w, b, split=True), bi_gemm(x, w, b, split=False)
+        assert torch.equal(split, unsplit), (shape, M, (split.float() - unsplit.float()).abs().max().item())
+        for _ in range(3):
+            assert torch.equal(bi_gemm(x, w, b, config=fused, split=True), unsplit), (shape, M, "SUM_IN_KERNEL")
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        tol = 1.6e-2 if dtype == torch.bfloat16 else 2e-3
+        torch.testing.assert_close(split.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("sum_in_kernel", [False, True])
+@pytest.mark.parametrize("shape", ["qwen2.5-0.5b-down", "qwen2.5-7b-qkv"])
+def test_cuda_graph_replay_equals_eager(shape, sum_in_kernel):
+    """The engine runs decode steps as CUDA-graph replays: the split launch (partials allocated in the graph's pool;
+    or, SUM_IN_KERNEL, the tile counters reserved before capture) captures, and replays on new inputs give the
+    eager bits."""
+    N, K, has_bias = SHAPES[shape]
+    w, b, _, gen = _weights(N, K, has_bias, torch.bfloat16, seed=2)
+    x = torch.randn(8, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cfg = dataclasses.replace(bi_gemm_config(N, K, num_sms(x.device)), SUM_IN_KERNEL=sum_in_kernel)
+    assert bi_gemm_splits(8, N, K, cfg, num_sms(x.device))
+    reserve_tile_counters(x.device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        bi_gemm(x, w, b, config=cfg)                        # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = bi_gemm(x, w, b, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn(8, K, device="cuda", generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, bi_gemm(x, w, b, split=False))
