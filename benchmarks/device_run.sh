@@ -337,6 +337,18 @@ g_w8hf() {  # the HF baseline of W8 alone (batch 1 on 5 requests)
   ensure_shape qwen2.5-vl-7b-shape 200
   bench_step vl7_W8_hf "${W8HF_S:-200}" 60 --workload W8 --model "$MODELS/qwen2.5-vl-7b-shape" --engine hf
 }
+g_bi9() {  # the split-K batch-invariant GEMM (issue #23): its kernel table on the 0.5b shape, then the mode's cost
+  ensure_q05
+  step bi_gemm_bench "${BIG_S:-120}" 10 python benchmarks/kernels/bench_bi_gemm.py --device cuda \
+    --models "${BIG_MODELS:-qwen2.5-0.5b-shape}" --m "${BIG_M:-1,8,32,256,2048}" --json "$OUT/bi_gemm.json"
+  bench_step q05_W3_bi9 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
+  bench_step q05_W1_bi9 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+}
+g_w9host() {  # W9's host time per step kind on CUDA (host_overhead.py --w9)
+  ensure_shape t5-small-shape
+  step host_t5s_w9 "${W9HOST_S:-120}" 10 python benchmarks/host_overhead.py --w9 --device cuda \
+    --model "$MODELS/t5-small-shape" --skip-tokenizer-init --json "$OUT/host_t5s_w9.json"
+}
 g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed
                    # script with AutoProcessor; T5 and the position-bias kernel passed in session 7)
   ensure_q05
