@@ -49,6 +49,24 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _free_gpu_before_cuda_tests(request):
+    """Before a CUDA test: nothing an earlier test left behind holds GPU memory. An engine sizes its KV cache from
+    gpu_memory_utilization minus what the process holds, so an engine kept alive by a reference cycle, or by the
+    frames of an earlier failure's traceback (``sys.last_*``), would leave the next one 0 blocks and turn one
+    failure into many."""
+    if "cuda" in request.keywords and torch.cuda.is_available():
+        import gc
+        import sys
+
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
+        gc.collect()
+        torch.cuda.empty_cache()
+    yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """The models under test are tiny: on a small shared CPU box, intra-op threads only add wake-up latency and

@@ -34,7 +34,8 @@ def _requests():
 
 
 def _run(model_dir: str, **kw):
-    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=128, **kw)
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=128,
+              kv_cache_memory_bytes=256 << 20, **kw)
     runner = llm.llm_engine.runner
     moved = [0]
     fill = runner._fill_placeholders
@@ -53,7 +54,8 @@ def _run(model_dir: str, **kw):
     assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
     ids = [list(o.outputs[0].token_ids) for o in outs]
     assert [len(x) for x in ids] == [p.max_tokens for p in params]
-    del llm, engine, runner
+    runner._fill_placeholders = fill
+    del llm, engine, runner, fill, counting   # (the closure held the runner: freed before the next engine sizes)
     gc.collect()
     torch.cuda.empty_cache()
     return ids, moved[0]
