@@ -21,7 +21,7 @@ def _cache(L: int, N: int, H: int, D: int, device: str, start: int = 0):
     return base, base.clone()
 
 
-def _run_swaps(device: str, gather: bool | None = None) -> None:
+def _run_swaps(device: str, gather: bool = False) -> None:
     # the target's cache (2 layers, 2 KV heads) and a draft model's (1 layer, 1 KV head, D 4) on the same block ids
     N = 6
     base, gpu = _cache(2, N, 2, 8, device)
@@ -55,8 +55,9 @@ def test_swaps_on_cpu(gather):
 
 
 @pytest.mark.cuda
-def test_swaps_on_cuda_side_stream():
-    _run_swaps("cuda")
+@pytest.mark.parametrize("gather", [False, True])
+def test_swaps_on_cuda_side_stream(gather):
+    _run_swaps("cuda", gather)
     assert torch.empty(1).pin_memory().is_pinned()
 
 
@@ -111,7 +112,7 @@ def test_a_step_of_k_runs_is_k_copies_per_cache_whatever_the_layer_count(gather,
     assert count.calls.get("copy_", 0) == 2 * 2 and "index_select" not in count.calls
 
 
-def _round_trip(device: str, dtype: torch.dtype, gather: bool | None, steps: int = 6) -> KVSwapper:
+def _round_trip(device: str, dtype: torch.dtype, gather: bool, steps: int = 6) -> KVSwapper:
     """Random steps of swap-outs and swap-ins of non-consecutive, interleaved block ids on a target + draft pair of
     caches, checked byte for byte against a per-block reference after every step."""
     gen = torch.Generator().manual_seed(1)
