@@ -370,6 +370,19 @@ g_bi_offload() {  # the batch-invariant mode's cost and cpu_offload_gb on the 0.
   step bi_q05 "${BI_S:-90}" 20 bash -c "python benchmarks/batch_invariance.py '$Q05' --json '$OUT/bi_q05.json' 2>&1 | tail -40"
 }
 
+g_swap9() {  # issue #20's KV swap, one copy per run of blocks: the swapper's tests (CUDA ones included) and the
+            # engine's swap tests on the GPU, kv_swap_bench.py (old per-layer copies vs strided vs gather), W10
+  ensure_q05
+  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 120)
+  step swap9_tests "${SWAP9_TESTS_S:-240}" 20 bash -c "python -m pytest -v -rfE --durations=10 -p no:cacheprovider \
+    ${SWAP9_TESTS:-tests/worker/test_kv_swap.py tests/engine/test_swap_space_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
+    | tee '$OUT/swap9_tests.log'; exit \${PIPESTATUS[0]}"
+  step swap9_bench "${SWAP9_BENCH_S:-180}" 20 python benchmarks/kv_swap_bench.py --device cuda \
+    --json "$OUT/kv_swap_bench.json"
+  # W10's own variants: swap_space=4 (the CPU tier) and 0; num_gpu_blocks_override sizes the GPU cache
+  bench_step q05_W10 "${W10_MAX_S:-240}" 60 --workload W10 --model "$Q05"
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

@@ -179,7 +179,7 @@ def instrument(llm, timer: PhaseTimer) -> None:
     def timed_step():
         nonlocal runs_before
         swapper = getattr(runner, "kv_swapper", None)
-        runs_before = swapper.num_copies if swapper is not None else 0
+        runs_before = swapper.num_runs if swapper is not None else 0
         timer.cur = {}
         t0 = clock()
         outs = step()
@@ -192,7 +192,7 @@ def instrument(llm, timer: PhaseTimer) -> None:
         rec["F"] = sum(1 for o in outs if o.finished)
         rec["E"] = last_sched.get("E", 0)
         swapper = getattr(runner, "kv_swapper", None)
-        rec["swap_runs"] = swapper.num_copies - runs_before if swapper is not None else 0
+        rec["swap_runs"] = swapper.num_runs - runs_before if swapper is not None else 0
         timer.records.append(rec)
         return outs
 

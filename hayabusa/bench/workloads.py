@@ -37,7 +37,8 @@ DESCRIPTIONS = {
     "W8": "page images to JSON (Qwen2.5-VL): 100 x (2-5 random images up to 1024x768 + ~60 text tokens, 256 "
           "output) at max_num_seqs 1,4,8,14,16,32",
     "W10": "prefixes that outgrow the GPU: 8 system prompts x 64 x (1024 shared + 128 own, 64 output), "
-           "num_gpu_blocks_override=1024 (room for about 4 prefixes), CPU KV tier on (swap_space=4) vs off",
+           "num_gpu_blocks_override=1024 whatever the GPU (the prefixes need 512; the running requests' blocks evict "
+           "them between cycles), CPU KV tier on (swap_space=4) vs off",
     "W11": "copy-heavy extraction (speculative decoding; a TRAINED model): 64 x (a ~40-line order list + a "
            "question whose answer copies lines of it, 128 output) at max_num_seqs 1,4,16; TPOT and acceptance",
     "startup": "engine construction (load, profile, CUDA graphs) and the first request",

@@ -21,7 +21,7 @@ import torch
 from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
 from hayabusa.config import EngineConfig
 from hayabusa.model.loader import build_model
-from hayabusa.worker.kv_cache import allocate_kv_caches
+from hayabusa.worker.kv_cache import allocate_kv_buffer, kv_cache_views
 from hayabusa.worker.spec_verify import draft_batch, to_device
 
 
@@ -37,11 +37,13 @@ class DraftModel:
         self.cfg = dataclasses.replace(cfg, model_config=cfg.draft_model_config)
         self.device = device
         self.model = build_model(cfg.draft_model_config, device)
+        self.kv_buffer: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def allocate(self, num_blocks: int) -> None:
         """Its KV cache: as many blocks as the target's (the same block ids)."""
-        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks)
+        self.kv_buffer = allocate_kv_buffer(self.cfg, num_blocks)   # [L, 2, num_blocks, block_size, H_kv, D]
+        self.kv_caches = kv_cache_views(self.kv_buffer)
 
     def mirror(self, attn_metadata: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                backend) -> None:

@@ -35,7 +35,7 @@ from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
 from hayabusa.config import EngineConfig
 from hayabusa.model.eagle import build_eagle_head
 from hayabusa.model.loader import iterate_weights
-from hayabusa.worker.kv_cache import allocate_kv_caches
+from hayabusa.worker.kv_cache import allocate_kv_buffer, kv_cache_views
 from hayabusa.worker.spec_verify import draft_batch, to_device
 
 
@@ -61,11 +61,13 @@ class EagleDrafter:
         H = hc.hf_config.hidden_size
         self.last_hidden = torch.zeros(max_num_reqs, H, dtype=hc.dtype, device=device)     # [rows, H]
         self.first_token = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)     # [rows]
+        self.kv_buffer: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def allocate(self, num_blocks: int) -> None:
         """Its KV cache: as many blocks as the target's (the same block ids), one layer."""
-        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks)
+        self.kv_buffer = allocate_kv_buffer(self.cfg, num_blocks)   # [L, 2, num_blocks, block_size, H_kv, D]
+        self.kv_caches = kv_cache_views(self.kv_buffer)
 
     def target_forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                        ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,12 +74,18 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
     return int(num_blocks)
 
 
-def allocate_kv_caches(cfg: EngineConfig, num_blocks: int, first_layer: int = 0
-                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Per layer (k_cache, v_cache), each [num_blocks, block_size, H_kv, D] in the cache dtype (the model dtype,
-    or float8_e4m3fn / float8_e5m2), zeroed. A pipeline stage's config counts its own ``num_layers`` only, which
-    start at decoder layer ``first_layer``: the list is indexed by the global layer index, None before them."""
+def allocate_kv_buffer(cfg: EngineConfig, num_blocks: int) -> torch.Tensor:
+    """The model's (a pipeline stage's: its own ``num_layers``) whole KV cache, one zeroed buffer
+    [L, 2, num_blocks, block_size, H_kv, D] in the cache dtype (the model dtype, or float8_e4m3fn / float8_e5m2);
+    ``[i, 0]`` / ``[i, 1]`` are layer i's K / V (``kv_cache_views``). The CPU tier copies a run of blocks of all
+    layers at once from it (worker/kv_swap.py)."""
     mc = cfg.model_config
     shape = (mc.num_layers, 2, num_blocks, cfg.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
-    buf = torch.zeros(shape, dtype=kv_cache_dtype(cfg), device=cfg.device_config.device)
-    return [None] * first_layer + [(buf[i, 0], buf[i, 1]) for i in range(mc.num_layers)]
+    return torch.zeros(shape, dtype=kv_cache_dtype(cfg), device=cfg.device_config.device)
+
+
+def kv_cache_views(buf: torch.Tensor, first_layer: int = 0) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, H_kv, D], views of ``buf`` (allocate_kv_buffer).
+    A pipeline stage's layers start at decoder layer ``first_layer``: the list is indexed by the global layer
+    index, None before them."""
+    return [None] * first_layer + [(buf[i, 0], buf[i, 1]) for i in range(buf.shape[0])]

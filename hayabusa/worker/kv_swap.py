@@ -5,7 +5,10 @@ The KV cache manager owns the block ids of both tiers and sends each step's copi
 step's forward: swap-outs first, then swap-ins (a GPU block freed by a swap-out may be refilled by a swap-in of
 the same step). On CUDA the copies run on a side stream from pinned memory: the side stream waits for the work
 queued before (earlier steps wrote the blocks it reads), and the step's forward waits for the copies (it may write
-blocks a swap-out reads, and reads blocks a swap-in writes). Runs of consecutive ids become one copy each.
+blocks a swap-out reads, and reads blocks a swap-in writes); the host does not wait. A run of consecutive ids is
+one copy per cache whatever the layer count: the device cache is one buffer [L, 2, N, block_size, H_kv, D]
+(worker/kv_cache.py) and the CPU tier is block-major, [N_cpu, L, 2, block_size, H_kv, D], so a run's CPU side is
+one contiguous range holding every layer's K and V. ``num_copies`` counts those copies.
 
 A block id names a block of every KV cache the runner holds: the target model's and, with a draft model
 (speculative decoding), the draft's, which is indexed by the same block ids; the swapper copies a block of each,
@@ -46,30 +49,47 @@ def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]   # per layer (k_cache, v_cache), [num_blocks, block_size, H_kv, D]
-
-
 class KVSwapper:
     """The CPU tier's tensors and the copies between them and the device KV caches.
 
     Args:
-        kv_caches: every device KV cache that the scheduler's block ids index: the target model's and, with a
-            draft model, the draft's; each per layer (k_cache, v_cache), [num_blocks, block_size, H_kv, D]
-            (H_kv: this rank's KV heads). Each gets a CPU tensor of the same block layout and dtype.
+        buffers: every device KV cache that the scheduler's block ids index, each one whole buffer
+            [L, 2, num_blocks, block_size, H_kv, D] (worker/kv_cache.py ``allocate_kv_buffer``; L: this pipeline
+            stage's layers, H_kv: this rank's KV heads): the target model's and, with a draft model (or an EAGLE
+            head), the draft's. Each gets a CPU tensor of the same dtype, block-major.
         num_blocks: CPU blocks (the same CPU block ids in every cache).
+        gather: how a step with several runs moves them. False (the default): one strided copy per run (on CUDA
+            torch makes the strided device side contiguous in one kernel per run, then one memcpy). True: one
+            ``index_select`` gathers all the step's swap-out blocks into a contiguous block-major device
+            temporary, then one copy per run to the CPU; swap-ins are one copy per run into a temporary, then one
+            ``index_copy_`` scatters it (fewer kernels when runs are short; on CPU it measured 2-5x slower than
+            the strided copies, benchmarks/kv_swap_bench.py, which also measures it on CUDA). Either way a run is
+            one copy to or from the CPU per cache, whatever the layer count.
+
+    Attributes:
+        cpu_caches: per cache [num_blocks, L, 2, block_size, H_kv, D] (block-major: a run of CPU blocks is one
+            contiguous range); pinned on CUDA (asynchronous copies); a plain tensor on CPU, whose pages the OS
+            commits on first write.
+        num_copies: copies between the tiers issued so far (one per run per cache).
+        num_runs: runs of consecutive block ids copied so far (``block_runs`` of each step's two lists).
     """
 
-    def __init__(self, kv_caches: list[KVCache], num_blocks: int) -> None:
-        self.kv_caches = kv_caches
-        self.device = kv_caches[0][0][0].device
+    def __init__(self, buffers: list[torch.Tensor], num_blocks: int, gather: bool = False) -> None:
+        assert buffers and all(b.dim() == 6 and b.shape[1] == 2 for b in buffers), "[L, 2, N, block_size, H, D]"
+        self.buffers = buffers
+        self.device = buffers[0].device
         self.num_blocks = num_blocks
         self.cuda = self.device.type == "cuda"
-        # per cache: [L, 2, num_blocks, block_size, H_kv, D]; pinned on CUDA (asynchronous copies); a plain tensor
-        # on CPU, whose pages the OS commits on first write
-        self.cpu_caches = [torch.empty((len(cache), 2, num_blocks, *cache[0][0].shape[1:]), dtype=cache[0][0].dtype,
-                                       pin_memory=self.cuda) for cache in kv_caches]
+        self.gather = gather
+        self.cpu_caches = [torch.empty((num_blocks, b.shape[0], 2, *b.shape[3:]), dtype=b.dtype,
+                                       pin_memory=self.cuda) for b in buffers]
+        # the copies move bytes: integer views of the same element size (index_select / index_copy_ of fp8 are
+        # not implemented on every build; a byte copy is exact whatever the dtype)
+        self._blocks = [_raw(b).permute(2, 0, 1, 3, 4, 5) for b in buffers]   # [N, L, 2, block_size, H, D] views
+        self._cpu = [_raw(c) for c in self.cpu_caches]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.num_copies = 0
+        self.num_runs = 0
         nbytes = sum(c.numel() * c.element_size() for c in self.cpu_caches)
         logger.info("KV cache CPU tier: %d blocks, %.2f GiB%s", num_blocks, nbytes / 2**30,
                     " pinned" if self.cuda else "")
@@ -89,16 +109,63 @@ class KVSwapper:
         compute.wait_stream(self.stream)        # the forward writes / reads these blocks after the copies
 
     def _copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        out_runs, in_runs = block_runs(swap_out), block_runs(swap_in)
+        out_idx = self._index([s for s, _ in swap_out]) if self.gather and len(out_runs) > 1 else None
+        in_idx = self._index([d for _, d in swap_in]) if self.gather and len(in_runs) > 1 else None
+        for blocks, cpu in zip(self._blocks, self._cpu):
+            if out_runs:
+                self._swap_out(blocks, cpu, out_runs, out_idx)
+            if in_runs:   # after this cache's swap-outs: a swap-in may refill a block that one of them read
+                self._swap_in(blocks, cpu, in_runs, in_idx)
+        self.num_runs += len(out_runs) + len(in_runs)
+
+    def _swap_out(self, blocks: torch.Tensor, cpu: torch.Tensor, runs: list[tuple[int, int, int]],
+                  idx: torch.Tensor | None) -> None:
+        """Device blocks -> CPU blocks. ``blocks`` [N, L, 2, ...] is a strided view of the device buffer; the CPU
+        side of a run is contiguous. On CUDA a copy whose device side is strided is made contiguous in a device
+        temporary by one kernel, then one ``cudaMemcpyAsync``; with non_blocking=True it stays asynchronous
+        (pytorch aten/src/ATen/native/cuda/Copy.cu, ``copy_kernel_cuda``: ``copy_requires_temporaries`` is true
+        for a non-contiguous CPU<->GPU copy, and with non_blocking the conversion device is CUDA, so the
+        temporary is ``src.contiguous()`` on the current stream and the memcpy is ``cudaMemcpyAsync`` plus a
+        host-allocator event on the pinned side; no stream or device synchronization)."""
         nb = self.cuda
-        for src, dst, n in block_runs(swap_out):
-            for cpu, cache in zip(self.cpu_caches, self.kv_caches):
-                for layer, (k, v) in enumerate(cache):
-                    cpu[layer, 0, dst:dst + n].copy_(k[src:src + n], non_blocking=nb)
-                    cpu[layer, 1, dst:dst + n].copy_(v[src:src + n], non_blocking=nb)
-            self.num_copies += 1
-        for src, dst, n in block_runs(swap_in):
-            for cpu, cache in zip(self.cpu_caches, self.kv_caches):
-                for layer, (k, v) in enumerate(cache):
-                    k[dst:dst + n].copy_(cpu[layer, 0, src:src + n], non_blocking=nb)
-                    v[dst:dst + n].copy_(cpu[layer, 1, src:src + n], non_blocking=nb)
-            self.num_copies += 1
+        if idx is None:
+            for src, dst, n in runs:
+                cpu[dst:dst + n].copy_(blocks[src:src + n], non_blocking=nb)
+        else:
+            staged = blocks.index_select(0, idx)   # [m, L, 2, ...] contiguous, the runs one after another
+            off = 0
+            for _, dst, n in runs:
+                cpu[dst:dst + n].copy_(staged[off:off + n], non_blocking=nb)
+                off += n
+        self.num_copies += len(runs)
+
+    def _swap_in(self, blocks: torch.Tensor, cpu: torch.Tensor, runs: list[tuple[int, int, int]],
+                 idx: torch.Tensor | None) -> None:
+        """CPU blocks -> device blocks (the reverse of ``_swap_out``: on CUDA a strided device destination gets an
+        asynchronous memcpy into a contiguous temporary, then one device copy kernel)."""
+        nb = self.cuda
+        if idx is None:
+            for src, dst, n in runs:
+                blocks[dst:dst + n].copy_(cpu[src:src + n], non_blocking=nb)
+        else:
+            staged = torch.empty((int(idx.numel()), *blocks.shape[1:]), dtype=blocks.dtype, device=self.device)
+            off = 0
+            for src, _, n in runs:
+                staged[off:off + n].copy_(cpu[src:src + n], non_blocking=nb)
+                off += n
+            blocks.index_copy_(0, idx, staged)
+        self.num_copies += len(runs)
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        """[m] int64 block ids on the device. On CUDA from pinned memory without blocking: a pageable source
+        would make the copy synchronous (the host would wait for the side stream, which waits for the forward);
+        the caching host allocator keeps the pinned block until the copy has run (its event, Copy.cu)."""
+        if not self.cuda:
+            return torch.tensor(ids, dtype=torch.int64)
+        return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the unsigned / signed integer dtype of its element size (the bytes unchanged)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

@@ -32,7 +32,7 @@ from hayabusa.sample.bitmask import apply_token_bitmask
 from hayabusa.sample.sampler import Sampler
 from hayabusa.worker.cpu_offload import maybe_offload
 from hayabusa.worker.input_batch import CachedRequestState, InputBatch
-from hayabusa.worker.kv_cache import allocate_kv_caches, determine_num_blocks
+from hayabusa.worker.kv_cache import allocate_kv_buffer, determine_num_blocks, kv_cache_views
 from hayabusa.worker.spec_verify import SpecStepInputs, plan_verify, verify, write_drafts
 from hayabusa.worker.kv_swap import KVSwapper, num_cpu_blocks
 from hayabusa.worker.prompt_logprobs import (CHUNK_ROWS, PromptLogprobsPending, PromptLogprobsPlan,
@@ -172,6 +172,7 @@ class ModelRunner:
             self.encdec = EncoderDecoderRunner(self.model, self.block_size, self.max_num_reqs, self.max_num_tokens,
                                                sc.max_model_len, self.device)
         self._alloc_staging_buffers()
+        self.kv_buffer: torch.Tensor | None = None   # [L, 2, num_blocks, block_size, H_kv, D], this stage's layers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []   # by layer; None: another stage's
         self.num_blocks = 0
         self.num_cpu_blocks = 0
@@ -235,15 +236,15 @@ class ModelRunner:
         tensor-parallel worker is given the minimum over its ranks of each) and allocate the KV cache and its CPU
         tier, capture CUDA graphs. Returns num_blocks."""
         self.num_blocks = self.profile_num_blocks() if num_blocks is None else num_blocks
-        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, self.first_layer)
+        self.kv_buffer = allocate_kv_buffer(self.cfg, self.num_blocks)
+        self.kv_caches = kv_cache_views(self.kv_buffer, self.first_layer)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks)
         self.kv_swapper = None   # the KV cache's CPU tier (swap_space): copies the scheduler's swap lists
         self.num_cpu_blocks = self.profile_num_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
         if self.num_cpu_blocks:   # the draft's cache shares the target's block ids: its blocks move with them
-            caches = [[c for c in self.kv_caches if c is not None]] + (
-                [self.draft.kv_caches] if self.draft is not None else [])
-            self.kv_swapper = KVSwapper(caches, self.num_cpu_blocks)
+            buffers = [self.kv_buffer] + ([self.draft.kv_buffer] if self.draft is not None else [])
+            self.kv_swapper = KVSwapper(buffers, self.num_cpu_blocks)
         if self.device.type == "cuda":
             if not self.pipeline:   # a pipeline stage runs eagerly (its send / recv are outside any graph)
                 from hayabusa.worker.cuda_graph import CUDAGraphRunner
