@@ -19,7 +19,11 @@ Checkpoint keys: transformers 4.x (``visual.*``, ``model.*``, ``lm_head``) and 5
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +38,7 @@ from hayabusa.model.llama import MERGED_QKV_GATE_UP, LlamaAttention, LlamaDecode
 from hayabusa.model.qwen2 import qwen_sliding_window
 
 GridTHW = Sequence[Sequence[int]]
+logger = logging.getLogger(__name__)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -258,6 +263,94 @@ def varlen_attention_packed(qkv: torch.Tensor, groups: Sequence[torch.Tensor], s
         out[idx] = o.transpose(1, 2)
     return out
 
+# The vision tower's attention on CUDA in fp16 / bf16: torch's variable-length FlashAttention, one launch per layer
+# over all segments. Tests and benchmarks set this to False to compare with the grouped SDPA path.
+VISION_VARLEN = True
+_paths_logged: set[str] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def flash_varlen() -> Callable | None:
+    """torch's ``torch.nn.attention.varlen.varlen_attn`` as ``f(q, k, v, cu, max_len, scale) -> out``, bidirectional
+    (q, k, v [T, H, D] fp16 / bf16 CUDA, last dim contiguous; cu [S + 1] int32 cumulative segment lengths on the same
+    device; max_len the longest segment, a host int; out [T, H, D]), or None when the running torch has none.
+
+    Its signature changed: torch 2.10 takes ``is_causal`` (default False), 2.11+ ``window_size=(left, right)`` with
+    (-1, -1) = no window and causal only at (-1, 0). The signature is read once; each keyword that exists is passed
+    with its bidirectional value. A torch without ``scale`` uses 1 / sqrt(D), so only that scale is accepted there.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        params = inspect.signature(varlen_attn).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    fixed: dict[str, Any] = {}
+    if "window_size" in params:
+        fixed["window_size"] = (-1, -1)
+    if "is_causal" in params:
+        fixed["is_causal"] = False
+    if not fixed:                   # neither keyword: we cannot say "bidirectional", so we do not use it
+        return None
+    has_scale = "scale" in params
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+               scale: float) -> torch.Tensor:
+        if has_scale:
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **fixed)
+        assert abs(scale - q.shape[-1] ** -0.5) < 1e-12 * scale, scale
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **fixed)
+
+    return attend
+
+
+def use_flash_varlen(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the vision tower's attention runs as one varlen FlashAttention call per layer (CUDA, fp16 / bf16,
+    ``VISION_VARLEN``, and a torch that has it) rather than the grouped SDPA path; logs the path once."""
+    varlen = (VISION_VARLEN and torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+              and flash_varlen() is not None)
+    path = "varlen FlashAttention (one launch per layer)" if varlen else "grouped SDPA (one per segment length)"
+    if path not in _paths_logged:
+        _paths_logged.add(path)
+        logger.info("vision tower attention on %s %s: %s", torch.device(device).type, dtype, path)
+    return varlen
+
+
+@dataclass
+class Segments:
+    """The segments one kind of vision layer attends within (windows, or whole frames), built once per forward on
+    the host and shared by every layer of that kind. Exactly one of the two layouts is set:
+
+    cu: [S + 1] int32 on the device, cumulative segment lengths from 0 (the varlen path); max_len: the longest
+        segment (host int: no device read).
+    groups: ``segment_groups``'s [B, L] int64 index tensors, one per distinct length (the grouped SDPA path).
+    """
+
+    cu: torch.Tensor | None
+    max_len: int
+    groups: list[torch.Tensor]
+
+    def attend(self, qkv: torch.Tensor, scale: float) -> torch.Tensor:
+        """Bidirectional attention within each segment of qkv [N, 3, H, D] (q, k, v) -> [N, H, D]."""
+        if self.cu is None:
+            return varlen_attention_packed(qkv, self.groups, scale)
+        q, k, v = qkv.unbind(1)                            # [N, H, D] views, row stride 3 * H * D (as flash-attn's
+        return flash_varlen()(q, k, v, self.cu, self.max_len, scale)   # qkv-packed varlen entry passes them)
+
+
+def build_segments(cus: Sequence[Sequence[int]], device: torch.device, varlen: bool) -> list[Segments]:
+    """``Segments`` for each cumulative-length list of ``cus`` (lists that are the same object share one). On the
+    varlen path all of them go to the device in one pinned non-blocking copy (``host_to_device``)."""
+    distinct = list({id(cu): cu for cu in cus}.values())
+    if not varlen:
+        built = {id(cu): Segments(None, 0, segment_groups(cu, device)) for cu in distinct}
+        return [built[id(cu)] for cu in cus]
+    flat = host_to_device([np.asarray(cu, dtype=np.int32) for cu in distinct], device)
+    built, at = {}, 0
+    for cu in distinct:
+        built[id(cu)] = Segments(flat[at:at + len(cu)], int(np.diff(cu).max(initial=0)), [])
+        at += len(cu)
+    return [built[id(cu)] for cu in cus]
+
 
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -267,7 +360,7 @@ class VisionAttention(nn.Module):
         self.proj = Linear(dim, [dim], True, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                groups: Sequence[torch.Tensor]) -> torch.Tensor:
+                segments: Segments) -> torch.Tensor:
         """x [N, dim]; cos, sin_signed [N, 1, 1, D] fp32 (``VisionTransformer.rotary``) -> [N, dim]."""
         N = x.shape[0]
         qkv = self.qkv(x).view(N, 3, self.num_heads, self.head_dim)                 # [N, 3, H, D]
@@ -275,7 +368,7 @@ class VisionAttention(nn.Module):
         # HF's q * cos + rotate_half(q) * sin for q and k at once: rotate_half(x) = cat(-x2, x1) = roll(x) with
         # the first half's sign moved into sin (exact), written back into qkv in its dtype (HF's .to(dtype))
         qkv[:, :2].copy_(qk * cos + torch.roll(qk, self.head_dim // 2, dims=-1) * sin_signed)
-        out = varlen_attention_packed(qkv, groups, self.head_dim ** -0.5)           # [N, H, D]
+        out = segments.attend(qkv, self.head_dim ** -0.5)                           # [N, H, D]
         return self.proj(out.reshape(N, -1))
 
 
@@ -314,8 +407,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, heads, dtype, device)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, groups):
-        x = x + self.attn(self.norm1(x), cos, sin, groups)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -382,7 +475,9 @@ class VisionTransformer(nn.Module):
         order = None
         if self.v25:
             order_np, window_cu = window_order(grid_thw, self.merge, self.window_units)
-            order = host_to_device(order_np, x.device)
+            inverse_np = np.empty_like(order_np)
+            inverse_np[order_np] = np.arange(len(order_np))                           # argsort on the host
+            order, inverse = host_to_device([order_np, inverse_np], x.device).split(len(order_np))
 
             def permute(t: torch.Tensor) -> torch.Tensor:   # by merge unit: [N, ...] -> [N, ...]
                 return t.view(-1, unit, t.shape[-1])[order].view(-1, t.shape[-1])
@@ -390,13 +485,12 @@ class VisionTransformer(nn.Module):
         cos, sin = emb.cos().view(-1, 1, 1, emb.shape[-1]), emb.sin()                 # cos [N, 1, 1, D] fp32
         half = emb.shape[-1] // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).view_as(cos)        # rotate_half's sign in sin
-        full = segment_groups(full_cu, x.device)
-        window = full if window_cu is full_cu else segment_groups(window_cu, x.device)
+        full, window = build_segments([full_cu, window_cu], x.device, use_flash_varlen(x.device, x.dtype))
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, full if i in self.full_blocks else window)
         x = self.merger(x)                                                           # [N / unit, out_dim]
         if order is not None:
-            x = x[torch.argsort(order)]
+            x = x[inverse]                                                           # back to input order
         return x
 
 
