@@ -37,9 +37,10 @@ torch.cuda.set_sync_debug_mode("warn"): each synchronizing CUDA operation inside
 
 ``--profile-vision``: torch.profiler over every tower call: per call the kernel launches (CUDA runtime launch
 calls; on CPU the top-level aten ops, each of which is a launch on the GPU) and the calls that make the host wait
-(cudaStreamSynchronize / cudaDeviceSynchronize / cudaMemcpy / cudaEventSynchronize; on CPU the aten ops that sync
-on CUDA: .item(), nonzero, unique, masked_select), the top kernel families by device time, the top host ops by
-self time. Printed, and in --json under ``vision_profile`` (``--sync-vision``: ``vision_sync``).
+(cudaStreamSynchronize / cudaDeviceSynchronize / cudaMemcpy / cudaEventSynchronize / cudaFree; on CPU the aten
+ops that sync on CUDA: .item(), nonzero, unique, masked_select), the top kernel families by device time, every
+CUDA runtime call by host time (cudaMalloc / cudaFree: the caching allocator growing or emptying), the top host
+ops by self time. Printed, and in --json under ``vision_profile`` (``--sync-vision``: ``vision_sync``).
 
 Steps are split into prefill steps (a prompt chunk in the step) and decode steps (one token per request).
 """
@@ -108,7 +109,7 @@ def build_tiny(out_dir: str) -> str:
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cuStreamSynchronize", "cuCtxSynchronize")
+              "cuStreamSynchronize", "cuCtxSynchronize", "cudaFree", "cudaFreeHost", "cuMemFree")   # (frees sync too)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaGraphLaunch")
 CPU_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::unique", "aten::_unique",
@@ -131,6 +132,7 @@ class VisionProfile:
         self.calls: list[dict] = []
         self.kernels: dict[str, list] = defaultdict(lambda: [0, 0.0])     # family -> [count, device us]
         self.host_ops: dict[str, list] = defaultdict(lambda: [0, 0.0])    # op -> [count, self host us]
+        self.runtime: dict[str, list] = defaultdict(lambda: [0, 0.0])     # CUDA runtime call -> [count, host us]
 
     def wrap(self, fn):
         import torch
@@ -152,6 +154,10 @@ class VisionProfile:
                     k[0] += 1
                     k[1] += e.time_range.elapsed_us()
                     continue
+                if e.name.startswith("cu"):                  # CUDA runtime / driver calls (malloc, copies, ...)
+                    r = self.runtime[e.name]
+                    r[0] += 1
+                    r[1] += e.cpu_time_total
                 if e.name in LAUNCH_CALLS:
                     launches += 1
                 elif e.name in SYNC_CALLS or (not self.cuda and e.name in CPU_SYNC_OPS):
@@ -182,7 +188,9 @@ class VisionProfile:
                 "kernel_device_ms": [{"kernel": k, "count": c, "ms": us / 1e3, "ms_per_call": us / 1e3 / n}
                                      for k, (c, us) in kern[:top]],
                 "kernel_device_ms_total": sum(us for _, us in self.kernels.values()) / 1e3,
-                "host_ops": [{"op": k, "count": c, "self_ms": us / 1e3} for k, (c, us) in ops[:top]]}
+                "host_ops": [{"op": k, "count": c, "self_ms": us / 1e3} for k, (c, us) in ops[:top]],
+                "cuda_runtime_calls": [{"call": k, "count": c, "host_ms": us / 1e3}
+                                       for k, (c, us) in sorted(self.runtime.items(), key=lambda kv: -kv[1][1])]}
 
 
 def sync_wrap(fn, timers: Timers, cuda: bool):
@@ -351,6 +359,10 @@ def _print_vision(res: dict) -> None:
         print(f"  top kernel families by device time (total {vp['kernel_device_ms_total']:.1f} ms):")
         for k in vp["kernel_device_ms"]:
             print(f"    {k['ms']:10.2f} ms {k['count']:8d}x  {k['kernel']}")
+    if vp["cuda_runtime_calls"]:
+        print("  CUDA runtime calls by host time (cudaMalloc / cudaFree / cudaHostAlloc here: the allocator at work):")
+        for r in vp["cuda_runtime_calls"]:
+            print(f"    {r['host_ms']:10.2f} ms {r['count']:8d}x  {r['call']}")
     print("  top host ops by self time:")
     for o in vp["host_ops"]:
         print(f"    {o['self_ms']:10.2f} ms {o['count']:8d}x  {o['op']}")

@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hayabusa.attention.metadata import ForwardContext
+from hayabusa.kernels.rotary import rotary_embedding
 from hayabusa.model.layers.activation import get_act_fn, silu_and_mul
 from hayabusa.model.layers.linear import Linear
-from hayabusa.model.layers.norm import LayerNorm, RMSNorm
+from hayabusa.model.layers.norm import LayerNorm, RMSNorm, norm_first
 from hayabusa.model.llama import MERGED_QKV_GATE_UP, LlamaAttention, LlamaDecoderLayer
 from hayabusa.model.qwen2 import qwen_sliding_window
 
@@ -352,6 +353,48 @@ def build_segments(cus: Sequence[Sequence[int]], device: torch.device, varlen: b
     return [built[id(cu)] for cu in cus]
 
 
+@dataclass
+class VisionRope:
+    """The tower's 2-D rotary for one forward (shared by every layer), fp32 as HF computes it.
+
+    cos, sin: [N, D] fp32, the angle of each row's (h, w) position (rotate-half layout: the halves repeat).
+    rows: [N] int64 = arange(N) on the device when q and k are rotated by the Triton kernel (``kernels/rotary.py``:
+        one launch per layer for q and k, fp32 math, one rounding); None for the torch path, which uses
+    cos4, sin_signed: [N, 1, 1, D] fp32 views for qkv [N, 3, H, D]; sin_signed has rotate_half's sign moved in.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows: torch.Tensor | None
+    cos4: torch.Tensor | None = None
+    sin_signed: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, emb: torch.Tensor, fused: bool) -> "VisionRope":
+        """emb [N, D] fp32 angles -> the rotary of one forward (``fused``: the kernel's layout)."""
+        N, D = emb.shape
+        cos, sin = emb.cos(), emb.sin()                                          # [N, D] fp32
+        if fused:
+            return cls(cos, sin, torch.arange(N, device=emb.device))
+        sin_signed = torch.cat([-sin[:, :D // 2], sin[:, D // 2:]], dim=-1)     # rotate_half's sign in sin
+        return cls(cos, sin, None, cos.view(N, 1, 1, D), sin_signed.view(N, 1, 1, D))
+
+    def rotate_qk(self, qkv: torch.Tensor) -> None:
+        """Rotate q and k of qkv [N, 3, H, D] in place, in fp32 and rounded once to qkv's dtype (HF's float()
+        round trip): q * cos + rotate_half(q) * sin."""
+        if self.rows is not None:
+            rotary_embedding(self.rows, qkv[:, 0], qkv[:, 1], self.cos, self.sin)
+            return
+        qk = qkv[:, :2].float()                                                  # [N, 2, H, D] fp32
+        # rotate_half(x) = cat(-x2, x1) = roll(x) with the first half's sign moved into sin (exact)
+        qkv[:, :2].copy_(qk * self.cos4 + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * self.sin_signed)
+
+
+def fused_vision_rope(device: torch.device) -> bool:
+    """Whether the tower rotates q and k with the Triton rotary kernel (CUDA) rather than torch ops."""
+    return torch.device(device).type == "cuda"
+
+
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -359,15 +402,11 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(dim, [3 * dim], True, dtype, device)
         self.proj = Linear(dim, [dim], True, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                segments: Segments) -> torch.Tensor:
-        """x [N, dim]; cos, sin_signed [N, 1, 1, D] fp32 (``VisionTransformer.rotary``) -> [N, dim]."""
+    def forward(self, x: torch.Tensor, rope: VisionRope, segments: Segments) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]; q and k rotated by ``rope``, attention within ``segments``."""
         N = x.shape[0]
         qkv = self.qkv(x).view(N, 3, self.num_heads, self.head_dim)                 # [N, 3, H, D]
-        qk = qkv[:, :2].float()                                                      # RoPE in fp32 (HF)
-        # HF's q * cos + rotate_half(q) * sin for q and k at once: rotate_half(x) = cat(-x2, x1) = roll(x) with
-        # the first half's sign moved into sin (exact), written back into qkv in its dtype (HF's .to(dtype))
-        qkv[:, :2].copy_(qk * cos + torch.roll(qk, self.head_dim // 2, dims=-1) * sin_signed)
+        rope.rotate_qk(qkv)
         out = segments.attend(qkv, self.head_dim ** -0.5)                           # [N, H, D]
         return self.proj(out.reshape(N, -1))
 
@@ -407,9 +446,14 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, heads, dtype, device)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, segments):
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: VisionRope,
+                segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's x = x + attn(norm1(x)); x = x + mlp(norm2(x)) with each residual add fused into the next norm
+        (one kernel on CUDA, the same numbers): takes and returns (mlp output, residual stream) [N, dim]; the
+        stream's sum is the block's output."""
+        h, residual = norm_first(self.norm1, x, residual)
+        h, residual = self.norm2(self.attn(h, rope, segments), residual)
+        return self.mlp(h), residual
 
 
 class PatchMerger(nn.Module):
@@ -482,13 +526,12 @@ class VisionTransformer(nn.Module):
             def permute(t: torch.Tensor) -> torch.Tensor:   # by merge unit: [N, ...] -> [N, ...]
                 return t.view(-1, unit, t.shape[-1])[order].view(-1, t.shape[-1])
             x, emb = permute(x), permute(emb)
-        cos, sin = emb.cos().view(-1, 1, 1, emb.shape[-1]), emb.sin()                 # cos [N, 1, 1, D] fp32
-        half = emb.shape[-1] // 2
-        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).view_as(cos)        # rotate_half's sign in sin
+        rope = VisionRope.build(emb, fused_vision_rope(x.device))
         full, window = build_segments([full_cu, window_cu], x.device, use_flash_varlen(x.device, x.dtype))
+        residual = None
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, full if i in self.full_blocks else window)
-        x = self.merger(x)                                                           # [N / unit, out_dim]
+            x, residual = blk(x, residual, rope, full if i in self.full_blocks else window)
+        x = self.merger(x + residual)                                                # [N / unit, out_dim]
         if order is not None:
             x = x[inverse]                                                           # back to input order
         return x

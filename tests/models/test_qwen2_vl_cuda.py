@@ -141,6 +141,20 @@ def test_tower_varlen_equals_grouped(monkeypatch):
     torch.testing.assert_close(varlen.float(), grouped.float(), rtol=3e-2, atol=3e-2)
 
 
+def test_tower_triton_rope_equals_torch_rope(monkeypatch):
+    """bf16: the tower with q and k rotated by kernels/rotary.py (the CUDA default) against the torch ops (the CPU
+    path), both fp32 math rounded once; Triton may fuse a multiply-add, so bf16 tolerance, not bits."""
+    from tests.models.test_qwen2_vl_varlen import GRIDS, _pixels, tiny_tower
+
+    tower = tiny_tower(True, torch.bfloat16, "cuda")
+    pixels = _pixels(GRIDS, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        fused = tower(pixels, GRIDS)
+        monkeypatch.setattr(qvl, "fused_vision_rope", lambda device: False)
+        plain = tower(pixels, GRIDS)
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("varlen", [True, False], ids=["varlen", "grouped"])
 def test_tower_does_not_sync(monkeypatch, varlen):
     """The tower call (pixels already on the device) never makes the host wait for the device: under sync debug

@@ -140,3 +140,17 @@ def test_use_flash_varlen_only_cuda_half(monkeypatch, caplog):
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 2, logged                       # each path once (it is named per device / dtype seen first)
     assert "varlen FlashAttention" in logged[0] and "grouped SDPA" in logged[1]
+
+
+def test_tower_triton_rope_equals_torch_rope(monkeypatch):
+    """The CUDA path's RoPE (kernels/rotary.py, here in Triton's interpreter: one launch for q and k per layer)
+    gives the torch path's numbers in fp32 (x1 c - x2 s is x1 c + x2 (-s) exactly). The interpreter does not
+    round bf16 as the GPU does (tests/kernels run bf16 on CUDA only): bf16 is test_qwen2_vl_cuda.py's."""
+    tower = tiny_tower(True)
+    grids = GRIDS[:2]
+    pixels = _pixels(grids)
+    with torch.no_grad():
+        plain = tower(pixels, grids)
+        monkeypatch.setattr(qvl, "fused_vision_rope", lambda device: True)
+        fused = tower(pixels, grids)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=0)
