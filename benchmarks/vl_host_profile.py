@@ -38,9 +38,9 @@ torch.cuda.set_sync_debug_mode("warn"): each synchronizing CUDA operation inside
 ``--profile-vision``: torch.profiler over every tower call: per call the kernel launches (CUDA runtime launch
 calls; on CPU the top-level aten ops, each of which is a launch on the GPU) and the calls that make the host wait
 (cudaStreamSynchronize / cudaDeviceSynchronize / cudaMemcpy / cudaEventSynchronize / cudaFree; on CPU the aten
-ops that sync on CUDA: .item(), nonzero, unique, masked_select), the top kernel families by device time, every
-CUDA runtime call by host time (cudaMalloc / cudaFree: the caching allocator growing or emptying), the top host
-ops by self time. Printed, and in --json under ``vision_profile`` (``--sync-vision``: ``vision_sync``).
+ops that sync on CUDA: .item() (as _local_scalar_dense), nonzero, unique, masked_select), the top kernel families
+by device time, every CUDA runtime call by host time (cudaMalloc / cudaFree: the caching allocator growing or
+emptying), the top host ops by self time. Printed, and in --json under ``vision_profile`` (``--sync-vision``: ``vision_sync``).
 
 Steps are split into prefill steps (a prompt chunk in the step) and decode steps (one token per request).
 """
@@ -112,7 +112,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cuStreamSynchronize", "cuCtxSynchronize", "cudaFree", "cudaFreeHost", "cuMemFree")   # (frees sync too)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaGraphLaunch")
-CPU_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::unique", "aten::_unique",
+CPU_SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::unique", "aten::_unique",
                 "aten::_unique2", "aten::unique_consecutive", "aten::masked_select", "aten::nonzero_static")
 
 

@@ -359,8 +359,9 @@ class VisionRope:
 
     cos, sin: [N, D] fp32, the angle of each row's (h, w) position (rotate-half layout: the halves repeat).
     rows: [N] int64 = arange(N) on the device when q and k are rotated by the Triton kernel (``kernels/rotary.py``:
-        one launch per layer for q and k, fp32 math, one rounding); None for the torch path, which uses
-    cos4, sin_signed: [N, 1, 1, D] fp32 views for qkv [N, 3, H, D]; sin_signed has rotate_half's sign moved in.
+        one launch per layer for q and k, fp32 math, one rounding); None for the torch path (CPU).
+    cos4, sin_signed: the torch path's [N, 1, 1, D] fp32 factors for qkv [N, 3, H, D] (sin_signed: rotate_half's
+        sign moved in); None on the kernel path.
     """
 
     cos: torch.Tensor
