@@ -12,8 +12,9 @@ import torch
 
 from hayabusa import LLM, SamplingParams
 import hayabusa.model.qwen2_vl as qvl
-from hayabusa.model.qwen2_vl import (build_segments, flash_varlen, segment_groups, use_flash_varlen,
-                                     varlen_attention, varlen_attention_packed)
+import hayabusa.model.vision_attention as va
+from hayabusa.model.vision_attention import (build_segments, flash_varlen, segment_groups, use_flash_varlen,
+                                             varlen_attention, varlen_attention_packed)
 from tests.helpers import assert_near_greedy, greedy_margins
 from tests.vl_checkpoints import hf_vl_model, make_vl_checkpoint, random_image, vl_prompt_ids
 
@@ -136,7 +137,7 @@ def test_tower_varlen_equals_grouped(monkeypatch):
     pixels = _pixels(grids, torch.bfloat16, "cuda")
     with torch.no_grad():
         varlen = tower(pixels, grids)
-        monkeypatch.setattr(qvl, "VISION_VARLEN", False)
+        monkeypatch.setattr(va, "VISION_VARLEN", False)
         grouped = tower(pixels, grids)
     torch.testing.assert_close(varlen.float(), grouped.float(), rtol=3e-2, atol=3e-2)
 
@@ -161,7 +162,7 @@ def test_tower_does_not_sync(monkeypatch, varlen):
     mode "error" any synchronizing CUDA call inside it (.item(), .cpu(), nonzero, a pageable copy) raises."""
     from tests.models.test_qwen2_vl_varlen import GRIDS, _pixels, tiny_tower
 
-    monkeypatch.setattr(qvl, "VISION_VARLEN", varlen)
+    monkeypatch.setattr(va, "VISION_VARLEN", varlen)
     tower = tiny_tower(True, torch.bfloat16, "cuda")
     pixels = _pixels(GRIDS, torch.bfloat16, "cuda")
     with torch.no_grad():
@@ -180,7 +181,7 @@ def test_greedy_varlen_on_equals_off(vl_dir, monkeypatch):
     near-tie, each side's token at the first divergence is in the other's top-5 (reported), and nothing after it
     is compared."""
     on, _ = _generate(vl_dir, device="cuda", num_gpu_blocks_override=256)
-    monkeypatch.setattr(qvl, "VISION_VARLEN", False)
+    monkeypatch.setattr(va, "VISION_VARLEN", False)
     off, _ = _generate(vl_dir, device="cuda", num_gpu_blocks_override=256)
     exact = 0
     for a, b in zip(on, off):

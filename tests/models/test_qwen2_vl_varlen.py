@@ -1,5 +1,5 @@
-"""The vision tower's varlen attention path (model/qwen2_vl.py ``flash_varlen``, ``use_flash_varlen``,
-``build_segments``) on CPU: the adapter passes "bidirectional" the way each torch signature spells it, the path is
+"""The vision tower's varlen attention path (model/vision_attention.py ``flash_varlen``, ``use_flash_varlen``,
+``build_segments``; model/qwen2_vl.py's tower) on CPU: the adapter passes "bidirectional" the way each torch signature spells it, the path is
 chosen only for CUDA fp16 / bf16, the cumulative lengths reach the kernel as int32 with a host max, and a tower whose
 varlen kernel is a per-segment reference gives the grouped SDPA path's output. The real kernel: test_qwen2_vl_cuda.py.
 """
@@ -15,8 +15,10 @@ import torch
 import torch.nn.attention.varlen as torch_varlen
 
 import hayabusa.model.qwen2_vl as qvl
-from hayabusa.model.qwen2_vl import (VisionTransformer, build_segments, flash_varlen, full_segments, segment_groups,
-                                     use_flash_varlen, varlen_attention_packed, window_order)
+import hayabusa.model.vision_attention as va
+from hayabusa.model.qwen2_vl import VisionTransformer, full_segments, window_order
+from hayabusa.model.vision_attention import (build_segments, flash_varlen, segment_groups, use_flash_varlen,
+                                             varlen_attention_packed)
 
 
 def tiny_tower(v25: bool, dtype=torch.float32, device="cpu", seed=0) -> VisionTransformer:
@@ -61,7 +63,7 @@ def test_tower_varlen_plumbing_equals_grouped_path(monkeypatch, v25):
         grouped = tower(pixels, GRIDS)
         calls = []
         monkeypatch.setattr(qvl, "use_flash_varlen", lambda device, dtype: True)
-        monkeypatch.setattr(qvl, "flash_varlen", lambda: reference_varlen(calls))
+        monkeypatch.setattr(va, "flash_varlen", lambda: reference_varlen(calls))
         varlen = tower(pixels, GRIDS)
     torch.testing.assert_close(varlen, grouped, rtol=1e-5, atol=1e-5)
     full = full_segments(GRIDS)
@@ -129,13 +131,13 @@ def test_flash_varlen_unknown_signature_is_not_used(monkeypatch):
 
 def test_use_flash_varlen_only_cuda_half(monkeypatch, caplog):
     assert flash_varlen() is not None                     # this torch (2.13) has varlen_attn
-    monkeypatch.setattr(qvl, "_paths_logged", set())
-    with caplog.at_level(logging.INFO, logger="hayabusa.model.qwen2_vl"):
+    monkeypatch.setattr(va, "_paths_logged", set())
+    with caplog.at_level(logging.INFO, logger="hayabusa.model.vision_attention"):
         assert use_flash_varlen(torch.device("cuda"), torch.bfloat16)
         assert use_flash_varlen(torch.device("cuda", 0), torch.float16)
         assert not use_flash_varlen(torch.device("cuda"), torch.float32)
         assert not use_flash_varlen(torch.device("cpu"), torch.bfloat16)
-        monkeypatch.setattr(qvl, "VISION_VARLEN", False)
+        monkeypatch.setattr(va, "VISION_VARLEN", False)
         assert not use_flash_varlen(torch.device("cuda"), torch.bfloat16)
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 2, logged                       # each path once (it is named per device / dtype seen first)
