@@ -7,6 +7,7 @@
     python benchmarks/vl_host_profile.py --json                    # one JSON object instead of the table
     python benchmarks/vl_host_profile.py --sync-vision             # the tower's host vs device time (syncs around it)
     python benchmarks/vl_host_profile.py --profile-vision          # torch.profiler over the tower calls
+    python benchmarks/vl_host_profile.py --no-vision-varlen        # the tower's grouped SDPA path (A/B on CUDA)
 
 The requests are W8's (``hayabusa bench --workload W8``: 2-5 random page images per request, each 512-1024 x
 384-768 pixels, the chat template over them and W8's text; greedy, EOS ignored), the first ``--requests`` of
@@ -382,6 +383,8 @@ def main() -> None:
                    help="synchronize before and after each tower call: its host vs device time, syncs inside it")
     p.add_argument("--profile-vision", action="store_true",
                    help="torch.profiler over the tower calls: launches per call, kernel families, host ops")
+    p.add_argument("--no-vision-varlen", action="store_true",
+                   help="the tower's grouped SDPA path on CUDA too (vision_attention.VISION_VARLEN = False), for A/B")
     ns = p.parse_args()
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -392,6 +395,10 @@ def main() -> None:
     from hayabusa.bench.workloads import w8
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if ns.no_vision_varlen:
+        import hayabusa.model.vision_attention as va
+
+        va.VISION_VARLEN = False
     tmp = None
     model_dir = ns.model
     if model_dir is None:
@@ -423,7 +430,8 @@ def main() -> None:
     n_images = sum(len(r.images or []) for r in reqs)
     res = summarize(steps, timers, n_images)
     res.update(model=ns.model or "qwen2.5-vl-tiny (temp)", device=ns.device, requests=len(reqs),
-               max_num_seqs=ns.max_num_seqs, max_tokens=ns.max_tokens, wall_s=wall)
+               max_num_seqs=ns.max_num_seqs, max_tokens=ns.max_tokens, wall_s=wall,
+               vision_varlen=not ns.no_vision_varlen)
     if vprof is not None:
         res["vision_profile"] = vprof.result()
     if ns.json:
