@@ -329,6 +329,8 @@ g_vlh() {  # Qwen2.5-VL steps' host work (issue #16): vl_host_profile.py's phase
   ensure_shape qwen2.5-vl-7b-shape 200
   step vl_host_profile "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
     --device cuda --requests 32 --max-num-seqs 32 --max-tokens 64 --json > '$OUT/vl_host.json'"
+  step vl_host_vision "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
+    --device cuda --requests 32 --max-num-seqs 32 --max-tokens 64 --sync-vision --profile-vision --json > '$OUT/vl_host_vision.json'"
   bench_step vl7_W8_host "${W8_MAX_S:-200}" 60 --workload W8 --model "$MODELS/qwen2.5-vl-7b-shape" \
     --sweep "max_num_seqs=${W8_SEQS:-32}"
 }

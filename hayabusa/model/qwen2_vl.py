@@ -19,6 +19,7 @@ Checkpoint keys: transformers 4.x (``visual.*``, ``model.*``, ``lm_head``) and 5
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,11 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hayabusa.attention.metadata import ForwardContext
+from hayabusa.kernels.rotary import rotary_embedding
 from hayabusa.model.layers.activation import get_act_fn, silu_and_mul
 from hayabusa.model.layers.linear import Linear
-from hayabusa.model.layers.norm import LayerNorm, RMSNorm
+from hayabusa.model.layers.norm import LayerNorm, RMSNorm, norm_first
 from hayabusa.model.llama import MERGED_QKV_GATE_UP, LlamaAttention, LlamaDecoderLayer
 from hayabusa.model.qwen2 import qwen_sliding_window
+from hayabusa.model.vision_attention import Segments, build_segments, host_to_device, use_flash_varlen
 
 GridTHW = Sequence[Sequence[int]]
 
@@ -151,29 +154,6 @@ class Qwen2VLTextModel(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ vision tower
-def host_to_device(a: np.ndarray | Sequence[np.ndarray], device: torch.device,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host array (or arrays, concatenated along dim 0) as a tensor on ``device``, converted to ``dtype`` on the
-    host when given (in the same pass that concatenates: each array is read once).
-
-    On CUDA the data goes through pinned memory (PyTorch's caching host allocator, which keeps the block until
-    the copy is done) by a non-blocking copy: a copy from pageable memory would make the host wait for the work
-    already queued on the device (the step's launch would wait for the vision tower). Elsewhere a plain copy.
-    """
-    device = torch.device(device)
-    parts = [torch.from_numpy(np.ascontiguousarray(x)) for x in ([a] if isinstance(a, np.ndarray) else a)]
-    cuda = device.type == "cuda"
-    if len(parts) == 1 and not cuda:
-        return parts[0].to(device=device, dtype=dtype or parts[0].dtype)
-    host = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=dtype or parts[0].dtype,
-                       pin_memory=cuda)
-    at = 0
-    for p in parts:
-        host[at:at + len(p)].copy_(p)                 # the dtype conversion (if any) happens here, on the host
-        at += len(p)
-    return host.to(device, non_blocking=True) if cuda else host.to(device)
-
-
 def vision_rotary_positions(grid_thw: GridTHW, merge: int) -> np.ndarray:
     """(h, w) of every patch, in the processor's block-major order over merge x merge units: [N_patch, 2] int64."""
     out = []
@@ -220,43 +200,47 @@ def full_segments(grid_thw: GridTHW) -> list[int]:
     return cu
 
 
-def segment_groups(cu: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-    """Segments [cu[i], cu[i+1]) grouped by length: one [B, L] int64 index tensor per distinct length L > 0
-    (built once per forward on the host and copied to ``device`` in one go, shared by every layer)."""
-    starts = np.asarray(cu[:-1], dtype=np.int64)
-    lens = np.diff(np.asarray(cu, dtype=np.int64))
-    groups = [starts[lens == L][:, None] + np.arange(L, dtype=np.int64)[None, :] for L in np.unique(lens) if L > 0]
-    if not groups:
-        return []
-    flat = host_to_device(np.concatenate([g.reshape(-1) for g in groups]), device)
-    out, at = [], 0
-    for g in groups:
-        out.append(flat[at:at + g.size].view(g.shape))
-        at += g.size
-    return out
+@dataclass
+class VisionRope:
+    """The tower's 2-D rotary for one forward (shared by every layer), fp32 as HF computes it.
 
-
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Sequence[torch.Tensor],
-                     scale: float) -> torch.Tensor:
-    """Bidirectional attention within segments of q, k, v [N, H, D] -> [N, H, D]; ``groups`` from
-    ``segment_groups`` (every row in exactly one segment). See ``varlen_attention_packed``."""
-    return varlen_attention_packed(torch.stack([q, k, v], dim=1), groups, scale)
-
-
-def varlen_attention_packed(qkv: torch.Tensor, groups: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
-    """Bidirectional attention within segments of qkv [N, 3, H, D] (q, k, v) -> [N, H, D]; ``groups`` from
-    ``segment_groups`` (every row in exactly one segment).
-
-    Segments of equal length run as one batched SDPA call (no padding; windows mostly share a length), so the
-    cost is the sum of the segments' squares, never the longest segment's square times their number. One gather
-    per group takes q, k and v together (three kernel launches fewer per group than gathering each).
+    cos, sin: [N, D] fp32, the angle of each row's (h, w) position (rotate-half layout: the halves repeat).
+    rows: [N] int64 = arange(N) on the device when q and k are rotated by the Triton kernel (``kernels/rotary.py``:
+        one launch per layer for q and k, fp32 math, one rounding); None for the torch path (CPU).
+    cos4, sin_signed: the torch path's [N, 1, 1, D] fp32 factors for qkv [N, 3, H, D] (sin_signed: rotate_half's
+        sign moved in); None on the kernel path.
     """
-    out = qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
-    for idx in groups:                                                                        # [B, L]
-        qs, ks, vs = qkv[idx].permute(2, 0, 3, 1, 4).unbind(0)                               # [B, H, L, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)                           # [B, H, L, D]
-        out[idx] = o.transpose(1, 2)
-    return out
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows: torch.Tensor | None
+    cos4: torch.Tensor | None = None
+    sin_signed: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, emb: torch.Tensor, fused: bool) -> "VisionRope":
+        """emb [N, D] fp32 angles -> the rotary of one forward (``fused``: the kernel's layout)."""
+        N, D = emb.shape
+        cos, sin = emb.cos(), emb.sin()                                          # [N, D] fp32
+        if fused:
+            return cls(cos, sin, torch.arange(N, device=emb.device))
+        sin_signed = torch.cat([-sin[:, :D // 2], sin[:, D // 2:]], dim=-1)     # rotate_half's sign in sin
+        return cls(cos, sin, None, cos.view(N, 1, 1, D), sin_signed.view(N, 1, 1, D))
+
+    def rotate_qk(self, qkv: torch.Tensor) -> None:
+        """Rotate q and k of qkv [N, 3, H, D] in place, in fp32 and rounded once to qkv's dtype (HF's float()
+        round trip): q * cos + rotate_half(q) * sin."""
+        if self.rows is not None:
+            rotary_embedding(self.rows, qkv[:, 0], qkv[:, 1], self.cos, self.sin)
+            return
+        qk = qkv[:, :2].float()                                                  # [N, 2, H, D] fp32
+        # rotate_half(x) = cat(-x2, x1) = roll(x) with the first half's sign moved into sin (exact)
+        qkv[:, :2].copy_(qk * self.cos4 + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * self.sin_signed)
+
+
+def fused_vision_rope(device: torch.device) -> bool:
+    """Whether the tower rotates q and k with the Triton rotary kernel (CUDA) rather than torch ops."""
+    return torch.device(device).type == "cuda"
 
 
 class VisionAttention(nn.Module):
@@ -266,16 +250,12 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(dim, [3 * dim], True, dtype, device)
         self.proj = Linear(dim, [dim], True, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                groups: Sequence[torch.Tensor]) -> torch.Tensor:
-        """x [N, dim]; cos, sin_signed [N, 1, 1, D] fp32 (``VisionTransformer.rotary``) -> [N, dim]."""
+    def forward(self, x: torch.Tensor, rope: VisionRope, segments: Segments) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]; q and k rotated by ``rope``, attention within ``segments``."""
         N = x.shape[0]
         qkv = self.qkv(x).view(N, 3, self.num_heads, self.head_dim)                 # [N, 3, H, D]
-        qk = qkv[:, :2].float()                                                      # RoPE in fp32 (HF)
-        # HF's q * cos + rotate_half(q) * sin for q and k at once: rotate_half(x) = cat(-x2, x1) = roll(x) with
-        # the first half's sign moved into sin (exact), written back into qkv in its dtype (HF's .to(dtype))
-        qkv[:, :2].copy_(qk * cos + torch.roll(qk, self.head_dim // 2, dims=-1) * sin_signed)
-        out = varlen_attention_packed(qkv, groups, self.head_dim ** -0.5)           # [N, H, D]
+        rope.rotate_qk(qkv)
+        out = segments.attend(qkv, self.head_dim ** -0.5)                           # [N, H, D]
         return self.proj(out.reshape(N, -1))
 
 
@@ -314,9 +294,14 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, heads, dtype, device)
         self.mlp = mlp
 
-    def forward(self, x, cos, sin, groups):
-        x = x + self.attn(self.norm1(x), cos, sin, groups)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: VisionRope,
+                segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's x = x + attn(norm1(x)); x = x + mlp(norm2(x)) with each residual add fused into the next norm
+        (one kernel on CUDA, the same numbers): takes and returns (mlp output, residual stream) [N, dim]; the
+        stream's sum is the block's output."""
+        h, residual = norm_first(self.norm1, x, residual)
+        h, residual = self.norm2(self.attn(h, rope, segments), residual)
+        return self.mlp(h), residual
 
 
 class PatchMerger(nn.Module):
@@ -382,21 +367,21 @@ class VisionTransformer(nn.Module):
         order = None
         if self.v25:
             order_np, window_cu = window_order(grid_thw, self.merge, self.window_units)
-            order = host_to_device(order_np, x.device)
+            inverse_np = np.empty_like(order_np)
+            inverse_np[order_np] = np.arange(len(order_np))                           # argsort on the host
+            order, inverse = host_to_device([order_np, inverse_np], x.device).split(len(order_np))
 
             def permute(t: torch.Tensor) -> torch.Tensor:   # by merge unit: [N, ...] -> [N, ...]
                 return t.view(-1, unit, t.shape[-1])[order].view(-1, t.shape[-1])
             x, emb = permute(x), permute(emb)
-        cos, sin = emb.cos().view(-1, 1, 1, emb.shape[-1]), emb.sin()                 # cos [N, 1, 1, D] fp32
-        half = emb.shape[-1] // 2
-        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).view_as(cos)        # rotate_half's sign in sin
-        full = segment_groups(full_cu, x.device)
-        window = full if window_cu is full_cu else segment_groups(window_cu, x.device)
+        rope = VisionRope.build(emb, fused_vision_rope(x.device))
+        full, window = build_segments([full_cu, window_cu], x.device, use_flash_varlen(x.device, x.dtype))
+        residual = None
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, full if i in self.full_blocks else window)
-        x = self.merger(x)                                                           # [N / unit, out_dim]
+            x, residual = blk(x, residual, rope, full if i in self.full_blocks else window)
+        x = self.merger(x + residual)                                                # [N / unit, out_dim]
         if order is not None:
-            x = x[torch.argsort(order)]
+            x = x[inverse]                                                           # back to input order
         return x
 
 

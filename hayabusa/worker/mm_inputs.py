@@ -15,7 +15,7 @@ import torch
 
 from hayabusa.attention.metadata import ForwardContext
 from hayabusa.core.scheduler_output import SchedulerOutput
-from hayabusa.model.qwen2_vl import host_to_device
+from hayabusa.model.vision_attention import host_to_device
 from hayabusa.worker.mrope import mrope_prompt_positions
 
 

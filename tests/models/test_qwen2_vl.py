@@ -175,7 +175,7 @@ def test_prefix_caching_keys_images(vl_dir):
 
 def test_varlen_attention_equals_per_segment_reference():
     """The vision tower's segment attention (equal-length segments batched) equals one SDPA per segment."""
-    from hayabusa.model.qwen2_vl import segment_groups, varlen_attention
+    from hayabusa.model.vision_attention import segment_groups, varlen_attention
 
     torch.manual_seed(0)
     cu = [0, 16, 32, 36, 52, 53, 80]
