@@ -327,7 +327,7 @@ g_host8() {  # the engine's host work per step (issues #17 / #25): phase tables 
 
 g_vlh() {  # Qwen2.5-VL steps' host work (issue #16): vl_host_profile.py's phase table, then W8
   ensure_shape qwen2.5-vl-7b-shape 200
-  step vl_host_profile "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
+  [ -n "${VLH_PLAIN:-1}" ] && step vl_host_profile "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
     --device cuda --requests 32 --max-num-seqs 32 --max-tokens 64 --json > '$OUT/vl_host.json'"
   step vl_host_vision "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
     --device cuda --requests 32 --max-num-seqs 32 --max-tokens 64 --sync-vision --profile-vision --json > '$OUT/vl_host_vision.json'"
@@ -379,6 +379,10 @@ g_swap9() {  # issue #20's KV swap, one copy per run of blocks: the swapper's te
   step swap9_tests "${SWAP9_TESTS_S:-240}" 20 bash -c "python -m pytest -v -rfE --durations=10 -p no:cacheprovider \
     ${SWAP9_TESTS:-tests/worker/test_kv_swap.py tests/engine/test_swap_space_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
     | tee '$OUT/swap9_tests.log'; exit \${PIPESTATUS[0]}"
+  g_swap9bench
+}
+g_swap9bench() {  # kv_swap_bench.py on cuda and W10 (the CPU tier on / off), without the tests
+  ensure_q05
   step swap9_bench "${SWAP9_BENCH_S:-180}" 20 python benchmarks/kv_swap_bench.py --device cuda \
     --json "$OUT/kv_swap_bench.json"
   # W10's own variants: swap_space=4 (the CPU tier) and 0; num_gpu_blocks_override sizes the GPU cache
