@@ -381,6 +381,7 @@ g_swap9() {  # issue #20's KV swap, one copy per run of blocks: the swapper's te
     | tee '$OUT/swap9_tests.log'; exit \${PIPESTATUS[0]}"
   g_swap9bench
 }
+g_w10() { ensure_q05; bench_step q05_W10 "${W10_MAX_S:-240}" 60 --workload W10 --model "$Q05"; }
 g_swap9bench() {  # kv_swap_bench.py on cuda and W10 (the CPU tier on / off), without the tests
   ensure_q05
   step swap9_bench "${SWAP9_BENCH_S:-180}" 20 python benchmarks/kv_swap_bench.py --device cuda \

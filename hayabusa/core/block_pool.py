@@ -17,6 +17,8 @@ class KVBlock:
         block_hash: chained hash of the tokens it holds once full and cached, else None.
         tokens: the tokens it holds when cached (checked on a hit, so a hash collision can never reuse a block).
         parent_hash: the hash of the previous block of the prefix (None for the first block).
+        hits: prefix hits on the block since it took its content (a block restored from the CPU tier starts at 1:
+            that restore was a hit); the CPU tier keeps only blocks with hits (core/cpu_kv_tier.py).
     """
 
     block_id: int
@@ -24,6 +26,7 @@ class KVBlock:
     block_hash: int | None = None
     tokens: tuple[int, ...] | None = None
     parent_hash: int | None = None
+    hits: int = 0
 
 
 class BlockPool:
@@ -73,6 +76,7 @@ class BlockPool:
                 block.block_hash = block.tokens = block.parent_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
+            block.hits = 0
             ids.append(block_id)
         return ids
 
@@ -83,6 +87,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free[block_id]
             block.ref_cnt += 1
+            block.hits += 1
 
     def give_back(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks that reach 0 join the back of the free queue in this order

@@ -200,7 +200,14 @@ class CpuTierMixin:
 
     # ------------------------------------------------------------------ prefix cache tier
     def _evict_to_cpu(self, block) -> None:
-        """BlockPool hook: a cached GPU block is about to get new content; keep a copy in the CPU tier."""
+        """BlockPool hook: a cached GPU block is about to get new content; keep a copy in the CPU tier if it was
+        reused (a prefix hit since it was filled, ``KVBlock.hits``). A block nobody has shared (a request's own
+        prompt tail and output) is dropped, not copied: on W10 copying every evicted block made the tier cost
+        more than the recomputation it saved (BENCHMARKS.md, ninth session). The same rule as SGLang's
+        hierarchical cache "write_through_selective" policy (a node is backed up to host memory once its hit
+        count reaches a threshold; here 1)."""
+        if block.hits < 1:
+            return
         cpu_block = self.cpu.store(block.block_hash, block.parent_hash, block.tokens)
         if cpu_block is not None:
             self._swaps.swap_out.append((block.block_id, cpu_block))
@@ -225,6 +232,8 @@ class CpuTierMixin:
     def _restore_cpu_hits(self, cpu_hits: list[int], gpu_ids: list[int]) -> None:
         """Swap-ins of CPU prefix hits into the first len(cpu_hits) of the new GPU blocks."""
         self._swaps.swap_in.extend(zip(cpu_hits, gpu_ids))
+        for g in gpu_ids[:len(cpu_hits)]:   # a restore is a hit: the block stays worth keeping on the CPU
+            self.block_pool.blocks[g].hits = 1
         self.num_blocks_swapped_in += len(cpu_hits)
         self.num_cpu_hit_blocks += len(cpu_hits)
 

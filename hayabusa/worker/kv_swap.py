@@ -58,13 +58,15 @@ class KVSwapper:
             stage's layers, H_kv: this rank's KV heads): the target model's and, with a draft model (or an EAGLE
             head), the draft's. Each gets a CPU tensor of the same dtype, block-major.
         num_blocks: CPU blocks (the same CPU block ids in every cache).
-        gather: how a step with several runs moves them. False (the default): one strided copy per run (on CUDA
-            torch makes the strided device side contiguous in one kernel per run, then one memcpy). True: one
-            ``index_select`` gathers all the step's swap-out blocks into a contiguous block-major device
-            temporary, then one copy per run to the CPU; swap-ins are one copy per run into a temporary, then one
-            ``index_copy_`` scatters it (fewer kernels when runs are short; on CPU it measured 2-5x slower than
-            the strided copies, benchmarks/kv_swap_bench.py, which also measures it on CUDA). Either way a run is
-            one copy to or from the CPU per cache, whatever the layer count.
+        gather: how a step with several runs moves them (None, the default: True on CUDA, False on CPU). False:
+            one strided copy per run (on CUDA torch makes the strided device side contiguous in one kernel per
+            run, then one memcpy). True: one ``index_select`` gathers all the step's swap-out blocks into a
+            contiguous block-major device temporary, then one copy per run to the CPU; swap-ins are one copy per
+            run into a temporary, then one ``index_copy_`` scatters it. Measured with benchmarks/kv_swap_bench.py
+            (BENCHMARKS.md, ninth session): on an H200, 64 runs of one block (the common case: evicted prefix
+            blocks rarely have consecutive ids) take 591 us a step gathered against 1,214 us strided (0.5b shape;
+            the per-layer copies before took 31,219 us); on the CPU the gather path was 2-5x slower. Either way a
+            run is one copy to or from the CPU per cache, whatever the layer count.
 
     Attributes:
         cpu_caches: per cache [num_blocks, L, 2, block_size, H_kv, D] (block-major: a run of CPU blocks is one
@@ -74,13 +76,13 @@ class KVSwapper:
         num_runs: runs of consecutive block ids copied so far (``block_runs`` of each step's two lists).
     """
 
-    def __init__(self, buffers: list[torch.Tensor], num_blocks: int, gather: bool = False) -> None:
+    def __init__(self, buffers: list[torch.Tensor], num_blocks: int, gather: bool | None = None) -> None:
         assert buffers and all(b.dim() == 6 and b.shape[1] == 2 for b in buffers), "[L, 2, N, block_size, H, D]"
         self.buffers = buffers
         self.device = buffers[0].device
         self.num_blocks = num_blocks
         self.cuda = self.device.type == "cuda"
-        self.gather = gather
+        self.gather = self.cuda if gather is None else gather
         self.cpu_caches = [torch.empty((num_blocks, b.shape[0], 2, *b.shape[3:]), dtype=b.dtype,
                                        pin_memory=self.cuda) for b in buffers]
         # the copies move bytes: integer views of the same element size (index_select / index_copy_ of fp8 are

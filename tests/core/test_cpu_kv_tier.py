@@ -70,6 +70,10 @@ def test_evicted_prefix_block_moves_to_cpu_and_comes_back_on_a_hit():
     mgr = KVCacheManager(4, 4, enable_prefix_caching=True, num_cpu_blocks=8)
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert mgr.allocate_slots(a, 9) == [0, 1, 2]          # blocks 0 and 1 full and cached
+    a2 = make_request("a2", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # shares them: a prefix hit (the tier keeps hit blocks)
+    assert mgr.get_computed_blocks(a2) == ([0, 1], 8)
+    assert mgr.allocate_slots(a2, 1, [0, 1]) == [3] and mgr.get_block_ids("a2") == [0, 1, 3]
+    mgr.free(a2)
     mgr.free(a)                                           # free queue: 3, 2, 1, 0
     mgr.take_swaps()
     c = make_request("c", list(range(100, 116)))          # 16 tokens: takes all 4 blocks, evicting 1 and 0
@@ -82,7 +86,7 @@ def test_evicted_prefix_block_moves_to_cpu_and_comes_back_on_a_hit():
     assert hits == [] and num_hit == 8                    # both blocks found in the CPU tier
     assert mgr.allocate_slots(b, 1, hits) == [0, 1, 2]    # two restored, one for the last token
     swaps = mgr.take_swaps()
-    assert swaps.swap_out == [(0, 2), (1, 3), (2, 4)]     # c's evicted blocks go to fresh CPU blocks, not 0 / 1
+    assert swaps.swap_out == []                           # c's evicted blocks were never shared: dropped, not copied
     assert swaps.swap_in == [(1, 0), (0, 1)]              # CPU 1 (1..4) -> GPU 0, CPU 0 (5..8) -> GPU 1
     assert mgr.num_cpu_hit_blocks == 2 and mgr.get_block_ids("b") == [0, 1, 2]
     assert mgr.get_computed_blocks(make_request("d", [1, 2, 3, 4, 5, 6, 7, 8, 0])) == ([0, 1], 8)  # on GPU again
@@ -96,6 +100,10 @@ def test_cpu_hit_read_this_step_is_not_overwritten_by_an_eviction_of_the_same_st
     a = make_request("a", [1, 2, 3, 4, 5])
     mgr.allocate_slots(a, 5)                              # GPU 0 cached (1..4)
     mgr.free(a)                                           # free queue: 1, 0
+    a2 = make_request("a2", [1, 2, 3, 4, 6])              # a prefix hit on GPU 0 (the tier keeps hit blocks)
+    assert mgr.get_computed_blocks(a2) == ([0], 4)
+    assert mgr.allocate_slots(a2, 1, [0]) == [1]
+    mgr.free(a2)                                          # free queue: 1, 0
     c = make_request("c", list(range(100, 108)))
     mgr.allocate_slots(c, 8)                              # evicts GPU 0 -> CPU 0
     mgr.cache_full_blocks(c)
@@ -197,3 +205,32 @@ def test_after_a_dropped_step_swapped_requests_are_recomputed():
     assert b.num_output_tokens == 8
     sched.kv.take_swaps()
     assert sched.kv.num_free_blocks == 6 and sched.kv.num_used_cpu_blocks == 0
+
+
+def test_only_blocks_that_were_hit_move_to_the_cpu_tier():
+    """An evicted block is copied to the CPU only if a prefix hit reused it (KVBlock.hits): a request's own prompt
+    and output blocks are dropped, a shared prefix is kept; a block restored from the CPU counts as hit."""
+    mgr = KVCacheManager(4, 4, enable_prefix_caching=True, num_cpu_blocks=8)
+    solo = make_request("solo", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    mgr.allocate_slots(solo, 9)                           # blocks 0, 1 cached, never shared
+    mgr.free(solo)
+    x = make_request("x", list(range(100, 116)))
+    mgr.allocate_slots(x, 16)                             # evicts them: dropped
+    assert mgr.take_swaps().swap_out == [] and mgr.num_blocks_swapped_out == 0
+    mgr.free(x)
+    a, b = make_request("a", [1, 2, 3, 4, 5]), make_request("b", [1, 2, 3, 4, 6])
+    mgr.allocate_slots(a, 5)
+    hits, n = mgr.get_computed_blocks(b)
+    assert n == 4 and len(hits) == 1
+    mgr.allocate_slots(b, 1, hits)                        # b shares a's first block: hits 1
+    shared = hits[0]
+    mgr.free(a)
+    mgr.free(b)
+    y = make_request("y", list(range(200, 216)))
+    mgr.allocate_slots(y, 16)                             # evicts everything: only the shared block is copied
+    assert [g for g, _ in mgr.take_swaps().swap_out] == [shared]
+    mgr.free(y)
+    c = make_request("c", [1, 2, 3, 4, 7])
+    assert mgr.get_computed_blocks(c) == ([], 4)          # found in the CPU tier
+    new = mgr.allocate_slots(c, 1, [])
+    assert mgr.take_swaps().swap_in == [(0, new[0])] and mgr.block_pool.blocks[new[0]].hits == 1

@@ -53,7 +53,8 @@ def test_prefix_blocks_restored_from_the_cpu_tier(tiny_qwen2):
     again = [{"prompt_token_ids": shared + [5, 6]}]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     ref = LLM(tiny_qwen2, dtype="float32", swap_space=0, enable_prefix_caching=False)
-    steps = [prompts, others[:1], others[1:2], again]          # one by one: no preemption, no other CPU hit
+    second = [{"prompt_token_ids": shared + [4]}]              # shares the prefix: the tier keeps hit blocks only
+    steps = [prompts, second, others[:1], others[1:2], again]  # one by one: no preemption, no other CPU hit
     want = [ids(ref.generate(p, params, use_tqdm=False)) for p in steps]
     for swap_space in (0, 0.01):
         llm = LLM(tiny_qwen2, dtype="float32", block_size=4, num_gpu_blocks_override=20, max_model_len=64,

@@ -55,7 +55,8 @@ def _check_prefix_restores(model: str, device: str) -> None:
     # (swap_space > 0) and come back on the last request's hit.
     rng = random.Random(1)
     shared = [rng.randrange(3, 512) for _ in range(64)]
-    steps = [[{"prompt_token_ids": shared + [7, 8, 9]}], _prompts(1, 2, 80, 81), _prompts(1, 3, 80, 81),
+    steps = [[{"prompt_token_ids": shared + [7, 8, 9]}], [{"prompt_token_ids": shared + [4]}],   # a hit: kept
+             _prompts(1, 2, 80, 81), _prompts(1, 3, 80, 81),
              [{"prompt_token_ids": shared + [5, 6]}]]
     got = {}
     for swap_space in (0, 0.05):
