@@ -327,7 +327,7 @@ g_host8() {  # the engine's host work per step (issues #17 / #25): phase tables 
 
 g_vlh() {  # Qwen2.5-VL steps' host work (issue #16): vl_host_profile.py's phase table, then W8
   ensure_shape qwen2.5-vl-7b-shape 200
-  [ -n "${VLH_PLAIN:-1}" ] && step vl_host_profile "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
+  [ "${VLH_PLAIN-1}" != "" ] && step vl_host_profile "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
     --device cuda --requests 32 --max-num-seqs 32 --max-tokens 64 --json > '$OUT/vl_host.json'"
   step vl_host_vision "${VLH_S:-120}" 20 bash -c "python benchmarks/vl_host_profile.py --model '$MODELS/qwen2.5-vl-7b-shape' \
     --device cuda --requests 32 --max-num-seqs 32 --max-tokens 64 --sync-vision --profile-vision --json > '$OUT/vl_host_vision.json'"
