@@ -191,6 +191,12 @@ class MultiModalProcessor:
                     f"multi_modal_data['image'][{i}] must be a PIL image or an HWC uint8 numpy array, got "
                     f"{type(im).__name__}{'' if not isinstance(im, np.ndarray) else f' {im.dtype} {im.shape}'}.",
                     parameter="multi_modal_data", value=type(im).__name__)
+            if isinstance(im, np.ndarray) and (im.ndim != 3 or im.shape[2] != 3):
+                raise HayabusaValidationError(
+                    f"multi_modal_data['image'][{i}] has shape {im.shape}: a numpy image is HWC RGB (height, width, "
+                    "3). Pass a grayscale or RGBA image as a PIL image (the processor converts it to RGB), and "
+                    "transpose a CHW array with .transpose(1, 2, 0).", parameter="multi_modal_data",
+                    value=tuple(im.shape))
             size = im.size if isinstance(im, Image.Image) else (im.shape[1], im.shape[0])
             if min(size) < 1:
                 raise HayabusaValidationError(f"multi_modal_data['image'][{i}] is empty ({size[0]} x {size[1]}).",

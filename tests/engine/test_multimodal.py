@@ -120,7 +120,7 @@ def test_image_forms_and_text_only(llm, tok, vl_dir):
 
 
 @pytest.mark.parametrize("case", ["more_placeholders", "fewer_placeholders", "wrong_run", "bad_type", "video",
-                                  "too_long", "aspect_ratio", "grayscale_2d"])
+                                  "too_long", "aspect_ratio", "grayscale_2d", "chw"])
 def test_bad_image_input_is_refused_by_name(llm, tok, case):
     im = random_image(28, 28, 7)
     prompt = {
@@ -136,12 +136,16 @@ def test_bad_image_input_is_refused_by_name(llm, tok, case):
         "aspect_ratio": _prompt(tok, [Image.new("RGB", (10000, 3))]),   # transformers' resize rule refuses it
         "grayscale_2d": {"prompt_token_ids": vl_prompt_ids(tok, "x", 1),
                          "multi_modal_data": {"image": np.zeros((28, 28), dtype=np.uint8)}},
+        "chw": {"prompt_token_ids": vl_prompt_ids(tok, "x", 1),
+                "multi_modal_data": {"image": np.zeros((3, 28, 28), dtype=np.uint8)}},
     }[case]
     engine = llm.llm_engine
     known = set(engine.runner.mm.requests)
     with pytest.raises(HayabusaValidationError) as e:
         llm.generate(prompt, GREEDY, use_tqdm=False)
     assert e.value.parameter == ("prompt" if case == "too_long" else "multi_modal_data")
+    if case in ("grayscale_2d", "chw"):   # named by its index and shape, not dumped
+        assert "multi_modal_data['image'][0] has shape" in str(e.value) and "HWC" in str(e.value)
     # refused before any work: nothing queued, no image reached the runner
     assert not engine.has_unfinished_requests() and set(engine.runner.mm.requests) <= known
     _serves(llm, tok)

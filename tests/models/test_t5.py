@@ -153,6 +153,11 @@ def test_too_long_encoder_input_is_refused_and_the_next_request_served(tiny_t5, 
     with pytest.raises(HayabusaValidationError) as e:
         llm.generate({"encoder_prompt": "x", "decoder_prompt": [5] * 64}, GREEDY, use_tqdm=False)
     assert e.value.parameter == "prompt"                         # the decoder prompt leaves no room
+    for bad in ({"prompt": "Hi", "multi_modal_data": {"image": 1}},                      # T5 takes text only
+                {"encoder_prompt": {"prompt": "Hi", "multi_modal_data": {"image": 1}}}):
+        with pytest.raises(HayabusaValidationError) as e:
+            llm.generate(bad, GREEDY, use_tqdm=False)
+        assert e.value.parameter == "multi_modal_data" and "takes text only" in str(e.value)
     _, ref = _hf_ref(refs, tiny_t5, tok)
     out = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref[0]
