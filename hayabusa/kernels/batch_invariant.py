@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from hayabusa.kernels._triton import tl, triton
-from hayabusa.kernels.bi_gemm import bi_gemm, num_sms
+from hayabusa.kernels.bi_gemm import bi_gemm, linear_operands, num_sms
 
 _LOG2E = 1.4426950408889634
 BI_TILE_N = 16          # keys per online-softmax step of the CPU reference (any fixed value works)
@@ -98,18 +98,8 @@ def matmul_bi_unsplit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     Raises:
         ValueError: shape, dtype or stride mismatch.
     """
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M, K = x2.shape
-    if weight.dim() != 2 or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(-1) != 1:
-        raise ValueError(f"need x [M, K] and weight [N, K] of one dtype with unit last strides; got "
-                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
-    N = weight.shape[0]
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias must be [N={N}], got {tuple(bias.shape)}")
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    lead, x2, y = linear_operands(x, weight, bias)
+    (M, K), N = x2.shape, weight.shape[0]
     if M == 0:
         return y.view(*lead, N)
     cfg = matmul_bi_unsplit_config(N, K, num_sms(x.device) if x.is_cuda else 132)

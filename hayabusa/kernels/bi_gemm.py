@@ -291,6 +291,28 @@ def bi_gemm_splits(M: int, N: int, K: int, cfg: BiGemmConfig, sms: int) -> bool:
     return cfg.num_chunks(K) > 1 and tiles < (cfg.SPLIT_BELOW_TILES or sms)
 
 
+def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> tuple[torch.Size, torch.Tensor, torch.Tensor]:
+    """A batch-invariant linear's checked operands: (x's leading shape, x as [M, K] with unit last stride, the
+    output y [M, N] in x's dtype, uninitialised).
+
+    Raises:
+        ValueError: weight not [N, K] of x's dtype with unit last stride, or bias not [N].
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    if weight.dim() != 2 or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(-1) != 1:
+        raise ValueError(f"need x [M, K] and weight [N, K] of one dtype with unit last strides; got "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
+    N = weight.shape[0]
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias must be [N={N}], got {tuple(bias.shape)}")
+    return lead, x2, torch.empty((M, N), dtype=x.dtype, device=x.device)
+
+
 def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
             config: BiGemmConfig | None = None, split: bool | None = None) -> torch.Tensor:
     """Batch-invariant y = x W^T + b with a fixed split-K (see the module docstring).
@@ -307,18 +329,8 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     Raises:
         ValueError: shape, dtype or stride mismatch.
     """
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M, K = x2.shape
-    if weight.dim() != 2 or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(-1) != 1:
-        raise ValueError(f"need x [M, K] and weight [N, K] of one dtype with unit last strides; got "
-                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
-    N = weight.shape[0]
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias must be [N={N}], got {tuple(bias.shape)}")
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    lead, x2, y = linear_operands(x, weight, bias)
+    (M, K), N = x2.shape, weight.shape[0]
     if M == 0:
         return y.view(*lead, N)
     sms = num_sms(x.device)
@@ -347,4 +359,4 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 __all__ = ["BiGemmConfig", "BI_GEMM_TABLE", "ENV_CONFIGS", "bi_gemm", "bi_gemm_config", "bi_gemm_splits",
-           "heuristic_config", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]
+           "heuristic_config", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]
