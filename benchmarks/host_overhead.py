@@ -228,21 +228,18 @@ def fake_forward(runner, max_rows: int) -> None:
     runner._run_model = run_model
 
 
-def run_once(llm, ns, batch: int, seed: int, device_is_cpu: bool, profile: cProfile.Profile | None) -> dict:
-    from hayabusa import SamplingParams
-
-    rng = random.Random(seed)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(ns.prompt_len)]} for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
-    timer = PhaseTimer()
-    instrument(llm, timer)
-    gc_state = [0.0]
+def timed_generate(llm, timer: PhaseTimer, prompts, params, profile: cProfile.Profile | None):
+    """``llm.generate`` under the instrumented ``timer`` (unwrapped after), the cyclic GC's pauses recorded as
+    the phase "gc", each step's "llm" phase set (the LLM's own loop: the gap between one step's end and the next
+    step's start). Returns (outputs, wall seconds, GC seconds)."""
+    gc_state = [0.0, 0.0]
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
             gc_state[0] = clock()
         else:
             timer.add("gc", clock() - gc_state[0])
+            gc_state[1] += clock() - gc_state[0]
 
     gc.callbacks.append(on_gc)
     try:
@@ -255,13 +252,25 @@ def run_once(llm, ns, batch: int, seed: int, device_is_cpu: bool, profile: cProf
     finally:
         timer.unwrap()
         gc.callbacks.remove(on_gc)
-    assert all(len(o.outputs[0].token_ids) == ns.max_tokens for o in outs)
     recs = timer.records
-    # the LLM's own loop: the gap between one step's end and the next step's start
     for prev, rec in zip(recs, recs[1:]):
         rec["llm"] = max(rec["t_end"] - rec["step_wall"] - prev["t_end"], 0.0)
     if recs:
         recs[0]["llm"] = 0.0
+    return outs, wall, gc_state[1]
+
+
+def run_once(llm, ns, batch: int, seed: int, device_is_cpu: bool, profile: cProfile.Profile | None) -> dict:
+    from hayabusa import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(ns.prompt_len)]} for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
+    timer = PhaseTimer()
+    instrument(llm, timer)
+    outs, wall, _ = timed_generate(llm, timer, prompts, params, profile)
+    assert all(len(o.outputs[0].token_ids) == ns.max_tokens for o in outs)
+    recs = timer.records
     steady = [r for r in recs[1:] if r["R"] == batch and r["T"] == batch and not r["F"]]
     n = max(len(steady), 1)
     # the steps that finish requests (all of them at once with ignore_eos): their text is detokenized there
@@ -310,32 +319,9 @@ def run_w9(llm, ns, device_is_cpu: bool, profile: cProfile.Profile | None) -> di
             added[0] += clock() - t0
 
     timer.patch(engine, "add_request", timed_add)
-    gc_state = [0.0, 0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_state[0] = clock()
-        else:
-            timer.add("gc", clock() - gc_state[0])
-            gc_state[1] += clock() - gc_state[0]
-
-    gc.callbacks.append(on_gc)
-    try:
-        t0 = clock()
-        if profile is not None:
-            outs = profile.runcall(llm.generate, prompts, params, use_tqdm=False)
-        else:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = clock() - t0
-    finally:
-        timer.unwrap()
-        gc.callbacks.remove(on_gc)
+    outs, wall, gc_s = timed_generate(llm, timer, prompts, params, profile)
     assert all(len(o.outputs[0].token_ids) == ns.max_tokens for o in outs)
     recs = timer.records
-    for prev, rec in zip(recs, recs[1:]):
-        rec["llm"] = max(rec["t_end"] - rec["step_wall"] - prev["t_end"], 0.0)
-    if recs:
-        recs[0]["llm"] = 0.0
     for rec in recs:
         rec["total"] = sum(rec.get(p, 0.0) for p in PHASES if p != "total")
         rec["host"] = rec["total"] - rec.get("wait", 0.0) - (rec.get("forward", 0.0) if device_is_cpu else 0.0)
@@ -352,7 +338,7 @@ def run_w9(llm, ns, device_is_cpu: bool, profile: cProfile.Profile | None) -> di
     host_s = sum(r["host"] for r in recs) + added[0]
     return {"kinds": kinds, "steps": len(recs), "generate_s": wall, "host_ms": 1e3 * host_s,
             "host_us_per_req": 1e6 * host_s / len(outs), "requests": len(outs),
-            "add_request_us_per_req": 1e6 * added[0] / len(outs), "gc_ms": 1e3 * gc_state[1]}
+            "add_request_us_per_req": 1e6 * added[0] / len(outs), "gc_ms": 1e3 * gc_s}
 
 
 def bench_w9(model: str, label: str, ns) -> list[dict]:
