@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from hayabusa.kernels._triton import tl, triton
-from hayabusa.kernels.bi_gemm import bi_gemm, linear_operands, num_sms
+from hayabusa.kernels.bi_gemm import bi_gemm, grouped_tile, linear_operands, num_sms
 
 _LOG2E = 1.4426950408889634
 BI_TILE_N = 16          # keys per online-softmax step of the CPU reference (any fixed value works)
@@ -46,12 +46,7 @@ def _matmul_bi_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # grouped launch order (L2 reuse of W tiles); it decides only which program runs when, never the math
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -202,6 +202,16 @@ def num_sms(device: torch.device) -> int:
 # (one program text, hence one instruction sequence for the dot loop, for every M and both launches). CHUNK_K is a
 # runtime value too (a multiple of BLOCK_K, fixed per weight): one compile per tile configuration.
 @triton.jit
+def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile number ``tile`` in the grouped launch order: GROUP_M row tiles sweep
+    the column tiles together, so weight tiles are reused from L2. It decides which tile a program gets, never the
+    math of a tile (the batch-invariant GEMMs rely on that)."""
+    first_m = (tile // (GROUP_M * num_n)) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % (GROUP_M * num_n)) % size_m, (tile % (GROUP_M * num_n)) // size_m
+
+
+@triton.jit
 def _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr):
     # y = total (+ b) rounded once to y's dtype; the one epilogue of both ways a tile is finished in this kernel
     if HAS_BIAS:
@@ -224,12 +234,7 @@ def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, str
     progs_per_tile = num_chunks // CHUNKS_PER_PROG          # 1 (unsplit) or S (split)
     tile = pid // progs_per_tile
     c_lo = (pid % progs_per_tile) * CHUNKS_PER_PROG
-    # grouped order of the tiles (L2 reuse of W tiles): which tile a program gets, never the math
-    group = tile // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % (GROUP_M * num_n)) % size_m
-    pid_n = (tile % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -359,4 +364,4 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 __all__ = ["BiGemmConfig", "BI_GEMM_TABLE", "ENV_CONFIGS", "bi_gemm", "bi_gemm_config", "bi_gemm_splits",
-           "heuristic_config", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]
+           "grouped_tile", "heuristic_config", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]
