@@ -42,12 +42,9 @@ def process_encoder_decoder(ip: InputProcessor, prompt: Any,
         decoder_part = prompt.get("decoder_prompt")
         prompt = prompt["encoder_prompt"]
         name = "encoder_prompt"
-    for part in (prompt, decoder_part):   # an encoder-decoder model takes text only (as a text-only decoder does)
-        if isinstance(part, dict) and part.get("multi_modal_data"):
-            mm = part["multi_modal_data"]
-            raise HayabusaValidationError(
-                f"multi_modal_data was given but model {mc.architecture} takes text only.",
-                parameter="multi_modal_data", value=sorted(mm) if isinstance(mm, dict) else type(mm).__name__)
+    for part in (prompt, decoder_part):   # text only: images are refused as for a text-only decoder
+        if isinstance(part, dict):
+            ip.images(part.get("multi_modal_data"))
     text, enc_ids = ip.tokenize(prompt)
     if params.truncate_prompt_tokens is not None:
         enc_ids = enc_ids[-params.truncate_prompt_tokens:]

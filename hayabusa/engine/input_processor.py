@@ -76,7 +76,7 @@ class InputProcessor:
         """
         text, ids = self._tokenize(prompt)
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        images = self._images(mm_data)
+        images = self.images(mm_data)
         if params.truncate_prompt_tokens is not None:
             if images:
                 raise HayabusaValidationError("truncate_prompt_tokens cannot be used with images (it could cut an "
@@ -89,8 +89,13 @@ class InputProcessor:
         self._check(ids, params)
         return text, ids, mm_inputs
 
-    def _images(self, mm_data: Any) -> list:
-        """The prompt's images (none for ``{}`` or no "image" key)."""
+    def images(self, mm_data: Any) -> list:
+        """The prompt's images (none for ``{}`` or no "image" key).
+
+        Raises:
+            HayabusaValidationError: images for a model that takes text only (naming ``multi_modal_data``), or
+                images the model's processor refuses (``parse_images``).
+        """
         if self.mm_processor is None:
             if mm_data:
                 raise HayabusaValidationError(
