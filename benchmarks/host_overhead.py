@@ -71,8 +71,8 @@ sys.path.append(str(REPO))   # PYTHONPATH first: another checkout of hayabusa ca
 
 clock = time.perf_counter   # --clock cpu: time.thread_time (steadier on a shared machine; the wait is then ~0)
 
-PHASES = ("schedule", "sched_out", "inputs", "encoders", "swap", "forward", "sample", "wait", "finish", "update", "output",
-          "engine", "llm", "total")
+PHASES = ("schedule", "sched_out", "inputs", "encoders", "swap", "forward", "sample", "wait", "finish", "update",
+          "output", "engine", "llm", "total")
 EXTRA = ("host", "gc")   # host: see the docstring; gc: wall in Python's cyclic garbage collector (inside the phases)
 
 

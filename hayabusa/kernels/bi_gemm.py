@@ -364,4 +364,5 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 __all__ = ["BiGemmConfig", "BI_GEMM_TABLE", "ENV_CONFIGS", "bi_gemm", "bi_gemm_config", "bi_gemm_splits",
-           "grouped_tile", "heuristic_config", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]
+           "grouped_tile", "heuristic_config", "linear_operands", "num_sms", "reserve_tile_counters",
+           "reset_config_cache", "TILE_COUNTERS"]

@@ -41,6 +41,7 @@ from hayabusa.attention.metadata import ForwardContext
 from hayabusa.model.layers.activation import get_act_fn
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import RMSNorm
+from hayabusa.model.vision_attention import host_to_device
 
 _FP16_MAX = torch.finfo(torch.float16).max
 
@@ -136,12 +137,6 @@ class T5EncoderSelfAttention(nn.Module):
         return self.o(pad.from_batch(o.transpose(1, 2)).reshape(T, -1))
 
 
-def _host_to(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` without blocking the host (through pinned memory on CUDA)."""
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
-
-
 class _Padding:
     """Packed [T, ...] <-> padded [B, L, ...] for the encoder's attention (no copy when all lengths are equal)."""
 
@@ -152,8 +147,8 @@ class _Padding:
         self.valid = None
         if not self.equal:   # built on the host and copied without blocking (no nonzero() sync on the device)
             valid = np.arange(self.L)[None, :] < np.asarray(seq_lens)[:, None]           # [B, L] bool
-            self.valid = _host_to(valid, device)
-            self.idx = _host_to(np.flatnonzero(valid), device)                            # [T] padded row of token
+            self.valid = host_to_device(valid, device)
+            self.idx = host_to_device(np.flatnonzero(valid), device)                      # [T] padded row of token
 
     def to_batch(self, t: torch.Tensor) -> torch.Tensor:
         if self.equal:

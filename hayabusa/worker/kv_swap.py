@@ -24,6 +24,7 @@ import logging
 import torch
 
 from hayabusa.config import EngineConfig
+from hayabusa.sample.metadata import to_device
 from hayabusa.worker.kv_cache import bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -160,12 +161,9 @@ class KVSwapper:
         self.num_copies += len(runs)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        """[m] int64 block ids on the device. On CUDA from pinned memory without blocking: a pageable source
-        would make the copy synchronous (the host would wait for the side stream, which waits for the forward);
-        the caching host allocator keeps the pinned block until the copy has run (its event, Copy.cu)."""
-        if not self.cuda:
-            return torch.tensor(ids, dtype=torch.int64)
-        return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        """[m] int64 block ids on the device, copied without blocking (``sample/metadata.to_device``: a pageable
+        source would make the host wait for the side stream, which waits for the forward)."""
+        return to_device(ids, torch.int64, self.device)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
