@@ -342,7 +342,9 @@ g_w8hf() {  # the HF baseline of W8 alone (batch 1 on 5 requests)
 g_bi9() {  # the split-K batch-invariant GEMM (issue #23): its kernel table on the 0.5b shape, then the mode's cost
   ensure_q05
   step bi_gemm_bench "${BIG_S:-120}" 10 python benchmarks/kernels/bench_bi_gemm.py --device cuda \
-    --models "${BIG_MODELS:-qwen2.5-0.5b-shape}" --m "${BIG_M:-1,8,32,256,2048}" --json "$OUT/bi_gemm.json"
+    --models "${BIG_MODELS:-qwen2.5-0.5b-shape}" --m "${BIG_M:-1,8,32,256,2048}" ${BIG_SWEEP:+--sweep} \
+    --json "$OUT/bi_gemm.json"
+  [ -n "${BIG_ONLY:-}" ] && return 0
   bench_step q05_W3_bi9 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
   bench_step q05_W1_bi9 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
 }
@@ -355,7 +357,7 @@ g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, off
                    # script with AutoProcessor; T5 and the position-bias kernel passed in session 7)
   ensure_q05
   step final_tests "${FINAL_TESTS_S:-400}" 30 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=25 \
-    -p no:cacheprovider --timeout 100 -o faulthandler_timeout=95 \
+    -p no:cacheprovider --timeout ${FINAL_TIMEOUT:-100} -o faulthandler_timeout=$((${FINAL_TIMEOUT:-100} - 5)) \
     ${FINAL_TESTS:-tests/spec_decode/test_spec_cuda.py tests/spec_decode/test_spec_graphs_cuda.py \
     tests/spec_decode/test_eagle_cuda.py tests/worker/test_kv_swap.py tests/worker/test_cpu_offload_cuda.py \
     tests/test_batch_invariant_cuda.py tests/engine/test_multimodal.py::test_seed_script_runs_as_written} \
