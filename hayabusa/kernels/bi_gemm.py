@@ -94,9 +94,22 @@ def _bad_config(field: str, value, why: str) -> HayabusaValidationError:
                                    value=value)
 
 
-# (N, K) -> the configuration measured on an H200 (132 SMs). Empty: every shape uses heuristic_config until the
-# lead's `bench_bi_gemm.py --sweep` run; each line it prints is one entry here.
-BI_GEMM_TABLE: dict[tuple[int, int], BiGemmConfig] = {}
+# (N, K) -> the configuration measured on an H200 (132 SMs): the lines `bench_bi_gemm.py --sweep` printed in run AC
+# (2026-12-02, commit 8cb43c1; `--models qwen2.5-0.5b-shape --m 1,16,64,256,2048 --sweep`, BENCHMARKS.md "tenth
+# session"), each the config with the smallest mean (bi us / cuBLAS us) over those M. Per M, bi / heuristic /
+# cuBLAS us in the comments. Other shapes use heuristic_config.
+BI_GEMM_TABLE: dict[tuple[int, int], BiGemmConfig] = {
+    # 0.5b qkv: M=1 4.2 / 5.2 / 3.8, M=256 5.7 / 9.6 / 4.2, M=2048 21.4 / 23.0 / 9.7
+    (1152, 896): BiGemmConfig(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, CHUNK_K=896, SPLIT_BELOW_TILES=1),
+    # 0.5b o_proj: M=1 3.9 / 5.0 / 4.4, M=256 4.1 / 7.6 / 4.1, M=2048 16.8 / 20.1 / 7.1
+    (896, 896): BiGemmConfig(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, CHUNK_K=896, SPLIT_BELOW_TILES=1),
+    # 0.5b gate_up: M=1 7.1 / 7.3 / 5.2, M=256 15.4 / 15.6 / 9.9, M=2048 112 / 116 / 56
+    (9728, 896): BiGemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, CHUNK_K=896, SPLIT_BELOW_TILES=1),
+    # 0.5b down: M=1 7.5 / 8.2 / 6.6, M=256 11.8 / 18.4 / 9.4, M=2048 58.7 / 83.8 / 25.8
+    (896, 4864): BiGemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, CHUNK_K=1280, SPLIT_BELOW_TILES=448),
+    # 0.5b lm_head: M=1 74.3 / 74.6 / 65.5, M=256 208 / 218 / 121, M=2048 1,591 / 1,638 / 873
+    (151936, 896): BiGemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, CHUNK_K=896, SPLIT_BELOW_TILES=1),
+}
 
 
 def heuristic_config(N: int, K: int, num_sms: int) -> BiGemmConfig:

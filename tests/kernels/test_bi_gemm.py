@@ -149,18 +149,21 @@ def fresh_config_cache():
 
 def test_table_and_env_override_the_heuristic(monkeypatch, fresh_config_cache):
     monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
-    assert bi_gemm_config(896, 896) == bg.heuristic_config(896, 896, 132)
+    assert (768, 512) not in bg.BI_GEMM_TABLE and (512, 2048) not in bg.BI_GEMM_TABLE
+    assert bi_gemm_config(768, 512) == bg.heuristic_config(768, 512, 132)
+    for shape, cfg in bg.BI_GEMM_TABLE.items():             # the measured entries are what the launch reads
+        assert bi_gemm_config(*shape) == cfg
     measured = BiGemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, CHUNK_K=256, num_warps=8)
-    monkeypatch.setitem(bg.BI_GEMM_TABLE, (896, 896), measured)
+    monkeypatch.setitem(bg.BI_GEMM_TABLE, (768, 512), measured)
     bg.reset_config_cache()               # the table is read once per shape
-    assert bi_gemm_config(896, 896) == measured
-    monkeypatch.setenv(bg.ENV_CONFIGS, '{"896x896": {"CHUNK_K": 384, "num_stages": 4}}')
-    assert bi_gemm_config(896, 896) == BiGemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, CHUNK_K=384,
+    assert bi_gemm_config(768, 512) == measured
+    monkeypatch.setenv(bg.ENV_CONFIGS, '{"768x512": {"CHUNK_K": 384, "num_stages": 4}}')
+    assert bi_gemm_config(768, 512) == BiGemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, CHUNK_K=384,
                                                     num_warps=8, num_stages=4)
-    assert bi_gemm_config(896, 4864) == bg.heuristic_config(896, 4864, 132)     # other shapes untouched
-    monkeypatch.setenv(bg.ENV_CONFIGS, '{"*": {"SUM_IN_KERNEL": true, "num_stages": 2}, "896x896": {"num_stages": 4}}')
-    assert bi_gemm_config(896, 4864).SUM_IN_KERNEL and bi_gemm_config(896, 4864).num_stages == 2
-    assert bi_gemm_config(896, 896).SUM_IN_KERNEL and bi_gemm_config(896, 896).num_stages == 4
+    assert bi_gemm_config(512, 2048) == bg.heuristic_config(512, 2048, 132)     # other shapes untouched
+    monkeypatch.setenv(bg.ENV_CONFIGS, '{"*": {"SUM_IN_KERNEL": true, "num_stages": 2}, "768x512": {"num_stages": 4}}')
+    assert bi_gemm_config(512, 2048).SUM_IN_KERNEL and bi_gemm_config(512, 2048).num_stages == 2
+    assert bi_gemm_config(768, 512).SUM_IN_KERNEL and bi_gemm_config(768, 512).num_stages == 4
 
 
 @pytest.mark.parametrize("raw,field", [("not json", bg.ENV_CONFIGS), ('{"896": {}}', bg.ENV_CONFIGS),
