@@ -309,6 +309,9 @@ g_w11() {  # speculative decoding on a TRAINED model: SmolLM2-135M-Instruct, its
   bench_step smol_W11_off "${W11_MAX_S:-120}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
   bench_step smol_W11_ngram "${W11_MAX_S:-120}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  # the model as its own draft (every proposal accepted: the mechanism's upper bound on this workload)
+  [ -n "${W11_DRAFT:-1}" ] && bench_step smol_W11_selfdraft "${W11_MAX_S:-120}" 20 --workload W11 --model "$smol" \
+    --sweep max_num_seqs=1,4,16 --speculative-config "{\"model\": \"$smol\", \"num_speculative_tokens\": 4}"
 }
 
 g_host8() {  # the engine's host work per step (issues #17 / #25): phase tables on CUDA (steady decode; W9 by step kind), then W9 / W3 / W1
@@ -382,6 +385,18 @@ g_swap9() {  # issue #20's KV swap, one copy per run of blocks: the swapper's te
     ${SWAP9_TESTS:-tests/worker/test_kv_swap.py tests/engine/test_swap_space_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
     | tee '$OUT/swap9_tests.log'; exit \${PIPESTATUS[0]}"
   g_swap9bench
+}
+g_spec_w1() {  # issue #21: n-gram speculation where it cannot help (W1, batch 64 of random tokens): off vs on
+  ensure_q05
+  bench_step q05_W1_specoff 90 30 --workload W1 --model "$Q05"
+  bench_step q05_W1_ngram 90 30 --workload W1 --model "$Q05" \
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+}
+g_spec_w3_7b() {  # issue #21: the 7b shape as its own draft (acceptance 1.0): the mechanism's upper bound at batch 1
+  ensure_q7
+  bench_step q7_W3_specoff 60 30 --workload W3 --model "$Q7" --scale 0.5
+  bench_step q7_W3_selfdraft 90 30 --workload W3 --model "$Q7" --scale 0.5 \
+    --speculative-config "{\"model\": \"$Q7\", \"num_speculative_tokens\": 4}"
 }
 g_w10() { ensure_q05; bench_step q05_W10 "${W10_MAX_S:-240}" 60 --workload W10 --model "$Q05"; }
 g_swap9bench() {  # kv_swap_bench.py on cuda and W10 (the CPU tier on / off), without the tests
