@@ -42,24 +42,40 @@ from hayabusa.kernels.quant_linear import LaunchConfig, device_limits, split_k_f
 FP8_SMALL_M_MAX = 16
 # Rows up to here: the fp32-FMA GEMV (one program per row); 5..16 rows: the 16-row tl.dot tile.
 _GEMV_MAX_M = 4
-_MAX_AMAX_ELEMS = 4096  # x elements a program holds at once in the amax prologue (BLOCK_M x AMAX_BLOCK)
+# x elements one step of the amax prologue holds (BLOCK_M x AMAX_BLOCK): 32 per thread for the 8-warp GEMV
+_MAX_AMAX_ELEMS = 8192
+# The prologue's steps are unrolled (every load in flight at once) while a thread holds at most this many x
+# elements in all (7B at M = 1: K = 3584 -> 16, K = 18944 -> 96); a loop beyond (16-row tiles)
+_AMAX_UNROLL_ELEMS = 128
 FP8_MAX, _MANT, _EMIN = FP8_FORMATS[FP8_DTYPE]          # 448.0, 3, -6
 
 
 @triton.jit
+def _amax_step(acc, x_ptr, rows, m_mask, stride_xm, K, k0, offs):
+    cols = k0 + offs
+    xk = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :],
+                 other=0.0).to(tl.float32)
+    return tl.maximum(acc, tl.abs(xk))
+
+
+@triton.jit
 def _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC: tl.constexpr,
-                BLOCK_M: tl.constexpr, AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """s [BLOCK_M] fp32: per_token_quant_fp8's scale of each row, from the amax over all K columns (or static)."""
+                BLOCK_M: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr,
+                AMAX_UNROLL: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """s [BLOCK_M] fp32: per_token_quant_fp8's scale of each row, from the amax over all K columns (or static).
+    AMAX_UNROLL: the AMAX_ITERS chunks unrolled, every chunk's load in flight at once: the prologue then costs
+    about one L2 latency before the weights stream, not one per chunk."""
     if STATIC:
         s = tl.load(static_scale_ptr + tl.zeros([BLOCK_M], dtype=tl.int32))
     else:
         offs = tl.arange(0, AMAX_BLOCK)
         acc = tl.zeros([BLOCK_M, AMAX_BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, AMAX_BLOCK):
-            cols = k0 + offs
-            xk = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
-                         mask=m_mask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(xk))
+        if AMAX_UNROLL:
+            for i in tl.static_range(AMAX_ITERS):
+                acc = _amax_step(acc, x_ptr, rows, m_mask, stride_xm, K, i * AMAX_BLOCK, offs)
+        else:
+            for k0 in range(0, K, AMAX_BLOCK):
+                acc = _amax_step(acc, x_ptr, rows, m_mask, stride_xm, K, k0, offs)
         amax = tl.max(acc, axis=1)                                   # a max: the same in any order
         # div_rn: IEEE division, as per_token_quant_fp8 and the torch reference
         s = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
@@ -82,7 +98,8 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_pt
                         STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                         DOT: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_ROUND: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                        AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
+                        FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
                         FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr):
     # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
     pid_k = tl.program_id(2)
@@ -90,8 +107,8 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_pt
     m_mask = rows < M
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC, BLOCK_M, AMAX_BLOCK, FP8_MAX,
-                    MIN_SCALE)                                                            # [BM] fp32
+    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
+                    AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                                   # [BM] fp32
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     x_rows = x_ptr + rows[:, None] * stride_xm                                            # [BM, 1]
@@ -198,13 +215,16 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     grid = (triton.cdiv(M, bm), triton.cdiv(N, cfg.BLOCK_N), splits)
+    amax_block = min(triton.next_power_of_2(K), _MAX_AMAX_ELEMS // bm)
+    amax_iters = triton.cdiv(K, amax_block)
     _fp8_small_m_kernel[grid](
         x, weight, weight_scale, bias if bias is not None else out, input_scale if input_scale is not None else out,
         out, part, M, N, K, tiles_per_split * cfg.BLOCK_K, x.stride(0), weight.stride(0), out.stride(0),
         STATIC=input_scale is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         EVEN_K=K % cfg.BLOCK_K == 0, DOT=dot, DOT_FP32=x.device.type == "cpu", SOFT_ROUND=x.device.type == "cpu",
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        AMAX_BLOCK=min(triton.next_power_of_2(K), _MAX_AMAX_ELEMS // bm),
+        AMAX_BLOCK=amax_block, AMAX_ITERS=amax_iters,
+        AMAX_UNROLL=amax_iters * amax_block * bm <= _AMAX_UNROLL_ELEMS * 32 * cfg.num_warps,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, FP8_MANT=_MANT, FP8_EMIN=_EMIN,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:

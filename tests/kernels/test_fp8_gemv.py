@@ -88,6 +88,29 @@ def test_fp8_small_m_padded_weight_strided_rows(device, static):
     _assert_few_ulps(y, fp8_small_m_linear_ref(x.contiguous(), w[:N, :K].contiguous(), sw[:N], None, scale))
 
 
+@pytest.mark.parametrize("M, K, cfg", [
+    (2, 8200, LaunchConfig("gemv", BLOCK_N=16, BLOCK_K=512, SPLIT_K=2, num_warps=8, num_stages=1)),  # 2 unrolled
+    (5, 1100, LaunchConfig("gemm", BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=3, num_warps=4, num_stages=2)),
+])
+def test_fp8_small_m_long_rows(device, M, K, cfg):
+    """Rows longer than one amax chunk: the unrolled prologue (GEMV: 8192-column chunks) and the looped one (16
+    rows x 512 columns, 3 chunks: more x per thread than the unroll allows). Row 0's largest value sits in the last
+    chunk; the weight picks 16 columns (one of them that one) with 1.0, so each output is q[m, k] * s_x[m] in fp32
+    and must equal per_token_quant_fp8's bits (a prologue that stopped early gets row 0's scale wrong)."""
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(M, K, generator=g)
+    x[0, K - 3] = 50.0
+    x = x.to(torch.bfloat16).float().to(device)
+    cols = torch.cat([torch.linspace(0, K - 1, 15).long(), torch.tensor([K - 3])])
+    w = torch.zeros(16, K)
+    w[torch.arange(16), cols] = 1.0
+    w, ones = w.to(FP8_DTYPE).to(device), torch.ones(16, device=device)
+    y = fp8_small_m_linear(x, w, ones, cfg=cfg)
+    q, s = per_token_quant_fp8_ref(x)
+    assert torch.equal(y, q[:, cols.to(device)].float() * s * ones)
+    assert float(s[0]) == pytest.approx(50.0 / 448.0, rel=1e-6)          # the last chunk set row 0's scale
+
+
 def test_fp8_small_m_default_launch(device):
     """pick_fp8_config's own launch (GEMV up to 4 rows, the tl.dot tile above); M = 0 allocates only."""
     w, sw = (t.to(device) for t in _weight(48, 256, seed=0))
