@@ -111,29 +111,37 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_pt
                     AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                                   # [BM] fp32
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    x_rows = x_ptr + rows[:, None] * stride_xm                                            # [BM, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn                             # [1, BN]: W is [N', K']
     if DOT:
+        x_rows = x_ptr + rows[:, None] * stride_xm                                        # [BM, 1]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:  # BLOCK_M == 1: per-thread partial sums, reduced across threads once after the loop
-        acc2 = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    else:  # BLOCK_M == 1: x read as a column [BK, 1] beside the weight tile (no transpose in the loop);
+        x_rows = x_ptr + rows[None, :] * stride_xm                                        # [1, 1]
+        acc2 = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)  # per-thread partial sums, reduced after the loop
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        k_mask = offs_k < k_end
+        if EVEN_K:  # every tile whole: no column mask (the compiler drops k_mask)
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)       # [BK, BN] e4m3
         else:
-            k_mask = offs_k < k_end
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        q = _quantize(x.to(tl.float32), s[:, None], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)  # [BM, BK] e4m3
         if DOT:
+            if EVEN_K:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)    # [BM, BK]
+            else:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            q = _quantize(x.to(tl.float32), s[:, None], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
             if DOT_FP32:  # the interpreter (numpy): fp32 operands, exact products as well
                 acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
+            else:         # e4m3 values are exact in fp16: exact products, fp32 sums
                 acc = tl.dot(q.to(tl.float16), w.to(tl.float16), acc)
         else:
-            acc2 += w.to(tl.float32) * tl.trans(q.to(tl.float32))                        # [BK, BN] * [BK, 1]
+            if EVEN_K:
+                x = tl.load(x_rows + offs_k[:, None], mask=m_mask[None, :], other=0.0)    # [BK, 1]
+            else:
+                x = tl.load(x_rows + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            q = _quantize(x.to(tl.float32), s[None, :], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+            acc2 += w.to(tl.float32) * q.to(tl.float32)                                   # [BK, BN]
     if not DOT:
         acc = tl.sum(acc2, axis=0)[None, :]                                               # [1, BN]
     sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
