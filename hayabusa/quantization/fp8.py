@@ -173,7 +173,7 @@ class Fp8LinearMethod(LinearMethod):
         if layer.fp8_scaled_mm:
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
-            if use_small_m_kernel(x2.shape[0]):
+            if use_small_m_kernel(x2.shape[0]) and (layer.bias is None or layer.bias.dtype == x.dtype):
                 # decode-sized M: one Triton kernel quantizes x and multiplies (bias included), at weight bandwidth
                 y = fp8_small_m_linear(x2, w, layer.weight_scale, layer.bias, layer.input_scale, N)
                 return y.reshape(*lead, N)
