@@ -1,7 +1,8 @@
 """Time the weight-only int8 / int4 linears against torch's bf16 F.linear on a CUDA GPU; print a table and JSON.
 
     python benchmarks/kernels/bench_quant_linear.py [--json FILE] [--m 1,8,64,256,2048] [--group-size 128]
-                                                    [--sweep | --dequant | --w8a8] [--layers qkv,o,gate_up,down]
+                                                    [--sweep | --dequant | --w8a8 | --fp8 [--sweep]]
+                                                    [--layers qkv,o,gate_up,down]
 
 Shapes are Qwen2.5-7B's linears, (K, N): qkv (3584, 4608), o (3584, 3584), gate_up (3584, 37888),
 down (18944, 3584). GB/s counts the bytes a perfect kernel moves: the weights as stored (int4: packed nibbles plus
@@ -22,6 +23,14 @@ quantization + int8_scaled_mm's dispatch) and its two GEMM paths on pre-quantize
 torch._int_mm + the Triton epilogue, where its shape rules allow); the int8 activation quantizer alone; FP8 W8A8
 (per_token_quant_fp8 + torch._scaled_mm, sm89+). It prints per layer the smallest M from which _int_mm wins: the
 input for INT_MM_MIN_M (kernels/int8_gemm.py). About a minute on an H200.
+--fp8 instead times, per layer and M (default 1,4,16,64), CUDA-graph replays of: bf16 F.linear (cuBLAS); FP8 W8A8
+as it ran before kernels/fp8_gemv.py (per_token_quant_fp8 + torch._scaled_mm, two launches); fp8_small_m_linear
+(the quantization fused in, pick_fp8_config's launch; the engine uses it up to FP8_SMALL_M_MAX rows). GB/s counts
+the FP8 weights (1 byte each) + their fp32 scales + x read once + the output written once (bf16: 2-byte weights);
+'%peak' is that over 4.8 TB/s (H200 HBM3e). With --sweep it also tries a grid of (BLOCK_M, BLOCK_N, BLOCK_K,
+split_k, num_warps, num_stages) per case and prints the best next to pick_fp8_config's: the input for retuning
+pick_fp8_config (and FP8_SMALL_M_MAX: the M where _scaled_mm starts to win). A sweep compiles 50-110 launches
+per case (a few minutes): split it with --layers / --m to stay under 10 minutes. Without --sweep about a minute.
 """
 
 from __future__ import annotations
@@ -251,6 +260,80 @@ def print_w8a8_table(rows: list[dict]) -> None:
         print(f"#   {layer:<8} {wins[0] if wins else f'never (up to M = {ms[-1][0]})'}")
 
 
+PEAK_GB_S = 4800.0   # H200 HBM3e
+
+
+def fp8_sweep_configs(M: int) -> list[LaunchConfig]:
+    """--fp8 --sweep candidates (about 50-110 per case): the fp32-FMA GEMV (M <= 4; tile shapes with <= 256
+    weight elements per thread) and the tl.dot tile (any M), each with K splits."""
+    cands = []
+    if M <= 4:
+        for bn, bk, warps in ((32, 256, 4), (64, 128, 8), (64, 256, 8), (128, 128, 8), (64, 512, 8), (128, 256, 8)):
+            for split in (1, 2, 4, 8, 16):
+                for stages in (1, 3):
+                    cands.append(LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                                              num_stages=stages))
+    for bm in sorted({16, min(64, max(16, triton.next_power_of_2(M)))}):
+        for bn in (32, 64, 128):
+            for bk in (128, 256):
+                for split in (1, 4, 8, 16):
+                    for warps in (4, 8):
+                        cands.append(LaunchConfig("gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                                                  num_warps=warps, num_stages=3))
+    return cands
+
+
+def fp8_case(layer: str, M: int, sweep: bool) -> dict:
+    """One row: CUDA-graph us of bf16 F.linear, per_token_quant_fp8 + _scaled_mm, fp8_small_m_linear (+ sweep)."""
+    from hayabusa.kernels.fp8_gemv import fp8_small_m_linear, fp8_small_m_linear_ref, pick_fp8_config
+    from hayabusa.kernels.fp8_quant import per_token_quant_fp8
+    from hayabusa.quantization.fp8 import fp8_matmul_cuda, quantize_fp8_rows
+
+    K, N = LAYERS[layer]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    wf, swf = quantize_fp8_rows(w)
+    swf = swf.view(-1).contiguous()
+    fused = lambda cfg=None: fp8_small_m_linear(x, wf, swf, cfg=cfg)  # noqa: E731
+    torch.testing.assert_close(fused(), fp8_small_m_linear_ref(x, wf, swf), atol=0.05, rtol=0.02)
+    fns = {"bf16": lambda: F.linear(x, w),
+           "scaled_mm": lambda: fp8_matmul_cuda(*per_token_quant_fp8(x), wf.t(), swf.view(1, -1), torch.bfloat16),
+           "fused": fused}
+    io = M * K * 2 + M * N * 2
+    nbytes = {"bf16": N * K * 2 + io, "scaled_mm": N * K + N * 4 + io, "fused": N * K + N * 4 + io}
+    row = dict(layer=layer, K=K, N=N, M=M, config=pick_fp8_config(M, N, K, x.device).__dict__)
+    for name, fn in fns.items():
+        ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+        row[name + "_us"] = ms * 1e3
+        row[name + "_gb_s"] = nbytes[name] / ms / 1e6
+    if sweep:
+        best, best_ms = best_of(fused, fp8_sweep_configs(M))
+        row.update(sweep_best=best.__dict__ if best else None, sweep_best_us=best_ms * 1e3,
+                   sweep_best_gb_s=nbytes["fused"] / best_ms / 1e6)
+    return row
+
+
+def print_fp8_table(rows: list[dict]) -> None:
+    print(f"{'layer':<8} {'K':>6} {'N':>6} {'M':>4} {'bf16 us':>8} {'%peak':>6} {'q+smm us':>9} {'%peak':>6} "
+          f"{'fused us':>9} {'%peak':>6} {'vs bf16':>7} {'vs smm':>7}  config")
+    for r in rows:
+        c = r["config"]
+        desc = (f"{c['kind']} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} split {c['SPLIT_K']} w{c['num_warps']} "
+                f"s{c['num_stages']}")
+        if r.get("sweep_best"):
+            b = r["sweep_best"]
+            desc += (f" | best {b['kind']} {b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']} split {b['SPLIT_K']} "
+                     f"w{b['num_warps']} s{b['num_stages']}: {r['sweep_best_us']:.1f} us "
+                     f"{100 * r['sweep_best_gb_s'] / PEAK_GB_S:.0f}%")
+        pk = {k: 100 * r[k + "_gb_s"] / PEAK_GB_S for k in ("bf16", "scaled_mm", "fused")}
+        print(f"{r['layer']:<8} {r['K']:>6} {r['N']:>6} {r['M']:>4} {r['bf16_us']:>8.1f} {pk['bf16']:>5.0f}% "
+              f"{r['scaled_mm_us']:>9.1f} {pk['scaled_mm']:>5.0f}% {r['fused_us']:>9.1f} {pk['fused']:>5.0f}% "
+              f"{r['bf16_us'] / r['fused_us']:>7.2f} {r['scaled_mm_us'] / r['fused_us']:>7.2f}  {desc}")
+    print("# CUDA-graph replay medians; 'q+smm' = per_token_quant_fp8 + torch._scaled_mm (the path above "
+          "FP8_SMALL_M_MAX); 'vs x' = x time / fused time (> 1: the fused kernel is faster); %peak of 4.8 TB/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
@@ -263,31 +346,38 @@ def main() -> None:
                         help="compare the fused Triton path with dequantize + cuBLAS (for DEQUANT_GEMM_MIN_M)")
     parser.add_argument("--w8a8", action="store_true",
                         help="time INT8 W8A8 (Triton and _int_mm) and FP8 W8A8 against bf16 (for INT_MM_MIN_M)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="time fp8_small_m_linear against quantize + _scaled_mm and bf16 (with --sweep: retune "
+                             "pick_fp8_config)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_quant_linear needs a CUDA GPU")
-    if args.sweep + args.dequant + args.w8a8 > 1:
-        sys.exit("--sweep, --dequant and --w8a8 are separate runs")
+    if args.sweep + args.dequant + args.w8a8 > 1 or args.fp8 + args.dequant + args.w8a8 > 1:
+        sys.exit("--sweep, --dequant, --w8a8 and --fp8 are separate runs (--fp8 --sweep sweeps the FP8 kernel)")
     m_list = args.m or ("16,64,128,256,512,2048,8192" if args.dequant else "1,16,64,256,1024,8192" if args.w8a8
-                        else "1,8,64,256,2048")
+                        else "1,4,16,64" if args.fp8 else "1,8,64,256,2048")
     rows = []
     for layer in args.layers.split(","):
         for M in (int(m) for m in m_list.split(",")):
-            if args.w8a8:
+            if args.fp8:
+                rows.append(fp8_case(layer, M, args.sweep))
+            elif args.w8a8:
                 rows.append(w8a8_case(layer, M))
             else:
                 rows += dequant_case(layer, M, args.group_size) if args.dequant else \
                     bench_case(layer, M, args.group_size, args.sweep)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"Qwen2.5-7B linears, bf16 activations, int4 group size {args.group_size}")
-    if args.dequant:
+    if args.fp8:
+        print_fp8_table(rows)
+    elif args.dequant:
         print_dequant_table(rows)
     elif args.w8a8:
         print_w8a8_table(rows)
     else:
         print_table(rows)
     setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8)
+                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8, fp8=args.fp8)
     print(json.dumps(dict(setup=setup, rows=rows)))
     if args.json:
         args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))

@@ -132,8 +132,8 @@ def _int4_gemv_tile(qw_ptr, zeros_ptr, scales_ptr, x_row, stride_xk, k0, offs_i,
 
 
 @triton.jit
-def _epilogue(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
-              HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def splitk_epilogue(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """acc [BM, BN] fp32 -> out (+ bias, cast), or the fp32 partial of split pid_k (workspace [splits, M, N])."""
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
@@ -180,8 +180,8 @@ def _wo_gemv_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, par
     if not INT4:
         acc *= tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     rows = m.to(tl.int64) + tl.arange(0, 1)
-    _epilogue(acc[None, :], rows, rows < M, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
-              HAS_BIAS, SPLIT)
+    splitk_epilogue(acc[None, :], rows, rows < M, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N,
+                    stride_om, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -224,12 +224,12 @@ def _wo_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, par
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if not INT4:
         acc *= tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    _epilogue(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
-              HAS_BIAS, SPLIT)
+    splitk_epilogue(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+                    HAS_BIAS, SPLIT)
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_om,
+def splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_om,
                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[m, :] = sum over splits of part[s, m, :] in split order (+ bias): the deterministic second pass."""
     m = tl.program_id(0).to(tl.int64)
@@ -296,7 +296,7 @@ class LaunchConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _device_limits(device: torch.device) -> tuple[int, int]:
+def device_limits(device: torch.device) -> tuple[int, int]:
     """(SM count, shared memory a block may opt into, bytes). The interpreter gets a small fixed "GPU", so CPU
     tests see split-K."""
     if device.type != "cuda":
@@ -313,7 +313,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-def _split_k(num_tiles: int, k_tiles: int, target_programs: int) -> int:
+def split_k_for(num_tiles: int, k_tiles: int, target_programs: int) -> int:
     """K splits so that num_tiles * splits reaches target_programs, each split keeping >= 2 K tiles."""
     if num_tiles >= target_programs:
         return 1
@@ -338,15 +338,15 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
     step (int4 128 k x 128 n, int8 128 k x 64 n). GEMM: 128-row tiles for prefill, 16-64 rows with split-K when
     the tiles do not fill the SMs; int4 K tiles stay inside one group (tl.dot also needs K >= 16).
     """
-    sms, smem = _device_limits(device)
+    sms, smem = device_limits(device)
     k_cap = _pow2_divisor(group_size, 128) if group_size is not None else 128
     if M <= _GEMV_MAX_M or k_cap < 16:
         bn, bk, warps = (128, k_cap, 4) if group_size is not None else (64, 128, 8)
-        split = _split_k(M * triton.cdiv(N, bn), triton.cdiv(K, bk), 4 * sms)
+        split = split_k_for(M * triton.cdiv(N, bn), triton.cdiv(K, bk), 4 * sms)
         return LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)
     bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
     bn, bk = 128, min(k_cap, 64)
-    split = _split_k(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), sms)
+    split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), sms)
     stages = _gemm_stages(bm, bn, bk, x_bytes, 4 if group_size is not None else 8, smem)
     return LaunchConfig("gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                         num_warps=8 if bm == 128 else 4, num_stages=stages)
@@ -379,10 +379,17 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                               DOT_FP32=x.dtype == torch.bfloat16 and x.device.type == "cpu",
                               DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if splits > 1:
-        _splitk_reduce_kernel[(M, triton.cdiv(N, 512))](
-            part, bias if bias is not None else out, out, M, N, splits, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=512, num_warps=4)
+        splitk_reduce(part, bias, out)
     return out
+
+
+def splitk_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] (unit last stride) = the fp32 partials part [splits, M, N] summed in split order (+ bias [N]),
+    cast to out's dtype: splitk_reduce_kernel, the second pass of a split-K launch (also kernels/fp8_gemv.py's)."""
+    splits, M, N = part.shape
+    splitk_reduce_kernel[(M, triton.cdiv(N, 512))](
+        part, bias if bias is not None else out, out, M, N, splits, out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=512, num_warps=4)
 
 
 def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int | None,

@@ -32,6 +32,7 @@ Checkpoints (their config.json ``quantization_config``):
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.kernels import fp8_gemv
+from hayabusa.kernels.fp8_gemv import fp8_small_m_linear
 from hayabusa.kernels.fp8_quant import (  # noqa: F401  (FP8_MAX, MIN_SCALE: re-exported)
     FP8_DTYPE,
     FP8_MAX,
@@ -52,6 +55,11 @@ from hayabusa.quantization.base import (LinearMethod, QuantizationConfig, create
 # FP8_DTYPE (float8_e4m3fn), FP8_MAX (448.0) and MIN_SCALE (the dynamic scale's floor, 1 / (448 * 512), as vLLM)
 # come from kernels/fp8_quant.py, where the activation quantizer lives.
 FP8_MIN_CAPABILITY = (8, 9)
+# Decode-sized inputs (M <= kernels/fp8_gemv.FP8_SMALL_M_MAX rows) on the _scaled_mm path run fp8_small_m_linear:
+# the activation quantization fused into a split-K Triton GEMV / 16-row GEMM that streams the e4m3 weights at
+# bandwidth, where _scaled_mm at M = 1-16 does not (issue #25). HAYABUSA_FP8_SMALL_M=0 in the environment (read
+# at import) or USE_FP8_SMALL_M = False (read at call time) turns it off, for A/B runs.
+USE_FP8_SMALL_M = os.environ.get("HAYABUSA_FP8_SMALL_M", "1").strip() not in ("0", "false", "False", "")
 # Fast accumulation on Hopper (fewer promotions of the partial sums to fp32 inside the tensor-core pipeline):
 # the inference default of torchao's float8 path. Set False to trade speed for bit-closer agreement with the
 # emulation.
@@ -99,6 +107,11 @@ def fp8_matmul_cuda(xq: torch.Tensor, sx: torch.Tensor, wq_t: torch.Tensor, sw_r
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def use_small_m_kernel(M: int) -> bool:
+    """Whether the _scaled_mm path runs M rows through fp8_small_m_linear (USE_FP8_SMALL_M, FP8_SMALL_M_MAX)."""
+    return USE_FP8_SMALL_M and 0 < M <= fp8_gemv.FP8_SMALL_M_MAX
 
 
 def has_fp8_matmul(device: torch.device) -> bool:
@@ -160,6 +173,10 @@ class Fp8LinearMethod(LinearMethod):
         if layer.fp8_scaled_mm:
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
+            if use_small_m_kernel(x2.shape[0]) and (layer.bias is None or layer.bias.dtype == x.dtype):
+                # decode-sized M: one Triton kernel quantizes x and multiplies (bias included), at weight bandwidth
+                y = fp8_small_m_linear(x2, w, layer.weight_scale, layer.bias, layer.input_scale, N)
+                return y.reshape(*lead, N)
             # one Triton launch (not ~7 torch ops): per-token scales and e4m3 rows, zero columns up to the padded
             # K' of the weight; the same bits as quantize_fp8_rows
             xq, sx = per_token_quant_fp8(x2, layer.input_scale, out_cols=w.shape[1])

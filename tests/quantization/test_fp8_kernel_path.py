@@ -1,7 +1,8 @@
 """Fp8LinearMethod's _scaled_mm branch (CUDA sm89+) quantizes its activations with the one-launch Triton kernel
 per_token_quant_fp8, not the torch quantize_fp8_rows. Runs without such a GPU: has_fp8_matmul is forced on and
 torch._scaled_mm is replaced by its exact emulation, so the branch (weight padding to 16, the kernel's out_cols,
-static scale, slicing N back) runs for real, on CUDA or under the Triton interpreter on CPU."""
+static scale, slicing N back) runs for real, on CUDA or under the Triton interpreter on CPU. Decode-sized inputs
+(M <= FP8_SMALL_M_MAX) take fp8_small_m_linear instead, unless USE_FP8_SMALL_M is off."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_scaled_mm_branch_quantizes_with_the_triton_kernel(monkeypatch, K, N, st
     if SKIP_REASON is not None:
         pytest.skip(SKIP_REASON)
     dtype = torch.bfloat16
+    monkeypatch.setattr(fp8, "USE_FP8_SMALL_M", False)        # 6 rows would take fp8_small_m_linear (below)
     layer = _scaled_mm_layer(K, N, dtype, monkeypatch, static_scale=0.01 if static else None)
     assert layer.fp8_scaled_mm and layer.weight.shape == (-(-N // 16) * 16, -(-K // 16) * 16)
     Kp = layer.weight.shape[1]
@@ -77,3 +79,64 @@ def test_scaled_mm_branch_quantizes_with_the_triton_kernel(monkeypatch, K, N, st
     ref = fp8.fp8_matmul_emulated(want_q, want_s, layer.weight[:N, :K], layer.weight_scale[:N], torch.float32)
     ref = ref.to(torch.bfloat16).to(dtype) + layer.bias
     torch.testing.assert_close(y.reshape(6, N), ref, atol=2e-2, rtol=2e-2)
+
+
+def _forbid(name: str):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{name} must not run on this path")
+    return fail
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("M", [1, 6, 17])
+def test_small_m_rows_take_the_fused_kernel(monkeypatch, M, static):
+    """Up to FP8_SMALL_M_MAX (16) rows: one fp8_small_m_linear call on the padded weight with the layer's bias,
+    scales and true N, and no separate quantize or _scaled_mm; 17 rows: the quantizer + _scaled_mm as before. The
+    output is the CPU emulation's within the output's rounding (the emulation adds the bias after its cast)."""
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    K, N = 40, 24
+    dtype = torch.bfloat16
+    layer = _scaled_mm_layer(K, N, dtype, monkeypatch, static_scale=0.01 if static else None)
+    calls = []
+    fused = fp8.fp8_small_m_linear
+
+    def fused_spy(x2, w, sw, bias, input_scale, n):
+        calls.append((x2.shape, w, sw, bias, input_scale, n))
+        return fused(x2, w, sw, bias, input_scale, n)
+
+    monkeypatch.setattr(fp8, "fp8_small_m_linear", fused_spy)
+    small = M <= 16
+    if small:
+        monkeypatch.setattr(fp8, "per_token_quant_fp8", _forbid("per_token_quant_fp8"))
+        monkeypatch.setattr(fp8, "fp8_matmul_cuda", _forbid("_scaled_mm"))
+    else:
+        monkeypatch.setattr(fp8, "fp8_matmul_cuda", lambda xq, sx, wq_t, sw_row, out_dtype:
+                            fp8.fp8_matmul_emulated(xq, sx, wq_t.t(), sw_row.view(-1), out_dtype))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+    y = layer(x)
+    assert y.shape == (M, N) and y.dtype == dtype
+    if small:
+        assert len(calls) == 1
+        shape, w, sw, bias, scale, n = calls[0]
+        assert shape == (M, K) and w is layer.weight and w.shape == (32, 48) and sw is layer.weight_scale
+        assert bias is layer.bias and n == N and (scale is layer.input_scale if static else scale is None)
+    else:
+        assert calls == []
+    xq, sx = fp8.quantize_fp8_rows(x, layer.input_scale)
+    ref = fp8.fp8_matmul_emulated(xq, sx, layer.weight[:N, :K], layer.weight_scale[:N], torch.float32) + layer.bias
+    err = float((y.float() - ref).abs().max())
+    assert err <= 2 * 2.0 ** -7 * float(ref.abs().max()), err
+
+
+def test_small_m_switch_off_keeps_the_scaled_mm_path(monkeypatch):
+    """USE_FP8_SMALL_M = False (HAYABUSA_FP8_SMALL_M=0 at import): one row goes through the quantizer and _scaled_mm."""
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    layer = _scaled_mm_layer(64, 32, torch.bfloat16, monkeypatch)
+    monkeypatch.setattr(fp8, "USE_FP8_SMALL_M", False)
+    monkeypatch.setattr(fp8, "fp8_small_m_linear", _forbid("fp8_small_m_linear"))
+    used = []
+    monkeypatch.setattr(fp8, "fp8_matmul_cuda", lambda xq, sx, wq_t, sw_row, out_dtype: used.append(1) or
+                        fp8.fp8_matmul_emulated(xq, sx, wq_t.t(), sw_row.view(-1), out_dtype))
+    assert layer(torch.randn(1, 64).to(DEVICE, torch.bfloat16)).shape == (1, 32) and used == [1]

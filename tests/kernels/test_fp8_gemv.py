@@ -1,0 +1,153 @@
+"""fp8_small_m_linear (Triton; CUDA, or the interpreter on CPU, which handles e4m3 loads and, with the soft
+rounding of kernels/fp8.py, e4m3 stores) against its torch reference: the quantized activations bit-identical to
+per_token_quant_fp8's (through an identity weight), the product within a few ulps of the output (fp32 summation
+order), on every launch path (GEMV / 16-row tl.dot, with and without split-K, ragged K), padded weights, static
+scales, strided rows; the launch choice; the input checks. The real 7B shapes run in test_fp8_gemv_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hayabusa.kernels.fp8_gemv import FP8_SMALL_M_MAX, fp8_small_m_linear, fp8_small_m_linear_ref, pick_fp8_config
+from hayabusa.kernels.fp8_quant import FP8_DTYPE, per_token_quant_fp8_ref
+from hayabusa.kernels.quant_linear import LaunchConfig
+
+# interpreter-sized launches reaching every code path (K = 104 is not a multiple of 32: a ragged last K tile)
+CONFIGS = {
+    "gemv": LaunchConfig("gemv", BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1),
+    "gemv_split": LaunchConfig("gemv", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=1),
+    "gemm": LaunchConfig("gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2),
+    "gemm_split": LaunchConfig("gemm", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2),
+}
+EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}   # 1 ulp at 1.0
+
+
+def _weight(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w, s = per_token_quant_fp8_ref(torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) / K ** 0.5)
+    return w, s.view(-1).contiguous()
+
+
+def _assert_few_ulps(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 2 ulps of the output's largest value (the interpreter's bf16 cast truncates: 1 ulp of that)."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    scale = float(ref.float().abs().max())
+    err = float((y.float() - ref.float()).abs().max())
+    assert err <= 2 * EPS[y.dtype] * scale, f"max |kernel - ref| = {err:.3g}, output scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("cfg, M", [("gemv", 1), ("gemv_split", 3), ("gemm", 5), ("gemm_split", 16),
+                                    ("gemm_split", 19)])
+def test_fp8_small_m_matches_ref(device, dtype, cfg, M):
+    """Bias on odd M; N = 40 is not a multiple of the N tile; 19 rows: two row tiles of 16."""
+    N, K = 40, 104
+    g = torch.Generator().manual_seed(M)
+    x = (torch.randn(M, K, generator=g) * 3).to(dtype).to(device)
+    w, sw = (t.to(device) for t in _weight(N, K, seed=M))
+    bias = torch.randn(N, generator=g).to(dtype).to(device) if M % 2 else None
+    y = fp8_small_m_linear(x, w, sw, bias, cfg=CONFIGS[cfg])
+    _assert_few_ulps(y, fp8_small_m_linear_ref(x, w, sw, bias))
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("cfg", ["gemv_split", "gemm_split"])
+def test_fp8_small_m_quantizes_like_per_token_quant_fp8(device, cfg, static):
+    """With an identity weight (s_w = 1) each output is e4m3(x / s_x) * s_x computed once in fp32 and cast, so the
+    kernel's outputs equal the reference quantizer's bits pushed through the same two roundings: any e4m3 step
+    or scale ulp of difference shows. Rows from 1e-6 to 1e4 (subnormal e4m3 after scaling), an all-zero row (the
+    MIN_SCALE floor) and, under the small static scale, saturating rows. x holds bf16 values in fp32: the output
+    cast is then exact (the interpreter's bf16 cast truncates; the CUDA test also checks bf16 outputs)."""
+    M, K = 4, 72
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-6, 4, M)[:, None]
+    x[1] = 0.0
+    x = x.to(torch.bfloat16).float().to(device)
+    eye = torch.eye(K).to(FP8_DTYPE).to(device)
+    ones = torch.ones(K, device=device)
+    scale = torch.tensor(0.02, device=device) if static else None
+    y = fp8_small_m_linear(x, eye, ones, input_scale=scale, cfg=CONFIGS[cfg])
+    q, s = per_token_quant_fp8_ref(x, scale)
+    assert torch.equal(y, (q.float() * s * ones).to(x.dtype))
+    if static:
+        assert (q.float().abs() == 448).any()                      # the saturating case was reached
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_small_m_padded_weight_strided_rows(device, static):
+    """The layer's weight padded for _scaled_mm ([N', K'] >= [N, K]) with garbage in the padding: only [:N, :K] is
+    read; x a column slice of a wider tensor (row stride 120)."""
+    N, K = 24, 40
+    w, sw = _weight(32, 48, seed=3)
+    w, sw = w.to(device), sw.to(device)
+    base = torch.randn(3, 120, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(device)
+    x = base[:, 8:8 + K]
+    scale = torch.tensor(0.01, device=device) if static else None
+    y = fp8_small_m_linear(x, w, sw, input_scale=scale, out_features=N, cfg=CONFIGS["gemv_split"])
+    assert y.shape == (3, N) and y.is_contiguous()
+    _assert_few_ulps(y, fp8_small_m_linear_ref(x.contiguous(), w[:N, :K].contiguous(), sw[:N], None, scale))
+
+
+@pytest.mark.parametrize("M, K, cfg", [
+    (2, 8200, LaunchConfig("gemv", BLOCK_N=16, BLOCK_K=512, SPLIT_K=2, num_warps=8, num_stages=1)),  # 2 unrolled
+    (5, 1100, LaunchConfig("gemm", BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=3, num_warps=4, num_stages=2)),
+])
+def test_fp8_small_m_long_rows(device, M, K, cfg):
+    """Rows longer than one amax chunk: the unrolled prologue (GEMV: 8192-column chunks) and the looped one (16
+    rows x 512 columns, 3 chunks: more x per thread than the unroll allows). Row 0's largest value sits in the last
+    chunk; the weight picks 16 columns (one of them that one) with 1.0, so each output is q[m, k] * s_x[m] in fp32
+    and must equal per_token_quant_fp8's bits (a prologue that stopped early gets row 0's scale wrong)."""
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(M, K, generator=g)
+    x[0, K - 3] = 50.0
+    x = x.to(torch.bfloat16).float().to(device)
+    cols = torch.cat([torch.linspace(0, K - 1, 15).long(), torch.tensor([K - 3])])
+    w = torch.zeros(16, K)
+    w[torch.arange(16), cols] = 1.0
+    w, ones = w.to(FP8_DTYPE).to(device), torch.ones(16, device=device)
+    y = fp8_small_m_linear(x, w, ones, cfg=cfg)
+    q, s = per_token_quant_fp8_ref(x)
+    assert torch.equal(y, q[:, cols.to(device)].float() * s * ones)
+    assert float(s[0]) == pytest.approx(50.0 / 448.0, rel=1e-6)          # the last chunk set row 0's scale
+
+
+def test_fp8_small_m_default_launch(device):
+    """pick_fp8_config's own launch (GEMV up to 4 rows, the tl.dot tile above); M = 0 allocates only."""
+    w, sw = (t.to(device) for t in _weight(48, 256, seed=0))
+    for M in (2, FP8_SMALL_M_MAX):
+        x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16).to(device)
+        _assert_few_ulps(fp8_small_m_linear(x, w, sw), fp8_small_m_linear_ref(x, w, sw))
+    assert fp8_small_m_linear(torch.empty(0, 256, dtype=torch.bfloat16, device=device), w, sw).shape == (0, 48)
+
+
+def test_pick_fp8_config_fills_the_gpu_with_whole_k_tiles():
+    """7B shapes on a 132-SM GPU (CPU tests get 4 'SMs'; the rule is the same): GEMV for <= 4 rows, else 16-row
+    tiles; splits keep >= 2 K tiles each, and narrow N (qkv, o, down) splits K to reach the target."""
+    cpu = torch.device("cpu")
+    assert pick_fp8_config(1, 4608, 3584, cpu).kind == "gemv"
+    assert pick_fp8_config(4, 4608, 3584, cpu).kind == "gemv"
+    cfg = pick_fp8_config(5, 4608, 3584, cpu)
+    assert cfg.kind == "gemm" and cfg.BLOCK_M == 16
+    for M, N, K in [(1, 4608, 3584), (1, 3584, 18944), (16, 3584, 3584)]:
+        cfg = pick_fp8_config(M, N, K, cpu)
+        k_tiles = -(-K // cfg.BLOCK_K)
+        assert cfg.SPLIT_K == 1 or k_tiles // cfg.SPLIT_K >= 2
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w.float(), weight_scale=s), "weight must"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w.t(), weight_scale=s), "weight must"),
+    (lambda d, w, s: dict(x=torch.randn(2, 32, device=d), weight=w, weight_scale=s), "columns"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s, out_features=17),
+     "out_features"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s.half()), "weight_scale"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s,
+                          bias=torch.zeros(16, dtype=torch.float16, device=d)), "bias"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d).double(), weight=w, weight_scale=s), "x must"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s, input_scale=0.5),
+     "static_scale"),
+])
+def test_fp8_small_m_rejects_bad_input(device, make, match):
+    w, s = (t.to(device) for t in _weight(16, 16, seed=0))
+    with pytest.raises(ValueError, match=match):
+        fp8_small_m_linear(**make(device, w, s))
