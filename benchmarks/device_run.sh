@@ -350,6 +350,8 @@ g_w9host() {  # W9's host time per step kind on CUDA (host_overhead.py --w9)
   ensure_shape t5-small-shape
   step host_t5s_w9 "${W9HOST_S:-120}" 10 python benchmarks/host_overhead.py --w9 --device cuda \
     --model "$MODELS/t5-small-shape" --skip-tokenizer-init --json "$OUT/host_t5s_w9.json"
+  step w9_wall_t5s "${W9WALL_S:-120}" 10 python benchmarks/w9_wall.py --device cuda \
+    --model "$MODELS/t5-small-shape" --repeats 3 --json "$OUT/w9_wall_t5s.json"
 }
 g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed
                    # script with AutoProcessor; T5 and the position-bias kernel passed in session 7)
