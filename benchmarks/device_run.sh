@@ -346,7 +346,7 @@ g_bi9() {  # the split-K batch-invariant GEMM (issue #23): its kernel table on t
   bench_step q05_W3_bi9 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
   bench_step q05_W1_bi9 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
 }
-g_w9host() {  # W9's host time per step kind on CUDA (host_overhead.py --w9)
+g_w9host() {  # W9's host time per step kind on CUDA (host_overhead.py --w9), its bench wall split (w9_wall.py)
   ensure_shape t5-small-shape
   step host_t5s_w9 "${W9HOST_S:-120}" 10 python benchmarks/host_overhead.py --w9 --device cuda \
     --model "$MODELS/t5-small-shape" --skip-tokenizer-init --json "$OUT/host_t5s_w9.json"
