@@ -28,14 +28,15 @@ def _run(tmp_path, monkeypatch, capsys, *args):
     return json.loads(out.read_text()), captured.out, captured.err
 
 
-def _check(rec, bar: bool):
+def _check(rec, bar: bool, cuda: bool = False):
     assert rec["requests"] == 24 and rec["tqdm"] is bar and len(rec["repeats"]) == 2
     for r in rec["repeats"]:
         rows = r["rows"]
         assert sum(rows[k] for k in ROWS) == pytest.approx(r["wall_s"], rel=1e-9)     # a partition of the wall
         assert all(rows[k] >= 0 for k in ROWS) and rows["steps"] > 0 and rows["add"] > 0 and rows["params"] > 0
-        # 24 requests x 256 encoder ids fit one step's encoder budget: one admit step, then 63 more tokens
-        assert r["n_steps"] == 64
+        # 24 requests x 256 encoder ids fit one step's encoder budget: one admit step, then 63 more tokens (with
+        # CUDA's async scheduling one more call collects the last step)
+        assert r["n_steps"] == 64 or (cuda and r["n_steps"] == 65)
         assert sum(r["engine"].values()) <= rows["steps"] and r["output_s"] <= rows["steps"]
         assert r["requests_per_s"] == pytest.approx(24 / r["wall_s"])
 
@@ -63,6 +64,6 @@ def test_w9_wall_cuda(tmp_path, monkeypatch, capsys):
     assert torch.cuda.is_available()
     rec, stdout, _ = _run(tmp_path, monkeypatch, capsys, "--device", "cuda", "--no-tqdm",
                           "--gpu-memory-utilization", "0.3")
-    _check(rec, bar=False)
+    _check(rec, bar=False, cuda=True)
     assert rec["device"].startswith("cuda") and "segments" in stdout
     assert all(isinstance(r["triton_compiles"], list) and r["alloc_retries"] >= 0 for r in rec["repeats"])
