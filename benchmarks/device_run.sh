@@ -351,10 +351,12 @@ g_bi9() {  # the split-K batch-invariant GEMM (issue #23): its kernel table on t
   bench_step q05_W3_bi9 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
   bench_step q05_W1_bi9 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
 }
-g_w9host() {  # W9's host time per step kind on CUDA (host_overhead.py --w9)
+g_w9host() {  # W9's host time per step kind on CUDA (host_overhead.py --w9), its bench wall split (w9_wall.py)
   ensure_shape t5-small-shape
   step host_t5s_w9 "${W9HOST_S:-120}" 10 python benchmarks/host_overhead.py --w9 --device cuda \
     --model "$MODELS/t5-small-shape" --skip-tokenizer-init --json "$OUT/host_t5s_w9.json"
+  step w9_wall_t5s "${W9WALL_S:-120}" 10 python benchmarks/w9_wall.py --device cuda \
+    --model "$MODELS/t5-small-shape" --repeats 3 --json "$OUT/w9_wall_t5s.json"
 }
 g_final_tests() {  # the CUDA tests not yet run on a GPU (speculation, swap, offload, batch invariance, the seed
                    # script with AutoProcessor; T5 and the position-bias kernel passed in session 7)

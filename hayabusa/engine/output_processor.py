@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hayabusa.core.request import Request, RequestStatus
-from hayabusa.engine.detokenizer import IncrementalDetokenizer
+from hayabusa.engine.detokenizer import IncrementalDetokenizer, finish_all
 from hayabusa.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hayabusa.sampling_params import SamplingParams
 
@@ -113,6 +113,7 @@ class OutputProcessor:
         """
         changed: dict[str, RequestState] = {}
         stop_hits: list[str] = []
+        ending: list[tuple[IncrementalDetokenizer, list[int], bool]] = []   # quiet samples that finish now
         now = time.monotonic()
         child_state = self._child_state
         if prompt_logprobs:
@@ -133,9 +134,15 @@ class OutputProcessor:
                 metrics.spec_num_draft_tokens = sum(s.request.spec_num_draft_tokens for s in state.samples)
                 metrics.spec_num_accepted_tokens = sum(s.request.spec_num_accepted_tokens for s in state.samples)
             finished = req.status.finished
-            if sample.quiet and not finished:
-                # nothing reads the text before the end: keep the ids, detokenize once when finished
+            if sample.quiet:
+                # nothing reads the text before the end: keep the ids, detokenize once when finished (no stop
+                # strings, so no stop string can end it: its reasons are the scheduler's)
                 sample.pending_ids.extend(new_ids)
+                if finished:
+                    ending.append((sample.detok, sample.pending_ids, req.status == RequestStatus.FINISHED_STOPPED))
+                    sample.pending_ids = []
+                    sample.finish_reason, sample.stop_reason = req.status.finish_reason, req.stop_reason
+                    changed[state.request_id] = state
                 continue
             parent = state.request_id
             lazy = state.lazy
@@ -156,6 +163,8 @@ class OutputProcessor:
                 if stop_str is not None:
                     sample.finish_reason = "stop"
             changed[parent] = state
+        if ending:
+            finish_all(ending)     # their whole texts, one batched decode per tokenizer
         outputs = []
         for state in changed.values():
             finished = state.finished

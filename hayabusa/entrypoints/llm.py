@@ -248,13 +248,19 @@ class LLM:
                     except HayabusaValidationError:
                         engine.abort_request(ids)
                         raise
+                done = 0
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out
+                        done += 1
                         if bar is not None:
                             out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                            bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
-                            bar.update(1)
+                if bar is not None and done:
+                    # once per step, and the postfix without its own redraw: update() redraws at most every
+                    # mininterval (a forced redraw per finished request cost ~40 us each: 80 ms of W9's 2,000)
+                    bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s",
+                                        refresh=False)
+                    bar.update(done)
         except HayabusaValidationError:
             raise
         except BaseException:
