@@ -409,6 +409,22 @@ g_swap9bench() {  # kv_swap_bench.py on cuda and W10 (the CPU tier on / off), wi
   bench_step q05_W10 "${W10_MAX_S:-240}" 60 --workload W10 --model "$Q05"
 }
 
+g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
+  ensure_q05
+  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
+  step tests10 "${T10_TESTS_S:-150}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=15 \
+    -p no:cacheprovider ${T10_TESTS:-} ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/tests10.log'; exit \${PIPESTATUS[0]}"
+  ensure_q7
+  bench_step q7_W3_fp8 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8   # issue #25
+  bench_step q05_W3_bi 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true       # issue #23
+  bench_step q05_W1_specoff 60 20 --workload W1 --model "$Q05"                                      # issue #21
+  bench_step q05_W1_ngram 60 20 --workload W1 --model "$Q05" \
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  bench_step q05_W10 "${W10_MAX_S:-120}" 40 --workload W10 --model "$Q05"                           # issue #20
+  ensure_shape t5-small-shape
+  bench_step t5s_W9 "${W9_MAX_S:-90}" 30 --workload W9 --model "$MODELS/t5-small-shape" --engine hayabusa  # #17
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi
