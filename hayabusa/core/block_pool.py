@@ -48,6 +48,9 @@ class BlockPool:
         self.num_evictions = 0
         # called with a cached block about to be evicted, before its content is lost (the CPU tier copies it)
         self.on_evict = None
+        # called with a cached block that a prefix hit reused (hits > 0) when its last reference goes: the CPU
+        # tier queues its write-through copy (core/cpu_kv_tier.py)
+        self.on_free = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,6 +101,8 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block_id} freed twice"
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                if block.hits and self.on_free is not None and block.block_hash is not None:
+                    self.on_free(block)
 
     def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None, tokens: tuple[int, ...]) -> None:
         """Record that block_id holds `tokens` after the prefix ending in `parent_hash`."""

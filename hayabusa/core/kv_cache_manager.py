@@ -126,8 +126,7 @@ class KVCacheManager(CpuTierMixin):
         """Drop every cached prefix; False (nothing done) while requests hold blocks."""
         if not self.block_pool.reset_prefix_cache():
             return False
-        if self.cpu is not None:
-            self.cpu.reset_prefix_cache()
+        self.reset_cpu_prefix_cache()
         return True
 
     # ------------------------------------------------------------------ allocation

@@ -75,11 +75,14 @@ def test_evicted_prefix_block_moves_to_cpu_and_comes_back_on_a_hit():
     assert mgr.allocate_slots(a2, 1, [0, 1]) == [3] and mgr.get_block_ids("a2") == [0, 1, 3]
     mgr.free(a2)
     mgr.free(a)                                           # free queue: 3, 2, 1, 0
-    mgr.take_swaps()
+    swaps = mgr.take_swaps(step_id=1)                     # written through when freed, not when evicted:
+    assert swaps.write_through == [(1, 0), (0, 1)]        # GPU 1 (tokens 5..8) -> CPU 0, GPU 0 (1..4) -> CPU 1
+    assert swaps.swap_out == [] and swaps.fence == 0
     c = make_request("c", list(range(100, 116)))          # 16 tokens: takes all 4 blocks, evicting 1 and 0
     assert mgr.allocate_slots(c, 16) == [3, 2, 1, 0]
-    swaps = mgr.take_swaps()
-    assert swaps.swap_out == [(1, 0), (0, 1)]             # GPU 1 (tokens 5..8) -> CPU 0, GPU 0 (1..4) -> CPU 1
+    swaps = mgr.take_swaps(step_id=2)
+    assert swaps.swap_out == [] and swaps.write_through == []   # the eviction copies nothing
+    assert swaps.fence == 1                               # step 2 overwrites blocks that step 1's copies read
     mgr.free(c)                                           # free queue: 0, 1, 2, 3 (c's 4 blocks cached)
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 42])
     hits, num_hit = mgr.get_computed_blocks(b)
