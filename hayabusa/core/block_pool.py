@@ -48,9 +48,9 @@ class BlockPool:
         self.num_evictions = 0
         # called with a cached block about to be evicted, before its content is lost (the CPU tier copies it)
         self.on_evict = None
-        # called with a cached block that a prefix hit reused (hits > 0) when its last reference goes: the CPU
-        # tier queues its write-through copy (core/cpu_kv_tier.py)
-        self.on_free = None
+        # called with a cached block on its first prefix hit since it took its content: the CPU tier queues its
+        # write-through copy (core/cpu_kv_tier.py)
+        self.on_first_hit = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +91,8 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_cnt += 1
             block.hits += 1
+            if block.hits == 1 and self.on_first_hit is not None:
+                self.on_first_hit(block)
 
     def give_back(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks that reach 0 join the back of the free queue in this order
@@ -101,8 +103,6 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block_id} freed twice"
             if block.ref_cnt == 0:
                 self._free[block_id] = None
-                if block.hits and self.on_free is not None and block.block_hash is not None:
-                    self.on_free(block)
 
     def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None, tokens: tuple[int, ...]) -> None:
         """Record that block_id holds `tokens` after the prefix ending in `parent_hash`."""

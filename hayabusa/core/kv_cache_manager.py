@@ -216,6 +216,17 @@ class KVCacheManager(CpuTierMixin):
         if cross:
             self.block_pool.give_back(cross[::-1])
 
+    def num_shared_prefix_tokens(self, request: Request) -> int:
+        """Tokens in the request's leading blocks that other requests hold too (they stay on the GPU if it
+        lets its blocks go: a prefix hit when it comes back)."""
+        n = 0
+        blocks = self.block_pool.blocks
+        for block_id in self.req_to_blocks.get(request.request_id, ()):
+            if blocks[block_id].ref_cnt < 2:
+                break
+            n += 1
+        return n * self.block_size
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])
 

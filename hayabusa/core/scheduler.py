@@ -362,8 +362,10 @@ class Scheduler:
         self.num_preemptions += 1
         plan.preempted.add(req.request_id)
         self.waiting.appendleft(req)
-        # swap its KV to the CPU tier (keeping num_computed_tokens) when asked or cheaper; text-only requests
-        if prefer_swap(self.config.preemption_mode, req.num_computed_tokens) and not req.mm_inputs \
+        # swap its KV to the CPU tier (keeping num_computed_tokens) when asked or cheaper; text-only requests. A
+        # recompute pays only for the tokens after its prefix shared with other requests (a prefix hit on resume)
+        own = req.num_computed_tokens - self.kv.num_shared_prefix_tokens(req)
+        if prefer_swap(self.config.preemption_mode, own) and not req.mm_inputs \
                 and req.sampling_params.prompt_logprobs is None and self.kv.swap_out(req):
             self.num_swap_preemptions += 1
             return

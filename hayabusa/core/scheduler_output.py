@@ -107,8 +107,8 @@ class SchedulerOutput:
         blocks_to_swap_in: (CPU block, GPU block) pairs to copy CPU -> GPU after the swap-outs, before the forward
             (resumed requests, prefix hits in the CPU tier).
         blocks_to_write_through: (GPU block, CPU block) pairs to copy GPU -> CPU that the forward does not wait
-            for: freed prefix-cache blocks, copied ahead of their eviction (core/cpu_kv_tier.py). No block of
-            this step's forward is among them.
+            for: shared prefix-cache blocks, copied ahead of their eviction (core/cpu_kv_tier.py). This step's
+            forward may read those blocks but never writes them.
         write_through_fence: this step gives new content to blocks written through by steps up to this step id:
             the forward waits for those steps' write-through copies first (0 = no wait).
     """

@@ -10,7 +10,7 @@ one copy per cache whatever the layer count: the device cache is one buffer [L, 
 (worker/kv_cache.py) and the CPU tier is block-major, [N_cpu, L, 2, block_size, H_kv, D], so a run's CPU side is
 one contiguous range holding every layer's K and V. ``num_copies`` counts those copies.
 
-Write-through copies (``blocks_to_write_through``: freed prefix blocks copied ahead of their eviction) run on the
+Write-through copies (``blocks_to_write_through``: shared prefix blocks copied ahead of their eviction) run on the
 same side stream after the step's swaps, and the forward does not wait for them: it neither reads nor writes
 those blocks. A later step that gives one of them new content names the step that wrote it through
 (``write_through_fence``); its forward waits for the event recorded after that step's write-through copies

@@ -1,4 +1,4 @@
-"""The CPU KV tier's write-through: a freed prefix block is copied to the CPU when freed (within a per-step
+"""The CPU KV tier's write-through: a prefix block is copied to the CPU after its first hit (within a per-step
 budget), its eviction then copies nothing, and no step gives a block new content while its copy may still run
 (the scheduler's fence + the runner's WriteThroughEvents, with the side stream simulated on the CPU)."""
 
@@ -21,63 +21,69 @@ def make_request(rid, prompt, max_tokens=8):
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=(2,), max_tokens=max_tokens)
 
 
-def _shared_prefix_freed(mgr):
-    """Two requests share PREFIX (blocks 0..3: hits 1), then both end: blocks 3, 2, 1, 0 freed in that order."""
+def _shared_prefix(mgr):
+    """Two requests share PREFIX: blocks 0..3 get their first hit (in that order) when the second is admitted."""
     a, a2 = make_request("a", PREFIX + [50]), make_request("a2", PREFIX + [51])
     assert mgr.allocate_slots(a, 17) == [0, 1, 2, 3, 4]
     hits, n = mgr.get_computed_blocks(a2)
     assert hits == [0, 1, 2, 3] and n == 16
     assert mgr.allocate_slots(a2, 1, hits) == [5]
-    mgr.free(a2)
-    mgr.free(a)
+    return a, a2
 
 
-def test_freed_hit_blocks_are_written_through_within_the_budget_and_their_eviction_copies_nothing(monkeypatch):
+def test_hit_blocks_are_written_through_within_the_budget_and_their_eviction_copies_nothing(monkeypatch):
     monkeypatch.setattr(cpu_kv_tier, "WRITE_THROUGH_BLOCKS_PER_STEP", 2)
     mgr = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=8)
-    _shared_prefix_freed(mgr)                  # blocks 4 and 5 (own tokens, never hit) are not candidates
-    s1 = mgr.take_swaps(step_id=1)
-    assert s1.write_through == [(3, 0), (2, 1)] and s1.swap_out == [] and s1.fence == 0   # the budget: 2
+    a, a2 = _shared_prefix(mgr)                # blocks 4 and 5 (own tokens, never hit) are not candidates
+    assert mgr.take_swaps(step_id=1).write_through == []        # hit in step 1, which may be computing them
     s2 = mgr.take_swaps(step_id=2)
-    assert s2.write_through == [(1, 2), (0, 3)]                                            # the rest, next step
-    assert mgr.take_swaps(step_id=3).write_through == [] and not mgr.has_write_through_candidates
+    assert s2.write_through == [(0, 0), (1, 1)] and s2.swap_out == [] and s2.fence == 0   # the budget: 2
+    assert mgr.take_swaps(step_id=3).write_through == [(2, 2), (3, 3)]                    # the rest, next step
+    assert mgr.take_swaps(step_id=4).write_through == [] and not mgr.has_write_through_candidates
     assert mgr.num_blocks_written_through == 4 and mgr.num_blocks_swapped_out == 4
-    # reused and freed again: the CPU tier holds the content already, nothing is queued
-    b = make_request("b", PREFIX + [52])
+    mgr.free(a2)
+    mgr.free(a)
+    b = make_request("b", PREFIX + [52])       # hit again: not a first hit, and the CPU holds them: not queued
     hits, _ = mgr.get_computed_blocks(b)
     mgr.allocate_slots(b, 1, hits)
     mgr.free(b)
     assert not mgr.has_write_through_candidates
-    # a request taking all 8 blocks evicts 0..3: no copy, but the step waits for step 2's write-through copies
+    # a request taking all 8 blocks evicts 0..3: no copy, but the step waits for step 3's write-through copies
     c = make_request("c", list(range(100, 132)))
     assert sorted(mgr.allocate_slots(c, 32)) == list(range(8))
-    s4 = mgr.take_swaps(step_id=4)
-    assert s4.swap_out == [] and s4.write_through == [] and s4.fence == 2
+    s5 = mgr.take_swaps(step_id=5)
+    assert s5.swap_out == [] and s5.write_through == [] and s5.fence == 3
     assert mgr.num_blocks_swapped_out == 4
     mgr.free(c)
-    mgr.take_swaps(step_id=5)
+    mgr.take_swaps(step_id=6)
     d = make_request("d", PREFIX + [53])
     assert mgr.get_computed_blocks(d) == ([], 16)       # all 4 blocks found in the CPU tier
     new = mgr.allocate_slots(d, 1, [])
-    assert mgr.take_swaps(step_id=6).swap_in == [(3, new[0]), (2, new[1]), (1, new[2]), (0, new[3])]
+    assert mgr.take_swaps(step_id=7).swap_in == [(0, new[0]), (1, new[1]), (2, new[2]), (3, new[3])]
 
 
 def test_a_block_evicted_before_its_write_through_is_copied_at_eviction(monkeypatch):
     monkeypatch.setattr(cpu_kv_tier, "WRITE_THROUGH_BLOCKS_PER_STEP", 2)
     mgr = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=8)
-    _shared_prefix_freed(mgr)
-    assert mgr.take_swaps(step_id=1).write_through == [(3, 0), (2, 1)]
+    a, a2 = _shared_prefix(mgr)
+    mgr.take_swaps(step_id=1)
+    assert mgr.take_swaps(step_id=2).write_through == [(0, 0), (1, 1)]
+    mgr.free(a2)
+    mgr.free(a)                                # free queue: 6, 7, 5, 4, 3, 2, 1, 0
     c = make_request("c", list(range(100, 132)))
-    mgr.allocate_slots(c, 32)                  # evicts all: 1 and 0 still queued -> copied now, the forward waits
-    s2 = mgr.take_swaps(step_id=2)
-    assert s2.swap_out == [(1, 2), (0, 3)] and s2.write_through == [] and s2.fence == 1
+    mgr.allocate_slots(c, 32)                  # evicts all: 3 and 2 still queued -> copied now, the forward waits
+    s3 = mgr.take_swaps(step_id=3)
+    assert s3.swap_out == [(3, 2), (2, 3)] and s3.write_through == [] and s3.fence == 2
     assert not mgr.has_write_through_candidates and mgr.num_blocks_swapped_out == 4
 
 
 def test_reset_prefix_cache_fences_every_write_through():
     mgr = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=8)
-    _shared_prefix_freed(mgr)
+    a, a2 = _shared_prefix(mgr)
+    mgr.take_swaps(step_id=6)
     assert len(mgr.take_swaps(step_id=7).write_through) == 4
+    mgr.free(a2)
+    mgr.free(a)
     assert mgr.reset_prefix_cache()            # the blocks lose their hashes: no eviction hook will see them
     assert mgr.has_pending_swaps and mgr.take_swaps(step_id=8).fence == 7
     assert mgr.cpu.cached == {}
@@ -108,7 +114,7 @@ class SideStream:
     """The runner's side stream on the CPU: a step's write-through copies finish LAG steps after they start,
     unless a forward waits for them (a fence); WriteThroughEvents is the runner's own logic."""
 
-    LAG = 6
+    LAG = 8   # steps a copy runs unless waited for (longer than any real copy: the check must see overlaps)
 
     def __init__(self):
         self.events = WriteThroughEvents()
@@ -180,3 +186,29 @@ def test_no_block_is_overwritten_while_its_write_through_copy_is_in_flight():
 def test_without_the_fences_a_step_would_overwrite_a_block_in_flight():
     """The simulation sees the hazard: the same stream with the fences dropped trips its check."""
     assert _run_stream(fences=False)[2]
+
+
+def test_auto_preemption_recomputes_a_request_whose_context_is_mostly_a_shared_prefix(monkeypatch):
+    """Auto mode counts what a recompute would compute: the tokens after the prefix the request shares with
+    running requests (found in the prefix cache when it comes back). Two requests of 16 + 4 tokens decode until
+    the cache of 12 blocks is short. Nothing shared: each holds 6 blocks then, and the one preempted has 24
+    computed tokens (>= SWAP_MIN_TOKENS, patched to 24): swapped. The 16 shared: 4 blocks shared + 4 own each,
+    32 computed tokens of which 16 its own (< 24): recomputed, where counting all 32 would have swapped."""
+    monkeypatch.setattr(cpu_kv_tier, "SWAP_MIN_TOKENS", 24)
+    counts = {}
+    for shared in (True, False):
+        kv = KVCacheManager(12, 4, enable_prefix_caching=True, num_cpu_blocks=32)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), kv)
+        for i in range(2):
+            prefix = PREFIX if shared else [200 * (i + 1) + t for t in range(16)]
+            sched.add_request(make_request(f"r{i}", prefix + [60 + i, 61, 62, 63], max_tokens=24))
+        for _ in range(200):
+            if not sched.has_unfinished_requests():
+                break
+            out = sched.schedule()
+            sched.update_from_output(out, {rid: [5] for rid in out.sampling_req_ids})
+        assert not sched.has_unfinished_requests() and kv.num_free_blocks == 12
+        counts[shared] = (sched.num_preemptions, sched.num_swap_preemptions)
+    assert counts[True][0] > 0 and counts[True][1] == 0          # preempted, recomputed
+    assert counts[False][1] == counts[False][0] > 0              # nothing shared: swapped
+    assert kv.num_shared_prefix_tokens(make_request("x", PREFIX)) == 0
