@@ -11,8 +11,8 @@ one copy per cache whatever the layer count: the device cache is one buffer [L, 
 one contiguous range holding every layer's K and V. ``num_copies`` counts those copies.
 
 Write-through copies (``blocks_to_write_through``: shared prefix blocks copied ahead of their eviction) run on the
-same side stream after the step's swaps, and the forward does not wait for them: it neither reads nor writes
-those blocks. A later step that gives one of them new content names the step that wrote it through
+same side stream after the step's swaps, and the forward does not wait for them: it may read those blocks (full
+prefix blocks that requests share) but never writes them. A later step that gives one of them new content names the step that wrote it through
 (``write_through_fence``); its forward waits for the event recorded after that step's write-through copies
 (``WriteThroughEvents``; the side stream runs in order, so that event covers every earlier step's copies too).
 
