@@ -304,7 +304,13 @@ class CpuTierMixin:
 
     def _lookup_cpu(self, request, hashes: list[int], key, start: int, stop: int) -> int:
         """CPU-tier prefix hits for blocks start..stop-1 (after the GPU hits; ``key(i)``: block i's key),
-        remembered for allocate_slots. Returns their number."""
+        remembered for allocate_slots. Returns their number.
+
+        Every hit is restored, however few blocks: there is no swap-in-vs-recompute threshold. A step's swap-in
+        of n blocks costs ~60 us plus n x the block's bytes over PCIe (~46 GB/s; kv_swap_bench on an H200: 56 us
+        for 1 block of the 0.5b shape), a recompute 2 x params x 16 n FLOPs inside a batched prefill: for the 7b
+        shape one block's recompute (~0.24 TFLOP, ~0.4 ms) costs more than its copy already; only models under
+        ~1B parameters might gain, by tens of microseconds a hit. Not worth a rule until a GPU run says so."""
         self._cpu_hits.pop(request.request_id, None)
         if self.cpu is None:
             return 0
