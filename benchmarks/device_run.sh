@@ -408,6 +408,17 @@ g_swap9bench() {  # kv_swap_bench.py on cuda and W10 (the CPU tier on / off), wi
   # W10's own variants: swap_space=4 (the CPU tier) and 0; num_gpu_blocks_override sizes the GPU cache
   bench_step q05_W10 "${W10_MAX_S:-240}" 60 --workload W10 --model "$Q05"
 }
+g_w10wt() {  # issue #20, session 10: write-through ahead of eviction (only swap-ins gate the forward), the
+            # tier's CUDA tests, then W10 (CPU tier on / off) on the 0.5b and the 7b shape
+  ensure_q05
+  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 200)
+  step w10wt_tests "${W10WT_TESTS_S:-300}" 20 bash -c "python -m pytest -v -rfE --durations=10 -p no:cacheprovider \
+    tests/worker/test_kv_swap.py tests/engine/test_swap_space_cuda.py ${PT_TIMEOUT[*]} 2>&1 \
+    | tee '$OUT/w10wt_tests.log'; exit \${PIPESTATUS[0]}"
+  bench_step q05_W10 "${W10_MAX_S:-240}" 60 --workload W10 --model "$Q05"
+  ensure_q7
+  bench_step q7_W10 "${W10_Q7_MAX_S:-420}" 60 --workload W10 --model "$Q7"
+}
 
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05

@@ -48,6 +48,9 @@ class BlockPool:
         self.num_evictions = 0
         # called with a cached block about to be evicted, before its content is lost (the CPU tier copies it)
         self.on_evict = None
+        # called with a cached block on its first prefix hit since it took its content: the CPU tier queues its
+        # write-through copy (core/cpu_kv_tier.py)
+        self.on_first_hit = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,6 +91,8 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_cnt += 1
             block.hits += 1
+            if block.hits == 1 and self.on_first_hit is not None:
+                self.on_first_hit(block)
 
     def give_back(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks that reach 0 join the back of the free queue in this order

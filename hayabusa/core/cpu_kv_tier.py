@@ -6,10 +6,24 @@ kept, like the GPU pool's): free blocks wait in an LRU queue, and a new use take
 least recently freed block (evicting its cached content).
 
 Copies between the tiers are plain ``(src, dst)`` id pairs collected per step (``SwapLists``); the runner runs
-every step's swap-outs, then its swap-ins, before the step's forward. Two rules keep that order safe:
+every step's swap-outs, then its swap-ins, before the step's forward, which waits for them. Two rules keep that
+order safe:
 - a CPU block read by a swap-in in a step is locked (``lock``) until the step's lists are taken, so no swap-out of
   the same step can overwrite it first;
 - a GPU block freed by a swap-out may be the destination of a swap-in in the same step: swap-outs run first.
+
+Write-through (the prefix cache's tier): a cached GPU block is copied to the CPU tier once a prefix hit reuses it
+(its first hit, ``KVBlock.hits``), while requests still share it, not when it is evicted, so its eviction costs
+no copy (SGLang's hierarchical cache "write_through_selective": a node is backed up to host memory once its hit
+count reaches a threshold, here 1). A block queued in step s goes in the ``write_through`` list of step s + 1 or
+later (at most ``WRITE_THROUGH_BLOCKS_PER_STEP`` a step; the rest wait), never of step s itself: a block hit in
+step s may be one that step s's forward is computing, and step s + 1's copies run after step s's forward (the
+side stream waits for the work queued before). The step's forward does not wait for those copies: it does not
+write those blocks (full and cached: never written again) and only reads them. A block must not get new content
+while its copy is in flight: when a later step takes a block written through in step s, that step's ``fence`` is
+s, and the runner makes its forward wait for step s's write-through copies (worker/kv_swap.py
+``WriteThroughEvents``). Evicted hit blocks that were not written through yet (queued in the same step, or past
+the budget) are copied at eviction as before, in the swap-out list the forward waits for.
 """
 
 from __future__ import annotations
@@ -24,13 +38,23 @@ SWAP_MIN_TOKENS = 512
 
 PREEMPTION_MODES = ("swap", "recompute")
 
+# Write-through copies per step: a burst of newly shared prefix blocks (a group of requests admitted on a new
+# system prompt shares all of it, 64 blocks for W10's 1,024 tokens) spreads over steps instead of one step copying
+# thousands of blocks at once. 128 blocks of the 7b shape (0.9 MiB each) are ~115 MiB, a few ms over PCIe beside a
+# forward, off its path.
+WRITE_THROUGH_BLOCKS_PER_STEP = 128
 
-def prefer_swap(preemption_mode: str | None, num_computed_tokens: int) -> bool:
-    """Whether a request with this much KV should be swapped out rather than recomputed, under
-    ``preemption_mode`` ("swap", "recompute" or None = auto: swap long contexts)."""
+
+def prefer_swap(preemption_mode: str | None, num_recompute_tokens: int) -> bool:
+    """Whether a preempted request should be swapped out rather than recomputed, under ``preemption_mode``
+    ("swap", "recompute" or None = auto: swap when a recompute would compute ``num_recompute_tokens`` >=
+    SWAP_MIN_TOKENS: its computed tokens after the prefix it shares with running requests, which a recompute
+    finds in the prefix cache). A swap copies all of its blocks, shared ones too, and brings them back into
+    blocks of its own: on W10 (1,024 shared + 128 own tokens) swapping requests whose context is mostly a
+    shared prefix took 47 % more steps than recomputing them (benchmarks/w10_host.py)."""
     if preemption_mode is not None:
         return preemption_mode == "swap"
-    return num_computed_tokens >= SWAP_MIN_TOKENS
+    return num_recompute_tokens >= SWAP_MIN_TOKENS
 
 
 @dataclass
@@ -40,10 +64,16 @@ class SwapLists:
     Attributes:
         swap_out: (GPU block, CPU block): GPU -> CPU, run first.
         swap_in: (CPU block, GPU block): CPU -> GPU, run after the swap-outs; before the step's forward.
+        write_through: (GPU block, CPU block): GPU -> CPU copies of shared prefix blocks, which the step's forward
+            does not wait for.
+        fence: the latest step whose write-through copies must be done before this step's forward (it gives new
+            content to a block they read); 0 = none.
     """
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    write_through: list[tuple[int, int]] = field(default_factory=list)
+    fence: int = 0
 
 
 class CpuKVTier:
@@ -169,13 +199,23 @@ class CpuTierMixin:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self.num_cpu_hit_blocks = 0      # prefix-cache blocks restored from the CPU tier
+        self.num_blocks_written_through = 0   # of the swapped-out blocks, copied when first hit (not when evicted)
+        self._write_through: dict[int, int] = {}   # hit GPU block -> its hash then, oldest first: ready to copy
+        self._write_through_next: dict[int, int] = {}   # the same, queued since the last step's lists
+        self._wt_step: dict[int, int] = {}          # GPU block -> the step that wrote it through (until taken)
         if self.cpu is not None and self.enable_prefix_caching:
             self.block_pool.on_evict = self._evict_to_cpu
+            self.block_pool.on_first_hit = self._queue_write_through
 
     # ------------------------------------------------------------------ step lists
-    def take_swaps(self) -> SwapLists:
-        """The copies collected since the last call (for one step's SchedulerOutput); releases the CPU blocks
-        that this step's swap-ins read."""
+    def take_swaps(self, step_id: int = 0) -> SwapLists:
+        """The copies collected since the last call, and the write-through copies chosen now (for the
+        SchedulerOutput of step ``step_id``); releases the CPU blocks that this step's swap-ins read."""
+        if self._write_through:   # before the locks go: a CPU block read by a swap-in is not overwritten
+            self._select_write_through(step_id)
+        if self._write_through_next:   # queued during this step: copied from the next step on
+            self._write_through.update(self._write_through_next)
+            self._write_through_next.clear()
         swaps, self._swaps = self._swaps, SwapLists()
         self._cpu_hits.clear()
         if self.cpu is not None:
@@ -189,6 +229,8 @@ class CpuTierMixin:
         swapped = list(self.req_to_cpu_blocks)
         for rid in swapped:
             self.free_cpu_blocks(rid)
+        self._write_through.clear()   # (their GPU content stays; the blocks are copied at eviction if needed)
+        self._write_through_next.clear()
         self.take_swaps()
         if self.cpu is not None:
             self.cpu.reset_prefix_cache()
@@ -196,16 +238,63 @@ class CpuTierMixin:
 
     @property
     def has_pending_swaps(self) -> bool:
-        return bool(self._swaps.swap_out or self._swaps.swap_in)
+        """Copies (or a fence) that the next step must carry."""
+        return bool(self._swaps.swap_out or self._swaps.swap_in or self._swaps.fence)
+
+    @property
+    def has_write_through_candidates(self) -> bool:
+        """Prefix blocks waiting for their write-through copy (a step that runs takes some)."""
+        return bool(self._write_through or self._write_through_next)
+
+    def reset_cpu_prefix_cache(self) -> None:
+        """The GPU prefix index was dropped (its blocks lose their hashes, so taking one calls no hook): the next
+        step waits for every write-through copy before its forward, and the CPU index goes too."""
+        if self._wt_step:
+            self._swaps.fence = max(self._swaps.fence, max(self._wt_step.values()))
+            self._wt_step.clear()
+        self._write_through.clear()
+        self._write_through_next.clear()
+        if self.cpu is not None:
+            self.cpu.reset_prefix_cache()
 
     # ------------------------------------------------------------------ prefix cache tier
+    def _queue_write_through(self, block) -> None:
+        """BlockPool hook: a prefix hit reuses a cached block for the first time; unless the CPU tier holds its
+        content already, its copy goes in the write-through list of a step after this one."""
+        if self.cpu.lookup(block.block_hash, block.parent_hash, block.tokens) is None:
+            self._write_through_next[block.block_id] = block.block_hash
+
+    def _select_write_through(self, step_id: int) -> None:
+        """Up to WRITE_THROUGH_BLOCKS_PER_STEP of the queued blocks, oldest first, into this step's write-through
+        list, each to a CPU block indexed now (the copy runs before any later step's swap-in could read it: the
+        runner's side stream is in order). A block given new content since it was queued is skipped."""
+        pending, blocks, out = self._write_through, self.block_pool.blocks, self._swaps.write_through
+        while pending and len(out) < WRITE_THROUGH_BLOCKS_PER_STEP:
+            block_id = next(iter(pending))
+            block_hash = pending.pop(block_id)
+            block = blocks[block_id]
+            if block.block_hash != block_hash:
+                continue
+            cpu_block = self.cpu.store(block_hash, block.parent_hash, block.tokens)
+            if cpu_block is not None:   # None: the content is there already, or every CPU block is held
+                out.append((block_id, cpu_block))
+                self._wt_step[block_id] = step_id
+        self.num_blocks_swapped_out += len(out)
+        self.num_blocks_written_through += len(out)
+
     def _evict_to_cpu(self, block) -> None:
-        """BlockPool hook: a cached GPU block is about to get new content; keep a copy in the CPU tier if it was
-        reused (a prefix hit since it was filled, ``KVBlock.hits``). A block nobody has shared (a request's own
-        prompt tail and output) is dropped, not copied: on W10 copying every evicted block made the tier cost
-        more than the recomputation it saved (BENCHMARKS.md, ninth session). The same rule as SGLang's
-        hierarchical cache "write_through_selective" policy (a node is backed up to host memory once its hit
-        count reaches a threshold; here 1)."""
+        """BlockPool hook: a cached GPU block is about to get new content. If its write-through copy may still be
+        in flight, the step waits for it (``fence``). Else keep a copy in the CPU tier if it was reused (a prefix
+        hit since it was filled, ``KVBlock.hits``) and is not there yet (not written through: its first hit was
+        in this step, or the write-through budget of the steps since ran out): a copy the forward waits for. A
+        block nobody has shared (a request's own prompt tail and output) is dropped, not copied: on W10 copying
+        every evicted block made the tier cost more than the recomputation it saved (BENCHMARKS.md, ninth
+        session)."""
+        step = self._wt_step.pop(block.block_id, None)
+        if step is not None and step > self._swaps.fence:
+            self._swaps.fence = step
+        self._write_through.pop(block.block_id, None)
+        self._write_through_next.pop(block.block_id, None)
         if block.hits < 1:
             return
         cpu_block = self.cpu.store(block.block_hash, block.parent_hash, block.tokens)
@@ -215,7 +304,13 @@ class CpuTierMixin:
 
     def _lookup_cpu(self, request, hashes: list[int], key, start: int, stop: int) -> int:
         """CPU-tier prefix hits for blocks start..stop-1 (after the GPU hits; ``key(i)``: block i's key),
-        remembered for allocate_slots. Returns their number."""
+        remembered for allocate_slots. Returns their number.
+
+        Every hit is restored, however few blocks: there is no swap-in-vs-recompute threshold. A step's swap-in
+        of n blocks costs ~60 us plus n x the block's bytes over PCIe (~46 GB/s; kv_swap_bench on an H200: 56 us
+        for 1 block of the 0.5b shape), a recompute 2 x params x 16 n FLOPs inside a batched prefill: for the 7b
+        shape one block's recompute (~0.24 TFLOP, ~0.4 ms) costs more than its copy already; only models under
+        ~1B parameters might gain, by tens of microseconds a hit. Not worth a rule until a GPU run says so."""
         self._cpu_hits.pop(request.request_id, None)
         if self.cpu is None:
             return 0
@@ -294,6 +389,7 @@ class CpuTierMixin:
         return {"num_blocks_swapped_out": self.num_blocks_swapped_out,
                 "num_blocks_swapped_in": self.num_blocks_swapped_in,
                 "cpu_prefix_cache_hit_blocks": self.num_cpu_hit_blocks,
+                "num_blocks_written_through": self.num_blocks_written_through,
                 "num_cpu_kv_blocks": self.cpu.num_blocks if self.cpu is not None else 0,
                 "num_used_cpu_kv_blocks": self.num_used_cpu_blocks}
 

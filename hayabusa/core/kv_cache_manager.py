@@ -126,8 +126,7 @@ class KVCacheManager(CpuTierMixin):
         """Drop every cached prefix; False (nothing done) while requests hold blocks."""
         if not self.block_pool.reset_prefix_cache():
             return False
-        if self.cpu is not None:
-            self.cpu.reset_prefix_cache()
+        self.reset_cpu_prefix_cache()
         return True
 
     # ------------------------------------------------------------------ allocation
@@ -216,6 +215,17 @@ class KVCacheManager(CpuTierMixin):
         cross = self.req_to_cross_blocks.pop(request.request_id, None)
         if cross:
             self.block_pool.give_back(cross[::-1])
+
+    def num_shared_prefix_tokens(self, request: Request) -> int:
+        """Tokens in the request's leading blocks that other requests hold too (they stay on the GPU if it
+        lets its blocks go: a prefix hit when it comes back)."""
+        n = 0
+        blocks = self.block_pool.blocks
+        for block_id in self.req_to_blocks.get(request.request_id, ()):
+            if blocks[block_id].ref_cnt < 2:
+                break
+            n += 1
+        return n * self.block_size
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])

@@ -167,9 +167,11 @@ class Scheduler:
             return out
         out.scheduled_encoder_inputs = plan.encoder_inputs
         out.scheduled_spec_decode_tokens = plan.spec_tokens
-        if self.kv.has_pending_swaps:   # collected since the last step that ran (an empty step runs no copy)
-            swaps = self.kv.take_swaps()
+        if self.kv.has_pending_swaps or self.kv.has_write_through_candidates:
+            # collected since the last step that ran (an empty step runs no copy), and this step's write-throughs
+            swaps = self.kv.take_swaps(self._step_id)
             out.blocks_to_swap_out, out.blocks_to_swap_in = swaps.swap_out, swaps.swap_in
+            out.blocks_to_write_through, out.write_through_fence = swaps.write_through, swaps.fence
         out.finished_req_ids, self._left_since_last_step = self._left_since_last_step, set()
         out.preempted_req_ids, self._preempted_since_last_step = self._preempted_since_last_step, set()
         # Running requests come first in the plan, all known to the runner: their changes in one pass per list.
@@ -360,8 +362,10 @@ class Scheduler:
         self.num_preemptions += 1
         plan.preempted.add(req.request_id)
         self.waiting.appendleft(req)
-        # swap its KV to the CPU tier (keeping num_computed_tokens) when asked or cheaper; text-only requests
-        if prefer_swap(self.config.preemption_mode, req.num_computed_tokens) and not req.mm_inputs \
+        # swap its KV to the CPU tier (keeping num_computed_tokens) when asked or cheaper; text-only requests. A
+        # recompute pays only for the tokens after its prefix shared with other requests (a prefix hit on resume)
+        own = req.num_computed_tokens - self.kv.num_shared_prefix_tokens(req)
+        if prefer_swap(self.config.preemption_mode, own) and not req.mm_inputs \
                 and req.sampling_params.prompt_logprobs is None and self.kv.swap_out(req):
             self.num_swap_preemptions += 1
             return

@@ -106,6 +106,11 @@ class SchedulerOutput:
             preempted requests, prefix-cache blocks evicted from the GPU); the runner runs them first.
         blocks_to_swap_in: (CPU block, GPU block) pairs to copy CPU -> GPU after the swap-outs, before the forward
             (resumed requests, prefix hits in the CPU tier).
+        blocks_to_write_through: (GPU block, CPU block) pairs to copy GPU -> CPU that the forward does not wait
+            for: shared prefix-cache blocks, copied ahead of their eviction (core/cpu_kv_tier.py). This step's
+            forward may read those blocks but never writes them.
+        write_through_fence: this step gives new content to blocks written through by steps up to this step id:
+            the forward waits for those steps' write-through copies first (0 = no wait).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -123,6 +128,8 @@ class SchedulerOutput:
     grammar_bitmask: np.ndarray | None = None
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_write_through: list[tuple[int, int]] = field(default_factory=list)
+    write_through_fence: int = 0
 
     @property
     def is_empty(self) -> bool:

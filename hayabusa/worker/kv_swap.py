@@ -10,6 +10,12 @@ one copy per cache whatever the layer count: the device cache is one buffer [L, 
 (worker/kv_cache.py) and the CPU tier is block-major, [N_cpu, L, 2, block_size, H_kv, D], so a run's CPU side is
 one contiguous range holding every layer's K and V. ``num_copies`` counts those copies.
 
+Write-through copies (``blocks_to_write_through``: shared prefix blocks copied ahead of their eviction) run on the
+same side stream after the step's swaps, and the forward does not wait for them: it may read those blocks (full
+prefix blocks that requests share) but never writes them. A later step that gives one of them new content names the step that wrote it through
+(``write_through_fence``); its forward waits for the event recorded after that step's write-through copies
+(``WriteThroughEvents``; the side stream runs in order, so that event covers every earlier step's copies too).
+
 A block id names a block of every KV cache the runner holds: the target model's and, with a draft model
 (speculative decoding), the draft's, which is indexed by the same block ids; the swapper copies a block of each,
 so a restored block holds both models' KV. A tensor-parallel rank holds the KV heads of its own shard and keeps
@@ -48,6 +54,38 @@ def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
                 continue
         runs.append((src, dst, 1))
     return runs
+
+
+class WriteThroughEvents:
+    """The events recorded after each step's write-through copies that may still run (plain Python: an event is
+    anything with ``query()``, True once done; a ``torch.cuda.Event`` on CUDA, a fake in CPU tests).
+
+    Steps are recorded in increasing id order; events of one stream complete in that order too."""
+
+    def __init__(self) -> None:
+        self._events: list[tuple[int, object]] = []   # (step id, event), oldest first
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def record(self, step_id: int, event) -> None:
+        """Step ``step_id``'s write-through copies end at ``event``; events already done are dropped."""
+        while self._events and self._events[0][1].query():
+            self._events.pop(0)
+        self._events.append((step_id, event))
+
+    def fence(self, step_id: int):
+        """The event to wait for before a forward that gives new content to blocks written through by steps up
+        to ``step_id`` (the latest such step's event, which covers the earlier ones), or None when none of them
+        may still run. Forgets the events covered: the caller's stream waits for them from now on."""
+        i = 0
+        while i < len(self._events) and self._events[i][0] <= step_id:
+            i += 1
+        if not i:
+            return None
+        event = self._events[i - 1][1]
+        del self._events[:i]
+        return event
 
 
 class KVSwapper:
@@ -91,25 +129,45 @@ class KVSwapper:
         self._blocks = [_raw(b).permute(2, 0, 1, 3, 4, 5) for b in buffers]   # [N, L, 2, block_size, H, D] views
         self._cpu = [_raw(c) for c in self.cpu_caches]
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.write_through_events = WriteThroughEvents()
         self.num_copies = 0
         self.num_runs = 0
         nbytes = sum(c.numel() * c.element_size() for c in self.cpu_caches)
         logger.info("KV cache CPU tier: %d blocks, %.2f GiB%s", num_blocks, nbytes / 2**30,
                     " pinned" if self.cuda else "")
 
-    def execute(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Run a step's copies: swap_out (device block, CPU block) pairs, then swap_in (CPU block, device block)
-        pairs, in every cache. On CUDA the current stream (the step's forward) waits for them; the host does not."""
-        if not swap_out and not swap_in:
-            return
-        if not self.cuda:
+    def execute(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                write_through: list[tuple[int, int]] = (), step_id: int = 0, fence: int = 0) -> None:
+        """Run a step's copies in every cache: swap_out (device block, CPU block) pairs, then swap_in (CPU block,
+        device block) pairs, then write_through (device block, CPU block) pairs. On CUDA the current stream (the
+        step's forward) waits for the swaps but not for the write-through copies, and first for the
+        write-through copies of steps up to ``fence`` (0: none); the host waits for nothing. ``step_id``: this
+        step's id (a later step's fence names it)."""
+        if not self.cuda:   # synchronous: nothing stays in flight
             self._copy(swap_out, swap_in)
+            if write_through:
+                self._copy(write_through, [])
             return
         compute = torch.cuda.current_stream(self.device)
+        if fence:
+            event = self.write_through_events.fence(fence)
+            if event is not None:               # this step writes blocks those copies read
+                compute.wait_event(event)
+        if not swap_out and not swap_in and not write_through:
+            return
         self.stream.wait_stream(compute)        # the blocks read here were written by steps queued before
         with torch.cuda.stream(self.stream):
-            self._copy(swap_out, swap_in)
-        compute.wait_stream(self.stream)        # the forward writes / reads these blocks after the copies
+            if swap_out or swap_in:
+                self._copy(swap_out, swap_in)
+                swapped = torch.cuda.Event()
+                swapped.record()
+            if write_through:
+                self._copy(write_through, [])
+                done = torch.cuda.Event()
+                done.record()
+                self.write_through_events.record(step_id, done)
+        if swap_out or swap_in:
+            compute.wait_event(swapped)         # the forward writes / reads these blocks after the copies
 
     def _copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         out_runs, in_runs = block_runs(swap_out), block_runs(swap_in)

@@ -349,8 +349,10 @@ class ModelRunner:
         if out.is_empty:
             self.forget_previous_step()
             return StepHandle([], [], None, None, None)
-        if out.blocks_to_swap_out or out.blocks_to_swap_in:   # before the forward (worker/kv_swap.py)
-            self.kv_swapper.execute(out.blocks_to_swap_out, out.blocks_to_swap_in)
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_write_through \
+                or out.write_through_fence:   # before the forward (worker/kv_swap.py)
+            self.kv_swapper.execute(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_write_through,
+                                    out.step_id, out.write_through_fence)
         if self.staging is not None:
             self._staging_index = (self._staging_index + 1) % len(self._staging_sets)
             self.staging = self._staging_sets[self._staging_index]

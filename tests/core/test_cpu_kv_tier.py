@@ -73,13 +73,17 @@ def test_evicted_prefix_block_moves_to_cpu_and_comes_back_on_a_hit():
     a2 = make_request("a2", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # shares them: a prefix hit (the tier keeps hit blocks)
     assert mgr.get_computed_blocks(a2) == ([0, 1], 8)
     assert mgr.allocate_slots(a2, 1, [0, 1]) == [3] and mgr.get_block_ids("a2") == [0, 1, 3]
+    assert mgr.take_swaps(step_id=1).write_through == []  # step 1 may be computing them: not copied in it
+    swaps = mgr.take_swaps(step_id=2)                     # written through once hit, not when evicted:
+    assert swaps.write_through == [(0, 0), (1, 1)]        # GPU 0 (tokens 1..4) -> CPU 0, GPU 1 (5..8) -> CPU 1
+    assert swaps.swap_out == [] and swaps.fence == 0
     mgr.free(a2)
     mgr.free(a)                                           # free queue: 3, 2, 1, 0
-    mgr.take_swaps()
     c = make_request("c", list(range(100, 116)))          # 16 tokens: takes all 4 blocks, evicting 1 and 0
     assert mgr.allocate_slots(c, 16) == [3, 2, 1, 0]
-    swaps = mgr.take_swaps()
-    assert swaps.swap_out == [(1, 0), (0, 1)]             # GPU 1 (tokens 5..8) -> CPU 0, GPU 0 (1..4) -> CPU 1
+    swaps = mgr.take_swaps(step_id=3)
+    assert swaps.swap_out == [] and swaps.write_through == []   # the eviction copies nothing
+    assert swaps.fence == 2                               # step 3 overwrites blocks that step 2's copies read
     mgr.free(c)                                           # free queue: 0, 1, 2, 3 (c's 4 blocks cached)
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 42])
     hits, num_hit = mgr.get_computed_blocks(b)
@@ -87,7 +91,7 @@ def test_evicted_prefix_block_moves_to_cpu_and_comes_back_on_a_hit():
     assert mgr.allocate_slots(b, 1, hits) == [0, 1, 2]    # two restored, one for the last token
     swaps = mgr.take_swaps()
     assert swaps.swap_out == []                           # c's evicted blocks were never shared: dropped, not copied
-    assert swaps.swap_in == [(1, 0), (0, 1)]              # CPU 1 (1..4) -> GPU 0, CPU 0 (5..8) -> GPU 1
+    assert swaps.swap_in == [(0, 0), (1, 1)]              # CPU 0 (1..4) -> GPU 0, CPU 1 (5..8) -> GPU 1
     assert mgr.num_cpu_hit_blocks == 2 and mgr.get_block_ids("b") == [0, 1, 2]
     assert mgr.get_computed_blocks(make_request("d", [1, 2, 3, 4, 5, 6, 7, 8, 0])) == ([0, 1], 8)  # on GPU again
     mgr.free(b)

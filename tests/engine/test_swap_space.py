@@ -204,3 +204,28 @@ def test_swap_space_smaller_than_one_block_is_refused_with_swap_preemption(caplo
         llm = LLM(demo_model_dir(), swap_space=1e-6)
     assert llm.llm_engine.kv_cache_manager.cpu is None
     assert any("holds no KV block" in r.getMessage() for r in caplog.records)
+
+
+def test_write_through_keeps_greedy_output_on_a_w10_like_stream(tiny_qwen2):
+    """3 prefixes of 6 blocks, 3 requests each, cycled twice, on a GPU cache too small for all of them: with the
+    tier the prefixes are written through when freed and restored on the second cycle; the ids equal the tier-off
+    run's (which recomputes them) and prefix caching off."""
+    prefixes = [list(range(1000 + 100 * p, 1024 + 100 * p)) for p in range(3)]
+    prompts = [{"prompt_token_ids": prefixes[p] + [7 + j, 40 + c, 9]} for c in range(2) for p in range(3)
+               for j in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    args = dict(dtype="float32", block_size=4, num_gpu_blocks_override=24, max_model_len=64, max_num_seqs=3,
+                preemption_mode="recompute")
+    want = ids(LLM(tiny_qwen2, swap_space=0, enable_prefix_caching=False, **args).generate(prompts, params,
+                                                                                            use_tqdm=False))
+    hit_rate = {}
+    for swap_space in (0, 0.01):
+        llm = LLM(tiny_qwen2, swap_space=swap_space, **args)
+        assert ids(llm.generate(prompts, params, use_tqdm=False)) == want
+        kv = llm.llm_engine.kv_cache_manager
+        hit_rate[swap_space] = kv.prefix_hit_rate
+        if swap_space:   # each prefix's 6 blocks written through once, evicted, restored once in the 2nd cycle
+            assert kv.num_blocks_written_through == 18 and kv.num_cpu_hit_blocks == 18
+            assert kv.num_blocks_swapped_out == 18                   # so their evictions copied nothing
+        assert_no_leak(llm.llm_engine)
+    assert hit_rate[0.01] > hit_rate[0]

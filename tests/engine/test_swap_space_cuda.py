@@ -69,6 +69,28 @@ def _check_prefix_restores(model: str, device: str) -> None:
     assert got[0.05] == got[0]
 
 
+def _check_write_through_stream(model: str, device: str) -> None:
+    # A W10-like stream: 3 prefixes of 4 blocks (64 tokens), 3 requests each, cycled twice, 3 at a time, in 16 GPU
+    # blocks (room for about one prefix beside its requests): each prefix is written through to the CPU tier when
+    # its group ends (copies the forward does not wait for), evicted without a copy, and restored in the second
+    # cycle; later steps reuse the written-through blocks (fences). The bits equal the tier-off run's.
+    rng = random.Random(4)
+    prefixes = [[rng.randrange(3, 512) for _ in range(64)] for _ in range(3)]
+    prompts = [{"prompt_token_ids": prefixes[p] + [7 + j, 40 + c]} for c in range(2) for p in range(3)
+               for j in range(3)]
+    got = {}
+    for swap_space in (0, 0.05):
+        llm = LLM(model, device=device, swap_space=swap_space, num_gpu_blocks_override=16, max_num_seqs=3,
+                  preemption_mode="recompute", **COMMON)
+        got[swap_space] = _keys(llm.generate(prompts, PARAMS, use_tqdm=False))
+        kv = llm.llm_engine.kv_cache_manager
+        if swap_space:
+            assert kv.num_blocks_written_through > 0 and kv.num_cpu_hit_blocks > 0
+            assert kv.num_blocks_swapped_out == kv.num_blocks_written_through   # no eviction copied a block
+        _assert_no_leak(llm)
+    assert got[0.05] == got[0]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_swap_preemption_gives_the_same_bits_as_no_tier_on_cuda(stories_qwen2_dir, async_scheduling):
@@ -78,3 +100,8 @@ def test_swap_preemption_gives_the_same_bits_as_no_tier_on_cuda(stories_qwen2_di
 @pytest.mark.cuda
 def test_prefix_blocks_restored_from_the_cpu_tier_give_the_same_bits_on_cuda(stories_qwen2_dir):
     _check_prefix_restores(stories_qwen2_dir, "cuda")
+
+
+@pytest.mark.cuda
+def test_write_through_stream_gives_the_same_bits_on_cuda(stories_qwen2_dir):
+    _check_write_through_stream(stories_qwen2_dir, "cuda")

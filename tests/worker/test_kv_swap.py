@@ -33,6 +33,8 @@ def _run_swaps(device: str, gather: bool = False) -> None:
     swapper.execute([(1, 3), (2, 4), (5, 0)], [])
     # step 2: block 1 is refilled from CPU 0 (what was block 5) after block 1 went out to CPU 2 in the same step
     swapper.execute([(1, 2)], [(0, 1), (3, 0), (4, 3)])
+    # step 3: write-through copies (freed prefix blocks) of device blocks 4 and 0 into CPU blocks 1 and 0
+    swapper.execute([], [], [(4, 1), (0, 0)], step_id=3)
     if device == "cuda":
         torch.cuda.synchronize()
     for cpu, b, g in zip(swapper.cpu_caches, (base, dbase), (gpu, dgpu)):
@@ -45,8 +47,11 @@ def _run_swaps(device: str, gather: bool = False) -> None:
                 assert torch.equal(g[layer, kv, 0], b[layer, kv, 1])
                 assert torch.equal(g[layer, kv, 3], b[layer, kv, 2])
                 assert torch.equal(g[layer, kv, 4], b[layer, kv, 4])      # untouched
-    # runs: step 1: (1,3)+(2,4) merged, (5,0); step 2: (1,2); (0,1), (3,0), (4,3); one copy per run and cache
-    assert swapper.num_runs == 6 and swapper.num_copies == 12
+                assert torch.equal(cpu[1, layer, kv], b[layer, kv, 4].cpu())   # written through
+                assert torch.equal(cpu[0, layer, kv], b[layer, kv, 1].cpu())   # device block 0 held block 1
+    # runs: step 1: (1,3)+(2,4) merged, (5,0); step 2: (1,2); (0,1), (3,0), (4,3); step 3: (4,1), (0,0); one copy
+    # per run and cache
+    assert swapper.num_runs == 8 and swapper.num_copies == 16
 
 
 @pytest.mark.parametrize("gather", [False, True])
@@ -202,3 +207,41 @@ def test_execute_does_not_wait_for_the_queued_work_on_cuda(gather):
     assert torch.equal(_bytes(after), want[:, :, 1])            # CPU block 10 holds device block 1 (warm-up)
     assert torch.equal(_bytes(buf[:, :, 62]), want[:, :, 9])    # CPU block 30 holds device block 9
     assert swapper.num_copies == 3 + 3 + 2 + 2   # one per run: the runs of the four lists
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gather", [False, True])
+def test_write_through_does_not_gate_the_forward_but_a_fence_does_on_cuda(gather):
+    """The side stream is kept busy (~1 s queued on it): a step's write-through copies wait behind that, the
+    compute stream's next work does not wait for them; a later step whose fence names that step does, so its
+    forward's write into a block being copied lands after the copy read it."""
+    import time
+
+    gen = torch.Generator().manual_seed(3)
+    buf = _random_buffer(24, 64, 2, 64, torch.bfloat16, "cuda", gen)   # the 0.5b shape's layers and heads
+    swapper = KVSwapper([buf], num_blocks=64, gather=gather)
+    swapper.execute([], [], [(1, 10), (7, 20)], step_id=1)              # warm-up (kernels, pinned index blocks)
+    torch.cuda.synchronize()
+    want = _bytes(buf)
+    with torch.cuda.stream(swapper.stream):
+        torch.cuda._sleep(2_000_000_000)         # ~1 s of GPU clock cycles queued on the side stream
+    swapper.execute([], [], [(3, 5), (8, 9)], step_id=2)               # two runs: gathered when gather=True
+    buf[:, :, 10].fill_(3.0)                     # this step's forward: a block no copy reads
+    t0 = time.perf_counter()
+    torch.cuda.current_stream().synchronize()    # the forward's stream: done without waiting for the copies
+    forward_s = time.perf_counter() - t0
+    side_done = swapper.write_through_events._events[-1][1]
+    assert not side_done.query(), "the side stream's sleep ended before the check: it proves nothing"
+    assert forward_s < 0.5, forward_s
+    swapper.execute([], [], [], step_id=3, fence=2)   # step 3 writes blocks 3 and 8: it waits for step 2's copies
+    assert len(swapper.write_through_events) == 0
+    buf[:, :, 3].fill_(7.0)
+    buf[:, :, 8].fill_(7.0)
+    fenced = torch.cuda.Event()
+    fenced.record()
+    assert not fenced.query(), "the fenced forward did not wait for the copies"
+    torch.cuda.synchronize()
+    cpu = swapper.cpu_caches[0]
+    assert torch.equal(_bytes(cpu[5]), want[:, :, 3]) and torch.equal(_bytes(cpu[9]), want[:, :, 8])
+    assert torch.equal(_bytes(cpu[10]), want[:, :, 1]) and torch.equal(_bytes(cpu[20]), want[:, :, 7])
+    assert bool((buf[:, :, 3] == 7.0).all()) and swapper.num_copies == 4
