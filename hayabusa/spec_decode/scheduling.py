@@ -34,6 +34,12 @@ class SpecDecodeScheduling:
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
             if config.method == "ngram" else None
 
+    def may_propose(self, req: Request) -> bool:
+        """Whether the request could get proposals in its next decode step, decided before scheduling it (the
+        engine runs a step overlapped with the previous one when no running request may propose): False for
+        requests speculation leaves alone and those in a low-acceptance back-off."""
+        return req.num_output_tokens >= req.spec_backoff_until and eligible(req)
+
     def propose(self, req: Request, budget: int) -> list[int]:
         """Proposed tokens for a request whose step computes its last token (and samples the next one):
         at most k, at most ``budget`` (the step's tokens left after its own one), and never past max_tokens or
@@ -46,7 +52,13 @@ class SpecDecodeScheduling:
             return []
         if self.proposer is None:
             return [-1] * k
-        return self.proposer.propose(req.all_token_ids, k)
+        drafts = self.proposer.propose(req.all_token_ids, k)
+        if not drafts:
+            # a lookup that finds nothing counts in the rule's window as k proposals none accepted: it cost a
+            # synchronous step (async scheduling waits for the previous token to look it up) and saved nothing,
+            # so a request whose text has no earlier match backs off and its steps overlap again
+            self.record(req, k, 0)
+        return drafts
 
     def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """The low-acceptance turn-off rule, per request (see SpeculativeConfig): once ``acceptance_window``
@@ -62,6 +74,7 @@ class SpecDecodeScheduling:
         if req.spec_window_drafts < cfg.acceptance_window:
             return
         if req.spec_window_accepted < cfg.min_acceptance_rate * req.spec_window_drafts:
-            # the tokens this step emits (num_accepted + 1) come first, then the back-off
+            # the tokens this step emits (num_accepted + 1) come first, then the back-off (a missed lookup is
+            # recorded before its step: its one token counts as emitted there too)
             req.spec_backoff_until = req.num_output_tokens + num_accepted + 1 + cfg.acceptance_backoff
         req.spec_window_drafts = req.spec_window_accepted = 0
