@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hayabusa.core.request import Request
 from hayabusa.spec_decode.config import SpeculativeConfig
-from hayabusa.spec_decode.ngram import NgramProposer
+from hayabusa.spec_decode.ngram import NgramProposer, TokenHistory
 
 
 def eligible(req: Request) -> bool:
@@ -52,7 +52,9 @@ class SpecDecodeScheduling:
             return []
         if self.proposer is None:
             return [-1] * k
-        drafts = self.proposer.propose(req.all_token_ids, k)
+        if req.spec_history is None:
+            req.spec_history = TokenHistory()
+        drafts = self.proposer.propose(req.spec_history.sync(req.all_token_ids), k)
         if not drafts:
             # a lookup that finds nothing counts in the rule's window as k proposals none accepted: it cost a
             # synchronous step (async scheduling waits for the previous token to look it up) and saved nothing,
