@@ -253,6 +253,8 @@ class ModelRunner:
                 if self.decode_runner.use_graphs:
                     self.decode_runner.capture()
                     self.graphs = self.decode_runner
+                if self.draft is not None and hasattr(self.draft, "make_graphs"):   # draft_model's proposals
+                    self.draft.make_graphs(self, use_graphs=not self.cfg.enforce_eager)
             self._warm_up_prefill_attention()
             if self.encdec is not None:
                 self.encdec.warm_up_prefill(self.kv_caches, self.backend, self.buffers)
