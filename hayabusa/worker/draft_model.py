@@ -40,6 +40,7 @@ class DraftModel:
         self.model = build_model(cfg.draft_model_config, device)
         self.kv_buffer: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.verify_with_graphs = True   # the target's verify steps may replay (bs, k + 1) graphs (cuda_graph.py)
         self.graphs = None        # CUDAGraphRunner of the draft's one-token forwards (make_graphs), or None
         self.num_graph_steps = 0  # proposal forwards run through it (replayed, or eager on its padded shapes)
 
@@ -59,7 +60,8 @@ class DraftModel:
         R = runner.max_num_reqs
         shim = SimpleNamespace(buffers=StepBuffers(R, R, runner.max_blocks_per_req, self.device), model=self.model,
                                kv_caches=self.kv_caches, backend=runner.backend, encdec=None, device=self.device,
-                               cfg=runner.cfg, max_num_reqs=R, max_num_tokens=R, draft=self)   # draft: no verify
+                               cfg=runner.cfg, max_num_reqs=R, max_num_tokens=R,
+                               draft=object())   # a draft without verify_with_graphs: no verify graphs here
         self.graphs = CUDAGraphRunner(shim, use_graphs=use_graphs)
         if use_graphs:
             self.graphs.capture()

@@ -118,7 +118,11 @@ def test_draft_proposals_on_padded_graph_shapes_keep_greedy_output(tiny_llama, b
     runner = llm.llm_engine.runner
     draft = runner.draft
     draft.make_graphs(runner, use_graphs=False)
-    assert draft.graphs.sizes == ([1] if max_num_seqs == 1 else [1, 2, 3])
+    assert draft.graphs.sizes == ([1] if max_num_seqs == 1 else [1, 2, 3]) and not draft.graphs.verify_width
+    from hayabusa.worker.cuda_graph import CUDAGraphRunner
+
+    runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)   # the target's padded decode / verify shapes
+    assert runner.decode_runner.verify_width == 4
     out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                        use_tqdm=False)
     assert _ids(out) == _ids(base)
@@ -126,3 +130,4 @@ def test_draft_proposals_on_padded_graph_shapes_keep_greedy_output(tiny_llama, b
     assert m["spec_decode_num_draft_tokens"] > 0
     assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
     assert draft.num_graph_steps > 0 and not draft.graphs.graphs    # padded shapes, no capture on the CPU
+    assert runner.decode_runner.num_verify_runs > 0

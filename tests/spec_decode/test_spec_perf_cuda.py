@@ -29,6 +29,8 @@ def test_draft_graphs_equal_eager_and_off(tiny_llama, max_num_seqs):
         assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
         assert draft.num_graph_steps > 0
         assert bool(draft.graphs.graphs) is (not eager)      # captured unless enforce_eager
+        target = llm.llm_engine.runner.decode_runner          # the target's verify steps: (bs, k + 1) graphs
+        assert target.num_verify_runs > 0 and target.num_verify_replays == (0 if eager else target.num_verify_runs)
         assert llm.llm_engine.async_scheduling              # the CUDA default, with speculation too
     assert ids[False] == ids[True] == base
 
