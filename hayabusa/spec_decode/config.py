@@ -21,7 +21,7 @@ hayabusa's own keys (vLLM has no low-acceptance rule), the per-request low-accep
       each request counts its verified proposals and accepted ones; when a window of at least acceptance_window
       proposals has an acceptance rate below min_acceptance_rate, the request gets no proposals for its next
       acceptance_backoff output tokens (plain one-token decode steps), then a new window starts. An n-gram
-      lookup that finds nothing counts in the window as k proposals none accepted (it cost a synchronous step:
+      lookup that finds nothing counts in the window as one proposal not accepted (it cost a synchronous step:
       with async scheduling a step whose requests may propose waits for the previous step's tokens; steps in
       which no running request may propose overlap as without speculation).
       Why: a verify step of 1 + k tokens costs about one decode step when memory-bound, plus the proposer's

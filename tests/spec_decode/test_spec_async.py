@@ -48,8 +48,8 @@ def test_batch_above_threshold_overlaps_like_speculation_off(tiny_llama):
 
 def test_lookups_that_miss_back_off_and_overlap(tiny_llama):
     off, _ = _run(tiny_llama)
-    # k = 2, window 4: two missed lookups (two synchronous steps) start a back-off of 8 output tokens, during
-    # which the request's steps overlap
+    # window 4: four missed lookups (four synchronous steps) start a back-off of 8 output tokens, during which
+    # the request's steps overlap
     spec = {"method": "ngram", "num_speculative_tokens": 2, "acceptance_window": 4, "acceptance_backoff": 8}
     llm = LLM(tiny_llama, device="cpu", async_scheduling=True, max_num_seqs=1, speculative_config=spec)
     llm.llm_engine.scheduler.spec.proposer = NeverProposer()
@@ -58,7 +58,7 @@ def test_lookups_that_miss_back_off_and_overlap(tiny_llama):
     assert on == off
     stats = llm.llm_engine.stats
     assert stats["num_steps"] == len(PROMPTS) * MAX_TOKENS            # one token per step: nothing proposed
-    # per request: prefill, 2 missed lookups (the second one's step ends the window), 8 back-off tokens, ...
+    # per request: prefill, 4 missed lookups (the fourth one's step ends the window), 8 back-off tokens, ...
     # lookups happen only in synchronous steps; every other step overlaps the one before
     assert NeverProposer.calls > 0 and stats["num_overlapped_steps"] > 0
     assert stats["num_overlapped_steps"] + NeverProposer.calls <= stats["num_steps"]
@@ -94,19 +94,20 @@ def test_wants_proposals_decided_before_scheduling():
     s.add_request(a)
     s.update_from_output(s.schedule(), {"a": [9]})
     assert s.wants_proposals()
-    # two missed lookups (k = 2 each) fill the window of 4 with nothing accepted: back-off for 3 output tokens
-    for token in (10, 11):
+    # four missed lookups (one each) fill the window of 4 with nothing accepted; the 4th, at 4 output tokens,
+    # starts a back-off of 3 output tokens after its step's one: no proposals until 8 tokens
+    for token in (10, 11, 12, 13):
         out = s.schedule()
         assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_spec_decode_tokens == {}
         s.update_from_output(out, {"a": [token]})
-    assert a.spec_backoff_until == 3 + 3 and not s.wants_proposals()
-    for token in (12, 13, 14):
+    assert a.spec_backoff_until == 4 + 1 + 3 and not s.wants_proposals()
+    for token in (14, 15, 16):
         s.update_from_output(s.schedule(), {"a": [token]})
-    assert a.num_output_tokens == 6 and s.wants_proposals()
+    assert a.num_output_tokens == 8 and s.wants_proposals()
     # more running requests than disable_by_batch_size: no proposals whatever the requests' state
     for rid in ("b", "c"):
         s.add_request(req(rid, 6, max_tokens=40))
-    s.update_from_output(s.schedule(), {"a": [15], "b": [9], "c": [9]})
+    s.update_from_output(s.schedule(), {"a": [17], "b": [9], "c": [9]})
     assert len(s.running) == 3 and not s.wants_proposals()
     s.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
     assert s.wants_proposals()
