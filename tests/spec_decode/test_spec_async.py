@@ -10,20 +10,11 @@ from hayabusa.core.request import RequestStatus
 from hayabusa.spec_decode.config import SpeculativeConfig
 from hayabusa.spec_decode.scheduling import SpecDecodeScheduling
 from tests.core.test_scheduler import make_scheduler, req
+from tests.spec_decode.test_spec_scheduling import FixedProposer
 
 PROMPTS = ["Once upon a time", "The capital of France is", "One day, Lily and Tom", "The little dog"]
 MAX_TOKENS = 24
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-class NeverProposer:
-    """A lookup that never finds an earlier occurrence."""
-
-    calls = 0
-
-    def propose(self, token_ids, k: int) -> list[int]:
-        NeverProposer.calls += 1
-        return []
 
 
 def _run(path: str, **kwargs):
@@ -46,24 +37,37 @@ def test_batch_above_threshold_overlaps_like_speculation_off(tiny_llama):
     assert llm_on.get_metrics()["spec_decode_num_draft_tokens"] == 0
 
 
-def test_lookups_that_miss_back_off_and_overlap(tiny_llama):
-    off, _ = _run(tiny_llama)
-    # window 4: four missed lookups (four synchronous steps) start a back-off of 8 output tokens, during which
+class WrongProposer:
+    """Proposes, after a known sequence, its true next tokens plus one: never accepted under greedy."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def propose(self, token_ids, k: int) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        for seq in self.sequences:
+            if seq[:len(ids)] == ids and len(seq) > len(ids):
+                return [t + 1 for t in seq[len(ids):len(ids) + k]]
+        return []
+
+
+def test_back_off_overlaps_and_keeps_greedy_output(tiny_llama):
+    llm_off = LLM(tiny_llama, device="cpu", max_num_seqs=1)
+    outs = llm_off.generate(PROMPTS, PARAMS, use_tqdm=False)
+    off = [o.outputs[0].token_ids for o in outs]
+    # k = 2, window 4, back-off 8: two rejected verify steps start a back-off of 8 output tokens, during which
     # the request's steps overlap
     spec = {"method": "ngram", "num_speculative_tokens": 2, "acceptance_window": 4, "acceptance_backoff": 8}
     llm = LLM(tiny_llama, device="cpu", async_scheduling=True, max_num_seqs=1, speculative_config=spec)
-    llm.llm_engine.scheduler.spec.proposer = NeverProposer()
-    NeverProposer.calls = 0
+    llm.llm_engine.scheduler.spec.proposer = WrongProposer([o.prompt_token_ids + o.outputs[0].token_ids
+                                                            for o in outs])
     on = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     assert on == off
-    stats = llm.llm_engine.stats
-    assert stats["num_steps"] == len(PROMPTS) * MAX_TOKENS            # one token per step: nothing proposed
-    # per request: prefill, 4 missed lookups (the fourth one's step ends the window), 8 back-off tokens, ...
-    # lookups happen only in synchronous steps; every other step overlaps the one before
-    assert NeverProposer.calls > 0 and stats["num_overlapped_steps"] > 0
-    assert stats["num_overlapped_steps"] + NeverProposer.calls <= stats["num_steps"]
-    assert stats["num_overlapped_steps"] >= stats["num_steps"] - 2 * NeverProposer.calls - 2 * len(PROMPTS)
-    assert llm.get_metrics()["spec_decode_num_draft_tokens"] == 0
+    stats, m = llm.llm_engine.stats, llm.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] == 0
+    assert stats["num_steps"] == len(PROMPTS) * MAX_TOKENS            # one token per step: nothing accepted
+    # a verify step and the step after it run synchronously; back-off steps overlap
+    assert 0 < stats["num_overlapped_steps"] < stats["num_steps"] - m["spec_decode_num_draft_tokens"] // 2
 
 
 def test_proposals_with_async_scheduling_keep_greedy_output(stories_dir):
@@ -88,26 +92,27 @@ def test_wants_proposals_decided_before_scheduling():
     cfg = SpeculativeConfig("ngram", 2, 3, 1, disable_by_batch_size=2, min_acceptance_rate=0.5,
                             acceptance_window=4, acceptance_backoff=3)
     s.spec = SpecDecodeScheduling(cfg, s.config.max_model_len)
-    s.spec.proposer = NeverProposer()
+    s.spec.proposer = FixedProposer([50, 51])
     assert not s.wants_proposals()                        # nothing running
     a = req("a", 6, max_tokens=40)
     s.add_request(a)
     s.update_from_output(s.schedule(), {"a": [9]})
     assert s.wants_proposals()
-    # four missed lookups (one each) fill the window of 4 with nothing accepted; the 4th, at 4 output tokens,
-    # starts a back-off of 3 output tokens after its step's one: no proposals until 8 tokens
-    for token in (10, 11, 12, 13):
+    # two verify steps (k = 2 each) fill the window of 4 with nothing accepted: back-off for 3 output tokens
+    for token in (10, 11):
         out = s.schedule()
-        assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_spec_decode_tokens == {}
+        assert out.scheduled_spec_decode_tokens == {"a": [50, 51]}
         s.update_from_output(out, {"a": [token]})
-    assert a.spec_backoff_until == 4 + 1 + 3 and not s.wants_proposals()
-    for token in (14, 15, 16):
-        s.update_from_output(s.schedule(), {"a": [token]})
-    assert a.num_output_tokens == 8 and s.wants_proposals()
+    assert a.spec_backoff_until == 2 + 1 + 3 and not s.wants_proposals()
+    for token in (12, 13, 14):
+        out = s.schedule()
+        assert out.scheduled_spec_decode_tokens == {}
+        s.update_from_output(out, {"a": [token]})
+    assert a.num_output_tokens == 6 and s.wants_proposals()
     # more running requests than disable_by_batch_size: no proposals whatever the requests' state
     for rid in ("b", "c"):
         s.add_request(req(rid, 6, max_tokens=40))
-    s.update_from_output(s.schedule(), {"a": [17], "b": [9], "c": [9]})
+    s.update_from_output(s.schedule(), {"a": [15], "b": [9], "c": [9]})     # a's proposals (if any) rejected
     assert len(s.running) == 3 and not s.wants_proposals()
     s.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
     assert s.wants_proposals()
