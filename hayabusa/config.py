@@ -188,7 +188,9 @@ class EngineArgs:
             {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or {"method": "eagle" /
             "eagle3", "model": HEAD, "num_speculative_tokens": 3} with a public EAGLE / EAGLE-3 head for a Llama /
             Qwen2 target (pickle-only heads need load_format="pt"); see hayabusa/spec_decode/config.py (also the
-            turn-off rules). Steps then run synchronously (async_scheduling off).
+            turn-off rules). With async_scheduling (default on CUDA) a step that carries no proposals (the
+            turn-off rules have speculation off for every running request) still overlaps the previous one; a
+            step with proposals waits for the previous step's tokens. EAGLE runs every step synchronously.
         batch_invariant: a request's token ids and logprobs do not depend on the other requests in its steps,
             max_num_seqs / max_num_batched_tokens, prompt chunking, prefix-cache hits or CUDA graphs (fixed-tile
             GEMM, one attention configuration, per-row reductions; hayabusa/batch_invariant.py). Also on with
@@ -359,9 +361,9 @@ class EngineArgs:
 
             draft_config = EagleHeadConfig.from_target(spec.method, spec.model, model_config, self.trust_remote_code,
                                                        self.load_format)
-        if spec is not None and self.async_scheduling:
-            logger.warning("async_scheduling is off with speculative decoding: a step's proposals need the previous "
-                           "step's tokens on the host.")
+        if spec is not None and spec.method in ("eagle", "eagle3") and self.async_scheduling:
+            logger.warning("async_scheduling is off with EAGLE speculative decoding: its head reads every step's "
+                           "tokens on the host.")
         sizes = self.cuda_graph_sizes
         capture_max = min(self.max_num_seqs, max(sizes) if sizes else 512)
         if spec is not None and parallel_config.world_size > 1:
@@ -374,7 +376,10 @@ class EngineArgs:
                            cuda_graph_sizes=sorted(set(sizes)) if sizes else None,
                            max_cuda_graph_batch=capture_max, seed=self.seed or 0,
                            # pipeline stages overlap steps their own way (micro-batches: _step_pipelined)
-                           async_scheduling=False if spec is not None or self.pipeline_parallel_size > 1
+                           # speculation: steps without proposals overlap; those with proposals run
+                           # synchronously (LLMEngine._step); EAGLE's head reads host tokens: synchronous
+                           async_scheduling=False if self.pipeline_parallel_size > 1
+                           or (spec is not None and spec.method in ("eagle", "eagle3"))
                            else (device.type == "cuda")
                            if self.async_scheduling is None else bool(self.async_scheduling),
                            speculative_config=spec, draft_model_config=draft_config,

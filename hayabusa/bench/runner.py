@@ -179,6 +179,8 @@ def step_time_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[s
     runs synchronously inside launch, so ``wait_s`` is ~0 and ``launch_s`` includes the model's compute: the split
     says nothing about host- vs device-bound there."""
     out: dict[str, Any] = {"timed_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
+    if "num_overlapped_steps" in after:   # steps scheduled while the previous one was in flight (async)
+        out["overlapped_steps"] = after["num_overlapped_steps"] - before.get("num_overlapped_steps", 0)
     for key in ("schedule_s", "launch_s", "wait_s", "collect_s"):
         if key in after:
             out["host_" + key] = round(after[key] - before.get(key, 0.0), 4)

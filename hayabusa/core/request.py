@@ -74,6 +74,7 @@ class Request:
         self.spec_window_drafts = 0
         self.spec_window_accepted = 0
         self.spec_backoff_until = 0
+        self.spec_history = None   # n-gram: all_token_ids as a growing numpy array (spec_decode/ngram.TokenHistory)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -145,6 +145,17 @@ class Scheduler:
             return [r.request_id for r in self.running]
         return [self.waiting[0].request_id] if self.waiting else []
 
+    def wants_proposals(self) -> bool:
+        """Whether the next step may carry proposals (speculative decoding), decided before scheduling it: some
+        running request is eligible and out of its back-off, and the batch is within ``disable_by_batch_size``.
+        With async scheduling the engine then collects the step in flight first (a proposal needs the request's
+        last token); otherwise the step overlaps the previous one."""
+        spec = self.spec
+        if spec is None or not self.running or not spec.config.enabled_for_batch(len(self.running)):
+            return False
+        may_propose = spec.may_propose
+        return any(may_propose(r) for r in self.running)
+
     # ----------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their KV blocks."""

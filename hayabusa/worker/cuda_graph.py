@@ -12,7 +12,9 @@ request (slot -1), requests R..bs-1 have no queries and seq_len 0 (``StepBuffers
 kernel's grid depends only on (bs, Q), every length is read on the device. The graph's output is the hidden states
 [T_pad, H]; the step's logits rows (1 + k per request) are computed from its first T rows outside the graph.
 Sizes: the decode sizes whose bs x Q fits max_num_batched_tokens and VERIFY_GRAPH_MAX_TOKENS, up to the first one
->= disable_by_batch_size (no step has proposals above it); other verify steps run eagerly. Draft-model and EAGLE steps stay eager (their proposers run host-driven loops).
+>= disable_by_batch_size (no step has proposals above it); other verify steps run eagerly. With a draft model the
+target's decode and verify steps replay these graphs too (the draft's proposal forwards have their own decode
+graphs: worker/draft_model.py ``make_graphs``; its mirror of the step runs eagerly); EAGLE steps stay eager.
 """
 
 from __future__ import annotations
@@ -70,7 +72,10 @@ class CUDAGraphRunner:
         self.capture_seconds = 0.0
         # verify steps (n-gram speculation only): Q tokens per request, sizes bs with bs * Q <= max_num_tokens
         spec = runner.cfg.speculative_config
-        self.verify_width = spec.num_speculative_tokens + 1 if spec is not None and runner.draft is None else 0
+        # (n-gram and draft_model; not EAGLE, whose target forward also returns the head's inputs, nor the
+        # draft's own decode graphs, draft_model.make_graphs)
+        verify = spec is not None and (runner.draft is None or getattr(runner.draft, "verify_with_graphs", False))
+        self.verify_width = spec.num_speculative_tokens + 1 if verify else 0
         self.verify_sizes: list[int] = []
         if self.verify_width:
             max_tokens = min(runner.max_num_tokens, VERIFY_GRAPH_MAX_TOKENS)

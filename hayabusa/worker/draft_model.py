@@ -14,6 +14,7 @@ restored prefix blocks hold both models' KV too. At the start of a verify step t
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -39,11 +40,49 @@ class DraftModel:
         self.model = build_model(cfg.draft_model_config, device)
         self.kv_buffer: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.verify_with_graphs = True   # the target's verify steps may replay (bs, k + 1) graphs (cuda_graph.py)
+        self.graphs = None        # CUDAGraphRunner of the draft's one-token forwards (make_graphs), or None
+        self.num_graph_steps = 0  # proposal forwards run through it (replayed, or eager on its padded shapes)
 
     def allocate(self, num_blocks: int) -> None:
         """Its KV cache: as many blocks as the target's (the same block ids)."""
         self.kv_buffer = allocate_kv_buffer(self.cfg, num_blocks)   # [L, 2, num_blocks, block_size, H_kv, D]
         self.kv_caches = kv_cache_views(self.kv_buffer)
+
+    def make_graphs(self, runner, use_graphs: bool = True) -> None:
+        """The draft's one-token forwards (``propose``) on the padded decode shapes of a CUDAGraphRunner of their
+        own (worker/cuda_graph.py, the target's decode capture applied to the draft: its own StepBuffers and
+        graph pool, the draft's KV cache); captured when ``use_graphs``, else run eagerly on the same shapes
+        (enforce_eager, and the CPU tests). ``runner``: the ModelRunner (its backend, config and sizes)."""
+        from hayabusa.worker.cuda_graph import CUDAGraphRunner
+        from hayabusa.worker.step_buffers import StepBuffers
+
+        R = runner.max_num_reqs
+        shim = SimpleNamespace(buffers=StepBuffers(R, R, runner.max_blocks_per_req, self.device), model=self.model,
+                               kv_caches=self.kv_caches, backend=runner.backend, encdec=None, device=self.device,
+                               cfg=runner.cfg, max_num_reqs=R, max_num_tokens=R,
+                               draft=object())   # a draft without verify_with_graphs: no verify graphs here
+        self.graphs = CUDAGraphRunner(shim, use_graphs=use_graphs)
+        if use_graphs:
+            self.graphs.capture()
+
+    def _step_logits(self, tokens: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                     block_table: torch.Tensor, backend) -> torch.Tensor:
+        """One proposal forward: [R_d] tokens at positions ``pos`` -> logits [R_d, V]; through ``graphs`` when it
+        has a size for R_d (inputs copied into its buffers on the device; padding rows write no KV)."""
+        R_d = len(tokens)
+        g = self.graphs
+        if g is None or not g.can_run(R_d):
+            hidden = self.model(tokens, pos, ForwardContext(meta, self.kv_caches, backend))
+            return self.model.compute_logits(hidden)
+        buf = g.buffers
+        buf.input_ids[:R_d].copy_(tokens)
+        buf.positions[:R_d].copy_(pos)
+        buf.slot_mapping[:R_d].copy_(meta.slot_mapping)
+        buf.seq_lens[:R_d].copy_(meta.seq_lens)
+        buf.block_table[:R_d, :block_table.shape[1]].copy_(block_table)
+        self.num_graph_steps += 1
+        return g.run(SimpleNamespace(num_reqs=R_d))                          # [R_d, V], a view: read it now
 
     def mirror(self, attn_metadata: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                backend) -> None:
@@ -76,8 +115,7 @@ class DraftModel:
         for j in range(K):
             valid = j < num_drafts                                            # rows past their k: no KV write
             meta, pos = db.metadata(first + np.minimum(j, num_drafts - 1), valid, positions, slot_mapping)
-            hidden = self.model(tokens, pos, ForwardContext(meta, self.kv_caches, backend))
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)        # [R_d] d_j
+            tokens = self._step_logits(tokens, pos, meta, db.block_table, backend).argmax(dim=-1)   # [R_d] d_j
             drafts.append(tokens)
             rows = np.flatnonzero(valid)
             input_ids[to_device(first[rows] + 1 + j, np.int64, dev)] = tokens[to_device(rows, np.int64, dev)]

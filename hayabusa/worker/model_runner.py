@@ -253,6 +253,8 @@ class ModelRunner:
                 if self.decode_runner.use_graphs:
                     self.decode_runner.capture()
                     self.graphs = self.decode_runner
+                if self.draft is not None and hasattr(self.draft, "make_graphs"):   # draft_model's proposals
+                    self.draft.make_graphs(self, use_graphs=not self.cfg.enforce_eager)
             self._warm_up_prefill_attention()
             if self.encdec is not None:
                 self.encdec.warm_up_prefill(self.kv_caches, self.backend, self.buffers)
@@ -752,7 +754,19 @@ class ModelRunner:
             hidden, head_input = self.draft.target_forward(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
             inp.eagle = (meta, head_input)
             return self._logits(inp, hidden)
-        hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)
+        graphs = self.decode_runner if inp.prompt_logprobs is None else None
+        if graphs is not None and inp.spec is not None and graphs.can_run_verify(R, max_q):
+            # the target's verify forward replayed from a (bs, k + 1) graph (its padding lies past the first R
+            # requests / T tokens, which the mirror's metadata covers); the graph's output is read after the mirror
+            hidden = graphs.run_verify(inp)
+        elif graphs is not None and inp.spec is None and max_q == 1 and graphs.can_run(R):
+            logits = graphs.run(inp)                                            # [R, V], a view of the graph's
+            self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
+            if len(inp.logits_rows) < R:
+                logits = logits[torch.from_numpy(inp.logits_rows).to(self.device)]
+            return logits
+        else:
+            hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)
         self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
         return self._logits(inp, hidden)
 

@@ -107,3 +107,27 @@ def test_own_draft_with_swap_preemption_and_cpu_prefix_restores_accepts_everythi
     assert sched.num_swap_preemptions == (sched.num_preemptions if mode == "swap" else 0)
     m = llm.get_metrics()
     assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_draft_proposals_on_padded_graph_shapes_keep_greedy_output(tiny_llama, base, max_num_seqs):
+    """The draft's one-token forwards through its own CUDAGraphRunner's padded decode shapes (run eagerly on the
+    CPU: worker/draft_model.py make_graphs), the target as its own draft: every proposal accepted."""
+    llm = LLM(tiny_llama, max_num_seqs=max_num_seqs, device="cpu",
+              speculative_config={"model": tiny_llama, "num_speculative_tokens": 3})
+    runner = llm.llm_engine.runner
+    draft = runner.draft
+    draft.make_graphs(runner, use_graphs=False)
+    assert draft.graphs.sizes == ([1] if max_num_seqs == 1 else [1, 2, 3]) and not draft.graphs.verify_width
+    from hayabusa.worker.cuda_graph import CUDAGraphRunner
+
+    runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)   # the target's padded decode / verify shapes
+    assert runner.decode_runner.verify_width == 4
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                       use_tqdm=False)
+    assert _ids(out) == _ids(base)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0
+    assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
+    assert draft.num_graph_steps > 0 and not draft.graphs.graphs    # padded shapes, no capture on the CPU
+    assert runner.decode_runner.num_verify_runs > 0

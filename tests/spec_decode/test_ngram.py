@@ -26,6 +26,30 @@ def test_longer_match_wins_over_later_shorter_one():
     assert p.propose(seq, 2) == [10, 11]
 
 
+def test_lookup_equals_the_sliding_window_reference():
+    import random
+
+    from hayabusa.spec_decode.ngram import ngram_propose_ref
+
+    rng = random.Random(0)
+    for vocab in (2, 3, 7, 1000):          # small vocabularies: many candidates and long overlapping matches
+        for _ in range(150):
+            seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
+            lo = rng.randrange(1, 5)
+            hi, k = rng.randrange(lo, 7), rng.randrange(0, 6)
+            assert NgramProposer(lo, hi).propose(seq, k) == ngram_propose_ref(seq, k, lo, hi), (seq, lo, hi, k)
+
+
+def test_token_history_appends_only_new_tokens():
+    from hayabusa.spec_decode.ngram import TokenHistory
+
+    h, ids = TokenHistory(), list(range(300))
+    assert h.sync(ids[:10]).tolist() == ids[:10]
+    h.buf[3] = -7                           # only tokens past the last sync are copied again
+    assert h.sync(ids[:12]).tolist() == ids[:3] + [-7] + ids[4:12]
+    assert h.sync(ids).tolist()[280:] == ids[280:] and len(h.buf) >= 300    # grown past its first 256
+
+
 @pytest.mark.slow
 def test_ngram_on_smollm2_accepts_and_keeps_greedy_text():
     from hayabusa import LLM, SamplingParams
