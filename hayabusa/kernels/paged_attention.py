@@ -124,7 +124,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc):
 
 
 @triton.jit
-def _attend_tiles(q, m_i, l_i, acc, tile_start, tile_end, kv_end, pos, kv_head, bt_row_ptr,
+def attend_tiles(q, m_i, l_i, acc, tile_start, tile_end, kv_end, pos, kv_head, bt_row_ptr,
                   k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   offs_d, d_mask, pre_scale, post_scale, window, bias_ptr, bias_row, bias_len,
                   TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -161,7 +161,7 @@ def _paged_attn_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False, ALL_MASKED: tl.constexpr = False,
+    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False,
 ):
     r = tl.program_id(0) // num_q_tiles
     qt = tl.program_id(0) % num_q_tiles
@@ -196,19 +196,19 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # Tiles below full_hi hold only keys <= the tile's first query position: no row needs the causal mask.
-    # With a sliding window every tile is masked (simpler; window layers are the minority). ALL_MASKED (batch-
-    # invariant mode): every tile too, so a key tile is scored by the one loop body whichever query tile (and so
-    # chunking) a row is in: the unmasked body may contract q.k * scale - m into one FMA, the masked one cannot.
-    if USE_WINDOW or ALL_MASKED:
+    # With a sliding window every tile is masked (simpler; window layers are the minority). Batch-invariant mode
+    # (kernels/paged_attention_bi.py) masks every tile, so a key tile is scored by one loop body whichever query
+    # tile (and so chunking) a row is in: the unmasked body may contract q.k * scale - m into one FMA.
+    if USE_WINDOW:
         full_hi = tile_lo
     else:
         full_hi = (ctx_len + qt * BLOCK_Q + 1) // TILE_N
-    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tile_lo, tl.minimum(tile_hi, full_hi), kv_end, pos, kv_head,
+    m_i, l_i, acc = attend_tiles(q, m_i, l_i, acc, tile_lo, tl.minimum(tile_hi, full_hi), kv_end, pos, kv_head,
                                   bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                   stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
                                   bias_ptr, bias_row, bias_len,
                                   TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, False, DOT_FP32, KV_FP8, USE_BIAS)
-    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(tile_lo, full_hi), tile_hi, kv_end, pos, kv_head,
+    m_i, l_i, acc = attend_tiles(q, m_i, l_i, acc, tl.maximum(tile_lo, full_hi), tile_hi, kv_end, pos, kv_head,
                                   bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                   stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
                                   bias_ptr, bias_row, bias_len,
@@ -258,7 +258,7 @@ def _merge_splits_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-def _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, num_seqs) -> None:
+def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, num_seqs) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"need q [T, H, D] and k_cache == v_cache shape [num_blocks, block_size, H_kv, D], got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -328,8 +328,8 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int) -> 
 def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int) -> dict:
     """The one tile configuration of batch-invariant mode (``batch_invariant=True``): the same for prefill
     chunks and decode, a function of the model's head shape only. Every query row then walks its keys in TILE_N
-    tiles from position 0 with the same tl.dot shapes and the same online-softmax steps (every tile through the
-    masked loop body: ALL_MASKED); tiles a row cannot see (past its position, or before its window) add exact
+    tiles from position 0, in splits of fixed key positions merged in order (kernels/paged_attention_bi.py), with
+    the same tl.dot shapes and the same online-softmax steps (every tile through the masked loop body); tiles a row cannot see (past its position, or before its window) add exact
     zeros (p = 0, alpha = 1), so whether the tile is visited (which depends on the other rows of the query tile)
     changes nothing."""
     block_m = max(64, triton.next_power_of_2(group))
@@ -346,7 +346,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     sliding_window: int | None = None, softcap: float | None = None,
                     *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
-                    batch_invariant: bool = False) -> None:
+                    batch_invariant: bool = False, max_seq_len: int | None = None) -> None:
     """Causal attention of this step's queries over the paged KV cache; writes out in place.
 
     Args:
@@ -371,16 +371,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         position_bias: [H, L] fp32 contiguous (T5's relative position bias): bias[h, p - j] is added to the
             score of query head h at position p and key j (before the softmax; distances >= L use column L - 1).
             Not combined with softcap. None = none.
-        batch_invariant: one tile configuration for every step (``batch_invariant_tile_config``) and no split-KV
-            (num_kv_splits ignored): a query row's output bits depend only on its request's queries' positions and
-            K/V, not on the other requests nor on how its prompt was chunked.
+        batch_invariant: ``kernels/paged_attention_bi.paged_attention_bi``: one tile configuration for every step
+            (``batch_invariant_tile_config``) and split-KV at fixed key positions (num_kv_splits ignored): a query
+            row's output bits depend only on its request's K/V and its position, not on the other requests, on how
+            its prompt was chunked, or on prefill vs decode. position_bias is refused (ValueError).
+        max_seq_len: host int >= every seq_len (None: the block table's capacity); read only with
+            batch_invariant, where it sizes the split grid and scratch.
     Raises:
         ValueError: on a shape, dtype, stride or device mismatch.
     The grid depends only on (num_seqs, max_query_len, H_kv, num_kv_splits), all per-request lengths are read
     on the device, so a captured CUDA graph replays correctly for new lengths and block tables.
     """
+    if batch_invariant:
+        if position_bias is not None:
+            raise ValueError("position_bias is not supported in batch-invariant mode")
+        from hayabusa.kernels.paged_attention_bi import paged_attention_bi
+
+        return paged_attention_bi(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
+                                  max_query_len, num_seqs, sliding_window, softcap, k_scale=k_scale,
+                                  v_scale=v_scale, max_seq_len=max_seq_len)
     R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
-    _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, R)
+    check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, R)
     check_scale("k_scale", k_scale, q.device)
     check_scale("v_scale", v_scale, q.device)
     T, H, D = q.shape
@@ -390,13 +401,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
     d_pad = max(16, triton.next_power_of_2(D))
-    if batch_invariant:
-        cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size())
-    else:
-        cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
+    cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
     num_q_tiles = triton.cdiv(max_query_len, cfg["BLOCK_Q"])
-    splits = 1 if batch_invariant else (
-        num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device))
+    splits = num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device)
     if splits > 1:
         part_acc = torch.empty((T, H, splits, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
@@ -424,7 +431,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
         # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
         DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias,
-        ALL_MASKED=batch_invariant, **cfg)
+        **cfg)
     if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
@@ -506,8 +513,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, max_query_len: int, num_seqs: int | None = None,
                         sliding_window: int | None = None, softcap: float | None = None,
                         *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None) -> None:
-    """Plain-torch paged_attention (same arguments and semantics; max_query_len and num_kv_splits are unused).
+                        v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
+                        max_seq_len: int | None = None) -> None:
+    """Plain-torch paged_attention (same arguments and semantics; max_query_len, num_kv_splits and max_seq_len
+    are unused).
 
     A per-request loop that gathers K/V through the block table (fp8 caches dequantized to fp32 as fp8 * scale)
     and runs a masked fp32 softmax; the CPU engine's attention path. Reads query_start_loc / seq_lens on the host
