@@ -43,9 +43,9 @@ from __future__ import annotations
 import torch
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.attention_tiles import attend_tiles, batch_invariant_tile_config, check_inputs
 from hayabusa.kernels.bi_gemm import num_sms
 from hayabusa.kernels.fp8 import is_fp8, unit_scale
-from hayabusa.kernels.paged_attention import attend_tiles, batch_invariant_tile_config, check_inputs
 
 _LOG2E = 1.4426950408889634
 BI_SPLIT_TILES = 4      # key tiles (of the mode's TILE_N) per split: the split points are multiples of this
