@@ -201,8 +201,9 @@ def paged_attention_bi(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         part_acc = torch.empty((T, H, S, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
         part_l = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_m = part_l = out  # unused
+    else:  # never read or written in inline mode, but fp32: the kernel's merge-mode loads (compiled whatever the
+        # runtime mode) must see fp32 pointers, and one pointer signature keeps one compiled kernel for every mode
+        part_acc = part_m = part_l = torch.empty(1, dtype=torch.float32, device=q.device)
     kv_fp8 = is_fp8(k_cache.dtype)
     unit = unit_scale(q.device) if kv_fp8 else seq_lens  # never read unless kv_fp8
     args = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, part_acc, part_m, part_l,
