@@ -9,7 +9,7 @@ generated tokens as a prefill; a prefix hit starts a prompt mid-way).
 Split-KV without giving that up: split s covers the key tiles [s * SPLIT_TILES, (s + 1) * SPLIT_TILES) -- points
 that are key positions, the same for every request, every step and every row -- so a row at position p has the
 splits 0 .. n(p) - 1, n(p) = min(cdiv(cdiv(p + 1, TILE_N), SPLIT_TILES), BI_MAX_SPLITS), each split's partial
-(m, l, acc) computed by one loop body (``paged_attention.attend_tiles``, every tile masked) from the empty state,
+(m, l, acc) computed by one loop body (``attention_tiles.attend_tiles``, every tile masked) from the empty state,
 and the partials merged in split order, one after another (``_merge_step``, elementwise: no reduction tree whose
 shape could follow a padded split count):
 
@@ -18,10 +18,15 @@ shape could follow a padded split count):
 
     split mode  (decode-like steps, few programs): grid (R * q tiles, H_kv, S); program s writes split s's
                 partial to fp32 scratch [T, H, S, D_PAD]; a second launch of the same kernel (merge mode) merges
-                the S_needed partials of its rows in split order and writes out.
+                the partials its query tile needs in split order and writes out.
     inline mode (prefill steps, or enough programs already): grid (R * q tiles, H_kv, 1); the program computes
                 its splits one after another and merges each as it goes: the same loop body, the same merge
                 step, no scratch.
+
+Prefill steps split too (inline): the contract needs a token's row computed in a prefill chunk to equal the
+same token's decode step bit for bit, so both walk the same split points and merge them the same way; inline
+mode keeps prefill free of scratch memory (T x H x S x D_PAD fp32 would be ~1 GB for an 8k-token chunk at S = 32)
+and of the second launch.
 
 The three modes are one compiled kernel (``mode`` is a runtime int, not specialized), so a split's partial and
 the merge are the same instructions in a prefill chunk and in a decode step. A split that is empty for a row (past
