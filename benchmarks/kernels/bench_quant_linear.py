@@ -1,7 +1,8 @@
 """Time the weight-only int8 / int4 linears against torch's bf16 F.linear on a CUDA GPU; print a table and JSON.
 
     python benchmarks/kernels/bench_quant_linear.py [--json FILE] [--m 1,8,64,256,2048] [--group-size 128]
-                                                    [--sweep | --dequant | --w8a8] [--layers qkv,o,gate_up,down]
+                                                    [--sweep | --dequant | --w8a8 | --sweep-gemm]
+                                                    [--layers qkv,o,gate_up,down] [--merge A.json B.json ...]
 
 Shapes are Qwen2.5-7B's linears, (K, N): qkv (3584, 4608), o (3584, 3584), gate_up (3584, 37888),
 down (18944, 3584). GB/s counts the bytes a perfect kernel moves: the weights as stored (int4: packed nibbles plus
@@ -22,6 +23,13 @@ quantization + int8_scaled_mm's dispatch) and its two GEMM paths on pre-quantize
 torch._int_mm + the Triton epilogue, where its shape rules allow); the int8 activation quantizer alone; FP8 W8A8
 (per_token_quant_fp8 + torch._scaled_mm, sm89+). It prints per layer the smallest M from which _int_mm wins: the
 input for INT_MM_MIN_M (kernels/int8_gemm.py). About a minute on an H200.
+--sweep-gemm instead searches the swapped-operand GEMM (gemm_t) per layer, M (default 16,32,64,128,256) and scheme
+(int8; int4 at --group-size): about 70 tile / warp / stage / split candidates each (gemm_t_candidates), CUDA-graph
+medians next to bf16 F.linear, dequantize + F.linear and the current GEMM_T_TABLE launch. It prints, per (scheme,
+shape class, M bucket), the candidate with the least time summed over the class's layers, the smallest M from
+which dequantize + cuBLAS wins (for DEQUANT_GEMM_MIN_M / _INT4) and the GEMM_T_TABLE literal to paste into
+hayabusa/kernels/quant_linear.py. Hundreds of compiles: run it per layer with --json, then print the tables of
+all runs together with --merge a.json b.json ... (no GPU needed).
 """
 
 from __future__ import annotations
@@ -39,8 +47,9 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 from hayabusa.kernels.quant_linear import (  # noqa: E402
-    DEQUANT_GEMM_MIN_M, LaunchConfig, _dequantize, _launch, int4_weight_only_linear_ref, int8_weight_only_linear_ref,
-    pick_config, quantize_int4_grouped, quantize_int8_per_channel,
+    DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_INT4, GEMM_M_BUCKETS, GEMM_T_TABLE, LaunchConfig, _dequantize, _launch,
+    gemm_shape_class, gemm_t_launch, int4_weight_only_linear_ref, int8_weight_only_linear_ref, pick_config,
+    quantize_int4_grouped, quantize_int8_per_channel,
 )
 
 LAYERS = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
@@ -251,6 +260,98 @@ def print_w8a8_table(rows: list[dict]) -> None:
         print(f"#   {layer:<8} {wins[0] if wins else f'never (up to M = {ms[-1][0]})'}")
 
 
+# ------------------------------------------------------------------------------------ --sweep-gemm (gemm_t tiles)
+SWEEP_GEMM_M = (16, 32, 64, 128, 256)
+
+
+def gemm_t_candidates(M: int, G: int | None) -> list[tuple[int, int, int, int, int, int]]:
+    """GEMM_T_TABLE entries to try at M rows (about 70): the two token tiles nearest M (>= 16), N tiles 64-256,
+    K tiles 64 / 128 (int4: dividing G), auto or no K split, three warp / stage pairs; accumulators above 128 fp32
+    registers per thread left out."""
+    bms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, M)][-2:]
+    cands = []
+    for bm in bms:
+        for bn in (64, 128, 256):
+            for bk in (64, 128):
+                if G is not None and G % bk:
+                    continue
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    if bm * bn // (32 * warps) > 128:
+                        continue
+                    cands += [(bm, bn, bk, split, warps, stages) for split in (0, 1)]
+    return cands
+
+
+def sweep_gemm_case(layer: str, M: int, scheme: str, G: int) -> dict:
+    """One (layer, M, scheme): CUDA-graph us of bf16 F.linear, dequantize + F.linear, the current table's launch
+    and every candidate (the resolved launches deduplicated); the fastest candidate checked against the reference."""
+    K, N = LAYERS[layer]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    group = G if scheme == "int4" else None
+    packed = quantize_int4_grouped(w, G) if group else (*quantize_int8_per_channel(w), None)
+    ref = int4_weight_only_linear_ref(x, *packed, G) if group else int8_weight_only_linear_ref(x, *packed[:2])
+    bench = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3  # noqa: E731
+    row = dict(layer=layer, K=K, N=N, M=M, scheme=scheme, shape_class=gemm_shape_class(N, K),
+               bf16_us=bench(lambda: F.linear(x, w)),
+               dq_cublas_us=bench(lambda: F.linear(x, _dequantize(*packed, group, x.dtype))))
+    table_cfg = pick_config(M, N, K, group, x.device)
+    row.update(table_config=table_cfg.__dict__, table_us=bench(lambda: _launch(x, *packed, None, N, group, table_cfg)))
+    seen, cands = set(), []
+    for entry in gemm_t_candidates(M, group):
+        cfg = gemm_t_launch(entry, M, N, K, group, x.device)
+        if cfg in seen:
+            continue
+        seen.add(cfg)
+        try:
+            cands.append([list(entry), bench(lambda: _launch(x, *packed, None, N, group, cfg))])
+        except Exception:  # noqa: BLE001 - out of shared memory / registers: not a candidate on this GPU
+            continue
+    best = min(cands, key=lambda c: c[1])
+    torch.testing.assert_close(_launch(x, *packed, None, N, group, gemm_t_launch(tuple(best[0]), M, N, K, group,
+                                                                                    x.device)),
+                               ref, atol=0.05, rtol=0.02)
+    row.update(candidates=cands, best_entry=best[0], best_us=best[1])
+    print(f"# {layer} M={M} {scheme}: bf16 {row['bf16_us']:.1f} dq+cuBLAS {row['dq_cublas_us']:.1f} table "
+          f"{row['table_us']:.1f} best {best[1]:.1f} us {tuple(best[0])}", flush=True)
+    return row
+
+
+def print_gemm_sweep(rows: list[dict]) -> None:
+    """Per (scheme, shape class, M bucket): the entry with the least time summed over the class's swept layers,
+    next to bf16 and dequantize + cuBLAS; then per (scheme, layer) the dequantize + cuBLAS crossover; then the
+    GEMM_T_TABLE literal to paste into hayabusa/kernels/quant_linear.py (unswept keys keep their entries)."""
+    print(f"{'scheme':<6} {'class':<7} {'M':>4} {'layers':<12} {'gemm_t us':>9} {'bf16 us':>8} {'dq+cuBLAS':>9} "
+          f"{'table us':>8} {'vs bf16':>7}  best entry (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)")
+    table = dict(GEMM_T_TABLE)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["scheme"], r["shape_class"], r["M"]), []).append(r)
+    for (scheme, shape, M), rs in sorted(groups.items()):
+        totals: dict[tuple, float] = {}
+        for r in rs:
+            for entry, us in r["candidates"]:
+                totals[tuple(entry)] = totals.get(tuple(entry), 0.0) + us
+        common = [e for e in totals if all(any(tuple(c[0]) == e for c in r["candidates"]) for r in rs)]
+        best = min(common, key=totals.__getitem__)
+        if M in GEMM_M_BUCKETS:  # a swept M between buckets is printed, not tabled
+            table[(scheme, M, shape)] = best
+        bf16, dq, cur = (sum(r[k] for r in rs) for k in ("bf16_us", "dq_cublas_us", "table_us"))
+        print(f"{scheme:<6} {shape:<7} {M:>4} {','.join(r['layer'] for r in rs):<12} {totals[best]:>9.1f} "
+              f"{bf16:>8.1f} {dq:>9.1f} {cur:>8.1f} {bf16 / totals[best]:>7.2f}  {best}")
+    print("# smallest swept M from which dequantize + cuBLAS beats the best gemm_t at every larger swept M "
+          f"(DEQUANT_GEMM_MIN_M = {DEQUANT_GEMM_MIN_M}, DEQUANT_GEMM_MIN_M_INT4 = {DEQUANT_GEMM_MIN_M_INT4}):")
+    for key in dict.fromkeys((r["scheme"], r["layer"]) for r in rows):
+        ms = sorted((r["M"], r["dq_cublas_us"] < r["best_us"]) for r in rows if (r["scheme"], r["layer"]) == key)
+        wins = [m for i, (m, _) in enumerate(ms) if all(win for _, win in ms[i:])]
+        print(f"#   {key[0]:<5} {key[1]:<8} {wins[0] if wins else f'never (up to M = {ms[-1][0]})'}")
+    print("GEMM_T_TABLE: dict[tuple[str, int, str], tuple[int, int, int, int, int, int]] = {")
+    for key in sorted(table):
+        print(f"    {key!r}: {tuple(table[key])!r},")
+    print("}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
@@ -263,17 +364,28 @@ def main() -> None:
                         help="compare the fused Triton path with dequantize + cuBLAS (for DEQUANT_GEMM_MIN_M)")
     parser.add_argument("--w8a8", action="store_true",
                         help="time INT8 W8A8 (Triton and _int_mm) and FP8 W8A8 against bf16 (for INT_MM_MIN_M)")
+    parser.add_argument("--sweep-gemm", action="store_true",
+                        help="search the swapped-operand GEMM's tiles per (scheme, shape class, M bucket) and print "
+                             "GEMM_T_TABLE and the dequantize + cuBLAS crossovers")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="print the --sweep-gemm tables of earlier runs' --json files together (no GPU needed)")
     args = parser.parse_args()
+    if args.merge:
+        rows = [r for f in args.merge for r in json.loads(f.read_text())["rows"]]
+        print_gemm_sweep(rows)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_quant_linear needs a CUDA GPU")
-    if args.sweep + args.dequant + args.w8a8 > 1:
-        sys.exit("--sweep, --dequant and --w8a8 are separate runs")
+    if args.sweep + args.dequant + args.w8a8 + args.sweep_gemm > 1:
+        sys.exit("--sweep, --dequant, --w8a8 and --sweep-gemm are separate runs")
     m_list = args.m or ("16,64,128,256,512,2048,8192" if args.dequant else "1,16,64,256,1024,8192" if args.w8a8
-                        else "1,8,64,256,2048")
+                        else ",".join(map(str, SWEEP_GEMM_M)) if args.sweep_gemm else "1,8,64,256,2048")
     rows = []
     for layer in args.layers.split(","):
         for M in (int(m) for m in m_list.split(",")):
-            if args.w8a8:
+            if args.sweep_gemm:
+                rows += [sweep_gemm_case(layer, M, scheme, args.group_size) for scheme in ("int8", "int4")]
+            elif args.w8a8:
                 rows.append(w8a8_case(layer, M))
             else:
                 rows += dequant_case(layer, M, args.group_size) if args.dequant else \
@@ -282,12 +394,15 @@ def main() -> None:
           f"Qwen2.5-7B linears, bf16 activations, int4 group size {args.group_size}")
     if args.dequant:
         print_dequant_table(rows)
+    elif args.sweep_gemm:
+        print_gemm_sweep(rows)
     elif args.w8a8:
         print_w8a8_table(rows)
     else:
         print_table(rows)
     setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8)
+                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8,
+                 sweep_gemm=args.sweep_gemm)
     print(json.dumps(dict(setup=setup, rows=rows)))
     if args.json:
         args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))

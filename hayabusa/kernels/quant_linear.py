@@ -462,18 +462,30 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
         return LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)
     if x_bytes == 2 and M <= GEMM_M_BUCKETS[-1]:
         scheme = "int8" if group_size is None else "int4"
-        bm, bn, bk, split, warps, stages = GEMM_T_TABLE[(scheme, gemm_m_bucket(M), gemm_shape_class(N, K))]
-        bk = min(bk, k_cap)
-        if split == 0:
-            split = _split_k(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), sms)
-        return LaunchConfig("gemm_t", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
-                            num_stages=stages)
+        entry = GEMM_T_TABLE[(scheme, gemm_m_bucket(M), gemm_shape_class(N, K))]
+        return gemm_t_launch(entry, M, N, K, group_size, device)
     bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
     bn, bk = 128, min(k_cap, 64)
     split = _split_k(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), sms)
     stages = _gemm_stages(bm, bn, bk, x_bytes, 4 if group_size is not None else 8, smem)
     return LaunchConfig("gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                         num_warps=8 if bm == 128 else 4, num_stages=stages)
+
+
+def gemm_t_launch(entry: tuple[int, int, int, int, int, int], M: int, N: int, K: int, group_size: int | None,
+                  device: torch.device) -> LaunchConfig:
+    """The gemm_t launch of one GEMM_T_TABLE entry (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for
+    [M, K] x [K, N]: int4's BLOCK_K capped at the group's largest power-of-two divisor (a K tile lies in one group),
+    SPLIT_K 0 resolved to as many K splits as fill the device's SMs. Raises ValueError on a malformed entry."""
+    bm, bn, bk, split, warps, stages = entry
+    if min(bm, bn, bk) < 16 or split < 0 or any(v & (v - 1) for v in (bm, bn, bk)):
+        raise ValueError(f"gemm_t entry needs power-of-two tiles >= 16 and SPLIT_K >= 0, got {entry}")
+    if group_size is not None:
+        bk = min(bk, _pow2_divisor(group_size, 128))
+    if split == 0:
+        split = _split_k(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), _device_limits(device)[0])
+    return LaunchConfig("gemm_t", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                        num_stages=stages)
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
