@@ -11,8 +11,9 @@ the v1 format): their loaders convert to this layout once, at load time.
     qweight[i, n] (int32):  bits 31..28 | 27..24 | ... | 7..4      | 3..0
                             k = 8i + 7  | 8i + 6 | ... | k = 8i + 1 | k = 8i
 
-Two kernels, launch chosen on the host from (M, N, K, G) and the device's SM count and shared memory (no autotune:
-the launch must be CUDA-graph safe and the same every run; retune pick_config with bench_quant_linear.py --sweep):
+Three kernels, launch chosen on the host from (M, N, K, G), x's dtype and the device's SM count and shared memory (no
+autotune: the launch must be CUDA-graph safe and the same every run; retune pick_config with bench_quant_linear.py
+--sweep, and GEMM_T_TABLE with its --sweep-gemm):
 - GEMV (M <= _GEMV_MAX_M, decode): bandwidth-bound, and at 4.8 TB/s an H200 has ~3.5 instructions per int4 weight,
   so dequantization avoids int->float conversions (1/8 of the FMA rate): int4 nibbles become 1 + q/16 with one
   shift and one LOP3 (see _int4_gemv_tile), int8 bytes 2**23 + q + 128 with one OR. One program per (row, N tile,
@@ -21,7 +22,16 @@ the launch must be CUDA-graph safe and the same every run; retune pick_config wi
 - GEMM (prefill, batches): tl.dot of activation tiles against the weight tile dequantized in registers to the
   activation dtype as exact integers (q - zero, or q), fp32 accumulation; the scale multiplies the fp32 partial sum
   once per K tile (int4: BLOCK_K divides G, so a tile lies in one group) or once at the end (int8). Same split-K
-  when the tiles cannot fill the GPU.
+  when the tiles cannot fill the GPU. Serves fp32 x, and M > 256.
+- Swapped GEMM "gemm_t" (fp16 / bf16 x, 4 < M <= 256; the small-M form of vLLM's Machete,
+  csrc/quantization/machete): out^T [N, M] = Wdeq [N, K] @ x^T [K, M], so the wide N fills the MMA's M side and the
+  dequantized weight is operand A, which Hopper's wgmma may read from registers (B only from shared memory).
+  Nibbles become x's dtype directly: q | 0x4300 is the bf16 128 + q (fp16: q | 0x6400 = 1024 + q), minus
+  (128 + zero) in bf16, exact: one shift, one LOP3 and one subtract per weight, no int -> float conversion; int8
+  fp16 is one LOP3 ((q & 0xFF) ^ 0x6480 = 1152 + q), int8 bf16 (7 mantissa bits: 256 values do not fit) the fp32
+  OR of _int_tile and one conversion. The tl.dot operands are the same exact integers as the original GEMM's, the
+  scale applied the same way: only the MMA's summation order differs. Tiles come from GEMM_T_TABLE, keyed by
+  (scheme, M bucket, shape class).
 From DEQUANT_GEMM_MIN_M rows on (prefill, large batches) neither runs: the matmul is compute-bound there and
 cuBLAS's bf16/fp16 GEMM is much faster than the tl.dot kernel, so one Triton kernel (_dequant_kernel) writes W
 [N, K] in x's dtype (each element (q - zero) * scale in fp32, rounded once: exactly dequantize_int*_to_ref) and
@@ -276,7 +286,8 @@ def _wo_gemm_t_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, p
     """The GEMM with swapped operands, for fp16 / bf16 x at M = 5-256 (Machete's small-M form):
         out^T [N, M] = Wdeq [N, K] @ x^T [K, M]
     The wide N sits on the MMA's M side (64-256 rows) and the few tokens on its N side (>= 16), and the dequantized
-    weight is the A operand, which Hopper's wgmma reads from registers: no round trip of W through shared memory.
+    weight is the A operand, which Hopper's wgmma may read from registers (no round trip of W through shared memory;
+    whether Triton does so for a given tile is what --sweep-gemm measures).
     Weights are exact integers in x's dtype (see _int4_tile_t, _int8_tile_t); the group scale multiplies the fp32
     partial sum per K tile (int4: BLOCK_K divides G) or the sum at the end (int8), as in _wo_gemm_kernel."""
     # launch order: the M tiles of one N tile are neighbours, so a weight tile comes from HBM once, then from L2
