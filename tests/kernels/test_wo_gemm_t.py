@@ -150,3 +150,38 @@ def test_public_path_takes_gemm_t_for_batches(device, monkeypatch):
     out = quant_linear._kernel_linear(x, q, s, None, bias, 40, None)
     assert [c.kind for c in seen] == ["gemm_t"]
     _assert_close_to_ref(out, int8_weight_only_linear_ref(x, q, s, bias), torch.bfloat16)
+
+
+def test_sweep_gemm_table_sums_a_class_and_prints_a_pasteable_literal(capsys):
+    """bench_quant_linear.py --sweep-gemm / --merge, on made-up timings (no GPU): per (scheme, class, M bucket) the
+    entry with the least time summed over the class's layers wins, an entry one layer lacks cannot; the crossover is
+    the smallest M from which dequantize + cuBLAS wins at every larger M; the printed GEMM_T_TABLE evaluates to the
+    table with the swept keys replaced."""
+    import ast
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_quant_linear.py"),
+                           run_name="bench_quant_linear")
+    a, b, c = [16, 128, 128, 0, 4, 4], [32, 128, 64, 0, 4, 3], [16, 64, 64, 1, 4, 3]
+
+    def row(layer, M, cands, dq_us):
+        shape = "square" if layer in ("qkv", "o") else "wide"
+        best = min(cands, key=lambda e: e[1])
+        return dict(layer=layer, M=M, scheme="int4", shape_class=shape, bf16_us=50.0, dq_cublas_us=dq_us,
+                    table_us=60.0, candidates=cands, best_entry=best[0], best_us=best[1])
+
+    rows = [row("qkv", 16, [[a, 10.0], [b, 30.0], [c, 1.0]], 99.0),   # c is fastest here but o lacks it
+            row("o", 16, [[a, 40.0], [b, 15.0]], 99.0),                # sums: a 50, b 45 -> b
+            row("qkv", 64, [[a, 20.0]], 5.0), row("o", 64, [[a, 20.0]], 99.0),
+            row("gate_up", 16, [[a, 30.0]], 1.0), row("gate_up", 64, [[a, 30.0]], 99.0)]
+    bench["print_gemm_sweep"](rows)
+    out = capsys.readouterr().out
+    literal = out[out.index("GEMM_T_TABLE"):]
+    table = ast.literal_eval(literal[literal.index("{"):])
+    assert table[("int4", 16, "square")] == tuple(b) and table[("int4", 64, "square")] == tuple(a)
+    assert table[("int4", 16, "wide")] == tuple(a)
+    assert table[("int8", 16, "square")] == GEMM_T_TABLE[("int8", 16, "square")]        # not swept: kept
+    assert set(table) == set(GEMM_T_TABLE)
+    crossover = {line.split()[2]: line.split(None, 3)[3] for line in out.splitlines() if line.startswith("#   ")}
+    assert crossover == {"qkv": "64", "o": "never (up to M = 64)", "gate_up": "never (up to M = 64)"}
