@@ -24,12 +24,12 @@ torch._int_mm + the Triton epilogue, where its shape rules allow); the int8 acti
 (per_token_quant_fp8 + torch._scaled_mm, sm89+). It prints per layer the smallest M from which _int_mm wins: the
 input for INT_MM_MIN_M (kernels/int8_gemm.py). About a minute on an H200.
 --sweep-gemm instead searches the swapped-operand GEMM (gemm_t) per layer, M (default 16,32,64,128,256) and scheme
-(int8; int4 at --group-size): about 70 tile / warp / stage / split candidates each (gemm_t_candidates), CUDA-graph
+(int8; int4 at --group-size): up to 24 tile / warp / stage candidates each (gemm_t_candidates), CUDA-graph
 medians next to bf16 F.linear, dequantize + F.linear and the current GEMM_T_TABLE launch. It prints, per (scheme,
 shape class, M bucket), the candidate with the least time summed over the class's layers, the smallest M from
 which dequantize + cuBLAS wins (for DEQUANT_GEMM_MIN_M / _INT4) and the GEMM_T_TABLE literal to paste into
-hayabusa/kernels/quant_linear.py. Hundreds of compiles: run it per layer with --json, then print the tables of
-all runs together with --merge a.json b.json ... (no GPU needed).
+hayabusa/kernels/quant_linear.py. About 180 compiles over all layers: run it per layer (or per --m) with --json
+(written after every case), then print the tables of all runs together with --merge a.json b.json ... (no GPU).
 """
 
 from __future__ import annotations
@@ -265,20 +265,20 @@ SWEEP_GEMM_M = (16, 32, 64, 128, 256)
 
 
 def gemm_t_candidates(M: int, G: int | None) -> list[tuple[int, int, int, int, int, int]]:
-    """GEMM_T_TABLE entries to try at M rows (about 70): the two token tiles nearest M (>= 16), N tiles 64-256,
-    K tiles 64 / 128 (int4: dividing G), auto or no K split, three warp / stage pairs; accumulators above 128 fp32
-    registers per thread left out."""
+    """GEMM_T_TABLE entries to try at M rows (at most 24): the two token tiles nearest M (>= 16), N tiles 128 / 256
+    (the MMA's M side: 64 rows per warpgroup), K tiles 64 / 128 (int4: dividing G), three warp / stage pairs, K
+    splits as pick_config resolves them (SPLIT_K 0); accumulators above 128 fp32 registers per thread left out.
+    About 180 kernels compile over a full sweep (a second or two each): the first run on a machine pays for most."""
     bms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, M)][-2:]
     cands = []
     for bm in bms:
-        for bn in (64, 128, 256):
+        for bn in (128, 256):
             for bk in (64, 128):
                 if G is not None and G % bk:
                     continue
-                for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                    if bm * bn // (32 * warps) > 128:
-                        continue
-                    cands += [(bm, bn, bk, split, warps, stages) for split in (0, 1)]
+                for warps, stages in ((4, 3), (4, 5), (8, 3)):
+                    if bm * bn // (32 * warps) <= 128:
+                        cands.append((bm, bn, bk, 0, warps, stages))
     return cands
 
 
@@ -385,6 +385,8 @@ def main() -> None:
         for M in (int(m) for m in m_list.split(",")):
             if args.sweep_gemm:
                 rows += [sweep_gemm_case(layer, M, scheme, args.group_size) for scheme in ("int8", "int4")]
+                if args.json:  # after every case: a run stopped by a time limit keeps what it measured
+                    args.json.write_text(json.dumps(dict(setup=dict(sweep_gemm=True), rows=rows)))
             elif args.w8a8:
                 rows.append(w8a8_case(layer, M))
             else:
