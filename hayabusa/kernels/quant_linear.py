@@ -24,8 +24,8 @@ autotune: the launch must be CUDA-graph safe and the same every run; retune pick
   once per K tile (int4: BLOCK_K divides G, so a tile lies in one group) or once at the end (int8). Same split-K
   when the tiles cannot fill the GPU. Serves fp32 x, and M > 256.
 - Swapped GEMM "gemm_t" (fp16 / bf16 x, 4 < M <= 256; the small-M form of vLLM's Machete,
-  csrc/quantization/machete): out^T [N, M] = Wdeq [N, K] @ x^T [K, M], so the wide N fills the MMA's M side and the
-  dequantized weight is operand A, which Hopper's wgmma may read from registers (B only from shared memory).
+  csrc/quantization/machete): out^T [N, M] = Wdeq [N, K] @ x^T [K, M], so the wide N fills the MMA's M side
+  (Hopper's wgmma needs 64 rows there: the original GEMM at 16-row tiles compiles to mma.sync).
   Nibbles become x's dtype directly: q | 0x4300 is the bf16 128 + q (fp16: q | 0x6400 = 1024 + q), minus
   (128 + zero) in bf16, exact: one shift, one LOP3 and one subtract per weight, no int -> float conversion; int8
   fp16 is one LOP3 ((q & 0xFF) ^ 0x6480 = 1152 + q), int8 bf16 (7 mantissa bits: 256 values do not fit) the fp32
@@ -285,9 +285,11 @@ def _wo_gemm_t_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, p
                       MAGIC: tl.constexpr, BY_HAND: tl.constexpr):
     """The GEMM with swapped operands, for fp16 / bf16 x at M = 5-256 (Machete's small-M form):
         out^T [N, M] = Wdeq [N, K] @ x^T [K, M]
-    The wide N sits on the MMA's M side (64-256 rows) and the few tokens on its N side (>= 16), and the dequantized
-    weight is the A operand, which Hopper's wgmma may read from registers (no round trip of W through shared memory;
-    whether Triton does so for a given tile is what --sweep-gemm measures).
+    The wide N sits on the MMA's M side (64-256 rows) and the few tokens on its N side (>= 16): compiled for sm_90
+    by Triton 3.6 every GEMM_T_TABLE tile is a warpgroup MMA (wgmma; the original GEMM at 16 rows is mma.sync), with
+    x^T and the packed weights in cp.async pipelines. The dequantized tile is the A operand, which wgmma can read
+    from registers; Triton 3.6 still passes it through shared memory to reach the operand layout (the nibble
+    interleave's layout is not it), as the original GEMM does for its B operand.
     Weights are exact integers in x's dtype (see _int4_tile_t, _int8_tile_t); the group scale multiplies the fp32
     partial sum per K tile (int4: BLOCK_K divides G) or the sum at the end (int8), as in _wo_gemm_kernel."""
     # launch order: the M tiles of one N tile are neighbours, so a weight tile comes from HBM once, then from L2
