@@ -286,7 +286,7 @@ def _wo_gemm_t_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, p
     """The GEMM with swapped operands, for fp16 / bf16 x at M = 5-256 (Machete's small-M form):
         out^T [N, M] = Wdeq [N, K] @ x^T [K, M]
     The wide N sits on the MMA's M side (64-256 rows) and the few tokens on its N side (>= 16): compiled for sm_90
-    by Triton 3.6 every GEMM_T_TABLE tile is a warpgroup MMA (wgmma; the original GEMM at 16 rows is mma.sync), with
+    by Triton 3.6 the first GEMM_T_TABLE tiles are warpgroup MMAs (wgmma; the original GEMM at 16 rows: mma.sync), with
     x^T and the packed weights in cp.async pipelines. The dequantized tile is the A operand, which wgmma can read
     from registers; Triton 3.6 still passes it through shared memory to reach the operand layout (the nibble
     interleave's layout is not it), as the original GEMM does for its B operand.
