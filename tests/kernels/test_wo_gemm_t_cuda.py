@@ -80,7 +80,8 @@ def test_pick_config_launch_matches_ref_and_original_gemm(dtype, scheme, G, laye
     assert cfg.kind == "gemm_t"
     ref = _ref(x, packed, bias, G)
     _assert_close_to_ref(_launch(x, *packed, bias, N, G, cfg), ref, dtype)
-    _assert_close_to_ref(_launch(x, *packed, bias, N, G, dataclasses.replace(cfg, kind="gemm")), ref, dtype)
+    original = dataclasses.replace(cfg, kind="gemm", num_stages=1)   # its W tile also lives in shared memory
+    _assert_close_to_ref(_launch(x, *packed, bias, N, G, original), ref, dtype)
 
 
 @pytest.mark.parametrize("M", [16, 48])
