@@ -1,8 +1,8 @@
 """Time the weight-only int8 / int4 linears against torch's bf16 F.linear on a CUDA GPU; print a table and JSON.
 
     python benchmarks/kernels/bench_quant_linear.py [--json FILE] [--m 1,8,64,256,2048] [--group-size 128]
-                                                    [--sweep | --dequant | --w8a8 | --fp8 [--sweep]]
-                                                    [--layers qkv,o,gate_up,down]
+                                                    [--sweep | --dequant | --w8a8 | --fp8 [--sweep] | --sweep-gemm]
+                                                    [--layers qkv,o,gate_up,down] [--merge A.json B.json ...]
 
 Shapes are Qwen2.5-7B's linears, (K, N): qkv (3584, 4608), o (3584, 3584), gate_up (3584, 37888),
 down (18944, 3584). GB/s counts the bytes a perfect kernel moves: the weights as stored (int4: packed nibbles plus
@@ -31,6 +31,13 @@ the FP8 weights (1 byte each) + their fp32 scales + x read once + the output wri
 split_k, num_warps, num_stages) per case and prints the best next to pick_fp8_config's: the input for retuning
 pick_fp8_config (and FP8_SMALL_M_MAX: the M where _scaled_mm starts to win). A sweep compiles 50-110 launches
 per case (a few minutes): split it with --layers / --m to stay under 10 minutes. Without --sweep about a minute.
+--sweep-gemm instead searches the swapped-operand GEMM (gemm_t) per layer, M (default 16,32,64,128,256) and scheme
+(int8; int4 at --group-size): up to 24 tile / warp / stage candidates each (gemm_t_candidates), CUDA-graph
+medians next to bf16 F.linear, dequantize + F.linear and the current GEMM_T_TABLE launch. It prints, per (scheme,
+shape class, M bucket), the candidate with the least time summed over the class's layers, the smallest M from
+which dequantize + cuBLAS wins (for DEQUANT_GEMM_MIN_M / _INT4) and the GEMM_T_TABLE literal to paste into
+hayabusa/kernels/quant_linear.py. About 180 compiles over all layers: run it per layer (or per --m) with --json
+(written after every case), then print the tables of all runs together with --merge a.json b.json ... (no GPU).
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 from hayabusa.kernels.quant_linear import (  # noqa: E402
-    DEQUANT_GEMM_MIN_M, LaunchConfig, _dequantize, _launch, int4_weight_only_linear_ref, int8_weight_only_linear_ref,
-    pick_config, quantize_int4_grouped, quantize_int8_per_channel,
+    DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_INT4, GEMM_M_BUCKETS, GEMM_T_TABLE, LaunchConfig, _dequantize, _launch,
+    gemm_shape_class, gemm_t_launch, int4_weight_only_linear_ref, int8_weight_only_linear_ref, pick_config,
+    quantize_int4_grouped, quantize_int8_per_channel,
 )
 
 LAYERS = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
@@ -334,6 +342,98 @@ def print_fp8_table(rows: list[dict]) -> None:
           "FP8_SMALL_M_MAX); 'vs x' = x time / fused time (> 1: the fused kernel is faster); %peak of 4.8 TB/s")
 
 
+# ------------------------------------------------------------------------------------ --sweep-gemm (gemm_t tiles)
+SWEEP_GEMM_M = (16, 32, 64, 128, 256)
+
+
+def gemm_t_candidates(M: int, G: int | None) -> list[tuple[int, int, int, int, int, int]]:
+    """GEMM_T_TABLE entries to try at M rows (at most 24): the two token tiles nearest M (>= 16), N tiles 128 / 256
+    (the MMA's M side: 64 rows per warpgroup), K tiles 64 / 128 (int4: dividing G), three warp / stage pairs, K
+    splits as pick_config resolves them (SPLIT_K 0); accumulators above 128 fp32 registers per thread left out.
+    About 180 kernels compile over a full sweep (a second or two each): the first run on a machine pays for most."""
+    bms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, M)][-2:]
+    cands = []
+    for bm in bms:
+        for bn in (128, 256):
+            for bk in (64, 128):
+                if G is not None and G % bk:
+                    continue
+                for warps, stages in ((4, 3), (4, 5), (8, 3)):
+                    if bm * bn // (32 * warps) <= 128:
+                        cands.append((bm, bn, bk, 0, warps, stages))
+    return cands
+
+
+def sweep_gemm_case(layer: str, M: int, scheme: str, G: int) -> dict:
+    """One (layer, M, scheme): CUDA-graph us of bf16 F.linear, dequantize + F.linear, the current table's launch
+    and every candidate (the resolved launches deduplicated); the fastest candidate checked against the reference."""
+    K, N = LAYERS[layer]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    group = G if scheme == "int4" else None
+    packed = quantize_int4_grouped(w, G) if group else (*quantize_int8_per_channel(w), None)
+    ref = int4_weight_only_linear_ref(x, *packed, G) if group else int8_weight_only_linear_ref(x, *packed[:2])
+    bench = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3  # noqa: E731
+    row = dict(layer=layer, K=K, N=N, M=M, scheme=scheme, shape_class=gemm_shape_class(N, K),
+               bf16_us=bench(lambda: F.linear(x, w)),
+               dq_cublas_us=bench(lambda: F.linear(x, _dequantize(*packed, group, x.dtype))))
+    table_cfg = pick_config(M, N, K, group, x.device)
+    row.update(table_config=table_cfg.__dict__, table_us=bench(lambda: _launch(x, *packed, None, N, group, table_cfg)))
+    seen, cands = set(), []
+    for entry in gemm_t_candidates(M, group):
+        cfg = gemm_t_launch(entry, M, N, K, group, x.device)
+        if cfg in seen:
+            continue
+        seen.add(cfg)
+        try:
+            cands.append([list(entry), bench(lambda: _launch(x, *packed, None, N, group, cfg))])
+        except Exception:  # noqa: BLE001 - out of shared memory / registers: not a candidate on this GPU
+            continue
+    best = min(cands, key=lambda c: c[1])
+    torch.testing.assert_close(_launch(x, *packed, None, N, group, gemm_t_launch(tuple(best[0]), M, N, K, group,
+                                                                                    x.device)),
+                               ref, atol=0.05, rtol=0.02)
+    row.update(candidates=cands, best_entry=best[0], best_us=best[1])
+    print(f"# {layer} M={M} {scheme}: bf16 {row['bf16_us']:.1f} dq+cuBLAS {row['dq_cublas_us']:.1f} table "
+          f"{row['table_us']:.1f} best {best[1]:.1f} us {tuple(best[0])}", flush=True)
+    return row
+
+
+def print_gemm_sweep(rows: list[dict]) -> None:
+    """Per (scheme, shape class, M bucket): the entry with the least time summed over the class's swept layers,
+    next to bf16 and dequantize + cuBLAS; then per (scheme, layer) the dequantize + cuBLAS crossover; then the
+    GEMM_T_TABLE literal to paste into hayabusa/kernels/quant_linear.py (unswept keys keep their entries)."""
+    print(f"{'scheme':<6} {'class':<7} {'M':>4} {'layers':<12} {'gemm_t us':>9} {'bf16 us':>8} {'dq+cuBLAS':>9} "
+          f"{'table us':>8} {'vs bf16':>7}  best entry (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)")
+    table = dict(GEMM_T_TABLE)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["scheme"], r["shape_class"], r["M"]), []).append(r)
+    for (scheme, shape, M), rs in sorted(groups.items()):
+        totals: dict[tuple, float] = {}
+        for r in rs:
+            for entry, us in r["candidates"]:
+                totals[tuple(entry)] = totals.get(tuple(entry), 0.0) + us
+        common = [e for e in totals if all(any(tuple(c[0]) == e for c in r["candidates"]) for r in rs)]
+        best = min(common, key=totals.__getitem__)
+        if M in GEMM_M_BUCKETS:  # a swept M between buckets is printed, not tabled
+            table[(scheme, M, shape)] = best
+        bf16, dq, cur = (sum(r[k] for r in rs) for k in ("bf16_us", "dq_cublas_us", "table_us"))
+        print(f"{scheme:<6} {shape:<7} {M:>4} {','.join(r['layer'] for r in rs):<12} {totals[best]:>9.1f} "
+              f"{bf16:>8.1f} {dq:>9.1f} {cur:>8.1f} {bf16 / totals[best]:>7.2f}  {best}")
+    print("# smallest swept M from which dequantize + cuBLAS beats the best gemm_t at every larger swept M "
+          f"(DEQUANT_GEMM_MIN_M = {DEQUANT_GEMM_MIN_M}, DEQUANT_GEMM_MIN_M_INT4 = {DEQUANT_GEMM_MIN_M_INT4}):")
+    for key in dict.fromkeys((r["scheme"], r["layer"]) for r in rows):
+        ms = sorted((r["M"], r["dq_cublas_us"] < r["best_us"]) for r in rows if (r["scheme"], r["layer"]) == key)
+        wins = [m for i, (m, _) in enumerate(ms) if all(win for _, win in ms[i:])]
+        print(f"#   {key[0]:<5} {key[1]:<8} {wins[0] if wins else f'never (up to M = {ms[-1][0]})'}")
+    print("GEMM_T_TABLE: dict[tuple[str, int, str], tuple[int, int, int, int, int, int]] = {")
+    for key in sorted(table):
+        print(f"    {key!r}: {tuple(table[key])!r},")
+    print("}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
@@ -349,18 +449,32 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="time fp8_small_m_linear against quantize + _scaled_mm and bf16 (with --sweep: retune "
                              "pick_fp8_config)")
+    parser.add_argument("--sweep-gemm", action="store_true",
+                        help="search the swapped-operand GEMM's tiles per (scheme, shape class, M bucket) and print "
+                             "GEMM_T_TABLE and the dequantize + cuBLAS crossovers")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="print the --sweep-gemm tables of earlier runs' --json files together (no GPU needed)")
     args = parser.parse_args()
+    if args.merge:
+        rows = [r for f in args.merge for r in json.loads(f.read_text())["rows"]]
+        print_gemm_sweep(rows)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_quant_linear needs a CUDA GPU")
-    if args.sweep + args.dequant + args.w8a8 > 1 or args.fp8 + args.dequant + args.w8a8 > 1:
-        sys.exit("--sweep, --dequant, --w8a8 and --fp8 are separate runs (--fp8 --sweep sweeps the FP8 kernel)")
+    if args.sweep + args.dequant + args.w8a8 + args.sweep_gemm > 1 or args.fp8 + args.dequant + args.w8a8 + args.sweep_gemm > 1:
+        sys.exit("--sweep, --dequant, --w8a8, --fp8 and --sweep-gemm are separate runs (--fp8 --sweep sweeps the FP8 kernel)")
     m_list = args.m or ("16,64,128,256,512,2048,8192" if args.dequant else "1,16,64,256,1024,8192" if args.w8a8
-                        else "1,4,16,64" if args.fp8 else "1,8,64,256,2048")
+                        else "1,4,16,64" if args.fp8 else ",".join(map(str, SWEEP_GEMM_M)) if args.sweep_gemm
+                        else "1,8,64,256,2048")
     rows = []
     for layer in args.layers.split(","):
         for M in (int(m) for m in m_list.split(",")):
             if args.fp8:
                 rows.append(fp8_case(layer, M, args.sweep))
+            elif args.sweep_gemm:
+                rows += [sweep_gemm_case(layer, M, scheme, args.group_size) for scheme in ("int8", "int4")]
+                if args.json:  # after every case: a run stopped by a time limit keeps what it measured
+                    args.json.write_text(json.dumps(dict(setup=dict(sweep_gemm=True), rows=rows)))
             elif args.w8a8:
                 rows.append(w8a8_case(layer, M))
             else:
@@ -372,12 +486,15 @@ def main() -> None:
         print_fp8_table(rows)
     elif args.dequant:
         print_dequant_table(rows)
+    elif args.sweep_gemm:
+        print_gemm_sweep(rows)
     elif args.w8a8:
         print_w8a8_table(rows)
     else:
         print_table(rows)
     setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8, fp8=args.fp8)
+                 group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8, fp8=args.fp8,
+                 sweep_gemm=args.sweep_gemm)
     print(json.dumps(dict(setup=setup, rows=rows)))
     if args.json:
         args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))

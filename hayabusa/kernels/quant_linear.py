@@ -11,8 +11,9 @@ the v1 format): their loaders convert to this layout once, at load time.
     qweight[i, n] (int32):  bits 31..28 | 27..24 | ... | 7..4      | 3..0
                             k = 8i + 7  | 8i + 6 | ... | k = 8i + 1 | k = 8i
 
-Two kernels, launch chosen on the host from (M, N, K, G) and the device's SM count and shared memory (no autotune:
-the launch must be CUDA-graph safe and the same every run; retune pick_config with bench_quant_linear.py --sweep):
+Three kernels, launch chosen on the host from (M, N, K, G), x's dtype and the device's SM count and shared memory (no
+autotune: the launch must be CUDA-graph safe and the same every run; retune pick_config with bench_quant_linear.py
+--sweep, and GEMM_T_TABLE with its --sweep-gemm):
 - GEMV (M <= _GEMV_MAX_M, decode): bandwidth-bound, and at 4.8 TB/s an H200 has ~3.5 instructions per int4 weight,
   so dequantization avoids int->float conversions (1/8 of the FMA rate): int4 nibbles become 1 + q/16 with one
   shift and one LOP3 (see _int4_gemv_tile), int8 bytes 2**23 + q + 128 with one OR. One program per (row, N tile,
@@ -21,7 +22,16 @@ the launch must be CUDA-graph safe and the same every run; retune pick_config wi
 - GEMM (prefill, batches): tl.dot of activation tiles against the weight tile dequantized in registers to the
   activation dtype as exact integers (q - zero, or q), fp32 accumulation; the scale multiplies the fp32 partial sum
   once per K tile (int4: BLOCK_K divides G, so a tile lies in one group) or once at the end (int8). Same split-K
-  when the tiles cannot fill the GPU.
+  when the tiles cannot fill the GPU. Serves fp32 x, and M > 256.
+- Swapped GEMM "gemm_t" (fp16 / bf16 x, 4 < M <= 256; the small-M form of vLLM's Machete,
+  csrc/quantization/machete): out^T [N, M] = Wdeq [N, K] @ x^T [K, M], so the wide N fills the MMA's M side
+  (Hopper's wgmma needs 64 rows there: the original GEMM at 16-row tiles compiles to mma.sync).
+  Nibbles become x's dtype directly: q | 0x4300 is the bf16 128 + q (fp16: q | 0x6400 = 1024 + q), minus
+  (128 + zero) in bf16, exact: one shift, one LOP3 and one subtract per weight, no int -> float conversion; int8
+  fp16 is one LOP3 ((q & 0xFF) ^ 0x6480 = 1152 + q), int8 bf16 (7 mantissa bits: 256 values do not fit) the fp32
+  OR of _int_tile and one conversion. The tl.dot operands are the same exact integers as the original GEMM's, the
+  scale applied the same way: only the MMA's summation order differs. Tiles come from GEMM_T_TABLE, keyed by
+  (scheme, M bucket, shape class).
 From DEQUANT_GEMM_MIN_M rows on (prefill, large batches) neither runs: the matmul is compute-bound there and
 cuBLAS's bf16/fp16 GEMM is much faster than the tl.dot kernel, so one Triton kernel (_dequant_kernel) writes W
 [N, K] in x's dtype (each element (q - zero) * scale in fp32, rounded once: exactly dequantize_int*_to_ref) and
@@ -68,15 +78,17 @@ def _f32_plus_2p23(u):
 
 
 @triton.jit
-def _unpack_int4_tile(qw_ptr, k0, offs_n, n_mask, N, BLOCK_K: tl.constexpr):
+def _unpack_int4_tile(qw_ptr, k0, offs_n, n_mask, N, BLOCK_K: tl.constexpr, OR_BITS: tl.constexpr = 0):
     """Packed rows k0 // 8 .. (k0 + BLOCK_K) // 8 of qweight, each int32 loaded once, unpacked in registers to
     nibbles u^T [BLOCK_N, BLOCK_K] (k on the last axis): u^T[n, 8i + j] = plane j of word i. Three rounds of
     interleave (2m + b <- b ? second[m] : first[m]) put plane j at 8i + j: b = j % 2, then j // 2 % 2, then j // 4.
+    OR_BITS (< 2**16, above bit 3) is OR-ed into every nibble: one shift and one LOP3 (AND-OR) per nibble.
     """
     offs_i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     q = tl.load(qw_ptr + offs_i[None, :] * N + offs_n[:, None], mask=n_mask[:, None], other=0)  # [BN, BK // 8]
-    p0, p1, p2, p3 = q & 0xF, (q >> 4) & 0xF, (q >> 8) & 0xF, (q >> 12) & 0xF
-    p4, p5, p6, p7 = (q >> 16) & 0xF, (q >> 20) & 0xF, (q >> 24) & 0xF, (q >> 28) & 0xF
+    p0, p1, p2, p3 = q & 0xF | OR_BITS, (q >> 4) & 0xF | OR_BITS, (q >> 8) & 0xF | OR_BITS, (q >> 12) & 0xF | OR_BITS
+    p4, p5, p6, p7 = ((q >> 16) & 0xF | OR_BITS, (q >> 20) & 0xF | OR_BITS, (q >> 24) & 0xF | OR_BITS,
+                      (q >> 28) & 0xF | OR_BITS)
     even = tl.interleave(tl.interleave(p0, p4), tl.interleave(p2, p6))
     odd = tl.interleave(tl.interleave(p1, p5), tl.interleave(p3, p7))
     return tl.interleave(even, odd)
@@ -229,6 +241,93 @@ def _wo_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, par
 
 
 @triton.jit
+def _int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+                 MAGIC: tl.constexpr, BY_HAND: tl.constexpr):
+    """Weight tile W^T [BLOCK_N, BLOCK_K] as the exact integers q - zero in x's dtype, one group. A nibble OR-ed
+    with MAGIC is the float 2**e + q (bf16 0x4300 = 128 + q, fp16 0x6400 = 1024 + q: the nibble fills the low
+    mantissa bits), so q - zero = (2**e + q) - (2**e + zero), both exact, by one shift, one LOP3 and one subtract
+    per weight: no int -> float conversion. BY_HAND (interpreter, bf16): the same bits read as fp32 (bf16 is the top
+    half of an fp32), subtracted in fp32: the interpreter's bf16 arithmetic works on raw bits."""
+    z = tl.load(zeros_ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    off = z + (128.0 if MAGIC == 0x4300 else 1024.0)                                       # [BN] 2**e + zero
+    u = _unpack_int4_tile(qw_ptr, k0, offs_n, n_mask, N, BLOCK_K=BLOCK_K, OR_BITS=MAGIC)   # [BN, BK] int32
+    if BY_HAND:
+        return (u << 16).to(tl.float32, bitcast=True) - off[:, None]
+    w = u.to(tl.int16).to(zeros_ptr.dtype.element_ty, bitcast=True)
+    return w - off.to(zeros_ptr.dtype.element_ty)[:, None]
+
+
+@triton.jit
+def _int8_tile_t(qw_ptr, offs_k, offs_n, n_mask, k_mask, K, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
+                 BY_HAND: tl.constexpr, DTYPE: tl.constexpr):
+    """Weight tile W^T [BLOCK_N, BLOCK_K] as the exact integers q in DTYPE (qweight [N, K], K contiguous). fp16:
+    (q + 128) | 0x6400 is the half 1024 + q + 128 (one LOP3 on the sign-extended byte), minus 1152. bf16 keeps 7
+    mantissa bits, too few for 256 values: 2**23 + q + 128 in fp32 by one OR (as _int_tile), then one rounding-free
+    conversion (BY_HAND, the interpreter: left in fp32)."""
+    ptrs = qw_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    if EVEN_K:
+        q = tl.load(ptrs, mask=n_mask[:, None], other=0)
+    else:
+        q = tl.load(ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0)
+    if MAGIC == 0x6400:
+        return ((q.to(tl.int16) & 0xFF) ^ 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    w = _f32_plus_2p23(q.to(tl.int32) + 128) - 8388736.0  # 2**23 + 128
+    if BY_HAND:
+        return w
+    return w.to(DTYPE)
+
+
+@triton.jit
+def _wo_gemm_t_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr,
+                      M, N, K, k_per_split, stride_xm, stride_xk, stride_om,
+                      INT4: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      MAGIC: tl.constexpr, BY_HAND: tl.constexpr):
+    """The GEMM with swapped operands, for fp16 / bf16 x at M = 5-256 (Machete's small-M form):
+        out^T [N, M] = Wdeq [N, K] @ x^T [K, M]
+    The wide N sits on the MMA's M side (64-256 rows) and the few tokens on its N side (>= 16): compiled for sm_90
+    by Triton 3.6 the first GEMM_T_TABLE tiles are warpgroup MMAs (wgmma; the original GEMM at 16 rows: mma.sync), with
+    x^T and the packed weights in cp.async pipelines. The dequantized tile is the A operand, which wgmma can read
+    from registers; Triton 3.6 still passes it through shared memory to reach the operand layout (the nibble
+    interleave's layout is not it), as the original GEMM does for its B operand.
+    Weights are exact integers in x's dtype (see _int4_tile_t, _int8_tile_t); the group scale multiplies the fp32
+    partial sum per K tile (int4: BLOCK_K divides G) or the sum at the end (int8), as in _wo_gemm_kernel."""
+    # launch order: the M tiles of one N tile are neighbours, so a weight tile comes from HBM once, then from L2
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_n, pid_m = pid // num_m, pid % num_m
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = rows < M, offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)                                   # out^T tile
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        xt_ptrs = x_ptr + rows[None, :] * stride_xm + offs_k[:, None] * stride_xk           # x^T [BK, BM]
+        if EVEN_K:
+            xt = tl.load(xt_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            xt = tl.load(xt_ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        if BY_HAND:  # the interpreter (numpy) computes a bf16 tl.dot on raw bits: fp32 operands
+            xt = xt.to(tl.float32)
+        if INT4:
+            w = _int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE, BLOCK_K, MAGIC, BY_HAND)
+            s = tl.load(scales_ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += tl.dot(w, xt) * s[:, None]
+        else:
+            w = _int8_tile_t(qw_ptr, offs_k, offs_n, n_mask, k_mask, K, MAGIC, EVEN_K, BY_HAND,
+                             x_ptr.dtype.element_ty)
+            acc = tl.dot(w, xt, acc)
+    if not INT4:
+        acc *= tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    splitk_epilogue(tl.trans(acc), rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+                    HAS_BIAS, SPLIT)
+
+
+@triton.jit
 def splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_om,
                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[m, :] = sum over splits of part[s, m, :] in split order (+ bias): the deterministic second pass."""
@@ -285,7 +384,8 @@ def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, out_ptr, N, K,
 # ---------------------------------------------------------------------------------------------------- launcher
 @dataclass(frozen=True)
 class LaunchConfig:
-    """One launch: kernel kind ("gemv" | "gemm"), tile sizes, requested K splits (the launcher drops empty ones)."""
+    """One launch: kernel kind ("gemv" | "gemm" | "gemm_t": the swapped-operand GEMM, fp16 / bf16 x only), tile
+    sizes, requested K splits (the launcher drops empty ones)."""
     kind: str
     BLOCK_N: int
     BLOCK_K: int
@@ -293,6 +393,32 @@ class LaunchConfig:
     BLOCK_M: int = 1
     num_warps: int = 4
     num_stages: int = 2
+
+
+# Launches of _wo_gemm_t_kernel (fp16 / bf16 x, _GEMV_MAX_M < M <= 256), keyed by (scheme "int8" | "int4", M
+# bucket (gemm_m_bucket), shape class (gemm_shape_class)) -> (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
+# num_stages); SPLIT_K 0 = as many K splits as fill the SMs (_split_k); int4 caps BLOCK_K at the group's largest
+# power-of-two divisor. UNMEASURED: best guesses from Machete's small-M tiles (N on the MMA's M side, 128 wide; the
+# token tile as small as M allows, >= 16 for tl.dot; 3-4 stages), the same for every shape class. Replace with the
+# literal that `python benchmarks/kernels/bench_quant_linear.py --sweep-gemm` prints after a GPU run.
+GEMM_M_BUCKETS = (16, 32, 64, 128, 256)
+GEMM_SHAPE_CLASSES = ("square", "wide", "deep")
+_GEMM_T_GUESS = {16: (16, 128, 128, 0, 4, 4), 32: (32, 128, 128, 0, 4, 4), 64: (64, 128, 64, 0, 4, 4),
+                 128: (128, 128, 64, 0, 8, 3), 256: (128, 128, 64, 0, 8, 3)}
+GEMM_T_TABLE: dict[tuple[str, int, str], tuple[int, int, int, int, int, int]] = {
+    (scheme, bucket, shape): _GEMM_T_GUESS[bucket]
+    for scheme in ("int8", "int4") for bucket in GEMM_M_BUCKETS for shape in GEMM_SHAPE_CLASSES}
+
+
+def gemm_m_bucket(M: int) -> int:
+    """The GEMM_T_TABLE row bucket of M rows: the smallest of GEMM_M_BUCKETS >= M (the largest past them)."""
+    return next((b for b in GEMM_M_BUCKETS if M <= b), GEMM_M_BUCKETS[-1])
+
+
+def gemm_shape_class(N: int, K: int) -> str:
+    """The GEMM_T_TABLE shape class of a [K] -> [N] linear: "wide" (N >= 4K: an MLP's gate_up, many N tiles),
+    "deep" (K >= 4N: its down projection, few N tiles and a long K) or "square" (attention's qkv and o)."""
+    return "wide" if N >= 4 * K else "deep" if K >= 4 * N else "square"
 
 
 @functools.lru_cache(maxsize=8)
@@ -332,11 +458,14 @@ def _gemm_stages(bm: int, bn: int, bk: int, x_bytes: int, w_bits: int, smem: int
 
 def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.device,
                 x_bytes: int = 2) -> LaunchConfig:
-    """The launch for [M, K] x [K, N]; int4 when group_size is given. Host ints and device properties only.
+    """The launch for [M, K] x [K, N]; int4 when group_size is given; x_bytes 2 = fp16 / bf16 x, 4 = fp32. Host
+    ints and device properties only.
 
-    Starting points, not yet tuned on the device. GEMV: about 4 programs per SM, 8 KB of weights per program and
-    step (int4 128 k x 128 n, int8 128 k x 64 n). GEMM: 128-row tiles for prefill, 16-64 rows with split-K when
-    the tiles do not fill the SMs; int4 K tiles stay inside one group (tl.dot also needs K >= 16).
+    GEMV (M <= _GEMV_MAX_M): about 4 programs per SM, 8 KB of weights per program and step (int4 128 k x 128 n,
+    int8 128 k x 64 n). fp16 / bf16 x up to M = 256: the swapped-operand GEMM (_wo_gemm_t_kernel) with the tiles of
+    GEMM_T_TABLE (see there: unmeasured until the sweep's table is pasted). Otherwise (fp32 x, larger M) the
+    original GEMM: 128-row tiles for prefill, 16-64 rows with split-K when the tiles do not fill the SMs. int4 K
+    tiles stay inside one group (tl.dot also needs K >= 16).
     """
     sms, smem = device_limits(device)
     k_cap = _pow2_divisor(group_size, 128) if group_size is not None else 128
@@ -344,12 +473,32 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
         bn, bk, warps = (128, k_cap, 4) if group_size is not None else (64, 128, 8)
         split = split_k_for(M * triton.cdiv(N, bn), triton.cdiv(K, bk), 4 * sms)
         return LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)
+    if x_bytes == 2 and M <= GEMM_M_BUCKETS[-1]:
+        scheme = "int8" if group_size is None else "int4"
+        entry = GEMM_T_TABLE[(scheme, gemm_m_bucket(M), gemm_shape_class(N, K))]
+        return gemm_t_launch(entry, M, N, K, group_size, device)
     bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
     bn, bk = 128, min(k_cap, 64)
     split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), sms)
     stages = _gemm_stages(bm, bn, bk, x_bytes, 4 if group_size is not None else 8, smem)
     return LaunchConfig("gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                         num_warps=8 if bm == 128 else 4, num_stages=stages)
+
+
+def gemm_t_launch(entry: tuple[int, int, int, int, int, int], M: int, N: int, K: int, group_size: int | None,
+                  device: torch.device) -> LaunchConfig:
+    """The gemm_t launch of one GEMM_T_TABLE entry (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for
+    [M, K] x [K, N]: int4's BLOCK_K capped at the group's largest power-of-two divisor (a K tile lies in one group),
+    SPLIT_K 0 resolved to as many K splits as fill the device's SMs. Raises ValueError on a malformed entry."""
+    bm, bn, bk, split, warps, stages = entry
+    if min(bm, bn, bk) < 16 or split < 0 or any(v & (v - 1) for v in (bm, bn, bk)):
+        raise ValueError(f"gemm_t entry needs power-of-two tiles >= 16 and SPLIT_K >= 0, got {entry}")
+    if group_size is not None:
+        bk = min(bk, _pow2_divisor(group_size, 128))
+    if split == 0:
+        split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), device_limits(device)[0])
+    return LaunchConfig("gemm_t", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                        num_stages=stages)
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -373,6 +522,12 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                  num_stages=cfg.num_stages)
     if cfg.kind == "gemv":
         _wo_gemv_kernel[(M, triton.cdiv(N, cfg.BLOCK_N), splits)](*args, 0x3F800000, **flags)
+    elif cfg.kind == "gemm_t":
+        assert x.dtype in (torch.float16, torch.bfloat16), "gemm_t takes fp16 / bf16 activations"
+        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), splits)
+        _wo_gemm_t_kernel[grid](*args, **flags, BLOCK_M=cfg.BLOCK_M,
+                                MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300,
+                                BY_HAND=x.dtype == torch.bfloat16 and x.device.type == "cpu")
     else:
         grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), splits)
         _wo_gemm_kernel[grid](*args, **flags, BLOCK_M=cfg.BLOCK_M, GROUP_M=8,
