@@ -428,6 +428,8 @@ g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, t
   ensure_q7
   bench_step q7_W3_fp8 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8   # issue #25
   bench_step q05_W3_bi 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true       # issue #23
+  step kbench_wo "${KBENCH_WO_S:-70}" 20 bash -c "python benchmarks/kernels/bench_quant_linear.py --m 16,64,256 \
+    --layers gate_up,down,qkv --json '$OUT/kbench_wo.json' 2>&1 | grep -v '^{' | tail -30"                # issue #24
   bench_step q05_W1_specoff 60 20 --workload W1 --model "$Q05"                                      # issue #21
   bench_step q05_W1_ngram 60 20 --workload W1 --model "$Q05" \
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
