@@ -1,6 +1,6 @@
 """Time paged_attention (decode, prefill), store_kv and RoPE + store_kv on a CUDA GPU; print a table with GB/s.
 
-    python benchmarks/kernels/bench_attention.py [--json FILE] [--dtype bf16] [--block-size 16] [--bi]
+    python benchmarks/kernels/bench_attention.py [--json FILE] [--dtype bf16] [--block-size 16]
 
 Shapes are Qwen2.5-7B's (H=28, H_kv=4, D=128). GB/s counts the bytes a perfect kernel must move: every K/V row a
 request attends to, read once, plus q read and out written (store_kv: k/v read and written). Prefill also reports
@@ -11,9 +11,6 @@ and -7B's shapes, model-dtype and fp8 e4m3 caches: 'rope+store_kv (2 launches)' 
 (q read and written, k and v read, the cache rows written), so their GB/s compare directly.
 GB/s and TFLOP/s use the time of a CUDA-graph replay (as the engine runs decode; it also checks that the launch
 captures); 'eager us' adds the Python launch cost. Needs CUDA (the Triton interpreter would take hours).
---bi: only batch-invariant mode's decode attention (kernels/paged_attention_bi.py) on Qwen2.5-0.5B's heads, split
-(a program per 256-key split + the merge launch) vs unsplit (inline: one program walks every split) vs the default
-kernel, at R = 1, 8, 64 and ctx 128 .. 4,096.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 from hayabusa.kernels.paged_attention import paged_attention  # noqa: E402
-from hayabusa.kernels.paged_attention_bi import paged_attention_bi  # noqa: E402
 from hayabusa.kernels.rope_store_kv import rope_and_store_kv  # noqa: E402
 from hayabusa.kernels.rotary import rotary_embedding  # noqa: E402
 from hayabusa.kernels.store_kv import store_kv  # noqa: E402
@@ -40,11 +36,8 @@ H, H_KV, D = 28, 4, 128
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0,
-               heads: tuple[int, int, int] = (H, H_KV, D)) -> dict:
-    """Paged-attention arguments with a shuffled block table (blocks of one request are scattered);
-    heads = (H, H_kv, D)."""
-    H, H_KV, D = heads
+def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Paged-attention arguments with a shuffled block table (blocks of one request are scattered)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     need = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(need)
@@ -160,26 +153,8 @@ def bench_rope_store_kv(T: int, model: str, block_size: int, dtype: torch.dtype,
             row("rope_and_store_kv (fused)", case, time_ms(fused), nbytes, 0)]
 
 
-def bench_bi_decode(dtype: torch.dtype, block_size: int) -> list[dict]:
-    """Batch-invariant decode attention on the 0.5b heads: split vs unsplit (inline) vs the default kernel."""
-    h, h_kv, d = ROPE_SHAPES["0.5b"]
-    rows = []
-    for R in (1, 8, 64):
-        for ctx in (128, 640, 1024, 2048, 4096):
-            q_lens, seq_lens = [1] * R, [ctx] * R
-            batch = make_batch(q_lens, seq_lens, block_size, dtype, heads=(h, h_kv, d))
-            nbytes = sum(seq_lens) * h_kv * d * 2 * batch["q"].element_size() + R * h * d * 2 * 2
-            for name, fn in (("bi split", lambda: paged_attention_bi(**batch, max_seq_len=ctx, split=True)),
-                             ("bi unsplit", lambda: paged_attention_bi(**batch, max_seq_len=ctx, split=False)),
-                             ("default", lambda: paged_attention(**batch))):
-                rows.append(row(f"paged_attention {name}", f"0.5b decode R={R} ctx={ctx}", time_ms(fn), nbytes, 0))
-    return rows
-
-
 def run_all(args) -> list[dict]:
     dtype = DTYPES[args.dtype]
-    if args.bi:
-        return bench_bi_decode(dtype, args.block_size)
     rows = []
     for R in (1, 64, 256):
         for ctx in (512, 2048):
@@ -209,7 +184,6 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--bi", action="store_true", help="batch-invariant decode attention only: split vs unsplit")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")

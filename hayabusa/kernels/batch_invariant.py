@@ -15,9 +15,8 @@ Kernel + launcher + reference for each op the mode swaps in:
 - ``log_softmax_bi``: per-row log-softmax in fp32, one program per row walking V in fixed BLOCK_V chunks
   (elementwise max / sum accumulators, reduced once at the end): a row's bits depend only on that row and V.
   Reference ``log_softmax_bi_ref`` = torch.log_softmax on CPU (a per-row vectorised loop; tested invariant).
-- attention: ``paged_attention(..., batch_invariant=True)`` (kernels/paged_attention_bi.py) runs one kernel for
-  every step with one tile configuration and split-KV at fixed key positions, the splits merged in order;
-  ``paged_attention_bi_ref`` here is the CPU path: per
+- attention: ``paged_attention(..., batch_invariant=True)`` (kernels/paged_attention.py) runs the same kernel for
+  every step with one tile configuration and no split-KV; ``paged_attention_bi_ref`` here is the CPU path: per
   request, KV tiles of ``BI_TILE_N`` keys from position 0, the kernel's online-softmax update (log2 units) with
   every reduction an inner-dim sum of fixed length.
 
@@ -233,10 +232,8 @@ def paged_attention_bi_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, max_query_len: int, num_seqs: int | None = None,
                            sliding_window: int | None = None, softcap: float | None = None,
                            *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
-                           max_seq_len: int | None = None) -> None:
-    """paged_attention_ref's batch-invariant twin (same arguments, max_seq_len unused; the CPU attention of the
-    mode).
+                           v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None) -> None:
+    """paged_attention_ref's batch-invariant twin (same arguments; the CPU attention of the mode).
 
     A query row at position p gets the same bits whatever else is in the step and however its prompt was chunked:
     its keys are walked in BI_TILE_N tiles from position 0 with the Triton kernel's online-softmax update, every

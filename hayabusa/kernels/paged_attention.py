@@ -35,11 +35,17 @@ from collections.abc import Iterator
 import torch
 
 from hayabusa.kernels._triton import tl, triton
-from hayabusa.kernels.attention_tiles import attend_tiles, batch_invariant_tile_config, check_inputs  # noqa: F401
 from hayabusa.kernels.fp8 import check_scale, dequantize_fp8_ref, is_fp8, unit_scale
 
 _LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_SPLITS = 32
+
+
+@triton.jit
+def _tanh(x):
+    # exp form instead of libdevice so it also runs under TRITON_INTERPRET; saturates to +-1, never NaN
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -60,6 +66,87 @@ def _tile_range(qt, q_len, seq_len, window, split,
     return ctx_len, kv_end, tile_lo, tile_hi
 
 
+@triton.jit
+def _load_kv_tile(cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_b, stride_s, stride_h, offs_d, d_mask,
+                  TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """Keys tile*TILE_N .. +TILE_N of one KV head: [D_PAD, TILE_N] if TRANSPOSED else [TILE_N, D_PAD]."""
+    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+    n_mask = offs_n < kv_end
+    if BLOCK_SIZE % TILE_N == 0:  # the tile lies inside one cache block: one block-table read
+        blk = tl.load(bt_row_ptr + (tile * TILE_N) // BLOCK_SIZE).to(tl.int64)
+        in_blk = (tile * TILE_N) % BLOCK_SIZE + tl.arange(0, TILE_N)
+    else:  # the tile spans blocks: one block id per key
+        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_blk = offs_n % BLOCK_SIZE
+    rows = blk * stride_b + in_blk * stride_s + kv_head * stride_h  # [TILE_N] int64 element offsets
+    if TRANSPOSED:
+        ptrs = cache_ptr + rows[None, :] + offs_d[:, None]
+        mask = n_mask[None, :] & d_mask[:, None]
+    else:
+        ptrs = cache_ptr + rows[:, None] + offs_d[None, :]
+        mask = n_mask[:, None] & d_mask[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scores(q, k, offs_n, pos, pre_scale, post_scale, window, bias_ptr, bias_row, bias_len,
+            USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, USE_BIAS: tl.constexpr):
+    """Scores in log2 units: [BLOCK_M, TILE_N] fp32; if MASKED, -inf where a key is not visible.
+    USE_BIAS: + bias[head, query_pos - key_pos] (T5), bias_row [BLOCK_M] int64 = head * stride (-1: idle row)."""
+    s = tl.dot(q, k, input_precision="ieee") * pre_scale
+    if USE_SOFTCAP:
+        s = post_scale * _tanh(s)  # post_scale = softcap * log2(e), pre_scale = scale / softcap
+    if USE_BIAS:
+        dist = tl.minimum(tl.maximum(pos[:, None] - offs_n[None, :], 0), bias_len - 1)   # [BLOCK_M, TILE_N]
+        b = tl.load(bias_ptr + bias_row[:, None] + dist, mask=(bias_row >= 0)[:, None], other=0.0)
+        s = s + b * 1.4426950408889634   # to log2 units, like the scores
+    if MASKED:
+        visible = offs_n[None, :] <= pos[:, None]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc):
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that saw no key yet: exp2(-inf) = 0, no NaN
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tiles(q, m_i, l_i, acc, tile_start, tile_end, kv_end, pos, kv_head, bt_row_ptr,
+                  k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  offs_d, d_mask, pre_scale, post_scale, window, bias_ptr, bias_row, bias_len,
+                  TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
+                  USE_SOFTCAP: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
+                  KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) over key tiles [tile_start, tile_end).
+    With KV_FP8 the tiles are upcast to q's dtype (the scales are applied by the caller)."""
+    for tile in range(tile_start, tile_end):
+        k = _load_kv_tile(k_cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_kb, stride_ks, stride_kh,
+                          offs_d, d_mask, TILE_N, BLOCK_SIZE, True, DOT_FP32)
+        if KV_FP8:
+            k = k.to(q.dtype)
+        s = _scores(q, k, tile * TILE_N + tl.arange(0, TILE_N), pos, pre_scale, post_scale, window,
+                    bias_ptr, bias_row, bias_len, USE_WINDOW, USE_SOFTCAP, MASKED, USE_BIAS)
+        v = _load_kv_tile(v_cache_ptr, bt_row_ptr, tile, kv_end, kv_head, stride_vb, stride_vs, stride_vh,
+                          offs_d, d_mask, TILE_N, BLOCK_SIZE, False, DOT_FP32)
+        if KV_FP8:
+            v = v.to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
 # num_q_tiles changes with every step's longest query: not specialized, so a new length never compiles a variant.
 @triton.jit(do_not_specialize=["num_q_tiles"])
 def _paged_attn_kernel(
@@ -74,7 +161,7 @@ def _paged_attn_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False,
+    KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False, ALL_MASKED: tl.constexpr = False,
 ):
     r = tl.program_id(0) // num_q_tiles
     qt = tl.program_id(0) % num_q_tiles
@@ -109,19 +196,19 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # Tiles below full_hi hold only keys <= the tile's first query position: no row needs the causal mask.
-    # With a sliding window every tile is masked (simpler; window layers are the minority). Batch-invariant mode
-    # (kernels/paged_attention_bi.py) masks every tile, so a key tile is scored by one loop body whichever query
-    # tile (and so chunking) a row is in: the unmasked body may contract q.k * scale - m into one FMA.
-    if USE_WINDOW:
+    # With a sliding window every tile is masked (simpler; window layers are the minority). ALL_MASKED (batch-
+    # invariant mode): every tile too, so a key tile is scored by the one loop body whichever query tile (and so
+    # chunking) a row is in: the unmasked body may contract q.k * scale - m into one FMA, the masked one cannot.
+    if USE_WINDOW or ALL_MASKED:
         full_hi = tile_lo
     else:
         full_hi = (ctx_len + qt * BLOCK_Q + 1) // TILE_N
-    m_i, l_i, acc = attend_tiles(q, m_i, l_i, acc, tile_lo, tl.minimum(tile_hi, full_hi), kv_end, pos, kv_head,
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tile_lo, tl.minimum(tile_hi, full_hi), kv_end, pos, kv_head,
                                   bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                   stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
                                   bias_ptr, bias_row, bias_len,
                                   TILE_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, False, DOT_FP32, KV_FP8, USE_BIAS)
-    m_i, l_i, acc = attend_tiles(q, m_i, l_i, acc, tl.maximum(tile_lo, full_hi), tile_hi, kv_end, pos, kv_head,
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, tl.maximum(tile_lo, full_hi), tile_hi, kv_end, pos, kv_head,
                                   bt_row_ptr, k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh,
                                   stride_vb, stride_vs, stride_vh, offs_d, d_mask, pre_scale, post_scale, window,
                                   bias_ptr, bias_row, bias_len,
@@ -171,6 +258,36 @@ def _merge_splits_kernel(
              mask=offs_d < HEAD_DIM)
 
 
+def _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, num_seqs) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need q [T, H, D] and k_cache == v_cache shape [num_blocks, block_size, H_kv, D], got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    H, D, H_kv = q.shape[1], q.shape[2], k_cache.shape[2]
+    if k_cache.shape[3] != D or H % H_kv != 0:
+        raise ValueError(f"head dims differ or H={H} is not a multiple of H_kv={H_kv}")
+    if q.dtype not in _SUPPORTED_DTYPES or q.dtype != out.dtype or k_cache.dtype != v_cache.dtype \
+            or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
+        raise ValueError(f"q and out need one dtype of {_SUPPORTED_DTYPES}, the caches that dtype or fp8 "
+                         f"(float8_e4m3fn / float8_e5m2); got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}, "
+                         f"{out.dtype}")
+    if out.shape != q.shape or not out.is_contiguous() or q.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous with q's shape and q.stride(-1) == 1, got out "
+                         f"{tuple(out.shape)} stride {out.stride()}, q stride {q.stride()}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need a unit stride on the last dim")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_table", block_table)):
+        if t.dtype != torch.int32 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be int32 with a unit last stride, got {t.dtype} stride {t.stride()}")
+    if (query_start_loc.dim() != 1 or query_start_loc.numel() < num_seqs + 1 or seq_lens.dim() != 1
+            or seq_lens.numel() < num_seqs or block_table.dim() != 2 or block_table.shape[0] < num_seqs):
+        raise ValueError(f"metadata too short for num_seqs={num_seqs}: query_start_loc "
+                         f"{tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}, "
+                         f"block_table {tuple(block_table.shape)}")
+    devices = {t.device for t in (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -208,13 +325,28 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int) -> 
                 num_stages=num_stages)
 
 
+def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int) -> dict:
+    """The one tile configuration of batch-invariant mode (``batch_invariant=True``): the same for prefill
+    chunks and decode, a function of the model's head shape only. Every query row then walks its keys in TILE_N
+    tiles from position 0 with the same tl.dot shapes and the same online-softmax steps (every tile through the
+    masked loop body: ALL_MASKED); tiles a row cannot see (past its position, or before its window) add exact
+    zeros (p = 0, alpha = 1), so whether the tile is visited (which depends on the other rows of the query tile)
+    changes nothing."""
+    block_m = max(64, triton.next_power_of_2(group))
+    tile_n = 64
+    while tile_n > 16 and 2 * tile_n * d_pad * elem_size * 2 > 160 * 1024:
+        tile_n //= 2
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n,
+                num_warps=8 if block_m * d_pad >= 64 * 256 else 4, num_stages=2)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     scale: float, max_query_len: int, num_seqs: int | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
-                    batch_invariant: bool = False, max_seq_len: int | None = None) -> None:
+                    batch_invariant: bool = False) -> None:
     """Causal attention of this step's queries over the paged KV cache; writes out in place.
 
     Args:
@@ -239,27 +371,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         position_bias: [H, L] fp32 contiguous (T5's relative position bias): bias[h, p - j] is added to the
             score of query head h at position p and key j (before the softmax; distances >= L use column L - 1).
             Not combined with softcap. None = none.
-        batch_invariant: ``kernels/paged_attention_bi.paged_attention_bi``: one tile configuration for every step
-            (``batch_invariant_tile_config``) and split-KV at fixed key positions (num_kv_splits ignored): a query
-            row's output bits depend only on its request's K/V and its position, not on the other requests, on how
-            its prompt was chunked, or on prefill vs decode. position_bias is refused (ValueError).
-        max_seq_len: host int >= every seq_len (None: the block table's capacity); read only with
-            batch_invariant, where it sizes the split grid and scratch.
+        batch_invariant: one tile configuration for every step (``batch_invariant_tile_config``) and no split-KV
+            (num_kv_splits ignored): a query row's output bits depend only on its request's queries' positions and
+            K/V, not on the other requests nor on how its prompt was chunked.
     Raises:
         ValueError: on a shape, dtype, stride or device mismatch.
     The grid depends only on (num_seqs, max_query_len, H_kv, num_kv_splits), all per-request lengths are read
     on the device, so a captured CUDA graph replays correctly for new lengths and block tables.
     """
-    if batch_invariant:
-        if position_bias is not None:
-            raise ValueError("position_bias is not supported in batch-invariant mode")
-        from hayabusa.kernels.paged_attention_bi import paged_attention_bi
-
-        return paged_attention_bi(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                                  max_query_len, num_seqs, sliding_window, softcap, k_scale=k_scale,
-                                  v_scale=v_scale, max_seq_len=max_seq_len)
     R = query_start_loc.numel() - 1 if num_seqs is None else num_seqs
-    check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, R)
+    _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, R)
     check_scale("k_scale", k_scale, q.device)
     check_scale("v_scale", v_scale, q.device)
     T, H, D = q.shape
@@ -269,9 +390,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
     d_pad = max(16, triton.next_power_of_2(D))
-    cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
+    if batch_invariant:
+        cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size())
+    else:
+        cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
     num_q_tiles = triton.cdiv(max_query_len, cfg["BLOCK_Q"])
-    splits = num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device)
+    splits = 1 if batch_invariant else (
+        num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device))
     if splits > 1:
         part_acc = torch.empty((T, H, splits, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
@@ -299,7 +424,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
         # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
         DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias,
-        **cfg)
+        ALL_MASKED=batch_invariant, **cfg)
     if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
@@ -381,10 +506,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, max_query_len: int, num_seqs: int | None = None,
                         sliding_window: int | None = None, softcap: float | None = None,
                         *, num_kv_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None,
-                        max_seq_len: int | None = None) -> None:
-    """Plain-torch paged_attention (same arguments and semantics; max_query_len, num_kv_splits and max_seq_len
-    are unused).
+                        v_scale: torch.Tensor | None = None, position_bias: torch.Tensor | None = None) -> None:
+    """Plain-torch paged_attention (same arguments and semantics; max_query_len and num_kv_splits are unused).
 
     A per-request loop that gathers K/V through the block table (fp8 caches dequantized to fp32 as fp8 * scale)
     and runs a masked fp32 softmax; the CPU engine's attention path. Reads query_start_loc / seq_lens on the host

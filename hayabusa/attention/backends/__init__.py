@@ -24,8 +24,7 @@ def get_attention_backend(device: torch.device, batch_invariant: bool = False) -
     """Triton kernels on CUDA, torch references elsewhere.
 
     batch_invariant: attention whose per-row bits do not depend on the batch or on prompt chunking: on CUDA the
-    mode's Triton kernel (kernels/paged_attention_bi.py: one tile configuration, split-KV at fixed key positions),
-    on CPU ``paged_attention_bi_ref``
+    same Triton kernel with its one fixed tile configuration and no split-KV, on CPU ``paged_attention_bi_ref``
     (kernels/batch_invariant.py). The KV-cache write and RoPE are per token already."""
     import functools
 
@@ -38,7 +37,7 @@ def get_attention_backend(device: torch.device, batch_invariant: bool = False) -
 
         if device.type == "cuda":
             return AttentionBackend("triton-batch-invariant", skv.store_kv,
-                                    functools.partial(pa.paged_attention, batch_invariant=True),  # = paged_attention_bi
+                                    functools.partial(pa.paged_attention, batch_invariant=True),
                                     rskv.rope_and_store_kv)
         return AttentionBackend("torch-batch-invariant", skv.store_kv_ref, paged_attention_bi_ref)
     if device.type == "cuda":

@@ -68,7 +68,7 @@ class Attention(nn.Module):
         ctx.backend.paged_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                                     meta.block_table, self.scale, meta.max_query_len, num_seqs=meta.num_reqs,
                                     sliding_window=self.sliding_window, softcap=self.softcap,
-                                    k_scale=self.k_scale, v_scale=self.v_scale, max_seq_len=meta.max_seq_len)
+                                    k_scale=self.k_scale, v_scale=self.v_scale)
         return out.view(T, -1)
 
 
