@@ -41,6 +41,7 @@ F.linear multiplies. vLLM's AWQ method does the same from 256 tokens on.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -402,6 +403,11 @@ class LaunchConfig:
 # token tile as small as M allows, >= 16 for tl.dot; 3-4 stages), the same for every shape class. Replace with the
 # literal that `python benchmarks/kernels/bench_quant_linear.py --sweep-gemm` prints after a GPU run.
 GEMM_M_BUCKETS = (16, 32, 64, 128, 256)
+# gemm_t is off by default: with the unmeasured guesses below it was slower than the original GEMM on the H200 (run AF,
+# 2026-12-02, `bench_quant_linear.py --m 16,64,256`, 7b layers, us: int8 gate_up M=64 106.7 vs 82.3 (run K), int4
+# gate_up M=16 161.9 vs 147.2; faster only at int4 M=64, 164 vs 187.8). HAYABUSA_WO_GEMM_T=1 (read at import) or
+# USE_GEMM_T = True (read per call) turns it on, for the --sweep-gemm run that fills GEMM_T_TABLE.
+USE_GEMM_T = os.environ.get("HAYABUSA_WO_GEMM_T", "0") == "1"
 GEMM_SHAPE_CLASSES = ("square", "wide", "deep")
 _GEMM_T_GUESS = {16: (16, 128, 128, 0, 4, 4), 32: (32, 128, 128, 0, 4, 4), 64: (64, 128, 64, 0, 4, 4),
                  128: (128, 128, 64, 0, 8, 3), 256: (128, 128, 64, 0, 8, 3)}
@@ -462,8 +468,8 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
     ints and device properties only.
 
     GEMV (M <= _GEMV_MAX_M): about 4 programs per SM, 8 KB of weights per program and step (int4 128 k x 128 n,
-    int8 128 k x 64 n). fp16 / bf16 x up to M = 256: the swapped-operand GEMM (_wo_gemm_t_kernel) with the tiles of
-    GEMM_T_TABLE (see there: unmeasured until the sweep's table is pasted). Otherwise (fp32 x, larger M) the
+    int8 128 k x 64 n). With USE_GEMM_T, fp16 / bf16 x up to M = 256: the swapped-operand GEMM (_wo_gemm_t_kernel)
+    with the tiles of GEMM_T_TABLE (see there: unmeasured until the sweep's table is pasted). Otherwise (fp32 x, larger M) the
     original GEMM: 128-row tiles for prefill, 16-64 rows with split-K when the tiles do not fill the SMs. int4 K
     tiles stay inside one group (tl.dot also needs K >= 16).
     """
@@ -473,7 +479,7 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
         bn, bk, warps = (128, k_cap, 4) if group_size is not None else (64, 128, 8)
         split = split_k_for(M * triton.cdiv(N, bn), triton.cdiv(K, bk), 4 * sms)
         return LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)
-    if x_bytes == 2 and M <= GEMM_M_BUCKETS[-1]:
+    if USE_GEMM_T and x_bytes == 2 and M <= GEMM_M_BUCKETS[-1]:
         scheme = "int8" if group_size is None else "int4"
         entry = GEMM_T_TABLE[(scheme, gemm_m_bucket(M), gemm_shape_class(N, K))]
         return gemm_t_launch(entry, M, N, K, group_size, device)

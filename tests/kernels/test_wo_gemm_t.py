@@ -96,6 +96,8 @@ def test_pick_config_reads_the_table(monkeypatch):
     tile capped by the group; SPLIT_K 0 -> enough splits for the SMs (4 on the interpreter). fp32 x and M > 256
     keep the original GEMM; M <= 4 the GEMV."""
     dev = torch.device("cpu")
+    assert pick_config(40, 256, 18944, 32, dev).kind == "gemm"                 # off by default (measured slower)
+    monkeypatch.setattr(quant_linear, "USE_GEMM_T", True)
     assert [gemm_m_bucket(m) for m in (5, 16, 17, 33, 64, 65, 200, 256, 300)] == \
         [16, 16, 32, 64, 64, 128, 256, 256, 256]
     assert [gemm_shape_class(n, k) for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944))] == \
@@ -139,6 +141,7 @@ def test_every_table_launch_shape_runs(device, scheme, dtype):
 
 def test_public_path_takes_gemm_t_for_batches(device, monkeypatch):
     """_kernel_linear (the CUDA path) below DEQUANT_GEMM_MIN_M launches pick_config's gemm_t for bf16 x."""
+    monkeypatch.setattr(quant_linear, "USE_GEMM_T", True)
     seen = []
     real = quant_linear._launch
     monkeypatch.setattr(quant_linear, "_launch", lambda *a: seen.append(

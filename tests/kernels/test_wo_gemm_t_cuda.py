@@ -25,6 +25,13 @@ from tests.kernels.test_quant_linear import _assert_close_to_ref
 
 pytestmark = pytest.mark.cuda
 
+
+@pytest.fixture(autouse=True)
+def _gemm_t_on(monkeypatch):
+    """gemm_t is off by default until its table is measured (quant_linear.USE_GEMM_T): these tests turn it on."""
+    from hayabusa.kernels import quant_linear
+    monkeypatch.setattr(quant_linear, "USE_GEMM_T", True)
+
 MS = (16, 64, 200)
 LAYERS_OF_CLASS = {c: [name for name, (K, N) in QWEN_7B.items() if gemm_shape_class(N, K) == c]
                    for c in ("square", "wide", "deep")}
