@@ -34,7 +34,7 @@ from hayabusa.bench.workloads import get_workload  # noqa: E402
 
 
 def fake_forward(runner) -> None:
-    """The forward becomes its input copies and a slice of fixed logits (as tests/bench/test_w10.py's)."""
+    """The forward becomes its input copies and a slice of fixed logits (tests/bench/test_w10.py uses it too)."""
     logits = torch.zeros(runner.max_num_reqs, runner.vocab_size)
     logits[:, runner.vocab_size // 2] = 1.0
 

@@ -5,8 +5,10 @@ forward faked (fixed logits), so the whole workload runs in seconds."""
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import pytest
-import torch
 
 from hayabusa import LLM, SamplingParams
 from hayabusa.bench.models import make_model
@@ -20,16 +22,9 @@ def tiny_bench_model(tmp_path_factory) -> str:
     return out
 
 
-def _fake_forward(runner) -> None:
-    """The runner's forward becomes its input copies and fixed logits (as benchmarks/host_overhead.py's)."""
-    logits = torch.zeros(runner.max_num_reqs, runner.vocab_size)
-    logits[:, runner.vocab_size // 2] = 1.0
-
-    def run_model(inp):
-        runner.copy_inputs(inp)
-        return logits[:len(inp.logits_indices)]
-
-    runner._run_model = run_model
+# the forward faked as benchmarks/w10_host.py fakes it (its input copies and fixed logits): one definition
+_fake_forward = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "w10_host.py"),
+                               run_name="w10_host")["fake_forward"]
 
 
 def _run_w10(model: str, swap_space: float) -> LLM:
