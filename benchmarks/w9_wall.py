@@ -112,19 +112,15 @@ def timed_region(llm, reqs, prompts, use_tqdm: bool, cuda: bool) -> dict:
             t["steps"] += t["last"] - t0
             t["n_steps"] += 1
 
-    def timed_add(*a, **kw):
-        t0 = clock()
-        try:
-            return add(*a, **kw)
-        finally:
-            t["add"] += clock() - t0
-
-    def timed_process(*a, **kw):
-        t0 = clock()
-        try:
-            return process(*a, **kw)
-        finally:
-            t["output"] += clock() - t0
+    def accumulated(fn, key: str):
+        """fn, its wall time added to t[key] (add_request -> "add", the output processor -> "output")."""
+        def timed(*a, **kw):
+            t0 = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                t[key] += clock() - t0
+        return timed
 
     def timed_generate(*a, **kw):
         t["gen0"] = clock()
@@ -139,8 +135,8 @@ def timed_region(llm, reqs, prompts, use_tqdm: bool, cuda: bool) -> dict:
         else:
             t["gc"] += clock() - t["gc0"]
 
-    engine.step, engine.add_request, llm.generate = timed_step, timed_add, timed_generate
-    engine.output_processor.process = timed_process
+    engine.step, engine.add_request, llm.generate = timed_step, accumulated(add, "add"), timed_generate
+    engine.output_processor.process = accumulated(process, "output")
     stats0 = dict(engine.stats)
     gc.callbacks.append(on_gc)
     seg0, retries0 = _allocator(cuda)

@@ -110,11 +110,17 @@ def best_of(fn_for_cfg, cands: list[LaunchConfig]) -> tuple[LaunchConfig | None,
     return best, best_ms
 
 
-def bench_case(layer: str, M: int, G: int, sweep: bool) -> list[dict]:
+def layer_inputs(layer: str, M: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(K, N, x [M, K], w [N, K]) of one 7b layer: bf16 on CUDA from seed 0 (w scaled by 0.02), as every mode uses."""
     K, N = LAYERS[layer]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    return K, N, x, w
+
+
+def bench_case(layer: str, M: int, G: int, sweep: bool) -> list[dict]:
+    K, N, x, w = layer_inputs(layer, M)
     q8, s8 = quantize_int8_per_channel(w)
     q4, s4, z4 = quantize_int4_grouped(w, G)
     io = (M * K + M * N) * 2
@@ -163,10 +169,7 @@ def print_table(rows: list[dict]) -> None:
 def dequant_case(layer: str, M: int, G: int) -> list[dict]:
     """One row per scheme (int8, int4): eager median us of the Triton path, dequantize + F.linear, the
     dequantization alone and bf16 F.linear, on the same x and weights."""
-    K, N = LAYERS[layer]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    K, N, x, w = layer_inputs(layer, M)
     bf16_ms = triton.testing.do_bench(lambda: F.linear(x, w), warmup=25, rep=100, return_mode="median")
     q8, s8 = quantize_int8_per_channel(w)
     q4, s4, z4 = quantize_int4_grouped(w, G)
@@ -208,10 +211,7 @@ def w8a8_case(layer: str, M: int) -> dict:
     from hayabusa.kernels import int8_gemm
     from hayabusa.kernels.int8_quant import per_token_quant_int8, per_token_quant_int8_ref
 
-    K, N = LAYERS[layer]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    K, N, x, w = layer_inputs(layer, M)
     wq, sw = per_token_quant_int8_ref(w)
     sw = sw.view(-1).contiguous()
     xq, sx = per_token_quant_int8(x)
@@ -297,10 +297,7 @@ def fp8_case(layer: str, M: int, sweep: bool) -> dict:
     from hayabusa.kernels.fp8_quant import per_token_quant_fp8
     from hayabusa.quantization.fp8 import fp8_matmul_cuda, quantize_fp8_rows
 
-    K, N = LAYERS[layer]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    K, N, x, w = layer_inputs(layer, M)
     wf, swf = quantize_fp8_rows(w)
     swf = swf.view(-1).contiguous()
     fused = lambda cfg=None: fp8_small_m_linear(x, wf, swf, cfg=cfg)  # noqa: E731
@@ -367,10 +364,7 @@ def gemm_t_candidates(M: int, G: int | None) -> list[tuple[int, int, int, int, i
 def sweep_gemm_case(layer: str, M: int, scheme: str, G: int) -> dict:
     """One (layer, M, scheme): CUDA-graph us of bf16 F.linear, dequantize + F.linear, the current table's launch
     and every candidate (the resolved launches deduplicated); the fastest candidate checked against the reference."""
-    K, N = LAYERS[layer]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    K, N, x, w = layer_inputs(layer, M)
     group = G if scheme == "int4" else None
     packed = quantize_int4_grouped(w, G) if group else (*quantize_int8_per_channel(w), None)
     ref = int4_weight_only_linear_ref(x, *packed, G) if group else int8_weight_only_linear_ref(x, *packed[:2])
