@@ -44,7 +44,7 @@ class SpecDecodeScheduling:
         """Proposed tokens for a request whose step computes its last token (and samples the next one):
         at most k, at most ``budget`` (the step's tokens left after its own one), and never past max_tokens or
         max_model_len (accepted tokens plus the bonus token always fit)."""
-        if not eligible(req) or req.num_output_tokens < req.spec_backoff_until:
+        if not self.may_propose(req):
             return []
         k = min(self.config.num_speculative_tokens, budget,
                 req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
@@ -73,7 +73,6 @@ class SpecDecodeScheduling:
         if req.spec_window_drafts < cfg.acceptance_window:
             return
         if req.spec_window_accepted < cfg.min_acceptance_rate * req.spec_window_drafts:
-            # the tokens this step emits (num_accepted + 1) come first, then the back-off (a missed lookup is
-            # recorded before its step: its one token counts as emitted there too)
+            # the tokens this step emits (num_accepted + 1) come first, then the back-off
             req.spec_backoff_until = req.num_output_tokens + num_accepted + 1 + cfg.acceptance_backoff
         req.spec_window_drafts = req.spec_window_accepted = 0
