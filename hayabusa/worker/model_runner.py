@@ -637,10 +637,7 @@ class ModelRunner:
                 and inp.prompt_logprobs is None:
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
             # shapes with enforce_eager, so both give the same numbers).
-            logits = self.decode_runner.run(inp)            # [R, V]
-            if len(inp.logits_rows) < R:
-                logits = logits[torch.from_numpy(inp.logits_rows).to(self.device)]
-            return logits
+            return self._graph_decode_logits(inp, R)
         buf = self.buffers
         ctx = ForwardContext(buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max())), self.kv_caches, self.backend,
                              None if self.encdec is None else self.encdec.metadata(T))
@@ -731,6 +728,14 @@ class ModelRunner:
             lp = (sampled.logprob_token_ids, sampled.logprobs, sampled.sampled_token_ranks)
         return sampled.sampled_token_ids, lp
 
+    def _graph_decode_logits(self, inp, R: int) -> torch.Tensor:
+        """A decode step from decode_runner (padded to a capture size; replayed, or eager on the same shapes):
+        logits [R_s, V] of the rows that sample (``inp.logits_rows``); all R rows are a view of the graph's."""
+        logits = self.decode_runner.run(inp)            # [R, V]
+        if len(inp.logits_rows) < R:
+            logits = logits[torch.from_numpy(inp.logits_rows).to(self.device)]
+        return logits
+
     def _run_with_draft(self, inp: StepInputs, T: int, R: int, max_q: int) -> torch.Tensor:
         """A step with a draft model (eager): its proposals into the input ids first (verify steps), then the
         target, then the same step on the draft, which keeps its KV cache in step with the target's."""
@@ -760,10 +765,8 @@ class ModelRunner:
             # requests / T tokens, which the mirror's metadata covers); the graph's output is read after the mirror
             hidden = graphs.run_verify(inp)
         elif graphs is not None and inp.spec is None and max_q == 1 and graphs.can_run(R):
-            logits = graphs.run(inp)                                            # [R, V], a view of the graph's
+            logits = self._graph_decode_logits(inp, R)
             self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
-            if len(inp.logits_rows) < R:
-                logits = logits[torch.from_numpy(inp.logits_rows).to(self.device)]
             return logits
         else:
             hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)
