@@ -69,9 +69,18 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
         raise KVCacheCapacityError(
             f"the KV cache ({num_blocks} blocks of {cc.block_size} tokens, from {source}) cannot hold one sequence "
             f"of max_model_len={sc.max_model_len} tokens ({blocks_per_seq} blocks, {need / 2**20:.1f} MiB for "
-            f"{bytes_per_token(cfg)} bytes/token). Lower max_model_len, raise gpu_memory_utilization, or set "
-            "kv_cache_memory_bytes / num_gpu_blocks_override.", parameter="max_model_len", value=sc.max_model_len)
+            f"{bytes_per_token(cfg)} bytes/token). Lower max_model_len, or " + _more_kv_advice(source) + ".",
+            parameter="max_model_len", value=sc.max_model_len)
     return int(num_blocks)
+
+
+def _more_kv_advice(source: str) -> str:
+    """How to give the KV cache more blocks, for the setting that sized it (the capacity error's advice)."""
+    if source == "num_gpu_blocks_override":
+        return "raise num_gpu_blocks_override"
+    if source == "gpu_memory_utilization":
+        return "raise gpu_memory_utilization, or set kv_cache_memory_bytes / num_gpu_blocks_override"
+    return "raise kv_cache_memory_bytes (or set num_gpu_blocks_override)"
 
 
 def allocate_kv_buffer(cfg: EngineConfig, num_blocks: int) -> torch.Tensor:

@@ -149,8 +149,13 @@ def test_out_of_vocab_error_names_the_id_the_vocab_and_the_prompt(llm):
 def test_kv_cache_too_small_says_which_knob(stories_dir):
     from hayabusa.errors import KVCacheCapacityError
 
-    with pytest.raises(KVCacheCapacityError, match="max_model_len"):
+    with pytest.raises(KVCacheCapacityError, match="max_model_len") as info:
         LLM(stories_dir, num_gpu_blocks_override=2, block_size=16)
+    # the advice names the setting that sized the cache, not one that cannot help (gpu_memory_utilization)
+    assert "raise num_gpu_blocks_override" in str(info.value)
+    assert "gpu_memory_utilization" not in str(info.value)
+    with pytest.raises(KVCacheCapacityError, match="raise kv_cache_memory_bytes"):
+        LLM(stories_dir, kv_cache_memory_bytes=1024, block_size=16)
 
 
 def test_pickle_checkpoints_refused_by_default(tmp_path, stories_dir):
