@@ -297,15 +297,18 @@ g_offload() {  # cpu_offload_gb (issue 20): its CUDA tests, then the 7b shape wi
     --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
 }
 
-g_w11() {  # speculative decoding on a TRAINED model: SmolLM2-135M-Instruct, its Q4_1 GGUF carried in two halves
-           # ($SMOL_PARTS: folders part1 / part2 + tools/ from ../shared/assets/tools) and converted here to fp16
-  local smol=$MODELS/smollm2-135m parts=${SMOL_PARTS:-..}
-  if [ ! -s "$smol/config.json" ]; then
-    mkdir -p "$smol"
-    cat "$parts/.gg1/part1" "$parts/.gg2/part2" > "$smol/SmolLM2-135M-Instruct.Q4_1.gguf" || return 0
-    step make_smollm2 120 10 python "$parts/.gg2/tools/gguf_llama_to_hf.py" "$smol/SmolLM2-135M-Instruct.Q4_1.gguf" \
-      "$smol" --dtype float16
-  fi
+ensure_smol() {  # SmolLM2-135M-Instruct (trained), its Q4_1 GGUF carried in two halves ($SMOL_PARTS: folders
+                # .gg1/part1, .gg2/part2 + .gg2/tools/ from ../shared/assets/tools), converted here to fp16
+  smol=$MODELS/smollm2-135m
+  local parts=${SMOL_PARTS:-..}
+  [ -s "$smol/config.json" ] && return 0
+  mkdir -p "$smol"
+  cat "$parts/.gg1/part1" "$parts/.gg2/part2" > "$smol/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
+  step make_smollm2 120 10 python "$parts/.gg2/tools/gguf_llama_to_hf.py" "$smol/SmolLM2-135M-Instruct.Q4_1.gguf" \
+    "$smol" --dtype float16
+}
+g_w11() {  # speculative decoding on a TRAINED model: SmolLM2-135M-Instruct (ensure_smol)
+  ensure_smol || return 0
   bench_step smol_W11_off "${W11_MAX_S:-120}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
   bench_step smol_W11_ngram "${W11_MAX_S:-120}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -418,6 +421,33 @@ g_w10wt() {  # issue #20, session 10: write-through ahead of eviction (only swap
   bench_step q05_W10 "${W10_MAX_S:-240}" 60 --workload W10 --model "$Q05"
   ensure_q7
   bench_step q7_W10 "${W10_Q7_MAX_S:-420}" 60 --workload W10 --model "$Q7"
+}
+
+g_prof11() {  # session 11: where the time goes, per issue: W11's n-gram / self-draft / off steps at batch 1 (kernels
+              # and the host's Python functions), the 0.5b decode step with batch_invariant on / off, the 7b decode
+              # step in bf16 and fp8, then the FP8 small-M kernel's launch sweep
+  local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  if ensure_smol; then
+    step prof_w11_ngram 90 20 python benchmarks/profile_decode.py --model "$smol" --workload W11 --scale 0.25 \
+      --host-top 40 --engine-args "{\"max_num_seqs\": 1, \"speculative_config\": $ng}" --json "$OUT/prof_w11_ngram.json"
+    step prof_w11_off 90 20 python benchmarks/profile_decode.py --model "$smol" --workload W11 --scale 0.25 \
+      --host-top 40 --engine-args '{"max_num_seqs": 1}' --json "$OUT/prof_w11_off.json"
+    step prof_w11_draft 120 20 python benchmarks/profile_decode.py --model "$smol" --workload W11 --scale 0.125 \
+      --host-top 40 --engine-args "{\"max_num_seqs\": 1, \"speculative_config\": {\"model\": \"$smol\", \"num_speculative_tokens\": 4}}" \
+      --json "$OUT/prof_w11_draft.json"
+  fi
+  ensure_q05
+  for bi in false true; do
+    step "prof_q05_bi_$bi" 90 20 python benchmarks/profile_decode.py --model "$Q05" --batch 1 --eager false \
+      --decode-steps 64 --engine-args "{\"batch_invariant\": $bi}" --json "$OUT/prof_q05_bi_$bi.json"
+  done
+  ensure_q7
+  step prof_q7_bf16 120 30 python benchmarks/profile_decode.py --model "$Q7" --batch 1 --eager false \
+    --decode-steps 48 --json "$OUT/prof_q7_bf16.json"
+  step prof_q7_fp8 120 30 python benchmarks/profile_decode.py --model "$Q7" --batch 1 --eager false \
+    --decode-steps 48 --engine-args '{"quantization": "fp8"}' --json "$OUT/prof_q7_fp8.json"
+  step fp8_sweep "${FP8_SWEEP_S:-150}" 20 bash -c "python benchmarks/kernels/bench_quant_linear.py --fp8 --sweep \
+    --m 1,4,16 --json '$OUT/fp8_sweep.json' 2>&1 | grep -v '^{' | tail -40"
 }
 
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue

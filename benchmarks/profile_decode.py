@@ -13,7 +13,9 @@ Needs CUDA. Numbers go to BENCHMARKS.md with the date, commit and GPU.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -66,11 +68,12 @@ def print_table(families: dict[str, float], top: list[dict], unit: str, key: str
         print(f"  {k[key]:8.4f} {unit}  x{k[calls]:<6} {k['family']:<10} {k['name']}")
 
 
-def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eager: bool) -> dict:
+def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eager: bool,
+                engine_args: dict | None = None) -> dict:
     from hayabusa import LLM, SamplingParams
 
     llm = LLM(model, skip_tokenizer_init=True, enforce_eager=eager, max_num_seqs=max(batch, 1),
-              max_model_len=prompt_len + decode_steps + 16, gpu_memory_utilization=0.85)
+              max_model_len=prompt_len + decode_steps + 16, gpu_memory_utilization=0.85, **(engine_args or {}))
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 10000, size=prompt_len).tolist()} for _ in range(batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True, detokenize=False)
@@ -103,6 +106,7 @@ def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eage
     torch.cuda.empty_cache()
     return {
         "batch": batch, "eager": eager, "prompt_len": prompt_len, "decode_steps": decode_steps,
+        "engine_args": engine_args or {},
         "wall_ms_per_decode_step": round(step_ms, 4),
         "kernel_ms_per_step": round(total_us / steps / 1e3, 4),
         "families_ms_per_step": {f: round(us / steps / 1e3, 4) for f, us in fams.items()},
@@ -111,15 +115,26 @@ def profile_run(model: str, batch: int, prompt_len: int, decode_steps: int, eage
     }
 
 
-def profile_workload(model: str, workload: str, scale: float, engine_args: dict) -> dict:
+def host_functions(stats: pstats.Stats, top: int) -> list[dict]:
+    """The ``top`` Python functions of a cProfile run by own time (tottime): where the engine's host time goes."""
+    rows = []
+    for (file, line, fn), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{file.split('site-packages/')[-1].split('hayabusa/')[-1]}:{line}:{fn}",
+                     "calls": ncalls, "tottime_s": round(tottime, 4), "cumtime_s": round(cumtime, 4)})
+    return sorted(rows, key=lambda r: -r["tottime_s"])[:top]
+
+
+def profile_workload(model: str, workload: str, scale: float, engine_args: dict, host_top: int = 0) -> dict:
     """Profile one timed ``hayabusa bench`` workload run (after the bench's own warm-up): kernel families, top
-    kernels, wall time and engine steps, to see where e.g. W5's prefix-hit prefill spends its time."""
+    kernels, wall time and engine steps, to see where e.g. W5's prefix-hit prefill spends its time. With
+    ``host_top`` > 0 a further run goes under cProfile and its top Python functions by own time are returned."""
     from hayabusa import LLM
     from hayabusa.bench.runner import _generate, warmup_requests
-    from hayabusa.bench.workloads import get_workload
+    from hayabusa.bench.workloads import fit_to_vocab, get_workload
 
     wl = get_workload(workload, scale)
-    llm = LLM(model, skip_tokenizer_init=True, **engine_args)
+    llm = LLM(model, skip_tokenizer_init=not wl.has_text, **engine_args)
+    wl = fit_to_vocab(wl, llm.llm_engine.config.model_config.vocab_size)
     warm = warmup_requests(wl)
     _generate(llm, warm[:1], use_tqdm=False)
     _generate(llm, warm[1:], use_tqdm=False)
@@ -146,7 +161,15 @@ def profile_workload(model: str, workload: str, scale: float, engine_args: dict)
     steps = (llm.llm_engine.stats.get("num_steps", 0) if hasattr(llm.llm_engine, "stats") else 0) - steps0
     total_us, fams, top = kernel_table(prof)
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"workload": workload, "scale": scale, "engine_args": engine_args, "wall_s": round(wall, 4),
+    host_fns: list[dict] = []
+    if host_top > 0:
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        _generate(llm, wl.requests, use_tqdm=False)
+        torch.cuda.synchronize()
+        prof_host.disable()
+        host_fns = host_functions(pstats.Stats(prof_host), host_top)
+    return {"workload": workload, "host_functions": host_fns, "scale": scale, "engine_args": engine_args, "wall_s": round(wall, 4),
             "unprofiled_wall_s": round(plain_wall, 4), "unprofiled_host": host,
             "engine_steps": steps, "output_tokens": out_tokens,
             "kernel_s": round(total_us / 1e6, 4),
@@ -167,20 +190,28 @@ def main() -> None:
     ap.add_argument("--workload", default=None, help="profile one bench workload run instead (e.g. W5)")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--no-enable-prefix-caching", action="store_true")
+    ap.add_argument("--engine-args", default="{}", help='further engine arguments as JSON, e.g. '
+                    '\'{"quantization": "fp8"}\' or \'{"speculative_config": {"method": "ngram"}}\'')
+    ap.add_argument("--host-top", type=int, default=0,
+                    help="--workload: one more run under cProfile; print its top N Python functions by own time")
     ns = ap.parse_args()
+    extra = json.loads(ns.engine_args)
     if ns.workload:
         args = {"enable_prefix_caching": False} if ns.no_enable_prefix_caching else {}
-        r = profile_workload(ns.model, ns.workload, ns.scale, args)
+        args.update(extra)
+        r = profile_workload(ns.model, ns.workload, ns.scale, args, ns.host_top)
         print(f"=== {ns.workload} x{ns.scale} {args}: wall {r['wall_s']:.3f} s, GPU kernels {r['kernel_s']:.3f} s, "
               f"{r['engine_steps']} engine steps, {r['output_tokens']} output tokens")
         print(f"=== without the profiler: wall {r['unprofiled_wall_s']:.3f} s, host {r['unprofiled_host']}")
         print_table(r["families_s"], r["top_kernels"], "s", "s", "calls", 20)
+        for h in r["host_functions"]:
+            print(f"  host {h['tottime_s']:8.4f} s own  {h['cumtime_s']:8.4f} s cum  x{h['calls']:<8} {h['function']}")
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump(r, f, indent=1)
         return
     if ns.single:  # a child process: one engine per process, so each run gets the whole GPU
-        r = profile_run(ns.model, int(ns.batch), ns.prompt_len, ns.decode_steps, ns.eager == "true")
+        r = profile_run(ns.model, int(ns.batch), ns.prompt_len, ns.decode_steps, ns.eager == "true", extra)
         with open(ns.single, "w") as f:
             json.dump(r, f)
         return
@@ -190,7 +221,8 @@ def main() -> None:
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
                 rc = subprocess.run([sys.executable, __file__, "--model", ns.model, "--batch", str(b), "--eager",
                                      eager, "--prompt-len", str(ns.prompt_len), "--decode-steps",
-                                     str(ns.decode_steps), "--single", tmp.name]).returncode
+                                     str(ns.decode_steps), "--engine-args", ns.engine_args,
+                                     "--single", tmp.name]).returncode
                 if rc != 0:
                     print(f"=== batch {b} eager={eager}: failed (exit {rc})")
                     continue
