@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import pstats
 import random
@@ -67,18 +66,12 @@ def fake_forward(runner, max_rows: int) -> None:
 
 def instrument(engine, records: list[dict]):
     """Record, for every step(), the deltas of engine.stats, its thread CPU time, its time in the garbage
-    collector, and what was scheduled. Returns the gc callback (to remove)."""
+    collector, and what was scheduled. Returns the installed GCTimer (to remove)."""
+    from hayabusa.bench.common import GCTimer
+
     schedule, step = engine.scheduler.schedule, engine.step
     last = {}
-    gc_time = [0.0, 0.0]                       # [seconds in the collector so far, start of the current pass]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_time[1] = time.perf_counter()
-        else:
-            gc_time[0] += time.perf_counter() - gc_time[1]
-
-    gc.callbacks.append(on_gc)
+    gc_timer = GCTimer().install()
 
     def recording_schedule():
         out = schedule()
@@ -88,16 +81,16 @@ def instrument(engine, records: list[dict]):
     def recording_step():
         before = {k: engine.stats[k] for k in PHASES}
         last.clear()
-        c0, gc0 = time.thread_time(), gc_time[0]
+        c0, gc0 = time.thread_time(), gc_timer.seconds
         outs = step()
         cpu = time.thread_time() - c0
-        records.append(dict({k: engine.stats[k] - before[k] for k in PHASES}, cpu_s=cpu, gc_s=gc_time[0] - gc0,
+        records.append(dict({k: engine.stats[k] - before[k] for k in PHASES}, cpu_s=cpu, gc_s=gc_timer.seconds - gc0,
                             R=last.get("R", 0), T=last.get("T", 0)))
         return outs
 
     engine.scheduler.schedule = recording_schedule
     engine.step = recording_step
-    return on_gc
+    return gc_timer
 
 
 def run_once(llm, ns: argparse.Namespace, batch: int, seed: int, profile: cProfile.Profile | None) -> dict:
@@ -108,7 +101,7 @@ def run_once(llm, ns: argparse.Namespace, batch: int, seed: int, profile: cProfi
     params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
     records: list[dict] = []
     engine = llm.llm_engine
-    on_gc = instrument(engine, records)
+    gc_timer = instrument(engine, records)
     try:
         if profile is not None:
             outs = profile.runcall(llm.generate, prompts, params, use_tqdm=False)
@@ -116,7 +109,7 @@ def run_once(llm, ns: argparse.Namespace, batch: int, seed: int, profile: cProfi
             outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del engine.step, engine.scheduler.schedule           # back to the class's methods
-        gc.callbacks.remove(on_gc)
+        gc_timer.remove()
     assert all(len(o.outputs[0].token_ids) == ns.max_tokens for o in outs)
     # Steady decode: every request decodes one token. With async scheduling a step collects the previous
     # step's tokens; the previous step is then a steady step as well, except for the first one.

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import gc
 import io
 import json
 import pstats
@@ -232,16 +231,9 @@ def timed_generate(llm, timer: PhaseTimer, prompts, params, profile: cProfile.Pr
     """``llm.generate`` under the instrumented ``timer`` (unwrapped after), the cyclic GC's pauses recorded as
     the phase "gc", each step's "llm" phase set (the LLM's own loop: the gap between one step's end and the next
     step's start). Returns (outputs, wall seconds, GC seconds)."""
-    gc_state = [0.0, 0.0]
+    from hayabusa.bench.common import GCTimer
 
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_state[0] = clock()
-        else:
-            timer.add("gc", clock() - gc_state[0])
-            gc_state[1] += clock() - gc_state[0]
-
-    gc.callbacks.append(on_gc)
+    gc_timer = GCTimer(clock, on_pause=lambda dt: timer.add("gc", dt)).install()
     try:
         t0 = clock()
         if profile is not None:
@@ -251,13 +243,13 @@ def timed_generate(llm, timer: PhaseTimer, prompts, params, profile: cProfile.Pr
         wall = clock() - t0
     finally:
         timer.unwrap()
-        gc.callbacks.remove(on_gc)
+        gc_timer.remove()
     recs = timer.records
     for prev, rec in zip(recs, recs[1:]):
         rec["llm"] = max(rec["t_end"] - rec["step_wall"] - prev["t_end"], 0.0)
     if recs:
         recs[0]["llm"] = 0.0
-    return outs, wall, gc_state[1]
+    return outs, wall, gc_timer.seconds
 
 
 def run_once(llm, ns, batch: int, seed: int, device_is_cpu: bool, profile: cProfile.Profile | None) -> dict:

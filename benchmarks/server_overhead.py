@@ -60,11 +60,11 @@ def serve(ns: argparse.Namespace) -> None:
     """Run the server (this is the subprocess)."""
     sys.path.insert(0, str(REPO))
     import cProfile
-    import gc
     import threading
 
     import torch
 
+    from hayabusa.bench.common import GCTimer
     from hayabusa.entrypoints.async_engine import AsyncEngineArgs, AsyncLLMEngine
     from hayabusa.entrypoints.openai.server import build_app, run_server
 
@@ -78,17 +78,8 @@ def serve(ns: argparse.Namespace) -> None:
     torch.set_num_threads(1)             # so that the engine thread's CPU time is all of the step's CPU time
     if ns.fake_forward_ms >= 0:
         fake_forward(llm.runner, ns.fake_forward_ms / 1e3)
-    counters = {"steps": 0, "step_wall": 0.0, "step_cpu": 0.0, "gc_s": 0.0, "gc_n": 0}
-    gc_start = [0.0]
-
-    def on_gc(phase: str, info: dict) -> None:       # time spent in the cyclic garbage collector, all threads
-        if phase == "start":
-            gc_start[0] = time.perf_counter()
-        else:
-            counters["gc_s"] += time.perf_counter() - gc_start[0]
-            counters["gc_n"] += 1
-
-    gc.callbacks.append(on_gc)
+    counters = {"steps": 0, "step_wall": 0.0, "step_cpu": 0.0}
+    gc_timer = GCTimer().install()   # time in the cyclic garbage collector, all threads (for the server's life)
     step = llm.step
 
     def timed_step():
@@ -115,10 +106,11 @@ def serve(ns: argparse.Namespace) -> None:
 
     @app.get("/_overhead")
     async def overhead(reset: int = 0) -> dict:
-        snap = dict(counters, num_generation_tokens=engine.get_stats()["num_generation_tokens"],
-                    threads=threading.active_count())
+        snap = dict(counters, gc_s=gc_timer.seconds, gc_n=gc_timer.passes,
+                    num_generation_tokens=engine.get_stats()["num_generation_tokens"], threads=threading.active_count())
         if reset:
-            counters.update(steps=0, step_wall=0.0, step_cpu=0.0, gc_s=0.0, gc_n=0)
+            counters.update(steps=0, step_wall=0.0, step_cpu=0.0)
+            gc_timer.seconds, gc_timer.passes = 0.0, 0
         return snap
 
     loop_prof = cProfile.Profile() if ns.profile else None

@@ -34,7 +34,6 @@ measures the ``hayabusa`` that Python imports first).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -93,12 +92,12 @@ def timed_region(llm, reqs, prompts, use_tqdm: bool, cuda: bool) -> dict:
     """The bench's timed region (run_hayabusa: synchronize, clock, ``_generate``, synchronize, clock) with the
     engine's step, add_request and generate wrapped to split it; see the module docstring."""
     from hayabusa.bench import runner as br
-    from hayabusa.bench.common import synchronize
+    from hayabusa.bench.common import GCTimer, synchronize
 
     engine = llm.llm_engine
     clock = time.perf_counter
     t: dict = {"add": 0.0, "steps": 0.0, "output": 0.0, "n_steps": 0, "first": None, "last": None,
-               "gen0": None, "gen1": None, "gc": 0.0, "gc0": 0.0}
+               "gen0": None, "gen1": None}
     step, add, process, generate = engine.step, engine.add_request, engine.output_processor.process, llm.generate
 
     def timed_step():
@@ -129,16 +128,10 @@ def timed_region(llm, reqs, prompts, use_tqdm: bool, cuda: bool) -> dict:
         finally:
             t["gen1"] = clock()
 
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            t["gc0"] = clock()
-        else:
-            t["gc"] += clock() - t["gc0"]
-
     engine.step, engine.add_request, llm.generate = timed_step, accumulated(add, "add"), timed_generate
     engine.output_processor.process = accumulated(process, "output")
     stats0 = dict(engine.stats)
-    gc.callbacks.append(on_gc)
+    gc_timer = GCTimer(clock).install()
     seg0, retries0 = _allocator(cuda)
     try:
         with _Compiles() as compiles:
@@ -148,7 +141,7 @@ def timed_region(llm, reqs, prompts, use_tqdm: bool, cuda: bool) -> dict:
             synchronize(cuda)
             elapsed = clock() - t1
     finally:
-        gc.callbacks.remove(on_gc)
+        gc_timer.remove()
         del engine.step, engine.add_request, llm.generate, engine.output_processor.process
     assert len(outs) == len(reqs) and all(len(o.outputs[0].token_ids) == r.max_tokens for o, r in zip(outs, reqs))
     rows = {"params": t["gen0"] - t1, "add": t["add"], "pre_step": t["first"] - t["gen0"] - t["add"],
@@ -156,7 +149,7 @@ def timed_region(llm, reqs, prompts, use_tqdm: bool, cuda: bool) -> dict:
             "sync": t1 + elapsed - t["gen1"]}
     engine_phases = {k: engine.stats.get(k, 0.0) - stats0.get(k, 0.0) for k in ENGINE_PHASES}
     seg1, retries1 = _allocator(cuda)
-    return {"wall_s": elapsed, "rows": rows, "engine": engine_phases, "output_s": t["output"], "gc_s": t["gc"],
+    return {"wall_s": elapsed, "rows": rows, "engine": engine_phases, "output_s": t["output"], "gc_s": gc_timer.seconds,
             "n_steps": t["n_steps"], "requests_per_s": len(reqs) / elapsed, "triton_compiles": compiles.names,
             "new_cuda_segments": seg1 - seg0, "alloc_retries": retries1 - retries0}
 

@@ -4,7 +4,8 @@ memory) and the HF Transformers baseline / reference model loader."""
 from __future__ import annotations
 
 import gc
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 
@@ -35,6 +36,45 @@ def synchronize(cuda: bool) -> None:
     """Wait for queued CUDA work before reading a clock (no-op off CUDA)."""
     if cuda:
         torch.cuda.synchronize()
+
+
+class GCTimer:
+    """Wall time spent in Python's cyclic garbage collector (any thread) while the timer is installed.
+
+    ``with GCTimer() as g: ...`` then ``g.seconds`` (float, s) and ``g.passes`` (int). ``clock``: the clock read
+    at each pass's start and end (default ``time.perf_counter``); ``on_pause(seconds)``: called after every pass
+    with its duration (e.g. to add it to a phase timer). ``install()`` / ``remove()`` do what the ``with`` does, for
+    callers whose timed region is not one block. Uses ``gc.callbacks`` (Python docs, "gc - Garbage Collector
+    interface")."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 on_pause: Callable[[float], None] | None = None) -> None:
+        self.clock, self.on_pause = clock, on_pause
+        self.seconds, self.passes, self._start = 0.0, 0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = self.clock()
+            return
+        dt = self.clock() - self._start
+        self.seconds += dt
+        self.passes += 1
+        if self.on_pause is not None:
+            self.on_pause(dt)
+
+    def install(self) -> GCTimer:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def remove(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def __enter__(self) -> GCTimer:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
 
 def load_hf_model(model_dir: str, dtype: str | None, device: torch.device) -> Any:

@@ -313,3 +313,18 @@ def test_structured_output_json_constrains_every_request(tmp_path, tiny_bench_mo
     assert not r.get("error") and r["output_throughput"] > 0
     assert r["extra"]["structured_output"] == "json" and r["extra"]["grammar_compile_s"] > 0
     assert 0 < r["output_tokens"] <= get_workload("W1", 0.02).num_output_tokens
+
+
+def test_gc_timer_counts_collector_passes_and_uninstalls():
+    import gc
+
+    from hayabusa.bench.common import GCTimer
+
+    pauses: list[float] = []
+    with GCTimer(on_pause=pauses.append) as g:
+        gc.collect()
+        gc.collect()
+    assert g.passes == 2 and len(pauses) == 2
+    assert g.seconds == pytest.approx(sum(pauses)) and g.seconds > 0
+    gc.collect()                      # removed on exit: no further pass is counted
+    assert g.passes == 2 and g._callback not in gc.callbacks
