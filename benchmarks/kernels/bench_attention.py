@@ -11,6 +11,13 @@ and -7B's shapes, model-dtype and fp8 e4m3 caches: 'rope+store_kv (2 launches)' 
 (q read and written, k and v read, the cache rows written), so their GB/s compare directly.
 GB/s and TFLOP/s use the time of a CUDA-graph replay (as the engine runs decode; it also checks that the launch
 captures); 'eager us' adds the Python launch cost. Needs CUDA (the Triton interpreter would take hours).
+
+    python benchmarks/kernels/bench_attention.py --verify [--json FILE]
+
+--verify (issue #21): speculative decoding's verify steps, q_len 5 (k = 4) per request, R in 1, 4, 16, contexts
+256 / 700 / 2048 / 4096 keys, SmolLM2-135M's heads (9 q / 3 kv, D 64) and Qwen2.5-7B's (28 / 4, D 128): the old
+choice (prefill tile, no split-KV: SHORT_QUERY_SPLIT off) vs the new one (short-query tile, split-KV), CUDA-graph
+replay µs and the speedup; about 30 s on an H200.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +35,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
+from hayabusa.kernels import paged_attention as pa  # noqa: E402
 from hayabusa.kernels.paged_attention import paged_attention  # noqa: E402
 from hayabusa.kernels.rope_store_kv import rope_and_store_kv  # noqa: E402
 from hayabusa.kernels.rotary import rotary_embedding  # noqa: E402
@@ -36,8 +45,11 @@ H, H_KV, D = 28, 4, 128
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0) -> dict:
-    """Paged-attention arguments with a shuffled block table (blocks of one request are scattered)."""
+def make_batch(q_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0,
+               heads: tuple[int, int, int] = (H, H_KV, D)) -> dict:
+    """Paged-attention arguments with a shuffled block table (blocks of one request are scattered); heads are
+    (H, H_kv, D)."""
+    H, H_KV, D = heads  # noqa: N806
     gen = torch.Generator(device="cuda").manual_seed(seed)
     need = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(need)
@@ -153,6 +165,37 @@ def bench_rope_store_kv(T: int, model: str, block_size: int, dtype: torch.dtype,
             row("rope_and_store_kv (fused)", case, time_ms(fused), nbytes, 0)]
 
 
+VERIFY_HEADS = {"smollm2": (9, 3, 64), "qwen2.5-7b": (28, 4, 128)}  # (H, H_kv, D)
+
+
+def bench_verify(block_size: int, dtype: torch.dtype, q_len: int = 5) -> list[dict]:
+    """Verify steps: the old choice (prefill tile, one pass) vs the new one (short-query tile, split-KV)."""
+    rows = []
+    for model, heads in VERIFY_HEADS.items():
+        for R in (1, 4, 16):
+            for ctx in (256, 700, 2048, 4096):
+                batch = make_batch([q_len] * R, [ctx] * R, block_size, dtype, heads=heads)
+                us = {}
+                for on in (False, True):
+                    pa.SHORT_QUERY_SPLIT = on
+                    us[on] = 1e3 * triton.testing.do_bench_cudagraph(lambda: paged_attention(**batch), rep=20,
+                                                                      return_mode="median")
+                pa.SHORT_QUERY_SPLIT = True
+                group = heads[0] // heads[1]
+                splits = pa._auto_num_splits(R * heads[1], q_len, torch.device("cuda"), True) \
+                    if pa.is_short_query(q_len, group) else 1
+                rows.append(dict(model=model, R=R, ctx=ctx, q_len=q_len, old_us=us[False], new_us=us[True],
+                                 splits=splits, speedup=us[False] / us[True]))
+    return rows
+
+
+def print_verify_table(rows: list[dict]) -> None:
+    print(f"{'heads':<11} {'R':>3} {'ctx':>5} {'q_len':>5} {'old us':>8} {'new us':>8} {'splits':>6} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['model']:<11} {r['R']:>3} {r['ctx']:>5} {r['q_len']:>5} {r['old_us']:>8.1f} {r['new_us']:>8.1f} "
+              f"{r['splits']:>6} {r['speedup']:>7.2f}x")
+
+
 def run_all(args) -> list[dict]:
     dtype = DTYPES[args.dtype]
     rows = []
@@ -184,9 +227,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--verify", action="store_true",
+                        help="only the verify-step table (q_len 5): old choice vs short-query split-KV")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")
+    if args.verify:
+        t0 = time.perf_counter()
+        rows = bench_verify(args.block_size, DTYPES[args.dtype])
+        print(f"# {torch.cuda.get_device_name()}  triton {triton.__version__}  {args.dtype} "
+              f"block_size={args.block_size}  verify steps (CUDA-graph replay, median)")
+        print_verify_table(rows)
+        print(f"# {time.perf_counter() - t0:.1f} s")
+        if args.json:
+            args.json.write_text(json.dumps(dict(setup=dict(device=torch.cuda.get_device_name(), dtype=args.dtype,
+                                                            block_size=args.block_size), rows=rows), indent=2))
+        return
     rows = run_all(args)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"H={H} H_kv={H_KV} D={D} {args.dtype} block_size={args.block_size}")

@@ -21,6 +21,13 @@ Split-KV ("flash decoding"): when the grid is too small to fill the GPU (few req
 (request, tile, KV head) is cut into NUM_SPLITS ranges of key tiles, partial (m, l, acc) go to fp32 scratch,
 and a second kernel merges them. The split count depends only on host ints, so both paths are CUDA-graph safe.
 
+Short-query steps (speculative decoding's verify steps: every request has at most SHORT_QUERY_MAX = 8 query
+tokens, 1 + k proposals) are decode-like: few programs, each walking a whole context. They take a tile of
+next_pow2(max_query_len x GROUP) rows (one query tile per request and KV head), decode's long key tiles and
+decode's split-KV rule (``SHORT_QUERY_SPLIT``; before issue #21 they got the prefill tile and never split). With
+the causal mask each query token of a split sees a different number of keys; a split whose tiles lie past a token's
+position leaves that row at m = -inf, l = 0, acc = 0, which the merge weighs 0 (every token sees key 0, in split 0).
+
 FP8 KV cache (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2): K/V tiles are loaded as fp8 and upcast to q's dtype
 (exact: every fp8 value is an fp16/bf16 value), and the per-layer scales are folded in where they cost one
 multiply per program: softmax(q.(k8 * ks) * scale) = softmax(q.k8 * (scale * ks)), and sum_j p_j (v8_j * vs) =
@@ -30,6 +37,7 @@ vs * sum_j p_j v8_j, so k_scale joins the softmax scale and v_scale multiplies t
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 
 import torch
@@ -40,6 +48,14 @@ from hayabusa.kernels.fp8 import check_scale, dequantize_fp8_ref, is_fp8, unit_s
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_SPLITS = 32
+# Short-query steps: max_query_len in 2..SHORT_QUERY_MAX (verify steps of k <= 7 proposals; vLLM's n-gram and
+# EAGLE k are 1-7) with max_query_len x GROUP <= SHORT_QUERY_MAX_ROWS (one 64-row tile, the prefill tile's height,
+# holds every query row of a request's KV head: GQA groups up to 8 at 8 tokens). Longer queries are prefill.
+SHORT_QUERY_MAX = 8
+SHORT_QUERY_MAX_ROWS = 64
+# HAYABUSA_SHORT_QUERY_SPLIT=0 in the environment (read at import) or SHORT_QUERY_SPLIT = False (read at call
+# time) gives short-query steps the prefill tile and no split-KV again, for A/B runs.
+SHORT_QUERY_SPLIT = os.environ.get("HAYABUSA_SHORT_QUERY_SPLIT", "1").strip() not in ("0", "false", "False", "")
 
 
 @triton.jit
@@ -293,12 +309,22 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _auto_num_splits(num_programs: int, max_query_len: int, device: torch.device) -> int:
-    """Split KV only for decode-only steps whose grid cannot fill the GPU; aim at about two programs per SM.
+def is_short_query(max_query_len: int, group: int) -> bool:
+    """Whether a step whose longest query has ``max_query_len`` tokens (host int) at GQA group ``group`` runs as a
+    short-query step (decode-like tiles and split-KV): 1 < max_query_len <= SHORT_QUERY_MAX, max_query_len x group
+    <= SHORT_QUERY_MAX_ROWS, and SHORT_QUERY_SPLIT on. Host ints only: a CUDA graph's capture and replay agree."""
+    return (SHORT_QUERY_SPLIT and 1 < max_query_len <= SHORT_QUERY_MAX
+            and max_query_len * group <= SHORT_QUERY_MAX_ROWS)
+
+
+def _auto_num_splits(num_programs: int, max_query_len: int, device: torch.device, short_query: bool = False) -> int:
+    """Split KV only for decode-only and short-query steps whose grid cannot fill the GPU; aim at about two
+    programs per SM.
 
     Steps with a prefill never split: their grid is large, and each split count is its own compiled variant (a
-    server would stall ~1 s compiling one the first time a new mix of lengths arrives)."""
-    if device.type != "cuda" or max_query_len > 1:
+    server would stall ~1 s compiling one the first time a new mix of lengths arrives). Short-query steps (verify
+    steps) have decode's grid, one program per (request, KV head), so they split like decode."""
+    if device.type != "cuda" or (max_query_len > 1 and not short_query):
         return 1
     sms = _num_sms(device)
     if num_programs >= sms:
@@ -306,18 +332,22 @@ def _auto_num_splits(num_programs: int, max_query_len: int, device: torch.device
     return min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, num_programs)))
 
 
-def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int) -> dict:
+def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int, short_query: bool = False) -> dict:
     """BLOCK_M (rows = tokens x group heads), TILE_N (keys per step), warps, stages; from host ints only.
 
     Tuned on an H200 (bf16, D=128, block_size 16, graph replay): decode wants long key tiles (TILE_N 128:
     3.9 TB/s at R=64, ctx 2048, against 2.6 with 32); prefill wants BLOCK_M 64 x TILE_N 32, 4 warps, 2 stages
-    (about 186 TFLOP/s on 16 x 512 tokens; 8 warps or 3 stages were 20-50% slower).
+    (about 186 TFLOP/s on 16 x 512 tokens; 8 warps or 3 stages were 20-50% slower). Short-query steps
+    (``is_short_query``) get every query row of a request in one tile (BLOCK_M = next_pow2(max_query_len x group),
+    at least 16) and decode's key tiles, stages and warps.
     """
     if max_query_len == 1:
         block_m = max(16, triton.next_power_of_2(group))
+    elif short_query:
+        block_m = max(16, triton.next_power_of_2(max_query_len * group))
     else:  # one prefill tile size whatever the length: a new length compiles no new variant
         block_m = max(64, triton.next_power_of_2(group))
-    tile_n, num_stages = (128, 2) if max_query_len == 1 else (32, 2)
+    tile_n, num_stages = (128, 2) if max_query_len == 1 or short_query else (32, 2)
     while tile_n > 16 and 2 * tile_n * d_pad * elem_size * num_stages > 160 * 1024:  # K + V tiles in smem
         tile_n //= 2
     num_warps = 8 if block_m * d_pad >= 64 * 256 else 4
@@ -360,12 +390,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_table: [R, max_blocks] int32; key j of request r is at block block_table[r, j // block_size],
             offset j % block_size.
         scale: softmax scale (usually D ** -0.5).
-        max_query_len: host int >= every request's query length; sizes the grid only.
+        max_query_len: host int >= every request's query length; sizes the grid and picks the tile configuration
+            (1: decode, up to SHORT_QUERY_MAX: short-query, else prefill; see ``is_short_query``).
         num_seqs: host int R (default query_start_loc.numel() - 1). Rows with seq_len 0 or no queries are skipped.
         sliding_window: W; query at position p sees keys p-W+1 .. p (W keys, itself included; HF / Mistral
             convention, vLLM's window (W-1, 0)). None or <= 0 = full causal.
         softcap: c; scores = c * tanh(scale * q.k / c) before softmax (Gemma 2). None or <= 0 = off.
-        num_kv_splits: split-KV count (1 = single pass); None picks one from (R, max_query_len, H_kv) on CUDA.
+        num_kv_splits: split-KV count (1 = single pass); None picks one from (R, max_query_len, H_kv) on CUDA:
+            decode-only and short-query steps (``is_short_query``: verify steps) split when their grid is smaller
+            than the GPU, steps with longer queries never.
         k_scale, v_scale: [1] fp32 device tensors, the fp8 cache's dequantization scales (None = 1.0); read on
             the device (CUDA-graph safe); ignored unless the caches are fp8.
         position_bias: [H, L] fp32 contiguous (T5's relative position bias): bias[h, p - j] is added to the
@@ -390,13 +423,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
     d_pad = max(16, triton.next_power_of_2(D))
+    short_query = not batch_invariant and is_short_query(max_query_len, H // H_kv)
     if batch_invariant:
         cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size())
     else:
-        cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size())
+        cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size(), short_query)
     num_q_tiles = triton.cdiv(max_query_len, cfg["BLOCK_Q"])
     splits = 1 if batch_invariant else (
-        num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device))
+        num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device, short_query))
     if splits > 1:
         part_acc = torch.empty((T, H, splits, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
