@@ -109,38 +109,48 @@ def test_own_draft_with_swap_preemption_and_cpu_prefix_restores_accepts_everythi
     assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"] > 0
 
 
-def _padded_graph_shapes(llm: LLM) -> list[tuple[bool, int]]:
-    """Put the target and the draft on their CUDA graphs' padded shapes, run eagerly (as enforce_eager does; on
-    the CPU the engine builds no graph runners), and record per step (the target ran on its graph shapes, the
-    draft's eager forwards in the step)."""
-    from hayabusa.worker.cuda_graph import CUDAGraphRunner
-
+def record_draft_steps(llm: LLM) -> list[tuple[bool, int]]:
+    """Record per step with a draft model (whether the target ran on its graph shapes: a decode step, or a verify
+    step of at most k + 1 tokens a request, of a captured batch size, without prompt logprobs; the draft's eager
+    forwards in the step)."""
     runner = llm.llm_engine.runner
-    runner.draft.make_graphs(runner, use_graphs=False)
-    runner.decode_runner = CUDAGraphRunner.for_runner(runner, use_graphs=False)
-    k = llm.llm_engine.config.speculative_config.num_speculative_tokens
     steps = []
     run = runner._run_with_draft
 
     def spy(inp, T, R, max_q):
+        g = runner.decode_runner
+        graph_shape = g is not None and inp.prompt_logprobs is None and (
+            g.can_run_verify(R, max_q) if inp.spec is not None else max_q == 1 and g.can_run(R))
         before = runner.draft.num_eager_forwards
         out = run(inp, T, R, max_q)
-        graph_shape = max_q <= k + 1 if inp.spec is not None else max_q == 1
-        steps.append((graph_shape and inp.prompt_logprobs is None, runner.draft.num_eager_forwards - before))
+        steps.append((graph_shape, runner.draft.num_eager_forwards - before))
         return out
 
     runner._run_with_draft = spy
     return steps
 
 
-def _check_no_eager_draft_after_prefill(llm: LLM, steps: list[tuple[bool, int]]) -> None:
+def _padded_graph_shapes(llm: LLM) -> list[tuple[bool, int]]:
+    """Put the target and the draft on their CUDA graphs' padded shapes, run eagerly (as enforce_eager does; on
+    the CPU the engine builds no graph runners); record_draft_steps."""
+    from hayabusa.worker.cuda_graph import CUDAGraphRunner
+
+    runner = llm.llm_engine.runner
+    runner.draft.make_graphs(runner, use_graphs=False)
+    runner.decode_runner = CUDAGraphRunner.for_runner(runner, use_graphs=False)
+    return record_draft_steps(llm)
+
+
+def check_no_eager_draft_after_prefill(llm: LLM, steps: list[tuple[bool, int]]) -> None:
+    """Steps the target ran on its graph shapes ran no eager draft forward (proposals and mirror through the
+    draft's graph runners); each prefill / mixed step ran one (its mirror)."""
     draft = llm.llm_engine.runner.draft
     graphed = [n for g, n in steps if g]
     assert graphed and graphed == [0] * len(graphed)            # decode / verify steps: no eager draft forward
     assert [n for g, n in steps if not g] == [1] * (len(steps) - len(graphed))   # prefills: the mirror, eagerly
     assert draft.num_graph_mirrors == len(graphed)
     assert draft.num_eager_forwards == len(steps) - len(graphed)
-    assert draft.mirror_graphs.num_verify_runs > 0 and not draft.mirror_graphs.verify_graphs   # no CPU capture
+    assert draft.mirror_graphs.num_verify_runs > 0
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +189,8 @@ def test_draft_on_padded_graph_shapes_keeps_greedy_output(request, base, base_qw
     assert draft.num_graph_steps > 0 and not draft.graphs.graphs    # padded shapes, no capture on the CPU
     assert runner.decode_runner.num_verify_runs > 0
     assert draft.mirror_graphs.num_verify_runs == runner.decode_runner.num_verify_runs
-    _check_no_eager_draft_after_prefill(llm, steps)
+    check_no_eager_draft_after_prefill(llm, steps)
+    assert not draft.mirror_graphs.verify_graphs and not draft.mirror_graphs.graphs   # no capture on the CPU
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_num_seqs=8, num_gpu_blocks_override=20, block_size=4, max_model_len=64),
@@ -200,7 +211,7 @@ def test_own_draft_on_padded_graph_shapes_with_preemption_or_prefix_hits(tiny_ll
         assert llm.llm_engine.kv_cache_manager.num_hit_tokens > 0
     else:
         assert llm.llm_engine.scheduler.num_preemptions > 0
-    _check_no_eager_draft_after_prefill(llm, steps)
+    check_no_eager_draft_after_prefill(llm, steps)
 
 
 def test_graph_runner_verify_needs_a_speculative_config(tiny_llama):
