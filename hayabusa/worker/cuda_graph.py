@@ -13,8 +13,9 @@ kernel's grid depends only on (bs, Q), every length is read on the device. The g
 [T_pad, H]; the step's logits rows (1 + k per request) are computed from its first T rows outside the graph.
 Sizes: the decode sizes whose bs x Q fits max_num_batched_tokens and VERIFY_GRAPH_MAX_TOKENS, up to the first one
 >= disable_by_batch_size (no step has proposals above it); other verify steps run eagerly. With a draft model the
-target's decode and verify steps replay these graphs too (the draft's proposal forwards have their own decode
-graphs: worker/draft_model.py ``make_graphs``; its mirror of the step runs eagerly); EAGLE steps stay eager.
+target's decode and verify steps replay these graphs too, and so does the draft's mirror of them (its own graphs on
+the target's buffers; its proposal forwards have decode graphs on buffers of their own: worker/draft_model.py
+``make_graphs``); EAGLE steps stay eager.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 import torch
 
 from hayabusa.attention.metadata import ForwardContext
+from hayabusa.errors import HayabusaValidationError
 from hayabusa.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -43,42 +45,59 @@ def capture_sizes(max_batch: int, sizes: list[int] | None = None) -> list[int]:
 
 
 class CUDAGraphRunner:
-    """Captures and replays the model forward + logits for decode batches.
+    """Captures and replays a model's forward (+ logits) for decode batches, and its verify steps.
 
-    The graphs' static inputs are the runner's ``StepBuffers``: the runner copies a step's inputs into them
-    (``ModelRunner.copy_inputs``) before calling ``run``; this class only pads the rows past the step's and
-    replays.
+    The graphs' static inputs are ``buffers``: the caller copies a step's inputs into them
+    (``ModelRunner.copy_inputs``) before calling ``run`` / ``run_verify``; this class only pads the rows past the
+    step's and replays.
 
     Args:
-        runner: the ModelRunner; its public ``buffers``, ``model``, ``kv_caches``, ``backend``, ``cfg``,
-            ``max_num_reqs`` and ``device`` are read once, here.
-        use_graphs: capture and replay graphs; False (enforce_eager) runs the same padded shapes eagerly.
+        model: the model (forward(input_ids, positions, ctx) -> hidden [T, H]; compute_logits).
+        kv_caches: its per-layer (k, v) paged caches.
+        backend: the attention backend.
+        buffers: the StepBuffers the graphs read (at least ``max_num_reqs`` rows; with ``verify``,
+            ``max_num_tokens`` tokens).
+        cfg: the engine config (capture sizes, max_model_len, speculative_config's k and disable_by_batch_size).
+        max_num_reqs: R at most (capture sizes are <= it).
+        max_num_tokens: T at most (verify graphs hold bs x (k + 1) <= it tokens).
+        device: the device.
+        encdec: encoder-decoder cross-attention metadata buffers (EncoderDecoderRunner), or None.
+        verify: also (bs, k + 1) verify graphs (needs ``cfg.speculative_config``).
+        with_logits: decode graphs output logits [bs, V]; False: hidden states [bs, H] (a draft model's mirror
+            of a decode step, whose output is not read).
+        use_graphs: capture and replay graphs; False (enforce_eager, CPU tests) runs the same padded shapes
+            eagerly.
+
+    Raises:
+        HayabusaValidationError: ``verify`` without a speculative_config (parameter ``verify``).
     """
 
-    def __init__(self, runner, use_graphs: bool = True) -> None:
-        self.buffers: StepBuffers = runner.buffers
-        self.model = runner.model
-        self.kv_caches = runner.kv_caches
-        self.backend = runner.backend
-        self.encdec = runner.encdec   # encoder-decoder: cross-attention metadata buffers (None otherwise)
-        self.device = runner.device
-        self.max_model_len = runner.cfg.scheduler_config.max_model_len
+    def __init__(self, model, kv_caches, backend, buffers: StepBuffers, cfg, *, max_num_reqs: int,
+                 max_num_tokens: int, device: torch.device, encdec=None, verify: bool = False,
+                 with_logits: bool = True, use_graphs: bool = True) -> None:
+        spec = cfg.speculative_config
+        if verify and spec is None:
+            raise HayabusaValidationError("verify graphs need a speculative_config.", parameter="verify",
+                                          value=verify)
+        self.buffers = buffers
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.encdec = encdec
+        self.device = device
+        self.max_model_len = cfg.scheduler_config.max_model_len
+        self.with_logits = with_logits
         self.use_graphs = use_graphs
-        self.sizes = capture_sizes(min(runner.cfg.max_cuda_graph_batch, runner.max_num_reqs),
-                                   runner.cfg.cuda_graph_sizes)
+        self.sizes = capture_sizes(min(cfg.max_cuda_graph_batch, max_num_reqs), cfg.cuda_graph_sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # empty when use_graphs is False (enforce_eager)
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}          # (hidden states when not with_logits)
         self.pool = None
         self.capture_seconds = 0.0
-        # verify steps (n-gram speculation only): Q tokens per request, sizes bs with bs * Q <= max_num_tokens
-        spec = runner.cfg.speculative_config
-        # (n-gram and draft_model; not EAGLE, whose target forward also returns the head's inputs, nor the
-        # draft's own decode graphs, draft_model.make_graphs)
-        verify = spec is not None and (runner.draft is None or getattr(runner.draft, "verify_with_graphs", False))
+        # verify steps: Q tokens per request, sizes bs with bs * Q <= max_num_tokens
         self.verify_width = spec.num_speculative_tokens + 1 if verify else 0
         self.verify_sizes: list[int] = []
         if self.verify_width:
-            max_tokens = min(runner.max_num_tokens, VERIFY_GRAPH_MAX_TOKENS)
+            max_tokens = min(max_num_tokens, VERIFY_GRAPH_MAX_TOKENS)
             fit = [s for s in self.sizes if s * self.verify_width <= max_tokens]
             cap = spec.disable_by_batch_size
             if cap:
@@ -86,8 +105,20 @@ class CUDAGraphRunner:
             self.verify_sizes = fit
         self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.verify_hidden: dict[int, torch.Tensor] = {}
+        self.num_runs = 0             # decode steps run on the padded shapes
+        self.num_replays = 0          # of those, replayed from a graph
         self.num_verify_runs = 0      # verify steps run on the padded (bs, Q) shapes
         self.num_verify_replays = 0   # of those, replayed from a graph
+
+    @classmethod
+    def for_runner(cls, runner, use_graphs: bool = True) -> "CUDAGraphRunner":
+        """A ModelRunner's target graphs: its ``buffers``, ``model``, ``kv_caches``, ``backend``, ``cfg``,
+        ``max_num_reqs``, ``max_num_tokens``, ``encdec`` and ``device``; verify graphs with n-gram and draft-model
+        speculation (not EAGLE, whose target forward also returns the head's inputs)."""
+        verify = runner.cfg.speculative_config is not None and not getattr(runner.draft, "is_eagle", False)
+        return cls(runner.model, runner.kv_caches, runner.backend, runner.buffers, runner.cfg,
+                   max_num_reqs=runner.max_num_reqs, max_num_tokens=runner.max_num_tokens, device=runner.device,
+                   encdec=runner.encdec, verify=verify, use_graphs=use_graphs)
 
     def can_run(self, num_reqs: int) -> bool:
         return num_reqs <= self.sizes[-1]
@@ -104,7 +135,7 @@ class CUDAGraphRunner:
         ctx = ForwardContext(buf.attn_metadata(bs, bs, 1, self.max_model_len), self.kv_caches, self.backend,
                              None if self.encdec is None else self.encdec.metadata(bs))
         hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], ctx)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden) if self.with_logits else hidden
 
     def _forward_verify(self, bs: int) -> torch.Tensor:
         buf, Q = self.buffers, self.verify_width
@@ -158,13 +189,15 @@ class CUDAGraphRunner:
         return self.verify_hidden[bs][:T]
 
     def run(self, inp) -> torch.Tensor:
-        """Replay for a decode-only step whose inputs are already in the buffers; returns logits [R, V] (a view
-        of the graph's static output)."""
+        """Replay for a decode-only step whose inputs are already in the buffers; returns logits [R, V] (hidden
+        [R, H] when not ``with_logits``; a view of the graph's static output)."""
         R = inp.num_reqs
         bs = self.padded_size(R)
         self.buffers.pad_decode(R, bs)
+        self.num_runs += 1
         if not self.use_graphs:  # enforce_eager: the same padded shapes, run eagerly
             return self._forward(bs)[:R]
+        self.num_replays += 1
         self.graphs[bs].replay()
         return self.logits[bs][:R]
 

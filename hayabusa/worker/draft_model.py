@@ -9,6 +9,14 @@ restored prefix blocks hold both models' KV too. At the start of a verify step t
   target step (verify):   | last | d_0 | ... | d_{k-1} |     slots s_0 .. s_k of the scheduler's blocks
   draft step j (0..k-1):  input d_{j-1} (j = 0: last) at position N - 1 + j, slot s_j -> argmax = d_j
   mirror:                 the target's step again on the draft (rewrites s_0 .. s_k, so s_k holds d_{k-1})
+
+CUDA graphs (``make_graphs``): the proposal forwards replay decode graphs on buffers of their own (their inputs
+change between the k forwards); the mirror of a step the target replays (a decode step, or a verify step padded to
+(bs, k + 1)) replays the draft's graph of the same shape on the target's buffers, which already hold the step
+(``mirror_graphed``): no copies, no eager forward. Steps the target runs eagerly (prefill, mixed, prompt logprobs)
+are mirrored eagerly (``mirror``). The draft's KV is written at the same slots as before either way: after a
+partial acceptance the rejected proposals' slots hold KV that the next step's positions overwrite or never read
+(their seq_lens stop before them), as in the target's cache.
 """
 
 from __future__ import annotations
@@ -40,9 +48,11 @@ class DraftModel:
         self.model = build_model(cfg.draft_model_config, device)
         self.kv_buffer: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.verify_with_graphs = True   # the target's verify steps may replay (bs, k + 1) graphs (cuda_graph.py)
         self.graphs = None        # CUDAGraphRunner of the draft's one-token forwards (make_graphs), or None
-        self.num_graph_steps = 0  # proposal forwards run through it (replayed, or eager on its padded shapes)
+        self.mirror_graphs = None  # CUDAGraphRunner of its mirror of the target's decode / verify steps, or None
+        self.num_graph_steps = 0  # proposal forwards run through ``graphs`` (replayed, or eager on its padded shapes)
+        self.num_graph_mirrors = 0  # mirrors run through ``mirror_graphs`` (replayed, or eager on padded shapes)
+        self.num_eager_forwards = 0  # forwards outside both (prefill / mixed mirrors, proposals past the sizes)
 
     def allocate(self, num_blocks: int) -> None:
         """Its KV cache: as many blocks as the target's (the same block ids)."""
@@ -50,21 +60,27 @@ class DraftModel:
         self.kv_caches = kv_cache_views(self.kv_buffer)
 
     def make_graphs(self, runner, use_graphs: bool = True) -> None:
-        """The draft's one-token forwards (``propose``) on the padded decode shapes of a CUDAGraphRunner of their
-        own (worker/cuda_graph.py, the target's decode capture applied to the draft: its own StepBuffers and
-        graph pool, the draft's KV cache); captured when ``use_graphs``, else run eagerly on the same shapes
-        (enforce_eager, and the CPU tests). ``runner``: the ModelRunner (its backend, config and sizes)."""
+        """Two CUDAGraphRunners (worker/cuda_graph.py) of the draft, captured when ``use_graphs``, else run eagerly
+        on the same padded shapes (enforce_eager, and the CPU tests): ``graphs``, its one-token proposal forwards
+        (``propose``) on StepBuffers of their own, with logits; ``mirror_graphs``, its mirror of the target's
+        decode and (bs, k + 1) verify steps on the target's StepBuffers (the step's inputs already there), hidden
+        states only (the mirror writes KV; its output is not read). Each has its own graph pool, so a replay never
+        overwrites the target's graph outputs. ``runner``: the ModelRunner (its buffers, backend, config and
+        sizes)."""
         from hayabusa.worker.cuda_graph import CUDAGraphRunner
         from hayabusa.worker.step_buffers import StepBuffers
 
         R = runner.max_num_reqs
-        shim = SimpleNamespace(buffers=StepBuffers(R, R, runner.max_blocks_per_req, self.device), model=self.model,
-                               kv_caches=self.kv_caches, backend=runner.backend, encdec=None, device=self.device,
-                               cfg=runner.cfg, max_num_reqs=R, max_num_tokens=R,
-                               draft=object())   # a draft without verify_with_graphs: no verify graphs here
-        self.graphs = CUDAGraphRunner(shim, use_graphs=use_graphs)
+        self.graphs = CUDAGraphRunner(self.model, self.kv_caches, runner.backend,
+                                      StepBuffers(R, R, runner.max_blocks_per_req, self.device), runner.cfg,
+                                      max_num_reqs=R, max_num_tokens=R, device=self.device, use_graphs=use_graphs)
+        self.mirror_graphs = CUDAGraphRunner(self.model, self.kv_caches, runner.backend, runner.buffers, runner.cfg,
+                                             max_num_reqs=R, max_num_tokens=runner.max_num_tokens,
+                                             device=self.device, verify=True, with_logits=False,
+                                             use_graphs=use_graphs)
         if use_graphs:
             self.graphs.capture()
+            self.mirror_graphs.capture()
 
     def _step_logits(self, tokens: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                      block_table: torch.Tensor, backend) -> torch.Tensor:
@@ -73,6 +89,7 @@ class DraftModel:
         R_d = len(tokens)
         g = self.graphs
         if g is None or not g.can_run(R_d):
+            self.num_eager_forwards += 1
             hidden = self.model(tokens, pos, ForwardContext(meta, self.kv_caches, backend))
             return self.model.compute_logits(hidden)
         buf = g.buffers
@@ -86,8 +103,28 @@ class DraftModel:
 
     def mirror(self, attn_metadata: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                backend) -> None:
-        """Run the target's step on the draft (KV only; no logits)."""
+        """Run the target's step on the draft eagerly (KV only; no logits)."""
+        self.num_eager_forwards += 1
         self.model(input_ids, positions, ForwardContext(attn_metadata, self.kv_caches, backend))
+
+    def can_mirror_graphed(self, num_reqs: int, max_query_len: int, verify: bool) -> bool:
+        """Whether ``mirror_graphed`` has a shape for a step of ``num_reqs`` requests (a verify step: none with
+        more than k + 1 tokens; else one token each)."""
+        g = self.mirror_graphs
+        if g is None:
+            return False
+        return g.can_run_verify(num_reqs, max_query_len) if verify else max_query_len == 1 and g.can_run(num_reqs)
+
+    def mirror_graphed(self, inp, verify: bool) -> None:
+        """Run the target's step on the draft through ``mirror_graphs`` (replayed, or eager on the padded shapes):
+        the step's inputs are those in the target's StepBuffers (``inp``: the step's StepInputs, ``num_reqs`` and
+        ``input_ids`` read; a verify step pads them to (bs, k + 1) as the target's replay did, a decode step to
+        bs rows). Call only when ``can_mirror_graphed``."""
+        self.num_graph_mirrors += 1
+        if verify:
+            self.mirror_graphs.run_verify(inp)
+        else:
+            self.mirror_graphs.run(inp)
 
     def propose(self, req_index: np.ndarray, num_drafts: np.ndarray, query_start_loc: np.ndarray,
                 positions: np.ndarray, slot_mapping: np.ndarray, input_ids: torch.Tensor,

@@ -249,11 +249,11 @@ class ModelRunner:
             if not self.pipeline:   # a pipeline stage runs eagerly (its send / recv are outside any graph)
                 from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
-                self.decode_runner = CUDAGraphRunner(self, use_graphs=not self.cfg.enforce_eager)  # reads buffers
+                self.decode_runner = CUDAGraphRunner.for_runner(self, use_graphs=not self.cfg.enforce_eager)
                 if self.decode_runner.use_graphs:
                     self.decode_runner.capture()
                     self.graphs = self.decode_runner
-                if self.draft is not None and hasattr(self.draft, "make_graphs"):   # draft_model's proposals
+                if self.draft is not None and hasattr(self.draft, "make_graphs"):   # draft_model's proposals, mirror
                     self.draft.make_graphs(self, use_graphs=not self.cfg.enforce_eager)
             self._warm_up_prefill_attention()
             if self.encdec is not None:
@@ -737,8 +737,10 @@ class ModelRunner:
         return logits
 
     def _run_with_draft(self, inp: StepInputs, T: int, R: int, max_q: int) -> torch.Tensor:
-        """A step with a draft model (eager): its proposals into the input ids first (verify steps), then the
-        target, then the same step on the draft, which keeps its KV cache in step with the target's."""
+        """A step with a draft model: its proposals into the input ids first (verify steps), then the target, then
+        the same step on the draft, which keeps its KV cache in step with the target's. A step the target replays
+        from its decode or verify graphs is mirrored by the draft's graph of the same shape (``mirror_graphed``:
+        the padded step in the target's buffers); the others run eagerly on both."""
         buf = self.buffers
         meta = buf.attn_metadata(R, T, max_q, int(inp.seq_lens.max()))
         eagle = getattr(self.draft, "is_eagle", False)
@@ -760,18 +762,30 @@ class ModelRunner:
             inp.eagle = (meta, head_input)
             return self._logits(inp, hidden)
         graphs = self.decode_runner if inp.prompt_logprobs is None else None
-        if graphs is not None and inp.spec is not None and graphs.can_run_verify(R, max_q):
-            # the target's verify forward replayed from a (bs, k + 1) graph (its padding lies past the first R
-            # requests / T tokens, which the mirror's metadata covers); the graph's output is read after the mirror
+        verify = inp.spec is not None
+        if graphs is not None and verify and graphs.can_run_verify(R, max_q):
+            # the target's verify forward replayed from a (bs, k + 1) graph; the graph's output is read after the
+            # mirror (the draft's graphs have a pool of their own)
             hidden = graphs.run_verify(inp)
-        elif graphs is not None and inp.spec is None and max_q == 1 and graphs.can_run(R):
+        elif graphs is not None and not verify and max_q == 1 and graphs.can_run(R):
             logits = self._graph_decode_logits(inp, R)
-            self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
+            self._mirror(inp, meta, T, R, max_q, verify)
             return logits
         else:
             hidden = self.model(buf.input_ids[:T], buf.positions[:T], ctx)
-        self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
+            self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
+            return self._logits(inp, hidden)
+        self._mirror(inp, meta, T, R, max_q, verify)
         return self._logits(inp, hidden)
+
+    def _mirror(self, inp: StepInputs, meta, T: int, R: int, max_q: int, verify: bool) -> None:
+        """The draft's mirror of a step the target ran on its padded graph shapes (the buffers hold them): through
+        the draft's own graphs of that shape when it has them, else eagerly on the step's own rows."""
+        if self.draft.can_mirror_graphed(R, max_q, verify):
+            self.draft.mirror_graphed(inp, verify)
+        else:
+            buf = self.buffers
+            self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
 
     def _eagle_mirror(self, inp: StepInputs, ids: torch.Tensor | None) -> None:
         """EAGLE: the head over the step's tokens once its sampled tokens are known (worker/eagle.py)."""

@@ -23,7 +23,7 @@ def test_padded_decode_gives_same_greedy_output(tiny_qwen2, example_prompts, asy
     base = [o.outputs[0].token_ids for o in LLM(tiny_qwen2).generate(example_prompts, params, use_tqdm=False)]
     llm = LLM(tiny_qwen2, max_num_seqs=8, cuda_graph_sizes=[4, 8], async_scheduling=async_scheduling)
     runner = llm.llm_engine.runner
-    runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)
+    runner.decode_runner = CUDAGraphRunner.for_runner(runner, use_graphs=False)
     calls = []
     original = runner.decode_runner.run
     runner.decode_runner.run = lambda inp: calls.append(inp.num_reqs) or original(inp)

@@ -287,7 +287,7 @@ def test_padded_decode_path_matches_hf(tiny_t5, refs):
 
     llm = LLM(tiny_t5, max_num_seqs=16)
     runner = llm.llm_engine.runner
-    runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)
+    runner.decode_runner = CUDAGraphRunner.for_runner(runner, use_graphs=False)
     _, ref = _hf_ref(refs, tiny_t5, llm.get_tokenizer())
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)       # 7 requests: decode steps padded to 8
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -109,25 +109,118 @@ def test_own_draft_with_swap_preemption_and_cpu_prefix_restores_accepts_everythi
     assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_draft_proposals_on_padded_graph_shapes_keep_greedy_output(tiny_llama, base, max_num_seqs):
-    """The draft's one-token forwards through its own CUDAGraphRunner's padded decode shapes (run eagerly on the
-    CPU: worker/draft_model.py make_graphs), the target as its own draft: every proposal accepted."""
-    llm = LLM(tiny_llama, max_num_seqs=max_num_seqs, device="cpu",
-              speculative_config={"model": tiny_llama, "num_speculative_tokens": 3})
+def record_draft_steps(llm: LLM) -> list[tuple[bool, int]]:
+    """Record per step with a draft model (whether the target ran on its graph shapes: a decode step, or a verify
+    step of at most k + 1 tokens a request, of a captured batch size, without prompt logprobs; the draft's eager
+    forwards in the step)."""
     runner = llm.llm_engine.runner
-    draft = runner.draft
-    draft.make_graphs(runner, use_graphs=False)
-    assert draft.graphs.sizes == ([1] if max_num_seqs == 1 else [1, 2, 3]) and not draft.graphs.verify_width
+    steps = []
+    run = runner._run_with_draft
+
+    def spy(inp, T, R, max_q):
+        g = runner.decode_runner
+        graph_shape = g is not None and inp.prompt_logprobs is None and (
+            g.can_run_verify(R, max_q) if inp.spec is not None else max_q == 1 and g.can_run(R))
+        before = runner.draft.num_eager_forwards
+        out = run(inp, T, R, max_q)
+        steps.append((graph_shape, runner.draft.num_eager_forwards - before))
+        return out
+
+    runner._run_with_draft = spy
+    return steps
+
+
+def _padded_graph_shapes(llm: LLM) -> list[tuple[bool, int]]:
+    """Put the target and the draft on their CUDA graphs' padded shapes, run eagerly (as enforce_eager does; on
+    the CPU the engine builds no graph runners); record_draft_steps."""
     from hayabusa.worker.cuda_graph import CUDAGraphRunner
 
-    runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)   # the target's padded decode / verify shapes
-    assert runner.decode_runner.verify_width == 4
+    runner = llm.llm_engine.runner
+    runner.draft.make_graphs(runner, use_graphs=False)
+    runner.decode_runner = CUDAGraphRunner.for_runner(runner, use_graphs=False)
+    return record_draft_steps(llm)
+
+
+def check_no_eager_draft_after_prefill(llm: LLM, steps: list[tuple[bool, int]]) -> None:
+    """Steps the target ran on its graph shapes ran no eager draft forward (proposals and mirror through the
+    draft's graph runners); each prefill / mixed step ran one (its mirror)."""
+    draft = llm.llm_engine.runner.draft
+    graphed = [n for g, n in steps if g]
+    assert graphed and graphed == [0] * len(graphed)            # decode / verify steps: no eager draft forward
+    assert [n for g, n in steps if not g] == [1] * (len(steps) - len(graphed))   # prefills: the mirror, eagerly
+    assert draft.num_graph_mirrors == len(graphed)
+    assert draft.num_eager_forwards == len(steps) - len(graphed)
+    assert draft.mirror_graphs.num_verify_runs > 0
+
+
+@pytest.fixture(scope="module")
+def base_qwen2(tiny_qwen2):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return LLM(tiny_qwen2, max_num_seqs=16, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 16])
+@pytest.mark.parametrize("pair", ["llama_self", "llama_small", "qwen2_self"])
+def test_draft_on_padded_graph_shapes_keeps_greedy_output(request, base, base_qwen2, pair, max_num_seqs):
+    """The draft's proposal forwards and its mirror of the target's decode / verify steps through its own
+    CUDAGraphRunners' padded shapes (run eagerly on the CPU: worker/draft_model.py make_graphs): greedy ids as
+    speculation off; the target as its own draft accepts every proposal, the small draft only some (the rejected
+    proposals' KV slots rewritten by later steps); after a request's prefill no draft forward runs eagerly."""
+    target, draft_path, ref = {"llama_self": ("tiny_llama", "tiny_llama", base),
+                               "llama_small": ("tiny_llama", "small_draft", base),
+                               "qwen2_self": ("tiny_qwen2", "tiny_qwen2", base_qwen2)}[pair]
+    llm = LLM(request.getfixturevalue(target), max_num_seqs=max_num_seqs, device="cpu",
+              speculative_config={"model": request.getfixturevalue(draft_path), "num_speculative_tokens": 3})
+    steps = _padded_graph_shapes(llm)
+    runner = llm.llm_engine.runner
+    draft = runner.draft
+    assert draft.graphs.sizes == draft.mirror_graphs.sizes == runner.decode_runner.sizes
+    assert not draft.graphs.verify_width and draft.mirror_graphs.verify_width == runner.decode_runner.verify_width == 4
+    assert draft.mirror_graphs.verify_sizes == runner.decode_runner.verify_sizes
     out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                        use_tqdm=False)
-    assert _ids(out) == _ids(base)
+    assert _ids(out) == _ids(ref)
     m = llm.get_metrics()
     assert m["spec_decode_num_draft_tokens"] > 0
-    assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
+    if draft_path == target:
+        assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
+    else:
+        assert m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
     assert draft.num_graph_steps > 0 and not draft.graphs.graphs    # padded shapes, no capture on the CPU
     assert runner.decode_runner.num_verify_runs > 0
+    assert draft.mirror_graphs.num_verify_runs == runner.decode_runner.num_verify_runs
+    check_no_eager_draft_after_prefill(llm, steps)
+    assert not draft.mirror_graphs.verify_graphs and not draft.mirror_graphs.graphs   # no capture on the CPU
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_num_seqs=8, num_gpu_blocks_override=20, block_size=4, max_model_len=64),
+                                    dict(max_num_seqs=4, enable_prefix_caching=True, block_size=4)])
+def test_own_draft_on_padded_graph_shapes_with_preemption_or_prefix_hits(tiny_llama, base, kwargs):
+    """The mirror through the draft's padded graph shapes keeps its cache in step across preemption (recompute)
+    and prefix-cache hits (a second generate): every proposal of the target as its own draft accepted."""
+    llm = LLM(tiny_llama, device="cpu", speculative_config={"model": tiny_llama, "num_speculative_tokens": 3},
+              **kwargs)
+    steps = _padded_graph_shapes(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    rounds = 2 if kwargs.get("enable_prefix_caching") else 1
+    for _ in range(rounds):
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert _ids(out) == _ids(base)
+        assert all(o.metrics.spec_num_draft_tokens > 0 and o.metrics.spec_acceptance_rate == 1.0 for o in out)
+    if rounds == 2:
+        assert llm.llm_engine.kv_cache_manager.num_hit_tokens > 0
+    else:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    check_no_eager_draft_after_prefill(llm, steps)
+
+
+def test_graph_runner_verify_needs_a_speculative_config(tiny_llama):
+    from hayabusa.worker.cuda_graph import CUDAGraphRunner
+
+    runner = LLM(tiny_llama, device="cpu").llm_engine.runner
+    with pytest.raises(HayabusaValidationError) as e:
+        CUDAGraphRunner(runner.model, runner.kv_caches, runner.backend, runner.buffers, runner.cfg,
+                        max_num_reqs=runner.max_num_reqs, max_num_tokens=runner.max_num_tokens,
+                        device=runner.device, verify=True)
+    assert e.value.parameter == "verify"
+    assert CUDAGraphRunner.for_runner(runner, use_graphs=False).verify_width == 0

@@ -38,7 +38,7 @@ def test_padded_verify_shapes_keep_greedy_output(tiny_qwen2, max_num_seqs, cap):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": cap, "min_acceptance_rate": 0}
     llm = LLM(tiny_qwen2, device="cpu", max_num_seqs=max_num_seqs, speculative_config=spec)
     runner = llm.llm_engine.runner
-    runner.decode_runner = CUDAGraphRunner(runner, use_graphs=False)   # the graphs' padded shapes, eagerly
+    runner.decode_runner = CUDAGraphRunner.for_runner(runner, use_graphs=False)   # the graphs' padded shapes, eagerly
     assert runner.decode_runner.verify_width == 4
     if cap:   # no step has proposals above disable_by_batch_size: sizes up to the first one >= it
         assert runner.decode_runner.verify_sizes == [1, 2, 4]

@@ -1,13 +1,15 @@
-"""Speculative decoding's speed paths on the device: the draft model's proposal forwards replayed from its own
-CUDA graphs give the same greedy ids as eager and as speculation off (the target as its own draft: every proposal
-accepted); with async scheduling (the CUDA default) steps in which no request may propose overlap the previous
-step, with unchanged ids."""
+"""Speculative decoding's speed paths on the device: the draft model's proposal forwards and its mirror of the
+target's decode / verify steps replayed from its own CUDA graphs give the same greedy ids as eager and as
+speculation off (the target as its own draft: every proposal accepted), and no draft forward runs eagerly after
+a request's prefill; with async scheduling (the CUDA default) steps in which no request may propose overlap the
+previous step, with unchanged ids."""
 
 from __future__ import annotations
 
 import pytest
 
 from hayabusa import LLM, SamplingParams
+from tests.spec_decode.test_draft_model import check_no_eager_draft_after_prefill, record_draft_steps
 from tests.spec_decode.test_spec_engine import PROMPTS, _ids
 
 pytestmark = pytest.mark.cuda
@@ -23,6 +25,7 @@ def test_draft_graphs_equal_eager_and_off(tiny_llama, max_num_seqs):
     ids = {}
     for eager in (False, True):
         llm = LLM(tiny_llama, max_num_seqs=max_num_seqs, enforce_eager=eager, speculative_config=spec, **KW)
+        steps = record_draft_steps(llm)
         ids[eager] = _ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
         draft, m = llm.llm_engine.runner.draft, llm.get_metrics()
         assert m["spec_decode_num_draft_tokens"] > 0
@@ -32,6 +35,14 @@ def test_draft_graphs_equal_eager_and_off(tiny_llama, max_num_seqs):
         target = llm.llm_engine.runner.decode_runner          # the target's verify steps: (bs, k + 1) graphs
         assert target.num_verify_runs > 0 and target.num_verify_replays == (0 if eager else target.num_verify_runs)
         assert llm.llm_engine.async_scheduling              # the CUDA default, with speculation too
+        check_no_eager_draft_after_prefill(llm, steps)        # steady decode: the draft's mirror on its graphs too
+        mirror = draft.mirror_graphs
+        assert mirror.num_verify_runs == target.num_verify_runs
+        assert mirror.num_verify_replays == (0 if eager else mirror.num_verify_runs)
+        assert bool(mirror.verify_graphs) is (not eager)
+        print(f"max_num_seqs={max_num_seqs} eager={eager}: steps {len(steps)}, graph-shape steps "
+              f"{sum(g for g, _ in steps)}, eager draft forwards {draft.num_eager_forwards}, draft mirrors "
+              f"replayed {mirror.num_verify_replays + mirror.num_replays}")
     assert ids[False] == ids[True] == base
 
 
