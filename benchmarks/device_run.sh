@@ -450,6 +450,32 @@ g_prof11() {  # session 11: where the time goes, per issue: W11's n-gram / self-
     --m 1,4,16 --json '$OUT/fp8_sweep.json' 2>&1 | grep -v '^{' | tail -40"
 }
 
+g_final11() {  # session 11's verification call: the new code's CUDA tests (T11_TESTS), the verify-step attention
+               # micro-benchmark, W11 (n-gram, off, self-draft at batch 1), W1 with n-gram, the FP8 sweep, W3 7b fp8
+  local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  ensure_q05
+  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T11_TIMEOUT:-60}")
+  [ -n "${T11_TESTS:-}" ] && step tests11 "${T11_TESTS_S:-120}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest \
+    -v -rfE --durations=10 -p no:cacheprovider $T11_TESTS ${PT_TIMEOUT[*]} 2>&1 | tee '$OUT/tests11.log' \
+    | grep -E 'PASS|FAIL|ERROR|passed|failed|Error|assert' | tail -60; exit \${PIPESTATUS[0]}"
+  [ -n "${ATTN_VERIFY:-1}" ] && step attn_verify 60 10 bash -c "python benchmarks/kernels/bench_attention.py --verify \
+    --json '$OUT/attn_verify.json' 2>&1 | grep -v '^{' | tail -30"
+  if ensure_smol; then
+    bench_step smol_W11_ngram "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+      --speculative-config "$ng"
+    bench_step smol_W11_off "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
+    bench_step smol_W11_selfdraft 60 20 --workload W11 --model "$smol" --scale 0.5 --sweep max_num_seqs=1 \
+      --speculative-config "{\"model\": \"$smol\", \"num_speculative_tokens\": 4}"
+  fi
+  bench_step q05_W1_specoff 60 20 --workload W1 --model "$Q05"
+  bench_step q05_W1_ngram 60 20 --workload W1 --model "$Q05" --speculative-config "$ng"
+  step fp8_sweep "${FP8_SWEEP_S:-130}" 20 bash -c "python benchmarks/kernels/bench_quant_linear.py --fp8 --sweep \
+    --m 1,4,16 --json '$OUT/fp8_sweep.json' 2>&1 | grep -v '^{' | tail -40"
+  ensure_q7
+  [ -s "$OUT/fp8_sweep.json" ] && export HAYABUSA_FP8_SWEEP_JSON="$OUT/fp8_sweep.json"
+  bench_step q7_W3_fp8 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
