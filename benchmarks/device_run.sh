@@ -461,12 +461,13 @@ g_final11() {  # session 11's verification call: the new code's CUDA tests (T11_
   [ -n "${ATTN_VERIFY:-1}" ] && step attn_verify 60 10 bash -c "python benchmarks/kernels/bench_attention.py --verify \
     --json '$OUT/attn_verify.json' 2>&1 | grep -v '^{' | tail -30"
   if ensure_smol; then
-    bench_step smol_W11_ngram "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+    bench_step smol_W11_ngram "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep "max_num_seqs=${W11_SEQS:-1,4,16}" \
       --speculative-config "$ng"
-    bench_step smol_W11_off "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
+    bench_step smol_W11_off "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep "max_num_seqs=${W11_SEQS:-1,4,16}"
     bench_step smol_W11_selfdraft 60 20 --workload W11 --model "$smol" --scale 0.5 --sweep max_num_seqs=1 \
       --speculative-config "{\"model\": \"$smol\", \"num_speculative_tokens\": 4}"
   fi
+  [ -n "${FINAL11_W1_FP8:-1}" ] || return 0
   bench_step q05_W1_specoff 60 20 --workload W1 --model "$Q05"
   bench_step q05_W1_ngram 60 20 --workload W1 --model "$Q05" --speculative-config "$ng"
   step fp8_sweep "${FP8_SWEEP_S:-130}" 20 bash -c "python benchmarks/kernels/bench_quant_linear.py --fp8 --sweep \
