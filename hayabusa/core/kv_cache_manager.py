@@ -189,6 +189,16 @@ class KVCacheManager(CpuTierMixin):
             self.cache_full_blocks(request, total)
         return True
 
+    def decode_block_lists(self) -> dict[str, list[int]] | None:
+        """The request id -> block ids map, for a caller that checks many decode steps at once, when
+        ``fits_in_blocks(request, n)`` is exactly ``request.num_computed_tokens + n <= len(blocks) * block_size``
+        (blocks = this map's entry; a request without one does not fit): no prefix caching (nothing to enter into
+        the cache) and no CPU-tier hits pending. None otherwise: call fits_in_blocks per request. Read only; valid
+        until blocks are allocated or freed."""
+        if self.enable_prefix_caching or self._cpu_hits:
+            return None
+        return self.req_to_blocks
+
     def allocate_cross_blocks(self, request: Request, num_encoder_tokens: int) -> list[int] | None:
         """Reserve the request's cross-attention blocks (encoder-decoder models): ``cdiv(num_encoder_tokens,
         block_size)`` blocks from the same pool, never shared or prefix-cached, freed with the request.

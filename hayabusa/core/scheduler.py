@@ -40,6 +40,11 @@ class _StepPlan:
     encoder: EncoderBudget | None = None                       # the step's vision-tower budget
     encoder_inputs: dict[str, list[int]] = field(default_factory=dict)   # request id -> images to encode
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)      # request id -> proposals to verify
+    # the decode loop's requests (reqs[:num_advanced]) are counted as computed there already (_advance); their
+    # num_computed_tokens before that, and the ones among them that sample
+    num_advanced: int = 0
+    computed_before: list[int] = field(default_factory=list)
+    sampling: set[str] = field(default_factory=set)
 
     def add(self, req: Request, num_new: int, block_ids: list[int], admitted: bool) -> None:
         """Running requests are all added before the first admitted one."""
@@ -190,9 +195,10 @@ class Scheduler:
         running, admitted = plan.reqs[:k], plan.reqs[k:]
         # (num_scheduled_tokens holds the plan's ids in plan order: its keys are the running ids first)
         rids = list(plan.num_scheduled_tokens)
+        na = plan.num_advanced      # the decode loop's requests: their num_computed_tokens before it advanced them
         out.scheduled_cached_reqs = cached = CachedRequestData(
             rids[:k] if admitted else rids, [False] * k, [_NO_TOKENS] * k, plan.block_ids[:k],
-            [r.num_computed_tokens for r in running])
+            plan.computed_before + [r.num_computed_tokens for r in running[na:]] if na < k else plan.computed_before)
         now = time.monotonic()
         for req, block_ids in zip(admitted, plan.block_ids[k:]):
             rid = req.request_id
@@ -216,9 +222,10 @@ class Scheduler:
                 cached.new_token_ids.append(list(req.output_token_ids))
                 cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(req.num_computed_tokens)
-        sampling, num_scheduled = out.sampling_req_ids, plan.num_scheduled_tokens
+        out.sampling_req_ids = sampling = plan.sampling
+        num_scheduled = plan.num_scheduled_tokens
         spec = plan.spec_tokens
-        if spec:
+        if spec:   # (with proposals the decode loop does not run: num_advanced is 0)
             for req in plan.reqs:
                 # proposals are computed too, but the step samples (verifies) once: see update_from_output
                 k = len(spec[req.request_id]) if req.request_id in spec else 0
@@ -227,7 +234,7 @@ class Scheduler:
                 req.num_computed_tokens += k
         else:
             add = sampling.add
-            for req in plan.reqs:   # _advance, inlined: this runs for every request of every step
+            for req in plan.reqs[na:] if na else plan.reqs:   # _advance, inlined (the decode loop's are done)
                 rid = req.request_id
                 computed = req.num_computed_tokens + num_scheduled[rid]
                 req.num_computed_tokens = computed
@@ -333,7 +340,13 @@ class Scheduler:
         pipelined = self.config.pipeline_depth > 1
         reqs, block_ids, num_scheduled = plan.reqs, plan.block_ids, plan.num_scheduled_tokens
         fits, allocate = kv.fits_in_blocks, kv.allocate_slots
+        # fits_in_blocks inlined where it is a length check (no prefix caching, no CPU-tier hits pending)
+        block_lists = kv.decode_block_lists()
+        blocks_of, bs = (block_lists.get, kv.block_size) if block_lists is not None else (None, 0)
+        # _make_output's _advance done here for these requests (one pass over them instead of two)
+        computed_before, add_sampling = plan.computed_before, plan.sampling.add
         i, n, start = 0, len(running), len(reqs)
+        assert start == 0 and not plan.num_advanced, "the decode loop schedules the step's first requests"
         while i < n and budget > 0:
             req = running[i]
             if req.mm_inputs:
@@ -353,7 +366,14 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if fits(req, num_new):
+            rid = req.request_id
+            computed = req.num_computed_tokens
+            if blocks_of is not None:
+                blocks = blocks_of(rid)
+                ok = blocks is not None and computed + num_new <= len(blocks) * bs
+            else:
+                ok = fits(req, num_new)
+            if ok:
                 new_blocks = []
             else:
                 new_blocks = allocate(req, num_new)
@@ -361,10 +381,18 @@ class Scheduler:
                     break
             reqs.append(req)
             block_ids.append(new_blocks)
-            num_scheduled[req.request_id] = num_new
+            num_scheduled[rid] = num_new
             budget -= num_new
             i += 1
+            # _advance, inlined: the step's tokens counted as computed (see _make_output)
+            computed_before.append(computed)
+            computed += num_new
+            req.num_computed_tokens = computed
+            if computed == num_tokens + pending:
+                req.num_output_placeholders = pending + 1
+                add_sampling(rid)
         plan.num_running += len(reqs) - start
+        plan.num_advanced = len(reqs)
         return i, budget
 
     def _preempt(self, req: Request, plan: _StepPlan) -> None:

@@ -24,7 +24,8 @@ class SampleState:
     cumulative_logprob: float | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Ids not yet given to the detokenizer (only when text is needed at the end alone, see RequestState.lazy).
+    # Ids not yet given to the detokenizer (only when text is needed at the end alone, see RequestState.lazy; a
+    # quiet sample keeps none: its ids are its request's output_token_ids).
     pending_ids: list[int] = field(default_factory=list)
     # Nothing to do before the sample finishes but keep its ids (RequestState.lazy and no logprobs); fixed when
     # the request is added.
@@ -135,12 +136,12 @@ class OutputProcessor:
                 metrics.spec_num_accepted_tokens = sum(s.request.spec_num_accepted_tokens for s in state.samples)
             finished = req.status.finished
             if sample.quiet:
-                # nothing reads the text before the end: keep the ids, detokenize once when finished (no stop
-                # strings, so no stop string can end it: its reasons are the scheduler's)
-                sample.pending_ids.extend(new_ids)
+                # nothing reads the text before the end: detokenize once when finished, all its ids (the request's
+                # output ids: every step's new ids, appended by the scheduler; no stop strings, so no stop string
+                # can end it: its reasons are the scheduler's)
                 if finished:
-                    ending.append((sample.detok, sample.pending_ids, req.status == RequestStatus.FINISHED_STOPPED))
-                    sample.pending_ids = []
+                    ending.append((sample.detok, list(req.output_token_ids),
+                                   req.status == RequestStatus.FINISHED_STOPPED))
                     sample.finish_reason, sample.stop_reason = req.status.finish_reason, req.stop_reason
                     changed[state.request_id] = state
                 continue

@@ -1,5 +1,6 @@
 """The scheduler's per-request fast paths (issue #17): the decode loop (`_schedule_decodes` with
-`KVCacheManager.fits_in_blocks`), the inlined stop check of `update_from_output` and the SchedulerOutput built
+`KVCacheManager.fits_in_blocks`, inlined where `decode_block_lists` allows, and the step's tokens counted as
+computed in the same pass), the inlined stop check of `update_from_output` and the SchedulerOutput built
 from the plan's keys take the same decisions as the general code, step by step (no model)."""
 
 import dataclasses
@@ -90,11 +91,21 @@ def test_fast_paths_take_the_general_paths_decisions(prefix_caching, num_blocks,
     for seed in range(3):
         reqs = make_requests(seed)
         fast_sched = make_scheduler(num_blocks, prefix_caching, pipeline_depth=pipeline_depth)
-        calls = []
+        calls, decoded = [], []
         fits = fast_sched.kv.fits_in_blocks
         fast_sched.kv.fits_in_blocks = lambda r, n: calls.append(n) or fits(r, n)
+        decodes = fast_sched._schedule_decodes
+
+        def counting_decodes(plan, budget):
+            result = decodes(plan, budget)
+            decoded.append(plan.num_advanced)
+            return result
+
+        fast_sched._schedule_decodes = counting_decodes
         fast = run(fast_sched, reqs, seed, overlap)
-        assert len(calls) > 20                         # the fast loop ran
+        assert sum(decoded) > 20                       # the fast loop ran (and advanced its requests itself)
+        # without prefix caching its block check is inlined (KVCacheManager.decode_block_lists), else per call
+        assert (len(calls) > 20) == prefix_caching
         slow_sched = make_scheduler(num_blocks, prefix_caching, fast=False, pipeline_depth=pipeline_depth)
         slow_sched.update_from_output = _general_update(slow_sched)
         slow = run(slow_sched, reqs, seed, overlap)
