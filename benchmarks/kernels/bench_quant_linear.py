@@ -25,12 +25,14 @@ torch._int_mm + the Triton epilogue, where its shape rules allow); the int8 acti
 input for INT_MM_MIN_M (kernels/int8_gemm.py). About a minute on an H200.
 --fp8 instead times, per layer and M (default 1,4,16,64), CUDA-graph replays of: bf16 F.linear (cuBLAS); FP8 W8A8
 as it ran before kernels/fp8_gemv.py (per_token_quant_fp8 + torch._scaled_mm, two launches); fp8_small_m_linear
-(the quantization fused in, pick_fp8_config's launch; the engine uses it up to FP8_SMALL_M_MAX rows). GB/s counts
-the FP8 weights (1 byte each) + their fp32 scales + x read once + the output written once (bf16: 2-byte weights);
-'%peak' is that over 4.8 TB/s (H200 HBM3e). With --sweep it also tries a grid of (BLOCK_M, BLOCK_N, BLOCK_K,
-split_k, num_warps, num_stages) per case and prints the best next to pick_fp8_config's: the input for retuning
-pick_fp8_config (and FP8_SMALL_M_MAX: the M where _scaled_mm starts to win). A sweep compiles 50-110 launches
-per case (a few minutes): split it with --layers / --m to stay under 10 minutes. Without --sweep about a minute.
+(the quantization fused in, FP8_TABLE's launch; the engine uses it up to FP8_SMALL_M_MAX rows). GB/s counts the
+FP8 weights (1 byte each) + their fp32 scales + x read once + the output written once; '%copy' is that over a
+device-to-device copy of the same weight bytes measured in the same run (read + write counted). With --sweep it
+first compiles every candidate in --jobs processes (8; Triton's disk cache is shared), then times 10-28
+candidates per case (fp8_sweep_configs: GEMV tiles up to 4 rows, 16-row dot tiles, K splits for 1-12 programs
+per SM), prints the best next to the current default, per (shape class, M bucket) the candidate with the least
+time over the class's layers, and the FP8_TABLE literal to paste into hayabusa/kernels/fp8_gemv.py. `--fp8
+--sweep --m 1,4,16` takes about 45 s on an H200 (12 cases, 241 candidates).
 --sweep-gemm instead searches the swapped-operand GEMM (gemm_t) per layer, M (default 16,32,64,128,256) and scheme
 (int8; int4 at --group-size): up to 24 tile / warp / stage candidates each (gemm_t_candidates), CUDA-graph
 medians next to bf16 F.linear, dequantize + F.linear and the current GEMM_T_TABLE launch. It prints, per (scheme,
@@ -277,7 +279,7 @@ FP8_SPLITS = (1, 2, 4, 8, 16)
 def fp8_sweep_configs(M: int, N: int, K: int, sms: int) -> list[LaunchConfig]:
     """--fp8 --sweep candidates, 20-30 per case, the same for every layer of a shape class (so the table can keep
     the one with the least time over the class). Pruned by what a bandwidth-bound small-M kernel needs:
-      * GEMV (M <= 4): 16-byte vectors, 64-128 weight bytes per thread per step (4-8 loads in flight: less starves
+      * GEMV (M <= 4, all rows in one program): 16-byte vectors, 64-128 weight bytes per thread per step (4-8 loads in flight: less starves
         HBM, more spills) in 8-32 KB tiles; 4 or 8 warps; num_stages 1 (the loads of one step are independent, and
         Triton 3.6 does not pipeline loads that feed no tl.dot);
       * dot (M = 16, and a few at M = 4): 16-row tiles, 32-128 wide, BLOCK_K 128-256, 3-4 stages (cp.async);
@@ -286,7 +288,7 @@ def fp8_sweep_configs(M: int, N: int, K: int, sms: int) -> list[LaunchConfig]:
 
     shapes = []
     if M <= 4:
-        shapes += [("gemv", 1, bn, bk, w, 1) for bn, bk, w in
+        shapes += [("gemv", min(4, triton.next_power_of_2(M)), bn, bk, w, 1) for bn, bk, w in
                    ((16, 512, 4), (32, 256, 4), (32, 512, 4), (16, 1024, 4), (32, 512, 8), (64, 256, 8),
                     (64, 512, 8), (32, 1024, 8))]
     if M > 1:

@@ -131,26 +131,47 @@ def _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_pt
 
 
 @triton.jit
+def _gemv_row(acc, w, x_ptr, row, M, stride_xm, kk, k0, k_mask, s, FP8_MAX: tl.constexpr,
+              FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """acc [BN, BJ] += the exact products of one x row's quantized [BJ, VEC] slice with the weight tile, summed
+    over each thread's VEC (in-thread adds)."""
+    x = tl.load(x_ptr + row * stride_xm + k0 + kk, mask=k_mask & (row < M), other=0.0)
+    q = _quantize(x.to(tl.float32), s, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)           # [BJ, VEC] e4m3
+    return acc + tl.sum(w * q.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _pick(v, idx, i):
+    """v [BM] -> its element i (a scalar)."""
+    return tl.sum(tl.where(idx == i, v, 0.0), axis=0)
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, part_ptr, lock_ptr,
                      M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
                      STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      FUSED_REDUCE: tl.constexpr, VEC_MASK: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                      AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
                      FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
                      FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr):
-    # grid (M, N tiles, K splits): one row per program; the rows of one weight tile are neighbours in launch order
-    # (later rows find it in L2). The weight tile is [BLOCK_N, BLOCK_K / VEC, VEC]: VEC = 16 contiguous e4m3 per
-    # thread (one 16-byte load), summed inside the thread every step, so the accumulator is BLOCK_K / VEC times
-    # smaller than the tile and a tile of 16-32 KB (4-8 loads per thread in flight) fits the registers.
+    # grid (row tiles of BLOCK_M <= 4 rows, N tiles, K splits). The weight tile is [BLOCK_N, BLOCK_K / VEC, VEC]:
+    # VEC = 16 contiguous e4m3 per thread (one 16-byte load), loaded once per step for all the program's rows (one
+    # accumulator each, unrolled: rows read the weights once, not once per row), and each row's products summed
+    # inside the thread, so an accumulator is BLOCK_K / VEC times smaller than the tile and a tile of 8-32 KB (2-8
+    # loads per thread in flight) fits the registers.
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    row = tl.program_id(0).to(tl.int64)
-    rows = row + tl.arange(0, 1)                                                          # [1]
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    idx = tl.arange(0, BLOCK_M)
+    rows = row0 + idx                                                                     # [BM]
     m_mask = rows < M
-    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC, 1, AMAX_BLOCK, AMAX_ITERS,
-                    AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                      # [1] fp32
-    s2 = s[:, None]                                                                       # [1, 1]
+    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
+                    AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                      # [BM] fp32
+    s0 = _pick(s, idx, 0)
+    s1 = _pick(s, idx, 1)
+    s2 = _pick(s, idx, 2)
+    s3 = _pick(s, idx, 3)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     BJ: tl.constexpr = BLOCK_K // VEC
@@ -159,21 +180,38 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, 
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_tile = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn + kk[None, :, :]      # [BN, BJ, VEC]: W [N', K']
-    x_tile = x_ptr + row * stride_xm + kk                                                 # [BJ, VEC]
-    acc = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if VEC_MASK:  # K % VEC == 0: whole vectors in or out (the mask is constant over a vector: 16-byte loads)
             k_mask = (k0 + kj) < k_end                                                    # [BJ, 1]
         else:
             k_mask = (k0 + kk) < k_end                                                    # [BJ, VEC]
-        w = tl.load(w_tile + k0, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0)
-        x = tl.load(x_tile + k0, mask=k_mask, other=0.0)
-        q = _quantize(x.to(tl.float32), s2, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)      # [BJ, VEC] e4m3
-        acc += tl.sum(w.to(tl.float32) * q.to(tl.float32)[None, :, :], axis=2)           # exact products
+        w = tl.load(w_tile + k0, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0).to(tl.float32)
+        acc0 = _gemv_row(acc0, w, x_ptr, row0, M, stride_xm, kk, k0, k_mask, s0, FP8_MAX, FP8_MANT, FP8_EMIN,
+                         SOFT_ROUND)
+        if BLOCK_M > 1:
+            acc1 = _gemv_row(acc1, w, x_ptr, row0 + 1, M, stride_xm, kk, k0, k_mask, s1, FP8_MAX, FP8_MANT,
+                             FP8_EMIN, SOFT_ROUND)
+        if BLOCK_M > 2:
+            acc2 = _gemv_row(acc2, w, x_ptr, row0 + 2, M, stride_xm, kk, k0, k_mask, s2, FP8_MAX, FP8_MANT,
+                             FP8_EMIN, SOFT_ROUND)
+            acc3 = _gemv_row(acc3, w, x_ptr, row0 + 3, M, stride_xm, kk, k0, k_mask, s3, FP8_MAX, FP8_MANT,
+                             FP8_EMIN, SOFT_ROUND)
+    r = idx[:, None]
+    acc = tl.where(r == 0, tl.sum(acc0, axis=1)[None, :], 0.0)                            # [BM, BN]
+    if BLOCK_M > 1:
+        acc = tl.where(r == 1, tl.sum(acc1, axis=1)[None, :], acc)
+    if BLOCK_M > 2:
+        acc = tl.where(r == 2, tl.sum(acc2, axis=1)[None, :], acc)
+        acc = tl.where(r == 3, tl.sum(acc3, axis=1)[None, :], acc)
     sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
-    y = tl.sum(acc, axis=1)[None, :] * s2 * sw[None, :]      # [1, BN]: (acc * s_x) * s_w, fp8_matmul_emulated's
-    _splitk_finish(y, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
-                   row * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT, FUSED_REDUCE)
+    acc = acc * s[:, None] * sw[None, :]            # (acc * s_x) * s_w: fp8_matmul_emulated's order
+    _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                   tl.program_id(0) * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
+                   FUSED_REDUCE)
 
 
 @triton.jit
@@ -224,21 +262,24 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, p
 # Launches keyed by (shape class, M bucket): gemm_shape_class(N, K) ("square": attention's qkv / o, "wide": an
 # MLP's gate_up, "deep": its down) and the smallest FP8_M_BUCKETS entry >= M. Values: (kind "gemv" | "dot",
 # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0 = as many K splits as bring the programs
-# to FP8_AUTO_SPLIT_WAVES per SM (split_k_for). "gemv" runs one row per program (BLOCK_M 1). UNMEASURED starting
-# points (Little's law: HBM3e at ~4.3 TB/s and ~1 us latency wants ~32 KB in flight per SM, so 4 programs of
-# 8 KB-16 KB tiles each); replace with the literal `bench_quant_linear.py --fp8 --sweep` prints after a GPU run.
+# to FP8_AUTO_SPLIT_WAVES per SM (split_k_for). "gemv" holds BLOCK_M <= 4 rows per program.
+# Measured on an H200 (2026-12-02, `bench_quant_linear.py --fp8 --sweep --m 1,4,16`, 7B layers, CUDA-graph us,
+# the sweep's best; x = over the launches this replaced): M = 1 qkv 8.6 (x1.19), o 7.6 (x1.12), gate_up 44.8
+# (73 % of a same-size copy, x1.10), down 28.9 (x1.10); M = 16 (dot tiles): qkv 18.4, o 18.2, gate_up 109.7,
+# down 70.8 (x1.7-2.0). The M = 4 rows are UNMEASURED guesses for the 4-row GEMV (the one-row GEMV at M = 4 read
+# the weights once per row: gate_up 158 us); rerun the sweep and paste its FP8_TABLE literal here.
 FP8_M_BUCKETS = (1, 4, 16)
 FP8_AUTO_SPLIT_WAVES = 4
 FP8_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
-    ("square", 1): ("gemv", 1, 32, 512, 0, 4, 1),
-    ("wide", 1): ("gemv", 1, 32, 512, 1, 4, 1),
-    ("deep", 1): ("gemv", 1, 32, 512, 0, 4, 1),
-    ("square", 4): ("gemv", 1, 32, 512, 0, 4, 1),
-    ("wide", 4): ("gemv", 1, 32, 512, 1, 4, 1),
-    ("deep", 4): ("gemv", 1, 32, 512, 0, 4, 1),
-    ("square", 16): ("dot", 16, 64, 128, 0, 4, 3),
-    ("wide", 16): ("dot", 16, 64, 128, 1, 4, 3),
-    ("deep", 16): ("dot", 16, 64, 128, 0, 4, 3),
+    ('deep', 1): ('gemv', 1, 32, 512, 4, 8, 1),
+    ('deep', 4): ('gemv', 4, 32, 512, 2, 8, 1),
+    ('deep', 16): ('dot', 16, 128, 128, 8, 8, 3),
+    ('square', 1): ('gemv', 1, 16, 512, 1, 4, 1),
+    ('square', 4): ('gemv', 4, 16, 512, 1, 4, 1),
+    ('square', 16): ('dot', 16, 128, 128, 8, 8, 3),
+    ('wide', 1): ('gemv', 1, 32, 256, 1, 4, 1),
+    ('wide', 4): ('gemv', 4, 32, 256, 1, 4, 1),
+    ('wide', 16): ('dot', 16, 64, 256, 1, 8, 3),
 }
 
 
@@ -254,9 +295,9 @@ def fp8_launch(entry: tuple[str, int, int, int, int, int, int], M: int, N: int, 
     < 16, negative SPLIT_K)."""
     kind, bm, bn, bk, split, warps, stages = entry
     if kind not in ("gemv", "dot") or split < 0 or any(v < 1 or v & (v - 1) for v in (bm, bn, bk)) \
-            or bk < _VEC or (kind == "dot" and min(bm, bn, bk) < 16) or (kind == "gemv" and bm != 1):
+            or bk < _VEC or (kind == "dot" and min(bm, bn, bk) < 16) or (kind == "gemv" and bm > 4):
         raise ValueError(f"FP8_TABLE entry must be (gemv | dot, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K >= 0, warps, "
-                         f"stages) with power-of-two tiles (gemv: BLOCK_M 1, BLOCK_K >= {_VEC}; dot: >= 16), "
+                         f"stages) with power-of-two tiles (gemv: BLOCK_M <= 4, BLOCK_K >= {_VEC}; dot: >= 16), "
                          f"got {entry}")
     if split == 0:
         sms, _ = device_limits(device)
@@ -341,8 +382,10 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     cfg = cfg or pick_fp8_config(M, N, K, x.device)
     if cfg.kind not in ("gemv", "dot"):
         raise ValueError(f"cfg.kind must be 'gemv' or 'dot', got {cfg.kind!r}")
+    if cfg.kind == "gemv" and cfg.BLOCK_M not in (1, 2, 4):
+        raise ValueError(f"cfg.BLOCK_M of a gemv launch must be 1, 2 or 4, got {cfg.BLOCK_M}")
     dot = cfg.kind == "dot"
-    bm = cfg.BLOCK_M if dot else 1
+    bm = cfg.BLOCK_M
     k_tiles = triton.cdiv(K, cfg.BLOCK_K)
     tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
     splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
@@ -367,7 +410,7 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         _fp8_dot_kernel[grid](*args, EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=x.device.type == "cpu", BLOCK_M=bm,
                               **common)
     else:
-        _fp8_gemv_kernel[grid](*args, VEC_MASK=K % _VEC == 0, VEC=_VEC, **common)
+        _fp8_gemv_kernel[grid](*args, VEC_MASK=K % _VEC == 0, VEC=_VEC, BLOCK_M=bm, **common)
     if splits > 1 and locks is None:
         splitk_reduce(part, bias, out)
     return out
