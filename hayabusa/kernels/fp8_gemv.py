@@ -46,6 +46,8 @@ from hayabusa.kernels.quant_linear import (
 # Rows up to here run this kernel (Fp8LinearMethod.apply on CUDA); more rows: per_token_quant_fp8 + _scaled_mm.
 # 16: one tl.dot tile; decode batches of 1-16 are where _scaled_mm is far below bandwidth (issue #25). Not yet
 # measured against _scaled_mm at 5-16 rows: `bench_quant_linear.py --fp8` prints the crossover; lower it there.
+# Measured 2026-12-02 (FP8_TABLE's note): the fused kernel wins at M = 1 only, _scaled_mm at M = 4 and 16 for every
+# 7B layer (M = 2, 3 not measured); lowering this to 1 awaits the lead's engine-level A/B.
 FP8_SMALL_M_MAX = 16
 # e4m3 weights per thread and vector of the GEMV: one 16-byte load
 _VEC = 16
@@ -263,21 +265,23 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, p
 # MLP's gate_up, "deep": its down) and the smallest FP8_M_BUCKETS entry >= M. Values: (kind "gemv" | "dot",
 # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0 = as many K splits as bring the programs
 # to FP8_AUTO_SPLIT_WAVES per SM (split_k_for). "gemv" holds BLOCK_M <= 4 rows per program.
-# Measured on an H200 (2026-12-02, `bench_quant_linear.py --fp8 --sweep --m 1,4,16`, 7B layers, CUDA-graph us,
-# the sweep's best; x = over the launches this replaced): M = 1 qkv 8.6 (x1.19), o 7.6 (x1.12), gate_up 44.8
-# (73 % of a same-size copy, x1.10), down 28.9 (x1.10); M = 16 (dot tiles): qkv 18.4, o 18.2, gate_up 109.7,
-# down 70.8 (x1.7-2.0). The M = 4 rows are UNMEASURED guesses for the 4-row GEMV (the one-row GEMV at M = 4 read
-# the weights once per row: gate_up 158 us); rerun the sweep and paste its FP8_TABLE literal here.
+# Measured on an H200 (2026-12-02, two runs of `bench_quant_linear.py --fp8 --sweep --m 1,4,16`, 7B layers,
+# CUDA-graph us; the literal below is the second run's, whose best agree with the first's within ~5 % run-to-run
+# noise): M = 1 qkv 9.6, o 8.2, gate_up 44.8-48.0 (69-73 % of a same-size copy), down 28.9-31.5 (54-58 %), the
+# first version 10.2 / 8.5 / 49.3 / 31.9 with its launches (and 134 us a layer in the profiled decode step, with
+# the splitk_reduce launches this drops). M = 4: the 4-row GEMV is ALU-bound (each row quantizes its x slice in
+# every program: IEEE divisions) and M = 16 the dot tiles: both slower than per_token_quant_fp8 + _scaled_mm
+# there (gate_up M = 4 155 us vs 50; M = 16 110 vs 49): see FP8_SMALL_M_MAX.
 FP8_M_BUCKETS = (1, 4, 16)
 FP8_AUTO_SPLIT_WAVES = 4
 FP8_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
     ('deep', 1): ('gemv', 1, 32, 512, 4, 8, 1),
-    ('deep', 4): ('gemv', 4, 32, 512, 2, 8, 1),
+    ('deep', 4): ('gemv', 4, 32, 256, 2, 4, 1),
     ('deep', 16): ('dot', 16, 128, 128, 8, 8, 3),
-    ('square', 1): ('gemv', 1, 16, 512, 1, 4, 1),
-    ('square', 4): ('gemv', 4, 16, 512, 1, 4, 1),
+    ('square', 1): ('gemv', 1, 32, 256, 8, 4, 1),
+    ('square', 4): ('gemv', 4, 32, 256, 4, 4, 1),
     ('square', 16): ('dot', 16, 128, 128, 8, 8, 3),
-    ('wide', 1): ('gemv', 1, 32, 256, 1, 4, 1),
+    ('wide', 1): ('gemv', 1, 16, 512, 1, 4, 1),
     ('wide', 4): ('gemv', 4, 32, 256, 1, 4, 1),
     ('wide', 16): ('dot', 16, 64, 256, 1, 8, 3),
 }
