@@ -25,12 +25,14 @@ torch._int_mm + the Triton epilogue, where its shape rules allow); the int8 acti
 input for INT_MM_MIN_M (kernels/int8_gemm.py). About a minute on an H200.
 --fp8 instead times, per layer and M (default 1,4,16,64), CUDA-graph replays of: bf16 F.linear (cuBLAS); FP8 W8A8
 as it ran before kernels/fp8_gemv.py (per_token_quant_fp8 + torch._scaled_mm, two launches); fp8_small_m_linear
-(the quantization fused in, pick_fp8_config's launch; the engine uses it up to FP8_SMALL_M_MAX rows). GB/s counts
-the FP8 weights (1 byte each) + their fp32 scales + x read once + the output written once (bf16: 2-byte weights);
-'%peak' is that over 4.8 TB/s (H200 HBM3e). With --sweep it also tries a grid of (BLOCK_M, BLOCK_N, BLOCK_K,
-split_k, num_warps, num_stages) per case and prints the best next to pick_fp8_config's: the input for retuning
-pick_fp8_config (and FP8_SMALL_M_MAX: the M where _scaled_mm starts to win). A sweep compiles 50-110 launches
-per case (a few minutes): split it with --layers / --m to stay under 10 minutes. Without --sweep about a minute.
+(the quantization fused in, FP8_TABLE's launch; the engine uses it up to FP8_SMALL_M_MAX rows). GB/s counts the
+FP8 weights (1 byte each) + their fp32 scales + x read once + the output written once; '%copy' is that over a
+device-to-device copy of the same weight bytes measured in the same run (read + write counted). With --sweep it
+first compiles every candidate in --jobs processes (8; Triton's disk cache is shared), then times 10-28
+candidates per case (fp8_sweep_configs: GEMV tiles up to 4 rows, 16-row dot tiles, K splits for 1-12 programs
+per SM), prints the best next to the current default, per (shape class, M bucket) the candidate with the least
+time over the class's layers, and the FP8_TABLE literal to paste into hayabusa/kernels/fp8_gemv.py. `--fp8
+--sweep --m 1,4,16` takes about 45 s on an H200 (12 cases, 241 candidates).
 --sweep-gemm instead searches the swapped-operand GEMM (gemm_t) per layer, M (default 16,32,64,128,256) and scheme
 (int8; int4 at --group-size): up to 24 tile / warp / stage candidates each (gemm_t_candidates), CUDA-graph
 medians next to bf16 F.linear, dequantize + F.linear and the current GEMM_T_TABLE launch. It prints, per (scheme,
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -268,31 +271,97 @@ def print_w8a8_table(rows: list[dict]) -> None:
         print(f"#   {layer:<8} {wins[0] if wins else f'never (up to M = {ms[-1][0]})'}")
 
 
-PEAK_GB_S = 4800.0   # H200 HBM3e
 
 
-def fp8_sweep_configs(M: int) -> list[LaunchConfig]:
-    """--fp8 --sweep candidates (about 50-110 per case): the fp32-FMA GEMV (M <= 4; tile shapes with <= 256
-    weight elements per thread) and the tl.dot tile (any M), each with K splits."""
-    cands = []
+FP8_SPLITS = (1, 2, 4, 8, 16)
+
+
+def fp8_sweep_configs(M: int, N: int, K: int, sms: int) -> list[LaunchConfig]:
+    """--fp8 --sweep candidates, 20-30 per case, the same for every layer of a shape class (so the table can keep
+    the one with the least time over the class). Pruned by what a bandwidth-bound small-M kernel needs:
+      * GEMV (M <= 4, all rows in one program): 16-byte vectors, 64-128 weight bytes per thread per step (4-8 loads in flight: less starves
+        HBM, more spills) in 8-32 KB tiles; 4 or 8 warps; num_stages 1 (the loads of one step are independent, and
+        Triton 3.6 does not pipeline loads that feed no tl.dot);
+      * dot (M = 16, and a few at M = 4): 16-row tiles, 32-128 wide, BLOCK_K 128-256, 3-4 stages (cp.async);
+      * K splits from FP8_SPLITS that put 1-12 programs per SM (fewer leave SMs idle, more only add partials)."""
+    from hayabusa.kernels.fp8_gemv import fp8_launch
+
+    shapes = []
     if M <= 4:
-        for bn, bk, warps in ((32, 256, 4), (64, 128, 8), (64, 256, 8), (128, 128, 8), (64, 512, 8), (128, 256, 8)):
-            for split in (1, 2, 4, 8, 16):
-                for stages in (1, 3):
-                    cands.append(LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
-                                              num_stages=stages))
-    for bm in sorted({16, min(64, max(16, triton.next_power_of_2(M)))}):
-        for bn in (32, 64, 128):
-            for bk in (128, 256):
-                for split in (1, 4, 8, 16):
-                    for warps in (4, 8):
-                        cands.append(LaunchConfig("gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                                                  num_warps=warps, num_stages=3))
+        shapes += [("gemv", min(4, triton.next_power_of_2(M)), bn, bk, w, 1) for bn, bk, w in
+                   ((16, 512, 4), (32, 256, 4), (32, 512, 4), (16, 1024, 4), (32, 512, 8), (64, 256, 8),
+                    (64, 512, 8), (32, 1024, 8))]
+    if M > 1:
+        dots = ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4),
+                (64, 128, 8, 4), (128, 128, 8, 3), (64, 256, 8, 3))
+        shapes += [("dot", 16, bn, bk, w, st) for bn, bk, w, st in (dots if M > 4 else dots[:2])]
+    cands = []
+    for kind, bm, bn, bk, warps, stages in shapes:
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        splits = [sp for sp in FP8_SPLITS if sms <= tiles * sp <= 12 * sms and sp <= triton.cdiv(K, bk)]
+        for sp in splits or [min(FP8_SPLITS, key=lambda sp: abs(tiles * sp - 4 * sms))]:
+            cands.append(fp8_launch((kind, bm, bn, bk, sp, warps, stages), M, N, K, torch.device("cuda")))
     return cands
 
 
+def _fp8_entry(cfg: LaunchConfig) -> tuple:
+    return (cfg.kind, cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages)
+
+
+def _fp8_compile(job: tuple[str, int, list[tuple]]) -> int:
+    """A worker process of --fp8 --sweep: compile (and run once) the launches of one case, filling Triton's disk
+    cache, so the timing process finds every kernel built. Returns how many failed (not candidates on this GPU)."""
+    from hayabusa.kernels.fp8_gemv import fp8_small_m_linear
+    from hayabusa.quantization.fp8 import quantize_fp8_rows
+
+    layer, M, entries = job
+    K, N, x, w = layer_inputs(layer, M)
+    wf, swf = quantize_fp8_rows(w)
+    failed = 0
+    for e in entries:
+        try:
+            fp8_small_m_linear(x, wf, swf.view(-1).contiguous(), cfg=LaunchConfig(
+                e[0], BLOCK_M=e[1], BLOCK_N=e[2], BLOCK_K=e[3], SPLIT_K=e[4], num_warps=e[5], num_stages=e[6]))
+        except Exception:  # noqa: BLE001 - out of registers / shared memory: timed as not a candidate later
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def fp8_precompile(cases: list[tuple[str, int]], jobs: int) -> None:
+    """Compile every --fp8 --sweep candidate of every case in `jobs` processes (Triton compiles one kernel at a
+    time per process; the cache on disk is shared), before the timing starts."""
+    import concurrent.futures
+    import multiprocessing
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    work = []
+    for layer, M in cases:
+        K, N = LAYERS[layer]
+        entries = [_fp8_entry(c) for c in fp8_sweep_configs(M, N, K, sms)]
+        work += [(layer, M, entries[i::3]) for i in range(3)]
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = sum(pool.map(_fp8_compile, work))
+    print(f"# precompiled {sum(len(w[2]) for w in work)} launches in {jobs} processes ({failed} failed)",
+          flush=True)
+
+
+_COPY_GB_S: dict[int, float] = {}
+
+
+def copy_gb_s(nbytes: int) -> float:
+    """A device-to-device copy of nbytes (read + write counted), CUDA-graph median: the bandwidth yardstick."""
+    if nbytes not in _COPY_GB_S:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=20, return_mode="median")
+        _COPY_GB_S[nbytes] = 2 * nbytes / ms / 1e6
+    return _COPY_GB_S[nbytes]
+
+
 def fp8_case(layer: str, M: int, sweep: bool) -> dict:
-    """One row: CUDA-graph us of bf16 F.linear, per_token_quant_fp8 + _scaled_mm, fp8_small_m_linear (+ sweep)."""
+    """One row: CUDA-graph us of bf16 F.linear, per_token_quant_fp8 + _scaled_mm, fp8_small_m_linear (+ sweep:
+    every candidate's us, keyed by its FP8_TABLE entry)."""
     from hayabusa.kernels.fp8_gemv import fp8_small_m_linear, fp8_small_m_linear_ref, pick_fp8_config
     from hayabusa.kernels.fp8_quant import per_token_quant_fp8
     from hayabusa.quantization.fp8 import fp8_matmul_cuda, quantize_fp8_rows
@@ -300,43 +369,82 @@ def fp8_case(layer: str, M: int, sweep: bool) -> dict:
     K, N, x, w = layer_inputs(layer, M)
     wf, swf = quantize_fp8_rows(w)
     swf = swf.view(-1).contiguous()
+    ref = fp8_small_m_linear_ref(x, wf, swf)
     fused = lambda cfg=None: fp8_small_m_linear(x, wf, swf, cfg=cfg)  # noqa: E731
-    torch.testing.assert_close(fused(), fp8_small_m_linear_ref(x, wf, swf), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(fused(), ref, atol=0.05, rtol=0.02)
     fns = {"bf16": lambda: F.linear(x, w),
            "scaled_mm": lambda: fp8_matmul_cuda(*per_token_quant_fp8(x), wf.t(), swf.view(1, -1), torch.bfloat16),
            "fused": fused}
     io = M * K * 2 + M * N * 2
     nbytes = {"bf16": N * K * 2 + io, "scaled_mm": N * K + N * 4 + io, "fused": N * K + N * 4 + io}
-    row = dict(layer=layer, K=K, N=N, M=M, config=pick_fp8_config(M, N, K, x.device).__dict__)
+    row = dict(layer=layer, K=K, N=N, M=M, config=pick_fp8_config(M, N, K, x.device).__dict__,
+               copy_gb_s=copy_gb_s(N * K), fused_bytes=nbytes["fused"])
     for name, fn in fns.items():
-        ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+        ms = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
         row[name + "_us"] = ms * 1e3
         row[name + "_gb_s"] = nbytes[name] / ms / 1e6
     if sweep:
-        best, best_ms = best_of(fused, fp8_sweep_configs(M))
-        row.update(sweep_best=best.__dict__ if best else None, sweep_best_us=best_ms * 1e3,
-                   sweep_best_gb_s=nbytes["fused"] / best_ms / 1e6)
+        times = {}
+        for cfg in fp8_sweep_configs(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count):
+            try:
+                y = fused(cfg)
+                torch.testing.assert_close(y, ref, atol=0.05, rtol=0.02)
+                ms = triton.testing.do_bench_cudagraph(lambda: fused(cfg), rep=10, return_mode="median")
+            except Exception as e:  # noqa: BLE001 - out of shared memory / registers: not a candidate on this GPU
+                print(f"# {layer} M={M} {_fp8_entry(cfg)}: {type(e).__name__}", flush=True)
+                continue
+            times[repr(_fp8_entry(cfg))] = ms * 1e3
+        best = min(times, key=times.get) if times else None
+        row.update(sweep_us=times, sweep_best=best, sweep_best_us=times.get(best, float("nan")),
+                   sweep_best_gb_s=nbytes["fused"] / times[best] * 1e3 / 1e6 if best else float("nan"))
+    print(f"# {layer} M={M} done", flush=True)
     return row
 
 
 def print_fp8_table(rows: list[dict]) -> None:
-    print(f"{'layer':<8} {'K':>6} {'N':>6} {'M':>4} {'bf16 us':>8} {'%peak':>6} {'q+smm us':>9} {'%peak':>6} "
-          f"{'fused us':>9} {'%peak':>6} {'vs bf16':>7} {'vs smm':>7}  config")
+    print(f"{'layer':<8} {'K':>6} {'N':>6} {'M':>4} {'bf16 us':>8} {'q+smm us':>9} {'fused us':>9} {'GB/s':>6} "
+          f"{'%copy':>6} {'vs bf16':>7} {'vs smm':>7}  config [| best us GB/s %copy]")
     for r in rows:
         c = r["config"]
         desc = (f"{c['kind']} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} split {c['SPLIT_K']} w{c['num_warps']} "
                 f"s{c['num_stages']}")
         if r.get("sweep_best"):
-            b = r["sweep_best"]
-            desc += (f" | best {b['kind']} {b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']} split {b['SPLIT_K']} "
-                     f"w{b['num_warps']} s{b['num_stages']}: {r['sweep_best_us']:.1f} us "
-                     f"{100 * r['sweep_best_gb_s'] / PEAK_GB_S:.0f}%")
-        pk = {k: 100 * r[k + "_gb_s"] / PEAK_GB_S for k in ("bf16", "scaled_mm", "fused")}
-        print(f"{r['layer']:<8} {r['K']:>6} {r['N']:>6} {r['M']:>4} {r['bf16_us']:>8.1f} {pk['bf16']:>5.0f}% "
-              f"{r['scaled_mm_us']:>9.1f} {pk['scaled_mm']:>5.0f}% {r['fused_us']:>9.1f} {pk['fused']:>5.0f}% "
+            desc += (f" | best {r['sweep_best']}: {r['sweep_best_us']:.1f} us {r['sweep_best_gb_s']:.0f} "
+                     f"{100 * r['sweep_best_gb_s'] / r['copy_gb_s']:.0f}%")
+        print(f"{r['layer']:<8} {r['K']:>6} {r['N']:>6} {r['M']:>4} {r['bf16_us']:>8.1f} {r['scaled_mm_us']:>9.1f} "
+              f"{r['fused_us']:>9.1f} {r['fused_gb_s']:>6.0f} {100 * r['fused_gb_s'] / r['copy_gb_s']:>5.0f}% "
               f"{r['bf16_us'] / r['fused_us']:>7.2f} {r['scaled_mm_us'] / r['fused_us']:>7.2f}  {desc}")
+    copies = sorted({(r["N"] * r["K"], r["copy_gb_s"]) for r in rows})
     print("# CUDA-graph replay medians; 'q+smm' = per_token_quant_fp8 + torch._scaled_mm (the path above "
-          "FP8_SMALL_M_MAX); 'vs x' = x time / fused time (> 1: the fused kernel is faster); %peak of 4.8 TB/s")
+          "FP8_SMALL_M_MAX); 'vs x' = x time / fused time (> 1: the fused kernel is faster); GB/s of the fused "
+          "kernel counts weights + scales + x + out once; '%copy' = that over a device-to-device copy of the same "
+          "weight bytes measured in this run (read + write): "
+          + ", ".join(f"{n / 1e6:.0f} MB {g:.0f} GB/s" for n, g in copies))
+    if not any(r.get("sweep_us") for r in rows):
+        return
+    from hayabusa.kernels.fp8_gemv import fp8_m_bucket
+    from hayabusa.kernels.quant_linear import gemm_shape_class
+
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((gemm_shape_class(r["N"], r["K"]), fp8_m_bucket(r["M"])), []).append(r)
+    table = {}
+    print("# per (shape class, M bucket): the candidate with the least time summed over the class's layers, "
+          "against the current default (FP8_TABLE as run)")
+    for key, rs in sorted(groups.items()):
+        common = set.intersection(*(set(r["sweep_us"]) for r in rs))
+        if not common:
+            continue
+        best = min(common, key=lambda e: sum(r["sweep_us"][e] for r in rs))
+        table[key] = best
+        now = sum(r["fused_us"] for r in rs)
+        new = sum(r["sweep_us"][best] for r in rs)
+        print(f"#   {key}: {best}  {new:.1f} us (default {now:.1f} us, x{now / new:.2f})  layers "
+              + ", ".join(f"{r['layer']} M={r['M']}" for r in rs))
+    print("FP8_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {")
+    for key in sorted(table):
+        print(f"    {key!r}: {table[key]},")
+    print("}")
 
 
 # ------------------------------------------------------------------------------------ --sweep-gemm (gemm_t tiles)
@@ -443,6 +551,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="time fp8_small_m_linear against quantize + _scaled_mm and bf16 (with --sweep: retune "
                              "pick_fp8_config)")
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="--fp8 --sweep: processes compiling the candidates before the timing (1: none)")
     parser.add_argument("--sweep-gemm", action="store_true",
                         help="search the swapped-operand GEMM's tiles per (scheme, shape class, M bucket) and print "
                              "GEMM_T_TABLE and the dequantize + cuBLAS crossovers")
@@ -461,6 +571,8 @@ def main() -> None:
                         else "1,4,16,64" if args.fp8 else ",".join(map(str, SWEEP_GEMM_M)) if args.sweep_gemm
                         else "1,8,64,256,2048")
     rows = []
+    if args.fp8 and args.sweep and args.jobs > 1:
+        fp8_precompile([(layer, int(m)) for layer in args.layers.split(",") for m in m_list.split(",")], args.jobs)
     for layer in args.layers.split(","):
         for M in (int(m) for m in m_list.split(",")):
             if args.fp8:

@@ -7,21 +7,26 @@ with q(x), s_x exactly per_token_quant_fp8's (kernels/fp8_quant.py): s_x[m] = ma
 (IEEE division) or one static scale; q = e4m3(clamp(x / s_x, -448, 448)), round to nearest even. The engine's
 other FP8 path is per_token_quant_fp8 + torch._scaled_mm: two launches per linear, and at M = 1-16 cuBLAS /
 CUTLASS's FP8 GEMMs stream the weights far below bandwidth (issue #25: batch-1 decode of a 7B model slower in FP8
-than in bf16). Here one launch (two with split-K) reads each e4m3 weight once:
+than in bf16). Here one launch reads each e4m3 weight once:
 
   * every program computes the amax of its rows over the WHOLE row itself (x rows are small, K <= ~19k, and stay
     in L2), then quantizes only its K slice: no separate quantize launch and no x_q round trip through memory;
-  * rows <= _GEMV_MAX_M: a GEMV, one program per (row, N tile, K split), fp32 FMAs on the weight tile [BLOCK_K,
-    BLOCK_N] converted to fp32 (each product of two e4m3 values is exact in fp32), per-thread partial sums reduced
-    once after the K loop; the rows of one weight tile are neighbours in launch order (later rows hit L2), as in
-    quant_linear's _wo_gemv_kernel;
-  * more rows (up to FP8_SMALL_M_MAX): one 16-row tile per program, tl.dot of fp16 operands: e4m3 values are
-    exact in fp16, so the products are exact and the tensor cores only change the fp32 summation order;
+  * "gemv" (decode's 1-4 rows): one program per (row, N tile, K split), _fp8_gemv_kernel. Bandwidth-bound, so
+    built for bytes in flight: each thread loads 16 contiguous e4m3 (one 16-byte load) per vector, a tile
+    [BLOCK_N, BLOCK_K] is 4-8 such loads per thread, and the fp32 products (exact: e4m3 x e4m3) are summed inside
+    the thread every step, so the accumulator is 16x smaller than the tile and 16-32 KB tiles fit the registers
+    (the first version kept one fp32 per weight of the tile: 8 KB tiles, two loads per thread, ~36 % of HBM
+    bandwidth at batch 1). The rows of one weight tile are neighbours in launch order (later rows hit L2);
+  * "dot" (more rows, up to FP8_SMALL_M_MAX): one 16-row tile per program, tl.dot of fp16 operands
+    (_fp8_dot_kernel): e4m3 values are exact in fp16, so the products are exact and the tensor cores only change
+    the fp32 summation order;
   * split-K spreads a narrow N over the SMs: the fp32 partials (already times s_x and s_w) go to a workspace
-    [splits, M, N] that quant_linear's splitk_reduce adds in split order (+ bias): deterministic, unlike atomics.
+    [splits, M, N]; the last program of each output tile to finish (a per-tile counter, reset by that program, so
+    CUDA-graph replays need no memset) adds them in split order (+ bias): splitk_reduce's sum, without its launch;
+    deterministic, unlike atomics on the output.
 
-The launch is chosen on the host from (M, N, K, SM count), no autotune (CUDA-graph safe, the same every run):
-pick_fp8_config; starting points, retune with ``benchmarks/kernels/bench_quant_linear.py --fp8 --sweep``.
+The launch comes from FP8_TABLE, keyed by (shape class, M bucket), no autotune (CUDA-graph safe, the same every
+run): pick_fp8_config; retune with ``benchmarks/kernels/bench_quant_linear.py --fp8 --sweep``.
 The weight is the layer's stored [N', K'] e4m3 (row-major, K contiguous: what ``_scaled_mm`` takes as ``.t()``;
 N', K' >= N, K, zero padding ignored): no second copy.
 """
@@ -34,19 +39,26 @@ from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
 from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs
-from hayabusa.kernels.quant_linear import LaunchConfig, device_limits, split_k_for, splitk_epilogue, splitk_reduce
+from hayabusa.kernels.quant_linear import (
+    LaunchConfig, device_limits, gemm_shape_class, split_k_for, splitk_epilogue, splitk_reduce,
+)
 
 # Rows up to here run this kernel (Fp8LinearMethod.apply on CUDA); more rows: per_token_quant_fp8 + _scaled_mm.
 # 16: one tl.dot tile; decode batches of 1-16 are where _scaled_mm is far below bandwidth (issue #25). Not yet
 # measured against _scaled_mm at 5-16 rows: `bench_quant_linear.py --fp8` prints the crossover; lower it there.
+# Measured 2026-12-02 (FP8_TABLE's note): the fused kernel wins at M = 1 only, _scaled_mm at M = 4 and 16 for every
+# 7B layer (M = 2, 3 not measured); lowering this to 1 awaits the lead's engine-level A/B.
 FP8_SMALL_M_MAX = 16
-# Rows up to here: the fp32-FMA GEMV (one program per row); 5..16 rows: the 16-row tl.dot tile.
-_GEMV_MAX_M = 4
+# e4m3 weights per thread and vector of the GEMV: one 16-byte load
+_VEC = 16
 # x elements one step of the amax prologue holds (BLOCK_M x AMAX_BLOCK): 32 per thread for the 8-warp GEMV
 _MAX_AMAX_ELEMS = 8192
 # The prologue's steps are unrolled (every load in flight at once) while a thread holds at most this many x
 # elements in all (7B at M = 1: K = 3584 -> 16, K = 18944 -> 96); a loop beyond (16-row tiles)
 _AMAX_UNROLL_ELEMS = 128
+# Split-K partials summed by the last program of each tile (True) or by splitk_reduce's second launch (False):
+# the same sum in the same order, so the same bits; read per call (A/B runs and tests)
+USE_FUSED_REDUCE = True
 FP8_MAX, _MANT, _EMIN = FP8_FORMATS[FP8_DTYPE]          # 448.0, 3, -6
 
 
@@ -93,76 +105,232 @@ def _quantize(x, s, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_EMIN: tl.
 
 
 @triton.jit
-def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, part_ptr,
-                        M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
-                        STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                        DOT: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
-                        FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                        FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr):
-    # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
+def _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr, tile, pid_k, splits,
+                   M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr):
+    """acc [BM, BN] fp32 -> out (+ bias, cast); with split-K the fp32 partial of split pid_k goes to the workspace
+    [splits, M, N] and, FUSED_REDUCE, the tile's last program to arrive (a counter per tile, lock_ptr[tile], reset
+    by that program: zero again for the next launch, so CUDA-graph replays need no memset) adds the partials in
+    split order (+ bias), exactly splitk_reduce's sum: the same bits, without its launch."""
+    if not SPLIT or not FUSED_REDUCE:
+        splitk_epilogue(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
+                        HAS_BIAS, SPLIT)
+    else:
+        mask = m_mask[:, None] & n_mask[None, :]
+        part = part_ptr + rows[:, None] * N + offs_n[None, :]
+        tl.store(part + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()                     # every thread's partial stored before the release below
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:             # the last split: every other partial is visible (acquire)
+            tl.debug_barrier()
+            total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit
+def _gemv_row(acc, w, x_ptr, row, M, stride_xm, kk, k0, k_mask, s, FP8_MAX: tl.constexpr,
+              FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """acc [BN, BJ] += the exact products of one x row's quantized [BJ, VEC] slice with the weight tile, summed
+    over each thread's VEC (in-thread adds)."""
+    x = tl.load(x_ptr + row * stride_xm + k0 + kk, mask=k_mask & (row < M), other=0.0)
+    q = _quantize(x.to(tl.float32), s, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)           # [BJ, VEC] e4m3
+    return acc + tl.sum(w * q.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _pick(v, idx, i):
+    """v [BM] -> its element i (a scalar)."""
+    return tl.sum(tl.where(idx == i, v, 0.0), axis=0)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, part_ptr, lock_ptr,
+                     M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
+                     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     FUSED_REDUCE: tl.constexpr, VEC_MASK: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                     AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                     FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr):
+    # grid (row tiles of BLOCK_M <= 4 rows, N tiles, K splits). The weight tile is [BLOCK_N, BLOCK_K / VEC, VEC]:
+    # VEC = 16 contiguous e4m3 per thread (one 16-byte load), loaded once per step for all the program's rows (one
+    # accumulator each, unrolled: rows read the weights once, not once per row), and each row's products summed
+    # inside the thread, so an accumulator is BLOCK_K / VEC times smaller than the tile and a tile of 8-32 KB (2-8
+    # loads per thread in flight) fits the registers.
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    idx = tl.arange(0, BLOCK_M)
+    rows = row0 + idx                                                                     # [BM]
     m_mask = rows < M
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
+                    AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                      # [BM] fp32
+    s0 = _pick(s, idx, 0)
+    s1 = _pick(s, idx, 1)
+    s2 = _pick(s, idx, 2)
+    s3 = _pick(s, idx, 3)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    BJ: tl.constexpr = BLOCK_K // VEC
+    kj = tl.arange(0, BJ)[:, None] * VEC                                                  # [BJ, 1]
+    kk = kj + tl.arange(0, VEC)[None, :]                                                  # [BJ, VEC]
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_tile = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn + kk[None, :, :]      # [BN, BJ, VEC]: W [N', K']
+    acc0 = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BJ], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if VEC_MASK:  # K % VEC == 0: whole vectors in or out (the mask is constant over a vector: 16-byte loads)
+            k_mask = (k0 + kj) < k_end                                                    # [BJ, 1]
+        else:
+            k_mask = (k0 + kk) < k_end                                                    # [BJ, VEC]
+        w = tl.load(w_tile + k0, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0).to(tl.float32)
+        acc0 = _gemv_row(acc0, w, x_ptr, row0, M, stride_xm, kk, k0, k_mask, s0, FP8_MAX, FP8_MANT, FP8_EMIN,
+                         SOFT_ROUND)
+        if BLOCK_M > 1:
+            acc1 = _gemv_row(acc1, w, x_ptr, row0 + 1, M, stride_xm, kk, k0, k_mask, s1, FP8_MAX, FP8_MANT,
+                             FP8_EMIN, SOFT_ROUND)
+        if BLOCK_M > 2:
+            acc2 = _gemv_row(acc2, w, x_ptr, row0 + 2, M, stride_xm, kk, k0, k_mask, s2, FP8_MAX, FP8_MANT,
+                             FP8_EMIN, SOFT_ROUND)
+            acc3 = _gemv_row(acc3, w, x_ptr, row0 + 3, M, stride_xm, kk, k0, k_mask, s3, FP8_MAX, FP8_MANT,
+                             FP8_EMIN, SOFT_ROUND)
+    r = idx[:, None]
+    acc = tl.where(r == 0, tl.sum(acc0, axis=1)[None, :], 0.0)                            # [BM, BN]
+    if BLOCK_M > 1:
+        acc = tl.where(r == 1, tl.sum(acc1, axis=1)[None, :], acc)
+    if BLOCK_M > 2:
+        acc = tl.where(r == 2, tl.sum(acc2, axis=1)[None, :], acc)
+        acc = tl.where(r == 3, tl.sum(acc3, axis=1)[None, :], acc)
+    sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
+    acc = acc * s[:, None] * sw[None, :]            # (acc * s_x) * s_w: fp8_matmul_emulated's order
+    _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                   tl.program_id(0) * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
+                   FUSED_REDUCE)
+
+
+@triton.jit
+def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, part_ptr, lock_ptr,
+                    M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
+                    STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+                    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
+                    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                    FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr):
+    # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_mask = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
                     AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                                   # [BM] fp32
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn                             # [1, BN]: W is [N', K']
-    if DOT:
-        x_rows = x_ptr + rows[:, None] * stride_xm                                        # [BM, 1]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:  # BLOCK_M == 1: x read as a column [BK, 1] beside the weight tile (no transpose in the loop);
-        x_rows = x_ptr + rows[None, :] * stride_xm                                        # [1, 1]
-        acc2 = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)  # per-thread partial sums, reduced after the loop
+    x_rows = x_ptr + rows[:, None] * stride_xm                                            # [BM, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
         if EVEN_K:  # every tile whole: no column mask (the compiler drops k_mask)
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)       # [BK, BN] e4m3
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)        # [BM, BK]
         else:
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        if DOT:
-            if EVEN_K:
-                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)    # [BM, BK]
-            else:
-                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            q = _quantize(x.to(tl.float32), s[:, None], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
-            if DOT_FP32:  # the interpreter (numpy): fp32 operands, exact products as well
-                acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:         # e4m3 values are exact in fp16: exact products, fp32 sums
-                acc = tl.dot(q.to(tl.float16), w.to(tl.float16), acc)
-        else:
-            if EVEN_K:
-                x = tl.load(x_rows + offs_k[:, None], mask=m_mask[None, :], other=0.0)    # [BK, 1]
-            else:
-                x = tl.load(x_rows + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-            q = _quantize(x.to(tl.float32), s[None, :], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
-            acc2 += w.to(tl.float32) * q.to(tl.float32)                                   # [BK, BN]
-    if not DOT:
-        acc = tl.sum(acc2, axis=0)[None, :]                                               # [1, BN]
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        q = _quantize(x.to(tl.float32), s[:, None], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+        if DOT_FP32:  # the interpreter (numpy): fp32 operands, exact products as well
+            acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:         # e4m3 values are exact in fp16: exact products, fp32 sums
+            acc = tl.dot(q.to(tl.float16), w.to(tl.float16), acc)
     sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * s[:, None] * sw[None, :]            # (acc * s_x) * s_w: fp8_matmul_emulated's order
-    splitk_epilogue(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, pid_k, M, N, stride_om,
-                    HAS_BIAS, SPLIT)
+    _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                   pid_m * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
+                   FUSED_REDUCE)
+
+
+# Launches keyed by (shape class, M bucket): gemm_shape_class(N, K) ("square": attention's qkv / o, "wide": an
+# MLP's gate_up, "deep": its down) and the smallest FP8_M_BUCKETS entry >= M. Values: (kind "gemv" | "dot",
+# BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0 = as many K splits as bring the programs
+# to FP8_AUTO_SPLIT_WAVES per SM (split_k_for). "gemv" holds BLOCK_M <= 4 rows per program.
+# Measured on an H200 (2026-12-02, two runs of `bench_quant_linear.py --fp8 --sweep --m 1,4,16`, 7B layers,
+# CUDA-graph us; the literal below is the second run's, whose best agree with the first's within ~5 % run-to-run
+# noise): M = 1 qkv 9.6, o 8.2, gate_up 44.8-48.0 (69-73 % of a same-size copy), down 28.9-31.5 (54-58 %), the
+# first version 10.2 / 8.5 / 49.3 / 31.9 with its launches (and 134 us a layer in the profiled decode step, with
+# the splitk_reduce launches this drops). M = 4: the 4-row GEMV is ALU-bound (each row quantizes its x slice in
+# every program: IEEE divisions) and M = 16 the dot tiles: both slower than per_token_quant_fp8 + _scaled_mm
+# there (gate_up M = 4 155 us vs 50; M = 16 110 vs 49): see FP8_SMALL_M_MAX.
+FP8_M_BUCKETS = (1, 4, 16)
+FP8_AUTO_SPLIT_WAVES = 4
+FP8_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
+    ('deep', 1): ('gemv', 1, 32, 512, 4, 8, 1),
+    ('deep', 4): ('gemv', 4, 32, 256, 2, 4, 1),
+    ('deep', 16): ('dot', 16, 128, 128, 8, 8, 3),
+    ('square', 1): ('gemv', 1, 32, 256, 8, 4, 1),
+    ('square', 4): ('gemv', 4, 32, 256, 4, 4, 1),
+    ('square', 16): ('dot', 16, 128, 128, 8, 8, 3),
+    ('wide', 1): ('gemv', 1, 16, 512, 1, 4, 1),
+    ('wide', 4): ('gemv', 4, 32, 256, 1, 4, 1),
+    ('wide', 16): ('dot', 16, 64, 256, 1, 8, 3),
+}
+
+
+def fp8_m_bucket(M: int) -> int:
+    """FP8_TABLE's row bucket of M rows: the smallest of FP8_M_BUCKETS >= M (the largest past them)."""
+    return next((b for b in FP8_M_BUCKETS if M <= b), FP8_M_BUCKETS[-1])
+
+
+def fp8_launch(entry: tuple[str, int, int, int, int, int, int], M: int, N: int, K: int,
+               device: torch.device) -> LaunchConfig:
+    """The launch of one FP8_TABLE entry for [M, K] x [K, N] (SPLIT_K 0 resolved on the device's SM count).
+    Raises ValueError on a malformed entry (unknown kind, tiles not powers of two, GEMV BLOCK_K < 16, dot tiles
+    < 16, negative SPLIT_K)."""
+    kind, bm, bn, bk, split, warps, stages = entry
+    if kind not in ("gemv", "dot") or split < 0 or any(v < 1 or v & (v - 1) for v in (bm, bn, bk)) \
+            or bk < _VEC or (kind == "dot" and min(bm, bn, bk) < 16) or (kind == "gemv" and bm > 4):
+        raise ValueError(f"FP8_TABLE entry must be (gemv | dot, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K >= 0, warps, "
+                         f"stages) with power-of-two tiles (gemv: BLOCK_M <= 4, BLOCK_K >= {_VEC}; dot: >= 16), "
+                         f"got {entry}")
+    if split == 0:
+        sms, _ = device_limits(device)
+        split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), FP8_AUTO_SPLIT_WAVES * sms)
+    return LaunchConfig(kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                        num_stages=stages)
 
 
 def pick_fp8_config(M: int, N: int, K: int, device: torch.device) -> LaunchConfig:
-    """The launch for [M, K] x [K, N] with M <= FP8_SMALL_M_MAX: host ints and the SM count only.
+    """The launch for [M, K] x [K, N] with M <= FP8_SMALL_M_MAX: FP8_TABLE's entry for (gemm_shape_class(N, K),
+    fp8_m_bucket(M)); host ints and the SM count only (the same every call: CUDA-graph safe)."""
+    return fp8_launch(FP8_TABLE[(gemm_shape_class(N, K), fp8_m_bucket(M))], M, N, K, device)
 
-    Starting points, not yet tuned on the device (bench_quant_linear.py --fp8 --sweep): GEMV 64 n x 128 k tiles
-    (8 KB of e4m3 per program and step, as the int8 GEMV), about 4 programs per SM; the 16-row tl.dot tile
-    16 x 64 x 128, about 2 programs per SM. Split-K keeps >= 2 K tiles per split.
-    """
-    sms, _ = device_limits(device)
-    if M <= _GEMV_MAX_M:
-        split = split_k_for(M * triton.cdiv(N, 64), triton.cdiv(K, 128), 4 * sms)
-        return LaunchConfig("gemv", BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, num_warps=8, num_stages=1)
-    split = split_k_for(triton.cdiv(M, 16) * triton.cdiv(N, 64), triton.cdiv(K, 128), 2 * sms)
-    return LaunchConfig("gemm", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=3)
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The per-device int32 counters of the fused split-K reduction (zero between launches: each tile's last
+    program resets its own), at least `tiles` of them; None while a CUDA graph is being captured and the buffer is
+    missing or too small (allocating there would tie it to the graph's pool): that launch reduces with
+    splitk_reduce instead, the same sum. One stream at a time uses them (the engine's forward is on one stream)."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        locks = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _LOCKS[device] = locks
+    return locks
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -216,26 +384,38 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     if M == 0:
         return out
     cfg = cfg or pick_fp8_config(M, N, K, x.device)
-    dot = cfg.kind == "gemm"
-    bm = cfg.BLOCK_M if dot else 1
+    if cfg.kind not in ("gemv", "dot"):
+        raise ValueError(f"cfg.kind must be 'gemv' or 'dot', got {cfg.kind!r}")
+    if cfg.kind == "gemv" and cfg.BLOCK_M not in (1, 2, 4):
+        raise ValueError(f"cfg.BLOCK_M of a gemv launch must be 1, 2 or 4, got {cfg.BLOCK_M}")
+    dot = cfg.kind == "dot"
+    bm = cfg.BLOCK_M
     k_tiles = triton.cdiv(K, cfg.BLOCK_K)
     tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
     splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
-    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     grid = (triton.cdiv(M, bm), triton.cdiv(N, cfg.BLOCK_N), splits)
+    part, locks = out, out
+    if splits > 1:
+        part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+        locks = _split_locks(x.device, grid[0] * grid[1]) if USE_FUSED_REDUCE else None
     amax_block = min(triton.next_power_of_2(K), _MAX_AMAX_ELEMS // bm)
     amax_iters = triton.cdiv(K, amax_block)
-    _fp8_small_m_kernel[grid](
-        x, weight, weight_scale, bias if bias is not None else out, input_scale if input_scale is not None else out,
-        out, part, M, N, K, tiles_per_split * cfg.BLOCK_K, x.stride(0), weight.stride(0), out.stride(0),
+    common = dict(
         STATIC=input_scale is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        EVEN_K=K % cfg.BLOCK_K == 0, DOT=dot, DOT_FP32=x.device.type == "cpu", SOFT_ROUND=x.device.type == "cpu",
-        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        FUSED_REDUCE=locks is not None, SOFT_ROUND=x.device.type == "cpu", BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         AMAX_BLOCK=amax_block, AMAX_ITERS=amax_iters,
         AMAX_UNROLL=amax_iters * amax_block * bm <= _AMAX_UNROLL_ELEMS * 32 * cfg.num_warps,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, FP8_MANT=_MANT, FP8_EMIN=_EMIN,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
+    args = (x, weight, weight_scale, bias if bias is not None else out, input_scale if input_scale is not None else out,
+            out, part, locks if locks is not None else out, M, N, K, tiles_per_split * cfg.BLOCK_K, splits,
+            x.stride(0), weight.stride(0), out.stride(0))
+    if dot:
+        _fp8_dot_kernel[grid](*args, EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=x.device.type == "cpu", BLOCK_M=bm,
+                              **common)
+    else:
+        _fp8_gemv_kernel[grid](*args, VEC_MASK=K % _VEC == 0, VEC=_VEC, BLOCK_M=bm, **common)
+    if splits > 1 and locks is None:
         splitk_reduce(part, bias, out)
     return out
 
@@ -255,4 +435,5 @@ def fp8_small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     return y.to(x.dtype)
 
 
-__all__ = ["FP8_SMALL_M_MAX", "fp8_small_m_linear", "fp8_small_m_linear_ref", "pick_fp8_config"]
+__all__ = ["FP8_M_BUCKETS", "FP8_SMALL_M_MAX", "FP8_TABLE", "fp8_launch", "fp8_m_bucket", "fp8_small_m_linear",
+           "fp8_small_m_linear_ref", "pick_fp8_config"]

@@ -9,16 +9,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hayabusa.kernels.fp8_gemv import FP8_SMALL_M_MAX, fp8_small_m_linear, fp8_small_m_linear_ref, pick_fp8_config
+from hayabusa.kernels.fp8_gemv import (
+    FP8_M_BUCKETS, FP8_SMALL_M_MAX, FP8_TABLE, fp8_launch, fp8_m_bucket, fp8_small_m_linear, fp8_small_m_linear_ref,
+    pick_fp8_config,
+)
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, per_token_quant_fp8_ref
 from hayabusa.kernels.quant_linear import LaunchConfig
+from tests.kernels.conftest import QWEN_7B
 
 # interpreter-sized launches reaching every code path (K = 104 is not a multiple of 32: a ragged last K tile)
 CONFIGS = {
     "gemv": LaunchConfig("gemv", BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1),
     "gemv_split": LaunchConfig("gemv", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=1),
-    "gemm": LaunchConfig("gemm", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2),
-    "gemm_split": LaunchConfig("gemm", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2),
+    "gemv4_split": LaunchConfig("gemv", BLOCK_M=4, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=1),
+    "gemm": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2),
+    "gemm_split": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2),
 }
 EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}   # 1 ulp at 1.0
 
@@ -37,8 +42,8 @@ def _assert_few_ulps(y: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("cfg, M", [("gemv", 1), ("gemv_split", 3), ("gemm", 5), ("gemm_split", 16),
-                                    ("gemm_split", 19)])
+@pytest.mark.parametrize("cfg, M", [("gemv", 1), ("gemv_split", 3), ("gemv4_split", 3), ("gemv4_split", 6),
+                                    ("gemm", 5), ("gemm_split", 16), ("gemm_split", 19)])
 def test_fp8_small_m_matches_ref(device, dtype, cfg, M):
     """Bias on odd M; N = 40 is not a multiple of the N tile; 19 rows: two row tiles of 16."""
     N, K = 40, 104
@@ -90,7 +95,8 @@ def test_fp8_small_m_padded_weight_strided_rows(device, static):
 
 @pytest.mark.parametrize("M, K, cfg", [
     (2, 8200, LaunchConfig("gemv", BLOCK_N=16, BLOCK_K=512, SPLIT_K=2, num_warps=8, num_stages=1)),  # 2 unrolled
-    (5, 1100, LaunchConfig("gemm", BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=3, num_warps=4, num_stages=2)),
+    (3, 8200, LaunchConfig("gemv", BLOCK_M=4, BLOCK_N=16, BLOCK_K=512, SPLIT_K=2, num_warps=8, num_stages=1)),
+    (5, 1100, LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=3, num_warps=4, num_stages=2)),
 ])
 def test_fp8_small_m_long_rows(device, M, K, cfg):
     """Rows longer than one amax chunk: the unrolled prologue (GEMV: 8192-column chunks) and the looped one (16
@@ -112,7 +118,7 @@ def test_fp8_small_m_long_rows(device, M, K, cfg):
 
 
 def test_fp8_small_m_default_launch(device):
-    """pick_fp8_config's own launch (GEMV up to 4 rows, the tl.dot tile above); M = 0 allocates only."""
+    """pick_fp8_config's own launch (FP8_TABLE: GEMV up to 4 rows, the tl.dot tile above); M = 0 allocates only."""
     w, sw = (t.to(device) for t in _weight(48, 256, seed=0))
     for M in (2, FP8_SMALL_M_MAX):
         x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16).to(device)
@@ -120,18 +126,83 @@ def test_fp8_small_m_default_launch(device):
     assert fp8_small_m_linear(torch.empty(0, 256, dtype=torch.bfloat16, device=device), w, sw).shape == (0, 48)
 
 
-def test_pick_fp8_config_fills_the_gpu_with_whole_k_tiles():
-    """7B shapes on a 132-SM GPU (CPU tests get 4 'SMs'; the rule is the same): GEMV for <= 4 rows, else 16-row
-    tiles; splits keep >= 2 K tiles each, and narrow N (qkv, o, down) splits K to reach the target."""
+def _sweep_tiles() -> list[LaunchConfig]:
+    """Every distinct tile of bench_quant_linear's --fp8 --sweep candidates (7B shapes, M = 1, 4, 16, 132 SMs) and
+    of FP8_TABLE, each with SPLIT_K 3 (the fused reduction; on a small K fewer splits remain)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_quant_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_quant_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    entries = {bench._fp8_entry(c)[:4] + bench._fp8_entry(c)[5:] for M in (1, 4, 16)
+               for K, N in QWEN_7B.values() for c in bench.fp8_sweep_configs(M, N, K, 132)}
+    entries |= {e[:4] + e[5:] for e in FP8_TABLE.values()}
+    return [LaunchConfig(kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=3, num_warps=w, num_stages=st)
+            for kind, bm, bn, bk, w, st in sorted(entries)]
+
+
+def test_every_sweep_candidate_matches_ref(device):
+    """Each tile the sweep may put into FP8_TABLE, at M = 1, 3 and 16 (rows beyond a GEMV's 4 or below a dot
+    tile's 16 masked) with N = 72 and K = 1576 (multiples of no tile size: ragged N and K tiles, a ragged last
+    split), bias on, split-K reduced by the last program: within 2 ulps of the reference."""
+    N, K = 72, 1576
+    w, sw = (t.to(device) for t in _weight(N, K, seed=7))
+    g = torch.Generator().manual_seed(7)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16).to(device)
+    xs = {M: (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16).to(device) for M in (1, 3, 16)}
+    refs = {M: fp8_small_m_linear_ref(x, w, sw, bias) for M, x in xs.items()}
+    tiles = _sweep_tiles()
+    assert len(tiles) >= 20
+    for cfg in tiles:
+        for M, x in xs.items():
+            y = fp8_small_m_linear(x, w, sw, bias, cfg=cfg)
+            scale = float(refs[M].float().abs().max())
+            err = float((y.float() - refs[M].float()).abs().max())
+            assert err <= 2 * EPS[torch.bfloat16] * scale, (cfg, M, err, scale)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("cfg", ["gemv_split", "gemv4_split", "gemm_split"])
+def test_fused_splitk_reduce_equals_two_launch_reduce(device, monkeypatch, cfg, M):
+    """The split-K partials summed by each tile's last program (USE_FUSED_REDUCE) are splitk_reduce's sum, bit for
+    bit, with a bias; the per-tile counters are back at zero afterwards (the next launch, a CUDA-graph replay,
+    needs them so)."""
+    import hayabusa.kernels.fp8_gemv as fg
+
+    N, K = 40, 104
+    g = torch.Generator().manual_seed(M + 11)
+    x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16).to(device)
+    w, sw = (t.to(device) for t in _weight(N, K, seed=M))
+    bias = torch.randn(N, generator=g).to(torch.bfloat16).to(device)
+    fused = fp8_small_m_linear(x, w, sw, bias, cfg=CONFIGS[cfg])
+    assert int(fg._LOCKS[torch.device(device)].abs().sum()) == 0
+    monkeypatch.setattr(fg, "USE_FUSED_REDUCE", False)
+    two = fp8_small_m_linear(x, w, sw, bias, cfg=CONFIGS[cfg])
+    assert torch.equal(fused, two)
+    _assert_few_ulps(fused, fp8_small_m_linear_ref(x, w, sw, bias))
+
+
+def test_fp8_table_launches():
+    """FP8_TABLE: an entry for every (shape class, M bucket), each a valid launch; 7B shapes on a 132-SM GPU get
+    the GEMV up to 4 rows and the 16-row dot tile above; resolved K splits keep >= 1 K tile each; a malformed entry
+    raises ValueError."""
+    from hayabusa.kernels.quant_linear import GEMM_SHAPE_CLASSES
+
+    assert set(FP8_TABLE) == {(c, b) for c in GEMM_SHAPE_CLASSES for b in FP8_M_BUCKETS}
+    assert [fp8_m_bucket(M) for M in (1, 2, 4, 5, 16, 17)] == [1, 4, 4, 16, 16, 16]
     cpu = torch.device("cpu")
-    assert pick_fp8_config(1, 4608, 3584, cpu).kind == "gemv"
-    assert pick_fp8_config(4, 4608, 3584, cpu).kind == "gemv"
-    cfg = pick_fp8_config(5, 4608, 3584, cpu)
-    assert cfg.kind == "gemm" and cfg.BLOCK_M == 16
-    for M, N, K in [(1, 4608, 3584), (1, 3584, 18944), (16, 3584, 3584)]:
-        cfg = pick_fp8_config(M, N, K, cpu)
-        k_tiles = -(-K // cfg.BLOCK_K)
-        assert cfg.SPLIT_K == 1 or k_tiles // cfg.SPLIT_K >= 2
+    for M in range(1, FP8_SMALL_M_MAX + 1):
+        for K, N in QWEN_7B.values():
+            cfg = pick_fp8_config(M, N, K, cpu)
+            assert cfg.kind == ("gemv" if M <= 4 else "dot")
+            assert cfg.BLOCK_M >= M or cfg.kind == "dot"
+            assert -(-K // cfg.BLOCK_K) >= cfg.SPLIT_K >= 1
+    for bad in [("gemm", 16, 64, 128, 1, 4, 3), ("gemv", 8, 32, 512, 1, 4, 1), ("gemv", 1, 32, 8, 1, 4, 1),
+                ("dot", 16, 48, 128, 1, 4, 3), ("gemv", 1, 32, 512, -1, 4, 1)]:
+        with pytest.raises(ValueError, match="FP8_TABLE entry"):
+            fp8_launch(bad, 1, 64, 64, cpu)
 
 
 @pytest.mark.parametrize("make, match", [
