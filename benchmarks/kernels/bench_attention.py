@@ -169,7 +169,8 @@ VERIFY_HEADS = {"smollm2": (9, 3, 64), "qwen2.5-7b": (28, 4, 128)}  # (H, H_kv, 
 
 
 def bench_verify(block_size: int, dtype: torch.dtype, q_len: int = 5) -> list[dict]:
-    """Verify steps: the old choice (prefill tile, one pass) vs the new one (short-query tile, split-KV)."""
+    """Verify steps: the old choice (prefill tile, one pass) vs the current one (``is_short_query``: the
+    short-query tile with split-KV where it measured faster, else the old choice; splits = 1 marks the latter)."""
     rows = []
     for model, heads in VERIFY_HEADS.items():
         for R in (1, 4, 16):
@@ -183,7 +184,7 @@ def bench_verify(block_size: int, dtype: torch.dtype, q_len: int = 5) -> list[di
                 pa.SHORT_QUERY_SPLIT = True
                 group = heads[0] // heads[1]
                 splits = pa._auto_num_splits(R * heads[1], q_len, torch.device("cuda"), True) \
-                    if pa.is_short_query(q_len, group) else 1
+                    if pa.is_short_query(q_len, group, R * heads[1]) else 1
                 rows.append(dict(model=model, R=R, ctx=ctx, q_len=q_len, old_us=us[False], new_us=us[True],
                                  splits=splits, speedup=us[False] / us[True]))
     return rows

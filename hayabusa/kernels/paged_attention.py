@@ -53,6 +53,13 @@ _MAX_SPLITS = 32
 # holds every query row of a request's KV head: GQA groups up to 8 at 8 tokens). Longer queries are prefill.
 SHORT_QUERY_MAX = 8
 SHORT_QUERY_MAX_ROWS = 64
+# A tile of more than 32 rows (GQA group 7 at 5 tokens: 64 rows) pays only while the grid is tiny. Measured on an
+# H200 (bench_attention.py --verify, q_len 5, bf16, graph replay, µs old -> new; BENCHMARKS.md session 11): Qwen2.5-7B
+# heads at R = 1 (4 programs) 10.6 -> 11.0 at 256 keys, 23.9 -> 11.3 at 700, 124 -> 11.8 at 4,096; at R = 4
+# 10.8 -> 24.7 at 256 keys, 24.7 -> 25.5 at 700; at R = 16 10.9 -> 30.2 at 256 keys. 16-row tiles (SmolLM2, group 3)
+# won at every R in 1-16 from 700 keys (2.0-11.6x) and lost only at R = 16 with 256 keys (7.3 -> 8.9).
+SHORT_QUERY_WIDE_ROWS = 32
+SHORT_QUERY_WIDE_MAX_PROGRAMS = 4
 # HAYABUSA_SHORT_QUERY_SPLIT=0 in the environment (read at import) or SHORT_QUERY_SPLIT = False (read at call
 # time) gives short-query steps the prefill tile and no split-KV again, for A/B runs.
 SHORT_QUERY_SPLIT = os.environ.get("HAYABUSA_SHORT_QUERY_SPLIT", "1").strip() not in ("0", "false", "False", "")
@@ -309,12 +316,18 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def is_short_query(max_query_len: int, group: int) -> bool:
+def is_short_query(max_query_len: int, group: int, num_programs: int | None = None) -> bool:
     """Whether a step whose longest query has ``max_query_len`` tokens (host int) at GQA group ``group`` runs as a
     short-query step (decode-like tiles and split-KV): 1 < max_query_len <= SHORT_QUERY_MAX, max_query_len x group
-    <= SHORT_QUERY_MAX_ROWS, and SHORT_QUERY_SPLIT on. Host ints only: a CUDA graph's capture and replay agree."""
-    return (SHORT_QUERY_SPLIT and 1 < max_query_len <= SHORT_QUERY_MAX
-            and max_query_len * group <= SHORT_QUERY_MAX_ROWS)
+    <= SHORT_QUERY_MAX_ROWS, and SHORT_QUERY_SPLIT on; a tile of more than SHORT_QUERY_WIDE_ROWS rows only when the
+    unsplit grid (``num_programs`` = requests x KV heads; None: not limited) has at most
+    SHORT_QUERY_WIDE_MAX_PROGRAMS programs (the measurement is at SHORT_QUERY_WIDE_ROWS). Host ints only: a CUDA
+    graph's capture and replay agree."""
+    if not (SHORT_QUERY_SPLIT and 1 < max_query_len <= SHORT_QUERY_MAX
+            and max_query_len * group <= SHORT_QUERY_MAX_ROWS):
+        return False
+    rows = triton.next_power_of_2(max_query_len * group)
+    return rows <= SHORT_QUERY_WIDE_ROWS or num_programs is None or num_programs <= SHORT_QUERY_WIDE_MAX_PROGRAMS
 
 
 def _auto_num_splits(num_programs: int, max_query_len: int, device: torch.device, short_query: bool = False) -> int:
@@ -423,7 +436,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
     d_pad = max(16, triton.next_power_of_2(D))
-    short_query = not batch_invariant and is_short_query(max_query_len, H // H_kv)
+    short_query = not batch_invariant and is_short_query(max_query_len, H // H_kv, R * H_kv)
     if batch_invariant:
         cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size())
     else:

@@ -24,7 +24,9 @@ VERIFY = [(700, 5), (3, 5), (130, 4), (0, 0), (255, 1), (40, 2)]
 @pytest.mark.parametrize("q_len", [2, 3, 4, 5])
 @pytest.mark.parametrize("H,H_kv", [(9, 3), (28, 4)])             # SmolLM2 (group 3), Qwen2.5-7B (group 7)
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
-def test_short_query_split_matches_ref(device, q_len, H, H_kv, num_kv_splits):
+def test_short_query_split_matches_ref(device, q_len, H, H_kv, num_kv_splits, monkeypatch):
+    # the kernel's math with wide (64-row) tiles too, whatever the grid-size rule would pick for these 6 requests
+    monkeypatch.setattr(pa, "SHORT_QUERY_WIDE_MAX_PROGRAMS", 1 << 30)
     reqs = [(c, min(n, q_len)) if n > 1 else (c, n) for c, n in VERIFY]
     case = make_case(reqs, H, H_kv, 64, 16, torch.float32, device, seed=q_len)
     assert case["max_query_len"] == q_len and is_short_query(q_len, H // H_kv)
@@ -68,6 +70,9 @@ def test_short_query_choice():
     assert not is_short_query(1, 3)                       # decode keeps its own config
     assert not is_short_query(SHORT_QUERY_MAX + 1, 3)     # prefill
     assert not is_short_query(5, 16)                      # 80 rows: more than one 64-row tile
+    # 64-row tiles (group 7 at 5 tokens) only for tiny grids (measured: slower than the prefill tile from R = 4)
+    assert is_short_query(5, 7, num_programs=4) and not is_short_query(5, 7, num_programs=16)
+    assert is_short_query(5, 3, num_programs=16 * 3)     # 16-row tiles at any grid
     assert _tile_config(5, 3, 64, 2, True) == dict(BLOCK_M=16, BLOCK_Q=5, TILE_N=128, num_warps=4, num_stages=2)
     assert _tile_config(5, 7, 128, 2, True) == dict(BLOCK_M=64, BLOCK_Q=9, TILE_N=128, num_warps=4, num_stages=2)
     # prefill is unchanged
