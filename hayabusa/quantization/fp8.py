@@ -60,6 +60,12 @@ FP8_MIN_CAPABILITY = (8, 9)
 # bandwidth, where _scaled_mm at M = 1-16 does not (issue #25). HAYABUSA_FP8_SMALL_M=0 in the environment (read
 # at import) or USE_FP8_SMALL_M = False (read at call time) turns it off, for A/B runs.
 USE_FP8_SMALL_M = os.environ.get("HAYABUSA_FP8_SMALL_M", "1").strip() not in ("0", "false", "False", "")
+# The engine sends only M <= FP8_SMALL_M_ENGINE_MAX rows there (the kernels take up to FP8_SMALL_M_MAX = 16). From
+# the H200 sweep of session 11 (bench_quant_linear.py --fp8 --sweep, best launch per case, µs, Qwen2.5-7B layers,
+# benchmarks/results/2026-12-02_h200_fp8bw.fp8_sweep.json; fused / quantize + _scaled_mm): M = 1 qkv 9.6 / 15.0,
+# o 8.2 / 15.0, gate_up 48.0 / 52.7, down 31.5 / 59.6; M = 4 qkv 23.9 / 15.1, o 17.0 / 15.2, gate_up 155 / 50.3,
+# down 100 / 54.4; M = 16 gate_up 111 / 49.3, down 71.5 / 54.5. So only one row pays (M = 2-3 not measured).
+FP8_SMALL_M_ENGINE_MAX = 1
 # Fast accumulation on Hopper (fewer promotions of the partial sums to fp32 inside the tensor-core pipeline):
 # the inference default of torchao's float8 path. Set False to trade speed for bit-closer agreement with the
 # emulation.
@@ -110,8 +116,9 @@ def _round_up(n: int, m: int) -> int:
 
 
 def use_small_m_kernel(M: int) -> bool:
-    """Whether the _scaled_mm path runs M rows through fp8_small_m_linear (USE_FP8_SMALL_M, FP8_SMALL_M_MAX)."""
-    return USE_FP8_SMALL_M and 0 < M <= fp8_gemv.FP8_SMALL_M_MAX
+    """Whether the _scaled_mm path runs M rows through fp8_small_m_linear (USE_FP8_SMALL_M, FP8_SMALL_M_ENGINE_MAX
+    capped at the kernels' FP8_SMALL_M_MAX)."""
+    return USE_FP8_SMALL_M and 0 < M <= min(FP8_SMALL_M_ENGINE_MAX, fp8_gemv.FP8_SMALL_M_MAX)
 
 
 def has_fp8_matmul(device: torch.device) -> bool:

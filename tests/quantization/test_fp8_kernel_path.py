@@ -88,13 +88,16 @@ def _forbid(name: str):
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("M", [1, 6, 17])
-def test_small_m_rows_take_the_fused_kernel(monkeypatch, M, static):
-    """Up to FP8_SMALL_M_MAX (16) rows: one fp8_small_m_linear call on the padded weight with the layer's bias,
-    scales and true N, and no separate quantize or _scaled_mm; 17 rows: the quantizer + _scaled_mm as before. The
-    output is the CPU emulation's within the output's rounding (the emulation adds the bias after its cast)."""
+@pytest.mark.parametrize("M,engine_max", [(1, None), (6, None), (6, 16), (17, 16)])
+def test_small_m_rows_take_the_fused_kernel(monkeypatch, M, engine_max, static):
+    """Up to FP8_SMALL_M_ENGINE_MAX rows (1 by default; 16 = the kernels' FP8_SMALL_M_MAX set here): one
+    fp8_small_m_linear call on the padded weight with the layer's bias, scales and true N, and no separate quantize
+    or _scaled_mm; more rows: the quantizer + _scaled_mm as before. The output is the CPU emulation's within the
+    output's rounding (the emulation adds the bias after its cast)."""
     if SKIP_REASON is not None:
         pytest.skip(SKIP_REASON)
+    if engine_max is not None:
+        monkeypatch.setattr(fp8, "FP8_SMALL_M_ENGINE_MAX", engine_max)
     K, N = 40, 24
     dtype = torch.bfloat16
     layer = _scaled_mm_layer(K, N, dtype, monkeypatch, static_scale=0.01 if static else None)
@@ -106,7 +109,8 @@ def test_small_m_rows_take_the_fused_kernel(monkeypatch, M, static):
         return fused(x2, w, sw, bias, input_scale, n)
 
     monkeypatch.setattr(fp8, "fp8_small_m_linear", fused_spy)
-    small = M <= 16
+    small = M <= fp8.FP8_SMALL_M_ENGINE_MAX
+    assert small == fp8.use_small_m_kernel(M)
     if small:
         monkeypatch.setattr(fp8, "per_token_quant_fp8", _forbid("per_token_quant_fp8"))
         monkeypatch.setattr(fp8, "fp8_matmul_cuda", _forbid("_scaled_mm"))
