@@ -69,9 +69,10 @@ def _check(argmax_ids: torch.Tensor, plan: torch.Tensor, drafts: torch.Tensor | 
     if bonus is not None and (bonus.shape != (R,) or bonus.dtype != torch.int64):
         raise HayabusaValidationError(f"bonus must be [R={R}] int64, got {tuple(bonus.shape)} {bonus.dtype}",
                                       parameter="bonus")
-    devices = {t.device for t in (argmax_ids, plan, drafts, bonus) if t is not None}
-    if len(devices) != 1:
-        raise HayabusaValidationError(f"all tensors must be on one device, got {devices}", parameter="plan")
+    for name, t in (("argmax_ids", argmax_ids), ("drafts", drafts), ("bonus", bonus)):
+        if t is not None and t.device != plan.device:
+            raise HayabusaValidationError(f"{name} is on {t.device}, plan on {plan.device}: one device needed",
+                                          parameter=name)
     return (plan.shape[1] - 2) // 2
 
 

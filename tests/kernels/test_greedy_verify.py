@@ -96,6 +96,8 @@ def test_bad_arguments_are_named(fn):
     am, plan = torch.zeros(4, dtype=torch.int64), torch.zeros(2, 6, dtype=torch.int64)
     cases = [((am.float(), plan), "argmax_ids"), ((am, plan[:, :5]), "plan"), ((am, plan.int()), "plan"),
              ((am, plan, torch.zeros(2, 2)), "drafts"), ((am, plan, None, torch.zeros(3, dtype=torch.int64)), "bonus")]
+    if torch.cuda.is_available():
+        cases.append(((am.cuda(), plan), "argmax_ids"))
     for args, name in cases:
         with pytest.raises(HayabusaValidationError) as e:
             fn(*args)
