@@ -184,6 +184,10 @@ class ModelRunner:
         self._prev_sample_index = np.full(self.max_num_reqs, -1, dtype=np.int64)    # [rows]
         # A step of one token per request skips the per-token repeats (tests turn it off to compare).
         self.decode_fast_path = True
+        # A verify step whose proposing requests are all greedy takes kernels/greedy_verify.py (tests turn it off
+        # to compare); the steps that did are counted.
+        self.greedy_verify_fast_path = True
+        self.num_greedy_verify_steps = 0
         self.mm = None   # MultiModalState: images, encoder cache and M-RoPE positions of a vision model's requests
         if getattr(self.model, "is_multimodal", False):
             from hayabusa.worker.mm_inputs import MultiModalState
@@ -682,8 +686,9 @@ class ModelRunner:
         num_output = inp.seq_lens[inp.logits_rows].astype(np.int64) - batch.num_prompt_tokens[rows]
         if inp.spec is not None:   # a verify step: [R_s, K + 1] tokens; the next step knows them (synchronous)
             num_output = num_output - inp.spec.num_drafts
-            ids, lp = verify(lambda lg, r, n: self._sample_one(inp, lg, r, n), batch, rows, num_output, inp.spec,
-                             logits)
+            ids, lp, greedy = verify(lambda lg, r, n: self._sample_one(inp, lg, r, n), batch, rows, num_output,
+                                     inp.spec, logits, self.greedy_verify_fast_path)
+            self.num_greedy_verify_steps += greedy
             self._prev_sample_index.fill(-1)
         elif logits is None:    # an earlier pipeline stage: the last stage's tokens, received by finish
             ids = torch.empty(len(rows), dtype=torch.int64, device=self.device)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hayabusa.attention.metadata import AttentionMetadata
+from hayabusa.kernels.greedy_verify import greedy_verify, greedy_verify_ref
 from hayabusa.sample.rejection_sampler import rejection_sample
 from hayabusa.sample.sampler import Sampler
 from hayabusa.sampling_params import SAMPLING_EPS
@@ -112,9 +113,33 @@ def plan_verify(req_ids: list[str], sampled_rows: np.ndarray, query_start_loc: n
     return logits_indices, SpecStepInputs(num_drafts, draft_ids, last_index, draft_index)
 
 
+def greedy_plan(spec: SpecStepInputs) -> np.ndarray:
+    """The ``plan`` of ``kernels/greedy_verify.py`` for a verify step: [R_s, 2W + 2] int64, W = K + 1 (per request:
+    the argmax row of each position 0 .. W-1, capped at its last; its host proposals, -1 padded; num_drafts; its
+    row in ``spec.draft_ids_dev`` or -1). Host numpy only."""
+    nd = spec.num_drafts
+    R_s, K = spec.draft_ids.shape
+    W = K + 1
+    col = np.arange(W, dtype=np.int64)
+    plan = np.empty((R_s, 2 * W + 2), dtype=np.int64)
+    plan[:, :W] = (spec.last_index - nd)[:, None] + np.minimum(col[None, :], nd[:, None])
+    plan[:, W:2 * W - 1] = np.where(col[None, :K] < nd[:, None], spec.draft_ids, -1)
+    plan[:, 2 * W - 1] = -1
+    plan[:, 2 * W] = nd
+    has = nd > 0
+    plan[:, 2 * W + 1] = np.where(has, np.cumsum(has) - 1, -1)
+    return plan
+
+
 def verify(sampler_fn, batch: InputBatch, rows: np.ndarray, num_output: np.ndarray, spec: SpecStepInputs,
-           logits: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+           logits: torch.Tensor, greedy_fast_path: bool = True) -> tuple[torch.Tensor, tuple | None, bool]:
     """Choose a verify step's tokens on the device (no host sync).
+
+    When every request with proposals is greedy (temperature 0; the common case) and ``greedy_fast_path``: one
+    argmax over all the step's logits rows, one copy of a host plan, and one kernel (``kernels/greedy_verify.py``;
+    its torch reference off CUDA) give the tokens; the usual sampler runs only when some request needs it
+    (logprobs, penalties, pending min_tokens, temperature > 0 without proposals), for the tokens at the last
+    positions. Otherwise proposals go through ``rejection_sample`` (exact for temperature > 0).
 
     Args:
         sampler_fn: (logits [R_s, V], rows, num_output) -> (ids [R_s], logprobs or None): the runner's usual
@@ -125,11 +150,21 @@ def verify(sampler_fn, batch: InputBatch, rows: np.ndarray, num_output: np.ndarr
         num_output: [R_s] int64, their output tokens before this step (placeholders included).
         spec: the step's SpecStepInputs.
         logits: [sum(1 + k), V], the step's logits (plan_verify's indices).
+        greedy_fast_path: allow the greedy path (tests turn it off to compare).
 
     Returns:
-        ([R_s, K + 1] int64 emitted tokens, -1 padded; the last positions' logprobs or None).
+        ([R_s, K + 1] int64 emitted tokens, -1 padded; the last positions' logprobs or None; whether the greedy
+        path ran).
     """
     device = logits.device
+    if greedy_fast_path and bool((batch.params_np["temperature"][rows[spec.num_drafts > 0]] < SAMPLING_EPS).all()):
+        bonus = lp = None
+        if not batch.is_plain_greedy(rows, num_output):   # the usual sampler's tokens at the last positions
+            last = torch.from_numpy(spec.last_index).to(device, non_blocking=True)
+            bonus, lp = sampler_fn(logits[last], rows, num_output)
+        plan = to_device(greedy_plan(spec), np.int64, device)
+        fn = greedy_verify if device.type == "cuda" else greedy_verify_ref
+        return fn(logits.argmax(dim=-1), plan, spec.draft_ids_dev, bonus), lp, True
     last = torch.from_numpy(spec.last_index).to(device, non_blocking=True)
     bonus, lp = sampler_fn(logits[last], rows, num_output)
     R_s, K = spec.draft_ids.shape
@@ -137,7 +172,7 @@ def verify(sampler_fn, batch: InputBatch, rows: np.ndarray, num_output: np.ndarr
     out[:, 0] = bonus
     sel = np.flatnonzero(spec.num_drafts > 0)           # requests with proposals: eligible ones (no penalties)
     if len(sel) == 0:
-        return out, lp
+        return out, lp, False
     sel_t = torch.from_numpy(sel).to(device, non_blocking=True)
     d_rows = rows[sel]
     index = torch.from_numpy(spec.draft_index[sel]).to(device, non_blocking=True)          # [R_d, K]
@@ -159,4 +194,4 @@ def verify(sampler_fn, batch: InputBatch, rows: np.ndarray, num_output: np.ndarr
                                target_argmax, target_probs, bonus[sel_t],
                                torch.from_numpy(greedy_np).to(device, non_blocking=True), generators)
     out[sel_t] = emitted
-    return out, lp
+    return out, lp, False

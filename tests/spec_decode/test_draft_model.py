@@ -40,6 +40,7 @@ def test_small_draft_keeps_greedy_output(tiny_llama, small_draft, base, max_num_
                        use_tqdm=False)
     assert _ids(out) == _ids(base)
     assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+    assert llm.llm_engine.runner.num_greedy_verify_steps > 0   # the greedy verify path, proposals on the device
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_num_seqs=3), dict(max_num_seqs=8, num_gpu_blocks_override=20,

@@ -50,6 +50,7 @@ def test_eagle_keeps_greedy_output(heads, base, arch, method, max_num_seqs):
     llm = LLM(target, max_num_seqs=max_num_seqs, device="cpu", speculative_config=_spec(method, head))
     out = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert _ids(out) == base[arch]
+    assert llm.llm_engine.runner.num_greedy_verify_steps > 0   # the greedy verify path
     m = llm.get_metrics()
     assert m["spec_decode_num_draft_tokens"] > 0
     assert sum(o.metrics.spec_num_draft_tokens for o in out) == m["spec_decode_num_draft_tokens"]

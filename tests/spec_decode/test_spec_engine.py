@@ -70,6 +70,7 @@ def test_oracle_proposals_keep_greedy_output(reference, arch, max_num_seqs):
     spec = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     assert _ids(spec) == _ids(outs)
+    assert llm.llm_engine.runner.num_greedy_verify_steps > 0   # the greedy verify path (kernels/greedy_verify.py)
     m = llm.get_metrics()
     assert oracle.calls > 0 and m["spec_decode_num_draft_tokens"] > 0
     # some proposals accepted, some rejected
@@ -144,6 +145,7 @@ def test_ngram_keeps_greedy_output(reference):
     llm = LLM(path, max_num_seqs=3, device="cpu", speculative_config=NGRAM)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert _ids(llm.generate(PROMPTS, params, use_tqdm=False)) == _ids(outs)
+    assert llm.llm_engine.runner.num_greedy_verify_steps > 0
 
 
 def test_sampling_with_seed_is_reproducible(reference):
