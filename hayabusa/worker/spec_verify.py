@@ -10,6 +10,8 @@ at all 1 + k positions: position j < k predicts proposal j (verified), position 
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +19,12 @@ import torch
 
 from hayabusa.attention.metadata import AttentionMetadata
 from hayabusa.kernels.greedy_verify import greedy_verify, greedy_verify_ref
+
+# The greedy path's last step on CUDA: the Triton kernel (one launch) or its plain-torch form (6 small ops, the CPU
+# path). The kernel has run only under Triton's interpreter so far, so the torch form is the default until a GPU
+# run of tests/spec_decode/test_greedy_verify_cuda.py and benchmarks/verify_host.py; HAYABUSA_GREEDY_VERIFY_TRITON=1
+# (read at import) or USE_GREEDY_VERIFY_TRITON = True (read at call time) selects the kernel.
+USE_GREEDY_VERIFY_TRITON = os.environ.get("HAYABUSA_GREEDY_VERIFY_TRITON", "0").strip() in ("1", "true", "True")
 from hayabusa.sample.rejection_sampler import rejection_sample
 from hayabusa.sample.sampler import Sampler
 from hayabusa.sampling_params import SAMPLING_EPS
@@ -163,7 +171,7 @@ def verify(sampler_fn, batch: InputBatch, rows: np.ndarray, num_output: np.ndarr
             last = torch.from_numpy(spec.last_index).to(device, non_blocking=True)
             bonus, lp = sampler_fn(logits[last], rows, num_output)
         plan = to_device(greedy_plan(spec), np.int64, device)
-        fn = greedy_verify if device.type == "cuda" else greedy_verify_ref
+        fn = greedy_verify if device.type == "cuda" and USE_GREEDY_VERIFY_TRITON else greedy_verify_ref
         return fn(logits.argmax(dim=-1), plan, spec.draft_ids_dev, bonus), lp, True
     last = torch.from_numpy(spec.last_index).to(device, non_blocking=True)
     bonus, lp = sampler_fn(logits[last], rows, num_output)

@@ -35,8 +35,13 @@ def _timed_run(llm, params, fast: bool, monkeypatch) -> tuple[list[list[int]], l
     return ids, times, runner.num_greedy_verify_steps
 
 
+@pytest.mark.parametrize("triton_kernel", [False, True])
 @pytest.mark.parametrize("max_num_seqs", [1, 16])
-def test_greedy_path_on_cuda_equals_off_and_speculation_off(tiny_qwen2, max_num_seqs, monkeypatch, capsys):
+def test_greedy_path_on_cuda_equals_off_and_speculation_off(tiny_qwen2, max_num_seqs, triton_kernel, monkeypatch,
+                                                            capsys):
+    from hayabusa.worker import spec_verify
+
+    monkeypatch.setattr(spec_verify, "USE_GREEDY_VERIFY_TRITON", triton_kernel)   # the kernel, or its torch form
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     kwargs = dict(device="cuda", dtype="float32", max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3)
     base = LLM(tiny_qwen2, **kwargs).generate(PROMPTS, params, use_tqdm=False)
@@ -53,7 +58,8 @@ def test_greedy_path_on_cuda_equals_off_and_speculation_off(tiny_qwen2, max_num_
     assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
     med_on, med_off = statistics.median(t_on) * 1e6, statistics.median(t_off) * 1e6
     with capsys.disabled():
-        print(f"\nmax_num_seqs {max_num_seqs}: verify host µs per call (median over {len(t_on)} / {len(t_off)} "
+        print(f"\nmax_num_seqs {max_num_seqs}, triton kernel {triton_kernel}: verify host µs per call "
+              f"(median over {len(t_on)} / {len(t_off)} "
               f"calls): greedy path {med_on:.1f}, general path {med_off:.1f}")
     assert med_on < med_off
 
