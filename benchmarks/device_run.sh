@@ -477,6 +477,40 @@ g_final11() {  # session 11's verification call: the new code's CUDA tests (T11_
   bench_step q7_W3_fp8 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
 }
 
+g_pending12() {  # what session 11 built and could not check on the GPU (its device time ran out): the CUDA tests
+                 # (with .snap's assets), the greedy verify path's host time, W11 at 1 / 4 / 16, W1 with n-gram
+  local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  ensure_q05
+  PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 90)
+  step tests12 "${T12_TESTS_S:-240}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=10 \
+    -p no:cacheprovider ${T12_TESTS:-tests/spec_decode/test_spec_short_query_cuda.py tests/spec_decode/test_spec_perf_cuda.py \
+    tests/spec_decode/test_greedy_verify_cuda.py tests/kernels/test_greedy_verify.py tests/kernels/test_fp8_gemv_cuda.py \
+    tests/quantization/test_fp8_kernel_path.py tests/spec_decode/test_spec_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
+    | tee '$OUT/tests12.log' | grep -E 'PASS|FAIL|ERROR|passed|failed|Error|assert' | tail -80; exit \${PIPESTATUS[0]}"
+  step verify_host 60 10 bash -c "python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20; \
+    HAYABUSA_GREEDY_VERIFY_TRITON=1 python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20"
+  if ensure_smol; then
+    bench_step smol_W11_ngram "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+      --speculative-config "$ng"
+    bench_step smol_W11_off "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
+    bench_step smol_W11_selfdraft 90 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+      --speculative-config "{\"model\": \"$smol\", \"num_speculative_tokens\": 4}"
+  fi
+  bench_step q05_W1_specoff 60 20 --workload W1 --model "$Q05"
+  bench_step q05_W1_ngram 60 20 --workload W1 --model "$Q05" --speculative-config "$ng"
+}
+g_pending12b() {  # the other half: W3 on the 7b shape in fp8 (the rewritten GEMV) and as its own draft, W10, W9's wall
+  ensure_q7
+  bench_step q7_W3_fp8 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
+  bench_step q7_W3_selfdraft 90 30 --workload W3 --model "$Q7" --scale 0.5 \
+    --speculative-config "{\"model\": \"$Q7\", \"num_speculative_tokens\": 4}"
+  ensure_q05
+  bench_step q05_W10 "${W10_MAX_S:-150}" 40 --workload W10 --model "$Q05"
+  ensure_shape t5-small-shape
+  step w9_wall_t5s "${W9WALL_S:-120}" 10 python benchmarks/w9_wall.py --device cuda \
+    --model "$MODELS/t5-small-shape" --repeats 3 --json "$OUT/w9_wall_t5s.json"
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
