@@ -4,6 +4,8 @@
     python benchmarks/engine_overhead.py --batch 256 --repeats 5
     python benchmarks/engine_overhead.py --batch 256 --profile   # cProfile of one run: the top functions
     python benchmarks/engine_overhead.py --no-async-scheduling   # synchronous steps (the CPU default)
+    python benchmarks/engine_overhead.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2}'      # speculation configured (issue #21)
 
 ``LLM.generate`` on stories260K with ``skip_tokenizer_init`` (as ``hayabusa bench --workload W1`` runs the
 0.5b shape, but on the CPU): B requests of P random prompt tokens -> M output tokens, greedy, ``ignore_eos``, all
@@ -31,6 +33,11 @@ all B requests in the batch; prefill steps and the ramp-down at the end are left
     us/req       total_us / B
 
 torch runs on one thread, so the CPU time is all of the step's own work.
+
+``--speculative-config JSON``: the engine's ``speculative_config`` (vLLM's dict). With the n-gram method and the
+default ``disable_by_batch_size`` (32), batches above it never propose: their steady steps should cost what
+they cost without speculation (issue #21); ``--compare-spec`` runs each batch both ways (spec off first, then
+on, alternating per repeat) and prints the medians side by side with the ratio.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
 import random
 import statistics
@@ -46,7 +55,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = str(REPO.parent / "shared" / "assets" / "models" / "stories260K")
+DEFAULT_MODEL = str(Path(os.environ.get("HAYABUSA_ASSETS", REPO.parent / "shared" / "assets")) / "models" / "stories260K")
 PHASES = ("schedule_s", "launch_s", "wait_s", "collect_s")
 
 
@@ -136,6 +145,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--speculative-config", default=None, help="speculative_config as JSON (vLLM's dict)")
+    p.add_argument("--compare-spec", action="store_true",
+                   help="with --speculative-config: each batch with speculation off and on, repeats alternating")
     p.add_argument("--profile", action="store_true", help="cProfile the last repeat of each batch; print the top")
     p.add_argument("--top", type=int, default=30, help="functions listed by --profile")
     ns = p.parse_args()
@@ -146,29 +158,45 @@ def main() -> None:
 
     torch.set_num_threads(1)
     cols = ("steps", "sched_us", "launch_us", "collect_us", "total_us", "cpu_us", "gc_us", "us_per_req")
+    spec = json.loads(ns.speculative_config) if ns.speculative_config else None
+    if ns.compare_spec and spec is None:
+        p.error("--compare-spec needs --speculative-config")
+    settings = [("off", None), ("spec", spec)] if ns.compare_spec else [("spec" if spec else "off", spec)]
     for batch in ns.batch:
-        llm = LLM(ns.model, skip_tokenizer_init=True, device="cpu", max_num_seqs=batch,
-                  max_model_len=ns.prompt_len + ns.max_tokens + 8, async_scheduling=ns.async_scheduling,
-                  enable_prefix_caching=ns.prefix_caching)
-        fake_forward(llm.llm_engine.runner, batch)
-        run_once(llm, ns, batch, seed=1000, profile=None)        # warm-up
+        llms = {}
+        for label, sc in settings:
+            llm = LLM(ns.model, skip_tokenizer_init=True, device="cpu", max_num_seqs=batch,
+                      max_model_len=ns.prompt_len + ns.max_tokens + 8, async_scheduling=ns.async_scheduling,
+                      enable_prefix_caching=ns.prefix_caching, speculative_config=sc)
+            fake_forward(llm.llm_engine.runner, batch)
+            run_once(llm, ns, batch, seed=1000, profile=None)        # warm-up
+            llms[label] = llm
         print(f"\nbatch {batch}: {batch} requests x {ns.prompt_len} prompt tokens -> {ns.max_tokens} tokens, "
               f"greedy, async scheduling {'on' if ns.async_scheduling else 'off'}, forward faked "
-              f"(host µs per steady decode step)")
-        print(" ".join(f"{c:>11}" for c in cols))
-        rows = []
-        prof = None
+              f"(host µs per steady decode step); speculative_config {spec}")
+        print(f"{'':>5} " + " ".join(f"{c:>11}" for c in cols))
+        rows: dict[str, list[dict]] = {label: [] for label in llms}
+        profs = {}
         for r in range(ns.repeats):
-            prof = cProfile.Profile() if ns.profile and r == ns.repeats - 1 else None
-            rows.append(run_once(llm, ns, batch, seed=r, profile=prof))
-            print(" ".join(f"{rows[-1][c]:>11.1f}" for c in cols), flush=True)
-        print(" ".join(f"{statistics.median(x[c] for x in rows):>11.1f}" for c in cols), " (median)")
-        if prof is not None:
+            for label, llm in llms.items():
+                prof = cProfile.Profile() if ns.profile and r == ns.repeats - 1 else None
+                rows[label].append(run_once(llm, ns, batch, seed=r, profile=prof))
+                profs[label] = prof
+                print(f"{label:>5} " + " ".join(f"{rows[label][-1][c]:>11.1f}" for c in cols), flush=True)
+        med = {label: {c: statistics.median(x[c] for x in rs) for c in cols} for label, rs in rows.items()}
+        for label, m in med.items():
+            print(f"{label:>5} " + " ".join(f"{m[c]:>11.1f}" for c in cols), " (median)")
+        if len(med) == 2:
+            print(f"spec / off, median per step: total_us {med['spec']['total_us'] / med['off']['total_us']:.3f}x, "
+                  f"cpu_us {med['spec']['cpu_us'] / med['off']['cpu_us']:.3f}x, "
+                  f"launch_us {med['spec']['launch_us'] / med['off']['launch_us']:.3f}x")
+        for label, prof in profs.items():
+            if prof is None:
+                continue
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(ns.top)
-            print(f"\ncProfile of the last repeat (whole generate(), all steps), top {ns.top} by own time:")
+            print(f"\ncProfile ({label}) of the last repeat (whole generate(), all steps), top {ns.top} by own time:")
             print(s.getvalue())
-
 
 if __name__ == "__main__":
     main()
