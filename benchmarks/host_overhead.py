@@ -8,6 +8,8 @@
     python benchmarks/host_overhead.py --fake-forward                  # CPU: fixed logits instead of the model
     python benchmarks/host_overhead.py --w9 --arch t5 --fake-forward   # W9's requests, host time per step kind
     python benchmarks/host_overhead.py --w9 --device cuda --model DIR --skip-tokenizer-init   # W9 on the GPU
+    python benchmarks/host_overhead.py --arch llama --batch 64 256 --compare-spec \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 ``LLM.generate`` (the offline path, tokenizer on, outputs detokenized as LLM.generate does) of B prompts of
 ``--prompt-len`` random token ids -> ``--max-tokens`` tokens, greedy, ``ignore_eos``, max_num_seqs = B. Without
@@ -41,6 +43,11 @@ steps and the last step are left out) and, in the per_req row, µs per request p
 every request finishes, with ``ignore_eos``) is reported apart, per request: ``end_step`` (its host time) and
 ``end_output`` (its OutputProcessor time: the whole text detokenized at once, as LLM.generate asks for the final
 output only). Median over ``--repeats``.
+
+``--speculative-config JSON`` (issue #21): the engine's speculative_config; ``--compare-spec`` measures each batch
+without it and then with it (an engine each, one after the other) and prints host µs per step side by side: with
+the n-gram method and a batch above ``disable_by_batch_size`` (default 32) no step may propose, so both should
+cost the same.
 
 ``--w9`` (T5, issue #17): W9's requests instead (``--w9-requests``, default 2,000, of 256 random encoder ids ->
 64 tokens, greedy, ``ignore_eos``, max_num_seqs 256 and the engine's default max_num_batched_tokens, as ``hayabusa
@@ -393,7 +400,7 @@ def bench_model(model: str, label: str, ns) -> list[dict]:
         llm = LLM(model, device=ns.device, max_num_seqs=batch, max_model_len=ns.prompt_len + ns.max_tokens + 16,
                   max_num_batched_tokens=max(batch * ns.prompt_len, 2048), enforce_eager=ns.enforce_eager,
                   gpu_memory_utilization=ns.gpu_memory_utilization,
-                  skip_tokenizer_init=ns.skip_tokenizer_init,
+                  skip_tokenizer_init=ns.skip_tokenizer_init, speculative_config=ns.spec,
                   **({} if ns.swap_space is None else {"swap_space": ns.swap_space}))
         dev_cpu = llm.llm_engine.runner.device.type == "cpu"
         if ns.fake_forward:
@@ -405,7 +412,7 @@ def bench_model(model: str, label: str, ns) -> list[dict]:
             prof = cProfile.Profile() if ns.profile and r == ns.repeats - 1 else None
             rows.append(run_once(llm, ns, batch, seed=r, device_is_cpu=dev_cpu, profile=prof))
         med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
-        rec = {"model": label, "batch": batch, "device": str(llm.llm_engine.runner.device),
+        rec = {"model": label, "batch": batch, "device": str(llm.llm_engine.runner.device), "speculative_config": ns.spec,
                "fake_forward": ns.fake_forward, "clock": ns.clock, "swap_space": ns.swap_space,
                "hayabusa": str(Path(sys.modules["hayabusa"].__file__).parent),
                "prompt_len": ns.prompt_len, "max_tokens": ns.max_tokens, "repeats": ns.repeats,
@@ -425,10 +432,28 @@ def bench_model(model: str, label: str, ns) -> list[dict]:
     return results
 
 
+def compare_spec(model: str, label: str, ns) -> list[dict]:
+    """--compare-spec: bench_model without speculation, then with ns.spec; host µs per steady step of both."""
+    spec, results = ns.spec, []
+    for setting in (None, spec):
+        ns.spec = setting
+        results += bench_model(model, label, ns)
+    ns.spec = spec
+    print(f"\n{label}: host µs per steady decode step, speculation off vs {spec}")
+    for off in (r for r in results if r["speculative_config"] is None):
+        on = next(r for r in results if r["speculative_config"] is not None and r["batch"] == off["batch"])
+        h_off, h_on = off["us_per_step"]["host"], on["us_per_step"]["host"]
+        print(f"  batch {off['batch']:>4}: off {h_off:8.1f}  spec {h_on:8.1f}  ratio {h_on / h_off:.3f}  (repeats off "
+              f"{', '.join(f'{h:.0f}' for h in off['host_us_per_step_repeats'])}; spec "
+              f"{', '.join(f'{h:.0f}' for h in on['host_us_per_step_repeats'])})")
+    return results
+
+
 def print_table(rec: dict) -> None:
     med, per = rec["us_per_step"], rec["us_per_req_per_step"]
     fake = " (forward faked)" if rec["fake_forward"] else ""
-    print(f"\n{rec['model']} on {rec['device']}{fake}, batch {rec['batch']}: {rec['batch']} x {rec['prompt_len']} prompt "
+    spec = f", speculative_config {rec['speculative_config']}" if rec.get("speculative_config") else ""
+    print(f"\n{rec['model']} on {rec['device']}{fake}{spec}, batch {rec['batch']}: {rec['batch']} x {rec['prompt_len']} prompt "
           f"tokens -> {rec['max_tokens']} tokens, greedy; {int(med['steps'])} steady decode steps, median of "
           f"{rec['repeats']} (host_us per repeat: {', '.join(f'{h:.0f}' for h in rec['host_us_per_step_repeats'])})")
     cols = PHASES + EXTRA
@@ -467,6 +492,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile the last repeat; print the top functions")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--json", default=None, help="write the records to this file")
+    p.add_argument("--speculative-config", default=None, help="speculative_config as JSON (vLLM's dict)")
+    p.add_argument("--compare-spec", action="store_true",
+                   help="with --speculative-config: each batch without it, then with it; host µs side by side")
     p.add_argument("--w9", action="store_true",
                    help="W9's requests (T5): host time per step kind (admit / finish / decode) over a whole run; "
                         "--prompt-len defaults to 256 then")
@@ -476,7 +504,10 @@ def main() -> None:
     clock = time.thread_time if ns.clock == "cpu" else time.perf_counter
     if ns.prompt_len is None:
         ns.prompt_len = 256 if ns.w9 else 16
-    bench = bench_w9 if ns.w9 else bench_model
+    ns.spec = json.loads(ns.speculative_config) if ns.speculative_config else None
+    if ns.compare_spec and (ns.spec is None or ns.w9):
+        p.error("--compare-spec needs --speculative-config (and not --w9)")
+    bench = bench_w9 if ns.w9 else compare_spec if ns.compare_spec else bench_model
     import torch
 
     torch.set_num_threads(ns.threads)
