@@ -75,3 +75,16 @@ def test_host_overhead_w9_step_kinds(tmp_path, monkeypatch, capsys):
     assert r["host_ms"] == pytest.approx(host_steps + 40 * r["add_request_us_per_req"] / 1e3)
     assert r["host_us_per_req"] == pytest.approx(1e3 * r["host_ms"] / 40)
     assert all(k["host"] > 0 for k in kinds.values()) and "admit" in stdout
+
+
+def test_host_overhead_compare_spec(tmp_path, monkeypatch, capsys):
+    """--compare-spec (issue #21): one record without speculation and one with it per batch, both complete, and
+    the side-by-side line; batch 4 > disable_by_batch_size 2: the speculative engine proposes nothing."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+            "disable_by_batch_size": 2}
+    records, stdout = _run(tmp_path, monkeypatch, capsys, "--arch", "llama", "--fake-forward", "--clock", "cpu",
+                           "--compare-spec", "--speculative-config", json.dumps(spec))
+    _check(records, ["tiny-llama", "tiny-llama"])
+    assert [r["speculative_config"] for r in records] == [None, spec]
+    assert records[0]["us_per_step"]["steps"] == records[1]["us_per_step"]["steps"] == 4
+    assert "batch    4: off" in stdout and "ratio" in stdout
