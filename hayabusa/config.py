@@ -144,7 +144,8 @@ class EngineArgs:
             run arbitrary code: only for checkpoints you trust.
         revision, tokenizer_revision: passed to transformers / huggingface_hub.
         tensor_parallel_size: GPUs (CPU processes) the model is split over, Megatron-style (hayabusa/distributed/);
-            > 1 runs the model in that many worker processes (hayabusa/executor/). pipeline_parallel_size: stages
+            > 1 runs the model in that many worker processes (hayabusa/executor/).
+        pipeline_parallel_size: stages
             the decoder layers are split into (vLLM's split; each stage's ranks hold only their layers and their
             KV cache; tensor_parallel_size ranks inside each stage: tp x pp worker processes, mp backend only;
             up to pp micro-batches of disjoint requests in flight, which replaces async_scheduling).

@@ -58,6 +58,17 @@ def test_every_command_lists_every_engine_flag(command, capsys):
     assert [f for f in FLAGS if f not in out] == []
 
 
+def test_every_engine_argument_has_its_own_help_text():
+    # pipeline_parallel_size's text sat inside tensor_parallel_size's docstring entry: -tp's help described
+    # pipelines and -pp had none
+    from hayabusa.config import _arg_docs
+
+    docs = _arg_docs(EngineArgs)
+    assert [f.name for f in dataclasses.fields(EngineArgs) if f.name not in IGNORED_ARGS and not docs.get(f.name)
+            and f.name not in NOT_CLI_ARGS] == []
+    assert "pipeline" not in docs["tensor_parallel_size"]
+
+
 def test_plan_lists_the_engine_flags_that_change_what_fits(capsys):
     from hayabusa.eval.cli import PLAN_ENGINE_ARGS
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import time
 from operator import itemgetter
 from typing import Any
@@ -28,12 +29,26 @@ from hayabusa.executor import make_executor
 logger = logging.getLogger(__name__)
 
 
+_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "special_tokens_map",
+                            "added_tokens", "tekken")
+
+
+def _is_tokenizer_file(name: str) -> bool:
+    """Whether a file name is one transformers reads a tokenizer from (tokenizer.json / tokenizer_config.json,
+    vocab.json + merges.txt, vocab.txt, SentencePiece / tiktoken models, ...)."""
+    return name.startswith(_TOKENIZER_FILE_PREFIXES) or name.endswith((".model", ".tiktoken"))
+
+
 def load_tokenizer(path: str, trust_remote_code: bool, revision: str | None = None) -> Any:
     """The checkpoint's tokenizer (transformers AutoTokenizer). Raises HayabusaValidationError naming ``tokenizer``
     when there is none to load (e.g. a `hayabusa bench --make-model` checkpoint), with the two ways around it."""
     from transformers import AutoTokenizer
 
     try:
+        if os.path.isdir(path) and not any(_is_tokenizer_file(name) for name in os.listdir(path)):
+            # transformers 5 then builds a tokenizer from config.json's model_type alone: for T5 one of 104
+            # special tokens (pad, eos, unk, 100 sentinels) that turns every word into <unk>
+            raise ValueError("the folder has no tokenizer files")
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
         if len(tokenizer) <= 1:
             # transformers 5 builds an empty tokenizer from config.json's model_type alone when the folder has no

@@ -19,7 +19,7 @@ def make_row(run: RunOutput, summary: dict[str, Any] | None, agree: list[float |
                            "error": run.error, "flag": ""}
     if run.error:
         return row
-    n = len(run.texts)
+    n = sum(t is not None for t in run.texts)   # items that ran: one refused as too long took no time
     secs = run.elapsed_s or 0.0
     known = [a for a in (agree or []) if a is not None]
     row.update({

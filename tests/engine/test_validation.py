@@ -250,3 +250,19 @@ def test_a_folder_without_tokenizer_files_is_named_not_an_empty_vocabulary(tiny_
     llm = LLM(str(tmp_path), max_model_len=128, skip_tokenizer_init=True)   # ids in, ids out still works
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_a_t5_folder_without_tokenizer_files_is_refused(tmp_path):
+    # for model_type t5, transformers 5 makes a 104-token tokenizer (specials and sentinels only) from config.json
+    # alone: every word became <unk> and the server answered with empty texts (a `bench --make-model` T5)
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=128, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    T5ForConditionalGeneration(cfg).save_pretrained(str(tmp_path), safe_serialization=True)
+    with pytest.raises(HayabusaValidationError, match="no tokenizer files") as e:
+        LLM(str(tmp_path), max_model_len=32)
+    assert e.value.parameter == "tokenizer"
+    llm = LLM(str(tmp_path), max_model_len=32, skip_tokenizer_init=True)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -223,7 +223,7 @@ def test_bad_chat_is_400_naming_the_parameter(qwen_server, bad, param):
 
 
 UNSUPPORTED_VLLM_FIELDS = [("allowed_token_ids", [1, 2, 3]), ("bad_words", ["cat"]), ("prompt_logprobs", 1),
-                           ("prompt_logprobs", 0)]
+                           ("prompt_logprobs", 0), ("return_token_ids", True)]
 
 
 # /v1/completions serves prompt_logprobs and use_beam_search (test_echo_logprobs.py); chat refuses them

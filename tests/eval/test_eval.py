@@ -137,6 +137,10 @@ def test_score_runs_flags_drops_and_keeps_error_rows():
     assert res.rows[1]["agreement"] == 1.0 and res.rows[2]["agreement"] == 0.0
     assert res.rows[1]["seconds_per_item"] == 0.25 and res.rows[1]["output_throughput"] == 40.0
     assert len(res.records) == 12                          # 3 runs that produced output x 4 items
+    # items refused before running (a prompt over max_model_len) took no time: s/item is over the items that ran
+    half = RunOutput("max_model_len=64", "hayabusa", {}, texts=good[:1] + [None] * 3, elapsed_s=1.0,
+                     output_tokens=10, item_errors={1: "too long", 2: "too long", 3: "too long"})
+    assert _score_runs("extraction", items, [ref, half], tolerance=0.02).rows[1]["seconds_per_item"] == 1.0
     from hayabusa.eval.report import format_table
 
     table = format_table(res.rows)

@@ -27,6 +27,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),   # on chat; /v1/completions models it
     "length_penalty": (1.0,),
     "logits_processors": (),
+    "return_token_ids": (False,),   # vLLM's token ids in the response (choices[].token_ids, prompt_token_ids)
     # OpenAI's legacy function calling (superseded by tools / tool_choice)
     "functions": ([],),
     "function_call": ("none",),
