@@ -22,6 +22,7 @@ partial acceptance the rejected proposals' slots hold KV that the next step's po
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,6 +33,12 @@ from hayabusa.config import EngineConfig
 from hayabusa.model.loader import build_model
 from hayabusa.worker.kv_cache import allocate_kv_buffer, kv_cache_views
 from hayabusa.worker.spec_verify import draft_batch, to_device
+
+# The draft's mirror of the target's decode / verify steps replayed from CUDA graphs (``mirror_graphs``). Its
+# padded path runs eagerly in the CPU tests; the capture on a GPU has not run yet, so on CUDA it is opt-in until it
+# has (tests/spec_decode/test_spec_perf_cuda.py): HAYABUSA_DRAFT_MIRROR_GRAPHS=1 (read at import) or
+# USE_MIRROR_GRAPHS = True (read when the graphs are made). Off, every mirror runs eagerly as before.
+USE_MIRROR_GRAPHS = os.environ.get("HAYABUSA_DRAFT_MIRROR_GRAPHS", "0").strip() in ("1", "true", "True")
 
 
 class DraftModel:
@@ -74,13 +81,16 @@ class DraftModel:
         self.graphs = CUDAGraphRunner(self.model, self.kv_caches, runner.backend,
                                       StepBuffers(R, R, runner.max_blocks_per_req, self.device), runner.cfg,
                                       max_num_reqs=R, max_num_tokens=R, device=self.device, use_graphs=use_graphs)
-        self.mirror_graphs = CUDAGraphRunner(self.model, self.kv_caches, runner.backend, runner.buffers, runner.cfg,
-                                             max_num_reqs=R, max_num_tokens=runner.max_num_tokens,
-                                             device=self.device, verify=True, with_logits=False,
-                                             use_graphs=use_graphs)
+        self.mirror_graphs = None
+        if not use_graphs or USE_MIRROR_GRAPHS:
+            self.mirror_graphs = CUDAGraphRunner(self.model, self.kv_caches, runner.backend, runner.buffers,
+                                                 runner.cfg, max_num_reqs=R, max_num_tokens=runner.max_num_tokens,
+                                                 device=self.device, verify=True, with_logits=False,
+                                                 use_graphs=use_graphs)
         if use_graphs:
             self.graphs.capture()
-            self.mirror_graphs.capture()
+            if self.mirror_graphs is not None:
+                self.mirror_graphs.capture()
 
     def _step_logits(self, tokens: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                      block_table: torch.Tensor, backend) -> torch.Tensor:
