@@ -126,6 +126,7 @@ class EncoderDecoderRunner:
         self.enc_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}    # empty: run eagerly
         self.enc_graph_pool = None
         self.enc_graph_pool_bytes = 0     # what the capture added to the allocator's reserved memory (CUDA)
+        self.enc_graph_profiled_bytes = 0  # what the KV sizing reserved for that pool (profile_graph_memory)
         self.enc_capture_seconds = 0.0
         self.num_padded_runs = 0          # encoder steps run on a bucket's padded shapes
         self.num_encoder_replays = 0      # of those, replayed from a CUDA graph
@@ -308,7 +309,8 @@ class EncoderDecoderRunner:
         kv = self.model.dec_blocks[0].cross_attn.kv(enc_out)
         del enc_out, kv
         torch.cuda.synchronize(self.device)
-        return max(torch.cuda.max_memory_allocated(self.device) - base, 0)
+        self.enc_graph_profiled_bytes = max(torch.cuda.max_memory_allocated(self.device) - base, 0)
+        return self.enc_graph_profiled_bytes
 
     def cross_slots(self, blocks: list[list[int]], lens: np.ndarray) -> np.ndarray:
         """Cache slots of the encoder tokens [T_e] int64: request i's token j (j < lens[i]) goes to position j of
