@@ -23,7 +23,7 @@ small and the step is the engine's host work. Every phase is timed around the re
                   inputs' ids and cross-KV slots built on the host, copied to the device)
     forward       ModelRunner._run_model less copy_inputs (on CUDA: queueing the kernels / graph replay;
                   on CPU: the model's compute, left out of host_us), plus T5's encoder runs (encode and
-                  store_cross_kv)
+                  store_cross_kv, or a padded bucket's run: its CUDA graph's replay)
     swap          KVSwapper.execute: KV blocks copied between the GPU and its CPU tier (swap_space: prefix-cache
                   blocks evicted from the GPU when decoding takes new blocks)
     sample        ModelRunner._sample: argmax (or the Sampler) and queueing the device -> host copy
@@ -155,6 +155,7 @@ def instrument(llm, timer: PhaseTimer) -> None:
         timer.wrap(runner.encdec, "prepare", "inputs")
         timer.wrap(runner.model, "encode", "forward")
         timer.wrap(runner.model, "store_cross_kv", "forward")
+        timer.wrap(runner.encdec, "run_padded_forward", "forward", sub=("forward",))   # a bucket's replay
         timer.wrap(runner.encdec, "run_encoders", "encoders", sub=("forward",))
     timer.wrap(runner, "_sample", "sample")
     if getattr(runner, "kv_swapper", None) is not None:

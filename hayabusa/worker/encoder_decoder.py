@@ -20,8 +20,9 @@ The encoder runs of a step (issue #17, W9) take padded shapes when they fit a bu
 padding rows' and padding requests' cross-KV slots -1 (not written); requests B_real..B-1 are padding (length L,
 token 0). The step's ids, slots and lengths go to the device in one copy into a buffer at a fixed address
 ([ids B*L | slots B*L | lens B] int64 at its start), so on CUDA the encoder and every decoder layer's cross-K/V write
-replay one CUDA graph per bucket (one memory pool, captured largest first); with enforce_eager and on CPU the same
-padded shapes run eagerly. Steps that fit no bucket (more requests or tokens than the largest) run the packed
+replay one CUDA graph per bucket (one memory pool, captured largest first); with enforce_eager the same padded shapes
+run eagerly. On CPU the default is the packed path (padding only costs there; tests switch ``padded_encoder`` on to
+run the padded shapes eagerly). Steps that fit no bucket (more requests or tokens than the largest) run the packed
 varlen path (``model.encode``), as does every step with ``padded_encoder`` off.
 """
 
@@ -121,7 +122,9 @@ class EncoderDecoderRunner:
         self._prepared_rows: np.ndarray | None = None
         self.num_encoder_tokens = 0       # encoder tokens run (statistics)
         # padded encoder runs (the CUDA-graph shapes): buckets, one input buffer at a fixed address, graphs
-        self.padded_encoder = True        # tests turn it off to compare with the packed path
+        # on CUDA (graphs, or the same shapes eagerly with enforce_eager); on CPU the packed path (padding only
+        # costs there), as decode steps take padded graph shapes only on CUDA; tests switch it to compare
+        self.padded_encoder = device.type == "cuda"
         self.set_buckets(encoder_buckets(max_encoder_len, max_num_reqs))
         self.enc_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}    # empty: run eagerly
         self.enc_graph_pool = None

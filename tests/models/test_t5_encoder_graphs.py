@@ -116,6 +116,8 @@ def test_steps_beyond_the_buckets_take_the_packed_path(tiny_t5_v11, refs):  # no
     """With small buckets some admission steps fit (padded) and some do not (packed): the same greedy ids."""
     llm = LLM(tiny_t5_v11, max_num_seqs=3)
     encdec = llm.llm_engine.runner.encdec
+    assert not encdec.padded_encoder            # CPU's default: the packed path
+    encdec.padded_encoder = True
     encdec.set_buckets([(1, 32), (2, 32), (3, 32)])
     _, ref = _hf_ref(refs, tiny_t5_v11, llm.get_tokenizer())
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
