@@ -7,6 +7,7 @@
     python benchmarks/host_overhead.py --profile                       # cProfile of the last repeat: the top
     python benchmarks/host_overhead.py --fake-forward                  # CPU: fixed logits instead of the model
     python benchmarks/host_overhead.py --w9 --arch t5 --fake-forward   # W9's requests, host time per step kind
+    python benchmarks/host_overhead.py --w9 --arch t5 --fake-forward --padded-encoder on   # T5's padded encoders
     python benchmarks/host_overhead.py --w9 --device cuda --model DIR --skip-tokenizer-init   # W9 on the GPU
 
 ``LLM.generate`` (the offline path, tokenizer on, outputs detokenized as LLM.generate does) of B prompts of
@@ -342,6 +343,8 @@ def bench_w9(model: str, label: str, ns) -> list[dict]:
               skip_tokenizer_init=ns.skip_tokenizer_init)
     runner = llm.llm_engine.runner
     dev_cpu = runner.device.type == "cpu"
+    if ns.padded_encoder is not None:   # T5's encoder path (worker/encoder_decoder.py; default: padded on CUDA)
+        runner.encdec.padded_encoder = ns.padded_encoder == "on"
     if ns.fake_forward:
         fake_forward(runner, 256)
     warm = ns.w9_requests
@@ -457,6 +460,8 @@ def main() -> None:
     p.add_argument("--swap-space", type=float, default=None,
                    help="GiB of the KV cache's CPU tier (default: the engine's); 0 turns it off, and with it the "
                         "copies of evicted prefix-cache blocks (the swap phase)")
+    p.add_argument("--padded-encoder", choices=["on", "off"], default=None,
+                   help="--w9: T5's padded (CUDA-graph) encoder path on or off (default: the engine's, on on CUDA)")
     p.add_argument("--fake-forward", action="store_true",
                    help="replace the forward by a slice of fixed logits (greedy output then follows them; on CPU the "
                         "reference attention's ~70 ms per step otherwise sits between the host phases)")
