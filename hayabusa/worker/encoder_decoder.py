@@ -278,13 +278,15 @@ class EncoderDecoderRunner:
 
     @torch.inference_mode()
     def capture_graphs(self, kv_caches, backend) -> None:
-        """Capture every bucket's padded forward (largest first, one pool: smaller graphs reuse its memory); the
-        KV caches' and the buffer's addresses are fixed from here on. ``enc_graph_pool_bytes``: the reserved
-        memory the capture added (the KV sizing reserved ``profile_graph_memory`` for it)."""
+        """Capture every bucket's padded forward (largest first, one pool: smaller graphs reuse its memory; no
+        graph keeps an output, so any replay order is safe); the KV caches' and the buffer's addresses are fixed
+        from here on. ``enc_graph_pool_bytes``: the reserved memory the capture added, the warm-ups' cached blocks
+        released (the KV sizing reserved ``profile_graph_memory`` for it)."""
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()   # so the reserved delta is the graphs' pool, not the warm-ups' cached blocks
         reserved = torch.cuda.memory_reserved(self.device)
-        for B, L in sorted(self.buckets, key=lambda x: (x[0] * x[1], x), reverse=True):
+        for B, L in sorted(self.buckets, key=lambda x: (x[0] * x[1], x[1]), reverse=True):   # the [B, H, L, L] bias
             self._fill_padding(B, L)
             self._padded_forward(B, L, kv_caches, backend)   # warm up: compiles Triton kernels, the bias table
             torch.cuda.synchronize(self.device)
@@ -295,6 +297,7 @@ class EncoderDecoderRunner:
                 self.enc_graph_pool = graph.pool()
             self.enc_graphs[(B, L)] = graph
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         self.enc_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         self.enc_capture_seconds = time.perf_counter() - t0
         logger.info("captured %d encoder CUDA graphs (buckets %s) in %.1f s, %.1f MiB", len(self.enc_graphs),
@@ -305,7 +308,7 @@ class EncoderDecoderRunner:
         """Bytes the encoder graphs' pool will hold (CUDA): the peak activations of the largest bucket's padded
         encoder run and one decoder layer's cross K/V projection, run now (no cache). The KV sizing adds it to
         the profiled peak, since the pool stays allocated beside the cache."""
-        B, L = max(self.buckets, key=lambda x: x[0] * x[1])
+        B, L = max(self.buckets, key=lambda x: (x[0] * x[1], x[1]))     # the largest bucket, then bias
         self._fill_padding(B, L)
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
