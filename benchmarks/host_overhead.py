@@ -7,6 +7,7 @@
     python benchmarks/host_overhead.py --profile                       # cProfile of the last repeat: the top
     python benchmarks/host_overhead.py --fake-forward                  # CPU: fixed logits instead of the model
     python benchmarks/host_overhead.py --w9 --arch t5 --fake-forward   # W9's requests, host time per step kind
+    python benchmarks/host_overhead.py --w9 --arch t5 --fake-forward --padded-encoder on   # T5's padded encoders
     python benchmarks/host_overhead.py --w9 --device cuda --model DIR --skip-tokenizer-init   # W9 on the GPU
     python benchmarks/host_overhead.py --arch llama --batch 64 256 --compare-spec \
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -25,7 +26,7 @@ small and the step is the engine's host work. Every phase is timed around the re
                   inputs' ids and cross-KV slots built on the host, copied to the device)
     forward       ModelRunner._run_model less copy_inputs (on CUDA: queueing the kernels / graph replay;
                   on CPU: the model's compute, left out of host_us), plus T5's encoder runs (encode and
-                  store_cross_kv)
+                  store_cross_kv, or a padded bucket's run: its CUDA graph's replay)
     swap          KVSwapper.execute: KV blocks copied between the GPU and its CPU tier (swap_space: prefix-cache
                   blocks evicted from the GPU when decoding takes new blocks)
     sample        ModelRunner._sample: argmax (or the Sampler) and queueing the device -> host copy
@@ -162,6 +163,7 @@ def instrument(llm, timer: PhaseTimer) -> None:
         timer.wrap(runner.encdec, "prepare", "inputs")
         timer.wrap(runner.model, "encode", "forward")
         timer.wrap(runner.model, "store_cross_kv", "forward")
+        timer.wrap(runner.encdec, "run_padded_forward", "forward", sub=("forward",))   # a bucket's replay
         timer.wrap(runner.encdec, "run_encoders", "encoders", sub=("forward",))
     timer.wrap(runner, "_sample", "sample")
     if getattr(runner, "kv_swapper", None) is not None:
@@ -348,6 +350,8 @@ def bench_w9(model: str, label: str, ns) -> list[dict]:
               skip_tokenizer_init=ns.skip_tokenizer_init)
     runner = llm.llm_engine.runner
     dev_cpu = runner.device.type == "cpu"
+    if ns.padded_encoder is not None:   # T5's encoder path (worker/encoder_decoder.py; default: padded on CUDA)
+        runner.encdec.padded_encoder = ns.padded_encoder == "on"
     if ns.fake_forward:
         fake_forward(runner, 256)
     warm = ns.w9_requests
@@ -481,6 +485,8 @@ def main() -> None:
     p.add_argument("--swap-space", type=float, default=None,
                    help="GiB of the KV cache's CPU tier (default: the engine's); 0 turns it off, and with it the "
                         "copies of evicted prefix-cache blocks (the swap phase)")
+    p.add_argument("--padded-encoder", choices=["on", "off"], default=None,
+                   help="--w9: T5's padded (CUDA-graph) encoder path on or off (default: the engine's, on on CUDA)")
     p.add_argument("--fake-forward", action="store_true",
                    help="replace the forward by a slice of fixed logits (greedy output then follows them; on CPU the "
                         "reference attention's ~70 ms per step otherwise sits between the host phases)")

@@ -21,6 +21,7 @@ Facts from transformers' ``modeling_t5.py`` (code our own):
 
 Model interface used by ``worker/encoder_decoder.py`` (the model knows no requests):
     encode(input_ids [T_e], seq_lens list[int]) -> encoder output [T_e, d_model] (the sequences packed)
+    encode_padded(input_ids [B * L], seq_lens [B] device, L) -> [B * L, d_model] (the encoder's CUDA-graph shapes)
     store_cross_kv(enc_out [T_e, d], slot_mapping [T_e], ctx): cross K/V of every decoder layer into the cache
     forward(input_ids [T], positions [T], ctx) -> decoder hidden [T, d]; ctx.cross_attn_metadata says, per query
         token, which cross blocks and how many encoder keys it reads
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hayabusa.attention.metadata import ForwardContext
+from hayabusa.errors import HayabusaValidationError
 from hayabusa.model.layers.activation import get_act_fn
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import RMSNorm
@@ -138,7 +140,10 @@ class T5EncoderSelfAttention(nn.Module):
 
 
 class _Padding:
-    """Packed [T, ...] <-> padded [B, L, ...] for the encoder's attention (no copy when all lengths are equal)."""
+    """Packed [T, ...] <-> padded [B, L, ...] for the encoder's attention (no copy when all lengths are equal).
+
+    ``valid`` [B, L] bool (None: every position valid) masks the padding keys. ``padded``: inputs already laid out
+    as [B, L] (the encoder's CUDA-graph shapes), only ``valid`` computed, on the device, from the lengths."""
 
     def __init__(self, seq_lens: list[int], device: torch.device) -> None:
         self.B, self.L = len(seq_lens), max(seq_lens)
@@ -149,6 +154,15 @@ class _Padding:
             valid = np.arange(self.L)[None, :] < np.asarray(seq_lens)[:, None]           # [B, L] bool
             self.valid = host_to_device(valid, device)
             self.idx = host_to_device(np.flatnonzero(valid), device)                      # [T] padded row of token
+
+    @classmethod
+    def padded(cls, seq_lens: torch.Tensor, L: int) -> "_Padding":
+        """Inputs [B * L, ...] with sequence i's tokens at rows i * L .. i * L + seq_lens[i] - 1 (seq_lens [B] int
+        on the device): views in and out, the keys past each length masked (no host sync, no host copy)."""
+        pad = cls.__new__(cls)
+        pad.B, pad.L, pad.equal, pad.idx = seq_lens.shape[0], L, True, None
+        pad.valid = torch.arange(L, device=seq_lens.device)[None, :] < seq_lens[:, None]      # [B, L] bool
+        return pad
 
     def to_batch(self, t: torch.Tensor) -> torch.Tensor:
         if self.equal:
@@ -339,7 +353,7 @@ class T5ForConditionalGeneration(nn.Module):
     def _encoder_bias(self, L: int, pad: _Padding, dtype: torch.dtype) -> torch.Tensor:
         """[1 or B, H, L, L] additive mask: the bidirectional position bias, -inf on padding keys."""
         bias = self._encoder_bias_table(L, dtype)[:, :, :L, :L]                     # [1, H, L, L]
-        if pad.equal:
+        if pad.valid is None:
             return bias
         key_mask = torch.zeros(pad.B, 1, 1, L, dtype=dtype, device=bias.device)
         key_mask.masked_fill_(~pad.valid[:, None, None, :], torch.finfo(dtype).min)
@@ -367,6 +381,26 @@ class T5ForConditionalGeneration(nn.Module):
         pad = _Padding(seq_lens, input_ids.device)
         x, residual = self.shared(input_ids), None                                    # [T_e, d]
         bias = self._encoder_bias(pad.L, pad, x.dtype)
+        for block in self.enc_blocks:
+            x, residual = block(x, residual, bias, pad)
+        return _add_norm(self.enc_final_norm, x, residual)[0]
+
+    def encode_padded(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, L: int) -> torch.Tensor:
+        """The encoder over B sequences laid out padded to L tokens each (the CUDA-graph shapes of
+        ``worker/encoder_decoder.py``): input_ids [B * L] int64 (sequence i at rows i * L ..), seq_lens [B] int on
+        the device (1 <= seq_lens[i] <= L; keys past it are masked, so the padding changes no real token's
+        output) -> encoder output [B * L, d_model] (rows past a sequence's length are padding, finite). Runs no
+        host sync and reads nothing from the host: capturable in a CUDA graph.
+
+        Raises:
+            ValueError: input_ids is not [B * L] for seq_lens' B (parameter ``input_ids``)."""
+        if input_ids.dim() != 1 or input_ids.shape[0] != seq_lens.shape[0] * L:
+            raise HayabusaValidationError(f"input_ids must be [B * L] = [{seq_lens.shape[0]} * {L}], got "
+                                          f"{tuple(input_ids.shape)}", parameter="input_ids",
+                                          value=tuple(input_ids.shape))
+        pad = _Padding.padded(seq_lens, L)
+        x, residual = self.shared(input_ids), None                                    # [B * L, d]
+        bias = self._encoder_bias(L, pad, x.dtype)                                    # [B, H, L, L]
         for block in self.enc_blocks:
             x, residual = block(x, residual, bias, pad)
         return _add_norm(self.enc_final_norm, x, residual)[0]

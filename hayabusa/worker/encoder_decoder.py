@@ -14,11 +14,23 @@ Cross-attention of a step's decoder tokens is paged attention with one one-token
 
 For a decode step (T = R) this is one row per request, in device buffers at fixed addresses: CUDA graphs replay it
 (padding rows get seq_len 0 and are skipped).
+
+The encoder runs of a step (issue #17, W9) take padded shapes when they fit a bucket (B requests, L tokens each;
+``encoder_buckets``): request i's input at rows i * L .., the keys past its length masked (``model.encode_padded``),
+padding rows' and padding requests' cross-KV slots -1 (not written); requests B_real..B-1 are padding (length L,
+token 0). The step's ids, slots and lengths go to the device in one copy into a buffer at a fixed address
+([ids B*L | slots B*L | lens B] int64 at its start), so on CUDA the encoder and every decoder layer's cross-K/V write
+replay one CUDA graph per bucket (one memory pool, captured largest first); with enforce_eager the same padded shapes
+run eagerly. On CPU the default is the packed path (padding only costs there; tests switch ``padded_encoder`` on to
+run the padded shapes eagerly). Steps that fit no bucket (more requests or tokens than the largest) run the packed
+varlen path (``model.encode``), as does every step with ``padded_encoder`` off.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 
 import numpy as np
 import torch
@@ -26,6 +38,44 @@ import torch
 from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
 from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
+from hayabusa.errors import HayabusaValidationError
+
+logger = logging.getLogger(__name__)
+
+# Encoder buckets hold at most this many tokens (B x L): their activations live in the graphs' pool, whose size
+# the KV sizing reserves (ModelRunner._profile_peak_memory); larger encoder steps run the packed path eagerly.
+ENCODER_GRAPH_MAX_TOKENS = 8192
+ENCODER_GRAPH_MAX_REQS = 64
+ENCODER_GRAPH_MIN_LEN = 32
+
+
+def encoder_buckets(max_encoder_len: int, max_num_reqs: int, max_tokens: int = ENCODER_GRAPH_MAX_TOKENS
+                    ) -> list[tuple[int, int]]:
+    """The (B requests, L tokens per request) shapes of padded encoder runs, smallest first.
+
+    B: 1, 2, 4, .. below min(max_num_reqs, ENCODER_GRAPH_MAX_REQS), and that minimum; L: 32, 64, 128, .. below
+    max_encoder_len, and max_encoder_len; only pairs with B x L <= max_tokens. Padding is bounded: a step of n
+    requests whose longest input has m tokens runs on fewer than 2n x 2m tokens (less when m is near
+    max_encoder_len).
+
+    Raises:
+        HayabusaValidationError: a non-positive argument (parameter named by the error).
+    """
+    for name, v in (("max_encoder_len", max_encoder_len), ("max_num_reqs", max_num_reqs),
+                    ("max_tokens", max_tokens)):
+        if not isinstance(v, int) or v < 1:
+            raise HayabusaValidationError(f"{name} must be a positive int, got {v!r}", parameter=name, value=v)
+
+    def doubling(start: int, top: int) -> list[int]:
+        out, s = [], start
+        while s < top:
+            out.append(s)
+            s *= 2
+        return out + [top]
+
+    bs = doubling(1, min(max_num_reqs, ENCODER_GRAPH_MAX_REQS))
+    ls = doubling(min(ENCODER_GRAPH_MIN_LEN, max_encoder_len), max_encoder_len)
+    return sorted(((b, n) for b in bs for n in ls if b * n <= max_tokens), key=lambda x: (x[0] * x[1], x))
 
 
 def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -71,6 +121,19 @@ class EncoderDecoderRunner:
         # (steady decode) and no row changed since finds it there and copies nothing
         self._prepared_rows: np.ndarray | None = None
         self.num_encoder_tokens = 0       # encoder tokens run (statistics)
+        # padded encoder runs (the CUDA-graph shapes): buckets, one input buffer at a fixed address, graphs
+        # on CUDA (graphs, or the same shapes eagerly with enforce_eager); on CPU the packed path (padding only
+        # costs there), as decode steps take padded graph shapes only on CUDA; tests switch it to compare
+        self.padded_encoder = device.type == "cuda"
+        self.set_buckets(encoder_buckets(max_encoder_len, max_num_reqs))
+        self.enc_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}    # empty: run eagerly
+        self.enc_graph_pool = None
+        self.enc_graph_pool_bytes = 0     # what the capture added to the allocator's reserved memory (CUDA)
+        self.enc_graph_profiled_bytes = 0  # what the KV sizing reserved for that pool (profile_graph_memory)
+        self.enc_capture_seconds = 0.0
+        self.num_padded_runs = 0          # encoder steps run on a bucket's padded shapes
+        self.num_encoder_replays = 0      # of those, replayed from a CUDA graph
+        self.num_packed_runs = 0          # encoder steps run on the packed varlen path
 
     # ------------------------------------------------------------------ state
     def update_states(self, out: SchedulerOutput, row_of: dict[str, int]) -> None:
@@ -122,12 +185,141 @@ class EncoderDecoderRunner:
         new_blocks.update(out.scheduled_cached_reqs.cross_block_ids)
         enc = [self.encoder_ids[rid] for rid in rids]
         lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))          # [R_e]
+        bucket = self.bucket_for(len(enc), int(lens.max())) if self.padded_encoder else None
+        if bucket is not None:
+            self._run_padded(bucket, enc, lens, [new_blocks[rid] for rid in rids], kv_caches, backend)
+            self.num_encoder_tokens += int(lens.sum())
+            return
+        self.num_packed_runs += 1
         ids = np.concatenate(enc)                                                  # [T_e] int64
         slots_t = _to_device(self.cross_slots([new_blocks[rid] for rid in rids], lens), self.device)
         ids_t = _to_device(ids, self.device)
         enc_out = self.model.encode(ids_t, lens.tolist())                         # [T_e, d_model]
         self.model.store_cross_kv(enc_out, slots_t, ForwardContext(None, kv_caches, backend))
         self.num_encoder_tokens += len(ids)
+
+    # ------------------------------------------------------------------ padded encoder runs (CUDA graphs)
+    def set_buckets(self, buckets: list[tuple[int, int]]) -> None:
+        """The (B, L) shapes padded encoder runs take (before any capture; tests pass small ones), and the input
+        buffer [ids B*L | slots B*L | lens B] int64 sized for the largest."""
+        self.buckets = sorted(buckets, key=lambda x: (x[0] * x[1], x))
+        self._bucket_set = set(self.buckets)
+        self._bucket_bs = sorted({b for b, _ in self.buckets})
+        self._bucket_ls = sorted({n for _, n in self.buckets})
+        n_in = max(2 * b * n + b for b, n in self.buckets)
+        self._enc_in = torch.zeros(n_in, dtype=torch.int64, device=self.device)
+
+    def bucket_for(self, num_reqs: int, max_len: int) -> tuple[int, int] | None:
+        """The smallest bucket (B, L) with B >= num_reqs and L >= max_len, or None (the packed path)."""
+        b = next((x for x in self._bucket_bs if x >= num_reqs), None)
+        n = next((x for x in self._bucket_ls if x >= max_len), None)
+        return (b, n) if (b, n) in self._bucket_set else None
+
+    def _views(self, B: int, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Bucket (B, L)'s inputs in the fixed buffer: ids [B * L], slots [B * L], lens [B] (int64 views)."""
+        T = B * L
+        return self._enc_in[:T], self._enc_in[T:2 * T], self._enc_in[2 * T:2 * T + B]
+
+    def padded_inputs(self, B: int, L: int, enc: list[np.ndarray], lens: np.ndarray, blocks: list[list[int]]
+                      ) -> np.ndarray:
+        """Bucket (B, L)'s input array [2 * B * L + B] int64: ids (request i's at i * L .., 0 elsewhere), cross
+        slots (-1 on padding rows: not written) and lengths (L for the padding requests i >= len(enc))."""
+        n, T, bs = len(enc), B * L, self.block_size
+        out = np.zeros(2 * T + B, dtype=np.int64)
+        ids = out[:T].reshape(B, L)
+        for i, e in enumerate(enc):
+            ids[i, :len(e)] = e
+        nb = cdiv(L, bs)
+        table = np.zeros((n, nb), dtype=np.int64)                                   # [n, L / bs] cross blocks
+        for i, b in enumerate(blocks):
+            table[i, :len(b)] = b
+        pos = np.arange(L, dtype=np.int64)
+        slots = table[:, pos // bs] * bs + pos % bs                                    # [n, L]
+        slots[pos[None, :] >= lens[:, None]] = -1
+        out[T:2 * T] = -1
+        out[T:T + n * L] = slots.reshape(-1)
+        out[2 * T:2 * T + B] = L
+        out[2 * T:2 * T + n] = lens
+        return out
+
+    def _run_padded(self, bucket: tuple[int, int], enc: list[np.ndarray], lens: np.ndarray,
+                    blocks: list[list[int]], kv_caches, backend) -> None:
+        B, L = bucket
+        arr = self.padded_inputs(B, L, enc, lens, blocks)
+        src = torch.from_numpy(arr)
+        if self.device.type == "cuda":   # one H2D copy straight into the graphs' buffer, without blocking
+            src = src.pin_memory()
+        self._enc_in[:len(arr)].copy_(src, non_blocking=True)
+        self.num_padded_runs += 1
+        self.run_padded_forward(B, L, kv_caches, backend)
+
+    def run_padded_forward(self, B: int, L: int, kv_caches, backend) -> None:
+        """Bucket (B, L)'s encoder and cross-K/V writes over the inputs in the buffer: its graph's replay, or
+        (no graph captured: CPU, enforce_eager) the same shapes eagerly."""
+        graph = self.enc_graphs.get((B, L))
+        if graph is not None:
+            self.num_encoder_replays += 1
+            graph.replay()
+            return
+        self._padded_forward(B, L, kv_caches, backend)
+
+    def _padded_forward(self, B: int, L: int, kv_caches, backend) -> torch.Tensor:
+        ids, slots, lens = self._views(B, L)
+        enc_out = self.model.encode_padded(ids, lens, L)                              # [B * L, d_model]
+        self.model.store_cross_kv(enc_out, slots, ForwardContext(None, kv_caches, backend))
+        return enc_out
+
+    def _fill_padding(self, B: int, L: int) -> None:
+        """Inputs of B padding requests (token 0, length L, no cache writes) for a capture or a profile."""
+        ids, slots, lens = self._views(B, L)
+        ids.zero_()
+        slots.fill_(-1)
+        lens.fill_(L)
+
+    @torch.inference_mode()
+    def capture_graphs(self, kv_caches, backend) -> None:
+        """Capture every bucket's padded forward (largest first, one pool: smaller graphs reuse its memory; no
+        graph keeps an output, so any replay order is safe); the KV caches' and the buffer's addresses are fixed
+        from here on. ``enc_graph_pool_bytes``: the reserved memory the capture added, the warm-ups' cached blocks
+        released (the KV sizing reserved ``profile_graph_memory`` for it)."""
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()   # so the reserved delta is the graphs' pool, not the warm-ups' cached blocks
+        reserved = torch.cuda.memory_reserved(self.device)
+        for B, L in sorted(self.buckets, key=lambda x: (x[0] * x[1], x[1]), reverse=True):   # the [B, H, L, L] bias
+            self._fill_padding(B, L)
+            self._padded_forward(B, L, kv_caches, backend)   # warm up: compiles Triton kernels, the bias table
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.enc_graph_pool):
+                self._padded_forward(B, L, kv_caches, backend)
+            if self.enc_graph_pool is None:
+                self.enc_graph_pool = graph.pool()
+            self.enc_graphs[(B, L)] = graph
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.enc_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        self.enc_capture_seconds = time.perf_counter() - t0
+        logger.info("captured %d encoder CUDA graphs (buckets %s) in %.1f s, %.1f MiB", len(self.enc_graphs),
+                    self.buckets, self.enc_capture_seconds, self.enc_graph_pool_bytes / 2**20)
+
+    @torch.inference_mode()
+    def profile_graph_memory(self) -> int:
+        """Bytes the encoder graphs' pool will hold (CUDA): the peak activations of the largest bucket's padded
+        encoder run and one decoder layer's cross K/V projection, run now (no cache). The KV sizing adds it to
+        the profiled peak, since the pool stays allocated beside the cache."""
+        B, L = max(self.buckets, key=lambda x: (x[0] * x[1], x[1]))     # the largest bucket, then bias
+        self._fill_padding(B, L)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids, _, lens = self._views(B, L)
+        enc_out = self.model.encode_padded(ids, lens, L)
+        kv = self.model.dec_blocks[0].cross_attn.kv(enc_out)
+        del enc_out, kv
+        torch.cuda.synchronize(self.device)
+        self.enc_graph_profiled_bytes = max(torch.cuda.max_memory_allocated(self.device) - base, 0)
+        return self.enc_graph_profiled_bytes
 
     def cross_slots(self, blocks: list[list[int]], lens: np.ndarray) -> np.ndarray:
         """Cache slots of the encoder tokens [T_e] int64: request i's token j (j < lens[i]) goes to position j of
