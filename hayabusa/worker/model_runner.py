@@ -259,7 +259,8 @@ class ModelRunner:
                     self.graphs = self.decode_runner
                 if self.draft is not None and hasattr(self.draft, "make_graphs"):   # draft_model's proposals, mirror
                     self.draft.make_graphs(self, use_graphs=not self.cfg.enforce_eager)
-                if self.encdec is not None and not self.cfg.enforce_eager:   # admission steps' encoder runs
+                if self.encdec is not None and self.encdec.padded_encoder and not self.cfg.enforce_eager:
+                    # admission steps' encoder runs
                     self.encdec.capture_graphs(self.kv_caches, self.backend)
             self._warm_up_prefill_attention()
             if self.encdec is not None:
@@ -328,7 +329,8 @@ class ModelRunner:
         del hidden, kwargs
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        if self.encdec is not None and not self.cfg.enforce_eager and not self.pipeline:
+        if self.encdec is not None and self.encdec.padded_encoder and not self.cfg.enforce_eager \
+                and not self.pipeline:
             # the encoder graphs' pool (captured after the cache is allocated) stays beside the cache
             peak += self.encdec.profile_graph_memory()
         free, total = torch.cuda.mem_get_info(self.device)

@@ -19,6 +19,14 @@ from tests.models._t5 import save_tiny_t5
 pytestmark = pytest.mark.cuda
 
 
+@pytest.fixture(autouse=True)
+def _encoder_graphs_on(monkeypatch):
+    """Encoder graphs are opt-in on CUDA until these tests have passed on a GPU (encoder_decoder.USE_ENCODER_GRAPHS)."""
+    from hayabusa.worker import encoder_decoder
+
+    monkeypatch.setattr(encoder_decoder, "USE_ENCODER_GRAPHS", True)
+
+
 @pytest.fixture(scope="module", params=["v1.0", "v1.1"])
 def t5_dir(request, tmp_path_factory) -> str:
     return save_tiny_t5(tmp_path_factory.mktemp("t5_encg_" + request.param.replace(".", "")), request.param,
