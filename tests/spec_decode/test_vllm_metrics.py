@@ -148,3 +148,36 @@ def test_per_position_counts_with_pinned_ids():
         s.update_from_output(out, {"a": sampled})
     assert (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens) == (3, 9, 4)
     assert s.spec_num_accepted_tokens_per_pos == [2, 1, 1]
+
+
+def _vllm_loop(metrics) -> tuple[int, int, int, list[int]]:
+    """vLLM's example loop over get_metrics(): (num_drafts, draft tokens, accepted tokens, per-position counts)."""
+    from hayabusa.v1.metrics.reader import Counter, Vector
+
+    num_drafts = num_draft_tokens = num_accepted_tokens = 0
+    acceptance_counts: list[int] = []
+    for metric in metrics:
+        if metric.name == "vllm:spec_decode_num_drafts":
+            assert isinstance(metric, Counter)
+            num_drafts += metric.value
+        elif metric.name == "vllm:spec_decode_num_draft_tokens":
+            assert isinstance(metric, Counter)
+            num_draft_tokens += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            assert isinstance(metric, Counter)
+            num_accepted_tokens += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            assert isinstance(metric, Vector)
+            acceptance_counts = list(metric.values)
+    return num_drafts, num_draft_tokens, num_accepted_tokens, acceptance_counts
+
+
+def test_draft_model_as_its_own_draft_accepts_at_every_position(tiny_llama):
+    """Every proposal accepted: position 0 is accepted once per draft, and the counts sum to the draft tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(tiny_llama, device="cpu", max_num_seqs=4,
+              speculative_config={"model": tiny_llama, "num_speculative_tokens": K})
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    drafts, draft_tokens, accepted, per_pos = _vllm_loop(llm.get_metrics())
+    assert drafts == sum(o.metrics.spec_num_steps for o in outputs) > 0
+    assert accepted == draft_tokens and per_pos[0] == drafts and sum(per_pos) == accepted and len(per_pos) == K
