@@ -84,8 +84,10 @@ class Scheduler:
         self.grammar_failures: dict[str, BaseException] = {}   # request id -> why its grammar failed to compile
         # speculative decoding (hayabusa/spec_decode): proposals for decoding requests, and engine-wide counters
         self.spec = None                                   # SpecDecodeScheduling, or None when off
+        self.spec_num_drafts = 0                           # verified request-steps with >= 1 proposal
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        self.spec_num_accepted_tokens_per_pos: list[int] = []   # [i]: proposals at position i accepted (grows to k)
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -567,8 +569,14 @@ class Scheduler:
         req.spec_num_steps += 1
         req.spec_num_draft_tokens += len(drafts)
         req.spec_num_accepted_tokens += num_accepted
+        self.spec_num_drafts += 1 if drafts else 0
         self.spec_num_draft_tokens += len(drafts)
         self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_num_accepted_tokens_per_pos   # the accepted proposals are the first num_accepted
+        if num_accepted > len(per_pos):
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
         self.spec.record(req, len(drafts), num_accepted)      # the low-acceptance turn-off rule
         for i, token in enumerate(new_ids):
             req.output_token_ids.append(token)

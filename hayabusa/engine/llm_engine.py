@@ -25,6 +25,7 @@ from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
 from hayabusa.structured_output import StructuredOutputManager
 from hayabusa.executor import make_executor
+from hayabusa.metrics_reader import Counter, Gauge, Metric, MetricsList, Vector
 
 logger = logging.getLogger(__name__)
 
@@ -321,25 +322,67 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def get_metrics(self) -> dict[str, float]:
-        """Engine-wide counters since start (vLLM's names where it has them): prompt / generation tokens,
-        preemptions; with the CPU KV tier (``swap_space``) ``num_swap_preemptions`` (preemptions whose KV went to
-        the CPU), ``num_blocks_swapped_out`` / ``num_blocks_swapped_in`` (KV blocks copied GPU -> CPU / back) and
-        ``cpu_prefix_cache_hit_blocks`` (prefix-cache blocks restored from the CPU tier), as on /metrics; with
-        speculative decoding ``spec_decode_num_draft_tokens`` (proposed) and ``spec_decode_num_accepted_tokens``."""
+    def get_metrics(self) -> MetricsList:
+        """Engine-wide metrics since start, as vLLM's ``LLMEngine.get_metrics()`` gives them: a list of
+        ``hayabusa.metrics_reader`` Counter / Gauge / Vector objects (labels ``model_name``, ``engine="0"``):
+
+        - Counters (int): ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:num_preemptions``;
+          ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (prompt tokens looked up / found in the
+          prefix cache); with the CPU KV tier (``swap_space``) ``hayabusa:num_swap_preemptions`` (preemptions whose
+          KV went to the CPU), ``hayabusa:kv_blocks_swapped_out`` / ``hayabusa:kv_blocks_swapped_in`` (KV blocks
+          copied GPU -> CPU / back), ``hayabusa:cpu_prefix_cache_hits`` (prefix-cache blocks restored from the CPU
+          tier), as on /metrics; with speculative decoding ``vllm:spec_decode_num_drafts`` (request-steps that
+          verified >= 1 proposal), ``vllm:spec_decode_num_draft_tokens`` (proposed tokens verified),
+          ``vllm:spec_decode_num_accepted_tokens``.
+        - Vector (list of int, length num_speculative_tokens): ``vllm:spec_decode_num_accepted_tokens_per_pos``,
+          element i = how many times the proposal at position i was accepted (non-increasing; sums to the
+          accepted tokens).
+        - Gauges (float, now): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+          ``vllm:kv_cache_usage_perc`` (fraction of the GPU KV blocks in use, 0..1).
+
+        hayabusa's shorthand from before (the returned MetricsList is also a mapping): ``m["num_prompt_tokens"]``,
+        ``"num_generation_tokens"``, ``"num_preemptions"``; with the CPU tier ``"num_swap_preemptions"``,
+        ``"num_blocks_swapped_out"``, ``"num_blocks_swapped_in"``, ``"cpu_prefix_cache_hit_blocks"``; with
+        speculative decoding ``"spec_decode_num_drafts"``, ``"spec_decode_num_draft_tokens"``,
+        ``"spec_decode_num_accepted_tokens"``, ``"spec_decode_num_accepted_tokens_per_pos"`` (a list)."""
         s, kv = self.scheduler, self.kv_cache_manager
-        metrics = {"num_prompt_tokens": self.stats["num_prompt_tokens"],
-                   "num_generation_tokens": self.stats["num_generation_tokens"],
-                   "num_preemptions": s.num_preemptions}
+        labels = {"model_name": self.config.model_config.model, "engine": "0"}
+        metrics: list[Metric] = []
+        shorthand: dict[str, int | list[int]] = {}
+
+        def counter(name: str, value: int, key: str | None = None) -> None:
+            metrics.append(Counter(name=name, labels=dict(labels), value=int(value)))
+            if key is not None:
+                shorthand[key] = int(value)
+
+        counter("vllm:prompt_tokens", self.stats["num_prompt_tokens"], "num_prompt_tokens")
+        counter("vllm:generation_tokens", self.stats["num_generation_tokens"], "num_generation_tokens")
+        counter("vllm:num_preemptions", s.num_preemptions, "num_preemptions")
+        counter("vllm:prefix_cache_queries", kv.num_query_tokens)
+        counter("vllm:prefix_cache_hits", kv.num_hit_tokens)
         if kv.cpu is not None:   # the CPU KV tier: its counters (swap_stats' sizes are gauges, not counters)
             swap = kv.swap_stats()
-            metrics["num_swap_preemptions"] = s.num_swap_preemptions
-            for name in ("num_blocks_swapped_out", "num_blocks_swapped_in", "cpu_prefix_cache_hit_blocks"):
-                metrics[name] = swap[name]
+            counter("hayabusa:num_swap_preemptions", s.num_swap_preemptions, "num_swap_preemptions")
+            counter("hayabusa:kv_blocks_swapped_out", swap["num_blocks_swapped_out"], "num_blocks_swapped_out")
+            counter("hayabusa:kv_blocks_swapped_in", swap["num_blocks_swapped_in"], "num_blocks_swapped_in")
+            counter("hayabusa:cpu_prefix_cache_hits", swap["cpu_prefix_cache_hit_blocks"],
+                    "cpu_prefix_cache_hit_blocks")
         if s.spec is not None:
-            metrics["spec_decode_num_draft_tokens"] = s.spec_num_draft_tokens
-            metrics["spec_decode_num_accepted_tokens"] = s.spec_num_accepted_tokens
-        return metrics
+            counter("vllm:spec_decode_num_drafts", s.spec_num_drafts, "spec_decode_num_drafts")
+            counter("vllm:spec_decode_num_draft_tokens", s.spec_num_draft_tokens, "spec_decode_num_draft_tokens")
+            counter("vllm:spec_decode_num_accepted_tokens", s.spec_num_accepted_tokens,
+                    "spec_decode_num_accepted_tokens")
+            per_pos = s.spec_num_accepted_tokens_per_pos
+            k = max(s.spec.config.num_speculative_tokens, len(per_pos))
+            per_pos = list(per_pos) + [0] * (k - len(per_pos))
+            metrics.append(Vector(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels=dict(labels),
+                                  values=per_pos))
+            shorthand["spec_decode_num_accepted_tokens_per_pos"] = list(per_pos)
+        for name, value in (("vllm:num_requests_running", len(s.running)),
+                            ("vllm:num_requests_waiting", len(s.waiting)),
+                            ("vllm:kv_cache_usage_perc", kv.usage)):
+            metrics.append(Gauge(name=name, labels=dict(labels), value=float(value)))
+        return MetricsList(metrics, shorthand)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Returns False (nothing done) while requests are running."""

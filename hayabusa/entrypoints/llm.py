@@ -12,6 +12,7 @@ from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
 from hayabusa.engine.llm_engine import LLMEngine
 from hayabusa.errors import HayabusaTypeError, HayabusaValidationError
+from hayabusa.metrics_reader import MetricsList
 from hayabusa.multimodal.processor import PreprocessStream
 from hayabusa.outputs import RequestOutput
 from hayabusa.sampling_params import SamplingParams
@@ -65,11 +66,16 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 
-    def get_metrics(self) -> dict[str, float]:
-        """Engine-wide counters (LLMEngine.get_metrics): token counts, preemptions; with the CPU KV tier
-        (``swap_space``) ``num_swap_preemptions``, ``num_blocks_swapped_out`` / ``num_blocks_swapped_in`` and
-        ``cpu_prefix_cache_hit_blocks``; with speculative decoding ``spec_decode_num_draft_tokens`` /
-        ``spec_decode_num_accepted_tokens``."""
+    def get_metrics(self) -> MetricsList:
+        """Engine-wide metrics, as vLLM's ``LLM.get_metrics()``: a list of ``Counter`` / ``Gauge`` / ``Vector``
+        objects (``hayabusa.v1.metrics.reader``, vLLM's import path; or ``hayabusa.metrics_reader``) named as vLLM
+        names them: ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:num_preemptions``, prefix-cache
+        queries / hits, ``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens``
+        (Counters, int) and ``vllm:spec_decode_num_accepted_tokens_per_pos`` (Vector, length
+        num_speculative_tokens), the gauges ``vllm:num_requests_running`` / ``_waiting`` /
+        ``vllm:kv_cache_usage_perc``; the CPU KV tier's counters as ``hayabusa:...`` (LLMEngine.get_metrics lists
+        them all). The list also answers hayabusa's older dict form by plain key (``m["num_preemptions"]``,
+        ``m["spec_decode_num_accepted_tokens"]``, ``.get``, ``in``, ``.keys()`` / ``.items()``)."""
         return self.llm_engine.get_metrics()
 
     def get_tokenizer(self) -> Any:

@@ -171,7 +171,7 @@ def test_get_metrics_has_no_swap_counters_without_the_cpu_tier(tiny_qwen2):
     m = LLM(tiny_qwen2, swap_space=0).get_metrics()
     assert m["num_preemptions"] == 0
     assert not {"num_swap_preemptions", "num_blocks_swapped_out", "num_blocks_swapped_in",
-                "cpu_prefix_cache_hit_blocks"} & set(m)
+                "cpu_prefix_cache_hit_blocks"} & set(m.keys())
 
 
 def test_cpu_offload_gb_is_accepted_on_cpu_and_changes_nothing(tiny_qwen2, example_prompts, base, caplog):
