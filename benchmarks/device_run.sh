@@ -486,7 +486,7 @@ g_pending12() {  # what session 11 built and could not check on the GPU (its dev
     -p no:cacheprovider ${T12_TESTS:-tests/spec_decode/test_spec_short_query_cuda.py tests/spec_decode/test_spec_perf_cuda.py \
     tests/spec_decode/test_greedy_verify_cuda.py tests/kernels/test_greedy_verify.py tests/kernels/test_fp8_gemv_cuda.py \
     tests/quantization/test_fp8_kernel_path.py tests/spec_decode/test_spec_cuda.py \
-    tests/spec_decode/test_spec_disabled_path_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
+    tests/spec_decode/test_spec_disabled_path_cuda.py tests/spec_decode/test_vllm_metrics_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
     | tee '$OUT/tests12.log' | grep -E 'PASS|FAIL|ERROR|passed|failed|Error|assert' | tail -80; exit \${PIPESTATUS[0]}"
   step verify_host 60 10 bash -c "python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20; \
     HAYABUSA_GREEDY_VERIFY_TRITON=1 python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20"
@@ -510,8 +510,13 @@ g_pending12b() {  # the other half: W3 on the 7b shape in fp8 (the rewritten GEM
   ensure_q05
   bench_step q05_W10 "${W10_MAX_S:-150}" 40 --workload W10 --model "$Q05"
   ensure_shape t5-small-shape
-  step w9_wall_t5s "${W9WALL_S:-120}" 10 python benchmarks/w9_wall.py --device cuda \
-    --model "$MODELS/t5-small-shape" --repeats 3 --json "$OUT/w9_wall_t5s.json"
+  step t5enc_tests "${T5ENC_TESTS_S:-240}" 20 bash -c "python -m pytest -v -rfE -s -p no:cacheprovider \
+    tests/models/test_t5_encoder_graphs_cuda.py tests/models/test_t5_host_cuda.py 2>&1 | tee '$OUT/t5enc_tests.log' \
+    | grep -E 'PASS|FAIL|ERROR|passed|failed|Error|assert|MiB|graphs' | tail -40; exit \${PIPESTATUS[0]}"
+  for g in 0 1; do   # the T5 encoder graphs off (the default until checked) and on
+    step "w9_wall_t5s_enc$g" "${W9WALL_S:-120}" 10 env HAYABUSA_T5_ENCODER_GRAPHS=$g python benchmarks/w9_wall.py \
+      --device cuda --model "$MODELS/t5-small-shape" --repeats 3 --json "$OUT/w9_wall_t5s_enc$g.json"
+  done
 }
 
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
