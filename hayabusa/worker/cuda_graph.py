@@ -15,7 +15,9 @@ Sizes: the decode sizes whose bs x Q fits max_num_batched_tokens and VERIFY_GRAP
 >= disable_by_batch_size (no step has proposals above it); other verify steps run eagerly. With a draft model the
 target's decode and verify steps replay these graphs too, and so does the draft's mirror of them (its own graphs on
 the target's buffers; its proposal forwards have decode graphs on buffers of their own: worker/draft_model.py
-``make_graphs``); EAGLE steps stay eager.
+``make_graphs``). With EAGLE / EAGLE-3 (``eagle_forward``, opt-in on CUDA: worker/eagle.py USE_EAGLE_GRAPHS) the
+target's decode and verify graphs also output the head's input for every token of the padded step (EAGLE-1: the
+final hidden state; EAGLE-3: the head's ``fc`` over the aux layers' states), read as ``head_input`` after the run.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class CUDAGraphRunner:
             of a decode step, whose output is not read).
         use_graphs: capture and replay graphs; False (enforce_eager, CPU tests) runs the same padded shapes
             eagerly.
+        eagle_forward: EAGLE: the drafter's ``target_forward`` (model, input_ids [T], positions [T], ctx) ->
+            (hidden [T, H], head input [T, H_head]); the graphs run it instead of the model and keep the head input
+            as a second static output (``head_input`` after each ``run`` / ``run_verify``). None: no head input.
 
     Raises:
         HayabusaValidationError: ``verify`` without a speculative_config (parameter ``verify``).
@@ -74,7 +79,7 @@ class CUDAGraphRunner:
 
     def __init__(self, model, kv_caches, backend, buffers: StepBuffers, cfg, *, max_num_reqs: int,
                  max_num_tokens: int, device: torch.device, encdec=None, verify: bool = False,
-                 with_logits: bool = True, use_graphs: bool = True) -> None:
+                 with_logits: bool = True, use_graphs: bool = True, eagle_forward=None) -> None:
         spec = cfg.speculative_config
         if verify and spec is None:
             raise HayabusaValidationError("verify graphs need a speculative_config.", parameter="verify",
@@ -88,6 +93,12 @@ class CUDAGraphRunner:
         self.max_model_len = cfg.scheduler_config.max_model_len
         self.with_logits = with_logits
         self.use_graphs = use_graphs
+        self.eagle_forward = eagle_forward
+        # EAGLE: the head input [R or T, H_head] of the last run (a view of the graph's static output: read it
+        # before the next replay); None without eagle_forward
+        self.head_input: torch.Tensor | None = None
+        self.head_inputs: dict[int, torch.Tensor] = {}          # decode graphs' second output, by bs
+        self.verify_head_inputs: dict[int, torch.Tensor] = {}   # verify graphs' second output, by bs
         self.sizes = capture_sizes(min(cfg.max_cuda_graph_batch, max_num_reqs), cfg.cuda_graph_sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # empty when use_graphs is False (enforce_eager)
         self.logits: dict[int, torch.Tensor] = {}          # (hidden states when not with_logits)
@@ -113,12 +124,22 @@ class CUDAGraphRunner:
     @classmethod
     def for_runner(cls, runner, use_graphs: bool = True) -> "CUDAGraphRunner":
         """A ModelRunner's target graphs: its ``buffers``, ``model``, ``kv_caches``, ``backend``, ``cfg``,
-        ``max_num_reqs``, ``max_num_tokens``, ``encdec`` and ``device``; verify graphs with n-gram and draft-model
-        speculation (not EAGLE, whose target forward also returns the head's inputs)."""
-        verify = runner.cfg.speculative_config is not None and not getattr(runner.draft, "is_eagle", False)
+        ``max_num_reqs``, ``max_num_tokens``, ``encdec`` and ``device``; verify graphs with speculation. With EAGLE
+        the graphs also output the head's input (``eagle_forward``) when they will serve its steps: always on the
+        padded eager shapes (``use_graphs`` False), on CUDA graphs only with worker/eagle.py's USE_EAGLE_GRAPHS;
+        otherwise EAGLE steps run eagerly and the runner gets plain decode graphs (no verify graphs)."""
+        eagle_forward = None
+        verify = runner.cfg.speculative_config is not None
+        if getattr(runner.draft, "is_eagle", False):
+            from hayabusa.worker import eagle
+
+            if not use_graphs or eagle.USE_EAGLE_GRAPHS:
+                eagle_forward = runner.draft.target_forward
+            else:
+                verify = False
         return cls(runner.model, runner.kv_caches, runner.backend, runner.buffers, runner.cfg,
                    max_num_reqs=runner.max_num_reqs, max_num_tokens=runner.max_num_tokens, device=runner.device,
-                   encdec=runner.encdec, verify=verify, use_graphs=use_graphs)
+                   encdec=runner.encdec, verify=verify, use_graphs=use_graphs, eagle_forward=eagle_forward)
 
     def can_run(self, num_reqs: int) -> bool:
         return num_reqs <= self.sizes[-1]
@@ -130,17 +151,24 @@ class CUDAGraphRunner:
                 return s
         raise ValueError(num_reqs)
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _model(self, n: int, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over the buffers' first n tokens: (hidden [n, H], EAGLE's head input [n, H_head] or None)."""
+        buf = self.buffers
+        if self.eagle_forward is None:
+            return self.model(buf.input_ids[:n], buf.positions[:n], ctx), None
+        return self.eagle_forward(self.model, buf.input_ids[:n], buf.positions[:n], ctx)
+
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         buf = self.buffers
         ctx = ForwardContext(buf.attn_metadata(bs, bs, 1, self.max_model_len), self.kv_caches, self.backend,
                              None if self.encdec is None else self.encdec.metadata(bs))
-        hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], ctx)
-        return self.model.compute_logits(hidden) if self.with_logits else hidden
+        hidden, head_input = self._model(bs, ctx)
+        return (self.model.compute_logits(hidden) if self.with_logits else hidden), head_input
 
-    def _forward_verify(self, bs: int) -> torch.Tensor:
+    def _forward_verify(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         buf, Q = self.buffers, self.verify_width
         ctx = ForwardContext(buf.attn_metadata(bs, bs * Q, Q, self.max_model_len), self.kv_caches, self.backend)
-        return self.model(buf.input_ids[:bs * Q], buf.positions[:bs * Q], ctx)      # [bs * Q, H]
+        return self._model(bs * Q, ctx)      # [bs * Q, H], head input [bs * Q, H_head] or None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -152,7 +180,7 @@ class CUDAGraphRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = self._forward(bs)
+                self.logits[bs], self.head_inputs[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -162,7 +190,7 @@ class CUDAGraphRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.verify_hidden[bs] = self._forward_verify(bs)
+                self.verify_hidden[bs], self.verify_head_inputs[bs] = self._forward_verify(bs)
             self.verify_graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
@@ -177,29 +205,37 @@ class CUDAGraphRunner:
     def run_verify(self, inp) -> torch.Tensor:
         """Replay (or, with enforce_eager, run eagerly on the same padded shapes) the target's forward of a verify
         step whose inputs are already in the buffers; returns hidden [T, H] (a view of the graph's static
-        output: read it before the next replay)."""
+        output: read it before the next replay). With ``eagle_forward`` ``head_input`` is then the step's head
+        input [T, H_head] (a view too)."""
         R, T = inp.num_reqs, len(inp.input_ids)
         bs = next(s for s in self.verify_sizes if s >= R)
         self.buffers.pad_verify(T, R, bs, bs * self.verify_width)
         self.num_verify_runs += 1
         if not self.use_graphs:
-            return self._forward_verify(bs)[:T]
-        self.num_verify_replays += 1
-        self.verify_graphs[bs].replay()
-        return self.verify_hidden[bs][:T]
+            hidden, head_input = self._forward_verify(bs)
+        else:
+            self.num_verify_replays += 1
+            self.verify_graphs[bs].replay()
+            hidden, head_input = self.verify_hidden[bs], self.verify_head_inputs.get(bs)
+        self.head_input = None if head_input is None else head_input[:T]
+        return hidden[:T]
 
     def run(self, inp) -> torch.Tensor:
         """Replay for a decode-only step whose inputs are already in the buffers; returns logits [R, V] (hidden
-        [R, H] when not ``with_logits``; a view of the graph's static output)."""
+        [R, H] when not ``with_logits``; a view of the graph's static output). With ``eagle_forward``
+        ``head_input`` is then the step's head input [R, H_head] (a view too)."""
         R = inp.num_reqs
         bs = self.padded_size(R)
         self.buffers.pad_decode(R, bs)
         self.num_runs += 1
         if not self.use_graphs:  # enforce_eager: the same padded shapes, run eagerly
-            return self._forward(bs)[:R]
-        self.num_replays += 1
-        self.graphs[bs].replay()
-        return self.logits[bs][:R]
+            out, head_input = self._forward(bs)
+        else:
+            self.num_replays += 1
+            self.graphs[bs].replay()
+            out, head_input = self.logits[bs], self.head_inputs.get(bs)
+        self.head_input = None if head_input is None else head_input[:R]
+        return out[:R]
 
 
 __all__ = ["CUDAGraphRunner", "capture_sizes"]

@@ -27,6 +27,7 @@ different head state at that one position (acceptance may drop; output never cha
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -37,6 +38,13 @@ from hayabusa.model.eagle import build_eagle_head
 from hayabusa.model.loader import iterate_weights
 from hayabusa.worker.kv_cache import allocate_kv_buffer, kv_cache_views
 from hayabusa.worker.spec_verify import draft_batch, to_device
+
+# The target's decode / verify CUDA graphs also output the head's input (worker/cuda_graph.py ``eagle_forward``), so
+# EAGLE's graph-shaped steps replay them instead of an eager target forward. Their padded path runs eagerly in the
+# CPU tests; the capture on a GPU has not run yet, so on CUDA it is opt-in until it has
+# (tests/spec_decode/test_eagle_graphs_cuda.py): HAYABUSA_EAGLE_GRAPHS=1 (read at import) or USE_EAGLE_GRAPHS = True
+# (read when the graphs are made). Off, every EAGLE step's target forward runs eagerly as before.
+USE_EAGLE_GRAPHS = os.environ.get("HAYABUSA_EAGLE_GRAPHS", "0").strip() in ("1", "true", "True")
 
 
 class EagleDrafter:
@@ -63,6 +71,8 @@ class EagleDrafter:
         self.first_token = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)     # [rows]
         self.kv_buffer: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_graph_target_steps = 0     # target forwards through the runner's graph runner (replayed or padded)
+        self.num_eager_target_forwards = 0  # target forwards run eagerly (``target_forward`` by the runner)
 
     def allocate(self, num_blocks: int) -> None:
         """Its KV cache: as many blocks as the target's (the same block ids), one layer."""

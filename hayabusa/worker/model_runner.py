@@ -769,12 +769,10 @@ class ModelRunner:
                         req_index, inp.spec.num_drafts[sel], inp.query_start_loc, inp.positions,
                         inp.slot_mapping, buf.input_ids, buf.block_table, self.backend)
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
-        if eagle:   # the head runs after sampling (it needs the emitted tokens): _eagle_mirror
-            hidden, head_input = self.draft.target_forward(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
-            inp.eagle = (meta, head_input)
-            return self._logits(inp, hidden)
         graphs = self.decode_runner if inp.prompt_logprobs is None else None
         verify = inp.spec is not None
+        if eagle:   # the head runs after sampling (it needs the emitted tokens): _eagle_mirror
+            return self._run_eagle_target(inp, meta, ctx, T, R, max_q, graphs, verify)
         if graphs is not None and verify and graphs.can_run_verify(R, max_q):
             # the target's verify forward replayed from a (bs, k + 1) graph; the graph's output is read after the
             # mirror (the draft's graphs have a pool of their own)
@@ -788,6 +786,30 @@ class ModelRunner:
             self.draft.mirror(meta, buf.input_ids[:T], buf.positions[:T], self.backend)
             return self._logits(inp, hidden)
         self._mirror(inp, meta, T, R, max_q, verify)
+        return self._logits(inp, hidden)
+
+    def _run_eagle_target(self, inp: StepInputs, meta, ctx: ForwardContext, T: int, R: int, max_q: int, graphs,
+                          verify: bool) -> torch.Tensor:
+        """EAGLE's target forward: from the target's decode or (bs, k + 1) verify graph when the step fits one and
+        the graphs output the head's input (``eagle_forward``: worker/cuda_graph.py), else eagerly
+        (``target_forward``). Either way the head's input [T, H_head] is kept in ``inp.eagle`` for the mirror
+        after sampling (a graph's: a view of its static output, read before the next replay: EAGLE steps are
+        synchronous). Returns the logits of the sampling rows [R_s, V]."""
+        buf, draft = self.buffers, self.draft
+        if graphs is not None and graphs.eagle_forward is not None:
+            if verify and graphs.can_run_verify(R, max_q):
+                hidden = graphs.run_verify(inp)
+                draft.num_graph_target_steps += 1
+                inp.eagle = (meta, graphs.head_input)
+                return self._logits(inp, hidden)
+            if not verify and max_q == 1 and graphs.can_run(R):
+                logits = self._graph_decode_logits(inp, R)
+                draft.num_graph_target_steps += 1
+                inp.eagle = (meta, graphs.head_input)
+                return logits
+        draft.num_eager_target_forwards += 1
+        hidden, head_input = draft.target_forward(self.model, buf.input_ids[:T], buf.positions[:T], ctx)
+        inp.eagle = (meta, head_input)
         return self._logits(inp, hidden)
 
     def _mirror(self, inp: StepInputs, meta, T: int, R: int, max_q: int, verify: bool) -> None:
