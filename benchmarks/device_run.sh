@@ -486,7 +486,8 @@ g_pending12() {  # what session 11 built and could not check on the GPU (its dev
     -p no:cacheprovider ${T12_TESTS:-tests/spec_decode/test_spec_short_query_cuda.py tests/spec_decode/test_spec_perf_cuda.py \
     tests/spec_decode/test_greedy_verify_cuda.py tests/kernels/test_greedy_verify.py tests/kernels/test_fp8_gemv_cuda.py \
     tests/quantization/test_fp8_kernel_path.py tests/spec_decode/test_spec_cuda.py \
-    tests/spec_decode/test_spec_disabled_path_cuda.py tests/spec_decode/test_vllm_metrics_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
+    tests/spec_decode/test_spec_disabled_path_cuda.py tests/spec_decode/test_vllm_metrics_cuda.py \
+    tests/spec_decode/test_eagle_graphs_cuda.py tests/spec_decode/test_spec_graphs_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
     | tee '$OUT/tests12.log' | grep -E 'PASS|FAIL|ERROR|passed|failed|Error|assert' | tail -80; exit \${PIPESTATUS[0]}"
   step verify_host 60 10 bash -c "python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20; \
     HAYABUSA_GREEDY_VERIFY_TRITON=1 python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20"
