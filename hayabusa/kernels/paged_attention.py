@@ -37,11 +37,11 @@ vs * sum_j p_j v8_j, so k_scale joins the softmax scale and v_scale multiplies t
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
 
+from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.fp8 import check_scale, dequantize_fp8_ref, is_fp8, unit_scale
 
@@ -62,7 +62,7 @@ SHORT_QUERY_WIDE_ROWS = 32
 SHORT_QUERY_WIDE_MAX_PROGRAMS = 4
 # HAYABUSA_SHORT_QUERY_SPLIT=0 in the environment (read at import) or SHORT_QUERY_SPLIT = False (read at call
 # time) gives short-query steps the prefill tile and no split-KV again, for A/B runs.
-SHORT_QUERY_SPLIT = os.environ.get("HAYABUSA_SHORT_QUERY_SPLIT", "1").strip() not in ("0", "false", "False", "")
+SHORT_QUERY_SPLIT = env_flag("HAYABUSA_SHORT_QUERY_SPLIT", True)
 
 
 @triton.jit

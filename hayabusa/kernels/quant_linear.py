@@ -41,12 +41,12 @@ F.linear multiplies. vLLM's AWQ method does the same from 256 tokens on.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.quant_ref import (  # noqa: F401  (re-exported: callers import the quantizers from here)
     dequantize_int4, dequantize_int4_to_ref, dequantize_int8, dequantize_int8_to_ref, int4_weight_only_linear_ref,
@@ -407,7 +407,7 @@ GEMM_M_BUCKETS = (16, 32, 64, 128, 256)
 # 2026-12-02, `bench_quant_linear.py --m 16,64,256`, 7b layers, us: int8 gate_up M=64 106.7 vs 82.3 (run K), int4
 # gate_up M=16 161.9 vs 147.2; faster only at int4 M=64, 164 vs 187.8). HAYABUSA_WO_GEMM_T=1 (read at import) or
 # USE_GEMM_T = True (read per call) turns it on, for the --sweep-gemm run that fills GEMM_T_TABLE.
-USE_GEMM_T = os.environ.get("HAYABUSA_WO_GEMM_T", "0") == "1"
+USE_GEMM_T = env_flag("HAYABUSA_WO_GEMM_T", False)
 GEMM_SHAPE_CLASSES = ("square", "wide", "deep")
 _GEMM_T_GUESS = {16: (16, 128, 128, 0, 4, 4), 32: (32, 128, 128, 0, 4, 4), 64: (64, 128, 64, 0, 4, 4),
                  128: (128, 128, 64, 0, 8, 3), 256: (128, 128, 64, 0, 8, 3)}

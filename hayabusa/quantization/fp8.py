@@ -32,13 +32,13 @@ Checkpoints (their config.json ``quantization_config``):
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hayabusa.envs import env_flag
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.kernels import fp8_gemv
 from hayabusa.kernels.fp8_gemv import fp8_small_m_linear
@@ -59,7 +59,7 @@ FP8_MIN_CAPABILITY = (8, 9)
 # the activation quantization fused into a split-K Triton GEMV / 16-row GEMM that streams the e4m3 weights at
 # bandwidth, where _scaled_mm at M = 1-16 does not (issue #25). HAYABUSA_FP8_SMALL_M=0 in the environment (read
 # at import) or USE_FP8_SMALL_M = False (read at call time) turns it off, for A/B runs.
-USE_FP8_SMALL_M = os.environ.get("HAYABUSA_FP8_SMALL_M", "1").strip() not in ("0", "false", "False", "")
+USE_FP8_SMALL_M = env_flag("HAYABUSA_FP8_SMALL_M", True)
 # The engine sends only M <= FP8_SMALL_M_ENGINE_MAX rows there (the kernels take up to FP8_SMALL_M_MAX = 16). From
 # the H200 sweep of session 11 (bench_quant_linear.py --fp8 --sweep, best launch per case, µs, Qwen2.5-7B layers,
 # benchmarks/results/2026-12-02_h200_fp8bw.fp8_sweep.json; fused / quantize + _scaled_mm): M = 1 qkv 9.6 / 15.0,

@@ -22,7 +22,6 @@ partial acceptance the rejected proposals' slots hold KV that the next step's po
 from __future__ import annotations
 
 import dataclasses
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 
 from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
 from hayabusa.config import EngineConfig
+from hayabusa.envs import env_flag
 from hayabusa.model.loader import build_model
 from hayabusa.worker.kv_cache import allocate_kv_buffer, kv_cache_views
 from hayabusa.worker.spec_verify import draft_batch, to_device
@@ -38,7 +38,7 @@ from hayabusa.worker.spec_verify import draft_batch, to_device
 # padded path runs eagerly in the CPU tests; the capture on a GPU has not run yet, so on CUDA it is opt-in until it
 # has (tests/spec_decode/test_spec_perf_cuda.py): HAYABUSA_DRAFT_MIRROR_GRAPHS=1 (read at import) or
 # USE_MIRROR_GRAPHS = True (read when the graphs are made). Off, every mirror runs eagerly as before.
-USE_MIRROR_GRAPHS = os.environ.get("HAYABUSA_DRAFT_MIRROR_GRAPHS", "0").strip() in ("1", "true", "True")
+USE_MIRROR_GRAPHS = env_flag("HAYABUSA_DRAFT_MIRROR_GRAPHS", False)
 
 
 class DraftModel:

@@ -27,13 +27,13 @@ different head state at that one position (acceptance may drop; output never cha
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import torch
 
 from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
 from hayabusa.config import EngineConfig
+from hayabusa.envs import env_flag
 from hayabusa.model.eagle import build_eagle_head
 from hayabusa.model.loader import iterate_weights
 from hayabusa.worker.kv_cache import allocate_kv_buffer, kv_cache_views
@@ -44,7 +44,7 @@ from hayabusa.worker.spec_verify import draft_batch, to_device
 # CPU tests; the capture on a GPU has not run yet, so on CUDA it is opt-in until it has
 # (tests/spec_decode/test_eagle_graphs_cuda.py): HAYABUSA_EAGLE_GRAPHS=1 (read at import) or USE_EAGLE_GRAPHS = True
 # (read when the graphs are made). Off, every EAGLE step's target forward runs eagerly as before.
-USE_EAGLE_GRAPHS = os.environ.get("HAYABUSA_EAGLE_GRAPHS", "0").strip() in ("1", "true", "True")
+USE_EAGLE_GRAPHS = env_flag("HAYABUSA_EAGLE_GRAPHS", False)
 
 
 class EagleDrafter:

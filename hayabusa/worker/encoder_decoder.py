@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 
 import numpy as np
@@ -39,12 +38,13 @@ import torch
 from hayabusa.attention.metadata import AttentionMetadata, ForwardContext
 from hayabusa.core.kv_cache_manager import cdiv
 from hayabusa.core.scheduler_output import SchedulerOutput
+from hayabusa.envs import env_flag
 from hayabusa.errors import HayabusaValidationError
 
 # Padded encoder runs under CUDA graphs on CUDA. Their capture has not run on a GPU yet, so they are opt-in until
 # tests/models/test_t5_encoder_graphs_cuda.py has passed there: HAYABUSA_T5_ENCODER_GRAPHS=1 (read at import) or
 # USE_ENCODER_GRAPHS = True (read when the runner is built). Off, CUDA runs the packed varlen path as before.
-USE_ENCODER_GRAPHS = os.environ.get("HAYABUSA_T5_ENCODER_GRAPHS", "0").strip() in ("1", "true", "True")
+USE_ENCODER_GRAPHS = env_flag("HAYABUSA_T5_ENCODER_GRAPHS", False)
 
 logger = logging.getLogger(__name__)
 

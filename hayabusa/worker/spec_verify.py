@@ -10,25 +10,24 @@ at all 1 + k positions: position j < k predicts proposal j (verified), position 
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from hayabusa.attention.metadata import AttentionMetadata
+from hayabusa.envs import env_flag
 from hayabusa.kernels.greedy_verify import greedy_verify, greedy_verify_ref
+from hayabusa.sample.rejection_sampler import rejection_sample
+from hayabusa.sample.sampler import Sampler
+from hayabusa.sampling_params import SAMPLING_EPS
+from hayabusa.worker.input_batch import InputBatch
 
 # The greedy path's last step on CUDA: the Triton kernel (one launch) or its plain-torch form (6 small ops, the CPU
 # path). The kernel has run only under Triton's interpreter so far, so the torch form is the default until a GPU
 # run of tests/spec_decode/test_greedy_verify_cuda.py and benchmarks/verify_host.py; HAYABUSA_GREEDY_VERIFY_TRITON=1
 # (read at import) or USE_GREEDY_VERIFY_TRITON = True (read at call time) selects the kernel.
-USE_GREEDY_VERIFY_TRITON = os.environ.get("HAYABUSA_GREEDY_VERIFY_TRITON", "0").strip() in ("1", "true", "True")
-from hayabusa.sample.rejection_sampler import rejection_sample
-from hayabusa.sample.sampler import Sampler
-from hayabusa.sampling_params import SAMPLING_EPS
-from hayabusa.worker.input_batch import InputBatch
+USE_GREEDY_VERIFY_TRITON = env_flag("HAYABUSA_GREEDY_VERIFY_TRITON", False)
 
 
 @dataclass

@@ -1,0 +1,32 @@
+"""hayabusa's switches read from the environment (as vLLM's ``vllm/envs.py``): one parser for every on/off flag."""
+
+from __future__ import annotations
+
+import os
+
+from hayabusa.errors import HayabusaValidationError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The on/off switch ``name`` (e.g. ``HAYABUSA_EAGLE_GRAPHS``): ``default`` when unset; 1 / true / yes / on
+    and 0 / false / no / off (any case, spaces ignored; empty = off) otherwise.
+
+    Raises:
+        HayabusaValidationError: any other value, naming the variable and the values it takes.
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise HayabusaValidationError(f"environment variable {name}={raw!r}: use 1 (on) or 0 (off).", parameter=name,
+                                  value=raw)
+
+
+__all__ = ["env_flag"]

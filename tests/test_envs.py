@@ -1,0 +1,22 @@
+"""hayabusa/envs.py: the one parser of on/off environment switches."""
+
+import pytest
+
+from hayabusa.envs import env_flag
+from hayabusa.errors import HayabusaValidationError
+
+
+@pytest.mark.parametrize("raw,want", [("1", True), ("true", True), (" On ", True), ("YES", True),
+                                      ("0", False), ("false", False), ("off", False), ("", False), ("No", False)])
+def test_env_flag_values(monkeypatch, raw, want):
+    monkeypatch.setenv("HAYABUSA_TEST_FLAG", raw)
+    assert env_flag("HAYABUSA_TEST_FLAG", not want) is want
+
+
+def test_env_flag_default_and_bad_value(monkeypatch):
+    monkeypatch.delenv("HAYABUSA_TEST_FLAG", raising=False)
+    assert env_flag("HAYABUSA_TEST_FLAG", True) is True and env_flag("HAYABUSA_TEST_FLAG", False) is False
+    monkeypatch.setenv("HAYABUSA_TEST_FLAG", "2")
+    with pytest.raises(HayabusaValidationError, match="HAYABUSA_TEST_FLAG='2'") as e:
+        env_flag("HAYABUSA_TEST_FLAG", False)
+    assert e.value.parameter == "HAYABUSA_TEST_FLAG" and e.value.value == "2"
