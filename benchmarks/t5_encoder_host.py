@@ -37,24 +37,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 def run(llm, prompts, params, padded: bool, count_ops: bool) -> dict:
     """One generate on one path; each admission step's run_encoders timed (or its aten ops counted)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class CountOps(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-            self.forward = 0      # of n, inside the device forward
-            self.in_forward = False
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            self.forward += self.in_forward
-            return func(*args, **(kwargs or {}))
+    from hayabusa.bench.common import AtenOpCounter   # marked: the ops inside the device forward
 
     encdec = llm.llm_engine.runner.encdec
     encdec.padded_encoder = padded
     times, ops, fwd_ops = [], [], []
-    mode: list[CountOps | None] = [None]
+    mode: list[AtenOpCounter | None] = [None]
     original = encdec.run_encoders
 
     def forward_part(obj, name):
@@ -64,11 +53,11 @@ def run(llm, prompts, params, padded: bool, count_ops: bool) -> dict:
             m = mode[0]
             if m is None:
                 return fn(*a, **kw)
-            m.in_forward = True
+            m.marking = True
             try:
                 return fn(*a, **kw)
             finally:
-                m.in_forward = False
+                m.marking = False
         setattr(obj, name, marked)
         return name
 
@@ -80,14 +69,14 @@ def run(llm, prompts, params, padded: bool, count_ops: bool) -> dict:
         if not out.scheduled_encoder_prompt_req_ids:
             return original(out, *a, **kw)
         if count_ops:
-            with CountOps() as m:
+            with AtenOpCounter() as m:
                 mode[0] = m
                 try:
                     r = original(out, *a, **kw)
                 finally:
                     mode[0] = None
             ops.append(m.n)
-            fwd_ops.append(m.forward)
+            fwd_ops.append(m.marked)
             return r
         t0 = time.perf_counter()
         r = original(out, *a, **kw)

@@ -42,19 +42,10 @@ def prompts_for(batch: int, repeat: int, vocab: int, seed: int) -> list[list[int
 def run(llm, prompts, params, fast: bool, count_ops: bool) -> dict:
     """One generate with the greedy path on or off; the verify calls timed (and their ops counted)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     import hayabusa.worker.model_runner as model_runner
     import hayabusa.worker.spec_verify as spec_verify
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
+    from hayabusa.bench.common import AtenOpCounter
 
     runner = llm.llm_engine.runner
     runner.greedy_verify_fast_path = fast
@@ -64,7 +55,7 @@ def run(llm, prompts, params, fast: bool, count_ops: bool) -> dict:
 
     def timed(*args, **kwargs):
         if count_ops:
-            with CountOps() as mode:
+            with AtenOpCounter() as mode:
                 out = original(*args, **kwargs)
             ops.append(mode.n)
             return out

@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hayabusa.config import DTYPES
 
@@ -75,6 +76,27 @@ class GCTimer:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+class AtenOpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active (``with AtenOpCounter() as c: ...``): ``ops`` their names in
+    order, ``n`` how many; ``marked`` how many of them ran while ``marking`` was True (a caller sets it around a
+    part of the work, e.g. the device forward inside a step). What a CUDA graph replay saves in launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.marked = 0
+        self.marking = False
+
+    @property
+    def n(self) -> int:
+        return len(self.ops)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        self.marked += self.marking
+        return func(*args, **(kwargs or {}))
 
 
 def load_hf_model(model_dir: str, dtype: str | None, device: torch.device) -> Any:

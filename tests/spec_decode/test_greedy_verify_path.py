@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hayabusa.worker.model_runner as model_runner
 import hayabusa.worker.spec_verify as spec_verify
 from hayabusa import LLM, SamplingParams
+from hayabusa.bench.common import AtenOpCounter
 from tests.spec_decode.test_spec_engine import (  # noqa: F401  (reference: a fixture)
     MAX_TOKENS, NGRAM, PROMPTS, RepeatProposer, _ids, _oracle_llm, reference)
 
@@ -19,18 +19,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # aten ops per verify call of an all-greedy n-gram step: argmax, the plan's gather, compare, cumsum, compare,
 # masked fill, plus views (the kernel on CUDA: argmax, the plan's copy, the output's allocation)
 GREEDY_MAX_OPS = 10
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _run(llm: LLM, prompts, params, fast: bool) -> list[list[int]]:
@@ -108,7 +96,7 @@ def _count_verify_ops(llm: LLM, fast: bool, monkeypatch) -> list[int]:
     original = spec_verify.verify   # the unwrapped function
 
     def counted(*args, **kwargs):
-        with CountOps() as mode:
+        with AtenOpCounter() as mode:
             result = original(*args, **kwargs)
         counts.append(len(mode.ops))
         return result
