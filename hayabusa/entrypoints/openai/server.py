@@ -409,7 +409,10 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     gc.freeze()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=5)
-    Server(config, shutdown_timeout).run()
+    try:
+        Server(config, shutdown_timeout).run()
+    except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it already shut down on: no traceback for Ctrl-C
+        pass
 
 
 class ServerThread:
