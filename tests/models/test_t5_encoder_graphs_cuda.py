@@ -15,6 +15,7 @@ import torch
 
 from hayabusa import LLM, SamplingParams
 from tests.models._t5 import save_tiny_t5
+from tests.models.test_t5_cuda import _assert_close   # STYLE.md's parity rule
 
 pytestmark = pytest.mark.cuda
 
@@ -60,21 +61,6 @@ def _run(model_dir: str, dtype: str = "float32", padded: bool = True, **kw):
     gc.collect()
     torch.cuda.empty_cache()
     return ids, stats
-
-
-def _assert_close(ours, ref, min_equal: float) -> int:
-    """STYLE.md's parity rule between shapes (cuBLAS / SDPA round differently at other M, L): where two sequences
-    first differ, each side's token is in the other's top-5; at least ``min_equal`` of them identical. Returns
-    the number identical."""
-    equal = 0
-    for (a, a_top), (b, b_top) in zip(ours, ref):
-        if a == b:
-            equal += 1
-            continue
-        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        assert a[i] in b_top[i] and b[i] in a_top[i], (i, a, b)
-    assert equal >= min_equal * len(ref), f"only {equal} of {len(ref)} sequences identical"
-    return equal
 
 
 def test_encoder_graphs_equal_eager_and_packed_fp32(t5_dir):
