@@ -640,12 +640,11 @@ class ModelRunner:
         self.copy_inputs(inp)
         if self.draft is not None:
             return self._run_with_draft(inp, T, R, max_q)
-        if self.decode_runner is not None and inp.spec is not None and inp.mm is None and self.encdec is None \
-                and inp.prompt_logprobs is None and self.decode_runner.can_run_verify(R, max_q):
+        shape = self.graph_shape(inp, R, max_q) if inp.mm is None else None
+        if shape == "verify" and self.encdec is None:
             # a verify step (n-gram proposals): padded to a captured (batch, k + 1) size and replayed
             return self._logits(inp, self.decode_runner.run_verify(inp))
-        if self.decode_runner is not None and max_q == 1 and self.decode_runner.can_run(R) and inp.mm is None \
-                and inp.prompt_logprobs is None:
+        if shape == "decode":
             # Decode-only: padded to a capture size, replayed from a CUDA graph (or run eagerly on the same padded
             # shapes with enforce_eager, so both give the same numbers).
             return self._graph_decode_logits(inp, R)
@@ -748,6 +747,17 @@ class ModelRunner:
             logits = logits[torch.from_numpy(inp.logits_rows).to(self.device)]
         return logits
 
+    def graph_shape(self, inp: StepInputs, R: int, max_q: int) -> str | None:
+        """Which of the target's captured shapes a step of R requests (longest query max_q) fits: "verify" (it has
+        proposals and fits a (bs, k + 1) size), "decode" (one token each, fits a batch size), or None (runs
+        eagerly: no graph runner, prompt logprobs asked, or too large). Host ints only."""
+        g = self.decode_runner
+        if g is None or inp.prompt_logprobs is not None:
+            return None
+        if inp.spec is not None:
+            return "verify" if g.can_run_verify(R, max_q) else None
+        return "decode" if max_q == 1 and g.can_run(R) else None
+
     def _run_with_draft(self, inp: StepInputs, T: int, R: int, max_q: int) -> torch.Tensor:
         """A step with a draft model: its proposals into the input ids first (verify steps), then the target, then
         the same step on the draft, which keeps its KV cache in step with the target's. A step the target replays
@@ -769,15 +779,14 @@ class ModelRunner:
                         req_index, inp.spec.num_drafts[sel], inp.query_start_loc, inp.positions,
                         inp.slot_mapping, buf.input_ids, buf.block_table, self.backend)
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
-        graphs = self.decode_runner if inp.prompt_logprobs is None else None
-        verify = inp.spec is not None
+        shape, verify = self.graph_shape(inp, R, max_q), inp.spec is not None
         if eagle:   # the head runs after sampling (it needs the emitted tokens): _eagle_mirror
-            return self._run_eagle_target(inp, meta, ctx, T, R, max_q, graphs, verify)
-        if graphs is not None and verify and graphs.can_run_verify(R, max_q):
+            return self._run_eagle_target(inp, meta, ctx, T, shape)
+        if shape == "verify":
             # the target's verify forward replayed from a (bs, k + 1) graph; the graph's output is read after the
             # mirror (the draft's graphs have a pool of their own)
-            hidden = graphs.run_verify(inp)
-        elif graphs is not None and not verify and max_q == 1 and graphs.can_run(R):
+            hidden = self.decode_runner.run_verify(inp)
+        elif shape == "decode":
             logits = self._graph_decode_logits(inp, R)
             self._mirror(inp, meta, T, R, max_q, verify)
             return logits
@@ -788,22 +797,22 @@ class ModelRunner:
         self._mirror(inp, meta, T, R, max_q, verify)
         return self._logits(inp, hidden)
 
-    def _run_eagle_target(self, inp: StepInputs, meta, ctx: ForwardContext, T: int, R: int, max_q: int, graphs,
-                          verify: bool) -> torch.Tensor:
+    def _run_eagle_target(self, inp: StepInputs, meta, ctx: ForwardContext, T: int, shape: str | None
+                          ) -> torch.Tensor:
         """EAGLE's target forward: from the target's decode or (bs, k + 1) verify graph when the step fits one and
         the graphs output the head's input (``eagle_forward``: worker/cuda_graph.py), else eagerly
         (``target_forward``). Either way the head's input [T, H_head] is kept in ``inp.eagle`` for the mirror
         after sampling (a graph's: a view of its static output, read before the next replay: EAGLE steps are
         synchronous). Returns the logits of the sampling rows [R_s, V]."""
-        buf, draft = self.buffers, self.draft
-        if graphs is not None and graphs.eagle_forward is not None:
-            if verify and graphs.can_run_verify(R, max_q):
+        buf, draft, graphs = self.buffers, self.draft, self.decode_runner
+        if shape is not None and graphs.eagle_forward is not None:
+            if shape == "verify":
                 hidden = graphs.run_verify(inp)
                 draft.num_graph_target_steps += 1
                 inp.eagle = (meta, graphs.head_input)
                 return self._logits(inp, hidden)
-            if not verify and max_q == 1 and graphs.can_run(R):
-                logits = self._graph_decode_logits(inp, R)
+            if shape == "decode":
+                logits = self._graph_decode_logits(inp, inp.num_reqs)
                 draft.num_graph_target_steps += 1
                 inp.eagle = (meta, graphs.head_input)
                 return logits

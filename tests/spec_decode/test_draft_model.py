@@ -119,9 +119,7 @@ def record_draft_steps(llm: LLM) -> list[tuple[bool, int]]:
     run = runner._run_with_draft
 
     def spy(inp, T, R, max_q):
-        g = runner.decode_runner
-        graph_shape = g is not None and inp.prompt_logprobs is None and (
-            g.can_run_verify(R, max_q) if inp.spec is not None else max_q == 1 and g.can_run(R))
+        graph_shape = runner.graph_shape(inp, R, max_q) is not None
         before = runner.draft.num_eager_forwards
         out = run(inp, T, R, max_q)
         steps.append((graph_shape, runner.draft.num_eager_forwards - before))
