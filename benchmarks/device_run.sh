@@ -477,9 +477,9 @@ g_final11() {  # session 11's verification call: the new code's CUDA tests (T11_
   bench_step q7_W3_fp8 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
 }
 
-g_pending12() {  # what session 11 built and could not check on the GPU (its device time ran out): the CUDA tests
-                 # (with .snap's assets), the greedy verify path's host time, W11 at 1 / 4 / 16, W1 with n-gram
-  local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+g_pending12() { g_tests12; g_spec12; }   # what session 11 built and could not check on the GPU
+g_pending12b() { g_q7_12; g_w10; g_t5enc12; }
+g_tests12() {  # session 11's CUDA tests (needs .snap's assets for the engine-level ones)
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout 90)
   step tests12 "${T12_TESTS_S:-240}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=10 \
@@ -489,6 +489,10 @@ g_pending12() {  # what session 11 built and could not check on the GPU (its dev
     tests/spec_decode/test_spec_disabled_path_cuda.py tests/spec_decode/test_vllm_metrics_cuda.py \
     tests/spec_decode/test_eagle_graphs_cuda.py tests/spec_decode/test_spec_graphs_cuda.py} ${PT_TIMEOUT[*]} 2>&1 \
     | tee '$OUT/tests12.log' | grep -E 'PASS|FAIL|ERROR|passed|failed|Error|assert' | tail -80; exit \${PIPESTATUS[0]}"
+}
+g_spec12() {  # issue #21: the greedy verify path's host time, W11 at 1 / 4 / 16 (ensure_smol), W1 with n-gram
+  local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  ensure_q05
   step verify_host 60 10 bash -c "python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20; \
     HAYABUSA_GREEDY_VERIFY_TRITON=1 python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20"
   if ensure_smol; then
@@ -498,23 +502,23 @@ g_pending12() {  # what session 11 built and could not check on the GPU (its dev
     bench_step smol_W11_selfdraft 90 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
       --speculative-config "{\"model\": \"$smol\", \"num_speculative_tokens\": 4}"
   fi
-  for i in 1 2; do   # interleaved: W1 comparisons hold only within one call, and vary within one
+  for i in ${W1_REPS:-1 2}; do   # interleaved: W1 comparisons hold only within one call, and vary within one
     bench_step "q05_W1_specoff_$i" 60 20 --workload W1 --model "$Q05"
     bench_step "q05_W1_ngram_$i" 60 20 --workload W1 --model "$Q05" --speculative-config "$ng"
   done
 }
-g_pending12b() {  # the other half: W3 on the 7b shape in fp8 (the rewritten GEMV) and as its own draft, W10, W9's wall
+g_q7_12() {  # W3 on the 7b shape in fp8 (the rewritten GEMV) and as its own draft
   ensure_q7
   bench_step q7_W3_fp8 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
   bench_step q7_W3_selfdraft 90 30 --workload W3 --model "$Q7" --scale 0.5 \
     --speculative-config "{\"model\": \"$Q7\", \"num_speculative_tokens\": 4}"
-  ensure_q05
-  bench_step q05_W10 "${W10_MAX_S:-150}" 40 --workload W10 --model "$Q05"
+}
+g_t5enc12() {  # the T5 encoder graphs' CUDA tests, then W9's wall with them off and on
   ensure_shape t5-small-shape
   step t5enc_tests "${T5ENC_TESTS_S:-240}" 20 bash -c "python -m pytest -v -rfE -s -p no:cacheprovider \
     tests/models/test_t5_encoder_graphs_cuda.py tests/models/test_t5_host_cuda.py 2>&1 | tee '$OUT/t5enc_tests.log' \
     | grep -E 'PASS|FAIL|ERROR|passed|failed|Error|assert|MiB|graphs' | tail -40; exit \${PIPESTATUS[0]}"
-  for g in 0 1; do   # the T5 encoder graphs off (the default until checked) and on
+  for g in 0 1; do
     step "w9_wall_t5s_enc$g" "${W9WALL_S:-120}" 10 env HAYABUSA_T5_ENCODER_GRAPHS=$g python benchmarks/w9_wall.py \
       --device cuda --model "$MODELS/t5-small-shape" --repeats 3 --json "$OUT/w9_wall_t5s_enc$g.json"
   done
