@@ -197,7 +197,7 @@ g_profile256() {
 
 g_final7() { g_final_tests; g_w8; g_bi_offload; }
 g_bg_make() {  # make the 7b and architecture checkpoints in the background (low priority, 4 threads)
-  ( export OMP_NUM_THREADS=4; for d in "$LARGE" qwen3-0.6b-shape rinna-gpt-1b-shape gemma-2-2b-shape mistral-7b-shape; do
+  ( export OMP_NUM_THREADS=4; for d in ${BG_SHAPES:-"$LARGE" qwen3-0.6b-shape rinna-gpt-1b-shape gemma-2-2b-shape mistral-7b-shape}; do
       [ -s "$MODELS/$d/bench_shape.json" ] || nice -n 19 python -m hayabusa.bench.cli --make-model "$d" "$MODELS/$d"
     done > "$OUT/bg_make.log" 2>&1 ) &
   BG_MAKE=$!
@@ -508,7 +508,7 @@ g_spec12() {  # issue #21: the greedy verify path's host time, W11 at 1 / 4 / 16
   done
 }
 g_q7_12() {  # W3 on the 7b shape in fp8 (the rewritten GEMV) and as its own draft
-  ensure_q7
+  wait_bg_make; ensure_q7
   bench_step q7_W3_fp8 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
   bench_step q7_W3_selfdraft 90 30 --workload W3 --model "$Q7" --scale 0.5 \
     --speculative-config "{\"model\": \"$Q7\", \"num_speculative_tokens\": 4}"
