@@ -524,6 +524,31 @@ g_t5enc12() {  # the T5 encoder graphs' CUDA tests, then W9's wall with them off
   done
 }
 
+g_check12() {  # session 12's second call: the session-11 CUDA tests that call 3 did not reach (pytest-timeout per test,
+               # faulthandler dumps on a hang), the T5 encoder-graph tests, then self-draft W3 (0.5b) with the draft's
+               # mirror graphs off / on, W9's wall with the encoder graphs off / on
+  ensure_q05
+  local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout "${T12_TIMEOUT:-60}")
+  step tests12b "${T12_TESTS_S:-200}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --durations=10 \
+    -p no:cacheprovider tests/kernels/test_fp8_gemv_cuda.py -k 'graph_replay or layer_switch' \
+    tests/quantization/test_fp8_kernel_path.py tests/spec_decode/test_spec_cuda.py \
+    tests/spec_decode/test_spec_disabled_path_cuda.py tests/spec_decode/test_vllm_metrics_cuda.py \
+    tests/spec_decode/test_eagle_graphs_cuda.py tests/spec_decode/test_spec_graphs_cuda.py \
+    tests/models/test_t5_encoder_graphs_cuda.py tests/models/test_t5_host_cuda.py ${pt[*]} 2>&1 \
+    | tee '$OUT/tests12b.log' | grep -E 'PASS|FAIL|ERROR|passed|failed|Error|assert|Timeout' | tail -80; exit \${PIPESTATUS[0]}"
+  for g in 0 1; do
+    export HAYABUSA_DRAFT_MIRROR_GRAPHS=$g
+    bench_step "q05_W3_selfdraft_mirror$g" 60 20 --workload W3 --model "$Q05" --scale 0.5 \
+      --speculative-config "{\"model\": \"$Q05\", \"num_speculative_tokens\": 4}"
+  done
+  unset HAYABUSA_DRAFT_MIRROR_GRAPHS
+  ensure_shape t5-small-shape
+  for g in 0 1; do
+    step "w9_wall_t5s_enc$g" "${W9WALL_S:-60}" 10 env HAYABUSA_T5_ENCODER_GRAPHS=$g python benchmarks/w9_wall.py \
+      --device cuda --model "$MODELS/t5-small-shape" --repeats 3 --json "$OUT/w9_wall_t5s_enc$g.json"
+  done
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
