@@ -22,7 +22,7 @@ KW = dict(device="cuda", dtype="float32", kv_cache_memory_bytes=256 << 20)
 def test_draft_graphs_equal_eager_and_off(tiny_llama, max_num_seqs, monkeypatch):
     from hayabusa.worker import draft_model
 
-    monkeypatch.setattr(draft_model, "USE_MIRROR_GRAPHS", True)   # opt-in on CUDA until this test has passed there
+    monkeypatch.setattr(draft_model, "USE_MIRROR_GRAPHS", True)   # the default; set so HAYABUSA_DRAFT_MIRROR_GRAPHS=0 cannot skip it
     base = _ids(LLM(tiny_llama, max_num_seqs=max_num_seqs, **KW).generate(PROMPTS, PARAMS, use_tqdm=False))
     spec = {"model": tiny_llama, "num_speculative_tokens": 4}
     ids = {}
