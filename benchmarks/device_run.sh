@@ -423,6 +423,30 @@ g_w10wt() {  # issue #20, session 10: write-through ahead of eviction (only swap
   bench_step q7_W10 "${W10_Q7_MAX_S:-420}" 60 --workload W10 --model "$Q7"
 }
 
+g_issue20() {  # issue #20's three device claims, ~400 s with the 7b checkpoint made (ensure_q7: +150 s when not):
+              # 1. swap vs recompute preemption on 8k-token contexts (W1P, 0.5b shape; ISSUE20_W1P_7B=1 adds 7b)
+              # 2. the seed's experiment on the 7b shape: gpu_memory_utilization=0.1 (14 GiB: the 14.2 GiB of
+              #    weights do not fit) + cpu_offload_gb=7 (17 of 28 layers), W1 and W3 next to no offload
+              # 3. W10, the CPU tier on vs off (write-through), on the 0.5b and the 7b shape
+  ensure_q05
+  bench_step q05_W1P "${W1P_MAX_S:-120}" 40 --workload W1P --model "$Q05"
+  ensure_q7
+  step i20_plan 30 5 python -m hayabusa.entrypoints.cli plan --model "$Q7" --gpu H200 \
+    --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}" --cpu-offload-gb "${OFFLOAD_GB:-7}"
+  # W1 at scale 0.5 (128 x (256 prompt, 128 output): one wave in the offload run's ~5 GiB of KV)
+  bench_step q7_W1_nooffload 60 30 --workload W1 --model "$Q7" --scale "${ISSUE20_W1_SCALE:-0.5}"
+  bench_step q7_W1_offload "${W1_OFFLOAD_MAX_S:-120}" 40 --workload W1 --model "$Q7" --scale "${ISSUE20_W1_SCALE:-0.5}" \
+    --cpu-offload-gb "${OFFLOAD_GB:-7}" --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
+  bench_step q05_W10 60 30 --workload W10 --model "$Q05"
+  bench_step q7_W10 "${W10_Q7_MAX_S:-90}" 40 --workload W10 --model "$Q7"
+  # W3 at scale 0.25 (128 prompt, 128 output): with offload each token streams 7 GiB over PCIe (~130 ms)
+  bench_step q7_W3_nooffload 40 20 --workload W3 --model "$Q7" --scale 0.25
+  bench_step q7_W3_offload 60 30 --workload W3 --model "$Q7" --scale 0.25 \
+    --cpu-offload-gb "${OFFLOAD_GB:-7}" --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
+  if [ "${ISSUE20_W1P_7B:-0}" = 1 ]; then bench_step q7_W1P 240 60 --workload W1P --model "$Q7"; fi
+  step i20_summary 20 2 python benchmarks/issue20_summary.py "$WORK"
+}
+
 g_prof11() {  # session 11: where the time goes, per issue: W11's n-gram / self-draft / off steps at batch 1 (kernels
               # and the host's Python functions), the 0.5b decode step with batch_invariant on / off, the 7b decode
               # step in bf16 and fp8, then the FP8 small-M kernel's launch sweep

@@ -23,7 +23,7 @@ W8_HF_REQUESTS = 5
 W9_HF_BATCH_SIZES = [1, 16, 64, 256]     # HF baseline batch 1 and the batches its best is taken from
 W9_HF_BATCH1_REQUESTS = 100              # HF batch 1 times the first 100 requests (all 2,000 take ~an hour)
 W11_MAX_NUM_SEQS = [1, 4, 16]
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10", "W11", "startup")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10", "W11", "W1P", "startup")
 DESCRIPTIONS = {
     "W1": "offline batch throughput: 256 x (512 prompt, 256 output)",
     "W2": "offline mixed lengths: 256 x (U[100,1024] prompt, U[100,1024] output)",
@@ -41,6 +41,9 @@ DESCRIPTIONS = {
            "them between cycles), CPU KV tier on (swap_space=4) vs off",
     "W11": "copy-heavy extraction (speculative decoding; a TRAINED model): 64 x (a ~40-line order list + a "
            "question whose answer copies lines of it, 128 output) at max_num_seqs 1,4,16; TPOT and acceptance",
+    "W1P": "a W1-like batch that must preempt on 8k-token contexts: 32 x (7168 prompt, 1024 output), "
+           "max_model_len=8192, num_gpu_blocks_override=4096 (8 full contexts) whatever the GPU; preemption by "
+           "swapping the KV to the CPU tier (swap_space=4) vs by recompute; time to finish",
     "startup": "engine construction (load, profile, CUDA graphs) and the first request",
 }
 
@@ -271,8 +274,27 @@ def w10(scale: float = 1.0) -> Workload:
                                      "max_model_len": _n(2048, scale)})
 
 
+W1P_REQUESTS = 32           # not scaled: 4 waves of ~8 running requests at every scale (blocks scale with lengths)
+W1P_RESIDENT_CONTEXTS = 8   # full contexts the GPU cache holds (num_gpu_blocks_override)
+
+
+def w1p(scale: float = 1.0) -> Workload:
+    """W1's batch with 8k-token contexts on a GPU cache of 8 full contexts: 32 requests of 7,168 prompt + 1,024
+    output token ids (``default_rng(0)``); about 9 prompts fit when admitted, their decodes outgrow the cache, so
+    the latest admitted is preempted over and over. Two runs: ``preemption_mode="swap"`` (its KV copied to the CPU
+    tier and back) and ``"recompute"`` (its prefill re-run); both with ``swap_space=4``, so only the mode differs.
+    ``scale`` shrinks the lengths and the cache alike (16-token blocks), never the request count."""
+    rng = np.random.default_rng(0)
+    prompt, out, ctx = _n(7168, scale), _n(1024, scale), _n(8192, scale)
+    reqs = _fixed(rng, W1P_REQUESTS, prompt, out)
+    blocks = max(-(-W1P_RESIDENT_CONTEXTS * ctx // 16), 8)
+    return Workload("W1P", reqs, scale, variants=[{"preemption_mode": "swap"}, {"preemption_mode": "recompute"}],
+                    engine_defaults={"num_gpu_blocks_override": blocks, "max_model_len": -(-ctx // 16) * 16,
+                                     "swap_space": 4})
+
+
 BUILDERS = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5, "W6": w6, "W7": w7, "W8": w8, "W9": w9,
-            "W10": w10, "W11": w11, "startup": startup}
+            "W10": w10, "W11": w11, "W1P": w1p, "startup": startup}
 
 
 def get_workload(name: str, scale: float = 1.0) -> Workload:

@@ -108,3 +108,24 @@ def test_speculative_verify_steps_with_offload(tiny_qwen2, example_prompts, monk
     assert ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == ids(base)
     m = llm.get_metrics()
     assert 0 < m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_offload_with_forced_preemption_keeps_greedy_output_and_leaks_no_block(tiny_qwen2, example_prompts,
+                                                                                monkeypatch, mode):
+    """The two halves of issue #20 together (the seed's users at the edge of GPU memory): weights streamed
+    through the ring while a 20-block KV cache preempts, by swapping to the CPU tier or by recompute; the ids
+    equal the run without offload or preemption, and every GPU and CPU block comes back."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = ids(LLM(tiny_qwen2, **SMALL).generate(example_prompts, params, use_tqdm=False))
+    monkeypatch.setenv(FAKE_ENV, "1")
+    llm = LLM(tiny_qwen2, cpu_offload_gb=ALL, block_size=4, num_gpu_blocks_override=20, max_model_len=64,
+              swap_space=0.01, preemption_mode=mode)
+    assert llm.llm_engine.runner.offloader.layer_indices == [0, 1]
+    assert ids(llm.generate(example_prompts, params, use_tqdm=False)) == base
+    sched, kv = llm.llm_engine.scheduler, llm.llm_engine.kv_cache_manager
+    assert sched.num_preemptions > 0
+    assert sched.num_swap_preemptions == (sched.num_preemptions if mode == "swap" else 0)
+    assert (kv.num_blocks_swapped_in > 0) == (mode == "swap")
+    assert not sched.has_unfinished_requests() and kv.num_free_blocks == kv.block_pool.num_blocks == 20
+    assert kv.num_used_cpu_blocks == 0 and not kv.req_to_cpu_blocks and not kv.has_pending_swaps
