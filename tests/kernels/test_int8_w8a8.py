@@ -226,6 +226,43 @@ def test_validation_names_the_argument():
             call()
 
 
+def test_sweep_w8a8_table_sums_a_class_and_prints_a_pasteable_literal(capsys):
+    """bench_quant_linear.py --sweep-w8a8 / --merge on made-up timings (no GPU): per (shape class, M) the entry
+    with the least time summed over the class's layers wins (an entry one layer lacks cannot), and only when it
+    beats the current table's launch; the printed INT8_GEMM_TABLE evaluates to the table with those keys replaced;
+    the candidates are valid table entries."""
+    import ast
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_quant_linear.py"),
+                           run_name="bench_quant_linear")
+    a, b, c = [16, 128, 256, 0, 4, 4], [32, 256, 128, 0, 8, 3], [16, 64, 128, 0, 4, 4]
+
+    def row(layer, M, cands, table_us=60.0):
+        shape = {"qkv": "square", "o": "square", "gate_up": "wide", "down": "deep"}[layer]
+        return dict(kind="w8a8_sweep", layer=layer, M=M, shape_class=shape, bf16_us=50.0, table_us=table_us,
+                    candidates=cands)
+
+    rows = [row("qkv", 32, [[a, 10.0], [b, 30.0], [c, 1.0]]),   # c is fastest here but o lacks it
+            row("o", 32, [[a, 40.0], [b, 15.0]]),                # sums: a 50, b 45 -> b
+            row("gate_up", 16, [[a, 30.0]]),                      # 30 < 60: a
+            row("down", 256, [[b, 70.0]], table_us=65.0)]        # slower than the table: kept
+    bench["print_w8a8_sweep"](rows)
+    out = capsys.readouterr().out
+    literal = out[out.index("INT8_GEMM_TABLE"):]
+    table = ast.literal_eval(literal[literal.index("{"):])
+    assert table[(32, "square")] == tuple(b) and table[(16, "wide")] == tuple(a)
+    assert table[(256, "deep")] == INT8_GEMM_TABLE[(256, "deep")]
+    assert {k: v for k, v in table.items() if k not in ((32, "square"), (16, "wide"))} == \
+        {k: v for k, v in INT8_GEMM_TABLE.items() if k not in ((32, "square"), (16, "wide"))}
+    dev = torch.device("cpu")
+    for M in bench["SWEEP_W8A8_M"]:
+        cands = bench["w8a8_candidates"](M)
+        assert 5 <= len(cands) <= 17 and len(set(cands)) == len(cands)
+        assert all(int8_table_launch(e, M, 4608, 3584, dev).BLOCK_M <= max(16, M) for e in cands)
+        assert all(e[5] * (e[0] + e[1]) * e[2] <= 200 * 1024 for e in cands)
+
 # ------------------------------------------------------------------------------------------------------ CUDA
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -270,3 +307,20 @@ def test_w8a8_cuda_graph_capture_and_replay(M):
     graph.replay()
     xq, sx = per_token_quant_int8_ref(x)
     torch.testing.assert_close(out, int8_scaled_mm_ref(xq, sx, wq, sw, None, torch.bfloat16), atol=0, rtol=8e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layer", list(QWEN_7B))
+@pytest.mark.parametrize("M", [16, 64, 256])
+def test_table_launches_agree_bit_for_bit_on_cuda(layer, M):
+    """At the 7b shapes, the table's launch and other tile / split choices (what bench_quant_linear.py --sweep-w8a8
+    may paste into INT8_GEMM_TABLE) give the same output bits, with a bias: the int32 sum is exact, and the fused
+    epilogue and the split-K epilogue kernel must round alike, so retuning the table cannot change a greedy
+    token. About 10 launches compile once (a few seconds)."""
+    K, N = QWEN_7B[layer]
+    xq, sx, wq, sw, bias = _operands(M, N, K, torch.bfloat16, "cuda", seed=M)
+    expect = int8_gemm_triton(xq, sx, wq, sw, bias, torch.bfloat16)
+    for entry in [(16, 64, 128, 0, 4, 4), (32, 128, 256, 0, 4, 4), (64, 128, 128, 1, 4, 4), (64, 128, 128, 4, 4, 4),
+                  (128, 256, 128, 0, 8, 3)]:
+        out = int8_gemm_triton(xq, sx, wq, sw, bias, torch.bfloat16, int8_table_launch(entry, M, N, K, xq.device))
+        assert torch.equal(out, expect), entry
