@@ -165,8 +165,8 @@ def int8_table_launch(entry: tuple[int, int, int, int, int, int], M: int, N: int
     [M, K] x [K, N] on device: SPLIT_K 0 resolved from the tile count and the SM count (see INT8_GEMM_TABLE).
 
     Raises:
-        HayabusaValidationError (a ValueError, parameter "entry"): tiles not powers of two >= 16, SPLIT_K < 0, num_warps not 1 / 2 / 4 / 8 / 16 or
-            num_stages < 1 (the message quotes the entry)."""
+        HayabusaValidationError (a ValueError, parameter "entry"): not 6 ints, tiles not powers of two >= 16,
+            SPLIT_K < 0, num_warps not 1 / 2 / 4 / 8 / 16 or num_stages < 1 (the message quotes the entry)."""
     if len(entry) != 6:
         raise HayabusaValidationError(f"INT8_GEMM_TABLE entry needs 6 ints (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, "
                                       f"num_warps, num_stages), got {entry!r}", parameter="entry", value=entry)
