@@ -1,7 +1,8 @@
 """Time the weight-only int8 / int4 linears against torch's bf16 F.linear on a CUDA GPU; print a table and JSON.
 
     python benchmarks/kernels/bench_quant_linear.py [--json FILE] [--m 1,8,64,256,2048] [--group-size 128]
-                                                    [--sweep | --dequant | --w8a8 | --fp8 [--sweep] | --sweep-gemm]
+                                                    [--sweep | --dequant | --w8a8 | --fp8 [--sweep] | --sweep-gemm
+                                                     | --sweep-w8a8 [--budget-s 170]]
                                                     [--layers qkv,o,gate_up,down] [--merge A.json B.json ...]
 
 Shapes are Qwen2.5-7B's linears, (K, N): qkv (3584, 4608), o (3584, 3584), gate_up (3584, 37888),
@@ -40,6 +41,15 @@ shape class, M bucket), the candidate with the least time summed over the class'
 which dequantize + cuBLAS wins (for DEQUANT_GEMM_MIN_M / _INT4) and the GEMM_T_TABLE literal to paste into
 hayabusa/kernels/quant_linear.py. About 180 compiles over all layers: run it per layer (or per --m) with --json
 (written after every case), then print the tables of all runs together with --merge a.json b.json ... (no GPU).
+--sweep-w8a8 instead searches the INT8 W8A8 GEMM's tiles (kernels/int8_gemm.py, INT8_GEMM_TABLE) per layer and M
+(default 16,32,64,128,256): 5-17 candidates each (w8a8_candidates: the two row tiles nearest M, N tiles 64-256, K
+tiles 128 / 256, two warp / stage pairs, K split as the table resolves SPLIT_K 0), all compiled first in --jobs
+processes, then CUDA-graph medians of each next to bf16 F.linear and the current table's launch (the GEMM alone,
+on pre-quantized int8 operands; every candidate's output must equal the table launch's bit for bit: the int32 sum
+is exact). It prints per (shape class, M) the candidate with the least time summed over the class's layers and
+the INT8_GEMM_TABLE literal to paste into hayabusa/kernels/int8_gemm.py. --budget-s (default 170) stops starting
+new cases after that many seconds, so a full run stays under 3 minutes on an H200 (the JSON and the tables keep
+what was measured); --merge prints the tables of several runs' --json files together.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -536,6 +547,137 @@ def print_gemm_sweep(rows: list[dict]) -> None:
     print("}")
 
 
+# --------------------------------------------------------------------- --sweep-w8a8 (the INT8 W8A8 GEMM's tiles)
+SWEEP_W8A8_M = (16, 32, 64, 128, 256)
+
+
+def w8a8_candidates(M: int) -> list[tuple[int, int, int, int, int, int]]:
+    """INT8_GEMM_TABLE entries to try at M rows (5-17): the two row tiles nearest M (>= 16); N tiles 64 / 128 /
+    256; K tiles 128, and 256 where the N tile is <= 128 (int8: 16-32 KB per operand and stage); 4 warps with 4
+    stages, plus 8 warps with 3 stages for tiles of >= 8192 outputs; SPLIT_K 0 (the table's rule: split only while
+    the tiles do not fill the SMs). Shared memory over 200 KB (stages x both operand tiles) is left out."""
+    bms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, M)][-2:]
+    cands = []
+    for bm in bms:
+        for bn in (64, 128, 256):
+            for bk in (128, 256) if bn <= 128 else (128,):
+                for warps, stages in ((4, 4), (8, 3)):
+                    if warps == 8 and bm * bn < 8192:
+                        continue
+                    if stages * (bm + bn) * bk > 200 * 1024:
+                        continue
+                    cands.append((bm, bn, bk, 0, warps, stages))
+    return cands
+
+
+def _w8a8_operands(layer: str, M: int):
+    from hayabusa.kernels.int8_quant import per_token_quant_int8_ref
+
+    K, N, x, w = layer_inputs(layer, M)
+    xq, sx = per_token_quant_int8_ref(x)
+    wq, sw = per_token_quant_int8_ref(w)
+    return K, N, x, w, xq, sx, wq, sw.view(-1).contiguous()
+
+
+def _w8a8_compile(job: tuple[str, int, list[tuple]]) -> int:
+    """A worker process of --sweep-w8a8: compile (and run once) one case's candidate launches into Triton's disk
+    cache. Returns how many failed (not candidates on this GPU)."""
+    from hayabusa.kernels.int8_gemm import int8_gemm_triton, int8_table_launch
+
+    layer, M, entries = job
+    K, N, _, _, xq, sx, wq, sw = _w8a8_operands(layer, M)
+    failed = 0
+    for e in entries:
+        try:
+            int8_gemm_triton(xq, sx, wq, sw, None, torch.bfloat16, int8_table_launch(e, M, N, K, xq.device))
+        except Exception:  # noqa: BLE001 - out of registers / shared memory: timed as not a candidate later
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def w8a8_precompile(cases: list[tuple[str, int]], jobs: int) -> None:
+    """Compile every --sweep-w8a8 candidate of every case in `jobs` processes before the timing starts."""
+    import concurrent.futures
+    import multiprocessing
+
+    work = [(layer, M, w8a8_candidates(M)[i::2]) for layer, M in cases for i in range(2)]
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = sum(pool.map(_w8a8_compile, work))
+    print(f"# precompiled {sum(len(w[2]) for w in work)} launches in {jobs} processes ({failed} failed)",
+          flush=True)
+
+
+def sweep_w8a8_case(layer: str, M: int) -> dict:
+    """One (layer, M): CUDA-graph us of bf16 F.linear, the current table's int8 GEMM launch and every candidate's
+    (resolved launches deduplicated). Each candidate's output is compared bit for bit with the table launch's (the
+    int32 sum is exact; only the epilogue's fp32 rounding could differ, e.g. a fused multiply-add in one kernel and
+    not the other): a candidate that differs is reported and left out, since it could change a greedy token."""
+    from hayabusa.kernels import int8_gemm
+
+    K, N, x, w, xq, sx, wq, sw = _w8a8_operands(layer, M)
+    run = lambda cfg: int8_gemm.int8_gemm_triton(xq, sx, wq, sw, None, torch.bfloat16, cfg)  # noqa: E731
+    bench = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3  # noqa: E731
+    table_cfg = int8_gemm.pick_int8_config(M, N, K, x.device)
+    expect = run(table_cfg)
+    row = dict(kind="w8a8_sweep", layer=layer, K=K, N=N, M=M, shape_class=int8_gemm.gemm_shape_class(N, K),
+               bf16_us=bench(lambda: F.linear(x, w)), table_config=table_cfg.__dict__,
+               table_us=bench(lambda: run(table_cfg)))
+    seen, cands, differ = set(), [], []
+    for entry in w8a8_candidates(M):
+        cfg = int8_gemm.int8_table_launch(entry, M, N, K, x.device)
+        if cfg in seen:
+            continue
+        seen.add(cfg)
+        try:
+            out = run(cfg)
+        except Exception:  # noqa: BLE001 - out of shared memory / registers: not a candidate on this GPU
+            continue
+        if not torch.equal(out, expect):
+            differ.append(list(entry))
+            continue
+        cands.append([list(entry), bench(lambda: run(cfg))])
+    best = min(cands, key=lambda c: c[1]) if cands else [None, float("nan")]
+    row.update(candidates=cands, differ=differ, best_entry=best[0], best_us=best[1])
+    print(f"# {layer} M={M}: bf16 {row['bf16_us']:.1f} table {row['table_us']:.1f} best {best[1]:.1f} us "
+          f"{best[0] and tuple(best[0])} ({len(cands)} candidates; {len(differ)} left out: output bits differ from the "
+          f"table's{': ' + str(differ) if differ else ''})", flush=True)
+    return row
+
+
+def print_w8a8_sweep(rows: list[dict]) -> None:
+    """Per (shape class, M): the entry with the least time summed over the class's swept layers (among entries
+    every layer ran), next to bf16 and the current table; then the INT8_GEMM_TABLE literal to paste into
+    hayabusa/kernels/int8_gemm.py (a swept M sets its bucket, int8_m_bucket(M); unswept keys keep their entries)."""
+    from hayabusa.kernels.int8_gemm import INT8_GEMM_TABLE, int8_m_bucket
+
+    print(f"{'class':<7} {'M':>4} {'layers':<12} {'best us':>8} {'table us':>8} {'bf16 us':>8} {'vs table':>8} "
+          f"{'vs bf16':>7}  best entry (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)")
+    table = dict(INT8_GEMM_TABLE)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["shape_class"], r["M"]), []).append(r)
+    for (shape, M), rs in sorted(groups.items()):
+        totals: dict[tuple, float] = {}
+        for r in rs:
+            for entry, us in r["candidates"]:
+                totals[tuple(entry)] = totals.get(tuple(entry), 0.0) + us
+        common = [e for e in totals if all(any(tuple(c[0]) == e for c in r["candidates"]) for r in rs)]
+        if not common:
+            print(f"{shape:<7} {M:>4} {','.join(r['layer'] for r in rs):<12} no candidate ran on every layer: kept")
+            continue
+        best = min(common, key=totals.__getitem__)
+        bf16, cur = (sum(r[k] for r in rs) for k in ("bf16_us", "table_us"))
+        if totals[best] < cur:  # keep the current entry unless a candidate beats it
+            table[(int8_m_bucket(M), shape)] = best
+        print(f"{shape:<7} {M:>4} {','.join(r['layer'] for r in rs):<12} {totals[best]:>8.1f} {cur:>8.1f} "
+              f"{bf16:>8.1f} {cur / totals[best]:>8.2f} {bf16 / totals[best]:>7.2f}  {best}")
+    print("INT8_GEMM_TABLE: dict[tuple[int, str], tuple[int, int, int, int, int, int]] = {")
+    for key in sorted(table):
+        print(f"    {key!r}: {tuple(table[key])!r},")
+    print("}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
@@ -556,26 +698,46 @@ def main() -> None:
     parser.add_argument("--sweep-gemm", action="store_true",
                         help="search the swapped-operand GEMM's tiles per (scheme, shape class, M bucket) and print "
                              "GEMM_T_TABLE and the dequantize + cuBLAS crossovers")
+    parser.add_argument("--sweep-w8a8", action="store_true",
+                        help="search the INT8 W8A8 GEMM's tiles per (shape class, M) and print INT8_GEMM_TABLE")
+    parser.add_argument("--budget-s", type=float, default=170.0,
+                        help="--sweep-w8a8: start no new case after this many seconds (default 170)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
-                        help="print the --sweep-gemm tables of earlier runs' --json files together (no GPU needed)")
+                        help="print the --sweep-gemm / --sweep-w8a8 tables of earlier runs' --json files together "
+                             "(no GPU needed)")
     args = parser.parse_args()
     if args.merge:
         rows = [r for f in args.merge for r in json.loads(f.read_text())["rows"]]
-        print_gemm_sweep(rows)
+        if rows and all(r.get("kind") == "w8a8_sweep" for r in rows):
+            print_w8a8_sweep(rows)
+        else:
+            print_gemm_sweep(rows)
         return
     if not torch.cuda.is_available():
         sys.exit("bench_quant_linear needs a CUDA GPU")
-    if args.sweep + args.dequant + args.w8a8 + args.sweep_gemm > 1 or args.fp8 + args.dequant + args.w8a8 + args.sweep_gemm > 1:
-        sys.exit("--sweep, --dequant, --w8a8, --fp8 and --sweep-gemm are separate runs (--fp8 --sweep sweeps the FP8 kernel)")
+    modes = args.dequant + args.w8a8 + args.sweep_gemm + args.sweep_w8a8
+    if args.sweep + modes > 1 or args.fp8 + modes > 1:
+        sys.exit("--sweep, --dequant, --w8a8, --fp8, --sweep-gemm and --sweep-w8a8 are separate runs (--fp8 --sweep "
+                 "sweeps the FP8 kernel)")
     m_list = args.m or ("16,64,128,256,512,2048,8192" if args.dequant else "1,16,64,256,1024,8192" if args.w8a8
                         else "1,4,16,64" if args.fp8 else ",".join(map(str, SWEEP_GEMM_M)) if args.sweep_gemm
-                        else "1,8,64,256,2048")
+                        else ",".join(map(str, SWEEP_W8A8_M)) if args.sweep_w8a8 else "1,8,64,256,2048")
     rows = []
     if args.fp8 and args.sweep and args.jobs > 1:
         fp8_precompile([(layer, int(m)) for layer in args.layers.split(",") for m in m_list.split(",")], args.jobs)
+    started = time.monotonic()
+    if args.sweep_w8a8 and args.jobs > 1:
+        w8a8_precompile([(layer, int(m)) for layer in args.layers.split(",") for m in m_list.split(",")], args.jobs)
     for layer in args.layers.split(","):
         for M in (int(m) for m in m_list.split(",")):
-            if args.fp8:
+            if args.sweep_w8a8:
+                if time.monotonic() - started > args.budget_s:
+                    print(f"# --budget-s {args.budget_s:g} reached: {layer} M={M} not run", flush=True)
+                    continue
+                rows.append(sweep_w8a8_case(layer, M))
+                if args.json:  # after every case: a run stopped by a time limit keeps what it measured
+                    args.json.write_text(json.dumps(dict(setup=dict(sweep_w8a8=True), rows=rows)))
+            elif args.fp8:
                 rows.append(fp8_case(layer, M, args.sweep))
             elif args.sweep_gemm:
                 rows += [sweep_gemm_case(layer, M, scheme, args.group_size) for scheme in ("int8", "int4")]
@@ -594,13 +756,15 @@ def main() -> None:
         print_dequant_table(rows)
     elif args.sweep_gemm:
         print_gemm_sweep(rows)
+    elif args.sweep_w8a8:
+        print_w8a8_sweep(rows)
     elif args.w8a8:
         print_w8a8_table(rows)
     else:
         print_table(rows)
     setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                  group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8, fp8=args.fp8,
-                 sweep_gemm=args.sweep_gemm)
+                 sweep_gemm=args.sweep_gemm, sweep_w8a8=args.sweep_w8a8)
     print(json.dumps(dict(setup=setup, rows=rows)))
     if args.json:
         args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))

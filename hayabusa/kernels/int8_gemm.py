@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hayabusa.errors import HayabusaValidationError
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.quant_linear import gemm_shape_class
 
 # From this many rows (tokens) on, the CUDA path multiplies with torch._int_mm (cuBLASLt) instead of the Triton
 # kernel; None: never. Measured on the H200 (run N, 2026-12-01, `python benchmarks/kernels/bench_quant_linear.py
@@ -134,25 +136,59 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_int8_config(M: int, N: int, K: int, device: torch.device) -> Int8GemmConfig:
-    """The launch for [M, K] x [K, N]: host ints and the SM count only (CUDA-graph safe, the same every run).
-    Starting points, not tuned on the device yet (bench_quant_linear.py --w8a8 times them): 16-row tiles with K
-    split over the SMs for decode, 64 / 128-row tiles with 128-wide K tiles (16 KB of int8 per operand) above."""
-    sms = _num_sms(device)
-    if M <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
-    elif M <= 64:
-        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
-    elif M <= 512:
-        bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
-    else:
-        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    k_tiles = triton.cdiv(K, bk)
-    # Split K only for decode-sized M: on the H200 (run N) 128-row tiles with K split 5 ways took 104 us for the
-    # 7B o_proj at M = 256, against 66 us unsplit at M = 1024; above 64 rows, smaller tiles fill the SMs instead.
-    split = 1 if tiles >= sms or M > 64 else max(1, min(16, k_tiles // 2, triton.cdiv(2 * sms, tiles)))
+# Launches of _int8_gemm_kernel, keyed by (M bucket (int8_m_bucket), shape class (quant_linear.gemm_shape_class:
+# "square" qkv / o, "wide" gate_up, "deep" down)) -> (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages);
+# SPLIT_K 0 = split K only when the output tiles do not fill the SMs (to about two programs per SM, each split >= 2
+# K tiles, at most 16), else the number of K splits asked for. The entries are the launch this module used before
+# the table (run N2, 2026-12-01): 16-row tiles with K split over the SMs for decode, 64-row tiles with 128-wide K
+# tiles (16 KB of int8 per operand) up to 512 rows, 128-row tiles above; the same for every shape class.
+# UNMEASURED per class: `python benchmarks/kernels/bench_quant_linear.py --sweep-w8a8` times candidates at
+# M = 16..256 on the 7b layers and prints the literal to paste here. The int32 accumulation is exact, so any
+# entry gives the same output bits (tests/kernels/test_int8_w8a8.py: test_every_table_launch_is_bit_exact).
+INT8_M_BUCKETS = (16, 32, 64, 128, 256, 512, 8192)
+INT8_SHAPE_CLASSES = ("square", "wide", "deep")
+_INT8_BEFORE_TABLE = {16: (16, 64, 128, 0, 4, 4), 32: (64, 64, 128, 0, 4, 4), 64: (64, 64, 128, 0, 4, 4),
+                      128: (64, 128, 128, 1, 4, 4), 256: (64, 128, 128, 1, 4, 4), 512: (64, 128, 128, 1, 4, 4),
+                      8192: (128, 128, 128, 1, 8, 3)}
+INT8_GEMM_TABLE: dict[tuple[int, str], tuple[int, int, int, int, int, int]] = {
+    (bucket, shape): _INT8_BEFORE_TABLE[bucket] for bucket in INT8_M_BUCKETS for shape in INT8_SHAPE_CLASSES}
+
+
+def int8_m_bucket(M: int) -> int:
+    """The INT8_GEMM_TABLE row bucket of M rows: the smallest of INT8_M_BUCKETS >= M (the last one past them)."""
+    return next((b for b in INT8_M_BUCKETS if M <= b), INT8_M_BUCKETS[-1])
+
+
+def int8_table_launch(entry: tuple[int, int, int, int, int, int], M: int, N: int, K: int,
+                      device: torch.device) -> Int8GemmConfig:
+    """The launch of one INT8_GEMM_TABLE entry (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for
+    [M, K] x [K, N] on device: SPLIT_K 0 resolved from the tile count and the SM count (see INT8_GEMM_TABLE).
+
+    Raises:
+        HayabusaValidationError (a ValueError, parameter "entry"): not 6 ints, tiles not powers of two >= 16,
+            SPLIT_K < 0, num_warps not 1 / 2 / 4 / 8 / 16 or num_stages < 1 (the message quotes the entry)."""
+    if len(entry) != 6:
+        raise HayabusaValidationError(f"INT8_GEMM_TABLE entry needs 6 ints (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, "
+                                      f"num_warps, num_stages), got {entry!r}", parameter="entry", value=entry)
+    bm, bn, bk, split, warps, stages = entry
+    if min(bm, bn, bk) < 16 or any(v & (v - 1) for v in (bm, bn, bk)) or split < 0 \
+            or warps not in (1, 2, 4, 8, 16) or stages < 1:
+        raise HayabusaValidationError(f"INT8_GEMM_TABLE entry needs power-of-two tiles >= 16, SPLIT_K >= 0, "
+                                      f"num_warps in 1..16 (a power of two) and num_stages >= 1, got {entry!r}",
+                                      parameter="entry", value=entry)
+    if split == 0:
+        sms = _num_sms(device)
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        split = 1 if tiles >= sms else max(1, min(16, triton.cdiv(K, bk) // 2, triton.cdiv(2 * sms, tiles)))
     return Int8GemmConfig(bm, bn, bk, split, warps, stages)
+
+
+def pick_int8_config(M: int, N: int, K: int, device: torch.device) -> Int8GemmConfig:
+    """The launch for [M, K] x [K, N]: INT8_GEMM_TABLE's entry for (M bucket, shape class), resolved for the
+    device's SM count (int8_table_launch). Host ints and the SM count only (CUDA-graph safe, the same every run).
+    Split K only for decode-sized M: on the H200 (run N) 128-row tiles with K split 5 ways took 104 us for the 7B
+    o_proj at M = 256, against 66 us unsplit at M = 1024; above 64 rows, smaller tiles fill the SMs instead."""
+    return int8_table_launch(INT8_GEMM_TABLE[(int8_m_bucket(M), gemm_shape_class(N, K))], M, N, K, device)
 
 
 def _bf16_by_hand(out: torch.Tensor) -> bool:

@@ -328,3 +328,20 @@ def test_gc_timer_counts_collector_passes_and_uninstalls():
     assert g.seconds == pytest.approx(sum(pauses)) and g.seconds > 0
     gc.collect()                      # removed on exit: no further pass is counted
     assert g.passes == 2 and g._callback not in gc.callbacks
+
+
+def test_batch_invariant_flag_and_sweep_turn_the_mode_on(tmp_path, tiny_bench_model, monkeypatch):
+    """`hayabusa bench --batch-invariant` (issue #23's cost measurement) and `--sweep batch_invariant=false,true`
+    reach the engine: the records carry the argument and the engine's mode check runs once per engine in the mode,
+    never for the default."""
+    import hayabusa.batch_invariant as bi
+
+    calls = []
+    real = bi.check_batch_invariant
+    monkeypatch.setattr(bi, "check_batch_invariant", lambda *a: calls.append(a) or real(*a))
+    (rec,) = _bench(tmp_path, "--workload", "W3", "--model", tiny_bench_model, "--scale", "0.02", "--batch-invariant")
+    assert rec["engine_args"]["batch_invariant"] is True and len(calls) == 1
+    off, on = _bench(tmp_path, "--workload", "W3", "--model", tiny_bench_model, "--scale", "0.02",
+                     "--sweep", "batch_invariant=false,true")
+    assert off["variant"] == {"batch_invariant": False} and on["variant"] == {"batch_invariant": True}
+    assert len(calls) == 2 and off["output_tokens"] == on["output_tokens"] > 0

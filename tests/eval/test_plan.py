@@ -260,3 +260,15 @@ def test_pipeline_parallel_plans_the_largest_stage_and_refuses_as_the_engine(cap
     with pytest.raises(HayabusaValidationError) as e:
         make_plan(cfg, PlanInputs(tp=3), gpu="H200")
     assert e.value.parameter == "tensor_parallel_size" and "28" in str(e.value)
+
+
+def test_w8a8_int8_is_planned_at_eight_bits_and_said_to_run():
+    """Issue #24's INT8 W8A8 (online `w8a8_int8`): linear weights at one byte each (the per-channel fp32 scales are
+    below the plan's rounding), the rest bf16; the note says hayabusa runs it."""
+    cfg = load_config("qwen2.5-7b-shape")
+    p = count_params(cfg)
+    plan = make_plan(cfg, PlanInputs(quantization="w8a8_int8"), gpu_memory_gib=80)
+    assert plan["quantization"] == "w8a8_int8" and plan["weight_bits"] == 8.0
+    assert plan["weight_bytes"] == int(p["linear"] * 8 / 8 + (p["total"] - p["linear"]) * 2)
+    assert any("quantization=w8a8_int8" in n and "hayabusa runs it" in n for n in plan["notes"])
+    assert plan["max_num_tokens"] > make_plan(cfg, PlanInputs(), gpu_memory_gib=80)["max_num_tokens"]

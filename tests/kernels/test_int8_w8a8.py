@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from hayabusa.kernels import int8_gemm
+from hayabusa.errors import HayabusaValidationError
 from hayabusa.kernels.int8_gemm import (
-    Int8GemmConfig, int8_gemm_int_mm, int8_gemm_triton, int8_scaled_mm, int8_scaled_mm_ref, int_mm_usable,
-    pick_int8_config,
+    INT8_GEMM_TABLE, INT8_M_BUCKETS, INT8_SHAPE_CLASSES, Int8GemmConfig, int8_gemm_int_mm, int8_gemm_triton,
+    int8_m_bucket, int8_scaled_mm, int8_scaled_mm_ref, int8_table_launch, int_mm_usable, pick_int8_config,
 )
 from hayabusa.kernels.int8_quant import MIN_SCALE_INT8, per_token_quant_int8, per_token_quant_int8_ref
 from tests.kernels.conftest import DEVICE, QWEN_7B
@@ -127,6 +128,82 @@ def test_pick_int8_config_and_int_mm_rules():
     assert not int_mm_usable(32, 8, 20) and not int_mm_usable(32, 8, 8)
 
 
+def _launch_before_the_table(M, N, K, sms):
+    """pick_int8_config as it was before INT8_GEMM_TABLE (run N2's launch), copied here so that the default table
+    is checked to reproduce it: the engine's launches (and so its outputs and timings) are unchanged until a
+    measured table is pasted."""
+    if M <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif M <= 64:
+        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
+    elif M <= 512:
+        bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
+    tiles = -(-M // bm) * -(-N // bn)
+    k_tiles = -(-K // bk)
+    split = 1 if tiles >= sms or M > 64 else max(1, min(16, k_tiles // 2, -(-2 * sms // tiles)))
+    return Int8GemmConfig(bm, bn, bk, split, warps, stages)
+
+
+@pytest.mark.parametrize("sms", [4, 132])
+def test_default_table_is_the_launch_before_it(monkeypatch, sms):
+    monkeypatch.setattr(int8_gemm, "_num_sms", lambda device: sms)
+    dev = torch.device("cpu")
+    shapes = [(N, K) for K, N in QWEN_7B.values()] + [(72, 96), (64, 4096), (896, 4864)]
+    for M in (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 129, 255, 256, 257, 511, 512, 513, 8192, 20000):
+        for N, K in shapes:
+            assert pick_int8_config(M, N, K, dev) == _launch_before_the_table(M, N, K, sms), (M, N, K)
+    assert set(INT8_GEMM_TABLE) == {(b, c) for b in INT8_M_BUCKETS for c in INT8_SHAPE_CLASSES}
+
+
+def test_pick_int8_config_reads_the_table(monkeypatch):
+    """(M bucket, shape class) -> the entry; SPLIT_K 0 resolves to splits only while the tiles do not fill the
+    SMs (4 on the interpreter), an explicit SPLIT_K is kept."""
+    dev = torch.device("cpu")
+    assert [int8_m_bucket(m) for m in (1, 16, 17, 64, 65, 300, 512, 513, 9000)] == \
+        [16, 16, 32, 64, 128, 512, 512, 8192, 8192]
+    monkeypatch.setitem(INT8_GEMM_TABLE, (128, "deep"), (32, 256, 64, 0, 8, 5))
+    monkeypatch.setitem(INT8_GEMM_TABLE, (32, "wide"), (16, 128, 256, 3, 4, 2))
+    cfg = pick_int8_config(100, 256, 4096, dev)              # deep: 4 x 1 tiles = 4 "SMs": no split
+    assert cfg == Int8GemmConfig(32, 256, 64, 1, 8, 5)
+    assert pick_int8_config(70, 128, 4096, dev).SPLIT_K == 3    # 3 x 1 tiles < 4: cdiv(2 * 4, 3) = 3 splits
+    assert pick_int8_config(20, 128, 4096, dev).SPLIT_K == 4    # (32, "deep") untouched: 1 x 2 tiles, cdiv(8, 2)
+    assert pick_int8_config(20, 37888, 3584, dev) == Int8GemmConfig(16, 128, 256, 3, 4, 2)
+    assert int8_table_launch((32, 256, 64, 0, 8, 5), 30, 256, 4096, dev).SPLIT_K == 8     # one tile: 2 x 4 "SMs"
+    assert int8_table_launch((32, 256, 64, 0, 8, 5), 30, 256, 128, dev).SPLIT_K == 1      # 2 K tiles: >= 2 each
+
+
+@pytest.mark.parametrize("entry", [(16, 64, 128, 0, 4), (8, 64, 128, 0, 4, 4), (16, 48, 128, 0, 4, 4),
+                                   (16, 64, 128, -1, 4, 4), (16, 64, 128, 0, 3, 4), (16, 64, 128, 0, 4, 0)])
+def test_bad_table_entry_is_refused_by_name(entry):
+    with pytest.raises(HayabusaValidationError, match="INT8_GEMM_TABLE entry") as e:
+        int8_table_launch(entry, 16, 64, 128, torch.device("cpu"))
+    assert e.value.parameter == "entry" and e.value.value == entry
+
+
+# A few entries a tile sweep tries (benchmarks/kernels/bench_quant_linear.py --sweep-w8a8), besides the table's
+SWEEP_LIKE = [(16, 128, 256, 0, 4, 3), (32, 256, 128, 0, 8, 3), (128, 64, 128, 2, 4, 4), (32, 64, 256, 1, 4, 4)]
+
+
+def test_every_table_launch_is_bit_exact(device):
+    """Each distinct INT8_GEMM_TABLE entry and a few sweep candidates, at their own tile sizes on a small problem
+    (M = BLOCK_M + 1: a ragged row tile; N = BLOCK_N + 8; K not a multiple of BLOCK_K), with a bias, equal the
+    reference: the int32 sum is exact whatever the tiles and K splits, so retuning the table cannot change a
+    token (on the GPU to the epilogue's fused multiply-add; test_table_launches_agree_bit_for_bit_on_cuda)."""
+    for entry in sorted(set(INT8_GEMM_TABLE.values())) + SWEEP_LIKE:
+        bm, bn, bk = entry[:3]
+        M, N, K = bm + 1, bn + 8, 2 * bk + 32
+        xq, sx, wq, sw, bias = _operands(M, N, K, torch.bfloat16, device, seed=bm + bn + bk)
+        cfg = int8_table_launch(entry, M, N, K, xq.device)
+        out = int8_gemm_triton(xq, sx, wq, sw, bias, torch.bfloat16, cfg)
+        ref = int8_scaled_mm_ref(xq, sx, wq, sw, bias, torch.bfloat16)
+        if device == "cpu":
+            assert torch.equal(out, ref), entry
+        else:
+            torch.testing.assert_close(out, ref, atol=_fma_atol(ref), rtol=8e-3)
+
+
 def test_public_dispatch_is_the_reference_on_cpu(monkeypatch):
     monkeypatch.setattr(int8_gemm, "INT_MM_MIN_M", 1)
     xq, sx, wq, sw, bias = _operands(20, 16, 32, torch.float32, "cpu")
@@ -148,6 +225,43 @@ def test_validation_names_the_argument():
         with pytest.raises(ValueError, match=match):
             call()
 
+
+def test_sweep_w8a8_table_sums_a_class_and_prints_a_pasteable_literal(capsys):
+    """bench_quant_linear.py --sweep-w8a8 / --merge on made-up timings (no GPU): per (shape class, M) the entry
+    with the least time summed over the class's layers wins (an entry one layer lacks cannot), and only when it
+    beats the current table's launch; the printed INT8_GEMM_TABLE evaluates to the table with those keys replaced;
+    the candidates are valid table entries."""
+    import ast
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_quant_linear.py"),
+                           run_name="bench_quant_linear")
+    a, b, c = [16, 128, 256, 0, 4, 4], [32, 256, 128, 0, 8, 3], [16, 64, 128, 0, 4, 4]
+
+    def row(layer, M, cands, table_us=60.0):
+        shape = {"qkv": "square", "o": "square", "gate_up": "wide", "down": "deep"}[layer]
+        return dict(kind="w8a8_sweep", layer=layer, M=M, shape_class=shape, bf16_us=50.0, table_us=table_us,
+                    candidates=cands)
+
+    rows = [row("qkv", 32, [[a, 10.0], [b, 30.0], [c, 1.0]]),   # c is fastest here but o lacks it
+            row("o", 32, [[a, 40.0], [b, 15.0]]),                # sums: a 50, b 45 -> b
+            row("gate_up", 16, [[a, 30.0]]),                      # 30 < 60: a
+            row("down", 256, [[b, 70.0]], table_us=65.0)]        # slower than the table: kept
+    bench["print_w8a8_sweep"](rows)
+    out = capsys.readouterr().out
+    literal = out[out.index("INT8_GEMM_TABLE"):]
+    table = ast.literal_eval(literal[literal.index("{"):])
+    assert table[(32, "square")] == tuple(b) and table[(16, "wide")] == tuple(a)
+    assert table[(256, "deep")] == INT8_GEMM_TABLE[(256, "deep")]
+    assert {k: v for k, v in table.items() if k not in ((32, "square"), (16, "wide"))} == \
+        {k: v for k, v in INT8_GEMM_TABLE.items() if k not in ((32, "square"), (16, "wide"))}
+    dev = torch.device("cpu")
+    for M in bench["SWEEP_W8A8_M"]:
+        cands = bench["w8a8_candidates"](M)
+        assert 5 <= len(cands) <= 17 and len(set(cands)) == len(cands)
+        assert all(int8_table_launch(e, M, 4608, 3584, dev).BLOCK_M <= max(16, M) for e in cands)
+        assert all(e[5] * (e[0] + e[1]) * e[2] <= 200 * 1024 for e in cands)
 
 # ------------------------------------------------------------------------------------------------------ CUDA
 @pytest.mark.cuda
@@ -193,3 +307,20 @@ def test_w8a8_cuda_graph_capture_and_replay(M):
     graph.replay()
     xq, sx = per_token_quant_int8_ref(x)
     torch.testing.assert_close(out, int8_scaled_mm_ref(xq, sx, wq, sw, None, torch.bfloat16), atol=0, rtol=8e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layer", list(QWEN_7B))
+@pytest.mark.parametrize("M", [16, 64, 256])
+def test_table_launches_agree_bit_for_bit_on_cuda(layer, M):
+    """At the 7b shapes, the table's launch and other tile / split choices (what bench_quant_linear.py --sweep-w8a8
+    may paste into INT8_GEMM_TABLE) give the same output bits, with a bias: the int32 sum is exact, and the fused
+    epilogue and the split-K epilogue kernel must round alike, so retuning the table cannot change a greedy
+    token. About 10 launches compile once (a few seconds)."""
+    K, N = QWEN_7B[layer]
+    xq, sx, wq, sw, bias = _operands(M, N, K, torch.bfloat16, "cuda", seed=M)
+    expect = int8_gemm_triton(xq, sx, wq, sw, bias, torch.bfloat16)
+    for entry in [(16, 64, 128, 0, 4, 4), (32, 128, 256, 0, 4, 4), (64, 128, 128, 1, 4, 4), (64, 128, 128, 4, 4, 4),
+                  (128, 256, 128, 0, 8, 3)]:
+        out = int8_gemm_triton(xq, sx, wq, sw, bias, torch.bfloat16, int8_table_launch(entry, M, N, K, xq.device))
+        assert torch.equal(out, expect), entry
