@@ -517,6 +517,8 @@ g_tests12() {  # session 11's CUDA tests (needs .snap's assets for the engine-le
 g_spec12() {  # issue #21: the greedy verify path's host time, W11 at 1 / 4 / 16 (ensure_smol), W1 with n-gram
   local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
   ensure_q05
+  step spec_host 90 10 bash -c "python benchmarks/spec_host.py --device cuda --batch 1 4 16 --repeats 3 2>&1 | tail -12; \
+    python benchmarks/spec_host.py --device cuda --model '$Q05' --batch 1 4 16 --repeats 2 2>&1 | tail -12"
   step verify_host 60 10 bash -c "python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20; \
     HAYABUSA_GREEDY_VERIFY_TRITON=1 python benchmarks/verify_host.py --device cuda --batch 1 8 64 2>&1 | tail -20"
   if ensure_smol; then

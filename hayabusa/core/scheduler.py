@@ -286,8 +286,12 @@ class Scheduler:
         i = 0
         spec = self.spec if self.spec is not None and self.spec.config.enabled_for_batch(len(self.running)) \
             else None
+        lookups = None
         if spec is None:
             i, budget = self._schedule_decodes(plan, budget)
+        elif self.running:   # the n-gram lookups of every request that may decode one token now, batched
+            lookups = spec.lookup_all([r for r in self.running if r.num_computed_tokens == r.num_tokens - 1
+                                       and not r.num_output_placeholders])
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_output_placeholders and self.config.pipeline_depth > 1:
@@ -297,7 +301,7 @@ class Scheduler:
             drafts = None
             if spec is not None and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1 \
                     and not req.num_output_placeholders:
-                drafts = spec.propose(req, budget - 1)     # its last token + k proposals, verified in one step
+                drafts = spec.propose(req, budget - 1, lookups)   # its last token + k proposals, verified in one step
                 num_new += len(drafts)
             enc = None
             if num_new > 0 and req.mm_inputs:   # images: the chunk may stop before one the step cannot encode

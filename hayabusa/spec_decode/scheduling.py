@@ -40,18 +40,47 @@ class SpecDecodeScheduling:
         requests speculation leaves alone and those in a low-acceptance back-off."""
         return req.num_output_tokens >= req.spec_backoff_until and eligible(req)
 
-    def propose(self, req: Request, budget: int) -> list[int]:
+    def _max_k(self, req: Request) -> int:
+        """Proposals the request may get before the step's budget: k, never past max_tokens or max_model_len
+        (accepted tokens plus the bonus token always fit); 0 when speculation leaves it alone."""
+        if not self.may_propose(req):
+            return 0
+        return min(self.config.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens - 1)
+
+    def lookup_all(self, reqs: list[Request]) -> dict[str, list[int]] | None:
+        """The n-gram lookups of a step's decoding requests at once (``NgramProposer.propose_batch``), before
+        the scheduler's loop, which then takes each request's (``propose(..., lookups)``): request id -> up to
+        its k proposals (only those with some). None for a draft model's method (no host lookup) and for a
+        proposer without ``propose_batch`` (its ``propose`` then runs per request, in the scheduler's order)."""
+        propose_batch = getattr(self.proposer, "propose_batch", None)
+        if propose_batch is None:
+            return None
+        todo, ks, histories = [], [], []
+        for req in reqs:
+            k = self._max_k(req)
+            if k > 0:
+                if req.spec_history is None:
+                    req.spec_history = TokenHistory()
+                todo.append(req.request_id)
+                ks.append(k)
+                histories.append(req.spec_history.sync(req.all_token_ids))
+        found = propose_batch(histories, ks)
+        return {rid: drafts for rid, drafts in zip(todo, found) if drafts}
+
+    def propose(self, req: Request, budget: int, lookups: dict[str, list[int]] | None = None) -> list[int]:
         """Proposed tokens for a request whose step computes its last token (and samples the next one):
         at most k, at most ``budget`` (the step's tokens left after its own one), and never past max_tokens or
-        max_model_len (accepted tokens plus the bonus token always fit)."""
-        if not self.may_propose(req):
-            return []
-        k = min(self.config.num_speculative_tokens, budget,
-                req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        max_model_len (accepted tokens plus the bonus token always fit). ``lookups``: the step's ``lookup_all``
+        (a request missing from it has no proposal); without it the request's lookup runs alone. (A lookup for
+        k' >= k tokens starts with the lookup for k: the budget only truncates.)"""
+        k = min(self._max_k(req), budget)
         if k <= 0:
             return []
         if self.proposer is None:
             return [-1] * k
+        if lookups is not None:
+            return lookups.get(req.request_id, [])[:k]
         if req.spec_history is None:
             req.spec_history = TokenHistory()
         # (a missed lookup is not counted by the low-acceptance rule: on a copy-heavy CPU profile, 77 % of

@@ -40,6 +40,29 @@ def test_lookup_equals_the_sliding_window_reference():
             assert NgramProposer(lo, hi).propose(seq, k) == ngram_propose_ref(seq, k, lo, hi), (seq, lo, hi, k)
 
 
+def test_batched_lookup_equals_the_single_lookups():
+    import random
+
+    import numpy as np
+
+    rng = random.Random(1)
+    for vocab in (2, 3, 7, 1000):
+        for _ in range(80):
+            lo = rng.randrange(1, 5)
+            p = NgramProposer(lo, rng.randrange(lo, 7))
+            B = rng.randrange(0, 9)
+            seqs = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 120))] for _ in range(B)]
+            ks = [rng.randrange(0, 6) for _ in range(B)]
+            got = p.propose_batch([np.array(q, dtype=np.int64) for q in seqs], ks)
+            assert got == [p.propose(q, k) for q, k in zip(seqs, ks)], (seqs, ks, p.min_n, p.max_n)
+    # pinned: the first two find matches (the second's stops at its end), the third has none, k = 0 gives none
+    p = NgramProposer(1, 3)
+    seqs = [[5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7], [1, 2, 3, 1, 2], [1, 2, 3], [4, 4, 4]]
+    assert p.propose_batch(seqs, [3, 5, 2, 0]) == [[9, 2, 6], [3, 1, 2], [], []]
+    with pytest.raises(ValueError, match="ks"):
+        p.propose_batch(seqs, [3])
+
+
 def test_token_history_appends_only_new_tokens():
     from hayabusa.spec_decode.ngram import TokenHistory
 

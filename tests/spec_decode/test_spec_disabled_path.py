@@ -49,7 +49,9 @@ def spy_speculative_path(monkeypatch, llm) -> tuple[Spies, list[tuple[int, int, 
     spies = Spies(monkeypatch)
     spies.spy(SpecDecodeScheduling, "propose")
     spies.spy(SpecDecodeScheduling, "may_propose")
+    spies.spy(SpecDecodeScheduling, "lookup_all")
     spies.spy(NgramProposer, "propose", "ngram_propose")
+    spies.spy(NgramProposer, "propose_batch", "ngram_propose_batch")
     spies.spy(model_runner, "write_drafts")
     spies.spy(model_runner, "plan_verify")
     spies.spy(llm.llm_engine.scheduler.__class__, "wants_proposals")
@@ -91,6 +93,7 @@ def test_disabled_by_batch_size_takes_the_plain_path(tiny_llama, monkeypatch):
     assert all(len(ids) == MAX_TOKENS for ids in on)
     # 6 requests run together (> disable_by_batch_size = 2) from the first step: nothing speculative runs
     assert spies.calls["propose"] == spies.calls["may_propose"] == spies.calls["ngram_propose"] == 0
+    assert spies.calls["lookup_all"] == spies.calls["ngram_propose_batch"] == 0
     assert spies.calls["write_drafts"] == spies.calls["plan_verify"] == 0
     # the engine's one question per step() with a step in flight (the 19 overlapped ones and the last, which
     # schedules nothing), answered by the batch-size rule without looking at requests (may_propose: 0 calls)
@@ -108,7 +111,8 @@ def test_spies_see_proposals_below_the_threshold(tiny_llama, monkeypatch):
     """The spies are not blind: with the batch within disable_by_batch_size the same run proposes."""
     on, llm, (spies, steps) = _run(tiny_llama, monkeypatch, speculative_config=dict(NGRAM, disable_by_batch_size=0))
     assert spies.calls["propose"] > 0 and spies.calls["may_propose"] > 0
-    assert spies.calls["ngram_propose"] > 0 and spies.calls["write_drafts"] > 0 and spies.calls["plan_verify"] > 0
+    assert spies.calls["lookup_all"] > 0 and spies.calls["ngram_propose_batch"] > 0   # the step's lookups, batched
+    assert spies.calls["write_drafts"] > 0 and spies.calls["plan_verify"] > 0
     assert any(n for _, _, n in steps) and llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
     off, _, _ = _run(tiny_llama)
     assert on == off

@@ -148,6 +148,25 @@ def test_ngram_keeps_greedy_output(reference):
     assert llm.llm_engine.runner.num_greedy_verify_steps > 0
 
 
+def test_batched_ngram_lookups_keep_greedy_output_and_proposals(reference):
+    """The scheduler's batched n-gram lookups (SpecDecodeScheduling.lookup_all) against the same proposer called
+    per request: the same token ids as without speculation, and the same proposals verified and accepted."""
+    path, outs = reference["llama"]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = []
+    for batched in (True, False):
+        llm = LLM(path, max_num_seqs=4, device="cpu", speculative_config=NGRAM)
+        spec = llm.llm_engine.scheduler.spec
+        if not batched:
+            proposer = spec.proposer
+            spec.proposer = type("SingleOnly", (), {"propose": staticmethod(proposer.propose)})()
+        ids = _ids(llm.generate(PROMPTS, params, use_tqdm=False))
+        m = llm.get_metrics()
+        runs.append((ids, m["spec_decode_num_draft_tokens"], m["spec_decode_num_accepted_tokens"]))
+    assert runs[0][0] == _ids(outs) and runs[0] == runs[1]
+    assert runs[0][1] > 0
+
+
 def test_sampling_with_seed_is_reproducible(reference):
     path, outs = reference["llama"]
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=12, ignore_eos=True)

@@ -130,3 +130,47 @@ def test_low_acceptance_rule_config():
         with pytest.raises(HayabusaValidationError) as e:
             parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, key: value})
         assert e.value.parameter == f"speculative_config.{key}"
+
+
+def test_batched_ngram_lookups_schedule_the_same_proposals_as_single_ones():
+    """The scheduler's n-gram lookups run batched (SpecDecodeScheduling.lookup_all); per request (a proposer
+    without propose_batch) they give the same proposals, budget-trimmed the same way."""
+    import random
+
+    from hayabusa import SamplingParams
+    from hayabusa.core.request import Request
+    from hayabusa.spec_decode.ngram import NgramProposer
+
+    class SingleOnly:   # the same lookups, one request at a time
+        def __init__(self, p):
+            self.p = p
+
+        def propose(self, token_ids, k):
+            return self.p.propose(token_ids, k)
+
+    rng = random.Random(3)
+    for budget in (64, 9):     # 9: the later requests' proposals are trimmed by the step's budget
+        outs = []
+        for single in (False, True):
+            s = make_scheduler(max_num_batched_tokens=budget, max_num_seqs=6, num_blocks=64, block_size=4)
+            s.spec = SpecDecodeScheduling(SpeculativeConfig("ngram", 3, 3, 1), s.config.max_model_len)
+            if single:
+                s.spec.proposer = SingleOnly(s.spec.proposer)
+            assert isinstance(s.spec.proposer, NgramProposer) != single
+            rng.seed(budget)
+            for i in range(6):
+                s.add_request(Request(f"r{i}", [rng.randrange(3, 6) for _ in range(8)], SamplingParams(max_tokens=12),
+                                      eos_token_ids=(2,), max_tokens=12))
+            steps = []
+            while s.running or s.waiting:
+                out = s.schedule()
+                steps.append((dict(out.num_scheduled_tokens), dict(out.scheduled_spec_decode_tokens)))
+                sampled = {}
+                for rid, n in out.num_scheduled_tokens.items():
+                    drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+                    # accept the first proposal when there are two or more, then a token of its own
+                    sampled[rid] = drafts[:1 if len(drafts) > 1 else 0] + [3 + (n + len(rid)) % 3]
+                s.update_from_output(out, sampled)
+            outs.append(steps)
+        assert outs[0] == outs[1]
+        assert sum(len(d) for _, spec in outs[0] for d in spec.values()) > 10      # proposals were made
