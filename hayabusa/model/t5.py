@@ -305,7 +305,11 @@ class T5ForConditionalGeneration(nn.Module):
         self.lm_head.optional = True          # type: ignore[attr-defined]
         self.lm_head.weight_loader = self._load_lm_head  # type: ignore[attr-defined]
         self.has_lm_head = False
-        self.max_position = max(max_position, 1)
+        self.max_position = max(max_position, 1)        # the decoder's positions (max_model_len)
+        from hayabusa.config import derive_encoder_decoder_max_len
+
+        # the longest encoder input (the input processor's limit, ModelConfig.max_encoder_len)
+        self.max_encoder_len = max(derive_encoder_decoder_max_len(cfg), self.max_position)
         self._bias_table: torch.Tensor | None = None
         self._enc_bias: torch.Tensor | None = None
 
@@ -362,13 +366,13 @@ class T5ForConditionalGeneration(nn.Module):
     def _encoder_bias_table(self, L: int, dtype: torch.dtype) -> torch.Tensor:
         """[1, H, L', L'] the encoder's bidirectional position bias for every length up to L' >= L, computed once
         (the bias depends on key - query only, so a shorter sequence's is the top-left corner): an encoder run
-        then launches none of the ~20 small ops of the bucket arithmetic (issue #17). L' = max(L, max_position)
-        (the decoder's max_model_len; the encoder limit is the same number; the memory profile runs the encoder at
-        that length, so the table is in the peak) rounded up to 16, so each row of a slice starts 32-byte aligned
+        then launches none of the ~20 small ops of the bucket arithmetic (issue #17). L' = max(L, max_encoder_len)
+        (the encoder limit; the memory profile runs the encoder at that length, so the table is in the peak)
+        rounded up to 16, so each row of a slice starts 32-byte aligned
         (what SDPA's fused kernels want of a mask)."""
         cached = self._enc_bias
         if cached is None or cached.shape[-1] < L or cached.dtype != dtype:
-            n = -(-max(L, self.max_position) // 16) * 16
+            n = -(-max(L, self.max_encoder_len) // 16) * 16
             pos = torch.arange(n, device=self.shared.weight.device)
             buckets = relative_position_bucket(pos[None, :] - pos[:, None], True, self.num_buckets,
                                                self.max_distance)
@@ -421,17 +425,24 @@ class T5ForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Decoder tokens [T] -> decoder hidden states [T, d] (final norm applied; the head's scaling in
-        compute_logits). While memory is profiled (no cache) the encoder also runs over the same tokens, in
-        sequences of max_position, so its activations count."""
+        compute_logits). While memory is profiled (no cache) the encoder also runs first, over
+        max(T, max_encoder_len) tokens in sequences of max_encoder_len (a step's encoder inputs are at most
+        max_num_batched_tokens tokens, or one input of up to max_encoder_len), so its activations count."""
         if ctx.kv_caches is None:
-            T = input_ids.shape[0]
-            L = self.max_position
-            self.encode(input_ids, [L] * (T // L) + ([T % L] if T % L else []))
+            self.profile_encoder(input_ids.shape[0])
         x, residual = self.shared(input_ids), None                                     # [T, d]
         table = self.decoder_bias_table()
         for block in self.dec_blocks:
             x, residual = block(x, residual, ctx, table)
         return _add_norm(self.dec_final_norm, x, residual)[0]
+
+    def profile_encoder(self, num_tokens: int) -> list[int]:
+        """The largest encoder step for the memory profile: max(num_tokens, max_encoder_len) tokens (id 0) in
+        sequences of max_encoder_len tokens (the last one shorter). Returns the sequence lengths run."""
+        T, L = max(num_tokens, self.max_encoder_len), self.max_encoder_len
+        lens = [L] * (T // L) + ([T % L] if T % L else [])
+        self.encode(torch.zeros(T, dtype=torch.int64, device=self.shared.weight.device), lens)
+        return lens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, d] -> logits [R, V] in the model dtype."""

@@ -21,11 +21,14 @@ T5_JA_PROMPTS = [
 ]
 
 
-def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3, initializer_factor: float = 4.0) -> str:
+def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3, initializer_factor: float = 4.0,
+                 n_positions: int = 512) -> str:
     """A random 2-layer T5 in `out`: version "v1.0" (ReLU FFN, head tied to the embedding, decoder output scaled
     by d_model ** -0.5) or "v1.1" (gated-GELU FFN, its own lm_head, no scaling). vocab_size = the tokenizer's.
     2 encoder layers and 3 decoder layers by default (transformers' generate needs use_cache=False then: its cache
-    is sized by num_layers); num_decoder_layers=2 for code that runs generate with its cache."""
+    is sized by num_layers); num_decoder_layers=2 for code that runs generate with its cache. n_positions: the
+    model's length limit in config.json (transformers ignores it; hayabusa's encoder limit and default
+    max_model_len)."""
     from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
     from safetensors.torch import load_file, save_file
 
@@ -35,7 +38,8 @@ def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3, initializ
                    relative_attention_num_buckets=8, relative_attention_max_distance=16,
                    feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                   decoder_start_token_id=tok.pad_token_id, initializer_factor=initializer_factor)
+                   decoder_start_token_id=tok.pad_token_id, initializer_factor=initializer_factor,
+                   n_positions=n_positions)
     torch.manual_seed(1 if v11 else 0)
     model = T5ForConditionalGeneration(cfg)
     model.save_pretrained(str(out), safe_serialization=True)
