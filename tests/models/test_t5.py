@@ -5,6 +5,8 @@ preemption, n = 2 seeded sampling, explicit encoder/decoder prompts, logprobs, a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -390,6 +392,39 @@ def test_mt5_matches_hf(tmp_path):
                                       decoder_input_ids=torch.tensor([[cfg.decoder_start_token_id]])).logits[0, -1]
     want = float(torch.log_softmax(logits.float(), -1)[first.token_ids[0]])
     assert first.logprobs[0][first.token_ids[0]].logprob == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("version", ["v1.0", "v1.1"])
+def test_fp16_equals_hf_fp16_where_the_ffn_overflows(version, tmp_path):
+    """fp16 as transformers runs it (Flan-T5's case): FFN outputs past fp16's range (wo scaled up) go into an
+    fp32 residual stream, the first block's fp16 sums are clamped: greedy ids equal HF's fp16 ``generate`` (which
+    here equals HF fp32), every logprob finite. A residual kept in fp16 and clamped gives other ids."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSeq2SeqLM
+
+    model_dir = save_tiny_t5(tmp_path, version, num_decoder_layers=2, initializer_factor=1.0)
+    path = tmp_path / "model.safetensors"
+    sd = load_file(str(path))
+    sd = {k: v * 30000 if "DenseReluDense.wo" in k else v for k, v in sd.items()}
+    save_file(sd, str(path), metadata={"format": "pt"})
+    prompts = T5_EN_PROMPTS + T5_JA_PROMPTS
+    llm = LLM(model_dir, dtype="float16", max_num_seqs=8)
+    tok = llm.get_tokenizer()
+    enc = [tok(p).input_ids for p in prompts]
+    refs = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float16):
+            hf = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=dtype).eval()
+            if dtype == torch.float32:   # the residual stream does leave fp16's range
+                hidden = hf.encoder(input_ids=torch.tensor([enc[1]]), output_hidden_states=True).hidden_states
+                assert max(float(h.abs().max()) for h in hidden) > torch.finfo(torch.float16).max
+            refs[dtype] = [hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                       pad_token_id=hf.config.pad_token_id)[0, 1:].tolist() for ids in enc]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs[torch.float16] == refs[torch.float32]
+    assert all(math.isfinite(lp[t].logprob) for o in outs for t, lp in zip(o.outputs[0].token_ids,
+                                                                           o.outputs[0].logprobs))
 
 
 def test_prefill_warm_up_runs_on_the_triton_backend(tiny_t5):
