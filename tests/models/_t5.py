@@ -1,5 +1,11 @@
 """Tiny random-weight T5 checkpoints with a real SentencePiece tokenizer (llm-jp v2.2: Japanese and English), and
-HF's greedy reference for encoder-decoder models."""
+HF's greedy reference for encoder-decoder models.
+
+Why random weights (issue #17 asks for a trained T5 if a package ships one): no package on the Python package
+registry was found that ships trained T5 weights under a permissive licence (looked 2026-12-02: the package
+list's T5 entries are training / wrapper libraries that fetch weights from a model hub at run time; the two
+that looked like bundles, grass-sample-chatbot 0.1 and flan-t5-hf 0.7, are 1.5 kB and 1.9 kB: no weights), and
+nothing can be fetched from a hub here."""
 
 from __future__ import annotations
 
