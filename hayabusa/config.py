@@ -573,6 +573,9 @@ class ModelConfig:
     # num_layers / num_kv_heads / head_dim describe the decoder, whose layers hold self- and cross-attention KV.
     is_encoder_decoder: bool = False
     decoder_start_token_id: int | None = None
+    # the longest encoder input: the model's (config.json's n_positions, else 512), whatever max_model_len (which
+    # limits the decoder alone and may not exceed it); None for decoder-only models
+    max_encoder_len: int | None = None
     multimodal_config: Any = None      # the whole HF config of a model with a vision tower (vision_config), else None
     limit_mm_per_prompt: Any = None    # {modality: most items per prompt} (EngineArgs), None = vLLM's default
     batch_invariant: bool = False      # EngineArgs.batch_invariant or HAYABUSA_BATCH_INVARIANT=1
@@ -622,6 +625,7 @@ class ModelConfig:
                    eos_token_ids=eos, quant_config=quant_config, max_logprobs=args.max_logprobs,
                    is_encoder_decoder=enc_dec,
                    decoder_start_token_id=decoder_start_token_id(model_dir, text_config) if enc_dec else None,
+                   max_encoder_len=derived if enc_dec else None,
                    multimodal_config=hf_config if getattr(hf_config, "vision_config", None) is not None else None,
                    limit_mm_per_prompt=args.limit_mm_per_prompt,
                    batch_invariant=batch_invariant_requested(args.batch_invariant))

@@ -7,10 +7,11 @@
   none) is a str (tokenized without special tokens) or token ids, and gets ``decoder_start_token_id`` in front
   unless it already starts with it (vLLM's rule).
 
-Limits: the encoder input must be non-empty and at most ``max_model_len`` tokens (vLLM checks encoder prompts
-against max_model_len too; T5 has relative positions, so the limit is the engine's, default n_positions or 512);
-the decoder prompt must leave room for one output token (``check_prompt_length``). A longer input is refused by
-name before anything is queued.
+Limits: the encoder input must be non-empty and at most ``ModelConfig.max_encoder_len`` tokens, the model's limit
+(config.json's ``n_positions``, else 512, the length T5 was trained at), whatever ``max_model_len``: that one limits
+the decoder alone (its prompt + output tokens), so a 256-token input -> 64-token extraction job can run with
+max_model_len=65. The decoder prompt must leave room for one output token (``check_prompt_length``). A longer input
+is refused by name before anything is queued.
 """
 
 from __future__ import annotations
@@ -75,10 +76,11 @@ def _check_encoder_ids(ip: InputProcessor, ids: list[int], name: str) -> None:
         raise HayabusaValidationError(
             f"token id {ids[bad]} at position {bad} of the {name} is out of vocabulary (vocab_size="
             f"{mc.vocab_size}).", parameter=name, value=ids[bad])
-    if len(ids) > mc.max_model_len:
+    if len(ids) > mc.max_encoder_len:
         raise HayabusaValidationError(
-            f"the {name} (the encoder input) has {len(ids)} tokens, more than the encoder limit max_model_len="
-            f"{mc.max_model_len}.", parameter=name, value=len(ids))
+            f"the {name} (the encoder input) has {len(ids)} tokens, more than the model's encoder limit of "
+            f"{mc.max_encoder_len} tokens (max_encoder_len, from config.json's n_positions; max_model_len="
+            f"{mc.max_model_len} limits the decoder only).", parameter=name, value=len(ids))
 
 
 __all__ = ["process_encoder_decoder", "check_prompt_length"]

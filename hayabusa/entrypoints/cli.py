@@ -141,11 +141,13 @@ def _engine_prompts(llm: Any, ns: argparse.Namespace, rows: list[tuple[int, dict
             if llm.llm_engine.config.model_config.is_encoder_decoder:
                 from hayabusa.engine.encoder_decoder_inputs import process_encoder_decoder
 
-                process_encoder_decoder(processor, prompt, sp)    # the encoder limit, the decoder prompt
+                # the engine's rule: the encoder limit (the model's, not max_model_len), the decoder prompt
+                text, _, ids = process_encoder_decoder(processor, prompt, sp)
                 if isinstance(prompt, dict) and "encoder_prompt" in prompt:
                     prompts.append(prompt)
                     continue
-            text, ids = processor.process(prompt, sp)
+            else:
+                text, ids = processor.process(prompt, sp)
         except HayabusaValidationError as e:
             raise e.prefixed(f"{ns.prompts}:{lineno}") from None
         prompts.append({"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids})

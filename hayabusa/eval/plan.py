@@ -22,7 +22,9 @@ Encoder-decoder models (T5): the KV cache belongs to the decoder layers (layers 
 d_kv), and a request holds K/V for its decoder tokens and, in cross-attention blocks of the same pool, for each of
 its encoder tokens (every decoder layer's cross-attention K and V):
   kv bytes per request = (decoder tokens + encoder tokens) x kv_bytes_per_token
-  max_num_seqs_at_max_model_len = floor(max_num_tokens / (2 x max_model_len))   (encoder inputs of max_model_len)
+  max_num_seqs_at_max_model_len = floor(max_num_tokens / (max_model_len + max_encoder_len))
+  (encoder inputs of the model's encoder limit, max_encoder_len = config.json's n_positions, else 512, whatever
+  max_model_len, which limits the decoder alone)
 CUDA graphs are captured after the KV cache is allocated and take memory beyond gpu_memory_utilization (some
 hundred MiB; enforce_eager avoids it); they are not in the budget, as in the engine.
 """
@@ -315,12 +317,14 @@ def _sizes(cfg: Any, inp: PlanInputs) -> dict[str, Any]:
         "overhead_bytes": NON_TORCH_BYTES,
         "tokens_per_request": max_len,
     }
-    if shape.encoder_layers:   # cross-attention K/V of an encoder input of max_model_len tokens, per request
+    if shape.encoder_layers:   # cross-attention K/V of an encoder input of the model's limit, per request
+        enc_len = shape.max_position                    # derive_encoder_decoder_max_len: the engine's max_encoder_len
         out["encoder_decoder"] = True
-        out["cross_kv_bytes_per_request"] = kv_per_token * max_len
-        out["tokens_per_request"] = 2 * max_len
+        out["max_encoder_len"] = enc_len
+        out["cross_kv_bytes_per_request"] = kv_per_token * enc_len
+        out["tokens_per_request"] = max_len + enc_len
         out["kv_formula"] += (f"; per request (decoder tokens + encoder tokens) x kv_bytes_per_token: cross-attention "
-                              f"K/V of {max_len} encoder tokens = {kv_per_token * max_len} bytes")
+                              f"K/V of {enc_len} encoder tokens = {kv_per_token * enc_len} bytes")
     out.update(_offload(shape, params, linear_bytes, b, inp))
     out["pp"] = inp.pp
     if inp.pp > 1:   # per GPU: the largest stage's layers (and their KV) and one vocabulary-sized matrix

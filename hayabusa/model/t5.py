@@ -14,10 +14,12 @@ Facts from transformers' ``modeling_t5.py`` (code our own):
   an untied lm_head and no scaling. The scaling follows config.json's ``tie_word_embeddings`` (transformers 5.2x
   keeps it as ``scale_decoder_outputs``); the head is ``lm_head.weight`` when the checkpoint has one, else
   ``shared``.
-- fp16: after each sub-layer the hidden states are clamped to the fp16 range (max - 1000 when an inf appeared),
-  as transformers does, and the FFN's ``wo`` runs in fp32 (transformers' ``_keep_in_fp32_modules``); its output
-  is clamped into fp16's range and added to the fp16 residual stream (transformers lets that sum become fp32, so
-  fp16 runs can differ from it in the last bits; bf16 is the dtype T5 v1.1 was trained in).
+- fp16, as transformers runs it: the FFN's ``wo`` runs in fp32 (``_keep_in_fp32_modules``) and its fp32 output
+  added to the fp16 residual makes the residual stream fp32 (type promotion) from the first FFN on; a sum that is
+  still fp16 (the first block's attention sub-layers) is clamped to the fp16 range (max - 1000 when an inf
+  appeared); every norm computes in fp32 and casts to fp16 before its weight (T5LayerNorm), so the layers' inputs
+  stay fp16. Flan-T5's FFN outputs overflow fp16: a residual kept in fp16 (clamped) loses them, this one does not.
+  bf16 and fp32 keep the residual in the model dtype (bf16 is the dtype T5 v1.1 was trained in).
 
 Model interface used by ``worker/encoder_decoder.py`` (the model knows no requests):
     encode(input_ids [T_e], seq_lens list[int]) -> encoder output [T_e, d_model] (the sequences packed)
@@ -80,15 +82,27 @@ def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:
 T5LayerNorm = RMSNorm
 
 
+def _t5_norm_fp16(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """transformers' T5LayerNorm with fp16 weights: x [T, d] (fp16 or fp32) normed in fp32, cast to fp16, times
+    the weight -> [T, d] fp16."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * xf.to(torch.float16)
+
+
 def _add_norm(norm: RMSNorm, delta: torch.Tensor, residual: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(residual + delta), residual + delta): the residual stream after a sub-layer and the next sub-layer's
-    normed input. fp16: the sum is clamped first, as transformers does (so the add is not fused)."""
+    normed input. fp16 weights (transformers' numerics, see the module docstring): an fp16 sum is clamped first
+    (so the add is not fused); an fp32 delta (the FFN's fp32 ``wo``) or residual makes the sum fp32, unclamped;
+    the normed output is fp16 either way."""
+    if norm.weight.dtype == torch.float16:
+        x = delta if residual is None else residual + delta            # fp16 + fp32 -> fp32, as in transformers
+        if x.dtype == torch.float16:
+            x = _clamp_fp16(x)
+        return _t5_norm_fp16(norm, x), x
     if residual is None:
         return norm(delta), delta
-    if delta.dtype == torch.float16:
-        x = _clamp_fp16(residual + delta)
-        return norm(x), x
     return norm(delta, residual)
 
 
@@ -116,8 +130,8 @@ class T5FF(nn.Module):
             h = self.act(h[:, :self.d_ff]) * h[:, self.d_ff:]
         else:
             h = self.act(h)
-        if self.wo_fp32:   # back into fp16's range before the residual add (which _add_norm clamps again)
-            return self.wo(h.float()).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+        if self.wo_fp32:   # fp32 out, as transformers: the residual add makes the stream fp32 (_add_norm)
+            return self.wo(h.float())
         return self.wo(h)
 
 
@@ -305,7 +319,11 @@ class T5ForConditionalGeneration(nn.Module):
         self.lm_head.optional = True          # type: ignore[attr-defined]
         self.lm_head.weight_loader = self._load_lm_head  # type: ignore[attr-defined]
         self.has_lm_head = False
-        self.max_position = max(max_position, 1)
+        self.max_position = max(max_position, 1)        # the decoder's positions (max_model_len)
+        from hayabusa.config import derive_encoder_decoder_max_len
+
+        # the longest encoder input (the input processor's limit, ModelConfig.max_encoder_len)
+        self.max_encoder_len = max(derive_encoder_decoder_max_len(cfg), self.max_position)
         self._bias_table: torch.Tensor | None = None
         self._enc_bias: torch.Tensor | None = None
 
@@ -362,13 +380,13 @@ class T5ForConditionalGeneration(nn.Module):
     def _encoder_bias_table(self, L: int, dtype: torch.dtype) -> torch.Tensor:
         """[1, H, L', L'] the encoder's bidirectional position bias for every length up to L' >= L, computed once
         (the bias depends on key - query only, so a shorter sequence's is the top-left corner): an encoder run
-        then launches none of the ~20 small ops of the bucket arithmetic (issue #17). L' = max(L, max_position)
-        (the decoder's max_model_len; the encoder limit is the same number; the memory profile runs the encoder at
-        that length, so the table is in the peak) rounded up to 16, so each row of a slice starts 32-byte aligned
+        then launches none of the ~20 small ops of the bucket arithmetic (issue #17). L' = max(L, max_encoder_len)
+        (the encoder limit; the memory profile runs the encoder at that length, so the table is in the peak)
+        rounded up to 16, so each row of a slice starts 32-byte aligned
         (what SDPA's fused kernels want of a mask)."""
         cached = self._enc_bias
         if cached is None or cached.shape[-1] < L or cached.dtype != dtype:
-            n = -(-max(L, self.max_position) // 16) * 16
+            n = -(-max(L, self.max_encoder_len) // 16) * 16
             pos = torch.arange(n, device=self.shared.weight.device)
             buckets = relative_position_bucket(pos[None, :] - pos[:, None], True, self.num_buckets,
                                                self.max_distance)
@@ -421,17 +439,24 @@ class T5ForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Decoder tokens [T] -> decoder hidden states [T, d] (final norm applied; the head's scaling in
-        compute_logits). While memory is profiled (no cache) the encoder also runs over the same tokens, in
-        sequences of max_position, so its activations count."""
+        compute_logits). While memory is profiled (no cache) the encoder also runs first, over
+        max(T, max_encoder_len) tokens in sequences of max_encoder_len (a step's encoder inputs are at most
+        max_num_batched_tokens tokens, or one input of up to max_encoder_len), so its activations count."""
         if ctx.kv_caches is None:
-            T = input_ids.shape[0]
-            L = self.max_position
-            self.encode(input_ids, [L] * (T // L) + ([T % L] if T % L else []))
+            self.profile_encoder(input_ids.shape[0])
         x, residual = self.shared(input_ids), None                                     # [T, d]
         table = self.decoder_bias_table()
         for block in self.dec_blocks:
             x, residual = block(x, residual, ctx, table)
         return _add_norm(self.dec_final_norm, x, residual)[0]
+
+    def profile_encoder(self, num_tokens: int) -> list[int]:
+        """The largest encoder step for the memory profile: max(num_tokens, max_encoder_len) tokens (id 0) in
+        sequences of max_encoder_len tokens (the last one shorter). Returns the sequence lengths run."""
+        T, L = max(num_tokens, self.max_encoder_len), self.max_encoder_len
+        lens = [L] * (T // L) + ([T % L] if T % L else [])
+        self.encode(torch.zeros(T, dtype=torch.int64, device=self.shared.weight.device), lens)
+        return lens
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, d] -> logits [R, V] in the model dtype."""

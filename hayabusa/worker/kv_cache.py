@@ -40,8 +40,8 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
     ``total x gpu_memory_utilization - profiled peak (weights + activations) - non-torch memory`` (with
     cpu_offload_gb the profiled weights are the resident ones plus the offload ring: worker/cpu_offload.py); on CPU
     ``CPU_KV_CACHE_DEFAULT_BYTES`` capped at what max_num_seqs sequences of max_model_len tokens can use.
-    Encoder-decoder models: a sequence also holds cross-attention K/V for up to max_model_len encoder tokens
-    (the encoder limit), in blocks of the same pool.
+    Encoder-decoder models: a sequence also holds cross-attention K/V for up to ``ModelConfig.max_encoder_len``
+    encoder tokens (the model's encoder limit), in blocks of the same pool.
 
     Raises:
         KVCacheCapacityError: not even one max_model_len sequence fits; the message says which knob to turn.
@@ -50,7 +50,7 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
     per_block = bytes_per_block(cfg)
     blocks_per_seq = -(-sc.max_model_len // cc.block_size)
     if cfg.model_config.is_encoder_decoder:  # a request also holds its encoder input's cross-attention K/V
-        blocks_per_seq *= 2
+        blocks_per_seq += -(-cfg.model_config.max_encoder_len // cc.block_size)
     device = cfg.device_config.device
     if cc.num_gpu_blocks_override is not None:
         num_blocks, source = cc.num_gpu_blocks_override, "num_gpu_blocks_override"
@@ -66,10 +66,12 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
         source = "the CPU default budget (kv_cache_memory_bytes)"
     if num_blocks < blocks_per_seq:
         need = blocks_per_seq * per_block
+        cross = "" if not cfg.model_config.is_encoder_decoder else \
+            f" and the cross-attention K/V of an encoder input of max_encoder_len={cfg.model_config.max_encoder_len}"
         raise KVCacheCapacityError(
             f"the KV cache ({num_blocks} blocks of {cc.block_size} tokens, from {source}) cannot hold one sequence "
-            f"of max_model_len={sc.max_model_len} tokens ({blocks_per_seq} blocks, {need / 2**20:.1f} MiB for "
-            f"{bytes_per_token(cfg)} bytes/token). Lower max_model_len, or " + _more_kv_advice(source) + ".",
+            f"of max_model_len={sc.max_model_len} tokens{cross} ({blocks_per_seq} blocks, {need / 2**20:.1f} MiB "
+            f"for {bytes_per_token(cfg)} bytes/token). Lower max_model_len, or " + _more_kv_advice(source) + ".",
             parameter="max_model_len", value=sc.max_model_len)
     return int(num_blocks)
 

@@ -170,7 +170,7 @@ class ModelRunner:
             from hayabusa.worker.encoder_decoder import EncoderDecoderRunner
 
             self.encdec = EncoderDecoderRunner(self.model, self.block_size, self.max_num_reqs, self.max_num_tokens,
-                                               sc.max_model_len, self.device)
+                                               mc.max_encoder_len, self.device)
         self._alloc_staging_buffers()
         self.kv_buffer: torch.Tensor | None = None   # [L, 2, num_blocks, block_size, H_kv, D], this stage's layers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []   # by layer; None: another stage's

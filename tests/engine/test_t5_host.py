@@ -84,15 +84,16 @@ def test_encoder_bias_is_a_corner_of_one_table():
     from hayabusa.model.t5 import T5ForConditionalGeneration, _Padding, relative_position_bucket
 
     cfg = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
-                   relative_attention_num_buckets=8, relative_attention_max_distance=16)
-    model = T5ForConditionalGeneration(cfg, torch.float32, torch.device("cpu"), max_position=37)
+                   relative_attention_num_buckets=8, relative_attention_max_distance=16, n_positions=37)
+    model = T5ForConditionalGeneration(cfg, torch.float32, torch.device("cpu"), max_position=20)
+    assert model.max_encoder_len == 37           # the model's limit (n_positions), not the decoder's max_position
     torch.nn.init.normal_(model.enc_rel_bias.weight)
     for L in (1, 5, 37, 50):
         pos = torch.arange(L)
         want = model.enc_rel_bias(relative_position_bucket(pos[None, :] - pos[:, None], True, 8, 16))
         got = model._encoder_bias(L, _Padding([L, L], torch.device("cpu")), torch.float32)
         assert got.shape == (1, 2, L, L) and torch.equal(got[0], want.permute(2, 0, 1))
-    assert model._enc_bias.shape[-1] == 64        # grown once past max_position (48: 37 rounded up to 16) for 50
+    assert model._enc_bias.shape[-1] == 64        # grown once past max_encoder_len (48: 37 rounded up to 16) for 50
     ragged = model._encoder_bias(5, _Padding([5, 3], torch.device("cpu")), torch.float32)     # padding keys masked
     assert ragged.shape == (2, 2, 5, 5) and (ragged[1, :, :, 3:] < -1e30).all() and torch.isfinite(ragged[0]).all()
 

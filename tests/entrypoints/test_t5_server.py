@@ -47,11 +47,12 @@ def test_completions_plain_and_streaming(t5_model, t5_server):
 
 
 def test_too_long_encoder_input_is_a_400(t5_server):
+    """The encoder limit is the model's (n_positions 512), not max_model_len (64: the decoder's)."""
     client = t5_server.client()
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny-t5", prompt=[5] * 65, max_tokens=4)
-    assert "64" in str(e.value)
-    r = client.completions.create(model="tiny-t5", prompt=[5] * 64, max_tokens=4, temperature=0.0,
+        client.completions.create(model="tiny-t5", prompt=[5] * 513, max_tokens=4)
+    assert "512 tokens" in str(e.value) and "513 tokens" in str(e.value)
+    r = client.completions.create(model="tiny-t5", prompt=[5] * 512, max_tokens=4, temperature=0.0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
     wait_idle(t5_server.engine)

@@ -1,5 +1,11 @@
 """Tiny random-weight T5 checkpoints with a real SentencePiece tokenizer (llm-jp v2.2: Japanese and English), and
-HF's greedy reference for encoder-decoder models."""
+HF's greedy reference for encoder-decoder models.
+
+Why random weights (issue #17 asks for a trained T5 if a package ships one): no package on the Python package
+registry was found that ships trained T5 weights under a permissive licence (looked 2026-12-02: the package
+list's T5 entries are training / wrapper libraries that fetch weights from a model hub at run time; the two
+that looked like bundles, grass-sample-chatbot 0.1 and flan-t5-hf 0.7, are 1.5 kB and 1.9 kB: no weights), and
+nothing can be fetched from a hub here."""
 
 from __future__ import annotations
 
@@ -21,11 +27,14 @@ T5_JA_PROMPTS = [
 ]
 
 
-def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3, initializer_factor: float = 4.0) -> str:
+def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3, initializer_factor: float = 4.0,
+                 n_positions: int = 512) -> str:
     """A random 2-layer T5 in `out`: version "v1.0" (ReLU FFN, head tied to the embedding, decoder output scaled
     by d_model ** -0.5) or "v1.1" (gated-GELU FFN, its own lm_head, no scaling). vocab_size = the tokenizer's.
     2 encoder layers and 3 decoder layers by default (transformers' generate needs use_cache=False then: its cache
-    is sized by num_layers); num_decoder_layers=2 for code that runs generate with its cache."""
+    is sized by num_layers); num_decoder_layers=2 for code that runs generate with its cache. n_positions: the
+    model's length limit in config.json (transformers ignores it; hayabusa's encoder limit and default
+    max_model_len)."""
     from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
     from safetensors.torch import load_file, save_file
 
@@ -35,7 +44,8 @@ def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3, initializ
                    relative_attention_num_buckets=8, relative_attention_max_distance=16,
                    feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                   decoder_start_token_id=tok.pad_token_id, initializer_factor=initializer_factor)
+                   decoder_start_token_id=tok.pad_token_id, initializer_factor=initializer_factor,
+                   n_positions=n_positions)
     torch.manual_seed(1 if v11 else 0)
     model = T5ForConditionalGeneration(cfg)
     model.save_pretrained(str(out), safe_serialization=True)

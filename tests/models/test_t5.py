@@ -5,11 +5,13 @@ preemption, n = 2 seeded sampling, explicit encoder/decoder prompts, logprobs, a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from hayabusa import LLM, SamplingParams
-from hayabusa.errors import HayabusaValidationError
+from hayabusa.errors import HayabusaValidationError, KVCacheCapacityError
 from tests.helpers import step_until_done
 from tests.models._t5 import T5_EN_PROMPTS, T5_JA_PROMPTS, hf_t5, hf_t5_greedy, save_tiny_t5
 
@@ -32,14 +34,19 @@ CONFIGS = {
 }
 
 
+# the model's limit (config.json n_positions): the encoder limit, and the default max_model_len; small so that the
+# KV sizing's one full sequence (decoder + cross blocks of an encoder input this long) leaves room for preemption
+N_POSITIONS = 192
+
+
 @pytest.fixture(scope="session")
 def tiny_t5(tmp_path_factory) -> str:
-    return save_tiny_t5(tmp_path_factory.mktemp("tiny_t5"), "v1.0")
+    return save_tiny_t5(tmp_path_factory.mktemp("tiny_t5"), "v1.0", n_positions=N_POSITIONS)
 
 
 @pytest.fixture(scope="session")
 def tiny_t5_v11(tmp_path_factory) -> str:
-    return save_tiny_t5(tmp_path_factory.mktemp("tiny_t5_v11"), "v1.1")
+    return save_tiny_t5(tmp_path_factory.mktemp("tiny_t5_v11"), "v1.1", n_positions=N_POSITIONS)
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +149,26 @@ def test_logprobs_match_hf(arch, request):
 
 
 def test_too_long_encoder_input_is_refused_and_the_next_request_served(tiny_t5, refs):
+    """The encoder limit is the model's (config.json n_positions); max_model_len limits the decoder alone."""
     llm = LLM(tiny_t5, max_model_len=64)
     tok = llm.get_tokenizer()
+    assert llm.llm_engine.config.model_config.max_encoder_len == N_POSITIONS
+    too_long = tok(LONG * 2).input_ids
+    assert len(too_long) > N_POSITIONS
     with pytest.raises(HayabusaValidationError) as e:
-        llm.generate(LONG, GREEDY, use_tqdm=False)
-    assert e.value.parameter == "prompt" and "max_model_len=64" in str(e.value)
+        llm.generate(LONG * 2, GREEDY, use_tqdm=False)
+    assert e.value.parameter == "prompt" and e.value.value == len(too_long)
+    assert f"encoder limit of {N_POSITIONS} tokens" in str(e.value) and "max_model_len=64" in str(e.value)
     with pytest.raises(HayabusaValidationError) as e:
-        llm.generate({"encoder_prompt": {"prompt_token_ids": [5] * 65}}, GREEDY, use_tqdm=False)
-    assert e.value.parameter == "encoder_prompt" and e.value.value == 65
+        llm.generate({"encoder_prompt": {"prompt_token_ids": [5] * (N_POSITIONS + 1)}}, GREEDY, use_tqdm=False)
+    assert e.value.parameter == "encoder_prompt" and e.value.value == N_POSITIONS + 1
+    # an encoder input longer than max_model_len (LONG: 165 tokens) but within the model's limit is served, with
+    # HF's ids; so is one of exactly the limit
+    enc, ref = _hf_ref(refs, tiny_t5, tok)
+    assert 64 < len(enc[5]) <= N_POSITIONS
+    assert llm.generate(LONG, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref[5]
+    out = llm.generate({"prompt_token_ids": [5] * N_POSITIONS}, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
     with pytest.raises(HayabusaValidationError) as e:
         llm.generate({"encoder_prompt": "x", "decoder_prompt": [5] * 64}, GREEDY, use_tqdm=False)
     assert e.value.parameter == "prompt"                         # the decoder prompt leaves no room
@@ -158,7 +177,6 @@ def test_too_long_encoder_input_is_refused_and_the_next_request_served(tiny_t5, 
         with pytest.raises(HayabusaValidationError) as e:
             llm.generate(bad, GREEDY, use_tqdm=False)
         assert e.value.parameter == "multi_modal_data" and "takes text only" in str(e.value)
-    _, ref = _hf_ref(refs, tiny_t5, tok)
     out = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref[0]
 
@@ -221,6 +239,32 @@ def test_plan_counts_t5_and_its_cross_attention_kv():
     assert p["kv_bytes_per_token"] == per_token and p["cross_kv_bytes_per_request"] == per_token * 512
     assert p["max_num_seqs_at_max_model_len"] == p["max_num_tokens"] // 1024
     assert "encoder tokens" in p["kv_formula"]
+    # max_model_len limits the decoder alone: a request still holds the cross K/V of the model's encoder limit
+    short = make_plan(small, PlanInputs(dtype="bfloat16", max_model_len=65), gpu_memory_gib=80)
+    assert short["max_encoder_len"] == 512 and short["cross_kv_bytes_per_request"] == per_token * 512
+    assert short["max_num_seqs_at_max_model_len"] == short["max_num_tokens"] // (65 + 512)
+
+
+def test_memory_profile_runs_the_encoder_at_the_encoder_limit(tiny_t5, monkeypatch):
+    """The KV sizing's profile pass (a forward without a cache) runs the encoder too, over max(T, max_encoder_len)
+    tokens in sequences of the model's encoder limit, so the largest encoder step's activations are in the peak
+    whatever max_model_len is."""
+    from hayabusa.attention.metadata import ForwardContext
+
+    runner = LLM(tiny_t5, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=100).llm_engine.runner
+    model = runner.model
+    assert model.max_encoder_len == N_POSITIONS and model.max_position == 32
+    seen = []
+    encode = model.encode
+    monkeypatch.setattr(model, "encode", lambda ids, lens: seen.append((ids.shape[0], list(lens))) or encode(ids, lens))
+    for T, lens in ((100, [N_POSITIONS]), (500, [N_POSITIONS, N_POSITIONS, 500 - 2 * N_POSITIONS])):
+        seen.clear()
+        hidden = model(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64),
+                       ForwardContext(None, None, runner.backend))
+        assert seen == [(sum(lens), lens)] and hidden.shape == (T, model.config.d_model)
+    seen.clear()   # one token: still one sequence of the encoder limit
+    runner.model.profile_encoder(1)
+    assert seen == [(N_POSITIONS, [N_POSITIONS])]
 
 
 def test_hayabusa_generate_cli(tiny_t5, refs, tmp_path, capsys):
@@ -241,11 +285,17 @@ def test_hayabusa_generate_cli(tiny_t5, refs, tmp_path, capsys):
     got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert got[0]["outputs"][0]["token_ids"] == ref[0] and got[2]["outputs"][0]["token_ids"] == ref[3]
     assert got[1]["prompt_token_ids"][1:] == [5, 6] and len(got[1]["outputs"][0]["token_ids"]) == MAX_TOKENS
-    path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": LONG}) + "\n", encoding="utf-8")
+    # max_model_len limits the decoder alone: LONG (165 tokens) runs with --max-model-len 64, HF's ids; an encoder
+    # input over the model's limit (n_positions) is named by its line
+    path.write_text(json.dumps({"prompt": LONG}) + "\n", encoding="utf-8")
+    assert main(["generate", "--model", tiny_t5, "--prompts", str(path), "--output", str(out), "--no-tqdm",
+                 "--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--max-model-len", "64"]) == 0
+    assert json.loads(out.read_text(encoding="utf-8"))["outputs"][0]["token_ids"] == ref[5]
+    path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": LONG * 2}) + "\n", encoding="utf-8")
     assert main(["generate", "--model", tiny_t5, "--prompts", str(path), "--output", str(tmp_path / "o2.jsonl"),
                  "--no-tqdm", "--max-model-len", "64"]) == 2
     err = capsys.readouterr().err
-    assert f"{path}:2:" in err and "max_model_len=64" in err and "Traceback" not in err
+    assert f"{path}:2:" in err and f"encoder limit of {N_POSITIONS} tokens" in err and "Traceback" not in err
 
 
 def test_hayabusa_eval_on_the_bundled_receipts(tmp_path, capsys):
@@ -298,15 +348,22 @@ def test_long_decoder_prompt_in_chunks_and_preempted(tiny_t5_v11):
     same under preemption: the ids of one unchunked run."""
     dec = list(range(100, 140))
     prompts = [{"encoder_prompt": p, "decoder_prompt": dec} for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)      # 41 + 23 = max_model_len 64
 
     def run(**kw):
-        return [o.outputs[0].token_ids for o in LLM(tiny_t5_v11, **kw).generate(prompts, GREEDY, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in LLM(tiny_t5_v11, **kw).generate(prompts, params, use_tqdm=False)]
 
     base = run(max_num_seqs=4)
     assert run(max_num_seqs=4, max_num_batched_tokens=16) == base
-    llm_kw = dict(max_num_seqs=4, block_size=4, num_gpu_blocks_override=40, max_model_len=64)
+    # the smallest pool the KV sizing allows: one sequence's 16 decoder blocks + the 48 cross blocks of an encoder
+    # input of the model's limit (192 tokens). Three requests are admitted (3 + 13 + 1 cross blocks, 11 decoder
+    # blocks each at 41 tokens); growing to 64 tokens they need 15 more blocks than the 14 left: preemption
+    llm_kw = dict(max_num_seqs=4, block_size=4, num_gpu_blocks_override=64, max_model_len=64)
+    with pytest.raises(KVCacheCapacityError, match="max_encoder_len=192") as e:
+        LLM(tiny_t5_v11, **{**llm_kw, "num_gpu_blocks_override": 63})
+    assert "(64 blocks" in str(e.value)
     llm = LLM(tiny_t5_v11, **llm_kw)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == base
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == base
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
@@ -335,6 +392,39 @@ def test_mt5_matches_hf(tmp_path):
                                       decoder_input_ids=torch.tensor([[cfg.decoder_start_token_id]])).logits[0, -1]
     want = float(torch.log_softmax(logits.float(), -1)[first.token_ids[0]])
     assert first.logprobs[0][first.token_ids[0]].logprob == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("version", ["v1.0", "v1.1"])
+def test_fp16_equals_hf_fp16_where_the_ffn_overflows(version, tmp_path):
+    """fp16 as transformers runs it (Flan-T5's case): FFN outputs past fp16's range (wo scaled up) go into an
+    fp32 residual stream, the first block's fp16 sums are clamped: greedy ids equal HF's fp16 ``generate`` (which
+    here equals HF fp32), every logprob finite. A residual kept in fp16 and clamped gives other ids."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForSeq2SeqLM
+
+    model_dir = save_tiny_t5(tmp_path, version, num_decoder_layers=2, initializer_factor=1.0)
+    path = tmp_path / "model.safetensors"
+    sd = load_file(str(path))
+    sd = {k: v * 30000 if "DenseReluDense.wo" in k else v for k, v in sd.items()}
+    save_file(sd, str(path), metadata={"format": "pt"})
+    prompts = T5_EN_PROMPTS + T5_JA_PROMPTS
+    llm = LLM(model_dir, dtype="float16", max_num_seqs=8)
+    tok = llm.get_tokenizer()
+    enc = [tok(p).input_ids for p in prompts]
+    refs = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float16):
+            hf = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=dtype).eval()
+            if dtype == torch.float32:   # the residual stream does leave fp16's range
+                hidden = hf.encoder(input_ids=torch.tensor([enc[1]]), output_hidden_states=True).hidden_states
+                assert max(float(h.abs().max()) for h in hidden) > torch.finfo(torch.float16).max
+            refs[dtype] = [hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                       pad_token_id=hf.config.pad_token_id)[0, 1:].tolist() for ids in enc]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs[torch.float16] == refs[torch.float32]
+    assert all(math.isfinite(lp[t].logprob) for o in outs for t, lp in zip(o.outputs[0].token_ids,
+                                                                           o.outputs[0].logprobs))
 
 
 def test_prefill_warm_up_runs_on_the_triton_backend(tiny_t5):

@@ -94,3 +94,18 @@ def test_cuda_fp16_runs_with_the_clamp(t5_dir):
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert all(lp[t].logprob > float("-inf") for o in outs for t, lp in zip(o.outputs[0].token_ids,
                                                                            o.outputs[0].logprobs))
+
+
+def test_cuda_fp16_equals_cpu_where_the_ffn_overflows(tmp_path):
+    """fp16 on CUDA (graphs) with FFN outputs past fp16's range (wo x 30000: the residual stream goes fp32 as in
+    transformers): the CPU fp16 path's ids (equal to HF fp16 there, tests/models/test_t5.py), by the parity rule."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save_tiny_t5(tmp_path, "v1.1", num_decoder_layers=2, initializer_factor=1.0)
+    path = tmp_path / "model.safetensors"
+    sd = load_file(str(path))
+    save_file({k: v * 30000 if "DenseReluDense.wo" in k else v for k, v in sd.items()}, str(path),
+              metadata={"format": "pt"})
+    gpu = _run(model_dir, "cuda", "float16")
+    assert all(len(t) == 24 for t, _ in gpu)
+    _assert_close(gpu, _run(model_dir, "cpu", "float16"), min_equal=0.8)

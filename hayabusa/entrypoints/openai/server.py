@@ -215,7 +215,8 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int, max_model_len: int,
                  body_timeout: float) -> Any:
     """Read, parse and validate the body; a body over OFF_LOOP_BODY_BYTES on a worker thread (the event loop
-    keeps serving the others meanwhile), after the structural bounds of ``check_request_shape``."""
+    keeps serving the others meanwhile), after the structural bounds of ``check_request_shape`` (max_model_len: the
+    longest token-id prompt, an encoder-decoder model's encoder limit)."""
     body = await read_body(request, max_body_bytes, body_timeout)
     if len(body) <= OFF_LOOP_BODY_BYTES:
         return _validate(body, model, max_model_len)
@@ -294,7 +295,11 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
     app.add_middleware(HostOriginMiddleware, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
     created = int(time.time())
-    max_model_len = engine.engine.config.model_config.max_model_len
+    mc = engine.engine.config.model_config
+    max_model_len = mc.max_model_len
+    # the longest token-id prompt the structural check lets through: encoder-decoder (T5) prompts are encoder
+    # inputs, limited by the model's encoder limit, not by max_model_len (the decoder's)
+    max_prompt_len = mc.max_encoder_len if mc.is_encoder_decoder else max_model_len
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -345,13 +350,13 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest, max_request_body_bytes, max_model_len,
+        req = await _parse(request, CompletionRequest, max_request_body_bytes, max_prompt_len,
                            request_body_timeout)
         return _respond(await _until_disconnect(request, serving.completions(req)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest, max_request_body_bytes, max_model_len,
+        req = await _parse(request, ChatCompletionRequest, max_request_body_bytes, max_prompt_len,
                            request_body_timeout)
         return _respond(await _until_disconnect(request, serving.chat(req)))
 

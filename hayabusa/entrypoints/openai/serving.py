@@ -228,11 +228,14 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         self.request_chat_template_time_limit = REQUEST_CHAT_TEMPLATE_TIME_LIMIT
         self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.config.model_config.max_model_len
-        # encoder-decoder (T5): the prompt is the encoder input (at most max_model_len tokens); the decoder starts
-        # from one token, which is what max_model_len bounds with the completion
-        self.is_encoder_decoder = engine.engine.config.model_config.is_encoder_decoder
-        self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
+        mc = engine.engine.config.model_config
+        self.max_model_len = mc.max_model_len
+        # encoder-decoder (T5): the prompt is the encoder input (at most the model's max_encoder_len tokens); the
+        # decoder starts from one token, which is what max_model_len bounds with the completion
+        self.is_encoder_decoder = mc.is_encoder_decoder
+        self.max_encoder_len = mc.max_encoder_len
+        max_prompt_len = mc.max_encoder_len if mc.is_encoder_decoder else mc.max_model_len
+        self.max_prompt_chars = max_prompt_len * _longest_token_chars(self.tokenizer)
         self.preprocess = concurrent.futures.ThreadPoolExecutor(NUM_PREPROCESS_THREADS,
                                                                 thread_name_prefix="hayabusa-preprocess")
 
@@ -245,10 +248,12 @@ class OpenAIServing:
         return self.engine.fail_open_requests(ServerShuttingDown(message))
 
     def _check_prompt_chars(self, num_chars: int, param: str, truncating: bool) -> None:
-        """A cheap bound before tokenizing: a text longer than max_model_len x the longest vocabulary token
-        cannot fit, so it is refused without spending the tokenizer's time on it."""
+        """A cheap bound before tokenizing: a text longer than the prompt limit (max_model_len; encoder-decoder:
+        max_encoder_len) x the longest vocabulary token cannot fit, so it is refused without spending the
+        tokenizer's time on it."""
         if num_chars > self.max_prompt_chars and not truncating:
-            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens; a prompt "
+            limit = self.max_encoder_len if self.is_encoder_decoder else self.max_model_len
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens; a prompt "
                               f"of {num_chars} characters is longer than any prompt of that many tokens can be "
                               f"({self.max_prompt_chars} characters).", param=param, code="context_length_exceeded")
 
@@ -567,9 +572,16 @@ class OpenAIServing:
         k = req.truncate_prompt_tokens
         if k is not None and isinstance(k, int) and k >= 1:
             ids = ids[-k:]
+        if self.is_encoder_decoder:   # the engine's rule for encoder inputs (encoder_decoder_inputs.py)
+            if len(ids) > self.max_encoder_len:
+                raise OpenAIError(400, f"This model's encoder input limit is {self.max_encoder_len} tokens (the "
+                                  f"model's encoder limit of {self.max_encoder_len} tokens; max_model_len="
+                                  f"{self.max_model_len} limits the decoder). However, your prompt has {len(ids)} "
+                                  "tokens.", param=param, code="context_length_exceeded")
+            return ids
         try:
-            # the engine's one rule (T5: the encoder limit, max_model_len tokens); OpenAI's message and code
-            check_prompt_length(len(ids) - 1 if self.is_encoder_decoder else len(ids), self.max_model_len)
+            # the engine's one rule; OpenAI's message and code
+            check_prompt_length(len(ids), self.max_model_len)
         except HayabusaValidationError:
             raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                               f"your prompt has {len(ids)} tokens, which leaves no room for the completion.",
