@@ -24,12 +24,13 @@ from __future__ import annotations
 import torch
 
 from hayabusa.kernels._triton import tl, triton
-from hayabusa.kernels.fp8 import round_to_fp8_grid
-from hayabusa.kernels.fp8_quant import _EMIN, _MANT, FP8_DTYPE, FP8_MAX, MIN_SCALE, per_token_quant_fp8_ref
+from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
+from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
 from hayabusa.kernels.fused_norm import fused_add_rms_norm_ref
 from hayabusa.kernels.int8_quant import INT8_MAX, MIN_SCALE_INT8, per_token_quant_int8_ref, round_half_even
 from hayabusa.kernels.per_token_quant import FLOAT_DTYPES
 
+FP8_MAX, _MANT, _EMIN = FP8_FORMATS[FP8_DTYPE]          # 448.0, 3, -6 (as fp8_quant.py)
 MAX_BLOCK = 4096     # SiLU-and-mul columns one program holds at once (the quantizers' MAX_BLOCK)
 KINDS = ("int8", "fp8")
 
