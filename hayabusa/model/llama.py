@@ -19,6 +19,7 @@ from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import RMSNorm, norm_first
 from hayabusa.model.layers.pipeline import IntermediateTensors
 from hayabusa.model.layers.rotary import RotaryEmbedding
+from hayabusa.quantization.act_quant import input_quant_of
 
 
 # Checkpoint q/k/v and gate/up projections load into one merged matrix each: (our parameter, theirs, shard).
@@ -72,7 +73,10 @@ class LlamaMLP(nn.Module):
                                         value=act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        """x [T, hidden] (or a QuantizedActivation of it, for gate_up_proj) -> [T, hidden]."""
+        h = self.gate_up_proj(x)                                        # [T, 2 inter]
+        # down_proj's per-token quantization done by the activation kernel when its method asks for one
+        return self.down_proj(silu_and_mul(h, quant=input_quant_of((self.down_proj,), h.shape[0], h)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,9 +91,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, positions, x, residual, ctx):
-        x, residual = norm_first(self.input_layernorm, x, residual)
+        # each norm quantizes its output itself when the one linear reading it asks (quantization/act_quant.py)
+        T = x.shape[0]
+        quant = input_quant_of((getattr(self.self_attn, "qkv_proj", None),), T, x)
+        x, residual = norm_first(self.input_layernorm, x, residual, quant=quant)
         x = self.self_attn(positions, x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
+        quant = input_quant_of((self.mlp.gate_up_proj,), T, x)
+        x, residual = self.post_attention_layernorm(x, residual, quant=quant)
         return self.mlp(x), residual
 
 

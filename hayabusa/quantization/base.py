@@ -150,7 +150,14 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] (model dtype) -> y [T, N] (model dtype) = x W^T + bias."""
+        """x [T, K] (model dtype) -> y [T, N] (model dtype) = x W^T + bias. A method whose ``input_quant`` names
+        a kind also takes a ``quantization/act_quant.QuantizedActivation`` ([T, K] quantized rows + scales) as x."""
+
+    def input_quant(self, layer: nn.Module, M: int) -> str | None:
+        """The per-token dynamic quantization ``apply`` would do to an x of M rows itself ("int8" or "fp8"), so
+        that the kernel producing x may do it instead (``quantization/act_quant.py``); None (the default): x
+        plain."""
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethod):

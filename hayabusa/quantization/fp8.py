@@ -49,6 +49,7 @@ from hayabusa.kernels.fp8_quant import (  # noqa: F401  (FP8_MAX, MIN_SCALE: re-
     per_token_quant_fp8,
     per_token_quant_fp8_ref,
 )
+from hayabusa.quantization.act_quant import QuantizedActivation
 from hayabusa.quantization.base import (LinearMethod, QuantizationConfig, create_w8a8_checkpoint_params, is_ignored,
                                         make_param, per_channel_weight_scale, replace_param)
 
@@ -172,7 +173,19 @@ class Fp8LinearMethod(LinearMethod):
         replace_param(layer, "weight_scale", sw.contiguous())
         replace_param(layer, "input_scale", si)
 
+    def input_quant(self, layer, M):
+        """"fp8" for per-token dynamic activations, except where ``apply`` would not quantize x separately: a
+        static input scale, the decode-sized rows of ``fp8_small_m_linear`` (which quantizes inside its GEMV) and
+        a weight zero-padded in K (x's padding columns)."""
+        if self.static_input:
+            return None
+        if layer.fp8_scaled_mm and (use_small_m_kernel(M) or layer.weight.shape[1] != layer.in_features):
+            return None
+        return "fp8"
+
     def apply(self, layer, x):
+        if isinstance(x, QuantizedActivation):  # quantized by the kernel that made x (input_quant): [M, K] e4m3
+            return self._matmul(layer, x.xq, x.scale, x.dtype)
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)
         N = layer.out_features
@@ -190,18 +203,26 @@ class Fp8LinearMethod(LinearMethod):
             # one Triton launch (not ~7 torch ops): per-token scales and e4m3 rows, zero columns up to the padded
             # K' of the weight; the same bits as quantize_fp8_rows
             xq, sx = per_token_quant_fp8(x2, layer.input_scale, out_cols=w.shape[1])
-            # bf16 out whatever the model dtype: the one row-wise output type every torch version (CUTLASS or
-            # cuBLAS path) accepts; its rounding (2^-9) is far below the e4m3 error (2^-4).
-            y = fp8_matmul_cuda(xq, sx, w.t(), layer.weight_scale.view(1, -1), torch.bfloat16)
-            if y.shape[1] != N:
-                y = y[:, :N]
-            y = y.to(x.dtype).contiguous()
         else:
             xq, sx = quantize_fp8_rows(x2, layer.input_scale)
-            y = fp8_matmul_emulated(xq, sx, w, layer.weight_scale, x.dtype)
+        return self._matmul(layer, xq, sx, x.dtype).reshape(*lead, N)
+
+    @staticmethod
+    def _matmul(layer, xq: torch.Tensor, sx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """xq [M, K'] e4m3, sx [M, 1] fp32 -> y [M, N] out_dtype (+ bias): _scaled_mm or its CPU emulation."""
+        N = layer.out_features
+        if layer.fp8_scaled_mm:
+            # bf16 out whatever the model dtype: the one row-wise output type every torch version (CUTLASS or
+            # cuBLAS path) accepts; its rounding (2^-9) is far below the e4m3 error (2^-4).
+            y = fp8_matmul_cuda(xq, sx, layer.weight.t(), layer.weight_scale.view(1, -1), torch.bfloat16)
+            if y.shape[1] != N:
+                y = y[:, :N]
+            y = y.to(out_dtype).contiguous()
+        else:
+            y = fp8_matmul_emulated(xq, sx, layer.weight, layer.weight_scale, out_dtype)
         if layer.bias is not None:
             y = y + layer.bias
-        return y.reshape(*lead, N)
+        return y
 
 
 # ---------------------------------------------------------------------------------------------- config

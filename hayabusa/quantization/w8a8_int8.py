@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.quantization.act_quant import QuantizedActivation
 from hayabusa.quantization.base import (LinearMethod, QuantizationConfig, create_w8a8_checkpoint_params, make_param,
                                         per_channel_weight_scale, replace_param)
 
@@ -100,8 +101,15 @@ class Int8W8A8LinearMethod(LinearMethod):
         replace_param(layer, "weight_scale", sw.contiguous())
         replace_param(layer, "input_scale", si)
 
+    def input_quant(self, layer, M):
+        """"int8" for per-token dynamic activations (None with a static input scale: the producer quantizes
+        dynamically only)."""
+        return None if self.static_input else "int8"
+
     def apply(self, layer, x):
         quant, gemm = _kernels()
+        if isinstance(x, QuantizedActivation):  # quantized by the kernel that made x (input_quant): [M, K] int8
+            return gemm.int8_scaled_mm(x.xq, x.scale, layer.weight, layer.weight_scale, layer.bias, x.dtype)
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)
         if x.is_cuda:

@@ -10,10 +10,20 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.errors import UnsupportedModelError
+from hayabusa.quantization.act_quant import QuantizedActivation, quantize_ref
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2d] = [gate | up] -> silu(gate) * up, [..., d] (SwiGLU, Shazeer 2020)."""
+def silu_and_mul(x: torch.Tensor, quant: str | None = None) -> torch.Tensor:
+    """x [..., 2d] = [gate | up] -> silu(gate) * up, [..., d] (SwiGLU, Shazeer 2020). ``quant="int8" | "fp8"``
+    (x [T, 2d]): a ``QuantizedActivation`` of it instead (quantization/act_quant.py), the same bits as quantizing
+    the plain output per token (CUDA: one kernel, ``kernels/fused_act_quant.silu_and_mul_quant``)."""
+    if quant is not None:
+        if x.is_cuda:
+            from hayabusa.kernels.fused_act_quant import silu_and_mul_quant
+
+            xq, s = silu_and_mul_quant(x, quant)
+            return QuantizedActivation(xq, s, x.dtype, quant)
+        return quantize_ref(silu_and_mul(x), quant)
     if x.is_cuda:
         from hayabusa.kernels.activation import silu_and_mul as fused
 

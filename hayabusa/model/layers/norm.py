@@ -5,12 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hayabusa.quantization.act_quant import QuantizedActivation, quantize_ref
+
 
 class RMSNorm(nn.Module):
     """out = weight * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (HF LlamaRMSNorm).
 
     ``forward(x, residual)`` first adds the residual (x + residual, in the model dtype as HF does) and returns
-    ``(normed, new_residual)``; without residual it returns the normed tensor alone.
+    ``(normed, new_residual)``; without residual it returns the normed tensor alone. ``quant="int8" | "fp8"``:
+    ``normed`` is a ``QuantizedActivation`` instead (quantization/act_quant.py), the same bits as quantizing the
+    plain output per token (CUDA: one kernel, ``kernels/fused_act_quant.rms_norm_quant``).
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
@@ -24,7 +28,9 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: str | None = None):
+        if quant is not None:
+            return self._forward_quant(x, residual, quant)
         if x.is_cuda:  # one Triton kernel instead of ~8 torch ops
             from hayabusa.kernels.fused_norm import fused_add_rms_norm
 
@@ -34,6 +40,18 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def _forward_quant(self, x: torch.Tensor, residual: torch.Tensor | None, quant: str):
+        if x.is_cuda:  # norm + per-token quantization in one kernel; the plain output is never written
+            from hayabusa.kernels.fused_act_quant import rms_norm_quant
+
+            xq, s, res = rms_norm_quant(x, residual, self.weight, self.eps, quant)
+            out = QuantizedActivation(xq, s, x.dtype, quant)
+        else:
+            if residual is not None:
+                x = x + residual
+            out, res = quantize_ref(self._norm(x), quant), x
+        return out if residual is None else (out, res)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -81,9 +99,12 @@ class LayerNorm(nn.Module):
         return out if residual is None else (out, x)
 
 
-def norm_first(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_first(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+               quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's first norm: ``(norm(x + residual), x + residual)``, where the first layer starts the
-    residual stream (residual None) with x itself. ``norm`` is any of this module's norms."""
+    residual stream (residual None) with x itself. ``norm`` is any of this module's norms; ``quant`` (RMSNorm
+    only) as RMSNorm.forward's."""
+    kw = {} if quant is None else {"quant": quant}
     if residual is None:
-        return norm(x), x
-    return norm(x, residual)
+        return norm(x, **kw), x
+    return norm(x, residual, **kw)
