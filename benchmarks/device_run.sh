@@ -575,6 +575,39 @@ g_check12() {  # session 12's second call: the session-11 CUDA tests that call 3
   done
 }
 
+g_tests13() {  # session 12's GPU code, not yet run on a GPU (needs .snap's assets and pytest-timeout in .whl/):
+               # T5 (fp16 fix, encoder limit, encoder graphs), EAGLE graphs at batch 16, verify graphs, the fused
+               # activation quantization, the int8 GEMM table's bits, the batched n-gram lookups
+  ensure_q05
+  local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout "${T13_TIMEOUT:-120}")
+  step tests13 "${T13_TESTS_S:-420}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' HAYABUSA_FUSED_ACT_QUANT=1 python -m pytest -v -rfE \
+    --durations=10 -p no:cacheprovider ${T13_TESTS:-tests/models/test_t5_encoder_graphs_cuda.py tests/models/test_t5_host_cuda.py \
+    tests/kernels/test_fused_act_quant_cuda.py tests/quantization/test_act_quant_seam.py tests/kernels/test_int8_w8a8.py \
+    tests/spec_decode/test_eagle_graphs_cuda.py tests/spec_decode/test_spec_graphs_cuda.py tests/spec_decode/test_ngram.py \
+    tests/spec_decode/test_spec_scheduling.py tests/models/test_t5_cuda.py} ${pt[*]} 2>&1 | tee '$OUT/tests13.log' \
+    | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout' | tail -120; exit \${PIPESTATUS[0]}"
+}
+g_perf13() {  # session 12's kernels and host cuts, measured: the fused act-quant kernels, the int8 GEMM tile sweep,
+               # n-gram host time per step, then W1 on the 7b shape per scheme with the fusion off / on
+  step fused_act_quant_bench 90 20 python benchmarks/kernels/bench_fused_act_quant.py --json "$OUT/fused_act_quant.json"
+  step w8a8_sweep 240 60 python benchmarks/kernels/bench_quant_linear.py --sweep-w8a8 --budget-s 170 \
+    --json "$OUT/w8a8_sweep.json"
+  ensure_q05
+  step spec_host 120 20 bash -c "python benchmarks/spec_host.py --device cuda --model '$Q05' --batch 1 4 16 --repeats 2 2>&1 | tail -30"
+  ensure_q7
+  for f in 0 1; do
+    export HAYABUSA_FUSED_ACT_QUANT=$f
+    bench_step "q7_W1_quant_fused$f" 150 40 --workload W1 --model "$Q7" --scale 0.25 --sweep quantization=none,w8a8_int8,fp8
+  done
+  unset HAYABUSA_FUSED_ACT_QUANT
+}
+g_w9_13() {  # issue #17: W9 with the encoder graphs on, hayabusa and HF, t5-small then t5-base, then fp16 (engine only)
+  export HAYABUSA_T5_ENCODER_GRAPHS=1
+  W9_SHAPES="t5-small-shape t5-base-shape" W9_MAX_S=240 g_w9
+  W9_SHAPES="t5-small-shape t5-base-shape" W9_ENGINE=hayabusa W9_EXTRA="--dtype float16" W9_TAG=_fp16 W9_MAX_S=120 g_w9
+  unset HAYABUSA_T5_ENCODER_GRAPHS
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
