@@ -13,12 +13,11 @@ from hayabusa.kernels._triton import tl, triton
 
 
 @triton.jit
-def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                               stride_ro, N, eps, HAS_RES: tl.constexpr, GEMMA: tl.constexpr,
-                               BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
+def _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, N, eps, offs, mask,
+                      HAS_RES: tl.constexpr, GEMMA: tl.constexpr):
+    """One row's (x + residual) (stored to res_out when HAS_RES) and its RMSNorm as fp32, before the one rounding
+    to the output dtype. Shared by ``_fused_add_rms_norm_kernel`` and fused_act_quant's ``_rms_norm_quant_kernel``
+    so both compute the same bits."""
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -28,11 +27,23 @@ def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stri
     var = tl.sum(xf * xf, axis=0) / N
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     if GEMMA:  # (x * rsqrt) * (1 + w) in fp32, one rounding
-        out = (xf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
+        y = xf * tl.math.rsqrt(var + eps) * (1.0 + w.to(tl.float32))
     else:  # rounded to the model dtype, then times w (Llama)
         normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
-        out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+        y = normed.to(tl.float32) * w.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                               stride_ro, N, eps, HAS_RES: tl.constexpr, GEMMA: tl.constexpr,
+                               BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    y = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, N, eps, offs, mask,
+                          HAS_RES, GEMMA)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
