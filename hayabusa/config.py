@@ -285,7 +285,8 @@ class EngineArgs:
             doc = (helps or {}).get(f.name) or docs.get(f.name, "")
             if f.name in IGNORED_ARGS:
                 doc = f"accepted for vLLM compatibility and ignored: {IGNORED_ARGS[f.name]}"
-            help_text = f"{doc} [EngineArgs default: {default}]".strip()
+            # a None default means "derived" (the docstring says from what): only a real value is printed
+            help_text = (doc if default is None else f"{doc} [EngineArgs default: {default}]").strip()
             if kind == "bool":
                 group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)

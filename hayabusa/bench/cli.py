@@ -225,7 +225,30 @@ def _summary(rec: dict[str, Any]) -> str:
             f"{rec['total_throughput']:.1f} total tok/s, TTFT {ttft}, TPOT {tpot}, "
             f"{rec['elapsed_s']:.2f} s, startup {rec['startup_s']:.2f} s"
             + (f", {100 * frac:.1f}% of {rec['ceiling_kind']} ceiling" if frac is not None else "")
+            + _spec_summary(rec.get("extra") or {}) + _tier_summary(rec)
             + _host_summary(rec.get("extra") or {}, on_cpu=rec.get("gpu") == "cpu"))
+
+
+def _spec_summary(extra: dict[str, Any]) -> str:
+    """', speculative METHOD k=K, acceptance A/D (P%)' for a run with speculative decoding, else ''."""
+    spec = extra.get("speculative_config")
+    if not spec:
+        return ""
+    drafted, rate = extra.get("spec_decode_num_draft_tokens"), extra.get("spec_decode_acceptance_rate")
+    acc = "" if not drafted else (f", acceptance {extra.get('spec_decode_num_accepted_tokens')}/{drafted}"
+                                  + ("" if rate is None else f" ({100 * rate:.1f}%)"))
+    return f", speculative {spec.get('method')} k={spec.get('num_speculative_tokens')}{acc}"
+
+
+def _tier_summary(rec: dict[str, Any]) -> str:
+    """W1P / W10 (report.TIER_WORKLOADS): ', N preemptions (S by swap), O blocks swapped out / I in, H CPU prefix
+    hit blocks' of the timed run, else ''."""
+    extra = rec.get("extra") or {}
+    if rec.get("workload") not in report.TIER_WORKLOADS or "num_preemptions" not in extra:
+        return ""
+    return (f", {extra['num_preemptions']} preemptions ({extra.get('num_swap_preemptions', 0)} by swap), "
+            f"{extra.get('num_blocks_swapped_out', 0)} blocks swapped out / {extra.get('num_blocks_swapped_in', 0)} "
+            f"in, {extra.get('cpu_prefix_cache_hit_blocks', 0)} CPU prefix hit blocks")
 
 
 def _secs(x: float) -> str:
@@ -391,6 +414,54 @@ def _check_args(ns: argparse.Namespace) -> None:
                              "existing folder.")
 
 
+def _on_cpu(ns: argparse.Namespace) -> bool:
+    return ns.device == "cpu" or (ns.device in (None, "auto") and not torch.cuda.is_available())
+
+
+def _suggested_shape(ns: argparse.Namespace) -> str:
+    """The --make-model shape to suggest: tiny-llama on the CPU (a real shape takes minutes there), else the 0.5b."""
+    return "tiny-llama" if _on_cpu(ns) else "qwen2.5-0.5b-shape"
+
+
+def _shape_hint(ns: argparse.Namespace) -> str:
+    return (" (a tiny random-weight Llama for the CPU; qwen2.5-0.5b-shape and larger are for a GPU)" if _on_cpu(ns)
+            else " (tiny-llama for a quick CPU run; see --list for the shapes)")
+
+
+# Engine flags whose value is JSON on the command line -> the parser that checks it (HayabusaValidationError).
+def _json_arg_checkers() -> dict[str, Any]:
+    from hayabusa.multimodal.processor import check_limit_mm_per_prompt
+    from hayabusa.spec_decode.config import parse_speculative_config
+
+    return {"speculative_config": parse_speculative_config, "limit_mm_per_prompt": check_limit_mm_per_prompt}
+
+
+SPEC_EXAMPLE = """ Write a JSON object, e.g. --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'."""
+
+
+def check_engine_json_args(ns: argparse.Namespace) -> None:
+    """Check the JSON-valued engine flags (--speculative-config, --limit-mm-per-prompt; also as the --sweep key)
+    before any run starts, so that a bad value is one line naming the flag, not a traceback per run.
+
+    Raises:
+        ValueError: ``argument --speculative-config: <why>`` (the flag, then the parser's message: the key and value).
+    """
+    sweep = _parse_sweep(ns.sweep)
+    for name, check in _json_arg_checkers().items():
+        values = [getattr(ns, name, None)]
+        if sweep and sweep[0] == name:
+            values += sweep[1]
+        for value in values:
+            if value is None:
+                continue
+            try:
+                check(value)
+            except ValueError as e:
+                # not JSON, or not an object: show the shape (a bad key or number is named by the parser)
+                example = SPEC_EXAMPLE if getattr(e, "parameter", None) == "speculative_config" else ""
+                raise ValueError(f"argument --{name.replace('_', '-')}: {e}{example}") from None
+
+
 def _make_model(ns: argparse.Namespace) -> int:
     """--make-model SHAPE DIR. Returns 0, or 2 when the folder cannot be written."""
     shape, out_dir = ns.make_model
@@ -432,15 +503,21 @@ def run_bench(ns: argparse.Namespace) -> int:
         print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|W8|W9|W11|startup with --model DIR, --ceilings, or "
               "--make-model SHAPE DIR (see --list).", file=sys.stderr)
         return 2
-    if ns.workload and not (ns.model and os.path.isfile(os.path.join(ns.model, "config.json"))):
+    if ns.workload and not ns.model:
+        print(f"hayabusa bench: --model DIR is required with --workload {ns.workload}: give a checkpoint folder; "
+              f"make one with `hayabusa bench --make-model {_suggested_shape(ns)} DIR`{_shape_hint(ns)}.",
+              file=sys.stderr)
+        return 2
+    if ns.workload and not os.path.isfile(os.path.join(ns.model, "config.json")):
         print(f"hayabusa bench: --model {ns.model!r} is not a checkpoint folder (no config.json); make one with "
-              "`hayabusa bench --make-model qwen2.5-0.5b-shape DIR`.", file=sys.stderr)
+              f"`hayabusa bench --make-model {_suggested_shape(ns)} DIR`{_shape_hint(ns)}.", file=sys.stderr)
         return 2
     try:
         if ns.workload:
             for w in workloads:
                 get_workload(w, ns.scale)       # fail on a bad name before loading anything
             _parse_sweep(ns.sweep)
+            check_engine_json_args(ns)      # --speculative-config / --limit-mm-per-prompt, before any run
             if ns.engine != "hf":           # the architecture hayabusa must run, checked before any run starts
                 from hayabusa.config import load_hf_config
                 from hayabusa.model.registry import resolve_architecture

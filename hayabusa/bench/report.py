@@ -132,23 +132,61 @@ def _fmt(v: Any, digits: int = 1) -> str:
     return str(v)
 
 
+def spec_label(extra: dict[str, Any]) -> str | None:
+    """"spec=METHOD k=K acc=P%" for a run with speculative decoding (``extra["speculative_config"]``; the
+    acceptance rate, accepted / drafted tokens since the engine started, only when known), else None."""
+    spec = extra.get("speculative_config")
+    if not spec:
+        return None
+    label = f"spec={spec.get('method')} k={spec.get('num_speculative_tokens')}"
+    rate = extra.get("spec_decode_acceptance_rate")
+    return label + (f" acc={100 * rate:.0f}%" if rate is not None else "")
+
+
 def _variant_label(rec: dict[str, Any]) -> str:
     v = dict(rec.get("variant") or {})
-    if rec.get("engine") == "hf" and "hf_batch_size" not in v and (rec.get("extra") or {}).get("hf_batch_size"):
-        v["batch"] = rec["extra"]["hf_batch_size"]
-    return ",".join(f"{k}={val}" for k, val in v.items()) or "-"
+    extra = rec.get("extra") or {}
+    if rec.get("engine") == "hf" and "hf_batch_size" not in v and extra.get("hf_batch_size"):
+        v["batch"] = extra["hf_batch_size"]
+    parts = [f"{k}={val}" for k, val in v.items()]
+    spec = spec_label(extra)
+    if spec and not any(k == "speculative_config" for k in v):
+        parts.append(spec)
+    return ",".join(parts) or "-"
 
 
 TABLE_COLUMNS = ("workload", "model", "engine", "config", "out tok/s", "total tok/s", "TTFT ms", "TPOT ms", "s/req",
                  "startup s", "weights GiB", "peak GiB", "KV tokens", "prefix hit %", "% ceiling")
+# Workloads about preemption and the CPU tier (W1P, W10): a table holding one of them gets TIER_COLUMNS after
+# TABLE_COLUMNS: seconds to finish, preemptions (by swap), blocks swapped out to / in from the CPU tier, and prefix
+# blocks restored from it, all of the timed run (``extra``; BENCHMARKS.md asks for them).
+TIER_WORKLOADS = ("W1P", "W10")
+TIER_COLUMNS = ("elapsed s", "preemptions (swap)", "blocks out/in", "CPU hit blocks")
+
+
+def table_columns(records: list[dict[str, Any]]) -> tuple[str, ...]:
+    """TABLE_COLUMNS, plus TIER_COLUMNS when a record is of a TIER_WORKLOADS workload."""
+    tier = any(r.get("workload") in TIER_WORKLOADS for r in records)
+    return TABLE_COLUMNS + (TIER_COLUMNS if tier else ())
+
+
+def _tier_cells(r: dict[str, Any]) -> list[str]:
+    extra = r.get("extra") or {}
+    pre, swap = extra.get("num_preemptions"), extra.get("num_swap_preemptions")
+    out, back = extra.get("num_blocks_swapped_out"), extra.get("num_blocks_swapped_in")
+    return [_fmt(r.get("elapsed_s"), 2), "-" if pre is None else f"{pre} ({swap or 0})",
+            "-" if out is None else f"{out}/{back or 0}", _fmt(extra.get("cpu_prefix_cache_hit_blocks"))]
 
 
 def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    """One row of cells per record, in ``table_columns(records)`` order."""
+    columns = table_columns(records)
+    tier = len(columns) > len(TABLE_COLUMNS)
     rows = []
     for r in records:
         if r.get("error"):
             rows.append([r["workload"], str(r["model"]), r["engine"], _variant_label(r),
-                         ERROR_CELL] + [""] * (len(TABLE_COLUMNS) - 5))
+                         ERROR_CELL] + [""] * (len(columns) - 5))
             continue
         peak = r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None
         extra = r.get("extra") or {}
@@ -160,17 +198,19 @@ def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
                      _fmt(r.get("seconds_per_request"), 3), _fmt(r["startup_s"], 2), _fmt(weights, 2), _fmt(peak, 2),
                      _fmt(r["kv_cache_tokens"]),
                      _fmt(100 * r["prefix_cache_hit_rate"] if r.get("prefix_cache_hit_rate") is not None else None),
-                     _fmt(frac) + ("" if frac is None else f" ({r['ceiling_kind']})")])
+                     _fmt(frac) + ("" if frac is None else f" ({r['ceiling_kind']})")]
+                    + (_tier_cells(r) if tier else []))
     return rows
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
     """A fixed-width text table of the records (one row each); a failed run's row says "ERROR (see below)" and
     its full message follows the table (so one long error does not widen every row)."""
-    rows = [list(TABLE_COLUMNS)] + table_rows(records)
+    columns = table_columns(records)
+    rows = [list(columns)] + table_rows(records)
     # an error row's marker spills over the empty columns after it instead of widening "out tok/s"
     widths = [max(len(row[i]) for row in rows if i < len(row) and not (row[4] == ERROR_CELL and i == 4))
-              for i in range(len(TABLE_COLUMNS))]
+              for i in range(len(columns))]
     lines = [_table_line(row, widths) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     errors = [f"  [{r['workload']} {r['engine']} {_variant_label(r)}] {r['error']}" for r in records if r.get("error")]

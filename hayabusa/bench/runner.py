@@ -2,8 +2,9 @@
 
 Both return a ``RunResult`` with the same token accounting: prompt tokens once per request, output tokens = the
 generated ids of every sample, each cut at the request's max_tokens. Times exclude a short warm-up (a few
-requests of the same lengths with fresh random ids, 2 output tokens) so one-off JIT / autotune costs do not land
-in the measurement; startup_s is the wall time of engine construction (``LLM(...)`` / ``from_pretrained``).
+requests of the same lengths with fresh random ids, 2 output tokens; W1P: 10 requests of its full lengths, which
+preempt) so one-off JIT / autotune costs do not land in the measurement; preemption and CPU-tier counters in
+``extra`` are the timed run's; startup_s is the wall time of engine construction (``LLM(...)`` / ``from_pretrained``).
 """
 
 from __future__ import annotations
@@ -46,10 +47,18 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
-def warmup_requests(workload: Workload) -> list[BenchRequest]:
+def warmup_requests(workload: Workload, engine_warmup: bool = False) -> list[BenchRequest]:
     """Up to WARMUP_REQUESTS greedy requests with the workload's first prompt lengths and fresh ids (seed 1),
-    WARMUP_TOKENS output tokens each (fresh ids so a prefix cache is not primed with the workload's prompts)."""
+    WARMUP_TOKENS output tokens each (fresh ids so a prefix cache is not primed with the workload's prompts).
+
+    ``engine_warmup=True`` (hayabusa's warm-up) and ``workload.warmup_requests`` = N > 0 (W1P): the first N
+    requests' prompt lengths and their full max_tokens instead, with fresh ids, so the warm-up goes where the timed
+    run goes (W1P: past the GPU cache, through preemption)."""
     rng = np.random.default_rng(1)
+    if engine_warmup and workload.warmup_requests:
+        lo, hi = token_range(workload.vocab_size)
+        return [BenchRequest(rng.integers(lo, hi, size=len(r.prompt_token_ids)).tolist(), r.max_tokens)
+                for r in workload.requests[:workload.warmup_requests]]
     reqs = workload.requests[:WARMUP_REQUESTS]
     if workload.has_images:   # fresh pixels of the same sizes (a prefix cache keyed by image content misses them)
         return [BenchRequest([], min(WARMUP_TOKENS, r.max_tokens), text=r.text,
@@ -172,6 +181,29 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
     return notes, extra
 
 
+# Engine counters of preemption and of the CPU tier that `extra` reports for the timed run alone (the warm-up's
+# share under "warmup_" + name): W1P's warm-up preempts too.
+TIMED_COUNTERS = ("num_preemptions", "num_swap_preemptions", "num_blocks_swapped_out", "num_blocks_swapped_in",
+                  "cpu_prefix_cache_hit_blocks", "num_blocks_written_through")
+
+
+def tier_counters(engine: Any) -> dict[str, int]:
+    """The engine's TIMED_COUNTERS now (cumulative since construction; a counter the engine lacks is 0)."""
+    kv = engine.kv_cache_manager
+    out = {"num_preemptions": engine.scheduler.num_preemptions,
+           "num_swap_preemptions": getattr(engine.scheduler, "num_swap_preemptions", 0),
+           **(kv.swap_stats() if hasattr(kv, "swap_stats") else {})}
+    return {k: int(out.get(k, 0)) for k in TIMED_COUNTERS}
+
+
+def timed_counters(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """``{name: after - before}`` for the timed run, plus ``{"warmup_" + name: before}`` where the warm-up's count is
+    not 0."""
+    out = {k: after[k] - before[k] for k in TIMED_COUNTERS}
+    out.update({f"warmup_{k}": v for k, v in before.items() if v})
+    return out
+
+
 def step_time_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The timed run's engine steps and host seconds (engine ``stats`` after minus before): scheduling, launching
     (input preparation and queueing), waiting for the device, collecting outputs. On a GPU ``wait_s`` is the time
@@ -206,13 +238,16 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
     startup_s = time.perf_counter() - t0
     try:
         if warmup and workload.name != "startup":
-            warm = warmup_requests(workload)
-            for part in (warm[:1], warm[1:]):  # the first request alone: the others then hit its cached prefix
+            warm = warmup_requests(workload, engine_warmup=True)
+            # the first request alone: the others then hit its cached prefix (W1P: all at once, to preempt)
+            parts = [warm] if workload.warmup_requests else [warm[:1], warm[1:]]
+            for part in parts:
                 if part:
                     _generate(llm, part, use_tqdm=False, structured_output=structured_output)
         prompts = bench_prompts(llm.get_tokenizer(), workload.requests)   # templates and PIL images: not timed
         synchronize(cuda)
         stats0 = dict(llm.llm_engine.stats)
+        counters0 = tier_counters(llm.llm_engine)
         t_mono, t1 = time.monotonic(), time.perf_counter()
         outs = _generate(llm, workload.requests, use_tqdm, structured_output, prompts)
         synchronize(cuda)
@@ -220,6 +255,7 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
         ttft, tpot = _engine_latencies(outs, t_mono)
         notes, extra = _engine_notes(llm, engine_args)
         extra.update(step_time_breakdown(stats0, llm.llm_engine.stats))
+        extra.update(timed_counters(counters0, tier_counters(llm.llm_engine)))
         if structured_output:
             extra["structured_output"] = structured_output
             extra["grammar_compile_s"] = sum(llm.llm_engine.structured_output.compile_seconds.values())

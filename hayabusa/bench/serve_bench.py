@@ -38,7 +38,8 @@ def add_w6_args(p: argparse.ArgumentParser) -> None:
     """The W6 flags of ``hayabusa bench`` (vLLM's names). --model is the served model name for W6."""
     g = p.add_argument_group("W6 (online serving; needs a running server)")
     g.add_argument("--base-url", help="server address, e.g. http://127.0.0.1:8000")
-    g.add_argument("--endpoint", default="/v1/completions")
+    g.add_argument("--endpoint", default="/v1/completions",
+                   help="the server path the requests are POSTed to (default /v1/completions)")
     g.add_argument("--request-rate", default=DEFAULT_RATES,
                    help=f"requests per second, comma-separated, 'inf' = all at once (default {DEFAULT_RATES})")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the intervals (1 = Poisson)")
@@ -46,8 +47,12 @@ def add_w6_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=None, help="requests per rate (default: W6's 512 x --scale)")
     g.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
-    g.add_argument("--metric-percentiles", default="50,90,99")
-    g.add_argument("--percentile-metrics", default=",".join(PERCENTILE_METRICS))
+    g.add_argument("--metric-percentiles", default="50,90,99",
+                   help="comma-separated percentiles (0-100) reported for each of --percentile-metrics "
+                        "(default 50,90,99)")
+    g.add_argument("--percentile-metrics", default=",".join(PERCENTILE_METRICS),
+                   help="comma-separated latency metrics whose percentiles are reported, of "
+                        f"{', '.join(METRIC_NAMES)} (default {','.join(PERCENTILE_METRICS)})")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--seed-arrivals", type=int, default=0, help="seed of the arrival times")
 

@@ -226,10 +226,11 @@ UNSUPPORTED_VLLM_FIELDS = [("allowed_token_ids", [1, 2, 3]), ("bad_words", ["cat
                            ("prompt_logprobs", 0), ("return_token_ids", True)]
 
 
-# /v1/completions serves prompt_logprobs and use_beam_search (test_echo_logprobs.py); chat refuses them
+# /v1/completions serves prompt_logprobs and use_beam_search (test_echo_logprobs.py) and return_token_ids
+# (test_t5_server.py); chat refuses them
 @pytest.mark.parametrize("endpoint,field,value",
                          [(e, f, v) for e in ("completions", "chat") for f, v in UNSUPPORTED_VLLM_FIELDS
-                          if not (e == "completions" and f == "prompt_logprobs")]
+                          if not (e == "completions" and f in ("prompt_logprobs", "return_token_ids"))]
                          + [("chat", "use_beam_search", True)])
 def test_unsupported_vllm_field_is_400_naming_it(qwen_server, endpoint, field, value):
     c = qwen_server.client()

@@ -68,3 +68,34 @@ def test_echo_and_prompt_logprobs_are_refused_for_t5(t5_server):
     r = client.completions.create(model="tiny-t5", prompt=T5_EN_PROMPTS[0], max_tokens=2, temperature=0.0)
     assert r.usage.completion_tokens >= 1
     wait_idle(t5_server.engine)
+
+
+@pytest.fixture(scope="module")
+def t5_ids_server(t5_model):
+    s = Served(t5_model, "tiny-t5-ids", max_model_len=64, max_num_seqs=4, skip_tokenizer_init=True)
+    yield s
+    s.close()
+
+
+def test_return_token_ids_without_a_tokenizer_plain_and_streamed(t5_model, t5_ids_server):
+    """--skip-tokenizer-init: "text" is empty, so vLLM's return_token_ids is how a client reads the answer: each
+    choice's prompt_token_ids and token_ids (streamed: the new ids per chunk, the prompt's in the first)."""
+    prompt = [37, 1782, 19, 3, 9, 248, 1]
+    ref = LLM(t5_model, max_model_len=64, skip_tokenizer_init=True).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                       detokenize=False), use_tqdm=False)
+    want = list(ref[0].outputs[0].token_ids)
+    assert len(want) == 6
+    c = t5_ids_server.client()
+    kw = dict(model="tiny-t5-ids", prompt=prompt, temperature=0.0, max_tokens=6,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = c.completions.create(**kw)
+    choice = r.choices[0].model_dump()
+    assert choice["text"] == "" and choice["token_ids"] == want and choice["prompt_token_ids"] == prompt
+    chunks = [ch.choices[0].model_dump() for ch in c.completions.create(**kw, stream=True) if ch.choices]
+    assert [i for ch in chunks for i in ch["token_ids"]] == want
+    assert chunks[0]["prompt_token_ids"] == prompt and all(ch["prompt_token_ids"] is None for ch in chunks[1:])
+    # off (the default): neither field
+    plain = c.completions.create(model="tiny-t5-ids", prompt=prompt, max_tokens=2).choices[0].model_dump()
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    wait_idle(t5_ids_server.engine)

@@ -27,7 +27,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),   # on chat; /v1/completions models it
     "length_penalty": (1.0,),
     "logits_processors": (),
-    "return_token_ids": (False,),   # vLLM's token ids in the response (choices[].token_ids, prompt_token_ids)
+    "return_token_ids": (False,),   # on chat; /v1/completions models it
     # OpenAI's legacy function calling (superseded by tools / tool_choice)
     "functions": ([],),
     "function_call": ("none",),
@@ -95,6 +95,9 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
+    # vLLM >= 0.10.2: each choice gets its prompt's ids ("prompt_token_ids") and its output ids ("token_ids"; streamed:
+    # each chunk's new ids, the prompt's in the choice's first chunk)
+    return_token_ids: bool | None = False
     length_penalty: float = 1.0
 
 

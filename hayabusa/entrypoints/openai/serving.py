@@ -294,7 +294,8 @@ class OpenAIServing:
         streams = await self._add_all(rid, prompts, params)
         header = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
         if req.stream:
-            return SSEStream(self._stream_completion(header, req, streams, echo_texts), streams)
+            return SSEStream(self._stream_completion(header, req, streams, echo_texts,
+                                                     [ids for _, ids in prompts]), streams)
         outs = await self._collect(streams)
         choices = []
         for i, out in enumerate(outs):
@@ -307,6 +308,9 @@ class OpenAIServing:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if req.prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                if req.return_token_ids:   # vLLM: the prompt's ids as the engine got them, the output's ids
+                    choices[-1].update(prompt_token_ids=list(prompts[i][1]),
+                                       token_ids=[] if echo_only else list(c.token_ids))
         return {**header, "choices": choices, "usage": self._usage(outs), "system_fingerprint": None}
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -339,7 +343,8 @@ class OpenAIServing:
         return [self._tokenize(t, add_special_tokens, "prompt") for t in texts]
 
     async def _stream_completion(self, header: dict, req: CompletionRequest, streams: list[RequestStream],
-                                 echo_texts: list[str]) -> AsyncIterator[bytes]:
+                                 echo_texts: list[str], prompt_ids: list[list[int]] | None = None
+                                 ) -> AsyncIterator[bytes]:
         usage_opts = req.stream_options
         continuous_usage = bool(usage_opts and usage_opts.continuous_usage_stats)
         timer = RequestTimer(self.on_request_finished)
@@ -359,7 +364,8 @@ class OpenAIServing:
             for c in out.outputs:
                 key = (pi, c.index)
                 n_ids = sent_ids.get(key, 0)
-                echo = echo_texts[pi] if key not in sent_text else ""
+                first = key not in sent_text      # this choice's first event
+                echo = echo_texts[pi] if first else ""
                 n_tok = len(c.token_ids)
                 finish_reason = c.finish_reason
                 if n_ids < 0 or not (n_tok > n_ids or finish_reason or echo):
@@ -378,9 +384,13 @@ class OpenAIServing:
                 sent_text[key] = len(text)
                 sent_ids[key] = -1 if finish_reason is not None else n_tok
                 usage = f', "usage": {json.dumps(self._usage([out]))}' if continuous_usage else ""
+                ids = ""
+                if req.return_token_ids:   # vLLM: the new ids of each chunk; the prompt's in the choice's first
+                    ids = (f', "prompt_token_ids": {json.dumps(list(prompt_ids[pi])) if first else "null"}'
+                           f', "token_ids": {json.dumps([] if echo_only else list(c.token_ids[n_ids:]))}')
                 events.append(f'{prefix}{{"index": {pi * n + c.index}, "text": {_json_str(echo + text[n_text:])}, '
                               f'"logprobs": {lp}, "finish_reason": {_json(finish_reason)}, '
-                              f'"stop_reason": {_json(c.stop_reason)}}}]{usage}}}\n\n')
+                              f'"stop_reason": {_json(c.stop_reason)}{ids}}}]{usage}}}\n\n')
             return "".join(events).encode()
 
         try:

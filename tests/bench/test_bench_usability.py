@@ -1,0 +1,166 @@
+"""What a new user tripped over in `hayabusa bench` (fresh13): the W1P warm-up preempts as its timed run does and
+the preemption / CPU-tier counters are the timed run's, shown in the line and the table; a speculative run says so
+in its config cell; no --model and bad JSON engine flags are one line (exit 2) before any run; help texts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hayabusa.bench import cli, report
+from hayabusa.bench.models import make_model
+from hayabusa.bench.runner import TIMED_COUNTERS, run_hayabusa, timed_counters, warmup_requests
+from hayabusa.bench.workloads import W1P_WARMUP_REQUESTS, get_workload
+
+SCALE = 1 / 32
+
+
+@pytest.fixture(scope="module")
+def tiny_bench_model(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("usability") / "tiny-llama")
+    make_model("tiny-llama", out, device="cpu")
+    return out
+
+
+def test_w1p_warmup_is_more_full_contexts_than_the_cache_holds_with_fresh_ids():
+    w = get_workload("W1P", SCALE)
+    warm = warmup_requests(w, engine_warmup=True)
+    assert len(warm) == W1P_WARMUP_REQUESTS == 10
+    assert [len(r.prompt_token_ids) for r in warm] == [224] * 10 and [r.max_tokens for r in warm] == [32] * 10
+    blocks = w.engine_defaults["num_gpu_blocks_override"]
+    assert len(warm) * -(-(224 + 32) // 16) > blocks        # 10 x 16 blocks > 128: the warm-up must preempt
+    timed = {tuple(r.prompt_token_ids) for r in w.requests}
+    assert not any(tuple(r.prompt_token_ids) in timed for r in warm)
+    # the HF baseline and the other workloads keep the short warm-up
+    assert [r.max_tokens for r in warmup_requests(w)] == [2] * 4
+    assert [r.max_tokens for r in warmup_requests(get_workload("W1", 0.02), engine_warmup=True)] == [2] * 4
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_w1p_warmup_preempts_and_counters_are_the_timed_runs(tiny_bench_model, mode):
+    """The one-time costs of preemption (and of swapping) land in the warm-up whichever variant runs first."""
+    w = get_workload("W1P", SCALE)
+    args = {**w.engine_defaults, "swap_space": 0.25, "device": "cpu", "skip_tokenizer_init": True,
+            "dtype": "float32", "preemption_mode": mode}
+    res = run_hayabusa(tiny_bench_model, w, args, use_tqdm=False)
+    x = res.extra
+    assert x["warmup_num_preemptions"] >= 1 and x["num_preemptions"] >= 1
+    if mode == "swap":
+        assert x["warmup_num_swap_preemptions"] == x["warmup_num_preemptions"]
+        assert x["warmup_num_blocks_swapped_out"] > 0 and x["num_blocks_swapped_out"] > 0
+        assert x["num_swap_preemptions"] == x["num_preemptions"]
+        assert x["num_blocks_swapped_in"] == x["num_blocks_swapped_out"]   # the timed run's alone
+    else:
+        assert "warmup_num_swap_preemptions" not in x and x["num_swap_preemptions"] == 0
+        assert x["num_blocks_swapped_out"] == 0
+    assert res.output_tokens == 32 * 32
+
+
+def test_timed_counters_subtract_the_warmup():
+    before = dict.fromkeys(TIMED_COUNTERS, 0) | {"num_preemptions": 2, "num_blocks_swapped_out": 14}
+    after = dict.fromkeys(TIMED_COUNTERS, 0) | {"num_preemptions": 5, "num_blocks_swapped_out": 56}
+    out = timed_counters(before, after)
+    assert out["num_preemptions"] == 3 and out["num_blocks_swapped_out"] == 42
+    assert out["warmup_num_preemptions"] == 2 and out["warmup_num_blocks_swapped_out"] == 14
+    assert "warmup_num_blocks_swapped_in" not in out
+
+
+def _rec(workload, variant, extra, elapsed=4.09):
+    return {**{k: None for k in report.REQUIRED_KEYS}, "workload": workload, "model": "tiny", "engine": "hayabusa",
+            "variant": variant, "output_throughput": 250.5, "total_throughput": 2004.2, "ttft_ms": 1415.3,
+            "startup_s": 0.29, "elapsed_s": elapsed, "extra": extra, "gpu": "cpu"}
+
+
+def test_w1p_line_and_table_show_elapsed_preemptions_and_swapped_blocks():
+    swap = _rec("W1P", {"preemption_mode": "swap"}, {"num_preemptions": 3, "num_swap_preemptions": 3,
+                                                     "num_blocks_swapped_out": 42, "num_blocks_swapped_in": 42,
+                                                     "cpu_prefix_cache_hit_blocks": 0})
+    rec = _rec("W1P", {"preemption_mode": "recompute"}, {"num_preemptions": 3, "num_swap_preemptions": 0,
+                                                         "num_blocks_swapped_out": 0, "num_blocks_swapped_in": 0,
+                                                         "cpu_prefix_cache_hit_blocks": 0}, elapsed=3.95)
+    line = cli._summary(swap)
+    assert ", 4.09 s," in line
+    assert ", 3 preemptions (3 by swap), 42 blocks swapped out / 42 in, 0 CPU prefix hit blocks" in line
+    lines = report.format_table([swap, rec]).splitlines()
+    assert lines[0].endswith("elapsed s  preemptions (swap)  blocks out/in  CPU hit blocks")
+    assert lines[2].endswith("4.09               3 (3)          42/42               0")
+    assert lines[3].endswith("3.95               3 (0)            0/0               0")
+    # other workloads: neither the columns nor the line part
+    w1 = _rec("W1", {}, {"num_preemptions": 0})
+    assert "preemptions" not in report.format_table([w1]) and "preemptions" not in cli._summary(w1)
+
+
+def test_a_speculative_run_shows_its_method_and_acceptance():
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+            "spec_decode_num_draft_tokens": 200, "spec_decode_num_accepted_tokens": 50,
+            "spec_decode_acceptance_rate": 0.25}
+    r = _rec("W1", {}, spec)
+    assert report.table_rows([r])[0][3] == "spec=ngram k=3 acc=25%"
+    assert ", speculative ngram k=3, acceptance 50/200 (25.0%)" in cli._summary(r)
+    unknown = _rec("W1", {"max_num_seqs": 8}, {**spec, "spec_decode_num_draft_tokens": 0,
+                                               "spec_decode_acceptance_rate": None})
+    assert report.table_rows([unknown])[0][3] == "max_num_seqs=8,spec=ngram k=3"
+    assert cli._summary(unknown).count("speculative ngram k=3") == 1 and "acceptance" not in cli._summary(unknown)
+    assert report.table_rows([_rec("W1", {}, {})])[0][3] == "-"
+
+
+def test_a_speculative_bench_run_records_the_method(tmp_path, tiny_bench_model, capsys):
+    path = tmp_path / "out.json"
+    assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--scale", "0.02", "--device", "cpu",
+                     "--no-tqdm", "--json", str(path), "--speculative-config",
+                     '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    rec, = json.loads(path.read_text())
+    assert rec["extra"]["speculative_config"]["method"] == "ngram"
+    out = capsys.readouterr().out
+    assert ", speculative ngram k=3" in out and "  spec=ngram k=3" in out
+
+
+def test_no_model_names_the_flag_and_suggests_tiny_llama_on_cpu(capsys):
+    assert cli.main(["--workload", "W1P", "--scale", "0.03125", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hayabusa bench: --model DIR is required with --workload W1P")
+    assert "--make-model tiny-llama DIR" in err and "None" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("value,says", [
+    ("ngram", "is not valid JSON"),
+    ("{bad", "is not valid JSON"),
+    ('{"method": "foo", "num_speculative_tokens": 2}', "method='foo': unknown method"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "x=1: unknown key"),
+    ("-1", "must be a dict"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+     "prompt_lookup_min=5: must be <= prompt_lookup_max (2)"),
+])
+def test_bad_speculative_config_is_one_line_before_any_run(tiny_bench_model, capsys, monkeypatch, value, says):
+    monkeypatch.setattr(cli, "_run", lambda ns: pytest.fail("a run started"))
+    assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--device", "cpu",
+                     f"--speculative-config={value}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("hayabusa bench: argument --speculative-config: speculative_config ")
+    assert says in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_bad_json_in_a_sweep_and_limit_mm_is_refused_up_front(tiny_bench_model, capsys):
+    assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--device", "cpu", "--sweep",
+                     "speculative_config=ngram"]) == 2
+    assert capsys.readouterr().err.startswith("hayabusa bench: argument --speculative-config: speculative_config is "
+                                              "not valid JSON")
+    assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--device", "cpu",
+                     "--limit-mm-per-prompt", '{"audio": 1}']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hayabusa bench: argument --limit-mm-per-prompt: ") and "unknown modality 'audio'" in err
+
+
+def test_help_texts():
+    p = argparse.ArgumentParser()
+    cli._add_args(p)
+    helps = {a.dest: a.help for a in p._actions}
+    for dest in ("endpoint", "metric_percentiles", "percentile_metrics"):
+        assert helps[dest], dest
+    assert "ttft" in helps["percentile_metrics"] and "50,90,99" in helps["metric_percentiles"]
+    assert "default on" in helps["enable_prefix_caching"]
+    assert "EngineArgs default: None" not in "".join(h or "" for h in helps.values())
+    assert "[EngineArgs default: 256]" in helps["max_num_seqs"]
