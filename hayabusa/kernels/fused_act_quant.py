@@ -26,7 +26,7 @@ import torch
 from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
-from hayabusa.kernels.fused_norm import _add_rms_norm_row, fused_add_rms_norm_ref
+from hayabusa.kernels.fused_norm import add_rms_norm_row, fused_add_rms_norm_ref
 from hayabusa.kernels.int8_quant import INT8_MAX, MIN_SCALE_INT8, per_token_quant_int8_ref, round_half_even
 from hayabusa.kernels.per_token_quant import FLOAT_DTYPES
 
@@ -64,7 +64,7 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, xq_ptr, s_ptr, res_out_ptr, st
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     # fused_norm's row (GEMMA=False): the same operations as _fused_add_rms_norm_kernel
-    out = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, N, eps, offs,
+    out = add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, N, eps, offs,
                             mask, HAS_RES, False).to(x_ptr.dtype.element_ty)
     # then the quantizer's, on the output as the model dtype holds it (masked lanes are 0: they do not move amax)
     v = out.to(tl.float32)

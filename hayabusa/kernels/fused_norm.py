@@ -13,7 +13,7 @@ from hayabusa.kernels._triton import tl, triton
 
 
 @triton.jit
-def _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, N, eps, offs, mask,
+def add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, N, eps, offs, mask,
                       HAS_RES: tl.constexpr, GEMMA: tl.constexpr):
     """One row's (x + residual) (stored to res_out when HAS_RES) and its RMSNorm as fp32, before the one rounding
     to the output dtype. Shared by ``_fused_add_rms_norm_kernel`` and fused_act_quant's ``_rms_norm_quant_kernel``
@@ -41,7 +41,7 @@ def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stri
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    y = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, N, eps, offs, mask,
+    y = add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, N, eps, offs, mask,
                           HAS_RES, GEMMA)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
