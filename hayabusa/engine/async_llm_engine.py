@@ -41,6 +41,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from hayabusa.compat import check_priority
 from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
 from hayabusa.engine.llm_engine import LLMEngine, as_request_id, as_request_ids
@@ -253,20 +254,25 @@ class AsyncLLMEngine:
         return dict(self._stats)
 
     async def add_request(self, request_id: Any, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                          arrival_time: float | None = None, lora_request: Any = None) -> RequestStream:
+                          arrival_time: float | None = None, lora_request: Any = None, priority: int = 0,
+                          trace_headers: Any = None) -> RequestStream:
         """Queue a request and wait until the engine has accepted it.
+
+        priority: 0 (vLLM's keyword; requests run first come, first served, so another value is refused);
+        trace_headers: accepted and ignored (vLLM's OpenTelemetry headers).
 
         Returns:
             Its RequestStream (iterate it for cumulative RequestOutputs).
 
         Raises:
             HayabusaValidationError: a bad prompt or parameter, an empty request_id (ids are compared as
-                ``str(request_id)``) or one already in use; nothing is queued.
+                ``str(request_id)``) or one already in use, a non-zero ``priority``; nothing is queued.
             EngineDeadError: the engine thread has stopped.
         """
         if lora_request is not None:
             raise HayabusaValidationError("LoRA adapters are not supported; pass lora_request=None or leave it out.",
                                           parameter="lora_request", value=repr(lora_request)[:80])
+        check_priority(priority, None)
         self._check_alive()
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):   # images: preprocessed off the engine thread
             prompt = await asyncio.get_running_loop().run_in_executor(
@@ -293,7 +299,8 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: Any,
-                       arrival_time: float | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, lora_request: Any = None, priority: int = 0,
+                       trace_headers: Any = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative RequestOutputs until it finishes (``out.finished``).
 
         request_id: any value whose ``str()`` is non-empty (a str, a ``uuid.uuid4()``, ...); the engine keys the
@@ -306,7 +313,8 @@ class AsyncLLMEngine:
             HayabusaValidationError: at the first iteration, for a bad prompt or parameter or a duplicate id.
             EngineStepError: a step failed while this request was in flight.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time, lora_request=lora_request)
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time, lora_request=lora_request,
+                                        priority=priority)
         try:
             while True:
                 out = await stream.get()
