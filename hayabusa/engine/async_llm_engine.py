@@ -48,7 +48,7 @@ from hayabusa.engine.llm_engine import LLMEngine, as_request_id, as_request_ids
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.multimodal.processor import preprocess_prompt_images
 from hayabusa.outputs import RequestOutput
-from hayabusa.sampling_params import SamplingParams
+from hayabusa.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +100,16 @@ class StopCommand:
 Command = AddCommand | AbortCommand | StopCommand
 
 
+# RequestOutputKind -> LLMEngine.add_request's output_kind
+_OUTPUT_KINDS = {RequestOutputKind.CUMULATIVE: "cumulative", RequestOutputKind.DELTA: "delta",
+                 RequestOutputKind.FINAL_ONLY: "final"}
+
+
 class RequestStream:
     """The outputs of one request, from the engine thread to one consumer.
 
-    Only the newest cumulative output is kept (each output holds everything so far). Iterate it with
+    Only the newest cumulative output is kept (each output holds everything so far; DELTA outputs not read yet
+    are merged into one, ``RequestOutput.add``; a FINAL_ONLY request has one). Iterate it with
     ``async for``; ``close()`` aborts the request unless it has finished.
     """
 
@@ -115,9 +121,13 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None   # the future get() awaits (one consumer), else None
         self.finished = False      # the engine has sent the last output (or an error)
         self._consumed_last = False
+        self.delta = False         # RequestOutputKind.DELTA: outputs not read yet are merged
 
     def _put(self, out: RequestOutput) -> None:
-        self._latest = out
+        if self.delta and self._latest is not None:
+            self._latest.add(out)       # deltas not read yet are merged, never dropped
+        else:
+            self._latest = out
         self.finished = self.finished or out.finished
         self._wake()
 
@@ -283,6 +293,8 @@ class AsyncLLMEngine:
                                           value=request_id)
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id)
+        # (params that are not SamplingParams: the engine refuses them)
+        stream.delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
         self._streams[request_id] = stream
         fut: concurrent.futures.Future = concurrent.futures.Future()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -301,7 +313,9 @@ class AsyncLLMEngine:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: Any,
                        arrival_time: float | None = None, lora_request: Any = None, priority: int = 0,
                        trace_headers: Any = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative RequestOutputs until it finishes (``out.finished``).
+        """Yield the request's RequestOutputs until it finishes (``out.finished``): cumulative ones, or as
+        ``sampling_params.output_kind`` says (RequestOutputKind.DELTA: only what is new in each; FINAL_ONLY: the
+        last one alone).
 
         request_id: any value whose ``str()`` is non-empty (a str, a ``uuid.uuid4()``, ...); the engine keys the
         request by that str (``out.request_id``), so ``abort`` with the same object finds it.
@@ -444,8 +458,9 @@ class AsyncLLMEngine:
             if not fut.set_running_or_notify_cancel():
                 return                      # the caller gave up before the engine saw the request
             try:
+                kind = getattr(cmd.params, "output_kind", RequestOutputKind.CUMULATIVE)   # bad params: refused
                 self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                        output_kind="cumulative")
+                                        output_kind=_OUTPUT_KINDS[kind])
             except BaseException as e:  # noqa: BLE001 -- goes back to the caller
                 fut.set_exception(e)
                 return

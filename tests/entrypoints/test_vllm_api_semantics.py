@@ -76,3 +76,87 @@ def test_async_generate_takes_priority_zero_and_refuses_others(engine):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
     assert err.parameter == "priority"
     wait_idle(engine)
+
+
+def _collect(engine, prompt, params, rid, slow=False):
+    async def main():
+        outs = []
+        async for o in engine.generate(prompt, params, rid):
+            outs.append(o)
+            if slow:
+                await asyncio.sleep(0.05)      # the engine runs ahead: deltas pile up and must be merged
+        return outs
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_delta_outputs_add_up_to_the_cumulative_output(engine, slow):
+    from hayabusa.sampling_params import RequestOutputKind
+
+    kw = dict(temperature=1.0, seed=11, n=2, max_tokens=24, logprobs=1, prompt_logprobs=1, stop=["park"])
+    full = _collect(engine, "Once upon a time", SamplingParams(**kw), "cum")[-1]
+    deltas = _collect(engine, "Once upon a time", SamplingParams(**kw, output_kind=RequestOutputKind.DELTA),
+                      f"delta{slow}", slow=slow)
+    assert deltas[-1].finished and not any(o.finished for o in deltas[:-1])
+    for c in full.outputs:
+        parts = [d for o in deltas for d in o.outputs if d.index == c.index]
+        assert "".join(d.text for d in parts) == c.text and len(c.text) > 0
+        assert [t for d in parts for t in d.token_ids] == c.token_ids
+        assert [lp for d in parts for lp in d.logprobs] == c.logprobs
+        assert parts[-1].finish_reason == c.finish_reason and parts[-1].stop_reason == c.stop_reason
+        assert parts[-1].cumulative_logprob == pytest.approx(c.cumulative_logprob)
+        assert all(d.finish_reason is None for d in parts[:-1])
+    # the prompt logprobs come once, in the first output
+    assert deltas[0].prompt_logprobs == full.prompt_logprobs and len(full.prompt_logprobs) == 5
+    assert all(o.prompt_logprobs is None for o in deltas[1:])
+    if slow:       # fewer outputs than steps: deltas were merged
+        assert len(deltas) < max(len(c.token_ids) for c in full.outputs)
+    else:          # one token per step: no output repeats a token
+        assert sum(len(d.token_ids) for o in deltas for d in o.outputs) == sum(len(c.token_ids) for c in full.outputs)
+    wait_idle(engine)
+
+
+def test_final_only_yields_one_output_equal_to_the_last_cumulative_one(engine):
+    from hayabusa.sampling_params import RequestOutputKind
+
+    kw = dict(temperature=0.0, max_tokens=12)
+    cum = _collect(engine, "One day, Tom", SamplingParams(**kw), "c2")
+    final = _collect(engine, "One day, Tom", SamplingParams(**kw, output_kind=2), "f2")
+    assert len(cum) == 12 and len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == cum[-1].outputs[0].token_ids
+    assert final[0].outputs[0].text == cum[-1].outputs[0].text != ""
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+
+
+def test_delta_abort_ends_with_an_abort_delta(engine):
+    from hayabusa.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        gen = engine.generate("Once upon a time", params, "da")
+        first = await gen.__anext__()
+        await engine.abort("da")
+        return first, [o async for o in gen]
+
+    first, rest = asyncio.run(main())
+    assert len(first.outputs[0].token_ids) >= 1 and not first.finished
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    wait_idle(engine)
+
+
+def test_llm_generate_returns_final_outputs_whatever_the_kind(llm):
+    from hayabusa.sampling_params import RequestOutputKind
+
+    want = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    got = llm.generate(PROMPTS, GREEDY.clone(output_kind=RequestOutputKind.DELTA), use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.parametrize("value", [3, -1, "delta", 1.0, True])
+def test_bad_output_kind_is_refused_by_name(value):
+    with pytest.raises(TypeError, match="output_kind") as e:
+        SamplingParams(output_kind=value)
+    assert isinstance(e.value, HayabusaValidationError) and e.value.parameter == "output_kind"
