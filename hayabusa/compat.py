@@ -4,6 +4,7 @@
 False, 0, an empty dict or list) is accepted silently, so configs that spell out the default run unchanged; any
 other value is a HayabusaValidationError saying the feature is not supported yet (not "unknown").
 ``LLM_IGNORED_KWARGS``: ``LLM(...)`` keyword arguments that mean nothing offline; one warning names them.
+``check_priority``: vLLM's per-request ``priority`` (0 accepted; priority scheduling is not supported).
 """
 
 from __future__ import annotations
@@ -85,3 +86,35 @@ def generation_config_defaults(model_dir: str) -> dict[str, Any]:
     if cfg.get("do_sample") is False:
         cfg = {k: v for k, v in cfg.items() if k in ("repetition_penalty", "max_new_tokens")}
     return {field: cfg[key] for key, field in _GENERATION_CONFIG_FIELDS.items() if cfg.get(key) is not None}
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_priority(priority: Any, num_prompts: int | None) -> None:
+    """vLLM's ``priority`` argument: None, or (``num_prompts`` given) a list of one int per prompt, (else) one int;
+    every value 0, since requests run first come, first served (vLLM raises for a non-zero priority unless its
+    scheduling_policy is "priority").
+
+    Raises:
+        HayabusaValidationError: naming ``priority``: a wrong type or length, or a non-zero value.
+    """
+    if priority is None:
+        return
+    if num_prompts is None:
+        values = [priority]
+    elif not isinstance(priority, (list, tuple)) or len(priority) != num_prompts:
+        raise HayabusaValidationError(f"priority must be a list of one int per prompt ({num_prompts}), got "
+                                      f"{_short_repr(priority)}.", parameter="priority", value=_short_repr(priority))
+    else:
+        values = list(priority)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise HayabusaValidationError(f"priority must be an int, got {_short_repr(v)} ({type(v).__name__}).",
+                                          parameter="priority", value=_short_repr(v))
+        if v != 0:
+            raise HayabusaValidationError(f"got priority {v}, but priority scheduling is not supported (vLLM's "
+                                          "scheduling_policy='priority'): requests run first come, first served, "
+                                          "so priority must be 0.", parameter="priority", value=v)

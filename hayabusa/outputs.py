@@ -77,6 +77,35 @@ class RequestOutput:
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
 
+    def add(self, next_output: "RequestOutput", aggregate: bool = True) -> None:
+        """Merge a later output of the same request into this one (vLLM's ``RequestOutput.add``).
+
+        aggregate=True (DELTA outputs): a completion with the same ``index`` gets the next one's text, token ids
+        and logprobs appended and its cumulative_logprob, finish_reason and stop_reason; False: it is replaced. A
+        completion this output lacks is appended. ``finished`` is or-ed, metrics are the next output's, and the
+        prompt logprobs are kept (taken from the next output when this one has none).
+        """
+        self.finished = self.finished or next_output.finished
+        self.metrics = next_output.metrics
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        for nxt in next_output.outputs:
+            for i, cur in enumerate(self.outputs):
+                if cur.index != nxt.index:
+                    continue
+                if aggregate:
+                    cur.text += nxt.text
+                    cur.token_ids = list(cur.token_ids) + list(nxt.token_ids)
+                    if nxt.logprobs:
+                        cur.logprobs = list(cur.logprobs or []) + list(nxt.logprobs)
+                    cur.cumulative_logprob = nxt.cumulative_logprob
+                    cur.finish_reason, cur.stop_reason = nxt.finish_reason, nxt.stop_reason
+                else:
+                    self.outputs[i] = nxt
+                break
+            else:
+                self.outputs.append(nxt)
+
 
 @dataclass
 class RequestMetrics:

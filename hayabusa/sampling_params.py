@@ -6,6 +6,7 @@ model (vocabulary size, max_model_len) happen in the engine's input processor.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import numbers
@@ -61,6 +62,24 @@ def check_utf8(parameter: str, text: str) -> None:
         raise HayabusaValidationError(
             f"{parameter} is not valid Unicode text: {e.reason} at character {e.start} "
             f"({text[e.start:e.end]!a}).", parameter=parameter, value=text[max(e.start - 20, 0):e.end + 20]) from None
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a streaming caller (AsyncLLMEngine.generate) gets for a request (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: every output holds the whole completion so far (text, token_ids, logprobs).
+    DELTA: every output holds only what is new since the previous one: each ``CompletionOutput`` that changed,
+        with its new text, token ids and logprobs (``cumulative_logprob`` stays the running total); the prompt
+        logprobs come once, in the first output. Outputs not yet read are merged (``RequestOutput.add``), so
+        nothing is lost when the consumer is slower than the engine.
+    FINAL_ONLY: one output, when the request has finished.
+
+    ``LLM.generate`` / ``LLM.chat`` always return final outputs, whatever the kind (as vLLM's LLM).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -175,6 +194,8 @@ class SamplingParams:
         truncate_prompt_tokens: keep only the last k prompt tokens.
         structured_outputs: a StructuredOutputsParams (or a dict of its fields): constrain the output to a JSON
             schema, regex, choice or grammar. ``guided_decoding`` is vLLM's older name for it.
+        output_kind: a RequestOutputKind (or its int value 0, 1, 2): whether AsyncLLMEngine.generate streams
+            cumulative outputs (default), deltas, or the final output only.
 
     Raises:
         HayabusaValidationError: a value is out of range; the error names the parameter and the value.
@@ -210,6 +231,7 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -272,6 +294,11 @@ class SamplingParams:
             raise _bad_type("bad_words", self.bad_words, "must be a list of strings")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise _bad_type("extra_args", self.extra_args, "must be a dict")
+        if type(self.output_kind) is not RequestOutputKind:
+            if not _is_int(self.output_kind) or self.output_kind not in tuple(RequestOutputKind):
+                raise _bad_type("output_kind", self.output_kind,
+                                "must be a RequestOutputKind (CUMULATIVE = 0, DELTA = 1, FINAL_ONLY = 2)")
+            self.output_kind = RequestOutputKind(int(self.output_kind))
 
     def _verify(self) -> None:  # noqa: C901 - a flat list of checks reads best
         if not 1 <= self.n <= MAX_N:

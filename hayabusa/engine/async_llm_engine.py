@@ -41,13 +41,14 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from hayabusa.compat import check_priority
 from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
 from hayabusa.engine.llm_engine import LLMEngine, as_request_id, as_request_ids
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.multimodal.processor import preprocess_prompt_images
 from hayabusa.outputs import RequestOutput
-from hayabusa.sampling_params import SamplingParams
+from hayabusa.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,16 @@ class StopCommand:
 Command = AddCommand | AbortCommand | StopCommand
 
 
+# RequestOutputKind -> LLMEngine.add_request's output_kind
+_OUTPUT_KINDS = {RequestOutputKind.CUMULATIVE: "cumulative", RequestOutputKind.DELTA: "delta",
+                 RequestOutputKind.FINAL_ONLY: "final"}
+
+
 class RequestStream:
     """The outputs of one request, from the engine thread to one consumer.
 
-    Only the newest cumulative output is kept (each output holds everything so far). Iterate it with
+    Only the newest cumulative output is kept (each output holds everything so far; DELTA outputs not read yet
+    are merged into one, ``RequestOutput.add``; a FINAL_ONLY request has one). Iterate it with
     ``async for``; ``close()`` aborts the request unless it has finished.
     """
 
@@ -114,9 +121,13 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None   # the future get() awaits (one consumer), else None
         self.finished = False      # the engine has sent the last output (or an error)
         self._consumed_last = False
+        self.delta = False         # RequestOutputKind.DELTA: outputs not read yet are merged
 
     def _put(self, out: RequestOutput) -> None:
-        self._latest = out
+        if self.delta and self._latest is not None:
+            self._latest.add(out)       # deltas not read yet are merged, never dropped
+        else:
+            self._latest = out
         self.finished = self.finished or out.finished
         self._wake()
 
@@ -253,20 +264,25 @@ class AsyncLLMEngine:
         return dict(self._stats)
 
     async def add_request(self, request_id: Any, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                          arrival_time: float | None = None, lora_request: Any = None) -> RequestStream:
+                          arrival_time: float | None = None, lora_request: Any = None, priority: int = 0,
+                          trace_headers: Any = None) -> RequestStream:
         """Queue a request and wait until the engine has accepted it.
+
+        priority: 0 (vLLM's keyword; requests run first come, first served, so another value is refused);
+        trace_headers: accepted and ignored (vLLM's OpenTelemetry headers).
 
         Returns:
             Its RequestStream (iterate it for cumulative RequestOutputs).
 
         Raises:
             HayabusaValidationError: a bad prompt or parameter, an empty request_id (ids are compared as
-                ``str(request_id)``) or one already in use; nothing is queued.
+                ``str(request_id)``) or one already in use, a non-zero ``priority``; nothing is queued.
             EngineDeadError: the engine thread has stopped.
         """
         if lora_request is not None:
             raise HayabusaValidationError("LoRA adapters are not supported; pass lora_request=None or leave it out.",
                                           parameter="lora_request", value=repr(lora_request)[:80])
+        check_priority(priority, None)
         self._check_alive()
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):   # images: preprocessed off the engine thread
             prompt = await asyncio.get_running_loop().run_in_executor(
@@ -277,6 +293,8 @@ class AsyncLLMEngine:
                                           value=request_id)
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id)
+        # (params that are not SamplingParams: the engine refuses them)
+        stream.delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
         self._streams[request_id] = stream
         fut: concurrent.futures.Future = concurrent.futures.Future()
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -293,8 +311,11 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: Any,
-                       arrival_time: float | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative RequestOutputs until it finishes (``out.finished``).
+                       arrival_time: float | None = None, lora_request: Any = None, priority: int = 0,
+                       trace_headers: Any = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's RequestOutputs until it finishes (``out.finished``): cumulative ones, or as
+        ``sampling_params.output_kind`` says (RequestOutputKind.DELTA: only what is new in each; FINAL_ONLY: the
+        last one alone).
 
         request_id: any value whose ``str()`` is non-empty (a str, a ``uuid.uuid4()``, ...); the engine keys the
         request by that str (``out.request_id``), so ``abort`` with the same object finds it.
@@ -306,7 +327,8 @@ class AsyncLLMEngine:
             HayabusaValidationError: at the first iteration, for a bad prompt or parameter or a duplicate id.
             EngineStepError: a step failed while this request was in flight.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time, lora_request=lora_request)
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time, lora_request=lora_request,
+                                        priority=priority)
         try:
             while True:
                 out = await stream.get()
@@ -436,8 +458,9 @@ class AsyncLLMEngine:
             if not fut.set_running_or_notify_cancel():
                 return                      # the caller gave up before the engine saw the request
             try:
+                kind = getattr(cmd.params, "output_kind", RequestOutputKind.CUMULATIVE)   # bad params: refused
                 self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                        output_kind="cumulative")
+                                        output_kind=_OUTPUT_KINDS[kind])
             except BaseException as e:  # noqa: BLE001 -- goes back to the caller
                 fut.set_exception(e)
                 return

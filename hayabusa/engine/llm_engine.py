@@ -186,8 +186,9 @@ class LLMEngine:
         request_id: any value whose ``str()`` is non-empty (a str, a ``uuid.UUID``, ...); the request is keyed
         and reported (``RequestOutput.request_id``) by that str, so abort_request with the same object finds it.
 
-        output_kind: "cumulative" (step() returns the request's output so far whenever it changes) or "final"
-        (only once finished; text is then detokenized once at the end unless stop strings need it earlier).
+        output_kind: "cumulative" (step() returns the request's output so far whenever it changes), "delta" (what
+        changed since the last output: RequestOutputKind.DELTA) or "final" (only once finished; text is then
+        detokenized once at the end unless stop strings need it earlier).
 
         Raises:
             HayabusaValidationError: bad prompt or params, or an empty or duplicate request_id; nothing is queued then.

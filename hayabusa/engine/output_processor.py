@@ -30,6 +30,10 @@ class SampleState:
     # Nothing to do before the sample finishes but keep its ids (RequestState.lazy and no logprobs); fixed when
     # the request is added.
     quiet: bool = False
+    # "delta" requests: how many output tokens / logprob entries went out already, and whether its end did
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+    sent_finish: bool = False
 
 
 _SP_SPACE = "\u2581"   # SentencePiece's word-boundary marker: a space in the decoded text
@@ -50,6 +54,8 @@ class RequestState:
     output_kind: str = "cumulative"
     # prompt_logprobs requests: [None, then a dict per prompt token whose logprobs came back so far]
     prompt_logprobs: list | None = None
+    # "delta": how many prompt_logprobs entries went out already
+    num_sent_prompt_logprobs: int = 0
 
     @property
     def lazy(self) -> bool:
@@ -170,7 +176,9 @@ class OutputProcessor:
         for state in changed.values():
             finished = state.finished
             if finished or state.output_kind != "final":
-                outputs.append(self._make_output(state, finished))
+                out = self._make_output(state, finished)
+                if out.outputs or finished:     # a delta with nothing new is not sent
+                    outputs.append(out)
             if finished:
                 self._drop(state)
         return outputs, stop_hits
@@ -240,6 +248,8 @@ class OutputProcessor:
     def _make_output(self, state: RequestState, finished: bool | None = None) -> RequestOutput:
         if finished is None:
             finished = state.finished
+        if state.output_kind == "delta":
+            return self._make_delta_output(state, finished)
         completions = []
         for s in state.samples:
             done = s.finish_reason is not None
@@ -252,6 +262,37 @@ class OutputProcessor:
                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                             prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
                             metrics=state.metrics)
+        encoder_ids = state.samples[0].request.encoder_prompt_token_ids
+        if encoder_ids is not None:   # encoder-decoder (T5)
+            out.encoder_prompt, out.encoder_prompt_token_ids = state.prompt, encoder_ids
+        return out
+
+    def _make_delta_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        """RequestOutputKind.DELTA: the completions with something new since the last output (new text, token
+        ids, logprobs; or their end), and the prompt logprobs not sent yet (None when there are none)."""
+        completions = []
+        for s in state.samples:
+            done = s.finish_reason is not None
+            ids = s.request.output_token_ids
+            if len(ids) == s.num_sent_tokens and (s.sent_finish or not done):
+                continue
+            new_ids = list(ids[s.num_sent_tokens:])
+            logprobs = None
+            if s.logprobs is not None:
+                logprobs = list(s.logprobs[s.num_sent_logprobs:])
+                s.num_sent_logprobs = len(s.logprobs)
+            s.num_sent_tokens, s.sent_finish = len(ids), done
+            completions.append(CompletionOutput(
+                index=s.index, text=s.detok.get_next_output_text(done, delta=True), token_ids=new_ids,
+                cumulative_logprob=s.cumulative_logprob, logprobs=logprobs, finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason))
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and len(state.prompt_logprobs) > state.num_sent_prompt_logprobs:
+            prompt_logprobs = list(state.prompt_logprobs[state.num_sent_prompt_logprobs:])
+            state.num_sent_prompt_logprobs = len(state.prompt_logprobs)
+        out = RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                            prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
+                            prompt_logprobs=prompt_logprobs, metrics=state.metrics)
         encoder_ids = state.samples[0].request.encoder_prompt_token_ids
         if encoder_ids is not None:   # encoder-decoder (T5)
             out.encoder_prompt, out.encoder_prompt_token_ids = state.prompt, encoder_ids

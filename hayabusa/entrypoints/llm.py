@@ -6,8 +6,9 @@ import contextlib
 import gc
 import itertools
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from hayabusa.compat import check_priority
 from hayabusa.config import EngineArgs
 from hayabusa.engine.input_processor import PromptType
 from hayabusa.engine.llm_engine import LLMEngine
@@ -113,23 +114,28 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None,
-                 **unsupported: Any) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True, prompt_token_ids: list[list[int]] | None = None,
+                 priority: list[int] | None = None, **unsupported: Any) -> list[RequestOutput]:
         """Generate completions for every prompt, in input order.
 
         Args:
             prompts: a str, a list of str, ``{"prompt_token_ids": [...]}`` / ``{"prompt": str}`` or a list of
                 those.
             sampling_params: one SamplingParams for all prompts, or one per prompt (default: SamplingParams()).
-            use_tqdm: show a progress bar.
+            use_tqdm: show a progress bar: True (tqdm.auto), False, or a callable that makes the bar (vLLM's
+                ``functools.partial(tqdm, leave=False)``), called with tqdm's keywords ``total``, ``desc``,
+                ``dynamic_ncols``.
             prompt_token_ids: (old vLLM API) token-id prompts.
+            priority: one int per prompt, each 0: requests run first come, first served (vLLM refuses a non-zero
+                priority unless its scheduling_policy is "priority", which hayabusa does not have).
 
         Returns:
             One finished RequestOutput per prompt, in the order given.
 
         Raises:
             HayabusaValidationError: a bad prompt or parameter (for a batch, the message starts with the prompt's
-                index: ``prompts[3]: ...``); no request of this call is left queued.
+                index: ``prompts[3]: ...``), a ``priority`` list of the wrong length or with a non-zero value; no
+                request of this call is left queued.
         """
         for name, value in unsupported.items():
             if value is not None:
@@ -138,6 +144,7 @@ class LLM:
                                               f"{name}=None or leave it out.", parameter=name, value=value)
         prompt_list = self._as_prompt_list(prompts, prompt_token_ids)
         params = self._as_params_list(sampling_params, len(prompt_list))
+        check_priority(priority, len(prompt_list))
         engine = self.llm_engine
         # images: the image processor runs on a thread pool; prompts are queued in order as they are ready, so the
         # engine steps while later prompts' images are still being processed
@@ -164,7 +171,7 @@ class LLM:
             return self._run_engine(ids, use_tqdm, feed=more, total=len(prompt_list))
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None,
+             use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
@@ -233,8 +240,8 @@ class LLM:
                                           "prompt.", parameter="sampling_params", value=len(sp))
         return sp
 
-    def _run_engine(self, ids: list[str], use_tqdm: bool, feed: tuple[PreprocessStream, Any] | None = None,
-                    total: int | None = None) -> list[RequestOutput]:
+    def _run_engine(self, ids: list[str], use_tqdm: bool | Callable[..., Any],
+                    feed: tuple[PreprocessStream, Any] | None = None, total: int | None = None) -> list[RequestOutput]:
         """Step until every request of ``ids`` is finished. ``feed``: (stream, add) where ``add(block)`` queues the
         stream's next ready prompts (appending to ``ids``) while the engine runs; a bad prompt found then aborts
         this call's requests and raises."""
@@ -242,9 +249,12 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            if callable(use_tqdm):
+                make_bar = use_tqdm                  # vLLM: a tqdm-like class or factory
+            else:
+                from tqdm.auto import tqdm as make_bar
 
-            bar = tqdm(total=total or len(ids), desc="Processed prompts", dynamic_ncols=True)
+            bar = make_bar(total=total or len(ids), desc="Processed prompts", dynamic_ncols=True)
         start, out_tokens = time.perf_counter(), 0
         try:
             while engine.has_unfinished_requests() or (feed is not None and not feed[0].done):
