@@ -123,7 +123,9 @@ def test_final_only_yields_one_output_equal_to_the_last_cumulative_one(engine):
     kw = dict(temperature=0.0, max_tokens=12)
     cum = _collect(engine, "One day, Tom", SamplingParams(**kw), "c2")
     final = _collect(engine, "One day, Tom", SamplingParams(**kw, output_kind=2), "f2")
-    assert len(cum) == 12 and len(final) == 1 and final[0].finished
+    # (a cumulative stream may skip outputs its consumer was too slow to read: only the newest is kept)
+    assert 1 <= len(cum) <= 12 and cum[-1].finished and len(cum[-1].outputs[0].token_ids) == 12
+    assert len(final) == 1 and final[0].finished
     assert final[0].outputs[0].token_ids == cum[-1].outputs[0].token_ids
     assert final[0].outputs[0].text == cum[-1].outputs[0].text != ""
     assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
