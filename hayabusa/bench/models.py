@@ -36,7 +36,7 @@ SHAPE_FILE = "bench_shape.json"
 
 def _arch_shapes() -> dict[str, Any]:
     """Real shapes of the other supported architectures (from the models' public config.json files)."""
-    from transformers import Gemma2Config, GPT2Config, MistralConfig, Qwen3Config, T5Config
+    from transformers import Gemma2Config, GPT2Config, MistralConfig, OPTConfig, Qwen3Config, T5Config
 
     def t5(**kw):   # google-t5/t5-small, t5-base (ReLU, tied and scaled head), google/flan-t5-large (gated-GELU)
         return T5Config(vocab_size=32128, d_kv=64, eos_token_id=1, pad_token_id=0, decoder_start_token_id=0, **kw)
@@ -46,6 +46,10 @@ def _arch_shapes() -> dict[str, Any]:
         "rinna-gpt-1b-shape": lambda: GPT2Config(n_embd=2048, n_layer=24, n_head=16, vocab_size=44928,
                                                  n_positions=1024, activation_function="gelu_fast",
                                                  bos_token_id=1, eos_token_id=2),
+        # facebook/opt-125m (vLLM's quickstart model): pre-LN, ReLU, 12 x 768, vocab 50272, 2048 positions, tied
+        "opt-125m-shape": lambda: OPTConfig(hidden_size=768, num_hidden_layers=12, ffn_dim=3072,
+                                            num_attention_heads=12, vocab_size=50272, max_position_embeddings=2048,
+                                            pad_token_id=1, bos_token_id=2, eos_token_id=2),
         # Qwen/Qwen3-0.6B
         "qwen3-0.6b-shape": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -70,7 +74,7 @@ def _arch_shapes() -> dict[str, Any]:
     }
 
 
-ARCH_SHAPE_NAMES = ("rinna-gpt-1b-shape", "qwen3-0.6b-shape", "gemma-2-2b-shape", "mistral-7b-shape",
+ARCH_SHAPE_NAMES = ("rinna-gpt-1b-shape", "opt-125m-shape", "qwen3-0.6b-shape", "gemma-2-2b-shape", "mistral-7b-shape",
                     "t5-small-shape", "t5-base-shape", "flan-t5-large-shape")
 
 
@@ -84,7 +88,7 @@ def shape_config(name: str) -> Any:
 
     if name in ARCH_SHAPE_NAMES:
         cfg = _arch_shapes()[name]()
-        cfg.architectures = [{"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+        cfg.architectures = [{"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                               "mistral": "MistralForCausalLM", "t5": "T5ForConditionalGeneration"}[cfg.model_type]]
         cfg.dtype = "bfloat16"
         return cfg

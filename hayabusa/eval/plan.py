@@ -180,6 +180,15 @@ def count_params(cfg: Any) -> dict[str, int]:
         other += L * 2 * h                                                                 # pre/post FF norms
     if s.model_type == "gpt2":          # biases everywhere, LayerNorm weight + bias, learned positions
         other += L * (3 * h + h + s.intermediate + h + 2 * h) + h + s.max_position * h
+    emb, extra_linear = s.vocab * h * (1 if s.tied else 2), 0
+    if s.model_type == "opt":           # biases (enable_bias), LayerNorms, learned positions (+2 rows), project_in/out
+        proj = getattr(t, "word_embed_proj_dim", None) or h
+        bias, affine = bool(getattr(t, "enable_bias", True)), bool(getattr(t, "layer_norm_elementwise_affine", True))
+        final = bool(getattr(t, "do_layer_norm_before", True)) and not getattr(t, "_remove_final_layer_norm", False)
+        other = (L * ((4 * h if affine else 0) + (5 * h + s.intermediate if bias else 0))
+                 + (2 * h if final and affine else 0) + (s.max_position + 2) * h)
+        emb = s.vocab * proj * (1 if s.tied else 2)
+        extra_linear = 0 if proj == h else 2 * h * proj                                 # project_in, project_out
     mlp_mats = 2 if s.model_type in _NON_GATED_MLP else 3
     experts = _attr(t, "num_local_experts", "num_experts", "n_routed_experts", default=0)
     if experts:
@@ -190,9 +199,8 @@ def count_params(cfg: Any) -> dict[str, int]:
         other += (L - dense) * (h * experts + (h if shared else 0))                         # routers, shared gate
     else:
         mlp = L * mlp_mats * h * s.intermediate
-    emb = s.vocab * h * (1 if s.tied else 2)
     vision = vision_params(cfg)
-    linear = L * attn + mlp
+    linear = L * attn + mlp + extra_linear
     return {"linear": linear, "embedding": emb, "other": other, "vision": vision,
             "total": linear + emb + other + vision}
 

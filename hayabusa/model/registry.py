@@ -15,6 +15,7 @@ _MODELS = {
     "MistralForCausalLM": ("hayabusa.model.mistral", "MistralForCausalLM"),
     "Gemma2ForCausalLM": ("hayabusa.model.gemma2", "Gemma2ForCausalLM"),
     "GPT2LMHeadModel": ("hayabusa.model.gpt2", "GPT2LMHeadModel"),
+    "OPTForCausalLM": ("hayabusa.model.opt", "OPTForCausalLM"),
     "T5ForConditionalGeneration": ("hayabusa.model.t5", "T5ForConditionalGeneration"),
     "MT5ForConditionalGeneration": ("hayabusa.model.t5", "MT5ForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("hayabusa.model.qwen2_vl", "Qwen2VLForConditionalGeneration"),

@@ -87,7 +87,7 @@ def test_does_not_fit_gives_advice():
     assert {g["gpu"] for g in l4["gpus"]} == set(GPUS)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-0.5b-shape", "llama-3-8b-shape"])
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-shape", "llama-3-8b-shape", "opt-125m-shape"])
 def test_param_count_matches_hf_modules(name):
     from transformers import AutoModelForCausalLM
 
@@ -95,6 +95,20 @@ def test_param_count_matches_hf_modules(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())   # tied weights once
+
+
+@pytest.mark.parametrize("variant", ["350m", "plain"])
+def test_param_count_of_opt_layouts(variant, tmp_path):
+    """OPT's post-LN layout with project_in / project_out (opt-350m) and one without biases, LayerNorm affines or
+    final LayerNorm, with its own lm_head."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models._opt import save_tiny_opt
+
+    cfg = load_config(save_tiny_opt(tmp_path, variant))
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    assert count_params(cfg)["total"] == n
 
 
 def test_plan_reads_folders_and_the_cli_json(stories_dir, tiny_qwen2, capsys):

@@ -5,7 +5,7 @@ enforce_eager, gpu_memory_utilization=0.99, swap_space=3, max_model_len=1024, kv
 tensor_parallel_size=2: two worker processes over gloo on CPU, disable_log_requests) and 100 samples per prompt;
 then the report's stop-string SamplingParams (include_stop_str_in_output=True) and its opt-125m quickstart.
 Checks: 100 results per prompt, none lost, each between min_tokens and max_tokens tokens; stop strings kept when
-asked and dropped otherwise (the same seeded sample); the quickstart's OPT checkpoint refused by name.
+asked and dropped otherwise (the same seeded sample); the quickstart runs on a tiny OPT (greedy: HF's ids).
 Substitutions are marked ``# seed:``."""
 
 from __future__ import annotations
@@ -180,29 +180,38 @@ def test_seed004_async_script_tp2_100_samples_and_stop_strings(llama_dir, tmp_pa
         engine.shutdown()
 
 
-def test_seed004_opt125m_quickstart(llama_dir, tmp_path):
-    """The report's quickstart (vLLM's README): facebook/opt-125m. OPT is not a hayabusa architecture: a tiny OPT
-    checkpoint is refused naming ``model`` and listing what is supported; the same code runs on a supported one."""
+def test_seed004_opt125m_quickstart(tmp_path):
+    """The report's quickstart (vLLM's README) as written: facebook/opt-125m -> a tiny random OPT of opt-125m's
+    layout (pre-LayerNorm, ReLU, tied head) with OPT's GPT-2 BPE tokenizer. Both prompts get 1..16 tokens (vLLM's
+    default max_tokens), text that is the decode of those ids; the same code greedy gives HF's greedy ids."""
     import transformers as tf
 
     from hayabusa import LLM, SamplingParams   # the one change: ``from vllm import LLM, SamplingParams``
-    from hayabusa.errors import UnsupportedModelError
+    from tests.helpers import hf_greedy
 
     tok = tf.AutoTokenizer.from_pretrained(str(require_asset(TOKENIZERS / "gpt2")))   # OPT's BPE is GPT-2's
     opt = tmp_path / "opt-125m"
     torch.manual_seed(0)
     tf.OPTForCausalLM(tf.OPTConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, ffn_dim=64,
-                                   num_attention_heads=4, max_position_embeddings=128,
+                                   num_attention_heads=4, max_position_embeddings=128, init_std=0.2,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                    word_embed_proj_dim=32)).save_pretrained(str(opt))
     tok.save_pretrained(str(opt))
     prompts = ["Hello, my name is", "The future of AI is"]   # seed: the report leaves ``prompts`` out
 
     sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
-    with pytest.raises(UnsupportedModelError) as e:
-        llm = LLM(model=str(opt))   # seed: "facebook/opt-125m" -> the tiny local OPT checkpoint
-    assert e.value.parameter == "model" and "OPTForCausalLM" in str(e.value)
-    assert "supported: " in str(e.value) and "LlamaForCausalLM" in str(e.value)
-
-    llm = LLM(model=llama_dir)   # seed: a supported architecture instead
+    llm = LLM(model=str(opt))   # seed: "facebook/opt-125m" -> the tiny local OPT checkpoint
     outputs = llm.generate(prompts, sampling_params)
-    assert len(outputs) == 2 and all(0 < len(o.outputs[0].token_ids) <= 16 for o in outputs)  # vLLM's default 16
+
+    assert type(llm.llm_engine.runner.model).__name__ == "OPTForCausalLM"
+    assert [o.prompt for o in outputs] == prompts
+    for o in outputs:
+        c = o.outputs[0]
+        assert o.prompt_token_ids == tok(o.prompt).input_ids and o.finished
+        assert 0 < len(c.token_ids) <= 16                                          # vLLM's default max_tokens
+        assert len(c.token_ids) == 16 or c.token_ids[-1] == tok.eos_token_id
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    # the same model greedy: HF's ids (seed: added, the quickstart samples)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    ids = [tok(p).input_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in greedy] == hf_greedy(str(opt), ids, 16)

@@ -84,13 +84,17 @@ class GemmaRMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """torch LayerNorm (weight and bias; GPT-2) with RMSNorm's ``(x, residual)`` interface."""
+    """torch LayerNorm (weight and bias; GPT-2, OPT) with RMSNorm's ``(x, residual)`` interface.
+    ``elementwise_affine=False`` (OPT's ``layer_norm_elementwise_affine``): no weight and no bias."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 elementwise_affine: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight = (nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+                       if elementwise_affine else None)
+        self.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+                     if elementwise_affine else None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
