@@ -21,6 +21,9 @@ SAMPLING_EPS = 1e-5
 # fill the engine with children. 128 is the OpenAI API's own limit for n.
 MAX_N = 128
 
+# SamplingParams fields that the engine fills (not constructor arguments of the user's).
+ENGINE_FILLED_FIELDS = frozenset({"all_stop_token_ids", "bad_words_token_ids"})
+
 _BOOL_FIELDS = ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                 "include_stop_str_in_output")
 _INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
@@ -196,6 +199,13 @@ class SamplingParams:
             schema, regex, choice or grammar. ``guided_decoding`` is vLLM's older name for it.
         output_kind: a RequestOutputKind (or its int value 0, 1, 2): whether AsyncLLMEngine.generate streams
             cumulative outputs (default), deltas, or the final output only.
+        logit_bias: token id -> bias added to its logit before sampling (greedy included; the returned logprobs
+            stay the raw ones, vLLM's default ``logprobs_mode``). Ids must be in the vocabulary (checked by the
+            engine); biases finite. Not clamped here (the OpenAI server clamps to [-100, 100], as vLLM's).
+        allowed_token_ids: non-empty list of token ids; every other id is masked to -inf before sampling.
+        bad_words: words that are never completed: each is tokenized without and with a leading space (vLLM's
+            rule) and the last token of a sequence is banned whenever the output so far ends with the sequence's
+            other tokens (a one-token word is always banned). Needs the tokenizer.
 
     Raises:
         HayabusaValidationError: a value is out of range; the error names the parameter and the value.
@@ -234,6 +244,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine from bad_words and the tokenizer: the banned token sequences (vLLM's
+    # ``_bad_words_token_ids``).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -290,8 +303,7 @@ class SamplingParams:
             if not _is_int(t):
                 raise _bad_type("stop_token_ids", self.stop_token_ids, "must be a list of integers")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        if self.bad_words is not None and not isinstance(self.bad_words, (list, tuple)):
-            raise _bad_type("bad_words", self.bad_words, "must be a list of strings")
+        self._verify_logit_edit_types()
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise _bad_type("extra_args", self.extra_args, "must be a dict")
         if type(self.output_kind) is not RequestOutputKind:
@@ -337,11 +349,53 @@ class SamplingParams:
             raise _bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise _bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "must be at least 1")
-        if self.bad_words:
-            raise _bad("bad_words", self.bad_words, "is not supported yet")
-        if self.logit_bias or self.allowed_token_ids:
-            name = "logit_bias" if self.logit_bias else "allowed_token_ids"
-            raise _bad(name, getattr(self, name), "is not supported yet")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise _bad("allowed_token_ids", self.allowed_token_ids, "must not be empty (None = every token)")
+            if min(self.allowed_token_ids) < 0:
+                raise _bad("allowed_token_ids", self.allowed_token_ids, "must be non-negative token ids")
+        if self.logit_bias and min(self.logit_bias) < 0:
+            raise _bad("logit_bias", self.logit_bias, "keys must be non-negative token ids")
+        if self.bad_words and any(not w.strip() for w in self.bad_words):
+            raise _bad("bad_words", self.bad_words, "must be non-empty words")
+
+    def _verify_logit_edit_types(self) -> None:
+        """logit_bias: a dict of integer ids (int-like strings too, as vLLM converts them) -> finite numbers, made
+        {int: float}; allowed_token_ids: a list of integers, made a list of int; bad_words: a list of UTF-8
+        strings."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _bad_type("logit_bias", self.logit_bias, "must be a dict of token id -> bias")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                if _is_int(k):
+                    key = int(k)
+                elif isinstance(k, str) and k.strip().lstrip("+-").isdigit():
+                    key = int(k)
+                else:
+                    raise _bad_type("logit_bias", self.logit_bias, f"keys must be token ids (integers); key {k!r}")
+                if not _is_real(v):
+                    raise _bad_type("logit_bias", self.logit_bias, f"values must be numbers; token {k!r}")
+                if not math.isfinite(v):
+                    raise _bad("logit_bias", self.logit_bias, f"values must be finite numbers; token {k!r}")
+                bias[key] = float(v)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in ids):
+                raise _bad_type("allowed_token_ids", ids, "must be a list of integers")
+            self.allowed_token_ids = [int(t) for t in ids]
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+                raise _bad_type("bad_words", self.bad_words, "must be a list of strings")
+            self.bad_words = list(self.bad_words)
+            for w in self.bad_words:
+                check_utf8("bad_words", w)
+
+    @property
+    def has_logit_edits(self) -> bool:
+        """True when logit_bias, allowed_token_ids or bad_words is set (the sampler then edits the logits)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def has_penalties(self) -> bool:
@@ -355,14 +409,17 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> "SamplingParams":
         """A copy with some fields changed (validated again)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "all_stop_token_ids"}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ENGINE_FILLED_FIELDS}
         values["stop"] = list(self.stop)
         values["stop_token_ids"] = list(self.stop_token_ids)
         values.update(changes)
-        return SamplingParams(**values)
+        clone = SamplingParams(**values)
+        if "bad_words" not in changes:
+            clone.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
+        return clone
 
 
-_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.name != "all_stop_token_ids")
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.name not in ENGINE_FILLED_FIELDS)
 _dataclass_init = SamplingParams.__init__
 
 

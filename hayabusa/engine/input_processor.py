@@ -178,6 +178,57 @@ class InputProcessor:
             raise HayabusaValidationError(f"stop token id {bad_stop[0]} is out of vocabulary "
                                           f"(vocab_size={mc.vocab_size}).", parameter="stop_token_ids",
                                           value=bad_stop[0])
+        if params.has_logit_edits:
+            self.check_logit_edits(params)
+
+    def check_logit_edits(self, params: SamplingParams) -> None:
+        """logit_bias / allowed_token_ids ids within the vocabulary; bad_words tokenized into
+        ``params.bad_words_token_ids`` (vLLM's rule, ``bad_words_token_ids``).
+
+        Raises:
+            HayabusaValidationError: naming ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` (an id at or past
+                vocab_size, or bad_words without a tokenizer).
+        """
+        V = self.model_config.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = first_out_of_vocab(ids, V)
+            if bad is not None:
+                raise HayabusaValidationError(f"{name} holds token id {ids[bad]}, out of vocabulary "
+                                              f"(vocab_size={V}: ids are 0 to {V - 1}).", parameter=name,
+                                              value=ids[bad])
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad_words: each word (leading spaces stripped) without special tokens, and
+        again after a space when that gives a different first token and as many tokens (the word in the middle of
+        a text). Returns the token id sequences, [n][len] ints.
+
+        Raises:
+            HayabusaValidationError: naming ``bad_words``: no tokenizer, a word with no tokens, or an id at or past
+                vocab_size.
+        """
+        if self.tokenizer is None:
+            raise HayabusaValidationError("bad_words needs the tokenizer (skip_tokenizer_init is set).",
+                                          parameter="bad_words", value=words)
+        V = self.model_config.vocab_size
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise HayabusaValidationError(f"bad word {word!r} has no tokens.", parameter="bad_words",
+                                              value=word)
+            out.append(list(plain))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(list(spaced))
+        ids = [t for seq in out for t in seq]
+        bad = first_out_of_vocab(ids, V)
+        if bad is not None:
+            raise HayabusaValidationError(f"bad_words tokenize to token id {ids[bad]}, out of vocabulary "
+                                          f"(vocab_size={V}).", parameter="bad_words", value=ids[bad])
+        return out
 
     # public names for the encoder-decoder prompt path (engine/encoder_decoder_inputs.py): one prompt's (text, ids)
     # unchecked; a list of ints from token ids; the decoder-prompt checks (vocab, length, logprobs, stop ids)

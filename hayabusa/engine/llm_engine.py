@@ -215,6 +215,7 @@ class LLMEngine:
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i)
             child_params.all_stop_token_ids = set(child_params.stop_token_ids)
+            child_params.bad_words_token_ids = params.bad_words_token_ids   # read-only, shared by the n samples
             child = Request(child_ids[i], ids, child_params, eos, max_tokens, arrival_time)
             child.encoder_prompt_token_ids = encoder_ids
             child.mm_inputs = mm_inputs     # shared by the n samples (read-only plain data)

@@ -16,9 +16,8 @@ from hayabusa.assets import demo_model_dir
 from hayabusa.config import EngineArgs
 from hayabusa.errors import HayabusaValidationError
 
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(__import__("hayabusa.sampling_params",
-                                                                 fromlist=["SamplingParams"]).SamplingParams)
-                   if f.name != "all_stop_token_ids"}
+_sp = __import__("hayabusa.sampling_params", fromlist=["SamplingParams"])
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(_sp.SamplingParams)} - _sp.ENGINE_FILLED_FIELDS
 SAMPLING_FLAGS: dict[str, Any] = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
                                   "max_tokens": int, "min_tokens": int, "n": int, "seed": None,
                                   "repetition_penalty": float, "presence_penalty": float,

@@ -28,10 +28,10 @@ from hayabusa.errors import HayabusaValidationError
 from hayabusa.eval import report, tasks
 from hayabusa.eval.data import EvalItem
 from hayabusa.eval.runner import RunOutput, run_hayabusa, run_hf
-from hayabusa.sampling_params import SamplingParams
+from hayabusa.sampling_params import ENGINE_FILLED_FIELDS, SamplingParams
 
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
-SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {"all_stop_token_ids"}
+SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - ENGINE_FILLED_FIELDS
 
 
 def parse_value(text: str) -> Any:
