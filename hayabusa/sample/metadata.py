@@ -36,6 +36,12 @@ class SamplingMetadata:
         output_token_ids: [R, max_out] int64, tokens generated so far per row (before this step), padded with V;
             None without penalties.
         min_tokens: row -> token ids masked to -inf because the row has fewer than min_tokens outputs.
+        allowed_token_ids: None, or (rows [m] int64, cells [n] int64 (index into rows), ids [n] int64): every id of
+            those rows but the listed ones is masked to -inf.
+        bad_words: None, or (rows [n] int64, ids [n] int64, banned [n] bool): ``ids`` are masked to -inf in
+            ``rows`` where ``banned`` (a bad word's last token whose other tokens end the output so far; the test
+            of an output token not on the host yet is done on the device).
+        logit_bias: None, or (rows [n] int64, ids [n] int64, biases [n] fp32): added to those logits.
     """
 
     temperature: torch.Tensor  # [R] fp32; rows with temperature < 1e-5 are greedy
@@ -53,6 +59,9 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None  # [R, max_prompt_len] int64, padded with V (out of vocab)
     output_token_ids: torch.Tensor | None  # [R, max_out] int64, outputs so far padded with V; None w/o penalties
     min_tokens: dict[int, set[int]]  # row -> token ids to mask (-inf): EOS + stop_token_ids before min_tokens
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, cells, ids)
+    bad_words: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, banned)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, biases)
 
 
 def to_device(data: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -91,6 +100,82 @@ def _min_tokens_mask(
         if ids:
             mask[row] = ids
     return mask
+
+
+def bad_word_bans(words: list[list[int]], known: Sequence[int], num_output: int) -> list[tuple[int, int]]:
+    """The tokens a row's bad words ban now (vLLM's rule: a word's last token when its other tokens are the last
+    tokens of the output; a one-token word always).
+
+    Args:
+        words: the row's bad word token sequences (``SamplingParams.bad_words_token_ids``).
+        known: the output tokens the host knows (the first ``len(known)`` of ``num_output``).
+        num_output: output tokens so far; at most one more than ``len(known)`` (the last, sampled by the step in
+            flight, read on the device).
+
+    Returns:
+        (banned id, need) pairs: need -1 = banned; else banned only if the pending last output token equals need.
+    """
+    k = len(known)
+    assert num_output - k <= 1, "only the last output token may be unknown to the host"
+    bans = []
+    for w in words:
+        m = len(w) - 1
+        if m > num_output:
+            continue
+        start, need = num_output - m, -1
+        for j in range(m):
+            if start + j < k:
+                if known[start + j] != w[j]:
+                    break
+            else:
+                need = w[j]
+        else:
+            bans.append((w[-1], need))
+    return bans
+
+
+def logit_edit_tensors(params: list[SamplingParams], bans: list[list[tuple[int, int]]],
+                       pending: torch.Tensor | None, device: torch.device | str
+                       ) -> tuple[tuple | None, tuple | None, tuple | None]:
+    """The SamplingMetadata fields ``allowed_token_ids``, ``bad_words`` and ``logit_bias`` of rows with these
+    params (None where no row uses one).
+
+    Args:
+        params: one SamplingParams per row.
+        bans: per row, ``bad_word_bans``'s answer ([] for rows without bad words).
+        pending: [R] int64 on ``device``, each row's last output token when the host does not know it (read by
+            bans with a need); None when no ban has one.
+        device: the logits' device.
+    """
+    a_rows, a_cells, a_ids, b_rows, b_ids, b_need, l_rows, l_ids, l_vals = ([] for _ in range(9))
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            a_cells.extend([len(a_rows)] * len(p.allowed_token_ids))
+            a_rows.append(row)
+            a_ids.extend(p.allowed_token_ids)
+        if p.logit_bias:
+            l_rows.extend([row] * len(p.logit_bias))
+            l_ids.extend(p.logit_bias)
+            l_vals.extend(p.logit_bias.values())
+        for tok, need in bans[row]:
+            b_rows.append(row)
+            b_ids.append(tok)
+            b_need.append(need)
+    allowed = bad = bias = None
+    if a_rows:
+        allowed = tuple(to_device(x, torch.int64, device) for x in (a_rows, a_cells, a_ids))
+    if b_rows:
+        rows, ids, need = (to_device(x, torch.int64, device) for x in (b_rows, b_ids, b_need))
+        if max(b_need) < 0:
+            banned = torch.ones(len(b_rows), dtype=torch.bool, device=device)
+        else:
+            assert pending is not None, "a bad word's test needs the pending output tokens"
+            banned = (need < 0) | (pending[rows] == need)
+        bad = (rows, ids, banned)
+    if l_rows:
+        bias = (to_device(l_rows, torch.int64, device), to_device(l_ids, torch.int64, device),
+                to_device(l_vals, torch.float32, device))
+    return allowed, bad, bias
 
 
 def build_sampling_metadata(
@@ -132,6 +217,11 @@ def build_sampling_metadata(
     def fp32(values: list[float]) -> torch.Tensor:
         return to_device(values, torch.float32, device)
 
+    allowed = bad = bias = None
+    if any(p.has_logit_edits for p in params):
+        bans = [bad_word_bans(p.bad_words_token_ids, out, len(out)) for p, out in zip(params, output_token_ids)]
+        allowed, bad, bias = logit_edit_tensors(params, bans, None, device)
+
     return SamplingMetadata(
         temperature=fp32(temps),
         all_greedy=num_greedy == R,
@@ -152,4 +242,5 @@ def build_sampling_metadata(
         if no_penalties
         else to_device(pad_token_ids(output_token_ids, vocab_size), torch.int64, device),
         min_tokens=_min_tokens_mask(params, output_token_ids, eos_token_id, vocab_size),
+        allowed_token_ids=allowed, bad_words=bad, logit_bias=bias,
     )

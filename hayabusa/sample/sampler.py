@@ -1,7 +1,8 @@
 """Sampler: logits [R, V] -> one token id per row, batched and in fp32 (vLLM's order of operations).
 
-  raw logprobs (log_softmax of the input, if any row wants logprobs)
-  -> min_tokens mask -> penalties (repetition, frequency, presence)
+  raw logprobs (log_softmax of the input, if any row wants logprobs: vLLM's default logprobs_mode)
+  -> allowed_token_ids -> bad_words -> min_tokens mask -> logit_bias -> penalties (repetition, frequency,
+     presence)
   -> greedy rows: argmax
   -> random rows: / temperature -> top-k -> top-p -> min-p -> softmax -> exponential-race sample
 
@@ -35,6 +36,35 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     cols = [t for ids in metadata.min_tokens.values() for t in ids]
     index = to_device([rows, cols], torch.int64, logits.device)  # [2, n]
     return logits.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Set logits [R, V] fp32 to -inf, in place, at every id outside each allowed_token_ids row's list."""
+    if metadata.allowed_token_ids is None:
+        return logits
+    rows, cells, ids = metadata.allowed_token_ids
+    masked = torch.ones(rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+    masked[cells, ids] = False
+    logits[rows] = logits[rows].masked_fill(masked, float("-inf"))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Set logits [R, V] fp32 to -inf, in place, at the (row, id) pairs of ``metadata.bad_words`` that are banned
+    (adding -inf or 0: a pair listed twice, banned by one word and not by another, stays banned)."""
+    if metadata.bad_words is None:
+        return logits
+    rows, ids, banned = metadata.bad_words
+    add = torch.where(banned, float("-inf"), 0.0).to(logits.dtype)
+    return logits.index_put_((rows, ids), add, accumulate=True)
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Add each logit_bias entry to logits [R, V] fp32, in place (-inf stays -inf)."""
+    if metadata.logit_bias is None:
+        return logits
+    rows, ids, biases = metadata.logit_bias
+    return logits.index_put_((rows, ids), biases, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -152,7 +182,8 @@ class Sampler(torch.nn.Module):
 
     Returns:
         SamplerOutput; its logprob fields are None unless ``metadata.max_num_logprobs`` is set. Logprobs are the
-        raw ones (log_softmax of the input logits, before any penalty or temperature: vLLM's "raw_logprobs").
+        raw ones (log_softmax of the input logits, before any penalty, logit_bias, allowed_token_ids / bad_words
+        mask or temperature: vLLM's default logprobs_mode "raw_logprobs").
     """
 
     def __init__(self, batch_invariant: bool = False) -> None:
@@ -182,9 +213,13 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """A fp32 copy of logits [R, V] with the min_tokens mask and the penalties applied (what greedy argmaxes)."""
+        """A fp32 copy of logits [R, V] with allowed_token_ids, bad_words, the min_tokens mask, logit_bias and the
+        penalties applied, in vLLM's order (what greedy argmaxes)."""
         logits = logits.to(torch.float32, copy=True)
+        logits = apply_allowed_token_ids(logits, metadata)
+        logits = apply_bad_words(logits, metadata)
         logits = apply_min_tokens(logits, metadata)
+        logits = apply_logit_bias(logits, metadata)
         return apply_penalties(logits, metadata)
 
     @staticmethod

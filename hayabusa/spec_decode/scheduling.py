@@ -10,11 +10,13 @@ from hayabusa.spec_decode.ngram import NgramProposer, TokenHistory
 
 def eligible(req: Request) -> bool:
     """Requests that speculation leaves alone (they decode one token per step, unchanged): penalties (their
-    history would change within a verified run), structured outputs (one bitmask per step), logprobs and
+    history would change within a verified run), logit_bias / allowed_token_ids / bad_words (the verifier
+    compares proposals with unedited logits), structured outputs (one bitmask per step), logprobs and
     prompt_logprobs (one entry per step), min_tokens not yet reached (EOS is masked per token), and requests with
     images or an encoder input (their decode steps stay one token)."""
     p = req.sampling_params
-    return (req.structured is None and not req.mm_inputs and req.encoder_prompt_token_ids is None and not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None
+    return (req.structured is None and not req.mm_inputs and req.encoder_prompt_token_ids is None and not p.has_penalties
+            and not p.has_logit_edits and p.logprobs is None and p.prompt_logprobs is None
             and req.num_output_tokens >= p.min_tokens)
 
 

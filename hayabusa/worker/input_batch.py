@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hayabusa.sample.metadata import SamplingMetadata
+from hayabusa.sample.metadata import SamplingMetadata, bad_word_bans, logit_edit_tensors
 from hayabusa.sampling_params import SAMPLING_EPS, SamplingParams
 
 # argmax_from of a request whose token always needs the sampler.
@@ -39,8 +39,8 @@ class CachedRequestState:
 
 def argmax_from(p: SamplingParams) -> int:
     """Output tokens from which a request's next token is a plain argmax of its logits: min_tokens when it is
-    greedy with no logprobs and no penalties, else never (NEVER_ARGMAX)."""
-    if not p.greedy or p.logprobs is not None or p.has_penalties:
+    greedy with no logprobs, penalties, logit_bias, allowed_token_ids or bad_words, else never (NEVER_ARGMAX)."""
+    if not p.greedy or p.logprobs is not None or p.has_penalties or p.has_logit_edits:
         return NEVER_ARGMAX
     return p.min_tokens
 
@@ -79,6 +79,11 @@ class InputBatch:
         self.num_logprobs = np.full(R, -1, dtype=np.int64)                     # [rows] -1 = none
         self.min_tokens = np.zeros(R, dtype=np.int64)                          # [rows]
         self.has_penalties = np.zeros(R, dtype=bool)                           # [rows]
+        # logit_bias / allowed_token_ids / bad_words (SamplingParams.has_logit_edits), and bad_words alone (their
+        # test reads the output so far)
+        self.has_logit_edits = np.zeros(R, dtype=bool)                         # [rows]
+        self.has_bad_words = np.zeros(R, dtype=bool)                           # [rows]
+        self.row_params: list[SamplingParams | None] = [None] * R             # read for the logit edits only
         # Sampling settings per row: host copies (flags are computed from them) and device tensors.
         self.params_np = {"temperature": np.ones(R, dtype=np.float32), "top_p": np.ones(R, dtype=np.float32),
                           "top_k": np.full(R, vocab_size, dtype=np.int64), "min_p": np.zeros(R, dtype=np.float32),
@@ -113,6 +118,9 @@ class InputBatch:
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.min_tokens[row] = p.min_tokens
         self.has_penalties[row] = p.has_penalties
+        self.has_logit_edits[row] = p.has_logit_edits
+        self.has_bad_words[row] = bool(p.bad_words_token_ids)
+        self.row_params[row] = p
         self._set_params(row, p)
         if state.generator is not None:
             self.generators[row] = state.generator
@@ -142,6 +150,7 @@ class InputBatch:
             return
         self.num_blocks[row] = 0
         self.req_ids[row] = None
+        self.row_params[row] = None
         self.generators.pop(row, None)
         self._free_rows.append(row)
 
@@ -199,7 +208,8 @@ class InputBatch:
             rows: [R_s] int64, the sampled rows, in the order of the logits.
             num_output: [R_s] int64, each row's output tokens before this step's sample (placeholders included).
             pending_tokens: [R_s] int64 on the device, each row's last input token of this step (the value of an
-                output token the host does not know yet, for the penalties' history); None when no row needs it.
+                output token the host does not know yet, for the penalties' history and the bad words' test); None
+                when no row needs it.
         """
         if self.params_dirty:
             for name, t in self.params_dev.items():
@@ -230,6 +240,10 @@ class InputBatch:
                 output_ids[torch.from_numpy(r).to(dev), torch.from_numpy(c).to(dev)] = \
                     pending_tokens[torch.from_numpy(r).to(dev)]
 
+        allowed = bad = bias = None
+        if self.has_logit_edits[rows].any():
+            allowed, bad, bias = self._logit_edits(rows, num_output, pending_tokens)
+
         def col(name: str, used: bool) -> torch.Tensor | None:
             return self.params_dev[name][idx] if used else None
 
@@ -246,4 +260,17 @@ class InputBatch:
             presence_penalties=col("presence", not no_penalties),
             frequency_penalties=col("frequency", not no_penalties),
             repetition_penalties=col("repetition", not no_penalties),
-            prompt_token_ids=prompt_ids, output_token_ids=output_ids, min_tokens=min_tokens)
+            prompt_token_ids=prompt_ids, output_token_ids=output_ids, min_tokens=min_tokens,
+            allowed_token_ids=allowed, bad_words=bad, logit_bias=bias)
+
+    def _logit_edits(self, rows: np.ndarray, num_output: np.ndarray, pending_tokens: torch.Tensor | None
+                     ) -> tuple[tuple | None, tuple | None, tuple | None]:
+        """SamplingMetadata's allowed_token_ids, bad_words and logit_bias of the sampled rows (their rows with
+        none of them cost one flag each)."""
+        params = [self.row_params[r] for r in rows.tolist()]
+        bans: list[list[tuple[int, int]]] = [[] for _ in params]
+        for i in np.flatnonzero(self.has_bad_words[rows]).tolist():
+            r, start = int(rows[i]), int(self.num_prompt_tokens[rows[i]])
+            known = self.token_ids[r, start:min(self.num_tokens[r], start + num_output[i])].tolist()
+            bans[i] = bad_word_bans(params[i].bad_words_token_ids, known, int(num_output[i]))
+        return logit_edit_tensors(params, bans, pending_tokens, self.device)

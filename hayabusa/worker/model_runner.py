@@ -729,7 +729,7 @@ class ModelRunner:
         if batch.is_plain_greedy(rows, num_output):  # fast path: argmax, no sampling metadata
             return logits.argmax(dim=-1), None
         pending = None
-        if batch.has_penalties[rows].any():
+        if batch.has_penalties[rows].any() or batch.has_bad_words[rows].any():
             last = inp.logits_indices if inp.spec is None else inp.logits_indices[inp.spec.last_index]
             idx = torch.from_numpy(last).to(self.device, non_blocking=True)
             pending = self.buffers.input_ids[idx]                # [R_s] each row's last input token
