@@ -19,11 +19,9 @@ MAX_LOGPROBS = 20
 
 # vLLM request fields (completions and chat) that hayabusa does not implement, with the values that mean "off":
 # absent, null or one of these is accepted; anything else is a 400 naming the field (serving.py). Kept out of the
-# models, so they arrive in ``model_extra``; ``logit_bias`` is modelled and refused by SamplingParams.
+# models, so they arrive in ``model_extra``.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (),          # on chat; /v1/completions models it
-    "allowed_token_ids": (),
-    "bad_words": ([],),
     "use_beam_search": (False,),   # on chat; /v1/completions models it
     "length_penalty": (1.0,),
     "logits_processors": (),
@@ -77,6 +75,8 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None

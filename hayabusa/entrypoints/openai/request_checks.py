@@ -38,6 +38,8 @@ MAX_MESSAGES = 65_536        # messages in one chat request
 # request with 100,000 stop strings slowed every other stream 8x).
 MAX_STOP_STRINGS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 20   # more than any vocabulary
 MAX_REQUEST_ID_CHARS = 512   # longer request_ids are refused (and ids are shortened in log lines)
 # Bodies larger than this are parsed and validated on a worker thread, off the event loop.
 OFF_LOOP_BODY_BYTES = 64 * 1024
@@ -134,7 +136,7 @@ def _bound(data: dict[str, Any], field: str, limit: int, what: str) -> None:
 
 def check_request_shape(data: dict[str, Any], max_model_len: int) -> None:
     """The structural bounds (a len() each), before any per-element work: the number of prompts, messages, stop
-    strings and stop token ids, a token-id prompt's length (without ``truncate_prompt_tokens``), the length of
+    strings, stop token ids, bad words and allowed token ids, a token-id prompt's length (without ``truncate_prompt_tokens``), the length of
     ``request_id``; reserved names in ``chat_template_kwargs``. 400 naming the field."""
     prompt = data.get("prompt")
     if type(prompt) is list and prompt:
@@ -151,6 +153,8 @@ def check_request_shape(data: dict[str, Any], max_model_len: int) -> None:
     _bound(data, "messages", MAX_MESSAGES, "messages")
     _bound(data, "stop", MAX_STOP_STRINGS, "stop strings")
     _bound(data, "stop_token_ids", MAX_STOP_TOKEN_IDS, "stop token ids")
+    _bound(data, "bad_words", MAX_BAD_WORDS, "bad words")
+    _bound(data, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, "allowed token ids")
     kwargs = data.get("chat_template_kwargs")
     if type(kwargs) is dict and not REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS.isdisjoint(kwargs):
         names = sorted(REQUEST_RESERVED_CHAT_TEMPLATE_KWARGS.intersection(kwargs))

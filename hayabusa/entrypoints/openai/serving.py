@@ -613,10 +613,14 @@ class OpenAIServing:
                               "messages or completion.", param=max_tokens_param, code="context_length_exceeded")
         bias = None
         if req.logit_bias:
-            try:
-                bias = {int(k): float(v) for k, v in req.logit_bias.items()}
-            except ValueError:
-                raise OpenAIError(400, "logit_bias keys must be token ids.", param="logit_bias") from None
+            # string keys (JSON) -> token ids; biases clamped to [-100, 100] (OpenAI's range, as vLLM clamps)
+            bias = {}
+            for k, v in req.logit_bias.items():
+                try:
+                    bias[int(k)] = min(100.0, max(-100.0, float(v)))
+                except ValueError:
+                    raise OpenAIError(400, f"logit_bias keys must be token ids (integers as strings), got "
+                                      f"{k[:40]!r}.", param="logit_bias") from None
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
@@ -629,6 +633,7 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=bias,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
             structured_outputs=structured_outputs_of(req))
 
     async def _add_all(self, rid: str, prompts: list[tuple[str | None, list[int]]],
