@@ -171,6 +171,18 @@ def test_speculative_decoding_leaves_edited_requests_alone(stories_dir, base):
     assert outs == ref and outs[2] == base[1] and outs[1] == [77] * 20
 
 
+def test_edit_free_batches_keep_the_greedy_fast_path(stories_dir):
+    llm = LLM(stories_dir, async_scheduling=False)
+    calls = []
+    sampler = llm.llm_engine.runner.sampler
+    orig = sampler.forward
+    sampler.forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    plain = ids_of(llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert not calls                                            # plain greedy: argmax only, no Sampler
+    mixed = ids_of(llm.generate(PROMPTS, [greedy(logit_bias={5: 0.0}), greedy()], use_tqdm=False))
+    assert calls and mixed == plain                             # a zero bias: the Sampler's argmax, same tokens
+
+
 # ------------------------------------------------------------------ validation
 @pytest.mark.parametrize("kwargs, parameter, is_type_error", [
     (dict(logit_bias={1: math.nan}), "logit_bias", False),
