@@ -1,6 +1,6 @@
 """Cost of logit_bias / allowed_token_ids / bad_words in the offline engine (stories260K; GPU or CPU).
 
-    python benchmarks/logit_edits_overhead.py                 # B=64 requests, 16 -> 128 tokens, 3 repeats (~20 s on an H200)
+    python benchmarks/logit_edits_overhead.py                 # B=64, 16 -> 128 tokens, 3 repeats (~20 s, H200)
     python benchmarks/logit_edits_overhead.py --batch 256 --repeats 5
 
 Greedy, ignore_eos. Cases: none (the greedy fast path), one request of B with logit_bias (the whole batch goes

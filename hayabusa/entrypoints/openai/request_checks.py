@@ -136,8 +136,9 @@ def _bound(data: dict[str, Any], field: str, limit: int, what: str) -> None:
 
 def check_request_shape(data: dict[str, Any], max_model_len: int) -> None:
     """The structural bounds (a len() each), before any per-element work: the number of prompts, messages, stop
-    strings, stop token ids, bad words and allowed token ids, a token-id prompt's length (without ``truncate_prompt_tokens``), the length of
-    ``request_id``; reserved names in ``chat_template_kwargs``. 400 naming the field."""
+    strings, stop token ids, bad words and allowed token ids, a token-id prompt's length (without
+    ``truncate_prompt_tokens``), the length of ``request_id``; reserved names in ``chat_template_kwargs``. 400
+    naming the field."""
     prompt = data.get("prompt")
     if type(prompt) is list and prompt:
         prompts = [prompt] if type(prompt[0]) is int else prompt
