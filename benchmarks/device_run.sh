@@ -584,7 +584,7 @@ g_tests13() {  # session 12's GPU code, not yet run on a GPU (needs .snap's asse
     --durations=10 -p no:cacheprovider ${T13_TESTS:-tests/models/test_t5_encoder_graphs_cuda.py tests/models/test_t5_host_cuda.py \
     tests/kernels/test_fused_act_quant_cuda.py tests/quantization/test_act_quant_seam.py tests/kernels/test_int8_w8a8.py \
     tests/spec_decode/test_eagle_graphs_cuda.py tests/spec_decode/test_spec_graphs_cuda.py tests/spec_decode/test_ngram.py \
-    tests/spec_decode/test_spec_scheduling.py tests/models/test_opt_cuda.py tests/seeds tests/models/test_t5_cuda.py} ${pt[*]} 2>&1 | tee '$OUT/tests13.log' \
+    tests/spec_decode/test_spec_scheduling.py tests/models/test_opt_cuda.py tests/engine/test_logit_edits_cuda.py tests/seeds tests/models/test_t5_cuda.py} ${pt[*]} 2>&1 | tee '$OUT/tests13.log' \
     | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout' | tail -120; exit \${PIPESTATUS[0]}"
 }
 g_perf13() {  # session 12's kernels and host cuts, measured: the fused act-quant kernels, the int8 GEMM tile sweep,
@@ -594,6 +594,7 @@ g_perf13() {  # session 12's kernels and host cuts, measured: the fused act-quan
     --json "$OUT/w8a8_sweep.json"
   ensure_q05
   step spec_host 120 20 bash -c "python benchmarks/spec_host.py --device cuda --model '$Q05' --batch 1 4 16 --repeats 2 2>&1 | tail -30"
+  step logit_edits_overhead 60 20 bash -c "python benchmarks/logit_edits_overhead.py 2>&1 | tail -15"
   ensure_q7
   for f in 0 1; do
     export HAYABUSA_FUSED_ACT_QUANT=$f
