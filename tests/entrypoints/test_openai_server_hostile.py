@@ -717,3 +717,42 @@ def test_legacy_function_calling_is_refused_not_ignored(server, field, value, st
     assert r.status_code == status, r.text[:300]
     if status == 400:
         assert r.json()["error"]["param"] == field and "not supported" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------------ 12: breakserver
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+@pytest.mark.parametrize("tool_choice,status", [("required", 400), ({"type": "function", "function": {"name": "f"}},
+                                                                    400), ("auto", 200), ("none", 200)])
+def test_tool_choice_that_needs_a_tool_call_is_400_with_or_without_tools(server, tools, tool_choice, status):
+    """"required" or a named function without tools used to be ignored (200, plain text): hayabusa makes no tool
+    calls, so it is a 400 naming tool_choice either way."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools,
+        "tool_choice": tool_choice})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        err = r.json()["error"]
+        assert err["param"] == "tool_choice" and "not supported" in err["message"], err
+        assert ascii(tool_choice)[:20] in err["message"], err
+
+
+@pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": None}])
+def test_text_part_without_text_is_400_saying_so(server, part):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "needs a 'text' string" in err["message"], err
+
+
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308])
+def test_extreme_length_penalty_is_not_a_500(server, length_penalty):
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.name, "prompt": "Once", "max_tokens": 3, "n": 2, "use_beam_search": True,
+        "length_penalty": length_penalty})
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] == 6
+    serves_next_request(server)

@@ -402,9 +402,11 @@ class OpenAIServing:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | SSEStream:
         model = self._check_common(req)
-        if req.tools and req.tool_choice not in (None, "none", "auto"):
-            raise OpenAIError(400, "tool calling is not supported (tool_choice must be 'none' or 'auto').",
-                              param="tool_choice")
+        # "required" or a named function asks for a tool call, which hayabusa cannot make: refused with or
+        # without tools (without them it was silently ignored, and the answer was plain text).
+        if req.tool_choice not in (None, "none", "auto"):
+            raise OpenAIError(400, "tool calling is not supported (tool_choice must be 'none' or 'auto'), got "
+                              f"{ascii(req.tool_choice)[:100]}.", param="tool_choice")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
                               param="top_logprobs")
