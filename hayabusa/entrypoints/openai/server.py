@@ -11,8 +11,8 @@ under /v1, and /metrics, /docs, /openapi.json unless made public); a foreign Ori
 ``max_request_body_bytes`` -> 413; a body not received within ``request_body_timeout`` -> 408 (connection
 closed); a request head (request line and headers) not received within ``header_timeout`` of the connection
 opening or of its last response -> the connection is closed; a Content-Type other than JSON -> 415; a dead engine
-or a server shutting down -> 503; anything else -> 500 (a bug, logged once with its traceback). None of them closes the connection (but a
-413 whose body was not read, and a 408).
+or a server shutting down -> 503; anything else -> 500 (a bug, logged once with its traceback). None of them
+closes the connection (but a 413 whose body was not read, and a 408).
 
 Bodies over 64 KiB are parsed and validated on a worker thread, after cheap structural bounds (request_checks.py:
 how many arrays, objects, prompts, messages, stop strings; 400 naming the field). Per-request CPU work (chat
