@@ -849,3 +849,16 @@ def test_bad_header_timeout_is_refused_by_name(value):
     with pytest.raises(HayabusaValidationError) as e:
         http_protocol(value)
     assert e.value.parameter == "header_timeout"
+
+
+def test_image_on_a_text_model_is_400_saying_so(server):
+    """Was a 400 about the chat template's image placeholders (suggesting a multimodal template)."""
+    from tests.entrypoints.test_media import data_url, gradient
+
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(gradient(4, 4))}}]}]})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "1 image(s), but this model takes text only" in err["message"], err
+    serves_next_request(server)

@@ -228,6 +228,8 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         self.request_chat_template_time_limit = REQUEST_CHAT_TEMPLATE_TIME_LIMIT
         self.tokenizer = engine.engine.tokenizer
+        # a model with an image processor (multimodal); a text-only model refuses image content parts
+        self.takes_images = getattr(getattr(engine.engine, "input_processor", None), "mm_processor", None) is not None
         mc = engine.engine.config.model_config
         self.max_model_len = mc.max_model_len
         # encoder-decoder (T5): the prompt is the encoder input (at most the model's max_encoder_len tokens); the
@@ -465,6 +467,9 @@ class OpenAIServing:
             d.setdefault("content", None)
             messages.append(d)
         messages, images = await self._off_loop(extract_images, messages, self.media_policy)
+        if images and not self.takes_images:   # LLM.chat's rule (chat_prompt), before the template's placeholder check
+            raise OpenAIError(400, f"the messages hold {len(images)} image(s), but this model takes text only.",
+                              param="messages")
 
         def render() -> str:
             return render_chat(self.tokenizer, messages, chat_template=template,
