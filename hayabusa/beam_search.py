@@ -20,6 +20,7 @@ beam running until max_tokens); the outputs here equal HF's, which is what the f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -175,6 +176,17 @@ async def beam_search_async(engine: Any, prompt_ids: list[list[int]], params: Be
     return search.outputs(engine.engine.tokenizer)
 
 
+def _length_normalized(score: float, num_generated: int, length_penalty: float) -> float:
+    """``score / num_generated ** length_penalty``, also for an extreme finite length_penalty (1e308, -1e308),
+    where the power overflows (OverflowError) or underflows to 0.0: the limits, -0.0 and -inf, instead."""
+    try:
+        return score / (num_generated ** length_penalty)
+    except OverflowError:
+        return score * 0.0
+    except ZeroDivisionError:
+        return -math.inf if score < 0 else 0.0
+
+
 def _advance(s: _PromptBeams, dists: list[dict[int, Logprob]], k: int, eos: set[int], last: bool,
              length_penalty: float, num_generated: int) -> None:
     """One step of one prompt: the 2k best continuations, the k running on, the finished ones scored."""
@@ -194,12 +206,12 @@ def _advance(s: _PromptBeams, dists: list[dict[int, Logprob]], k: int, eos: set[
                 running.append(new)
         elif i < k and s.open:
             new.finish_reason = "stop" if tid in eos else "length"
-            new.score = score / (num_generated ** length_penalty)
+            new.score = _length_normalized(score, num_generated, length_penalty)
             ended.append(new)
     s.finished = sorted(s.finished + ended, key=lambda b: -b.score)[:k]
     s.running = running
     if s.open and len(s.finished) == k and running:
-        best_possible = running[0].cum_logprob / (num_generated ** length_penalty)
+        best_possible = _length_normalized(running[0].cum_logprob, num_generated, length_penalty)
         s.open = best_possible > s.finished[-1].score
     s.done = last or not s.open or not running
 

@@ -70,7 +70,10 @@ def normalize_conversation(messages: Any, content_format: str = "auto") -> Conve
             for part in content:
                 if isinstance(part, str):
                     texts.append(part)
-                elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
+                elif isinstance(part, dict) and part.get("type", "text") == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise HayabusaValidationError(f"messages[{i}]: a content part of type 'text' needs a "
+                                                      "'text' string.", parameter="messages", value=str(part)[:80])
                     texts.append(part["text"])
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__

@@ -3,6 +3,8 @@ sequences, their order and their scores, with and without a length penalty, with
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -98,3 +100,20 @@ def test_beam_search_with_finished_beams_equals_hf(stories_dir, tmp_path, length
         assert [s.score for s in out.sequences] == pytest.approx(scores, abs=1e-4)
         finished += sum(s.finish_reason == "stop" for s in out.sequences)
     assert finished >= 3
+
+
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308])
+def test_extreme_length_penalty_ranks_without_overflow(stories_dir, length_penalty):
+    """A finite but extreme length_penalty: ``n ** 1e308`` overflows (OverflowError was a 500 on the server) and
+    ``n ** -1e308`` underflows to 0.0 (ZeroDivisionError); the scores are their limits, -0.0 and -inf."""
+    from hayabusa.beam_search import _length_normalized
+
+    assert _length_normalized(-3.0, 4, 1.0) == -0.75
+    assert _length_normalized(-3.0, 1, 1e308) == -3.0
+    llm = LLM(stories_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=128)
+    out = llm.beam_search(["Once upon"], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True,
+                                                          length_penalty=length_penalty))[0]
+    assert len(out.sequences) == 2
+    want = 0.0 if length_penalty > 0 else -math.inf
+    assert [s.score for s in out.sequences] == [want, want]
+    assert all(s.cum_logprob < 0 for s in out.sequences)

@@ -25,6 +25,7 @@ def vl_server(tiny_qwen2, tmp_path_factory):
                app_kwargs={"media_policy": MediaPolicy(allowed_local_media_path=str(media), max_images=3)})
     s.media = media
     serving = s.app.state.serving
+    serving.takes_images = True      # the text model stands in for a vision model (a text model refuses images)
     s.seen, s.threads = [], []
     add = serving.engine.add_request
 

@@ -629,11 +629,12 @@ def test_incomplete_bodies_get_408_and_are_closed(server):
     wait_idle(server.engine)
 
 
-def test_bad_request_body_timeout_flag_is_refused(stories_dir, capsys):
+@pytest.mark.parametrize("flag", ["--request-body-timeout", "--request-header-timeout"])
+def test_bad_request_timeout_flags_are_refused(stories_dir, capsys, flag):
     from hayabusa.entrypoints.cli import main
 
-    assert main(["serve", stories_dir, "--request-body-timeout", "0"]) == 2
-    assert "--request-body-timeout" in capsys.readouterr().err
+    assert main(["serve", stories_dir, flag, "0"]) == 2
+    assert flag in capsys.readouterr().err
 
 
 def test_long_request_ids_and_field_names_are_shortened_in_logs(server, caplog):
@@ -717,3 +718,147 @@ def test_legacy_function_calling_is_refused_not_ignored(server, field, value, st
     assert r.status_code == status, r.text[:300]
     if status == 400:
         assert r.json()["error"]["param"] == field and "not supported" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------------ 12: breakserver
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+@pytest.mark.parametrize("tool_choice,status", [("required", 400), ({"type": "function", "function": {"name": "f"}},
+                                                                    400), ("auto", 200), ("none", 200)])
+def test_tool_choice_that_needs_a_tool_call_is_400_with_or_without_tools(server, tools, tool_choice, status):
+    """"required" or a named function without tools used to be ignored (200, plain text): hayabusa makes no tool
+    calls, so it is a 400 naming tool_choice either way."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools,
+        "tool_choice": tool_choice})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        err = r.json()["error"]
+        assert err["param"] == "tool_choice" and "not supported" in err["message"], err
+        assert ascii(tool_choice)[:20] in err["message"], err
+
+
+@pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": None}])
+def test_text_part_without_text_is_400_saying_so(server, part):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "needs a 'text' string" in err["message"], err
+
+
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308])
+def test_extreme_length_penalty_is_not_a_500(server, length_penalty):
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": server.name, "prompt": "Once", "max_tokens": 3, "n": 2, "use_beam_search": True,
+        "length_penalty": length_penalty})
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] == 6
+    serves_next_request(server)
+
+
+# A request head (request line + headers) must arrive within header_timeout of the connection opening or of its last
+# response; uvicorn alone held a connection that trickles header bytes (or sends none) forever (slowloris).
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed `sock` (recv gives b"" or a reset), or None if still open after `seconds`."""
+    t0 = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def deadline_server():
+    """A bare app behind hayabusa's uvicorn protocol, header_timeout 0.5 s: /slow answers after 1.5 s."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from hayabusa.entrypoints.openai.server import ServerThread
+
+    async def slow(request):
+        body = await request.body()
+        await asyncio.sleep(1.5)
+        return JSONResponse({"n": len(body)})
+
+    app = FastAPI()
+    app.router.add_route("/slow", slow, methods=["POST"])
+
+    with ServerThread(app, header_timeout=0.5) as s:
+        yield s
+
+
+def test_connections_without_a_request_head_are_closed(deadline_server):
+    host, port = deadline_server.host, deadline_server.port
+    silent = socket.create_connection((host, port))
+    trickle = socket.create_connection((host, port))
+    try:
+        t0 = time.monotonic()
+        try:
+            for ch in b"POST /slow HTTP/1.1\r\nHost: x\r\n" * 10:  # a byte every 0.05 s (3 s in all): each one
+                trickle.sendall(bytes([ch]))                        # used to reset uvicorn's keep-alive timer
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):
+            pass                                                    # closed by the server while we sent
+        else:
+            assert _closed_within(trickle, 0.5) is not None
+        assert time.monotonic() - t0 < 1.5
+        assert _closed_within(silent, 2.0) is not None
+    finally:
+        silent.close()
+        trickle.close()
+
+
+def test_slow_answers_and_keep_alive_survive_the_head_deadline(deadline_server):
+    """A request whose answer (1.5 s) and whose body (sent 0.8 s after its head) take longer than the 0.5 s head
+    deadline is answered, twice on one connection; then the idle connection is closed by the deadline."""
+    sock = socket.create_connection((deadline_server.host, deadline_server.port), timeout=10)
+    rfile = sock.makefile("rb")
+    try:
+        for _ in range(2):
+            sock.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2\r\n\r\n")
+            time.sleep(0.8)
+            sock.sendall(b"{}")
+            assert rfile.readline().split()[1] == b"200"
+            while (line := rfile.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length"):
+                    n = int(line.split(b":")[1])
+            assert json.loads(rfile.read(n)) == {"n": 2}
+        sock.sendall(b"POST /sl")                                  # a partial head after a response
+        assert _closed_within(sock, 2.0) is not None
+    finally:
+        rfile.close()
+        sock.close()
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), "5", True])
+def test_bad_header_timeout_is_refused_by_name(value):
+    from hayabusa.entrypoints.openai.server import http_protocol
+    from hayabusa.errors import HayabusaValidationError
+
+    with pytest.raises(HayabusaValidationError) as e:
+        http_protocol(value)
+    assert e.value.parameter == "header_timeout"
+
+
+def test_image_on_a_text_model_is_400_saying_so(server):
+    """Was a 400 about the chat template's image placeholders (suggesting a multimodal template)."""
+    from tests.entrypoints.test_media import data_url, gradient
+
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.name, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(gradient(4, 4))}}]}]})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "1 image(s), but this model takes text only" in err["message"], err
+    serves_next_request(server)

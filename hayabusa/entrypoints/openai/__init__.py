@@ -18,4 +18,8 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0            # seconds of drain on shutdown
 # Seconds a client has to send a whole request body, once its headers are in; then 408 and the connection closes
 # (a client that announces a Content-Length and never sends it would otherwise hold its connection forever).
 DEFAULT_REQUEST_BODY_TIMEOUT = 30.0
+# Seconds a connection has to send a whole request head (request line and headers), from when it opens or its last
+# response ended; then it is closed. uvicorn has no such limit: connections that send a few header bytes (or
+# nothing) were held forever, and enough of them use up the server's file descriptors (slowloris).
+DEFAULT_REQUEST_HEADER_TIMEOUT = 30.0
 REQUEST_CHAT_TEMPLATE_TIME_LIMIT = 5.0     # seconds a request's own chat template may take to render

@@ -17,7 +17,8 @@ from typing import Any
 
 from hayabusa.config import EngineArgs
 from hayabusa.entrypoints.openai import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT,
-                                         DEFAULT_SHUTDOWN_TIMEOUT, REQUEST_CHAT_TEMPLATE_TIME_LIMIT)
+                                         DEFAULT_REQUEST_HEADER_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT,
+                                         REQUEST_CHAT_TEMPLATE_TIME_LIMIT)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,6 +45,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT,
                    help="seconds a client has to send a request's whole body; then 408 and the connection closes "
                         "(default: %(default)s)")
+    p.add_argument("--request-header-timeout", type=float, default=DEFAULT_REQUEST_HEADER_TIMEOUT,
+                   help="seconds a connection has to send a request's headers (after it opens, or after its last "
+                        "response); then it is closed (default: %(default)s)")
     p.add_argument("--allowed-hosts", nargs="+", default=[],
                    help="Host header names accepted besides localhost, 127.0.0.1 and ::1 ('*': any). Checked "
                         "when --host is a loopback address or this flag is given (DNS-rebinding protection)")
@@ -95,10 +99,11 @@ def run_serve(ns: argparse.Namespace) -> int:
         print("hayabusa serve: --max-request-body-bytes must be at least 1 and --shutdown-timeout at least 0, got "
               f"{ns.max_request_body_bytes} and {ns.shutdown_timeout}.", file=sys.stderr)
         return 2
-    if not 0 < ns.request_body_timeout < float("inf"):
-        print(f"hayabusa serve: --request-body-timeout must be a positive number, got {ns.request_body_timeout}.",
-              file=sys.stderr)
-        return 2
+    for flag, value in (("--request-body-timeout", ns.request_body_timeout),
+                        ("--request-header-timeout", ns.request_header_timeout)):
+        if not 0 < value < float("inf"):
+            print(f"hayabusa serve: {flag} must be a positive number, got {value}.", file=sys.stderr)
+            return 2
     try:
         from hayabusa.entrypoints.openai.server import build_app, run_server
     except ImportError as e:
@@ -125,7 +130,8 @@ def run_serve(ns: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     try:
         run_server(app, ns.host, ns.port, log_level=ns.uvicorn_log_level,
-                   access_log=not ns.disable_uvicorn_access_log, shutdown_timeout=ns.shutdown_timeout)
+                   access_log=not ns.disable_uvicorn_access_log, shutdown_timeout=ns.shutdown_timeout,
+                   header_timeout=ns.request_header_timeout)
     finally:
         engine.shutdown()
     return 0

@@ -9,9 +9,10 @@ integer beyond 64 bits, NaN / Infinity, a lone surrogate), a failed field check,
 ``.parameter`` becomes ``param``) -> 400; a Host not on the allow list -> 400; a wrong or missing key -> 401 (routes
 under /v1, and /metrics, /docs, /openapi.json unless made public); a foreign Origin -> 403; a body over
 ``max_request_body_bytes`` -> 413; a body not received within ``request_body_timeout`` -> 408 (connection
-closed); a Content-Type other than JSON -> 415; a dead engine or a server shutting down
--> 503; anything else -> 500 (a bug, logged once with its traceback). None of them closes the connection (but a
-413 whose body was not read, and a 408).
+closed); a request head (request line and headers) not received within ``header_timeout`` of the connection
+opening or of its last response -> the connection is closed; a Content-Type other than JSON -> 415; a dead engine
+or a server shutting down -> 503; anything else -> 500 (a bug, logged once with its traceback). None of them
+closes the connection (but a 413 whose body was not read, and a 408).
 
 Bodies over 64 KiB are parsed and validated on a worker thread, after cheap structural bounds (request_checks.py:
 how many arrays, objects, prompts, messages, stop strings; 400 naming the field). Per-request CPU work (chat
@@ -49,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hayabusa import __version__
 from hayabusa.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from hayabusa.entrypoints.openai import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_BODY_TIMEOUT,
-                                         DEFAULT_SHUTDOWN_TIMEOUT)
+                                         DEFAULT_REQUEST_HEADER_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
 from hayabusa.entrypoints.openai.middleware import (LOOPBACK_HOSTS, APIKeyMiddleware, HostOriginMiddleware,
                                                     InternalErrorMiddleware)
 from hayabusa.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
@@ -372,6 +373,77 @@ def _respond(result: Any) -> Response:
 
 
 # ---------------------------------------------------------------------------------------------------- running
+class _HeaderDeadline:
+    """Mixed into uvicorn's HTTP protocol (h11 or httptools): a connection must deliver a whole request head within
+    ``header_timeout`` seconds of opening, and of each response ending; otherwise it is closed. uvicorn's own
+    keep-alive timer is cancelled by any byte, so a client trickling header bytes (or a connection that never
+    sends one) was held forever. Body reads have their own limit (``request_body_timeout``)."""
+
+    header_timeout: float = DEFAULT_REQUEST_HEADER_TIMEOUT
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._header_deadline_passed)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _disarm_if_request_open(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._disarm_header_deadline()
+
+    def _header_deadline_passed(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            self._arm_header_deadline()
+        super().on_response_complete()      # may start a pipelined request (then the deadline is off again)
+        self._disarm_if_request_open()
+
+
+def http_protocol(header_timeout: float = DEFAULT_REQUEST_HEADER_TIMEOUT) -> type:
+    """uvicorn's HTTP protocol class as its ``http="auto"`` picks it (httptools when installed, else h11), with the
+    request-head deadline of ``_HeaderDeadline`` (``header_timeout`` seconds, > 0).
+
+    Raises:
+        HayabusaValidationError: header_timeout is not a positive number (names ``header_timeout``).
+    """
+    if isinstance(header_timeout, bool) or not isinstance(header_timeout, (int, float)) or not header_timeout > 0:
+        raise HayabusaValidationError(f"header_timeout must be a positive number of seconds, got {header_timeout!r}.",
+                                      parameter="header_timeout", value=header_timeout)
+    try:
+        import httptools  # noqa: F401
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        class Protocol(_HeaderDeadline, HttpToolsProtocol):
+            def on_headers_complete(self) -> None:
+                super().on_headers_complete()
+                self._disarm_header_deadline()
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        class Protocol(_HeaderDeadline, H11Protocol):       # type: ignore[no-redef]
+            def handle_events(self) -> None:
+                super().handle_events()
+                self._disarm_if_request_open()
+    Protocol.header_timeout = header_timeout
+    return Protocol
+
+
 
 
 class Server(uvicorn.Server):
@@ -403,8 +475,11 @@ class Server(uvicorn.Server):
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               access_log: bool = True, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
-    """Serve until interrupted (SIGINT / SIGTERM), then drain for up to ``shutdown_timeout`` seconds.
+               access_log: bool = True, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+               header_timeout: float = DEFAULT_REQUEST_HEADER_TIMEOUT) -> None:
+    """Serve until interrupted (SIGINT / SIGTERM), then drain for up to ``shutdown_timeout`` seconds. A connection
+    that does not send a whole request head within ``header_timeout`` seconds (of opening, or of its last response)
+    is closed.
 
     Everything built so far (torch, the model, the app) is moved out of the garbage collector's reach first
     (``gc.freeze``, as vLLM does after startup): streaming allocates fast enough to trigger full collections, and
@@ -413,7 +488,7 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     gc.collect()
     gc.freeze()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, http=http_protocol(header_timeout))
     try:
         Server(config, shutdown_timeout).run()
     except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it already shut down on: no traceback for Ctrl-C
@@ -424,16 +499,17 @@ class ServerThread:
     """Serve an app on a background thread (tests, notebooks): ``with ServerThread(app) as s: s.url``.
 
     Binds ``host:port`` first (port 0 = a free one), so the port is known before the server starts.
+    ``header_timeout``: seconds a connection has to send a request head (see ``run_server``).
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 shutdown_timeout: float = 2.0) -> None:
+                 shutdown_timeout: float = 2.0, header_timeout: float = DEFAULT_REQUEST_HEADER_TIMEOUT) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=5),
-                             shutdown_timeout)
+        self.server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=5,
+                                            http=http_protocol(header_timeout)), shutdown_timeout)
         self.thread = threading.Thread(target=self._run, name="hayabusa-server", daemon=True)
 
     @property

@@ -228,6 +228,8 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         self.request_chat_template_time_limit = REQUEST_CHAT_TEMPLATE_TIME_LIMIT
         self.tokenizer = engine.engine.tokenizer
+        # a model with an image processor (multimodal); a text-only model refuses image content parts
+        self.takes_images = getattr(getattr(engine.engine, "input_processor", None), "mm_processor", None) is not None
         mc = engine.engine.config.model_config
         self.max_model_len = mc.max_model_len
         # encoder-decoder (T5): the prompt is the encoder input (at most the model's max_encoder_len tokens); the
@@ -412,9 +414,11 @@ class OpenAIServing:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | SSEStream:
         model = self._check_common(req)
-        if req.tools and req.tool_choice not in (None, "none", "auto"):
-            raise OpenAIError(400, "tool calling is not supported (tool_choice must be 'none' or 'auto').",
-                              param="tool_choice")
+        # "required" or a named function asks for a tool call, which hayabusa cannot make: refused with or
+        # without tools (without them it was silently ignored, and the answer was plain text).
+        if req.tool_choice not in (None, "none", "auto"):
+            raise OpenAIError(400, "tool calling is not supported (tool_choice must be 'none' or 'auto'), got "
+                              f"{ascii(req.tool_choice)[:100]}.", param="tool_choice")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
                               param="top_logprobs")
@@ -473,6 +477,9 @@ class OpenAIServing:
             d.setdefault("content", None)
             messages.append(d)
         messages, images = await self._off_loop(extract_images, messages, self.media_policy)
+        if images and not self.takes_images:   # LLM.chat's rule (chat_prompt), before the template's placeholder check
+            raise OpenAIError(400, f"the messages hold {len(images)} image(s), but this model takes text only.",
+                              param="messages")
 
         def render() -> str:
             return render_chat(self.tokenizer, messages, chat_template=template,
