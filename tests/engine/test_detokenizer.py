@@ -520,3 +520,37 @@ def test_bulk_update_ending_in_a_split_character_keeps_the_complete_text():
     assert want and det.get_next_output_text(finished=False, delta=False) == want
     # When the request ends there, the final text is decode's, U+FFFD included.
     assert det.get_next_output_text(finished=True, delta=False) == tok.decode(ids[:cut])
+
+
+@pytest.mark.parametrize("name", ["stories260K", "llm-jp-v3.1"])
+@pytest.mark.parametrize("include", [False, True])
+def test_many_stop_strings_match_as_the_per_string_loop(monkeypatch, name, include):
+    """More than _STOP_MATCHER_MIN stop strings take a compiled alternation as a filter first; the stop matched, the
+    text kept and where the stream stops equal the per-string loop alone, over random stop lists drawn from the text
+    (present ones, some overlapping, and absent ones) fed one id at a time and in chunks."""
+    import random
+
+    import hayabusa.engine.detokenizer as dmod
+
+    t = tok(name)
+    body = text("wagahaiwa_nekodearu.plain.txt" if name.startswith("llm-jp") else "botchan.plain.txt", 2000, 600)
+    ids = t.encode(body, add_special_tokens=False)
+    prompt, gen = ids[:8], ids[8:160]
+    out = reference(t, prompt, gen)
+    rng = random.Random(7)
+    matched_any, filtered = 0, dmod._STOP_MATCHER_MIN
+    for trial in range(12):
+        stops = [out[i:i + rng.randint(1, 6)] for i in rng.sample(range(20, len(out) - 6), 6)]
+        stops += ["\u2603zz", "qqqq", "\u3042\u3044\u3046\u3048\u304a" * 2]   # absent
+        rng.shuffle(stops)
+        chunks = None if trial % 2 == 0 else [rng.randint(1, 5) for _ in range(len(gen))]
+        results = []
+        for threshold in (filtered, 10 ** 9):   # the filter on, then the loop alone
+            monkeypatch.setattr(dmod, "_STOP_MATCHER_MIN", threshold)
+            det, deltas, matched = stream(t, prompt, gen, chunks=chunks, stop=stops,
+                                          include_stop_str_in_output=include)
+            assert (det._stop_any is not None) == (threshold == filtered)
+            results.append((matched, det.output_text, "".join(deltas), len(det.token_ids)))
+        assert results[0] == results[1], (trial, stops)
+        matched_any += results[0][0] is not None
+    assert matched_any >= 6   # the lists drawn from the text do stop it
