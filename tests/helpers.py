@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -60,6 +61,28 @@ def assert_greedy_close(model_dir: str, prompt_ids: list[int], ours: list[int], 
     assert ours[i] in hf_top, f"position {i}: ours {ours[i]} not in HF top-5 {hf_top}"
     if our_logprobs is not None:
         assert ref[i] in our_logprobs[i], f"position {i}: HF {ref[i]} not in our top-5 {list(our_logprobs[i])}"
+
+
+def assert_first_token_logprobs_match_hf(model_dir: str, prompt_ids: list[list[int]], abs_tol: float = 1e-4):
+    """Logits, not only their argmax: the top-5 logprobs of each prompt's first generated token (hayabusa, float32,
+    max_num_seqs 8) equal HF transformers' within ``abs_tol``. Returns (the HF model, the last prompt, HF's top-5 of
+    it) for checks of the caller's own."""
+    from transformers import AutoModelForCausalLM
+
+    from hayabusa import LLM, SamplingParams
+
+    outs = LLM(model_dir, max_num_seqs=8).generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids],
+        SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for ids, out in zip(prompt_ids, outs):
+        ours = out.outputs[0].logprobs[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        top = torch.log_softmax(logits, dim=-1).topk(5)
+        for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert ours[tid].logprob == pytest.approx(lp, abs=abs_tol)
+    return hf, ids, top
 
 
 def step_until_done(engine) -> dict:

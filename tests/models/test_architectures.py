@@ -14,7 +14,7 @@ import torch
 from hayabusa import LLM, SamplingParams
 from hayabusa.errors import HayabusaValidationError, UnsupportedModelError
 from tests.conftest import EN_PROMPTS, JA_PROMPTS, TOKENIZERS, require_asset
-from tests.helpers import assert_greedy_close, hf_greedy
+from tests.helpers import assert_first_token_logprobs_match_hf, assert_greedy_close, hf_greedy
 
 WINDOW = 8
 LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while five boxing wizards jump quickly, "
@@ -123,20 +123,8 @@ def test_greedy_matches_hf(arch, config, cases):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_first_token_logprobs_match_hf(arch, cases):
     """Logits, not only their argmax: Gemma 2's final soft-cap changes logprobs but never the argmax."""
-    from transformers import AutoModelForCausalLM
-
     case = cases(arch)
-    outs = LLM(case["dir"], max_num_seqs=8).generate(
-        [{"prompt_token_ids": ids} for ids in case["prompt_ids"]],
-        SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(case["dir"], dtype=torch.float32).eval()
-    for ids, out in zip(case["prompt_ids"], outs):
-        ours = out.outputs[0].logprobs[0]
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].float()
-        top = torch.log_softmax(logits, dim=-1).topk(5)
-        for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
-            assert ours[tid].logprob == pytest.approx(lp, abs=1e-4)
+    hf, ids, top = assert_first_token_logprobs_match_hf(case["dir"], case["prompt_ids"])
     if arch == "gemma2":  # the final cap is active: without it the last prompt's logprobs differ
         hf.config.final_logit_softcapping = None
         with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 
 from hayabusa import LLM, SamplingParams
 from tests.conftest import EN_PROMPTS, JA_PROMPTS
-from tests.helpers import assert_greedy_close, hf_greedy
+from tests.helpers import assert_first_token_logprobs_match_hf, assert_greedy_close, hf_greedy
 from tests.models._opt import OPT_VARIANTS, save_tiny_opt
 
 LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while five boxing wizards jump quickly, "
@@ -94,20 +94,8 @@ def test_prefix_cache_hits_keep_greedy_output(variant, cases):
 @pytest.mark.parametrize("variant", OPT_VARIANTS)
 def test_first_token_logprobs_match_hf(variant, cases):
     """Logits, not only their argmax."""
-    from transformers import AutoModelForCausalLM
-
     case = cases(variant)
-    outs = LLM(case["dir"], max_num_seqs=8).generate(
-        [{"prompt_token_ids": ids} for ids in case["prompt_ids"]],
-        SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(case["dir"], dtype=torch.float32).eval()
-    for ids, out in zip(case["prompt_ids"], outs):
-        ours = out.outputs[0].logprobs[0]
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].float()
-        top = torch.log_softmax(logits, dim=-1).topk(5)
-        for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
-            assert ours[tid].logprob == pytest.approx(lp, abs=1e-4)
+    assert_first_token_logprobs_match_hf(case["dir"], case["prompt_ids"])
 
 
 def test_context_reaches_max_position_embeddings(tmp_path):
