@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from hayabusa import LLM, SamplingParams
 from tests.conftest import EN_PROMPTS, JA_PROMPTS
