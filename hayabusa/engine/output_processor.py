@@ -134,6 +134,9 @@ class OutputProcessor:
             metrics = state.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
+                # the earliest of its samples' first scheduling (Request.first_scheduled_time, set by the scheduler)
+                metrics.first_scheduled_time = min((s.request.first_scheduled_time for s in state.samples
+                                                    if s.request.first_scheduled_time is not None), default=None)
             metrics.last_token_time = now
             metrics.num_generation_tokens += len(new_ids)
             if req.spec_num_steps:   # speculative decoding: the counters of all samples of the request

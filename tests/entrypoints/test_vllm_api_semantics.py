@@ -162,3 +162,12 @@ def test_bad_output_kind_is_refused_by_name(value):
     with pytest.raises(TypeError, match="output_kind") as e:
         SamplingParams(output_kind=value)
     assert isinstance(e.value, HayabusaValidationError) and e.value.parameter == "output_kind"
+
+
+def test_request_metrics_timestamps_are_set_in_order(llm):
+    """vLLM's RequestMetrics: arrival <= first scheduled <= first token <= last token <= finished, all set (the
+    first scheduling time was left None)."""
+    m = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].metrics
+    times = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time]
+    assert None not in times and times == sorted(times)
+    assert m.num_generation_tokens == 5
