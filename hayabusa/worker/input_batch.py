@@ -271,6 +271,11 @@ class InputBatch:
         bans: list[list[tuple[int, int]]] = [[] for _ in params]
         for i in np.flatnonzero(self.has_bad_words[rows]).tolist():
             r, start = int(rows[i]), int(self.num_prompt_tokens[rows[i]])
-            known = self.token_ids[r, start:min(self.num_tokens[r], start + num_output[i])].tolist()
-            bans[i] = bad_word_bans(params[i].bad_words_token_ids, known, int(num_output[i]))
+            words = params[i].bad_words_token_ids
+            # only the outputs a word's prefix can reach (the longest word - 1), not the whole output: the step's
+            # host work does not grow with the output; bad_word_bans sees the tail as the whole output
+            end = min(int(self.num_tokens[r]), start + int(num_output[i]))
+            lo = max(start, end - (max(map(len, words)) - 1))
+            known = self.token_ids[r, lo:end].tolist()
+            bans[i] = bad_word_bans(words, known, int(num_output[i]) - (lo - start))
         return logit_edit_tensors(params, bans, pending_tokens, self.device)
