@@ -83,12 +83,15 @@ class RequestOutput:
         aggregate=True (DELTA outputs): a completion with the same ``index`` gets the next one's text, token ids
         and logprobs appended and its cumulative_logprob, finish_reason and stop_reason; False: it is replaced. A
         completion this output lacks is appended. ``finished`` is or-ed, metrics are the next output's, and the
-        prompt logprobs are kept (taken from the next output when this one has none).
+        prompt logprobs are joined when aggregating (a DELTA output carries only those not sent yet), else the next
+        output's are taken only when this one has none.
         """
         self.finished = self.finished or next_output.finished
         self.metrics = next_output.metrics
         if self.prompt_logprobs is None:
             self.prompt_logprobs = next_output.prompt_logprobs
+        elif aggregate and next_output.prompt_logprobs:
+            self.prompt_logprobs = list(self.prompt_logprobs) + list(next_output.prompt_logprobs)
         for nxt in next_output.outputs:
             for i, cur in enumerate(self.outputs):
                 if cur.index != nxt.index:

@@ -73,8 +73,9 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE: every output holds the whole completion so far (text, token_ids, logprobs).
     DELTA: every output holds only what is new since the previous one: each ``CompletionOutput`` that changed,
         with its new text, token ids and logprobs (``cumulative_logprob`` stays the running total); the prompt
-        logprobs come once, in the first output. Outputs not yet read are merged (``RequestOutput.add``), so
-        nothing is lost when the consumer is slower than the engine.
+        logprobs not sent yet (usually all in the first output; the rest later when another sample reaches its
+        first token before the first sample's prompt is read). Outputs not yet read are merged
+        (``RequestOutput.add``), so nothing is lost when the consumer is slower than the engine.
     FINAL_ONLY: one output, when the request has finished.
 
     ``LLM.generate`` / ``LLM.chat`` always return final outputs, whatever the kind (as vLLM's LLM).

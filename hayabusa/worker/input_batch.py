@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hayabusa.sample.metadata import SamplingMetadata, bad_word_bans, logit_edit_tensors
+from hayabusa.sample.metadata import (RowEditTensors, SamplingMetadata, bad_word_bans, logit_edit_row_tensors,
+                                      logit_edit_tensors)
 from hayabusa.sampling_params import SAMPLING_EPS, SamplingParams
 
 # argmax_from of a request whose token always needs the sampler.
@@ -84,6 +85,8 @@ class InputBatch:
         self.has_logit_edits = np.zeros(R, dtype=bool)                         # [rows]
         self.has_bad_words = np.zeros(R, dtype=bool)                           # [rows]
         self.row_params: list[SamplingParams | None] = [None] * R             # read for the logit edits only
+        # per row, its allowed ids / logit_bias on the device (logit_edit_row_tensors), made when the row is given
+        self.row_edits: list[RowEditTensors | None] = [None] * R
         # Sampling settings per row: host copies (flags are computed from them) and device tensors.
         self.params_np = {"temperature": np.ones(R, dtype=np.float32), "top_p": np.ones(R, dtype=np.float32),
                           "top_k": np.full(R, vocab_size, dtype=np.int64), "min_p": np.zeros(R, dtype=np.float32),
@@ -121,6 +124,7 @@ class InputBatch:
         self.has_logit_edits[row] = p.has_logit_edits
         self.has_bad_words[row] = bool(p.bad_words_token_ids)
         self.row_params[row] = p
+        self.row_edits[row] = logit_edit_row_tensors(p, self.device) if p.has_logit_edits else None
         self._set_params(row, p)
         if state.generator is not None:
             self.generators[row] = state.generator
@@ -151,6 +155,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.req_ids[row] = None
         self.row_params[row] = None
+        self.row_edits[row] = None
         self.generators.pop(row, None)
         self._free_rows.append(row)
 
@@ -271,6 +276,12 @@ class InputBatch:
         bans: list[list[tuple[int, int]]] = [[] for _ in params]
         for i in np.flatnonzero(self.has_bad_words[rows]).tolist():
             r, start = int(rows[i]), int(self.num_prompt_tokens[rows[i]])
-            known = self.token_ids[r, start:min(self.num_tokens[r], start + num_output[i])].tolist()
-            bans[i] = bad_word_bans(params[i].bad_words_token_ids, known, int(num_output[i]))
-        return logit_edit_tensors(params, bans, pending_tokens, self.device)
+            words = params[i].bad_words_token_ids
+            # only the outputs a word's prefix can reach (the longest word - 1), not the whole output: the step's
+            # host work does not grow with the output; bad_word_bans sees the tail as the whole output
+            end = min(int(self.num_tokens[r]), start + int(num_output[i]))
+            lo = max(start, end - (max(map(len, words)) - 1))
+            known = self.token_ids[r, lo:end].tolist()
+            bans[i] = bad_word_bans(words, known, int(num_output[i]) - (lo - start))
+        return logit_edit_tensors(params, bans, pending_tokens, self.device,
+                                  [self.row_edits[r] for r in rows.tolist()])

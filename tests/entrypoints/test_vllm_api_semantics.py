@@ -171,3 +171,23 @@ def test_request_metrics_timestamps_are_set_in_order(llm):
     times = [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time]
     assert None not in times and times == sorted(times)
     assert m.num_generation_tokens == 5
+
+
+def test_delta_add_keeps_prompt_logprobs_sent_in_two_outputs():
+    """RequestOutput.add of DELTA outputs: prompt logprobs that came in two outputs (the rest of them follow when a
+    request's samples reach their first token in different steps) are joined, not cut to the first part."""
+    from hayabusa.outputs import CompletionOutput, RequestOutput
+
+    def out(prompt_lps, ids, finished=False):
+        return RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2, 3],
+                             outputs=[CompletionOutput(index=0, text="x" * len(ids), token_ids=ids,
+                                                       cumulative_logprob=None, logprobs=None, finish_reason=None)],
+                             finished=finished, prompt_logprobs=prompt_lps)
+
+    first = out([None, {2: 0.5}], [7])
+    first.add(out([{3: 0.25}], [8], finished=True))
+    assert first.prompt_logprobs == [None, {2: 0.5}, {3: 0.25}]
+    assert first.outputs[0].token_ids == [7, 8] and first.outputs[0].text == "xx" and first.finished
+    later = out(None, [9])
+    later.add(out([None, {2: 0.5}], [10]))
+    assert later.prompt_logprobs == [None, {2: 0.5}]
