@@ -222,14 +222,13 @@ def test_bad_chat_is_400_naming_the_parameter(qwen_server, bad, param):
     assert r.json()["error"]["param"] == param
 
 
-UNSUPPORTED_VLLM_FIELDS = [("prompt_logprobs", 1), ("prompt_logprobs", 0), ("return_token_ids", True)]
+UNSUPPORTED_VLLM_FIELDS = [("prompt_logprobs", 1), ("prompt_logprobs", 0)]
 
 
-# /v1/completions serves prompt_logprobs and use_beam_search (test_echo_logprobs.py) and return_token_ids
-# (test_t5_server.py); chat refuses them
+# /v1/completions serves prompt_logprobs and use_beam_search (test_echo_logprobs.py); chat refuses them
 @pytest.mark.parametrize("endpoint,field,value",
                          [(e, f, v) for e in ("completions", "chat") for f, v in UNSUPPORTED_VLLM_FIELDS
-                          if not (e == "completions" and f in ("prompt_logprobs", "return_token_ids"))]
+                          if not (e == "completions" and f == "prompt_logprobs")]
                          + [("chat", "use_beam_search", True)])
 def test_unsupported_vllm_field_is_400_naming_it(qwen_server, endpoint, field, value):
     c = qwen_server.client()
@@ -412,3 +411,34 @@ def test_hayabusa_serve_cli(stories_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_chat_return_token_ids_plain_and_streamed(qwen_server):
+    """vLLM's return_token_ids on chat: the response's prompt_token_ids (the rendered conversation's ids, the same
+    in both forms) and each choice's token_ids, whose decode is the choice's text; streamed, the first chunk
+    carries prompt_token_ids and the content chunks' token_ids add up to the plain response's."""
+    body = {"model": qwen_server.name, "messages": [{"role": "user", "content": "Tell me a story"}],
+            "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "n": 2}
+    url = qwen_server.url + "/v1/chat/completions"
+    r = httpx.post(url, json=body, headers=qwen_server.headers())
+    assert r.status_code == 200, r.text
+    plain = r.json()
+    prompt_ids = plain["prompt_token_ids"]
+    assert len(prompt_ids) > 4 and all(isinstance(t, int) for t in prompt_ids)
+    assert plain["usage"]["prompt_tokens"] == len(prompt_ids)
+    tok = qwen_server.tokenizer
+    for choice in plain["choices"]:
+        assert len(choice["token_ids"]) == 8
+        assert tok.decode(choice["token_ids"], skip_special_tokens=True) == choice["message"]["content"]
+    chunks = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=qwen_server.headers()) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    streamed = {0: [], 1: []}
+    for c in chunks:
+        for ch in c["choices"]:
+            streamed[ch["index"]] += ch.get("token_ids", [])
+    assert [streamed[i] for i in (0, 1)] == [c["token_ids"] for c in sorted(plain["choices"], key=lambda c: c["index"])]

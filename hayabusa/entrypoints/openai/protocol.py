@@ -25,7 +25,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),   # on chat; /v1/completions models it
     "length_penalty": (1.0,),
     "logits_processors": (),
-    "return_token_ids": (False,),   # on chat; /v1/completions models it
     # OpenAI's legacy function calling (superseded by tools / tool_choice)
     "functions": ([],),
     "function_call": ("none",),
@@ -135,6 +134,9 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM >= 0.10.2: the response's "prompt_token_ids" (streamed: in the first chunk) and each choice's output ids
+    # ("token_ids"; streamed: each chunk's new ids)
+    return_token_ids: bool | None = False
 
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",

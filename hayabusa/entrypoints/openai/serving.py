@@ -444,12 +444,16 @@ class OpenAIServing:
             raise
         header = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
         if req.stream:
-            return SSEStream(self._stream_chat({**header, "object": "chat.completion.chunk"}, req, streams[0], k),
-                             streams)
+            return SSEStream(self._stream_chat({**header, "object": "chat.completion.chunk"}, req, streams[0], k,
+                                               ids if req.return_token_ids else None), streams)
         out = (await self._collect(streams))[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": None if k is None else {"content": self._chat_logprobs(c.logprobs or [], k)},
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        if req.return_token_ids:   # vLLM: the prompt's ids as the engine got them, each choice's output ids
+            for choice, c in zip(choices, out.outputs):
+                choice["token_ids"] = list(c.token_ids)
+            header["prompt_token_ids"] = list(ids)
         return {**header, "choices": choices, "usage": self._usage([out]), "system_fingerprint": None}
 
     async def _render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[Any]]:
@@ -507,7 +511,9 @@ class OpenAIServing:
             raise
 
     async def _stream_chat(self, header: dict, req: ChatCompletionRequest, stream: RequestStream,
-                           k: int | None) -> AsyncIterator[bytes]:
+                           k: int | None, prompt_ids: list[int] | None = None) -> AsyncIterator[bytes]:
+        """The chat stream's chunks. ``prompt_ids`` (return_token_ids, vLLM's): the first chunk carries them as
+        "prompt_token_ids", and every content chunk's choice its new output ids as "token_ids"."""
         usage_opts = req.stream_options
         continuous_usage = bool(usage_opts and usage_opts.continuous_usage_stats)
         timer = RequestTimer(self.on_request_finished)
@@ -521,10 +527,12 @@ class OpenAIServing:
                 for c in out.outputs:
                     i = c.index
                     if i not in sent_text:
+                        first = {"prompt_token_ids": list(prompt_ids)} if prompt_ids is not None and not sent_text \
+                            else {}
                         sent_text[i], sent_ids[i] = 0, 0
-                        events.append(sse({**header, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                                        "content": ""},
-                                                                  "logprobs": None, "finish_reason": None}]}))
+                        events.append(sse({**header, **first,
+                                           "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]}))
                     n_ids = sent_ids[i]
                     n_tok = len(c.token_ids)
                     finish_reason = c.finish_reason
@@ -537,9 +545,10 @@ class OpenAIServing:
                     sent_text[i] = len(text)
                     sent_ids[i] = -1 if finish_reason is not None else n_tok
                     usage = f', "usage": {json.dumps(self._usage([out]))}' if continuous_usage else ""
+                    new_ids = f', "token_ids": {json.dumps(list(c.token_ids[n_ids:]))}' if prompt_ids is not None else ""
                     events.append(f'{prefix}{{"index": {i}, "delta": {{"content": {delta}}}, "logprobs": {lp}, '
-                                  f'"finish_reason": {_json(finish_reason)}, "stop_reason": {_json(c.stop_reason)}}}]'
-                                  f'{usage}}}\n\n'.encode())
+                                  f'"finish_reason": {_json(finish_reason)}, "stop_reason": {_json(c.stop_reason)}'
+                                  f'{new_ids}}}]{usage}}}\n\n'.encode())
                 if events:
                     yield b"".join(events)
             if usage_opts and usage_opts.include_usage and out is not None:
