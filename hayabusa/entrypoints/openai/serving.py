@@ -545,7 +545,7 @@ class OpenAIServing:
                     sent_text[i] = len(text)
                     sent_ids[i] = -1 if finish_reason is not None else n_tok
                     usage = f', "usage": {json.dumps(self._usage([out]))}' if continuous_usage else ""
-                    new_ids = f', "token_ids": {json.dumps(list(c.token_ids[n_ids:]))}' if prompt_ids is not None else ""
+                    new_ids = "" if prompt_ids is None else f', "token_ids": {json.dumps(list(c.token_ids[n_ids:]))}'
                     events.append(f'{prefix}{{"index": {i}, "delta": {{"content": {delta}}}, "logprobs": {lp}, '
                                   f'"finish_reason": {_json(finish_reason)}, "stop_reason": {_json(c.stop_reason)}'
                                   f'{new_ids}}}]{usage}}}\n\n'.encode())
