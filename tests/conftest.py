@@ -32,6 +32,9 @@ JA_PROMPTS = [
     "東京は日本の首都で、",
     "今日はいい天気ですね。",
 ]
+# a prompt of ~30 tokens: longer than the small windows / blocks of the architecture tests
+LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while five boxing wizards jump quickly, "
+               "and a journey of a thousand miles begins with a single step.")
 
 
 def require_asset(path: Path) -> Path:

@@ -13,12 +13,10 @@ import torch
 
 from hayabusa import LLM, SamplingParams
 from hayabusa.errors import HayabusaValidationError, UnsupportedModelError
-from tests.conftest import EN_PROMPTS, JA_PROMPTS, TOKENIZERS, require_asset
+from tests.conftest import EN_PROMPTS, JA_PROMPTS, LONG_PROMPT, TOKENIZERS, require_asset
 from tests.helpers import assert_first_token_logprobs_match_hf, assert_greedy_close, hf_greedy
 
 WINDOW = 8
-LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while five boxing wizards jump quickly, "
-               "and a journey of a thousand miles begins with a single step.")
 PROMPTS = EN_PROMPTS + JA_PROMPTS + [LONG_PROMPT]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)
 

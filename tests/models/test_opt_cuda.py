@@ -12,14 +12,12 @@ import pytest
 import torch
 
 from hayabusa import LLM, SamplingParams
-from tests.conftest import EN_PROMPTS, JA_PROMPTS
+from tests.conftest import EN_PROMPTS, JA_PROMPTS, LONG_PROMPT
 from tests.helpers import assert_greedy_close, hf_greedy
 from tests.models._opt import OPT_VARIANTS, save_tiny_opt
 
 pytestmark = pytest.mark.cuda
 
-LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while five boxing wizards jump quickly, "
-               "and a journey of a thousand miles begins with a single step.")
 PROMPTS = (EN_PROMPTS + JA_PROMPTS + [LONG_PROMPT, "a"]) * 2      # 18 requests: decode batches of several sizes
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
 
