@@ -83,6 +83,17 @@ PHASES = ("schedule", "sched_out", "inputs", "encoders", "swap", "forward", "sam
 EXTRA = ("host", "gc")   # host: see the docstring; gc: wall in Python's cyclic garbage collector (inside the phases)
 
 
+def model_or_tiny(model: str | None, arch: str = "llama") -> tuple[str, "tempfile.TemporaryDirectory | None"]:
+    """``(model, None)`` when a model folder is given; otherwise ``build_tiny(arch)`` in a new temporary folder and
+    that folder (the caller's to ``cleanup()``)."""
+    if model is not None:
+        return model, None
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory()
+    return build_tiny(arch, Path(tmp.name)), tmp
+
+
 def build_tiny(arch: str, out: Path) -> str:
     """A random tiny checkpoint of ``arch`` ("llama" or "t5") on stories260K's tokenizer (vocab 512) in ``out``."""
     import os

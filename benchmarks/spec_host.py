@@ -33,14 +33,13 @@ import cProfile
 import io
 import pstats
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))                  # PYTHONPATH first: another checkout of hayabusa can be measured
 sys.path.append(str(REPO / "benchmarks"))
 
-from host_overhead import PhaseTimer, build_tiny, clock, instrument  # noqa: E402
+from host_overhead import PhaseTimer, clock, instrument, model_or_tiny  # noqa: E402
 
 PHASES = ("propose", "schedule", "sched_out", "inputs", "forward", "sample", "finish", "update", "output",
           "engine", "llm")
@@ -143,11 +142,7 @@ def main() -> None:
     from hayabusa import LLM, SamplingParams
 
     torch.set_num_threads(ns.threads)
-    tmp = None
-    model = ns.model
-    if model is None:
-        tmp = tempfile.TemporaryDirectory()
-        model = build_tiny("llama", Path(tmp.name))
+    model, tmp = model_or_tiny(ns.model)
     spec = {"method": "ngram", "num_speculative_tokens": ns.k, "prompt_lookup_max": 4, "prompt_lookup_min": ns.min_n}
     params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
     print(f"model {ns.model or 'tiny random llama'}{' (copying fake forward)' if ns.fake_forward else ''}  device {ns.device}  k {ns.k}  max_tokens {ns.max_tokens}  "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -95,13 +94,9 @@ def main() -> None:
     from hayabusa import LLM, SamplingParams
 
     torch.set_num_threads(ns.threads)
-    tmp = None
-    model = ns.model
-    if model is None:
-        from host_overhead import build_tiny
+    from host_overhead import model_or_tiny
 
-        tmp = tempfile.TemporaryDirectory()
-        model = build_tiny("llama", Path(tmp.name))
+    model, tmp = model_or_tiny(ns.model)
     spec = {"method": "ngram", "num_speculative_tokens": ns.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
     print(f"model {ns.model or 'tiny random llama'}  device {ns.device}  k {ns.k}  max_tokens {ns.max_tokens}")
