@@ -198,7 +198,7 @@ class IncrementalDetokenizer:
         self._min_tokens = params.min_tokens
         self._include_stop = params.include_stop_str_in_output
         # Chars held back from streamed text so that a partial stop string is never shown.
-        self._stop_buffer_length = max(map(len, stop)) - 1 if stop and not self._include_stop else 0
+        self._stop_buffer_length = self._stop_max_len - 1 if stop and not self._include_stop else 0
         self._last_output_text_offset = 0
         if self._tokenizer is None:
             return
