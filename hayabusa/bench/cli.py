@@ -241,10 +241,10 @@ def _spec_summary(extra: dict[str, Any]) -> str:
 
 
 def _tier_summary(rec: dict[str, Any]) -> str:
-    """W1P / W10 (report.TIER_WORKLOADS): ', N preemptions (S by swap), O blocks swapped out / I in, H CPU prefix
-    hit blocks' of the timed run, else ''."""
+    """A record that ``report.shows_tier`` (W1P, W10, any run that preempted or used the CPU tier): ', N preemptions
+    (S by swap), O blocks swapped out / I in, H CPU prefix hit blocks' of the timed run, else ''."""
     extra = rec.get("extra") or {}
-    if rec.get("workload") not in report.TIER_WORKLOADS or "num_preemptions" not in extra:
+    if not report.shows_tier(rec) or "num_preemptions" not in extra:
         return ""
     return (f", {extra['num_preemptions']} preemptions ({extra.get('num_swap_preemptions', 0)} by swap), "
             f"{extra.get('num_blocks_swapped_out', 0)} blocks swapped out / {extra.get('num_blocks_swapped_in', 0)} "

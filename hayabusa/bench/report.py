@@ -157,17 +157,24 @@ def _variant_label(rec: dict[str, Any]) -> str:
 
 TABLE_COLUMNS = ("workload", "model", "engine", "config", "out tok/s", "total tok/s", "TTFT ms", "TPOT ms", "s/req",
                  "startup s", "weights GiB", "peak GiB", "KV tokens", "prefix hit %", "% ceiling")
-# Workloads about preemption and the CPU tier (W1P, W10): a table holding one of them gets TIER_COLUMNS after
+# Preemption and the CPU tier: a table holding a record that shows them (``shows_tier``) gets TIER_COLUMNS after
 # TABLE_COLUMNS: seconds to finish, preemptions (by swap), blocks swapped out to / in from the CPU tier, and prefix
-# blocks restored from it, all of the timed run (``extra``; BENCHMARKS.md asks for them).
+# blocks restored from it, all of the timed run (``extra``; BENCHMARKS.md asks for them for W1P and W10).
 TIER_WORKLOADS = ("W1P", "W10")
 TIER_COLUMNS = ("elapsed s", "preemptions (swap)", "blocks out/in", "CPU hit blocks")
+TIER_COUNTERS = ("num_preemptions", "num_blocks_swapped_out", "cpu_prefix_cache_hit_blocks")
+
+
+def shows_tier(rec: dict[str, Any]) -> bool:
+    """A record of a workload about preemption and the CPU tier (TIER_WORKLOADS, even with the counters at 0: the
+    tier-off side of a comparison), or any run whose timed part preempted or used the CPU tier."""
+    extra = rec.get("extra") or {}
+    return rec.get("workload") in TIER_WORKLOADS or any(extra.get(k) for k in TIER_COUNTERS)
 
 
 def table_columns(records: list[dict[str, Any]]) -> tuple[str, ...]:
-    """TABLE_COLUMNS, plus TIER_COLUMNS when a record is of a TIER_WORKLOADS workload."""
-    tier = any(r.get("workload") in TIER_WORKLOADS for r in records)
-    return TABLE_COLUMNS + (TIER_COLUMNS if tier else ())
+    """TABLE_COLUMNS, plus TIER_COLUMNS when a record ``shows_tier``."""
+    return TABLE_COLUMNS + (TIER_COLUMNS if any(shows_tier(r) for r in records) else ())
 
 
 def _tier_cells(r: dict[str, Any]) -> list[str]:

@@ -87,9 +87,12 @@ def test_w1p_line_and_table_show_elapsed_preemptions_and_swapped_blocks():
     assert lines[0].endswith("elapsed s  preemptions (swap)  blocks out/in  CPU hit blocks")
     assert lines[2].endswith("4.09               3 (3)          42/42               0")
     assert lines[3].endswith("3.95               3 (0)            0/0               0")
-    # other workloads: neither the columns nor the line part
+    # other workloads: neither the columns nor the line part, unless their timed run preempted
     w1 = _rec("W1", {}, {"num_preemptions": 0})
     assert "preemptions" not in report.format_table([w1]) and "preemptions" not in cli._summary(w1)
+    w1_pre = _rec("W1", {}, {"num_preemptions": 2, "num_swap_preemptions": 0, "num_blocks_swapped_out": 0})
+    assert "preemptions (swap)" in report.format_table([w1_pre, w1]).splitlines()[0]
+    assert ", 2 preemptions (0 by swap)" in cli._summary(w1_pre)
 
 
 def test_a_speculative_run_shows_its_method_and_acceptance():
