@@ -176,16 +176,19 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     out_f = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout
     try:
         for (_, row), out in zip(rows, outputs):
-            rec = {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
-                   "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason} for c in out.outputs]}
+            rec = {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids}
+            if out.encoder_prompt_token_ids is not None:   # encoder-decoder: the line's input is the encoder's
+                rec.update(encoder_prompt=out.encoder_prompt, encoder_prompt_token_ids=out.encoder_prompt_token_ids)
+            rec["outputs"] = [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                               "stop_reason": c.stop_reason} for c in out.outputs]
             if "id" in row:
                 rec["id"] = row["id"]
             out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     finally:
         if out_f is not sys.stdout:
             out_f.close()
-    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    # prompt tokens: the encoder's input too (encoder-decoder models), as the server's usage counts them
+    n_in = sum(len(o.prompt_token_ids) + len(o.encoder_prompt_token_ids or ()) for o in outputs)
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     secs = t2 - t1
     kv = llm.llm_engine.kv_cache_manager

@@ -285,6 +285,11 @@ def test_hayabusa_generate_cli(tiny_t5, refs, tmp_path, capsys):
     got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert got[0]["outputs"][0]["token_ids"] == ref[0] and got[2]["outputs"][0]["token_ids"] == ref[3]
     assert got[1]["prompt_token_ids"][1:] == [5, 6] and len(got[1]["outputs"][0]["token_ids"]) == MAX_TOKENS
+    # each line holds the input it was given: the encoder's ids (and text), next to the decoder prompt's
+    assert got[2]["encoder_prompt_token_ids"] == enc[3] and got[0]["encoder_prompt_token_ids"] == enc[0]
+    assert got[0]["encoder_prompt"] == PROMPTS[0] and got[1]["encoder_prompt"] == PROMPTS[1]
+    n_in = sum(len(g["prompt_token_ids"]) + len(g["encoder_prompt_token_ids"]) for g in got)
+    assert f" {n_in} prompt tokens" in capsys.readouterr().err
     # max_model_len limits the decoder alone: LONG (165 tokens) runs with --max-model-len 64, HF's ids; an encoder
     # input over the model's limit (n_positions) is named by its line
     path.write_text(json.dumps({"prompt": LONG}) + "\n", encoding="utf-8")

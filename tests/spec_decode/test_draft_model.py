@@ -55,6 +55,12 @@ def test_target_as_its_own_draft_accepts_everything(tiny_llama, base, kwargs):
     assert m["spec_decode_num_draft_tokens"] > 0
     assert m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_draft_tokens"] == 1.0
     assert all(o.metrics.spec_acceptance_rate == 1.0 for o in out)
+    # everything accepted: a verify step emits its k = 3 proposals and the bonus token (fewer where max_tokens cut
+    # the proposals), so the mean accepted length (the bonus counted, vLLM's) is in (2, 4]
+    for o in out:
+        m = o.metrics
+        assert m.spec_mean_accepted_length == 1 + m.spec_num_accepted_tokens / m.spec_num_steps
+        assert 2.0 < m.spec_mean_accepted_length <= 4.0 and m.spec_num_accepted_tokens == m.spec_num_draft_tokens
     if "num_gpu_blocks_override" in kwargs:
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
