@@ -609,6 +609,21 @@ g_w9_13() {  # issue #17: W9 with the encoder graphs on, hayabusa and HF, t5-sma
   unset HAYABUSA_T5_ENCODER_GRAPHS
 }
 
+g_s13_t5() {  # session 13, call 2: what call 1 (tests13) could not finish or explain, then issue #17's W9 claims
+  local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 120 --session-timeout "${S13_TESTS_S:-170}")
+  step s13_tests "$(( ${S13_TESTS_S:-170} + 30 ))" 20 bash -c "python -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    tests/models/test_t5_cuda.py 'tests/kernels/test_fused_act_quant_cuda.py::test_rms_norm_quant_7b_bits' \
+    tests/seeds/test_seed001_rinna_gpt2.py tests/seeds/test_seed000_qwen25vl_pages.py ${pt[*]} 2>&1 \
+    | tee '$OUT/s13_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -60; exit \${PIPESTATUS[0]}"
+  export HAYABUSA_T5_ENCODER_GRAPHS=1
+  # bf16: hayabusa, HF batch 1 (100 requests) and HF at 64 / 256 (256 was HF's best on t5-small: run R)
+  W9_SHAPES="t5-small-shape t5-base-shape" W9_MAX_S=200 W9_EXTRA="--sweep hf_batch_size=1,64,256" g_w9
+  # fp16: hayabusa and HF at its best batch (256) only
+  W9_SHAPES="t5-small-shape t5-base-shape" W9_TAG=_fp16 W9_MAX_S=90 \
+    W9_EXTRA="--dtype float16 --sweep hf_batch_size=256" g_w9
+  unset HAYABUSA_T5_ENCODER_GRAPHS
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

@@ -10,6 +10,7 @@ fully computed, sample, and copy the sampled ids to the host: one sync per step.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,16 @@ from hayabusa.worker.prompt_logprobs import (CHUNK_ROWS, PromptLogprobsPending, 
 from hayabusa.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
+
+
+def release_unreachable_cuda_memory() -> None:
+    """Free what an earlier engine of this process left behind before this one loads weights and sizes its KV
+    cache: a script that deletes one ``LLM`` and makes the next (report 000 loops over max_num_seqs, report 001 over
+    gpu_memory_utilization, each at 0.95) would otherwise see the earlier engine's KV cache, still held by reference
+    cycles (CUDA graphs, callbacks) until the garbage collector runs, as memory in use, and fail to fit. As vLLM's
+    worker does at start-up: ``gc.collect()``, then ``torch.cuda.empty_cache()``."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @dataclass
@@ -127,6 +138,8 @@ class ModelRunner:
         self.block_size = cfg.cache_config.block_size
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            release_unreachable_cuda_memory()
         # a pipeline stage (pipeline_parallel_size > 1) holds decoder layers [first_layer, end) only, and their KV
         self.pipeline = pp_size() > 1
         self.first_layer, stage = 0, None
@@ -306,6 +319,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_peak_memory(self) -> tuple[int, int]:
         """Run the largest step without a KV cache; returns (torch peak bytes, non-torch bytes in use)."""
+        release_unreachable_cuda_memory()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         if self.mm is not None:   # the vision tower at its largest step input
