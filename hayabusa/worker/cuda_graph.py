@@ -15,7 +15,7 @@ Sizes: the decode sizes whose bs x Q fits max_num_batched_tokens and VERIFY_GRAP
 >= disable_by_batch_size (no step has proposals above it); other verify steps run eagerly. With a draft model the
 target's decode and verify steps replay these graphs too, and so does the draft's mirror of them (its own graphs on
 the target's buffers; its proposal forwards have decode graphs on buffers of their own: worker/draft_model.py
-``make_graphs``). With EAGLE / EAGLE-3 (``eagle_forward``, opt-in on CUDA: worker/eagle.py USE_EAGLE_GRAPHS) the
+``make_graphs``). With EAGLE / EAGLE-3 (``eagle_forward``, on CUDA while worker/eagle.py USE_EAGLE_GRAPHS, the default) the
 target's decode and verify graphs also output the head's input for every token of the padded step (EAGLE-1: the
 final hidden state; EAGLE-3: the head's ``fc`` over the aux layers' states), read as ``head_input`` after the run.
 """

@@ -41,10 +41,10 @@ from hayabusa.worker.spec_verify import draft_batch, to_device
 
 # The target's decode / verify CUDA graphs also output the head's input (worker/cuda_graph.py ``eagle_forward``), so
 # EAGLE's graph-shaped steps replay them instead of an eager target forward. Their padded path runs eagerly in the
-# CPU tests; the capture on a GPU has not run yet, so on CUDA it is opt-in until it has
-# (tests/spec_decode/test_eagle_graphs_cuda.py): HAYABUSA_EAGLE_GRAPHS=1 (read at import) or USE_EAGLE_GRAPHS = True
-# (read when the graphs are made). Off, every EAGLE step's target forward runs eagerly as before.
-USE_EAGLE_GRAPHS = env_flag("HAYABUSA_EAGLE_GRAPHS", False)
+# CPU tests; on the H200 tests/spec_decode/test_eagle_graphs_cuda.py passed for EAGLE and EAGLE-3 at batch 1, 3 and
+# 16 (session 13, commit 984f9fb), so it is on by default: HAYABUSA_EAGLE_GRAPHS=0 (read at import) or
+# USE_EAGLE_GRAPHS = False (read when the graphs are made) runs every EAGLE step's target forward eagerly.
+USE_EAGLE_GRAPHS = env_flag("HAYABUSA_EAGLE_GRAPHS", True)
 
 
 class EagleDrafter:
