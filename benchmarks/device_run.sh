@@ -624,6 +624,22 @@ g_s13_t5() {  # session 13, call 2: what call 1 (tests13) could not finish or ex
   unset HAYABUSA_T5_ENCODER_GRAPHS
 }
 
+g_s13_i20() {  # session 13, call 3: issue #20's device claims in the order of their worth (issue20 minus the 7b W10)
+  ensure_q05
+  bench_step q05_W10 60 30 --workload W10 --model "$Q05"
+  bench_step q05_W1P "${W1P_MAX_S:-120}" 40 --workload W1P --model "$Q05"
+  ensure_q7
+  bench_step q7_W1_nooffload 60 30 --workload W1 --model "$Q7" --scale 0.5
+  bench_step q7_W1_offload 120 40 --workload W1 --model "$Q7" --scale 0.5 \
+    --cpu-offload-gb "${OFFLOAD_GB:-7}" --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
+  bench_step q7_W3_nooffload 40 20 --workload W3 --model "$Q7" --scale 0.25
+  bench_step q7_W3_offload 60 30 --workload W3 --model "$Q7" --scale 0.25 \
+    --cpu-offload-gb "${OFFLOAD_GB:-7}" --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}"
+  step i20_plan 30 5 python -m hayabusa.entrypoints.cli plan --model "$Q7" --gpu H200 \
+    --gpu-memory-utilization "${OFFLOAD_UTIL:-0.1}" --cpu-offload-gb "${OFFLOAD_GB:-7}"
+  step i20_summary 20 2 python benchmarks/issue20_summary.py "$WORK"
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
