@@ -18,6 +18,7 @@ from hayabusa.core.encoder_budget import EncoderBudget
 from hayabusa.core.kv_cache_manager import KVCacheManager
 from hayabusa.core.request import Request, RequestStatus
 from hayabusa.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from hayabusa.spec_decode.scheduling import seeded
 from hayabusa.structured_output import fill_bitmask
 
 
@@ -88,6 +89,11 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_num_accepted_tokens_per_pos: list[int] = []   # [i]: proposals at position i accepted (grows to k)
+        # the measured turn-off rule (spec.payoff): this step's (running requests, speculative mode) while it is
+        # scheduled, None when the rule does not decide it; then per decode-only step in flight
+        # step_id -> [running requests, speculative mode, requests in the step, tokens emitted]
+        self._step_mode: tuple[int, bool] | None = None
+        self._payoff_steps: dict[int, list] = {}
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -131,6 +137,7 @@ class Scheduler:
         between the KV tiers may not have run: swapped-out requests will be recomputed, and the CPU tier's prefix
         index is dropped."""
         self._in_flight.clear()
+        self._payoff_steps.clear()
         for rid in self.kv.drop_cpu_tier_state():
             req = self.requests.get(rid)
             if req is not None:
@@ -154,12 +161,14 @@ class Scheduler:
 
     def wants_proposals(self) -> bool:
         """Whether the next step may carry proposals (speculative decoding), decided before scheduling it: some
-        running request is eligible and out of its back-off, and the batch is within ``disable_by_batch_size``.
-        With async scheduling the engine then collects the step in flight first (a proposal needs the request's
-        last token); otherwise the step overlaps the previous one."""
+        running request is eligible and out of its back-off, the batch is within ``disable_by_batch_size``, and
+        the measured rule (``disable_by_payoff``) has speculation on for the batch's bucket or the request samples
+        with a seed. With async scheduling the engine then collects the step in flight first (a proposal needs
+        the request's last token); otherwise the step overlaps the previous one."""
         spec = self.spec
         if spec is None or not self.running or not spec.config.enabled_for_batch(len(self.running)):
             return False
+        spec.set_step_mode(len(self.running))
         may_propose = spec.may_propose
         return any(may_propose(r) for r in self.running)
 
@@ -168,6 +177,7 @@ class Scheduler:
         """Choose this step's requests and token counts, allocating their KV blocks."""
         budget = self.config.max_num_batched_tokens
         plan = _StepPlan(encoder=EncoderBudget(self.config.max_num_encoder_input_tokens or budget))
+        self._step_mode = None
         budget = self._schedule_running(plan, budget)
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
@@ -244,10 +254,35 @@ class Scheduler:
                     req.num_output_placeholders += 1
                     add(rid)
         self._in_flight[out.step_id] = plan.reqs
+        if self._step_mode is not None:
+            self._note_payoff_step(out, plan)
         if self.num_structured:
             out.structured_output_req_ids = [r.request_id for r in plan.reqs
                                              if r.structured is not None and r.request_id in sampling]
         return out
+
+    def _note_payoff_step(self, out: SchedulerOutput, plan: _StepPlan) -> None:
+        """The measured rule: count the step in its mode, and keep it for ``record_step_time`` when it only
+        decodes (no admitted request, no prompt chunk: each request's last token plus its proposals)."""
+        num_running, speculative = self._step_mode
+        self.spec.payoff.scheduled(num_running, speculative)
+        num_reqs = len(plan.reqs)
+        if plan.num_running == num_reqs and out.total_num_scheduled_tokens == num_reqs + sum(
+                map(len, plan.spec_tokens.values())):
+            self._payoff_steps[out.step_id] = [num_running, speculative, num_reqs, 0]
+
+    def record_step_time(self, step_id: int, seconds: float) -> None:
+        """The engine's measurement of a collected step (after update_from_output): its wall seconds, from its
+        schedule to its collected output (host clock). Fed to the measured turn-off rule when the rule decided
+        the step and it only decoded; otherwise ignored.
+
+        Args:
+            step_id: the step's ``SchedulerOutput.step_id``.
+            seconds: wall time (>= 0).
+        """
+        entry = self._payoff_steps.pop(step_id, None) if self._payoff_steps else None
+        if entry is not None and entry[2]:
+            self.spec.payoff.record(entry[0], entry[1], entry[3] / entry[2], seconds)
 
     def grammar_bitmask(self, out: SchedulerOutput, buffer=None):
         """The next-token bitmask of the step's constrained requests (``out.structured_output_req_ids``), as a
@@ -286,6 +321,12 @@ class Scheduler:
         i = 0
         spec = self.spec if self.spec is not None and self.spec.config.enabled_for_batch(len(self.running)) \
             else None
+        if spec is not None and self.running:
+            speculate = spec.set_step_mode(len(self.running))
+            if spec.payoff is not None:
+                self._step_mode = (len(self.running), speculate)
+            if not speculate and not any(map(seeded, self.running)):
+                spec = None   # the measured rule: no request may propose; the plain decode loop
         lookups = None
         if spec is None:
             i, budget = self._schedule_decodes(plan, budget)
@@ -556,6 +597,10 @@ class Scheduler:
                 req.status = status
                 self._free(req)
             append((req, new_ids))
+        if self._payoff_steps:
+            entry = self._payoff_steps.get(out.step_id)
+            if entry is not None:   # the measured rule: the tokens the step emitted
+                entry[3] = sum(len(ids) for _, ids in results)
         return results
 
     def _accept_verified(self, req: Request, drafts: list[int], new_ids: list[int]

@@ -166,6 +166,14 @@ class LLMEngine:
         self.most_steps_in_flight = 0        # the most steps that were in flight at once
         self._collecting = None              # the SchedulerOutput whose results are being collected
         self.error_log = RateLimitedLog(logger)
+        # speculative decoding's measured turn-off rule (spec_decode/payoff.py): each step's wall time, from its
+        # schedule (or the previous step's collection, when later: steps overlap with async scheduling) to its
+        # collected output, goes to the scheduler (record_step_time). ``clock``: seconds, injectable for tests.
+        self.clock = time.perf_counter
+        spec = self.scheduler.spec
+        self._measure_steps = spec is not None and spec.payoff is not None
+        self._step_start: dict[int, float] = {}   # step_id -> clock() before it was scheduled
+        self._last_collect_end = float("-inf")
         logger.info("engine ready in %.2f s: %d KV blocks x %d tokens", self.startup_seconds, self.num_blocks,
                     config.cache_config.block_size)
 
@@ -270,6 +278,7 @@ class LLMEngine:
         self._in_pipeline.clear()
         self._collecting = None
         self.scheduler.forget_in_flight()
+        self._step_start.clear()
         self.runner.forget_previous_step()
         ids = list(self.output_processor.states)
         self.abort_request(ids)
@@ -292,6 +301,7 @@ class LLMEngine:
         self._in_pipeline.clear()
         self._collecting = None
         self.scheduler.forget_in_flight()
+        self._step_start.clear()
         self.runner.forget_previous_step()
         child_to_parent = self.output_processor.child_to_parent
         parents = list(dict.fromkeys(child_to_parent[c] for c in suspects if c in child_to_parent))
@@ -336,6 +346,11 @@ class LLMEngine:
           tier), as on /metrics; with speculative decoding ``vllm:spec_decode_num_drafts`` (request-steps that
           verified >= 1 proposal), ``vllm:spec_decode_num_draft_tokens`` (proposed tokens verified),
           ``vllm:spec_decode_num_accepted_tokens``.
+        - With speculative decoding's measured turn-off rule (``disable_by_payoff``), per batch-size bucket (label
+          ``bucket``: 1, 2, 4, ...): Counters ``hayabusa:spec_decode_payoff_plain_steps`` (steps the rule ran
+          without proposals for unseeded requests: its decisions and its plain probes) and
+          ``hayabusa:spec_decode_payoff_spec_steps`` (steps it let speculate), Gauge
+          ``hayabusa:spec_decode_payoff_speculating`` (1.0: the bucket's chosen mode is speculation).
         - Vector (list of int, length num_speculative_tokens): ``vllm:spec_decode_num_accepted_tokens_per_pos``,
           element i = how many times the proposal at position i was accepted (non-increasing; sums to the
           accepted tokens).
@@ -346,7 +361,8 @@ class LLMEngine:
         ``"num_generation_tokens"``, ``"num_preemptions"``; with the CPU tier ``"num_swap_preemptions"``,
         ``"num_blocks_swapped_out"``, ``"num_blocks_swapped_in"``, ``"cpu_prefix_cache_hit_blocks"``; with
         speculative decoding ``"spec_decode_num_drafts"``, ``"spec_decode_num_draft_tokens"``,
-        ``"spec_decode_num_accepted_tokens"``, ``"spec_decode_num_accepted_tokens_per_pos"`` (a list)."""
+        ``"spec_decode_num_accepted_tokens"``, ``"spec_decode_num_accepted_tokens_per_pos"`` (a list), with the
+        measured rule ``"spec_decode_payoff_plain_steps"`` (all buckets)."""
         s, kv = self.scheduler, self.kv_cache_manager
         labels = {"model_name": self.config.model_config.model, "engine": "0"}
         metrics: list[Metric] = []
@@ -380,6 +396,17 @@ class LLMEngine:
             metrics.append(Vector(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels=dict(labels),
                                   values=per_pos))
             shorthand["spec_decode_num_accepted_tokens_per_pos"] = list(per_pos)
+            if s.spec.payoff is not None:   # the measured turn-off rule, per batch-size bucket (label "bucket")
+                buckets = s.spec.payoff.snapshot()
+                for b, st in buckets.items():
+                    blabels = dict(labels, bucket=str(b))
+                    metrics.append(Counter(name="hayabusa:spec_decode_payoff_plain_steps", labels=dict(blabels),
+                                           value=st["plain_steps"]))
+                    metrics.append(Counter(name="hayabusa:spec_decode_payoff_spec_steps", labels=dict(blabels),
+                                           value=st["spec_steps"]))
+                    metrics.append(Gauge(name="hayabusa:spec_decode_payoff_speculating", labels=blabels,
+                                         value=float(st["speculating"])))
+                shorthand["spec_decode_payoff_plain_steps"] = sum(st["plain_steps"] for st in buckets.values())
         for name, value in (("vllm:num_requests_running", len(s.running)),
                             ("vllm:num_requests_waiting", len(s.waiting)),
                             ("vllm:kv_cache_usage_perc", kv.usage)):
@@ -424,9 +451,12 @@ class LLMEngine:
             # speculative decoding: this step may carry proposals, which need its requests' last tokens (and a
             # verify step in flight leaves them unknown): collect the previous step first
             early = self._collect(*self._drain())
+        start = self.clock() if self._measure_steps else 0.0
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
+        if self._measure_steps and not sched.is_empty:
+            self._step_start[sched.step_id] = start
         handle = self.runner.launch(sched) if not sched.is_empty else None
         if handle is not None and self._pending is not None:
             self.stats["num_overlapped_steps"] += 1
@@ -479,9 +509,12 @@ class LLMEngine:
         before it is sent: its requests' earlier tokens are collected already."""
         queue = self._in_pipeline
         if len(queue) < self.pipeline_depth:
+            start = self.clock() if self._measure_steps else 0.0
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             t1 = time.perf_counter()
+            if self._measure_steps and not sched.is_empty:
+                self._step_start[sched.step_id] = start
             self.stats["schedule_s"] += t1 - t0
             if not sched.is_empty:
                 handle = self.runner.launch(sched)
@@ -535,7 +568,19 @@ class LLMEngine:
         outputs = self._collect_outputs(sched, result)
         self._collecting = None
         self.stats["collect_s"] += time.perf_counter() - t0
+        if self._measure_steps:
+            self._time_step(sched.step_id)
         return outputs
+
+    def _time_step(self, step_id: int) -> None:
+        """A collected step's wall time for the measured turn-off rule: from its schedule, or from the previous
+        step's collection when that came later (an overlapped step: the steps' times then add up to the wall
+        time), to now; handed to the scheduler as plain seconds."""
+        end = self.clock()
+        start = self._step_start.pop(step_id, None)
+        if start is not None:
+            self.scheduler.record_step_time(step_id, end - max(start, self._last_collect_end))
+        self._last_collect_end = end
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing could be scheduled and nothing is in flight, yet requests are unfinished: abort the ones that

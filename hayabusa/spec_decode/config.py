@@ -28,6 +28,38 @@ hayabusa's own keys (vLLM has no low-acceptance rule), the per-request low-accep
       work; at acceptance rate a it emits (1 - a^(k+1)) / (1 - a) tokens, about 1 + a for small a, so
       below roughly 0.1-0.2 the proposals (a draft model's k forwards above all) cost more than they save.
       The default 0.1 is that estimate; the crossover has not been measured on the device yet.
+
+hayabusa's own keys, the measured turn-off rule (hayabusa/spec_decode/payoff.py; vLLM has none):
+  disable_by_payoff (bool, default DEFAULT_DISABLE_BY_PAYOFF = True): the engine times every step (host clock,
+      from the step's schedule to its collected output; with async scheduling from the previous step's collection
+      when later) and, per batch-size bucket (the running requests rounded up to a power of two), keeps the output
+      rate (tokens per request per second) of the last ``payoff_window`` decode-only steps scheduled with
+      speculation and of the last ``payoff_window`` without (steps with a prompt chunk are not measured). A bucket
+      starts speculating (it has to measure): its first 1 + payoff_window steps speculate, the next
+      1 + payoff_window are a plain probe (the first step after each change of mode is not counted: with async
+      scheduling it does not overlap its predecessor), then it decides, and decides again after every sample:
+      speculation is off in the bucket while its rate is below plain's by more than ``payoff_margin``. Every
+      ``payoff_probe_every`` steps of its chosen mode the bucket probes the other mode for 1 + payoff_window
+      steps, so a change of acceptance or load is noticed either way.
+      Why: the loss of speculation at a batch size is host work of synchronous verify steps and the verify
+      step's extra tokens, which depend on the model, the GPU and the acceptance; measured on an H200
+      (SmolLM2-135M, W11, n-gram k=4, acceptance 0.60) speculation gave 1.33x output tok/s at batch 1 but 0.87x
+      at 4 and 0.64x at 16, below disable_by_batch_size's default, while a 7b model probably gains at 16: no
+      fixed threshold fits every model and GPU, a measurement does.
+      Determinism: greedy output never depends on it (verification is exact). Requests that sample
+      (temperature > 0) with a per-request ``seed`` ignore it (only the static rules decide their proposals), so
+      timing never changes their tokens; unseeded sampling and greedy requests follow it.
+  payoff_margin (float in [0, 1), default DEFAULT_PAYOFF_MARGIN = 0.03): the issue asks that speculation "never
+      costs more than a few percent where it cannot help"; losses measured were 13 % and 36 %, gains 33 %, so a
+      3 % margin keeps speculation where it roughly breaks even (its latency gain per request is worth a little
+      throughput) and is above the step-time noise of a window (an estimate; not yet measured on the device).
+  payoff_window (int >= 1, default DEFAULT_PAYOFF_WINDOW = 8): samples per estimate and steps per probe; at
+      0.64x a bucket's start-up spends about 8 x 0.56 = 4.5 steps' time on speculation before turning it off,
+      under 2 % of W11's ~350 decode steps at batch 16; fewer samples would let one slow step (a GC pause, a
+      prompt chunk next door) decide.
+  payoff_probe_every (int >= 1, default DEFAULT_PAYOFF_PROBE_EVERY = 512): a probe of the losing mode costs
+      about payoff_window x its loss (4.5 steps' time at 0.64x), under 1 % of 512 steps; a change is noticed
+      within 512 steps (1-2 s at 2-3 ms a step).
 """
 
 from __future__ import annotations
@@ -48,8 +80,14 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
 DEFAULT_ACCEPTANCE_WINDOW = 32
 DEFAULT_ACCEPTANCE_BACKOFF = 64
+# the measured turn-off rule (module docstring: why these values)
+DEFAULT_DISABLE_BY_PAYOFF = True
+DEFAULT_PAYOFF_MARGIN = 0.03
+DEFAULT_PAYOFF_WINDOW = 8
+DEFAULT_PAYOFF_PROBE_EVERY = 512
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "disable_by_batch_size", "min_acceptance_rate", "acceptance_window", "acceptance_backoff")
+         "disable_by_batch_size", "min_acceptance_rate", "acceptance_window", "acceptance_backoff",
+         "disable_by_payoff", "payoff_margin", "payoff_window", "payoff_probe_every")
 
 
 @dataclass(frozen=True)
@@ -64,6 +102,9 @@ class SpeculativeConfig:
         disable_by_batch_size: no proposals in a step with more running requests than this (0 = never).
         min_acceptance_rate / acceptance_window / acceptance_backoff: the per-request low-acceptance rule (rate
             in [0, 1], 0 = off; window in proposed tokens; back-off in output tokens).
+        disable_by_payoff / payoff_margin / payoff_window / payoff_probe_every: the measured turn-off rule (on or
+            off; margin a fraction in [0, 1); window in decode-only steps per estimate and per probe; probe period
+            in steps of a bucket's chosen mode).
     """
 
     method: str
@@ -75,6 +116,10 @@ class SpeculativeConfig:
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE    # the low-acceptance rule (module docstring)
     acceptance_window: int = DEFAULT_ACCEPTANCE_WINDOW
     acceptance_backoff: int = DEFAULT_ACCEPTANCE_BACKOFF
+    disable_by_payoff: bool = DEFAULT_DISABLE_BY_PAYOFF          # the measured rule (module docstring)
+    payoff_margin: float = DEFAULT_PAYOFF_MARGIN
+    payoff_window: int = DEFAULT_PAYOFF_WINDOW
+    payoff_probe_every: int = DEFAULT_PAYOFF_PROBE_EVERY
 
     def enabled_for_batch(self, num_running: int) -> bool:
         """The turn-off rule: proposals only while at most ``disable_by_batch_size`` requests run."""
@@ -145,7 +190,20 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise _bad("min_acceptance_rate", rate, "must be a number in [0, 1] (0 turns the rule off).")
     window = _positive_int(value, "acceptance_window", DEFAULT_ACCEPTANCE_WINDOW)
     backoff = _positive_int(value, "acceptance_backoff", DEFAULT_ACCEPTANCE_BACKOFF)
+    by_payoff = value.get("disable_by_payoff", DEFAULT_DISABLE_BY_PAYOFF)
+    if not isinstance(by_payoff, bool):
+        raise _bad("disable_by_payoff", by_payoff, "must be true or false.")
+    margin = value.get("payoff_margin", DEFAULT_PAYOFF_MARGIN)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 1.0:
+        raise _bad("payoff_margin", margin, "must be a number in [0, 1) (a fraction of plain decoding's rate).")
+    payoff_window = _positive_int(value, "payoff_window", DEFAULT_PAYOFF_WINDOW)
+    probe_every = _positive_int(value, "payoff_probe_every", DEFAULT_PAYOFF_PROBE_EVERY)
+    for name, got in (("payoff_window", payoff_window), ("payoff_probe_every", probe_every)):
+        if got is None:
+            raise _bad(name, None, "must be a positive integer.")
     return SpeculativeConfig(method, k, prompt_lookup_max=hi, prompt_lookup_min=lo,
                              min_acceptance_rate=float(rate), acceptance_window=window, acceptance_backoff=backoff,
+                             disable_by_payoff=by_payoff, payoff_margin=float(margin), payoff_window=payoff_window,
+                             payoff_probe_every=probe_every,
                              disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE if off is None else off,
                              model=model if method in MODEL_METHODS else None)

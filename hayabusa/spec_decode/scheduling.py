@@ -6,6 +6,7 @@ from __future__ import annotations
 from hayabusa.core.request import Request
 from hayabusa.spec_decode.config import SpeculativeConfig
 from hayabusa.spec_decode.ngram import NgramProposer, TokenHistory
+from hayabusa.spec_decode.payoff import PayoffRule
 
 
 def eligible(req: Request) -> bool:
@@ -18,6 +19,14 @@ def eligible(req: Request) -> bool:
     return (req.structured is None and not req.mm_inputs and req.encoder_prompt_token_ids is None and not p.has_penalties
             and not p.has_logit_edits and p.logprobs is None and p.prompt_logprobs is None
             and req.num_output_tokens >= p.min_tokens)
+
+
+def seeded(req: Request) -> bool:
+    """Requests that sample (temperature > 0) with their own ``seed``: the measured turn-off rule leaves them
+    alone (their proposals follow the static rules only), so timing never changes their tokens (rejection
+    sampling draws from the request's generator once per proposal)."""
+    p = req.sampling_params
+    return p.seed is not None and not p.greedy
 
 
 class SpecDecodeScheduling:
@@ -35,12 +44,28 @@ class SpecDecodeScheduling:
         # slots (-1 ids) for them
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
             if config.method == "ngram" else None
+        # the measured turn-off rule (payoff.py), or None when off (disable_by_payoff=False)
+        self.payoff = PayoffRule(config.payoff_margin, config.payoff_window, config.payoff_probe_every) \
+            if config.disable_by_payoff else None
+        # set by the scheduler before each step (``set_step_mode``): the measured rule has speculation off for
+        # the step's unseeded requests
+        self.measured_off = False
+
+    def set_step_mode(self, num_running: int) -> bool:
+        """Before a step with ``num_running`` running requests is scheduled (or asked about): whether the
+        measured rule lets unseeded requests propose in it (True without the rule). No side effect but
+        ``measured_off``; the step is counted by ``PayoffRule.scheduled`` once it is scheduled."""
+        speculate = self.payoff is None or self.payoff.speculate(num_running)
+        self.measured_off = not speculate
+        return speculate
 
     def may_propose(self, req: Request) -> bool:
         """Whether the request could get proposals in its next decode step, decided before scheduling it (the
         engine runs a step overlapped with the previous one when no running request may propose): False for
-        requests speculation leaves alone and those in a low-acceptance back-off."""
-        return req.num_output_tokens >= req.spec_backoff_until and eligible(req)
+        requests speculation leaves alone, those in a low-acceptance back-off, and unseeded ones while the
+        measured rule has speculation off (``set_step_mode``)."""
+        return req.num_output_tokens >= req.spec_backoff_until and eligible(req) \
+            and not (self.measured_off and not seeded(req))
 
     def _max_k(self, req: Request) -> int:
         """Proposals the request may get before the step's budget: k, never past max_tokens or max_model_len

@@ -1,0 +1,221 @@
+"""Speculative decoding's measured turn-off rule (``disable_by_payoff``, hayabusa/spec_decode/payoff.py): with a
+fake clock that makes speculative steps slower per token, a bucket turns speculation off after its stated start-up
+samples, back on after a probe once they are faster; seeded sampling requests ignore it; greedy ids unchanged; the
+keys' validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from hayabusa import LLM, SamplingParams
+from hayabusa.core.request import RequestStatus
+from hayabusa.errors import HayabusaValidationError
+from hayabusa.spec_decode.config import (DEFAULT_DISABLE_BY_PAYOFF, DEFAULT_PAYOFF_MARGIN, DEFAULT_PAYOFF_PROBE_EVERY,
+                                         DEFAULT_PAYOFF_WINDOW, SpeculativeConfig, parse_speculative_config)
+from hayabusa.spec_decode.payoff import PayoffRule, bucket_of
+from hayabusa.spec_decode.scheduling import SpecDecodeScheduling
+from tests.core.test_scheduler import make_scheduler, req
+
+SPEC, PLAIN = True, False
+
+
+def _drive(rule, n, steps, timing):
+    """Run ``steps`` steps of a bucket: each in the mode the rule picks, measured by ``timing(mode)`` ->
+    (tokens per request, seconds). Returns the modes, in order."""
+    modes = []
+    for _ in range(steps):
+        mode = rule.speculate(n)
+        rule.scheduled(n, mode)
+        rule.record(n, mode, *timing(mode))
+        modes.append(mode)
+    return modes
+
+
+def test_bucket_of_is_the_power_of_two_at_or_above():
+    assert [bucket_of(n) for n in (0, 1, 2, 3, 4, 5, 9, 16, 17)] == [1, 1, 2, 4, 4, 8, 16, 16, 32]
+
+
+def test_slower_speculation_is_turned_off_after_start_up_then_probed_and_turned_back_on():
+    w, every = 3, 5
+    rule = PayoffRule(margin=0.03, window=w, probe_every=every)
+    slow = {SPEC: (2.0, 1.0), PLAIN: (1.0, 0.25)}.get     # speculation: 2 tok/s per request, plain 4
+    # start-up: 1 + w speculative steps (the first of each run of a mode is not counted), a plain probe of 1 + w,
+    # then off; every `every` plain samples a probe of 1 + w speculative steps, still slower: off again
+    modes = _drive(rule, 4, 3 * (w + 1) + every + (1 + every), slow)
+    assert modes == [SPEC] * (w + 1) + [PLAIN] * (w + 1) + [PLAIN] * every + [SPEC] * (w + 1) + [PLAIN] * (1 + every)
+    assert rule.speculate(4) is SPEC                       # the next probe is due
+    st = rule.snapshot()[4]
+    assert st["speculating"] is False and st["spec_rate"] == pytest.approx(2.0) and st["plain_rate"] == 4.0
+    assert (st["spec_steps"], st["plain_steps"]) == (2 * (w + 1), (w + 1) + every + (1 + every))
+    # other buckets are untouched: they start speculating
+    assert rule.speculate(1) and rule.speculate(16) and set(rule.buckets) == {4}
+    # speculation becomes faster (acceptance went up): the probe sees it and the bucket speculates from then on
+    fast = {SPEC: (3.0, 0.25), PLAIN: (1.0, 0.25)}.get
+    modes = _drive(rule, 4, (w + 1) + 2 * every, fast)
+    assert modes[:w + 1] == [SPEC] * (w + 1) and rule.snapshot()[4]["speculating"] is True
+    # and it probes plain decoding every `every` speculative steps, then goes on speculating
+    assert modes[w + 1:] == [SPEC] * every + [PLAIN] * (w + 1) + [SPEC] * (every - w - 1)
+
+
+@pytest.mark.parametrize("ratio, speculating", [(0.98, True), (0.96, False), (1.5, True)])
+def test_margin(ratio, speculating):
+    """Speculation stays on unless it is slower than plain decoding by more than the margin (3 %)."""
+    rule = PayoffRule(margin=0.03, window=2, probe_every=100)
+    _drive(rule, 1, 8, {SPEC: (ratio, 1.0), PLAIN: (1.0, 1.0)}.get)
+    assert rule.snapshot()[1]["speculating"] is speculating
+
+
+def test_seeded_requests_ignore_the_rule_and_the_step_is_measured_in_its_mode():
+    s = make_scheduler(max_num_seqs=4)
+    cfg = SpeculativeConfig("ngram", 2, 3, 1)
+    s.spec = SpecDecodeScheduling(cfg, s.config.max_model_len)
+
+    class Fixed:
+        def propose(self, token_ids, k):
+            return [50, 51][:k]
+
+    s.spec.proposer = Fixed()
+    seeded = req("seeded", 4, max_tokens=20, temperature=0.8, seed=7)
+    unseeded = req("unseeded", 4, max_tokens=20, temperature=0.8)
+    greedy = req("greedy", 4, max_tokens=20, temperature=0.0, seed=7)   # greedy: a seed changes nothing
+    for r in (seeded, unseeded, greedy):
+        s.add_request(r)
+    s.update_from_output(s.schedule(), {"seeded": [9], "unseeded": [9], "greedy": [9]})   # prefill
+    assert s.wants_proposals()
+    out = s.schedule()          # bucket 4 starts speculating: everyone proposes
+    assert set(out.scheduled_spec_decode_tokens) == {"seeded", "unseeded", "greedy"}
+    s.update_from_output(out, {"seeded": [50, 1], "unseeded": [50, 1], "greedy": [50, 1]})
+    s.record_step_time(out.step_id, 0.5)
+    assert s.spec.payoff.buckets[4].last_mode is True     # recorded (the first of its mode: not a sample)
+
+    s.spec.payoff.state(3).speculating = False             # the bucket measured speculation slower
+    assert s.wants_proposals()                             # the seeded request still may propose
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {"seeded": [50, 51]}
+    s.update_from_output(out, {"seeded": [50, 51, 1], "unseeded": [3], "greedy": [3]})
+    s.record_step_time(out.step_id, 0.5)
+    st = s.spec.payoff.buckets[4]
+    assert (st.num_spec_steps, st.num_plain_steps, st.last_mode) == (1, 1, False)
+
+    s.finish_requests(["seeded"], RequestStatus.FINISHED_ABORTED)
+    assert s.wants_proposals()              # bucket 2 is new: it speculates...
+    s.spec.payoff.state(2).speculating = False
+    assert not s.wants_proposals()          # ...but off there, no one left may propose: the step may overlap
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {} and out.num_scheduled_tokens == {"unseeded": 1, "greedy": 1}
+
+
+def test_prompt_chunks_are_not_measured():
+    s = make_scheduler(max_num_seqs=4)
+    s.spec = SpecDecodeScheduling(SpeculativeConfig("ngram", 2, 3, 1), s.config.max_model_len)
+    a = req("a", 4, max_tokens=20, temperature=0.0)
+    s.add_request(a)
+    s.update_from_output(s.schedule(), {"a": [9]})
+    s.add_request(req("b", 6, max_tokens=20, temperature=0.0))
+    out = s.schedule()                   # a decodes, b's prompt is admitted: not a decode-only step
+    assert out.num_scheduled_tokens["b"] == 6 and out.step_id not in s._payoff_steps
+    assert s.spec.payoff.buckets[1].num_spec_steps == 1   # counted in its mode all the same
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _timed_llm(path, cost, **spec):
+    """An LLM whose steps take ``cost(sched)`` fake seconds each; returns (llm, list of steps' had-proposals)."""
+    llm = LLM(path, device="cpu", max_num_seqs=4, speculative_config=dict(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **spec))
+    engine = llm.llm_engine
+    engine.clock = clock = FakeClock()
+    launch, trace = engine.runner.launch, []
+
+    def timed_launch(sched):
+        clock.t += cost(sched, len(trace))
+        trace.append(bool(sched.scheduled_spec_decode_tokens))
+        return launch(sched)
+
+    engine.runner.launch = timed_launch
+    return llm, trace
+
+
+class RepeatProposer:
+    def propose(self, token_ids, k):
+        return list(token_ids[-k:])
+
+
+def test_engine_turns_slow_speculation_off_and_back_on_with_greedy_ids_unchanged(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = ["Once upon a time"]
+    ref = LLM(tiny_llama, device="cpu").generate(prompt, params, use_tqdm=False)[0]
+    switch = 10   # from the 11th step on, speculative steps become cheap
+
+    def cost(sched, i):
+        if not sched.scheduled_spec_decode_tokens:
+            return 1.0
+        return 10.0 if i < switch else 0.1      # <= 4 tokens a step: 0.4 tok/s (plain: 1), then >= 10
+
+    w, every = 2, 4
+    llm, trace = _timed_llm(tiny_llama, cost, payoff_window=w, payoff_probe_every=every)
+    oracle = ref.prompt_token_ids + ref.outputs[0].token_ids
+
+    class Oracle:   # the reference continuation: every proposal accepted
+        def propose(self, token_ids, k):
+            n = len(token_ids)
+            return oracle[n:n + k] if list(token_ids) == oracle[:n] else []
+
+    llm.llm_engine.scheduler.spec.proposer = Oracle()
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    # step 0: the prompt (not measured); start-up: 1 + w speculative, a plain probe of 1 + w, then off for
+    # `every` plain samples; the probe of 1 + w speculative steps (cheap by then) turns it back on
+    assert trace[:1 + 2 * (w + 1) + every + (w + 1)] == \
+        [False] + [True] * (w + 1) + [False] * (w + 1) + [False] * every + [True] * (w + 1)
+    assert len(trace) > 14 and all(trace[14:])                   # speculating from then on
+    m = llm.get_metrics()
+    assert m["spec_decode_payoff_plain_steps"] == (w + 1) + every
+    gauge = [x for x in m if x.name == "hayabusa:spec_decode_payoff_speculating"]
+    assert [(g.labels["bucket"], g.value) for g in gauge] == [("1", 1.0)]
+
+
+def test_engine_seeded_sampling_is_the_same_whatever_the_timing(tiny_llama):
+    prompts = ["Once upon a time", "The capital of France is"]
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    runs = []
+    for spec_cost in (10.0, 0.1):   # speculation slow (the rule turns it off) or fast (it stays on)
+        # a step in which both requests propose (speculative mode) costs spec_cost, the others 1
+        llm, trace = _timed_llm(tiny_llama, lambda sched, i, c=spec_cost: c if len(sched.scheduled_spec_decode_tokens)
+                                > 1 else 1.0, payoff_window=2, payoff_probe_every=100)
+        llm.llm_engine.scheduler.spec.proposer = RepeatProposer()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.metrics.spec_num_draft_tokens) for o in outs])
+    (seeded_slow, greedy_slow), (seeded_fast, greedy_fast) = runs
+    assert seeded_slow == seeded_fast and seeded_slow[1] > 0      # same tokens, same proposals
+    assert greedy_slow[0] == greedy_fast[0]
+    assert greedy_slow[1] < greedy_fast[1]                         # the rule took the greedy one's proposals
+
+
+def test_defaults_and_off():
+    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    assert (cfg.disable_by_payoff, cfg.payoff_margin, cfg.payoff_window, cfg.payoff_probe_every) == \
+        (DEFAULT_DISABLE_BY_PAYOFF, DEFAULT_PAYOFF_MARGIN, DEFAULT_PAYOFF_WINDOW, DEFAULT_PAYOFF_PROBE_EVERY) == \
+        (True, 0.03, 8, 512)
+    assert SpecDecodeScheduling(cfg, 64).payoff is not None
+    off = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "disable_by_payoff": False})
+    assert SpecDecodeScheduling(off, 64).payoff is None
+
+
+@pytest.mark.parametrize("key, value", [
+    ("disable_by_payoff", 1), ("disable_by_payoff", "yes"), ("payoff_margin", 1.0), ("payoff_margin", -0.01),
+    ("payoff_margin", True), ("payoff_margin", "0.03"), ("payoff_window", 0), ("payoff_window", 2.5),
+    ("payoff_window", None), ("payoff_probe_every", 0), ("payoff_probe_every", True),
+])
+def test_bad_keys_are_named(key, value):
+    with pytest.raises(HayabusaValidationError) as e:
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, key: value})
+    assert e.value.parameter == f"speculative_config.{key}" and e.value.value == value
+    assert key in str(e.value) and repr(value) in str(e.value)
