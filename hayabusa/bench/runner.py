@@ -169,6 +169,13 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
                      spec_decode_acceptance_rate=round(accepted / drafted, 4) if drafted else None)
         notes.append(f"speculative decoding: {spec.method}, k={spec.num_speculative_tokens}, acceptance "
                      f"{accepted}/{drafted}")
+        payoff = getattr(engine.scheduler.spec, "payoff", None)
+        if payoff is not None:   # the measured turn-off rule: per batch-size bucket, its mode, steps and rates
+            buckets = payoff.snapshot()
+            extra["spec_decode_payoff"] = {str(b): st for b, st in buckets.items()}
+            notes.append("disable_by_payoff: " + ", ".join(
+                f"batch<={b} {'spec' if st['speculating'] else 'off'} ({st['spec_steps']} spec / "
+                f"{st['plain_steps']} plain steps)" for b, st in buckets.items()))
     off = getattr(engine.runner, "offloader", None)
     if off is not None:      # cpu_offload_gb: weights streamed from CPU memory each forward
         extra.update(offloaded_layers=len(off.layer_indices), offloaded_bytes=off.offloaded_bytes,

@@ -57,7 +57,8 @@ def test_back_off_overlaps_and_keeps_greedy_output(tiny_llama):
     off = [o.outputs[0].token_ids for o in outs]
     # k = 2, window 4, back-off 8: two rejected verify steps start a back-off of 8 output tokens, during which
     # the request's steps overlap
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "acceptance_window": 4, "acceptance_backoff": 8}
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "acceptance_window": 4, "acceptance_backoff": 8,
+            "disable_by_payoff": False}   # (the measured rule off: the counts below follow the back-off alone)
     llm = LLM(tiny_llama, device="cpu", async_scheduling=True, max_num_seqs=1, speculative_config=spec)
     llm.llm_engine.scheduler.spec.proposer = WrongProposer([o.prompt_token_ids + o.outputs[0].token_ids
                                                             for o in outs])
@@ -74,7 +75,7 @@ def test_proposals_with_async_scheduling_keep_greedy_output(stories_dir):
     # the trained stories model repeats itself: n-gram proposals get accepted
     off, _ = _run(stories_dir)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-            "min_acceptance_rate": 0}
+            "min_acceptance_rate": 0, "disable_by_payoff": False}   # (every step may propose: no measured rule)
     on, llm = _run(stories_dir, speculative_config=spec)
     assert on == off
     m = llm.get_metrics()

@@ -19,8 +19,9 @@ PROMPTS = ["Once upon a time", "The capital of France is", "One day, Lily and To
 MAX_TOKENS = 20
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # prompt_lookup_min 1: a proposal would be found almost every step, if one were asked for
+# (the measured turn-off rule off: these tests follow the static rules' path, step by step)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
-         "disable_by_batch_size": 2}
+         "disable_by_batch_size": 2, "disable_by_payoff": False}
 
 
 class Spies:

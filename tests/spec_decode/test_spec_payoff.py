@@ -125,9 +125,10 @@ class FakeClock:
         return self.t
 
 
-def _timed_llm(path, cost, **spec):
-    """An LLM whose steps take ``cost(sched)`` fake seconds each; returns (llm, list of steps' had-proposals)."""
-    llm = LLM(path, device="cpu", max_num_seqs=4, speculative_config=dict(
+def _timed_llm(path, cost, async_scheduling=False, **spec):
+    """An LLM whose steps take ``cost(sched, i)`` fake seconds each (i: the step's index); returns (llm, list of
+    the steps' had-proposals)."""
+    llm = LLM(path, device="cpu", max_num_seqs=4, async_scheduling=async_scheduling, speculative_config=dict(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **spec))
     engine = llm.llm_engine
     engine.clock = clock = FakeClock()
@@ -219,3 +220,20 @@ def test_bad_keys_are_named(key, value):
         parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, key: value})
     assert e.value.parameter == f"speculative_config.{key}" and e.value.value == value
     assert key in str(e.value) and repr(value) in str(e.value)
+
+
+def test_engine_with_async_scheduling_overlaps_the_steps_the_rule_turns_off(tiny_llama):
+    """Under async scheduling a step without proposals overlaps the one before; once the rule has turned slow
+    speculation off, the steps overlap as with speculation off (what the rule is for on the device)."""
+    prompts = ["Once upon a time", "The capital of France is"]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(tiny_llama, device="cpu").generate(prompts, params, use_tqdm=False)]
+    llm, trace = _timed_llm(tiny_llama, lambda sched, i: 10.0 if sched.scheduled_spec_decode_tokens else 1.0,
+                            async_scheduling=True, payoff_window=2, payoff_probe_every=1000)
+    llm.llm_engine.scheduler.spec.proposer = RepeatProposer()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    # start-up: 3 speculative steps, a plain probe of 3; then plain to the end (a bucket of 2 requests)
+    assert trace[1:7] == [True] * 3 + [False] * 3 and not any(trace[7:])
+    stats = llm.llm_engine.stats
+    assert stats["num_overlapped_steps"] >= len(trace) - 10
+    assert llm.get_metrics()["spec_decode_payoff_plain_steps"] == len(trace) - 4

@@ -13,8 +13,9 @@ from tests.spec_decode.test_spec_scheduling import spec_scheduler
 
 PROMPTS = ["Once upon a time", "The capital of France is", "One day, Lily and Tom", "The little dog"]
 K = 3
+# (the measured turn-off rule off: its per-bucket metrics are tested in test_spec_payoff.py)
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "min_acceptance_rate": 0}
+         "min_acceptance_rate": 0, "disable_by_payoff": False}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
