@@ -143,7 +143,9 @@ def main() -> None:
 
     torch.set_num_threads(ns.threads)
     model, tmp = model_or_tiny(ns.model)
-    spec = {"method": "ngram", "num_speculative_tokens": ns.k, "prompt_lookup_max": 4, "prompt_lookup_min": ns.min_n}
+    # (the measured turn-off rule off: this measures speculative steps, which it would turn off where they lose)
+    spec = {"method": "ngram", "num_speculative_tokens": ns.k, "prompt_lookup_max": 4, "prompt_lookup_min": ns.min_n,
+            "disable_by_payoff": False}
     params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
     print(f"model {ns.model or 'tiny random llama'}{' (copying fake forward)' if ns.fake_forward else ''}  device {ns.device}  k {ns.k}  max_tokens {ns.max_tokens}  "
           f"hayabusa {Path(sys.modules['hayabusa'].__file__).parent}")

@@ -37,8 +37,9 @@ hayabusa's own keys, the measured turn-off rule (hayabusa/spec_decode/payoff.py;
       speculation and of the last ``payoff_window`` without (steps with a prompt chunk are not measured). A bucket
       starts speculating (it has to measure): its first 1 + payoff_window steps speculate, the next
       1 + payoff_window are a plain probe (the first step after each change of mode is not counted: with async
-      scheduling it does not overlap its predecessor), then it decides, and decides again after every sample:
-      speculation is off in the bucket while its rate is below plain's by more than ``payoff_margin``. Every
+      scheduling it does not overlap its predecessor), then it decides, and again after each sample outside a
+      probe and at each probe's end: speculation is off in the bucket while its rate is below plain's by more
+      than ``payoff_margin``. Every
       ``payoff_probe_every`` steps of its chosen mode the bucket probes the other mode for 1 + payoff_window
       steps, so a change of acceptance or load is noticed either way.
       Why: the loss of speculation at a batch size is host work of synchronous verify steps and the verify
@@ -55,8 +56,8 @@ hayabusa's own keys, the measured turn-off rule (hayabusa/spec_decode/payoff.py;
       throughput) and is above the step-time noise of a window (an estimate; not yet measured on the device).
   payoff_window (int >= 1, default DEFAULT_PAYOFF_WINDOW = 8): samples per estimate and steps per probe; at
       0.64x a bucket's start-up spends about 8 x 0.56 = 4.5 steps' time on speculation before turning it off,
-      under 2 % of W11's ~350 decode steps at batch 16; fewer samples would let one slow step (a GC pause, a
-      prompt chunk next door) decide.
+      about 1 % of W11's ~500 steps at batch 16 (64 x 128 tokens, 16 a step); fewer samples would let one slow
+      step (a GC pause, a prompt chunk next door) decide.
   payoff_probe_every (int >= 1, default DEFAULT_PAYOFF_PROBE_EVERY = 512): a probe of the losing mode costs
       about payoff_window x its loss (4.5 steps' time at 0.64x), under 1 % of 512 steps; a change is noticed
       within 512 steps (1-2 s at 2-3 ms a step).

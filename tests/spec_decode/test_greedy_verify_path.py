@@ -15,6 +15,10 @@ from hayabusa.bench.common import AtenOpCounter
 from tests.spec_decode.test_spec_engine import (  # noqa: F401  (reference: a fixture)
     MAX_TOKENS, NGRAM, PROMPTS, RepeatProposer, _ids, _oracle_llm, reference)
 
+# Each test runs one engine twice (greedy fast path on, then off) and compares what the runs verified: the
+# measured turn-off rule (which would carry its timing-dependent decisions from the first run into the second) off.
+STATIC = {"disable_by_payoff": False}
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # aten ops per verify call of an all-greedy n-gram step: argmax, the plan's gather, compare, cumsum, compare,
 # masked fill, plus views (the kernel on CUDA: argmax, the plan's copy, the output's allocation)
@@ -32,9 +36,9 @@ def _run(llm: LLM, prompts, params, fast: bool) -> list[list[int]]:
 def test_greedy_path_on_and_off_equal_speculation_off(reference, proposer):
     path, outs = reference["qwen2"]
     if proposer == "ngram":
-        llm = LLM(path, max_num_seqs=3, device="cpu", speculative_config=NGRAM)
+        llm = LLM(path, max_num_seqs=3, device="cpu", speculative_config=dict(NGRAM, **STATIC))
     else:
-        llm, _ = _oracle_llm(path, outs, max_num_seqs=4)
+        llm, _ = _oracle_llm(path, outs, spec=STATIC, max_num_seqs=4)
     on = _run(llm, PROMPTS, GREEDY, fast=True)
     steps_on = llm.llm_engine.runner.num_greedy_verify_steps
     off = _run(llm, PROMPTS, GREEDY, fast=False)
@@ -77,7 +81,7 @@ def test_mixed_steps_keep_rejection_sampling_for_sampled_requests(reference, mon
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True),
               GREEDY, SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)]
     prompts = PROMPTS[:4]
-    llm, _ = _oracle_llm(path, outs, max_num_seqs=4)
+    llm, _ = _oracle_llm(path, outs, spec=STATIC, max_num_seqs=4)
     llm.llm_engine.scheduler.spec.proposer = RepeatProposer()    # proposals for the sampled requests too
     on = _run(llm, prompts, params, fast=True)
     assert llm.llm_engine.runner.num_greedy_verify_steps > 0
@@ -108,7 +112,7 @@ def _count_verify_ops(llm: LLM, fast: bool, monkeypatch) -> list[int]:
 
 def test_greedy_path_launches_few_ops(reference, monkeypatch, capsys):
     path, outs = reference["llama"]
-    llm, _ = _oracle_llm(path, outs, max_num_seqs=16)
+    llm, _ = _oracle_llm(path, outs, spec=STATIC, max_num_seqs=16)
     fast = _count_verify_ops(llm, True, monkeypatch)
     general = _count_verify_ops(llm, False, monkeypatch)
     assert fast and general

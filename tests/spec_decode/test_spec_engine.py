@@ -55,8 +55,11 @@ def reference(tiny_llama, tiny_qwen2):
     return refs
 
 
-def _oracle_llm(path: str, outs, **kwargs) -> tuple[LLM, OracleProposer]:
-    llm = LLM(path, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kwargs)
+def _oracle_llm(path: str, outs, spec: dict | None = None, **kwargs) -> tuple[LLM, OracleProposer]:
+    """``spec``: more speculative_config keys (e.g. ``{"disable_by_payoff": False}`` where a test compares the
+    proposals of two runs of one engine: the measured rule would make them depend on timing)."""
+    llm = LLM(path, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3, **(spec or {})},
+              **kwargs)
     oracle = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in outs])
     llm.llm_engine.scheduler.spec.proposer = oracle
     return llm, oracle
