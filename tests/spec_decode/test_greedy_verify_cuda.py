@@ -45,7 +45,10 @@ def test_greedy_path_on_cuda_equals_off_and_speculation_off(tiny_qwen2, max_num_
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     kwargs = dict(device="cuda", dtype="float32", max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3)
     base = LLM(tiny_qwen2, **kwargs).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(tiny_qwen2, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kwargs)
+    # (four runs of one engine, each expected to verify: the measured turn-off rule, whose decisions would carry
+    # from one run into the next, off)
+    llm = LLM(tiny_qwen2, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                              "disable_by_payoff": False}, **kwargs)
     oracle = [o.prompt_token_ids + o.outputs[0].token_ids for o in base]
     results = {}
     for fast in (True, False, True, False):   # the first two warm up (Triton compile)
