@@ -260,7 +260,8 @@ class AsyncLLMEngine:
         """A snapshot taken by the engine thread after its last step: num_requests_running / _waiting (sequences),
         kv_cache_usage (0..1), num_kv_blocks, num_free_kv_blocks, num_preemptions, num_prompt_tokens,
         num_generation_tokens, num_steps; prefix_cache_queries / _hits (tokens) when the KV manager counts them;
-        spec_decode_num_draft_tokens / _accepted_tokens with speculative decoding."""
+        spec_decode_num_draft_tokens / _accepted_tokens with speculative decoding, spec_decode_payoff_plain_steps
+        with its measured turn-off rule (steps it ran without proposals, all batch-size buckets)."""
         return dict(self._stats)
 
     async def add_request(self, request_id: Any, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -566,4 +567,7 @@ class AsyncLLMEngine:
         if sched.spec is not None:   # speculative decoding: vLLM's counter names
             stats["spec_decode_num_draft_tokens"] = sched.spec_num_draft_tokens
             stats["spec_decode_num_accepted_tokens"] = sched.spec_num_accepted_tokens
+            if sched.spec.payoff is not None:   # steps the measured turn-off rule ran without proposals
+                stats["spec_decode_payoff_plain_steps"] = sum(b.num_plain_steps
+                                                              for b in sched.spec.payoff.buckets.values())
         self._stats = stats

@@ -180,6 +180,10 @@ def test_engine_turns_slow_speculation_off_and_back_on_with_greedy_ids_unchanged
     assert m["spec_decode_payoff_plain_steps"] == (w + 1) + every
     gauge = [x for x in m if x.name == "hayabusa:spec_decode_payoff_speculating"]
     assert [(g.labels["bucket"], g.value) for g in gauge] == [("1", 1.0)]
+    from hayabusa.engine.async_llm_engine import AsyncLLMEngine   # the server's snapshot (its /metrics)
+
+    stats = AsyncLLMEngine(llm.llm_engine, start_engine_loop=False).get_stats()
+    assert stats["spec_decode_payoff_plain_steps"] == (w + 1) + every
 
 
 def test_engine_seeded_sampling_is_the_same_whatever_the_timing(tiny_llama):
@@ -237,3 +241,17 @@ def test_engine_with_async_scheduling_overlaps_the_steps_the_rule_turns_off(tiny
     stats = llm.llm_engine.stats
     assert stats["num_overlapped_steps"] >= len(trace) - 10
     assert llm.get_metrics()["spec_decode_payoff_plain_steps"] == len(trace) - 4
+
+
+def test_metrics_endpoint_exports_the_rules_plain_steps():
+    from hayabusa.entrypoints.openai.server import _EngineCollector
+
+    class FakeEngine:
+        def get_stats(self):
+            return {"num_requests_running": 1, "num_requests_waiting": 0, "kv_cache_usage": 0.5,
+                    "num_prompt_tokens": 10, "num_generation_tokens": 20, "num_preemptions": 0,
+                    "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 7,
+                    "spec_decode_payoff_plain_steps": 5}
+
+    families = {f.name: f for f in _EngineCollector(FakeEngine(), {"model_name": "m"}).collect()}
+    assert families["hayabusa:spec_decode_payoff_plain_steps"].samples[0].value == 5

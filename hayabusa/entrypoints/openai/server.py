@@ -156,6 +156,9 @@ class _EngineCollector:
                           s["spec_decode_num_draft_tokens"])
             yield counter("hayabusa:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
                           s["spec_decode_num_accepted_tokens"])
+        if "spec_decode_payoff_plain_steps" in s:   # the measured turn-off rule (disable_by_payoff)
+            yield counter("hayabusa:spec_decode_payoff_plain_steps", "Steps speculative decoding's measured "
+                          "turn-off rule ran without proposals.", s["spec_decode_payoff_plain_steps"])
 
 
 # ---------------------------------------------------------------------------------------------------- ASGI pieces
