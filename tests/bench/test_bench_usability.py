@@ -116,6 +116,10 @@ def test_a_speculative_bench_run_records_the_method(tmp_path, tiny_bench_model, 
                      '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
     rec, = json.loads(path.read_text())
     assert rec["extra"]["speculative_config"]["method"] == "ngram"
+    # the measured turn-off rule's decisions per batch-size bucket (hayabusa/spec_decode/payoff.py)
+    payoff = rec["extra"]["spec_decode_payoff"]
+    assert payoff and all(set(st) == {"speculating", "plain_steps", "spec_steps", "spec_rate", "plain_rate"}
+                          and st["spec_steps"] > 0 for st in payoff.values())
     out = capsys.readouterr().out
     assert ", speculative ngram k=3" in out and "  spec=ngram k=3" in out
 
