@@ -10,8 +10,8 @@
 Limits: the encoder input must be non-empty and at most ``ModelConfig.max_encoder_len`` tokens, the model's limit
 (config.json's ``n_positions``, else 512, the length T5 was trained at), whatever ``max_model_len``: that one limits
 the decoder alone (its prompt + output tokens), so a 256-token input -> 64-token extraction job can run with
-max_model_len=65. The decoder prompt must leave room for one output token (``check_prompt_length``). A longer input
-is refused by name before anything is queued.
+max_model_len=65. The decoder prompt must leave room for one output token (``check_prompt_length``; refused naming
+``decoder_prompt``, as are its out-of-vocabulary ids). A longer input is refused by name before anything is queued.
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def process_encoder_decoder(ip: InputProcessor, prompt: Any,
         else:
             ids = ip.as_ids(decoder_part)
         dec_ids = ids if ids and ids[0] == start else [start] + ids
-    ip.check(dec_ids, params)          # vocab, length (room for one output token), logprobs, stop ids
+    try:
+        ip.check(dec_ids, params)      # vocab, length (room for one output token), logprobs, stop ids
+    except HayabusaValidationError as e:
+        if decoder_part is None or e.parameter not in ("prompt", "prompt_token_ids"):
+            raise
+        # the decoder's ids come from decoder_prompt: name it (the check knows only "prompt")
+        raise type(e)(f"decoder_prompt: {e}", parameter="decoder_prompt", value=e.value) from None
     return text, dec_ids, enc_ids
 
 

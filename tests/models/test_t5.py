@@ -171,7 +171,11 @@ def test_too_long_encoder_input_is_refused_and_the_next_request_served(tiny_t5, 
     assert len(out.outputs[0].token_ids) == MAX_TOKENS
     with pytest.raises(HayabusaValidationError) as e:
         llm.generate({"encoder_prompt": "x", "decoder_prompt": [5] * 64}, GREEDY, use_tqdm=False)
-    assert e.value.parameter == "prompt"                         # the decoder prompt leaves no room
+    assert e.value.parameter == "decoder_prompt"                 # the decoder prompt leaves no room: named
+    assert str(e.value).startswith("decoder_prompt: prompt has 65 tokens") and "max_model_len=64" in str(e.value)
+    with pytest.raises(HayabusaValidationError) as e:                # an out-of-vocabulary decoder id: named too
+        llm.generate({"encoder_prompt": "x", "decoder_prompt": [5, 10**6]}, GREEDY, use_tqdm=False)
+    assert e.value.parameter == "decoder_prompt" and e.value.value == 10**6
     for bad in ({"prompt": "Hi", "multi_modal_data": {"image": 1}},                      # T5 takes text only
                 {"encoder_prompt": {"prompt": "Hi", "multi_modal_data": {"image": 1}}}):
         with pytest.raises(HayabusaValidationError) as e:
