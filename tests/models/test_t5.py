@@ -352,6 +352,24 @@ def test_padded_decode_path_matches_hf(tiny_t5, refs):
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
+def test_kv_capacity_error_says_max_model_len_does_not_lower_the_encoder_part(tiny_t5_v11):
+    """The KV sizing reserves the cross K/V of an encoder input of the model's limit (n_positions, 192 here: 48
+    blocks of 4) whatever max_model_len. With 40 blocks no max_model_len fits, so the error must not send the user
+    to lower it; with 60 blocks a lower max_model_len does fit, and the advice says it bounds the decoder only."""
+    kw = dict(block_size=4, max_model_len=64)
+    with pytest.raises(KVCacheCapacityError) as e:
+        LLM(tiny_t5_v11, num_gpu_blocks_override=40, **kw)
+    msg = str(e.value)
+    assert "max_encoder_len=192" in msg and "Lower max_model_len" not in msg, msg
+    assert "n_positions" in msg and "raise num_gpu_blocks_override" in msg.lower(), msg
+    with pytest.raises(KVCacheCapacityError) as e:
+        LLM(tiny_t5_v11, num_gpu_blocks_override=60, **kw)   # 16 decoder + 48 cross blocks > 60
+    msg = str(e.value)
+    assert "Lower max_model_len (it bounds the decoder only" in msg, msg
+    assert len(LLM(tiny_t5_v11, num_gpu_blocks_override=60, block_size=4, max_model_len=48).generate(
+        PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS   # 12 + 48 blocks: it fits
+
+
 def test_long_decoder_prompt_in_chunks_and_preempted(tiny_t5_v11):
     """A 40-token decoder prompt prefilled in chunks of 16 (its cross blocks taken once, at admission), and the
     same under preemption: the ids of one unchunked run."""
