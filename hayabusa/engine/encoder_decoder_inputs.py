@@ -72,6 +72,19 @@ def process_encoder_decoder(ip: InputProcessor, prompt: Any,
     return text, dec_ids, enc_ids
 
 
+def output_prompt(prompt: Any, encoder_text: str | None) -> str | None:
+    """What ``RequestOutput.prompt`` shows for an encoder-decoder request (``encoder_text``: the first value
+    ``process_encoder_decoder`` returned). vLLM's explicit form: the decoder prompt's text, as vLLM's RequestOutput
+    has it (prompt / prompt_token_ids are the decoder's), or None when it was given as ids or left out. A plain
+    prompt (the encoder's input alone): its text, as ``encoder_prompt`` has it too."""
+    if isinstance(prompt, dict) and ("encoder_prompt" in prompt or "decoder_prompt" in prompt):
+        decoder = prompt.get("decoder_prompt")
+        if isinstance(decoder, dict):
+            decoder = decoder.get("prompt")
+        return decoder if isinstance(decoder, str) else None
+    return encoder_text
+
+
 def _check_encoder_ids(ip: InputProcessor, ids: list[int], name: str) -> None:
     mc = ip.model_config
     if not ids:
@@ -89,4 +102,4 @@ def _check_encoder_ids(ip: InputProcessor, ids: list[int], name: str) -> None:
             f"{mc.max_model_len} limits the decoder only).", parameter=name, value=len(ids))
 
 
-__all__ = ["process_encoder_decoder", "check_prompt_length"]
+__all__ = ["process_encoder_decoder", "output_prompt", "check_prompt_length"]

@@ -101,6 +101,16 @@ def test_explicit_encoder_decoder_prompt_matches_hf(tiny_t5_v11):
     dec = tok("合計", add_special_tokens=False).input_ids
     out = llm.generate({"encoder_prompt": T5_JA_PROMPTS[1], "decoder_prompt": "合計"}, GREEDY, use_tqdm=False)[0]
     assert out.prompt_token_ids == [start] + dec
+    # vLLM's RequestOutput: for encoder-decoder models prompt / prompt_token_ids are the decoder's, encoder_prompt /
+    # encoder_prompt_token_ids the encoder's (vLLM's encoder_decoder example prints prompt as the decoder prompt)
+    assert out.prompt == "合計" and out.encoder_prompt == T5_JA_PROMPTS[1]
+    assert out.encoder_prompt_token_ids == tok(T5_JA_PROMPTS[1]).input_ids
+    by_ids = llm.generate({"encoder_prompt": T5_JA_PROMPTS[1], "decoder_prompt": [start] + dec}, GREEDY,
+                          use_tqdm=False)[0]
+    assert by_ids.prompt is None and by_ids.encoder_prompt == T5_JA_PROMPTS[1]   # ids given: no decoder text
+    assert by_ids.outputs[0].token_ids == out.outputs[0].token_ids
+    plain = llm.generate(T5_JA_PROMPTS[1], GREEDY, use_tqdm=False)[0]   # a plain prompt is the encoder's input
+    assert plain.prompt == plain.encoder_prompt == T5_JA_PROMPTS[1] and plain.prompt_token_ids == [start]
     model = hf_t5(tiny_t5_v11)
     with torch.no_grad():
         g = model.generate(torch.tensor([tok(T5_JA_PROMPTS[1]).input_ids]),
