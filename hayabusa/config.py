@@ -111,6 +111,14 @@ def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
     return HayabusaValidationError(f"{parameter}={value!r}: {why}", parameter=parameter, value=value)
 
 
+def cpu_offload_refusal(architecture: str, is_encoder_decoder: bool) -> str | None:
+    """Why a model cannot run with cpu_offload_gb > 0, or None when it can: the engine's rule, which
+    ``hayabusa plan`` applies too (encoder-decoder models such as T5 are refused by name)."""
+    if is_encoder_decoder:
+        return f"weight offload is not supported for encoder-decoder models ({architecture}) yet."
+    return None
+
+
 @dataclass
 class EngineArgs:
     """Arguments of ``LLM(...)`` and ``AsyncEngineArgs`` (vLLM's names, defaults and meanings).
@@ -402,9 +410,9 @@ class EngineArgs:
             return 0
         from hayabusa.worker.cpu_offload import FAKE_ENV, fake_device_offload
 
-        if model_config.is_encoder_decoder:   # before the CPU no-op, so a CPU trial run learns it too
-            raise _bad("cpu_offload_gb", self.cpu_offload_gb, f"weight offload is not supported for "
-                       f"encoder-decoder models ({model_config.architecture}) yet.")
+        why = cpu_offload_refusal(model_config.architecture, model_config.is_encoder_decoder)
+        if why is not None:   # before the CPU no-op, so a CPU trial run learns it too
+            raise _bad("cpu_offload_gb", self.cpu_offload_gb, why)
         if device.type == "cpu" and not fake_device_offload():
             logger.warning("cpu_offload_gb=%s is accepted and changes nothing on a CPU device (the weights are in "
                            "CPU memory already).", self.cpu_offload_gb)

@@ -267,10 +267,13 @@ def startup(scale: float = 1.0) -> Workload:
 
 def w10(scale: float = 1.0) -> Workload:
     """W5 with 8 different system prompts whose KV does not all fit the GPU: rounds of 16 requests per prompt,
-    cycling through the 8 prompts 4 times, so each round comes back to a prefix evicted since."""
+    cycling through the 8 prompts 4 times, so each round comes back to a prefix evicted since. ``scale`` shrinks
+    the lengths and the cache (at least 64 blocks), never the 16 requests of a round: a round's running requests
+    must outgrow the cache's room beside the prefixes, or the tier has nothing to restore (2-request rounds at
+    scale 0.1 never evicted a prefix)."""
     rng = np.random.default_rng(0)
     prompts = [_tokens(rng, _n(1024, scale)) for _ in range(8)]
-    own, per_round = _n(128, scale), _n(16, scale)
+    own, per_round = _n(128, scale), 16
     reqs = [BenchRequest(prompts[p] + _tokens(rng, own), _n(64, scale))
             for _ in range(4) for p in range(8) for _ in range(per_round)]
     blocks = max(_n(1024, scale), 64)   # with 16-token blocks: 16,384 tokens, 8 prefixes need 8,192 of them

@@ -10,8 +10,8 @@
 Limits: the encoder input must be non-empty and at most ``ModelConfig.max_encoder_len`` tokens, the model's limit
 (config.json's ``n_positions``, else 512, the length T5 was trained at), whatever ``max_model_len``: that one limits
 the decoder alone (its prompt + output tokens), so a 256-token input -> 64-token extraction job can run with
-max_model_len=65. The decoder prompt must leave room for one output token (``check_prompt_length``). A longer input
-is refused by name before anything is queued.
+max_model_len=65. The decoder prompt must leave room for one output token (``check_prompt_length``; refused naming
+``decoder_prompt``, as are its out-of-vocabulary ids). A longer input is refused by name before anything is queued.
 """
 
 from __future__ import annotations
@@ -62,8 +62,27 @@ def process_encoder_decoder(ip: InputProcessor, prompt: Any,
         else:
             ids = ip.as_ids(decoder_part)
         dec_ids = ids if ids and ids[0] == start else [start] + ids
-    ip.check(dec_ids, params)          # vocab, length (room for one output token), logprobs, stop ids
+    try:
+        ip.check(dec_ids, params)      # vocab, length (room for one output token), logprobs, stop ids
+    except HayabusaValidationError as e:
+        if decoder_part is None or e.parameter not in ("prompt", "prompt_token_ids"):
+            raise
+        # the decoder's ids come from decoder_prompt: name it (the check knows only "prompt")
+        raise type(e)(f"decoder_prompt: {e}", parameter="decoder_prompt", value=e.value) from None
     return text, dec_ids, enc_ids
+
+
+def output_prompt(prompt: Any, encoder_text: str | None) -> str | None:
+    """What ``RequestOutput.prompt`` shows for an encoder-decoder request (``encoder_text``: the first value
+    ``process_encoder_decoder`` returned). vLLM's explicit form: the decoder prompt's text, as vLLM's RequestOutput
+    has it (prompt / prompt_token_ids are the decoder's), or None when it was given as ids or left out. A plain
+    prompt (the encoder's input alone): its text, as ``encoder_prompt`` has it too."""
+    if isinstance(prompt, dict) and ("encoder_prompt" in prompt or "decoder_prompt" in prompt):
+        decoder = prompt.get("decoder_prompt")
+        if isinstance(decoder, dict):
+            decoder = decoder.get("prompt")
+        return decoder if isinstance(decoder, str) else None
+    return encoder_text
 
 
 def _check_encoder_ids(ip: InputProcessor, ids: list[int], name: str) -> None:
@@ -83,4 +102,4 @@ def _check_encoder_ids(ip: InputProcessor, ids: list[int], name: str) -> None:
             f"{mc.max_model_len} limits the decoder only).", parameter=name, value=len(ids))
 
 
-__all__ = ["process_encoder_decoder", "check_prompt_length"]
+__all__ = ["process_encoder_decoder", "output_prompt", "check_prompt_length"]

@@ -16,7 +16,7 @@ from hayabusa.config import EngineArgs, EngineConfig
 from hayabusa.core.kv_cache_manager import KVCacheManager
 from hayabusa.core.request import Request, RequestStatus
 from hayabusa.core.scheduler import Scheduler
-from hayabusa.engine.encoder_decoder_inputs import process_encoder_decoder
+from hayabusa.engine.encoder_decoder_inputs import output_prompt, process_encoder_decoder
 from hayabusa.engine.input_processor import InputProcessor, PromptType
 from hayabusa.engine.output_processor import OutputProcessor
 from hayabusa.errors import HayabusaValidationError
@@ -208,9 +208,10 @@ class LLMEngine:
                                           value=type(params).__name__)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self._check_request_ids(request_id, child_ids)
-        encoder_ids, mm_inputs = None, []
+        encoder_ids, encoder_text, mm_inputs = None, None, []
         if self.config.model_config.is_encoder_decoder:   # T5: the prompt is the encoder input
-            text, ids, encoder_ids = process_encoder_decoder(self.input_processor, prompt, params)
+            encoder_text, ids, encoder_ids = process_encoder_decoder(self.input_processor, prompt, params)
+            text = output_prompt(prompt, encoder_text)    # vLLM's: the decoder prompt's text (explicit form)
         else:
             text, ids, mm_inputs = self.input_processor.process_multimodal(prompt, params)
         max_tokens = self.input_processor.max_tokens(len(ids), params)
@@ -230,7 +231,8 @@ class LLMEngine:
             if grammar is not None:
                 child.structured = self.structured_output.make_request(grammar, eos)
             children.append(child)
-        self.output_processor.add_request(request_id, text, ids, params, children, output_kind)
+        self.output_processor.add_request(request_id, text, ids, params, children, output_kind,
+                                          encoder_prompt=encoder_text)
         for child in children:
             self.scheduler.add_request(child)
         self.stats["num_prompt_tokens"] += len(ids)

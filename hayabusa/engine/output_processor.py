@@ -56,6 +56,8 @@ class RequestState:
     prompt_logprobs: list | None = None
     # "delta": how many prompt_logprobs entries went out already
     num_sent_prompt_logprobs: int = 0
+    # encoder-decoder (T5): the encoder input's text, when given as text
+    encoder_prompt: str | None = None
 
     @property
     def lazy(self) -> bool:
@@ -85,7 +87,10 @@ class OutputProcessor:
         self._child_state: dict[str, tuple[RequestState, SampleState]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, children: list[Request], output_kind: str = "cumulative") -> None:
+                    params: SamplingParams, children: list[Request], output_kind: str = "cumulative",
+                    encoder_prompt: str | None = None) -> None:
+        """Track a request's n samples (``children``). ``encoder_prompt``: an encoder-decoder request's encoder
+        text (RequestOutput.encoder_prompt; ``prompt`` / ``prompt_token_ids`` are then the decoder's)."""
         samples = []
         for i, child in enumerate(children):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.sampling_params)
@@ -95,6 +100,7 @@ class OutputProcessor:
         state = RequestState(request_id, prompt, prompt_token_ids, params, samples,
                              RequestMetrics(arrival_time=children[0].arrival_time), output_kind=output_kind)
         state.child_index = {c.request_id: i for i, c in enumerate(children)}
+        state.encoder_prompt = encoder_prompt
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.states[request_id] = state
@@ -267,7 +273,7 @@ class OutputProcessor:
                             metrics=state.metrics)
         encoder_ids = state.samples[0].request.encoder_prompt_token_ids
         if encoder_ids is not None:   # encoder-decoder (T5)
-            out.encoder_prompt, out.encoder_prompt_token_ids = state.prompt, encoder_ids
+            out.encoder_prompt, out.encoder_prompt_token_ids = state.encoder_prompt, encoder_ids
         return out
 
     def _make_delta_output(self, state: RequestState, finished: bool) -> RequestOutput:
@@ -298,5 +304,5 @@ class OutputProcessor:
                             prompt_logprobs=prompt_logprobs, metrics=state.metrics)
         encoder_ids = state.samples[0].request.encoder_prompt_token_ids
         if encoder_ids is not None:   # encoder-decoder (T5)
-            out.encoder_prompt, out.encoder_prompt_token_ids = state.prompt, encoder_ids
+            out.encoder_prompt, out.encoder_prompt_token_ids = state.encoder_prompt, encoder_ids
         return out

@@ -426,7 +426,8 @@ def make_plan(cfg: Any, inp: PlanInputs, gpu: str | None = None, gpu_memory_gib:
 
 
 def _check_pipeline(cfg: Any, inp: PlanInputs) -> None:
-    """What the engine refuses of pipeline_parallel_size, the plan refuses too, by name (the same rule)."""
+    """What the engine refuses of pipeline_parallel_size, tensor_parallel_size and cpu_offload_gb, the plan refuses
+    too, by name (the same rules)."""
     from hayabusa.distributed.config import pp_refusal
 
     if not isinstance(inp.pp, int) or inp.pp < 1:
@@ -434,6 +435,13 @@ def _check_pipeline(cfg: Any, inp: PlanInputs) -> None:
                                       parameter="pipeline_parallel_size", value=inp.pp)
     shape = model_shape(cfg)
     why = pp_refusal(shape.architecture, shape.layers, inp.pp)
+    if inp.cpu_offload_gb:   # the engine's own rule (EngineArgs), refused by name here as there
+        from hayabusa.config import cpu_offload_refusal
+
+        offload_why = cpu_offload_refusal(shape.architecture, bool(shape.encoder_layers))
+        if offload_why is not None:
+            raise HayabusaValidationError(f"cpu_offload_gb={inp.cpu_offload_gb!r}: {offload_why}",
+                                          parameter="cpu_offload_gb", value=inp.cpu_offload_gb)
     if why is None and inp.pp > 1 and inp.cpu_offload_gb:
         why = "cpu_offload_gb with pipeline stages is not supported (each stage holds only its layers already)."
     if why is not None:

@@ -66,12 +66,20 @@ def determine_num_blocks(cfg: EngineConfig, profiled_peak_bytes: int | None, non
         source = "the CPU default budget (kv_cache_memory_bytes)"
     if num_blocks < blocks_per_seq:
         need = blocks_per_seq * per_block
-        cross = "" if not cfg.model_config.is_encoder_decoder else \
-            f" and the cross-attention K/V of an encoder input of max_encoder_len={cfg.model_config.max_encoder_len}"
+        cross, note, advice = "", "", "Lower max_model_len, or " + _more_kv_advice(source)
+        if cfg.model_config.is_encoder_decoder:
+            enc = cfg.model_config.max_encoder_len
+            cross = f" and the cross-attention K/V of an encoder input of max_encoder_len={enc}"
+            note = (" The encoder part is the model's encoder limit (config.json's n_positions, else 512), whatever "
+                    "max_model_len.")
+            # max_model_len does not lower the encoder part: lowering it helps only while the cross blocks fit
+            fits_cross = num_blocks > -(-enc // cc.block_size)
+            advice = ("Lower max_model_len (it bounds the decoder only), or " + _more_kv_advice(source)
+                      if fits_cross else _more_kv_advice(source).capitalize())
         raise KVCacheCapacityError(
             f"the KV cache ({num_blocks} blocks of {cc.block_size} tokens, from {source}) cannot hold one sequence "
             f"of max_model_len={sc.max_model_len} tokens{cross} ({blocks_per_seq} blocks, {need / 2**20:.1f} MiB "
-            f"for {bytes_per_token(cfg)} bytes/token). Lower max_model_len, or " + _more_kv_advice(source) + ".",
+            f"for {bytes_per_token(cfg)} bytes/token).{note} {advice}.",
             parameter="max_model_len", value=sc.max_model_len)
     return int(num_blocks)
 

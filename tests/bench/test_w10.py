@@ -27,8 +27,8 @@ _fake_forward = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchm
                                run_name="w10_host")["fake_forward"]
 
 
-def _run_w10(model: str, swap_space: float) -> LLM:
-    w = get_workload("W10")
+def _run_w10(model: str, swap_space: float, scale: float = 1.0) -> LLM:
+    w = get_workload("W10", scale)
     llm = LLM(model, device="cpu", skip_tokenizer_init=True, **{**w.engine_defaults, "swap_space": swap_space})
     _fake_forward(llm.llm_engine.runner)
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in w.requests]
@@ -58,3 +58,18 @@ def test_w10_brings_evicted_prefixes_back_from_the_cpu_tier(tiny_bench_model):
     assert kv_on.num_cpu_hit_blocks >= 16 * 64
     assert kv_on.prefix_hit_rate > kv_off.prefix_hit_rate
     assert on.llm_engine.runner.kv_swapper.num_copies > 0 and kv_off.num_cpu_hit_blocks == 0
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.1])
+def test_w10_at_a_tiny_scale_still_brings_prefixes_back_from_the_cpu_tier(tiny_bench_model, scale):
+    """`hayabusa bench --workload W10 --scale 0.1` on CPU (CI) must still exercise the tier. Lengths and the cache
+    scale together, but rounds scaled to 2 requests (of 1-2 own blocks each) never filled the cache: the 8
+    prefixes stayed on the GPU and the tier restored nothing. Rounds keep 16 requests at every scale (as W1P keeps
+    its request count), so the running requests evict the prefixes between cycles as at scale 1."""
+    w = get_workload("W10", scale)
+    assert len(w.requests) == 512 and len({tuple(r.prompt_token_ids[:10]) for r in w.requests[::16]}) == 8
+    on = _run_w10(tiny_bench_model, 0.25, scale)
+    off = _run_w10(tiny_bench_model, 0, scale)
+    kv_on, kv_off = on.llm_engine.kv_cache_manager, off.llm_engine.kv_cache_manager
+    assert kv_on.num_cpu_hit_blocks > 0 and kv_off.num_cpu_hit_blocks == 0
+    assert kv_on.prefix_hit_rate > kv_off.prefix_hit_rate

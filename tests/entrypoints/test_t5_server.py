@@ -52,6 +52,16 @@ def test_too_long_encoder_input_is_a_400(t5_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-t5", prompt=[5] * 513, max_tokens=4)
     assert "512 tokens" in str(e.value) and "513 tokens" in str(e.value)
+    # the same message for token ids (bounded before parsing) as for text: the encoder's limit, not a "maximum
+    # context length" that leaves "no room for the completion" (max_model_len is 64 here and bounds the decoder)
+    text = "word " * 600
+    for prompt in ([5] * 513, text, "w" * 10**5):   # ids; text; text too long to be worth tokenizing
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny-t5", prompt=prompt, max_tokens=4)
+        msg, body = str(e.value), e.value.body
+        assert "encoder input limit is 512 tokens" in msg and "max_model_len=64 limits the decoder" in msg, msg
+        assert "maximum context length" not in msg and "no room for the completion" not in msg, msg
+        assert body["param"] == "prompt" and body["code"] == "context_length_exceeded"
     r = client.completions.create(model="tiny-t5", prompt=[5] * 512, max_tokens=4, temperature=0.0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4

@@ -286,3 +286,24 @@ def test_w8a8_int8_is_planned_at_eight_bits_and_said_to_run():
     assert plan["weight_bytes"] == int(p["linear"] * 8 / 8 + (p["total"] - p["linear"]) * 2)
     assert any("quantization=w8a8_int8" in n and "hayabusa runs it" in n for n in plan["notes"])
     assert plan["max_num_tokens"] > make_plan(cfg, PlanInputs(), gpu_memory_gib=80)["max_num_tokens"]
+
+
+def test_cpu_offload_gb_on_an_encoder_decoder_model_is_refused_as_the_engine_does(tmp_path, capsys):
+    """The engine refuses cpu_offload_gb for T5 by name (even on CPU); the plan used to plan "3 of 3 decoder layers
+    in pinned CPU memory" for it instead. Both now give the same refusal, naming cpu_offload_gb."""
+    from hayabusa import LLM
+    from hayabusa.entrypoints.cli import main
+    from hayabusa.errors import HayabusaValidationError
+    from tests.models._t5 import save_tiny_t5
+
+    cfg = load_config("t5-small-shape")
+    assert make_plan(cfg, PlanInputs(), gpu="H200")["encoder_decoder"]
+    with pytest.raises(HayabusaValidationError) as planned:
+        make_plan(cfg, PlanInputs(cpu_offload_gb=1), gpu="H200")
+    assert planned.value.parameter == "cpu_offload_gb" and "encoder-decoder" in str(planned.value)
+    save_tiny_t5(tmp_path / "t5", "v1.1")
+    with pytest.raises(HayabusaValidationError) as engine:
+        LLM(model=str(tmp_path / "t5"), cpu_offload_gb=1)
+    assert str(engine.value) == str(planned.value)   # one rule, one message
+    assert main(["plan", "--model", "t5-small-shape", "--cpu-offload-gb", "1"]) == 2
+    assert "cpu_offload_gb" in capsys.readouterr().err

@@ -101,6 +101,16 @@ def test_explicit_encoder_decoder_prompt_matches_hf(tiny_t5_v11):
     dec = tok("合計", add_special_tokens=False).input_ids
     out = llm.generate({"encoder_prompt": T5_JA_PROMPTS[1], "decoder_prompt": "合計"}, GREEDY, use_tqdm=False)[0]
     assert out.prompt_token_ids == [start] + dec
+    # vLLM's RequestOutput: for encoder-decoder models prompt / prompt_token_ids are the decoder's, encoder_prompt /
+    # encoder_prompt_token_ids the encoder's (vLLM's encoder_decoder example prints prompt as the decoder prompt)
+    assert out.prompt == "合計" and out.encoder_prompt == T5_JA_PROMPTS[1]
+    assert out.encoder_prompt_token_ids == tok(T5_JA_PROMPTS[1]).input_ids
+    by_ids = llm.generate({"encoder_prompt": T5_JA_PROMPTS[1], "decoder_prompt": [start] + dec}, GREEDY,
+                          use_tqdm=False)[0]
+    assert by_ids.prompt is None and by_ids.encoder_prompt == T5_JA_PROMPTS[1]   # ids given: no decoder text
+    assert by_ids.outputs[0].token_ids == out.outputs[0].token_ids
+    plain = llm.generate(T5_JA_PROMPTS[1], GREEDY, use_tqdm=False)[0]   # a plain prompt is the encoder's input
+    assert plain.prompt == plain.encoder_prompt == T5_JA_PROMPTS[1] and plain.prompt_token_ids == [start]
     model = hf_t5(tiny_t5_v11)
     with torch.no_grad():
         g = model.generate(torch.tensor([tok(T5_JA_PROMPTS[1]).input_ids]),
@@ -171,7 +181,11 @@ def test_too_long_encoder_input_is_refused_and_the_next_request_served(tiny_t5, 
     assert len(out.outputs[0].token_ids) == MAX_TOKENS
     with pytest.raises(HayabusaValidationError) as e:
         llm.generate({"encoder_prompt": "x", "decoder_prompt": [5] * 64}, GREEDY, use_tqdm=False)
-    assert e.value.parameter == "prompt"                         # the decoder prompt leaves no room
+    assert e.value.parameter == "decoder_prompt"                 # the decoder prompt leaves no room: named
+    assert str(e.value).startswith("decoder_prompt: prompt has 65 tokens") and "max_model_len=64" in str(e.value)
+    with pytest.raises(HayabusaValidationError) as e:                # an out-of-vocabulary decoder id: named too
+        llm.generate({"encoder_prompt": "x", "decoder_prompt": [5, 10**6]}, GREEDY, use_tqdm=False)
+    assert e.value.parameter == "decoder_prompt" and e.value.value == 10**6
     for bad in ({"prompt": "Hi", "multi_modal_data": {"image": 1}},                      # T5 takes text only
                 {"encoder_prompt": {"prompt": "Hi", "multi_modal_data": {"image": 1}}}):
         with pytest.raises(HayabusaValidationError) as e:
@@ -346,6 +360,24 @@ def test_padded_decode_path_matches_hf(tiny_t5, refs):
     _, ref = _hf_ref(refs, tiny_t5, llm.get_tokenizer())
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)       # 7 requests: decode steps padded to 8
     assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_kv_capacity_error_says_max_model_len_does_not_lower_the_encoder_part(tiny_t5_v11):
+    """The KV sizing reserves the cross K/V of an encoder input of the model's limit (n_positions, 192 here: 48
+    blocks of 4) whatever max_model_len. With 40 blocks no max_model_len fits, so the error must not send the user
+    to lower it; with 60 blocks a lower max_model_len does fit, and the advice says it bounds the decoder only."""
+    kw = dict(block_size=4, max_model_len=64)
+    with pytest.raises(KVCacheCapacityError) as e:
+        LLM(tiny_t5_v11, num_gpu_blocks_override=40, **kw)
+    msg = str(e.value)
+    assert "max_encoder_len=192" in msg and "Lower max_model_len" not in msg, msg
+    assert "n_positions" in msg and "raise num_gpu_blocks_override" in msg.lower(), msg
+    with pytest.raises(KVCacheCapacityError) as e:
+        LLM(tiny_t5_v11, num_gpu_blocks_override=60, **kw)   # 16 decoder + 48 cross blocks > 60
+    msg = str(e.value)
+    assert "Lower max_model_len (it bounds the decoder only" in msg, msg
+    assert len(LLM(tiny_t5_v11, num_gpu_blocks_override=60, block_size=4, max_model_len=48).generate(
+        PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == MAX_TOKENS   # 12 + 48 blocks: it fits
 
 
 def test_long_decoder_prompt_in_chunks_and_preempted(tiny_t5_v11):

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from hayabusa.entrypoints.chat_utils import RESERVED_CHAT_TEMPLATE_KWARGS
@@ -134,11 +135,51 @@ def _bound(data: dict[str, Any], field: str, limit: int, what: str) -> None:
         raise OpenAIError(400, f"{field}: at most {limit} {what} are accepted, got {len(value)}.", param=field)
 
 
-def check_request_shape(data: dict[str, Any], max_model_len: int) -> None:
+@dataclass(frozen=True)
+class PromptLimit:
+    """The longest prompt the server takes and OpenAI's 400 (``context_length_exceeded``) for a longer one.
+
+    Decoder-only models: a prompt must leave room for one output token of ``max_model_len``. Encoder-decoder
+    models (T5): the prompt is the encoder's input, limited by ``max_encoder_len`` (the model's, whatever
+    max_model_len, which bounds the decoder alone); the message says so rather than speaking of a context
+    length and room for the completion.
+    """
+
+    max_model_len: int
+    max_encoder_len: int | None = None   # set for encoder-decoder models
+
+    @property
+    def tokens(self) -> int:
+        """The most prompt tokens a token-id prompt may have before it is refused unparsed."""
+        return self.max_encoder_len if self.max_encoder_len is not None else self.max_model_len
+
+    def _head(self) -> str:
+        if self.max_encoder_len is None:
+            return f"This model's maximum context length is {self.max_model_len} tokens"
+        return (f"This model's encoder input limit is {self.max_encoder_len} tokens (the model's encoder limit of "
+                f"{self.max_encoder_len} tokens; max_model_len={self.max_model_len} limits the decoder)")
+
+    def too_many_tokens(self, num_tokens: int, param: str = "prompt") -> OpenAIError:
+        """The 400 for a prompt of ``num_tokens`` tokens, naming ``param``."""
+        tail = "." if self.max_encoder_len is not None else ", which leaves no room for the completion."
+        return OpenAIError(400, f"{self._head()}. However, your prompt has {num_tokens} tokens{tail}", param=param,
+                           code="context_length_exceeded")
+
+    def too_many_chars(self, num_chars: int, max_chars: int, param: str = "prompt") -> OpenAIError:
+        """The 400 for a text of ``num_chars`` characters, more than ``max_chars`` (the limit in tokens x the
+        longest vocabulary token) could ever tokenize to within the limit."""
+        return OpenAIError(400, f"{self._head()}; a prompt of {num_chars} characters is longer than any prompt of "
+                           f"that many tokens can be ({max_chars} characters).", param=param,
+                           code="context_length_exceeded")
+
+
+def check_request_shape(data: dict[str, Any], limit: PromptLimit | int) -> None:
     """The structural bounds (a len() each), before any per-element work: the number of prompts, messages, stop
     strings, stop token ids, bad words and allowed token ids, a token-id prompt's length (without
-    ``truncate_prompt_tokens``), the length of ``request_id``; reserved names in ``chat_template_kwargs``. 400
-    naming the field."""
+    ``truncate_prompt_tokens``; ``limit``: a PromptLimit, or max_model_len for a decoder-only model), the length
+    of ``request_id``; reserved names in ``chat_template_kwargs``. 400 naming the field."""
+    if not isinstance(limit, PromptLimit):
+        limit = PromptLimit(limit)
     prompt = data.get("prompt")
     if type(prompt) is list and prompt:
         prompts = [prompt] if type(prompt[0]) is int else prompt
@@ -147,10 +188,8 @@ def check_request_shape(data: dict[str, Any], max_model_len: int) -> None:
                               f"{len(prompts)} prompts.", param="prompt")
         if data.get("truncate_prompt_tokens") is None:
             for p in prompts:
-                if type(p) is list and len(p) > max_model_len:
-                    raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                                      f"However, your prompt has {len(p)} tokens, which leaves no room for the "
-                                      "completion.", param="prompt", code="context_length_exceeded")
+                if type(p) is list and len(p) > limit.tokens:
+                    raise limit.too_many_tokens(len(p))
     _bound(data, "messages", MAX_MESSAGES, "messages")
     _bound(data, "stop", MAX_STOP_STRINGS, "stop strings")
     _bound(data, "stop_token_ids", MAX_STOP_TOKEN_IDS, "stop token ids")

@@ -55,8 +55,8 @@ from hayabusa.entrypoints.openai.middleware import (LOOPBACK_HOSTS, APIKeyMiddle
                                                     InternalErrorMiddleware)
 from hayabusa.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
                                                   OpenAIError, error_body)
-from hayabusa.entrypoints.openai.request_checks import (OFF_LOOP_BODY_BYTES, check_request_shape, parse_json_object,
-                                                        read_body, split_token_prompt)
+from hayabusa.entrypoints.openai.request_checks import (OFF_LOOP_BODY_BYTES, PromptLimit, check_request_shape,
+                                                        parse_json_object, read_body, split_token_prompt)
 from hayabusa.entrypoints.openai.serving import OpenAIServing, ServerShuttingDown, SSEStream, sse
 from hayabusa.errors import HayabusaValidationError
 
@@ -216,19 +216,19 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return None
 
 
-async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int, max_model_len: int,
+async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int, limit: PromptLimit,
                  body_timeout: float) -> Any:
     """Read, parse and validate the body; a body over OFF_LOOP_BODY_BYTES on a worker thread (the event loop
-    keeps serving the others meanwhile), after the structural bounds of ``check_request_shape`` (max_model_len: the
-    longest token-id prompt, an encoder-decoder model's encoder limit)."""
+    keeps serving the others meanwhile), after the structural bounds of ``check_request_shape`` (``limit``: the
+    longest token-id prompt, an encoder-decoder model's encoder limit, and the 400 for a longer one)."""
     body = await read_body(request, max_body_bytes, body_timeout)
     if len(body) <= OFF_LOOP_BODY_BYTES:
-        return _validate(body, model, max_model_len)
-    return await asyncio.to_thread(_validate, body, model, max_model_len)
+        return _validate(body, model, limit)
+    return await asyncio.to_thread(_validate, body, model, limit)
 
 
-def _validate(body: bytes, model: type[BaseModel], max_model_len: int) -> Any:
-    data = parse_json_object(body, lambda d: check_request_shape(d, max_model_len))
+def _validate(body: bytes, model: type[BaseModel], limit: PromptLimit) -> Any:
+    data = parse_json_object(body, lambda d: check_request_shape(d, limit))
     data, token_prompt = split_token_prompt(data)
     try:
         req = model.model_validate(data)
@@ -303,7 +303,7 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], *, api_key: str | 
     max_model_len = mc.max_model_len
     # the longest token-id prompt the structural check lets through: encoder-decoder (T5) prompts are encoder
     # inputs, limited by the model's encoder limit, not by max_model_len (the decoder's)
-    max_prompt_len = mc.max_encoder_len if mc.is_encoder_decoder else max_model_len
+    max_prompt_len = PromptLimit(max_model_len, mc.max_encoder_len if mc.is_encoder_decoder else None)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:

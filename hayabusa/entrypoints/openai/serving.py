@@ -30,7 +30,8 @@ from hayabusa.entrypoints.media import MediaPolicy, check_placeholders, extract_
 from hayabusa.entrypoints.openai import REQUEST_CHAT_TEMPLATE_TIME_LIMIT
 from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                                   CompletionRequest, OpenAIError, SamplingFields, error_body)
-from hayabusa.entrypoints.openai.request_checks import MAX_PROMPTS, TimeLimitExceeded, run_with_time_limit
+from hayabusa.entrypoints.openai.request_checks import (MAX_PROMPTS, PromptLimit, TimeLimitExceeded,
+                                                        run_with_time_limit)
 from hayabusa.errors import ChatTemplateError, HayabusaValidationError
 from hayabusa.outputs import Logprob, RequestOutput
 from hayabusa.sampling_params import SamplingParams, StructuredOutputsParams
@@ -236,8 +237,8 @@ class OpenAIServing:
         # decoder starts from one token, which is what max_model_len bounds with the completion
         self.is_encoder_decoder = mc.is_encoder_decoder
         self.max_encoder_len = mc.max_encoder_len
-        max_prompt_len = mc.max_encoder_len if mc.is_encoder_decoder else mc.max_model_len
-        self.max_prompt_chars = max_prompt_len * _longest_token_chars(self.tokenizer)
+        self.prompt_limit = PromptLimit(mc.max_model_len, mc.max_encoder_len if mc.is_encoder_decoder else None)
+        self.max_prompt_chars = self.prompt_limit.tokens * _longest_token_chars(self.tokenizer)
         self.preprocess = concurrent.futures.ThreadPoolExecutor(NUM_PREPROCESS_THREADS,
                                                                 thread_name_prefix="hayabusa-preprocess")
 
@@ -254,10 +255,7 @@ class OpenAIServing:
         max_encoder_len) x the longest vocabulary token cannot fit, so it is refused without spending the
         tokenizer's time on it."""
         if num_chars > self.max_prompt_chars and not truncating:
-            limit = self.max_encoder_len if self.is_encoder_decoder else self.max_model_len
-            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens; a prompt "
-                              f"of {num_chars} characters is longer than any prompt of that many tokens can be "
-                              f"({self.max_prompt_chars} characters).", param=param, code="context_length_exceeded")
+            raise self.prompt_limit.too_many_chars(num_chars, self.max_prompt_chars, param)
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | SSEStream:
@@ -600,18 +598,13 @@ class OpenAIServing:
             ids = ids[-k:]
         if self.is_encoder_decoder:   # the engine's rule for encoder inputs (encoder_decoder_inputs.py)
             if len(ids) > self.max_encoder_len:
-                raise OpenAIError(400, f"This model's encoder input limit is {self.max_encoder_len} tokens (the "
-                                  f"model's encoder limit of {self.max_encoder_len} tokens; max_model_len="
-                                  f"{self.max_model_len} limits the decoder). However, your prompt has {len(ids)} "
-                                  "tokens.", param=param, code="context_length_exceeded")
+                raise self.prompt_limit.too_many_tokens(len(ids), param)
             return ids
         try:
             # the engine's one rule; OpenAI's message and code
             check_prompt_length(len(ids), self.max_model_len)
         except HayabusaValidationError:
-            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                              f"your prompt has {len(ids)} tokens, which leaves no room for the completion.",
-                              param=param, code="context_length_exceeded") from None
+            raise self.prompt_limit.too_many_tokens(len(ids), param) from None
         return ids
 
     def _sampling_params(self, req: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
