@@ -640,6 +640,38 @@ g_s13_i20() {  # session 13, call 3: issue #20's device claims in the order of t
   step i20_summary 20 2 python benchmarks/issue20_summary.py "$WORK"
 }
 
+g_s14b() {  # session 14: what session 13 left on the GPU: reports 001 / 000 (tracebacks kept), the fp16 fused-quant case,
+            # the measured speculation turn-off rule's CUDA tests (on by default now), T5's v1.1 and fp16 cases; W9 fp16
+  ensure_q05
+  local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 150 --session-timeout "${S14_TESTS_S:-400}")
+  local t5=tests/models/test_t5_cuda.py
+  step s14_tests "$(( ${S14_TESTS_S:-400} + 30 ))" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --tb=short \
+    -p no:cacheprovider tests/seeds/test_seed001_rinna_gpt2.py tests/seeds/test_seed000_qwen25vl_pages.py \
+    'tests/kernels/test_fused_act_quant_cuda.py::test_rms_norm_quant_7b_bits[256-dtype1-int8]' \
+    'tests/kernels/test_fused_act_quant_cuda.py::test_rms_norm_quant_7b_bits[256-dtype1-fp8]' \
+    tests/spec_decode/test_spec_cuda.py tests/spec_decode/test_spec_disabled_path_cuda.py \
+    tests/spec_decode/test_vllm_metrics_cuda.py tests/spec_decode/test_greedy_verify_cuda.py \
+    tests/spec_decode/test_spec_perf_cuda.py tests/spec_decode/test_eagle_cuda.py \
+    '$t5::test_cuda_fp16_equals_cpu_where_the_ffn_overflows' '$t5::test_cuda_fp16_runs_with_the_clamp' \
+    '$t5::test_cuda_greedy_equals_cpu[v1.1-False-bfloat16]' '$t5::test_cuda_graphs_equal_eager_bf16[v1.1]' \
+    '$t5::test_cuda_greedy_equals_cpu[v1.1-True-float32]' ${pt[*]} 2>&1 \
+    | tee '$OUT/s14_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -80; exit \${PIPESTATUS[0]}"
+  export HAYABUSA_T5_ENCODER_GRAPHS=1
+  W9_SHAPES="t5-small-shape t5-base-shape" W9_TAG=_fp16 W9_MAX_S=90 \
+    W9_EXTRA="--dtype float16 --sweep hf_batch_size=256" g_w9
+  unset HAYABUSA_T5_ENCODER_GRAPHS
+}
+
+g_s14w11() {  # session 14, issue #21: W11 on SmolLM2 with the measured turn-off rule (default on) vs speculation off
+  local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  ensure_smol || return 0
+  bench_step smol_W11_off "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
+  bench_step smol_W11_ngram "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+    --speculative-config "$ng"
+  bench_step smol_W11_ngram_static "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+    --speculative-config "${ng%\}}, \"disable_by_payoff\": false}"
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

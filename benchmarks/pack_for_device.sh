@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
 # Prepare what a device run needs, in ignored folders at the repo root (name both in the device tool's `carry`):
 #   .snap/  a `git archive` of HEAD plus the test assets the GPU tests read (tokenizers, stories260K, text)
-#   .whl/   wheels of the server's packages, which the GPU image lacks (fastapi, starlette, pydantic, uvicorn, ...), and pytest-timeout
+#   .whl/   wheels of the server's packages, which the GPU image lacks (fastapi, starlette, pydantic, uvicorn, ...), pytest-timeout and gguf
+# Options (environment):
+#   SNAP=.snapb  pack into another ignored folder (one call's tree while another call still carries .snap)
+#   LITE=1       only the qwen3 tokenizer among the assets (~17 MB: leaves room in the 64 MiB carry for SmolLM2's
+#                second GGUF half, .gg2/); the gguf wheel (for gguf_llama_to_hf.py) is always in .whl/
 # Then, on the device:
 #   cd .snap && python3 -m pip install -q --no-index --no-deps --target /tmp/site ../.whl/*.whl &&
 #   export PYTHONPATH=$PWD:/tmp/site HAYABUSA_ASSETS=$PWD/assets HAYABUSA_COMMIT=<sha> && bash benchmarks/device_run.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 ASSETS=${HAYABUSA_ASSETS:-../shared/assets}
-for d in /.snap/ /.whl/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
-rm -rf .snap && mkdir -p .snap/assets/models .snap/assets/tokenizers
-git archive HEAD | tar -x -C .snap
-cp -r "$ASSETS"/tokenizers/{qwen3,llm-jp-v3.1,llm-jp-v2.2,gpt2} .snap/assets/tokenizers/
-cp -r "$ASSETS"/models/stories260K "$ASSETS"/models/stories260K-qwen2 .snap/assets/models/
-cp -r "$ASSETS"/text .snap/assets/text
-rm -f .snap/assets/models/stories260K/*.gguf .snap/assets/tokenizers/gpt2/*.gguf*
+SNAP=${SNAP:-.snap}
+for d in "/$SNAP/" /.whl/ /.gg1/ /.gg2/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
+rm -rf "$SNAP" && mkdir -p "$SNAP"/assets/models "$SNAP"/assets/tokenizers
+git archive HEAD | tar -x -C "$SNAP"
+if [ -n "${LITE:-}" ]; then
+  cp -r "$ASSETS"/tokenizers/qwen3 "$SNAP"/assets/tokenizers/
+else
+  cp -r "$ASSETS"/tokenizers/{qwen3,llm-jp-v3.1,llm-jp-v2.2,gpt2} "$SNAP"/assets/tokenizers/
+  cp -r "$ASSETS"/models/stories260K "$ASSETS"/models/stories260K-qwen2 "$SNAP"/assets/models/
+  cp -r "$ASSETS"/text "$SNAP"/assets/text
+  rm -f "$SNAP"/assets/models/stories260K/*.gguf "$SNAP"/assets/tokenizers/gpt2/*.gguf*
+fi
 mkdir -p .whl
 for pkg in fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 uvicorn==0.54.0 \
-           annotated-types typing-inspection opentelemetry-api pytest-timeout; do   # (pytest-timeout: every test step has --timeout)
+           annotated-types typing-inspection opentelemetry-api pytest-timeout gguf; do   # (pytest-timeout: every test step has --timeout)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$pkg"
 done
-du -sh .snap .whl
+du -sh "$SNAP" .whl
 echo "commit: $(git rev-parse HEAD)"
