@@ -6,6 +6,8 @@
 #   SNAP=.snapb  pack into another ignored folder (one call's tree while another call still carries .snap)
 #   LITE=1       only the qwen3 tokenizer among the assets (~17 MB: leaves room in the 64 MiB carry for SmolLM2's
 #                second GGUF half, .gg2/); the gguf wheel (for gguf_llama_to_hf.py) is always in .whl/
+#   XZ=1         the assets as one assets.tar.xz (~6 MB instead of ~32; unpack on the device first:
+#                `mkdir -p assets && tar xJf assets.tar.xz -C assets`), and no benchmarks/results/ (the records)
 # Then, on the device:
 #   cd .snap && python3 -m pip install -q --no-index --no-deps --target /tmp/site ../.whl/*.whl &&
 #   export PYTHONPATH=$PWD:/tmp/site HAYABUSA_ASSETS=$PWD/assets HAYABUSA_COMMIT=<sha> && bash benchmarks/device_run.sh
@@ -23,6 +25,9 @@ else
   cp -r "$ASSETS"/models/stories260K "$ASSETS"/models/stories260K-qwen2 "$SNAP"/assets/models/
   cp -r "$ASSETS"/text "$SNAP"/assets/text
   rm -f "$SNAP"/assets/models/stories260K/*.gguf "$SNAP"/assets/tokenizers/gpt2/*.gguf*
+fi
+if [ -n "${XZ:-}" ]; then
+  tar cJf "$SNAP"/assets.tar.xz -C "$SNAP"/assets . && rm -rf "$SNAP"/assets "$SNAP"/benchmarks/results
 fi
 mkdir -p .whl
 for pkg in fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 uvicorn==0.54.0 \
