@@ -641,7 +641,7 @@ g_s13_i20() {  # session 13, call 3: issue #20's device claims in the order of t
 }
 
 g_s14b() {  # session 14: what session 13 left on the GPU: reports 001 / 000 (tracebacks kept), the fp16 fused-quant case,
-            # the measured speculation turn-off rule's CUDA tests (on by default now), T5's v1.1 and fp16 cases; W9 fp16
+            # the measured speculation turn-off rule's CUDA tests (on by default now), T5's v1.1 and fp16 cases
   ensure_q05
   local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 150 --session-timeout "${S14_TESTS_S:-400}")
   local t5=tests/models/test_t5_cuda.py
@@ -656,6 +656,8 @@ g_s14b() {  # session 14: what session 13 left on the GPU: reports 001 / 000 (tr
     '$t5::test_cuda_greedy_equals_cpu[v1.1-False-bfloat16]' '$t5::test_cuda_graphs_equal_eager_bf16[v1.1]' \
     '$t5::test_cuda_greedy_equals_cpu[v1.1-True-float32]' ${pt[*]} 2>&1 \
     | tee '$OUT/s14_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -80; exit \${PIPESTATUS[0]}"
+}
+g_s14w9() {  # issue #17: W9 in fp16, both shapes, HF at its best batch (256) in the same run
   export HAYABUSA_T5_ENCODER_GRAPHS=1
   W9_SHAPES="t5-small-shape t5-base-shape" W9_TAG=_fp16 W9_MAX_S=90 \
     W9_EXTRA="--dtype float16 --sweep hf_batch_size=256" g_w9
