@@ -89,6 +89,17 @@ def test_draft_model_config_errors(tiny_llama, tiny_qwen2):
     assert e.value.parameter == "speculative_config.model"
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_missing_draft_checkpoint_is_named_as_speculative_config_model(tiny_llama, tmp_path, method):
+    # the target loads fine; the error must say it is the draft's path, not the target's `model`
+    for bad in (str(tmp_path / "nonexistent"), str(tmp_path)):   # no such folder / a folder without config.json
+        with pytest.raises(HayabusaValidationError) as e:
+            LLM(tiny_llama, device="cpu",
+                speculative_config={"method": method, "model": bad, "num_speculative_tokens": 2})
+        assert e.value.parameter == "speculative_config.model" and e.value.value == bad
+        assert str(e.value).startswith("speculative_config.model=") and bad in str(e.value)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_own_draft_with_swap_preemption_and_cpu_prefix_restores_accepts_everything(tiny_llama, mode):
     # A tight cache: requests are preempted and shared prefixes evicted to the CPU KV tier (swap_space), and come
