@@ -114,15 +114,18 @@ def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
 
 @contextlib.contextmanager
 def _as_draft_model_error(draft: str) -> Iterator[None]:
-    """Errors about the draft / head checkpoint's path (raised as ``model``: resolve_model_dir, ModelConfig) name
-    ``speculative_config.model``, so they are not read as the target's."""
+    """Errors raised while reading the draft / head checkpoint say so, so they are not read as the target's: those
+    about its path (raised as ``model``: resolve_model_dir, ModelConfig) name ``speculative_config.model``; the
+    others (``max_model_len`` beyond the draft's context, ...) keep their parameter, with the draft named first."""
     try:
         yield
     except HayabusaValidationError as e:
-        if e.parameter != "model":
+        if e.parameter in ("model", None):
+            raise type(e)(f"speculative_config.model={draft!r}: {e}", parameter="speculative_config.model",
+                          value=draft) from None
+        if str(e).startswith("speculative_config"):
             raise
-        raise type(e)(f"speculative_config.model={draft!r}: {e}", parameter="speculative_config.model",
-                      value=draft) from None
+        raise e.prefixed(f"the draft (speculative_config.model={draft!r})") from None
 
 
 def cpu_offload_refusal(architecture: str, is_encoder_decoder: bool) -> str | None:

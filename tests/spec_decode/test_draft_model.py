@@ -100,6 +100,23 @@ def test_missing_draft_checkpoint_is_named_as_speculative_config_model(tiny_llam
         assert str(e.value).startswith("speculative_config.model=") and bad in str(e.value)
 
 
+def test_draft_shorter_than_max_model_len_is_named_as_the_draft(tiny_llama, small_draft, tmp_path):
+    # the draft's own limit, not the target's: the message must say it is the draft's
+    import json
+    import shutil
+
+    short = tmp_path / "short_draft"
+    shutil.copytree(small_draft, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 16
+    (short / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HayabusaValidationError) as e:
+        LLM(tiny_llama, device="cpu", max_model_len=64,
+            speculative_config={"model": str(short), "num_speculative_tokens": 2})
+    assert e.value.parameter == "max_model_len"
+    assert f"speculative_config.model={str(short)!r}" in str(e.value) and "16" in str(e.value)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_own_draft_with_swap_preemption_and_cpu_prefix_restores_accepts_everything(tiny_llama, mode):
     # A tight cache: requests are preempted and shared prefixes evicted to the CPU KV tier (swap_space), and come
