@@ -8,12 +8,13 @@ folder or Hub id, reads its HF config, and returns a ``VllmConfig``-like bundle 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any, Collection, Iterator
 
 import torch
 
@@ -109,6 +110,22 @@ def _arg_docs(cls: type) -> dict[str, str]:
 
 def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
     return HayabusaValidationError(f"{parameter}={value!r}: {why}", parameter=parameter, value=value)
+
+
+@contextlib.contextmanager
+def _as_draft_model_error(draft: str) -> Iterator[None]:
+    """Errors raised while reading the draft / head checkpoint say so, so they are not read as the target's: those
+    about its path (raised as ``model``: resolve_model_dir, ModelConfig) name ``speculative_config.model``; the
+    others (``max_model_len`` beyond the draft's context, ...) keep their parameter, with the draft named first."""
+    try:
+        yield
+    except HayabusaValidationError as e:
+        if e.parameter in ("model", None):
+            raise type(e)(f"speculative_config.model={draft!r}: {e}", parameter="speculative_config.model",
+                          value=draft) from None
+        if str(e).startswith("speculative_config"):
+            raise
+        raise e.prefixed(f"the draft (speculative_config.model={draft!r})") from None
 
 
 def cpu_offload_refusal(architecture: str, is_encoder_decoder: bool) -> str | None:
@@ -358,9 +375,10 @@ class EngineArgs:
         spec = parse_speculative_config(self.speculative_config)
         draft_config = None
         if spec is not None and spec.method == "draft_model":
-            draft_config = ModelConfig.from_args(dataclasses.replace(
-                self, model=spec.model, tokenizer=None, quantization=None, max_model_len=max_len,
-                speculative_config=None), device)
+            with _as_draft_model_error(spec.model):
+                draft_config = ModelConfig.from_args(dataclasses.replace(
+                    self, model=spec.model, tokenizer=None, quantization=None, max_model_len=max_len,
+                    speculative_config=None), device)
             if draft_config.vocab_size != model_config.vocab_size or model_config.is_encoder_decoder \
                     or draft_config.is_encoder_decoder:
                 raise _bad("speculative_config.model", spec.model,
@@ -369,8 +387,9 @@ class EngineArgs:
         if spec is not None and spec.method in ("eagle", "eagle3"):
             from hayabusa.spec_decode.eagle_config import EagleHeadConfig
 
-            draft_config = EagleHeadConfig.from_target(spec.method, spec.model, model_config, self.trust_remote_code,
-                                                       self.load_format)
+            with _as_draft_model_error(spec.model):
+                draft_config = EagleHeadConfig.from_target(spec.method, spec.model, model_config,
+                                                           self.trust_remote_code, self.load_format)
         if spec is not None and spec.method in ("eagle", "eagle3") and self.async_scheduling:
             logger.warning("async_scheduling is off with EAGLE speculative decoding: its head reads every step's "
                            "tokens on the host.")

@@ -18,7 +18,7 @@ from hayabusa.core.encoder_budget import EncoderBudget
 from hayabusa.core.kv_cache_manager import KVCacheManager
 from hayabusa.core.request import Request, RequestStatus
 from hayabusa.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from hayabusa.spec_decode.scheduling import seeded
+from hayabusa.spec_decode.scheduling import eligible, seeded
 from hayabusa.structured_output import fill_bitmask
 
 
@@ -323,7 +323,9 @@ class Scheduler:
             else None
         if spec is not None and self.running:
             speculate = spec.set_step_mode(len(self.running))
-            if spec.payoff is not None:
+            if spec.payoff is not None and any(map(eligible, self.running)):
+                # (a step whose requests speculation leaves alone, e.g. all with logprobs, is a plain step in
+                # either mode: no evidence for the measured rule, so neither counted nor timed)
                 self._step_mode = (len(self.running), speculate)
             if not speculate and not any(map(seeded, self.running)):
                 spec = None   # the measured rule: no request may propose; the plain decode loop

@@ -232,13 +232,27 @@ class IncrementalDetokenizer:
 
         Returns:
             The matched stop string (``output_text`` is then cut before it, or just after it with
-            ``include_stop_str_in_output``), or None.
+            ``include_stop_str_in_output``), or None. With several ids, ``token_ids`` then ends at the id that
+            completed the stop string (the ids after it are dropped).
         """
         if not new_token_ids and not finished:
             return None
         if self._tokenizer is None or self._stopped:
             self.token_ids.extend(new_token_ids)
             return None
+        if self._stop and len(new_token_ids) > 1:
+            # Several ids in one step (a speculative verify step's accepted run): search after each id, as steps
+            # of one id would, and stop at the id that completes a stop string; the ids after it are not appended
+            # (with speculation off they are never generated), so ``token_ids`` ends there.
+            last = len(new_token_ids) - 1
+            for i, tid in enumerate(new_token_ids):
+                matched = self._update([tid], stop_terminated and i == last, finished and i == last)
+                if matched is not None:
+                    return matched
+            return None
+        return self._update(new_token_ids, stop_terminated, finished)
+
+    def _update(self, new_token_ids: list[int], stop_terminated: bool, finished: bool) -> str | None:
         ids, skipped_stop_id = new_token_ids, None
         if stop_terminated and not self._include_stop:
             ids, skipped_stop_id = new_token_ids[:-1], new_token_ids[-1]

@@ -34,6 +34,14 @@ class SampleState:
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
     sent_finish: bool = False
+    # A stop string completed by an id before the last of a step's ids (speculative decoding accepts several at
+    # once): the output keeps this many of the request's output ids, as with speculation off.
+    num_kept_tokens: int | None = None
+
+    def output_ids(self) -> list[int]:
+        """The request's output ids the output shows (not a copy unless cut)."""
+        ids = self.request.output_token_ids
+        return ids if self.num_kept_tokens is None else ids[: self.num_kept_tokens]
 
 
 _SP_SPACE = "\u2581"   # SentencePiece's word-boundary marker: a space in the decoded text
@@ -170,6 +178,8 @@ class OutputProcessor:
             if sample.pending_ids:
                 new_ids, sample.pending_ids = sample.pending_ids + new_ids, []
             stop_str = sample.detok.update(new_ids, req.status == RequestStatus.FINISHED_STOPPED, finished=finished)
+            if stop_str is not None and len(sample.detok.token_ids) < len(req.output_token_ids):
+                self._cut_after_stop(sample, len(req.output_token_ids) - len(sample.detok.token_ids))
             if stop_str is not None and not finished:
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
                 stop_hits.append(rid)
@@ -191,6 +201,18 @@ class OutputProcessor:
             if finished:
                 self._drop(state)
         return outputs, stop_hits
+
+    def _cut_after_stop(self, sample: SampleState, num_dropped: int) -> None:
+        """The detokenizer stopped ``num_dropped`` ids before the end of the step's ids: the output ends at the id
+        that completed the stop string (its logprobs and generation-token count too)."""
+        sample.num_kept_tokens = len(sample.detok.token_ids)
+        metrics = self._child_state[sample.request.request_id][0].metrics
+        metrics.num_generation_tokens -= num_dropped
+        if sample.logprobs is not None and len(sample.logprobs) > sample.num_kept_tokens:
+            ids = sample.request.output_token_ids
+            for i in range(sample.num_kept_tokens, len(sample.logprobs)):
+                sample.cumulative_logprob -= sample.logprobs[i][ids[i]].logprob
+            del sample.logprobs[sample.num_kept_tokens:]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Mark a parent request aborted; returns its final output (finish_reason 'abort')."""
@@ -264,7 +286,7 @@ class OutputProcessor:
             done = s.finish_reason is not None
             completions.append(CompletionOutput(
                 index=s.index, text=s.detok.get_next_output_text(done, delta=False),
-                token_ids=list(s.request.output_token_ids), cumulative_logprob=s.cumulative_logprob,
+                token_ids=list(s.output_ids()), cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None, finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason))
         out = RequestOutput(request_id=state.request_id, prompt=state.prompt,
@@ -282,7 +304,7 @@ class OutputProcessor:
         completions = []
         for s in state.samples:
             done = s.finish_reason is not None
-            ids = s.request.output_token_ids
+            ids = s.output_ids()
             if len(ids) == s.num_sent_tokens and (s.sent_finish or not done):
                 continue
             new_ids = list(ids[s.num_sent_tokens:])

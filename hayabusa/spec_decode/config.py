@@ -5,7 +5,8 @@ Keys (vLLM's names and defaults):
       its greedy proposals), "eagle" / "eagle3" (with "model": a public EAGLE / EAGLE-3 head checkpoint for a
       Llama / Qwen2 target; hayabusa/model/eagle.py). The other vLLM methods are known but not supported yet (a
       HayabusaValidationError says so); any other value is an error naming it. With only ``"model": DIR`` vLLM
-      infers "draft_model".
+      infers "draft_model" (``"model": "[ngram]"`` or ``"ngram"``: n-gram, as in vLLM; a checkpoint with method
+      "ngram" would go unused and is refused by name).
   num_speculative_tokens: proposals per request per step, k >= 1 (required).
   prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram the n-gram proposer matches; both unset:
       5 and 5 (vLLM's defaults); one unset: equal to the other.
@@ -76,6 +77,8 @@ KNOWN_UNSUPPORTED_METHODS = ("medusa", "mlp_speculator", "mtp", "suffix", "deeps
 SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # methods whose proposals come from a model in the runner (the scheduler sends k -1 slots)
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+# "model" values that mean the n-gram proposer (vLLM: {"model": "[ngram]"} without a method is n-gram)
+_NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 # Running requests from which a step gets no proposals (the turn-off rule; see the module docstring).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
@@ -162,8 +165,13 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if unknown:
         raise _bad(unknown[0], value[unknown[0]], f"unknown key; known: {', '.join(_KEYS)}.")
     method = value.get("method")
+    model = value.get("model")
+    if method is None and model in _NGRAM_MODEL_NAMES:   # vLLM's older spelling of the n-gram proposer
+        method = "ngram"
+    if method == "[ngram]":
+        method = "ngram"
     if method is None:
-        method = "draft_model" if value.get("model") else None
+        method = "draft_model" if model else None
     if method is None:
         raise _bad("method", None, f"give a method ({', '.join(SUPPORTED_METHODS)}).")
     if method in KNOWN_UNSUPPORTED_METHODS:
@@ -174,7 +182,9 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     k = _positive_int(value, "num_speculative_tokens")
     if k is None:
         raise _bad("num_speculative_tokens", None, f"required for method {method!r}.")
-    model = value.get("model")
+    if method == "ngram" and model is not None and model not in _NGRAM_MODEL_NAMES:
+        raise _bad("model", model, "method 'ngram' uses no model (it looks up the request's own tokens); drop "
+                                   "\"model\", or give method \"draft_model\" to propose with this checkpoint.")
     if method in MODEL_METHODS and (not isinstance(model, str) or not model):
         raise _bad("model", model, f"method {method!r} needs the "
                                    f"{'draft checkpoint' if method == 'draft_model' else 'head checkpoint'}'s folder "

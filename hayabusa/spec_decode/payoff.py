@@ -20,7 +20,8 @@ per request summed over its seconds summed (a ratio of sums: a throughput, not a
 
 A step in speculative mode that finds no proposal (n-gram misses, low-acceptance back-offs) still counts as
 speculative: that is what speculation costs; the comparison is of the two modes, not of steps with and without
-proposals.
+proposals. A step none of whose requests speculation would ever propose for (``scheduling.eligible``: logprobs,
+penalties, logit edits, ...) is not measured at all: it is a plain step in either mode, no evidence either way.
 """
 
 from __future__ import annotations

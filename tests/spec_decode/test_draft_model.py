@@ -89,6 +89,34 @@ def test_draft_model_config_errors(tiny_llama, tiny_qwen2):
     assert e.value.parameter == "speculative_config.model"
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_missing_draft_checkpoint_is_named_as_speculative_config_model(tiny_llama, tmp_path, method):
+    # the target loads fine; the error must say it is the draft's path, not the target's `model`
+    for bad in (str(tmp_path / "nonexistent"), str(tmp_path)):   # no such folder / a folder without config.json
+        with pytest.raises(HayabusaValidationError) as e:
+            LLM(tiny_llama, device="cpu",
+                speculative_config={"method": method, "model": bad, "num_speculative_tokens": 2})
+        assert e.value.parameter == "speculative_config.model" and e.value.value == bad
+        assert str(e.value).startswith("speculative_config.model=") and bad in str(e.value)
+
+
+def test_draft_shorter_than_max_model_len_is_named_as_the_draft(tiny_llama, small_draft, tmp_path):
+    # the draft's own limit, not the target's: the message must say it is the draft's
+    import json
+    import shutil
+
+    short = tmp_path / "short_draft"
+    shutil.copytree(small_draft, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 16
+    (short / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HayabusaValidationError) as e:
+        LLM(tiny_llama, device="cpu", max_model_len=64,
+            speculative_config={"model": str(short), "num_speculative_tokens": 2})
+    assert e.value.parameter == "max_model_len"
+    assert f"speculative_config.model={str(short)!r}" in str(e.value) and "16" in str(e.value)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_own_draft_with_swap_preemption_and_cpu_prefix_restores_accepts_everything(tiny_llama, mode):
     # A tight cache: requests are preempted and shared prefixes evicted to the CPU KV tier (swap_space), and come
@@ -229,3 +257,41 @@ def test_graph_runner_verify_needs_a_speculative_config(tiny_llama):
                         device=runner.device, verify=True)
     assert e.value.parameter == "verify"
     assert CUDAGraphRunner.for_runner(runner, use_graphs=False).verify_width == 0
+
+
+def _stop_params(tokenizer, base_out, include: bool) -> list[SamplingParams]:
+    """Per prompt, a stop string whose first occurrence in the greedy output ends with output token 5, 6 or 7 (so
+    inside a verify step's run of accepted tokens, not at its end)."""
+    params = []
+    for i, o in enumerate(base_out):
+        ids = o.outputs[0].token_ids
+        text = o.outputs[0].text
+        for j in range(5 + i % 3, len(ids) - 4):
+            end = len(tokenizer.decode(ids[:j + 1]))
+            stop = text[max(end - 2, 0):end]
+            if stop.strip() and text.find(stop) + len(stop) == end and len(tokenizer.decode(ids[:j])) < end:
+                break
+        else:
+            raise AssertionError(f"no stop string found in {text!r}")
+        params.append(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
+                                     include_stop_str_in_output=include))
+    return params
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_inside_accepted_run_keeps_output_of_speculation_off(tiny_llama, base, include):
+    # a verify step accepts several tokens at once; a stop string completed by one of them must end the output
+    # there (token ids, logprob-free usage counts, text), as with speculation off, where the later tokens are never
+    # generated
+    off = LLM(tiny_llama, max_num_seqs=4, device="cpu")
+    params = _stop_params(off.get_tokenizer(), base, include)
+    ref = off.generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny_llama, max_num_seqs=4, device="cpu",
+              speculative_config={"model": tiny_llama, "num_speculative_tokens": 3})
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(len(r.outputs[0].token_ids) < MAX_TOKENS for r in ref)   # every stop string did stop
+    for r, o in zip(ref, out):
+        a, b = r.outputs[0], o.outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, "stop", a.stop_reason)
+        assert o.metrics.num_generation_tokens == len(a.token_ids)
+    assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0

@@ -186,6 +186,27 @@ def test_engine_turns_slow_speculation_off_and_back_on_with_greedy_ids_unchanged
     assert stats["spec_decode_payoff_plain_steps"] == (w + 1) + every
 
 
+def test_steps_whose_requests_speculation_leaves_alone_are_not_measured(tiny_llama):
+    # requests with logprobs never get proposals (static rule): their steps are plain steps whatever the mode, so
+    # they are no evidence about speculation; measured as speculative ones, a slow start (here the steps right
+    # after the prompt) turned speculation off for the bucket, and the eligible requests after them decoded
+    # without proposals until the next probe
+    w, every = 2, 64
+    llm, trace = _timed_llm(tiny_llama, lambda sched, i: 10.0 if 1 <= i <= 3 else 1.0, payoff_window=w,
+                            payoff_probe_every=every)
+    llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1),
+                 use_tqdm=False)
+    assert not any(trace)
+    payoff = llm.llm_engine.scheduler.spec.payoff
+    assert all(st.num_spec_steps == 0 and not st.spec.samples and not st.plain.samples
+               for st in payoff.buckets.values())
+    llm.llm_engine.scheduler.spec.proposer = RepeatProposer()
+    n = len(trace)
+    llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    assert trace[n:n + 3] == [False, True, True]   # the prompt, then verify steps from the first decode step
+
+
 def test_engine_seeded_sampling_is_the_same_whatever_the_timing(tiny_llama):
     prompts = ["Once upon a time", "The capital of France is"]
     params = [SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True),

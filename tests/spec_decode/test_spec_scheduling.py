@@ -132,6 +132,24 @@ def test_low_acceptance_rule_config():
         assert e.value.parameter == f"speculative_config.{key}"
 
 
+def test_ngram_config_model_key():
+    import pytest
+
+    from hayabusa.errors import HayabusaValidationError
+    from hayabusa.spec_decode.config import parse_speculative_config
+
+    # vLLM's spellings of the n-gram proposer as a "model"
+    for spec in ({"model": "[ngram]", "num_speculative_tokens": 2}, {"model": "ngram", "num_speculative_tokens": 2},
+                 {"method": "[ngram]", "num_speculative_tokens": 2},
+                 {"method": "ngram", "model": "[ngram]", "num_speculative_tokens": 2}):
+        c = parse_speculative_config(spec)
+        assert (c.method, c.model, c.num_speculative_tokens) == ("ngram", None, 2)
+    # a checkpoint given with method ngram would be silently unused: refused by name
+    with pytest.raises(HayabusaValidationError) as e:
+        parse_speculative_config({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2})
+    assert e.value.parameter == "speculative_config.model" and "draft_model" in str(e.value)
+
+
 def test_batched_ngram_lookups_schedule_the_same_proposals_as_single_ones():
     """The scheduler's n-gram lookups run batched (SpecDecodeScheduling.lookup_all); per request (a proposer
     without propose_batch) they give the same proposals, budget-trimmed the same way."""
