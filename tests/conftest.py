@@ -53,6 +53,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _speculation_without_the_measured_rule(request, monkeypatch):
+    """Speculative decoding's measured turn-off rule (``disable_by_payoff``, on by default) decides from wall-clock
+    step times, so on a loaded CPU it may turn speculation off in any test that counts proposals or acceptance (the
+    model as its own draft is slower than plain decoding there: the rule is right to). Tests therefore run with
+    the rule's default off, unless they set ``disable_by_payoff`` themselves or are marked ``payoff_default``; the
+    rule's own tests (tests/spec_decode/test_spec_payoff.py) drive it with an injected clock. Engines started in a
+    subprocess keep the real default."""
+    if request.node.get_closest_marker("payoff_default") is None:
+        import hayabusa.spec_decode.config as spec_config
+
+        monkeypatch.setattr(spec_config, "DEFAULT_DISABLE_BY_PAYOFF", False)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _free_gpu_before_cuda_tests(request):
     """Before a CUDA test: nothing an earlier test left behind holds GPU memory. An engine sizes its KV cache from
     gpu_memory_utilization minus what the process holds, so an engine kept alive by a reference cycle, or by the

@@ -109,6 +109,7 @@ def test_a_speculative_run_shows_its_method_and_acceptance():
     assert report.table_rows([_rec("W1", {}, {})])[0][3] == "-"
 
 
+@pytest.mark.payoff_default
 def test_a_speculative_bench_run_records_the_method(tmp_path, tiny_bench_model, capsys):
     path = tmp_path / "out.json"
     assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--scale", "0.02", "--device", "cpu",

@@ -16,6 +16,8 @@ from hayabusa.spec_decode.payoff import PayoffRule, bucket_of
 from hayabusa.spec_decode.scheduling import SpecDecodeScheduling
 from tests.core.test_scheduler import make_scheduler, req
 
+pytestmark = pytest.mark.payoff_default   # the rule at its default (tests/conftest.py turns it off elsewhere)
+
 SPEC, PLAIN = True, False
 
 
