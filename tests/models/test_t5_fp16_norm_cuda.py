@@ -80,6 +80,12 @@ def _greedy(model_dir: str, fused: bool, enforce_eager: bool, monkeypatch) -> li
     return ids
 
 
+def _first_difference(on: list[list[int]], off: list[list[int]]) -> str:
+    diff = [(i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)) for i, (a, b) in enumerate(zip(on, off))
+            if a != b]
+    return f"{len(diff)} of {len(on)} requests differ; (request, first differing position): {diff}"
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("version", ["v1.0", "v1.1"])
 def test_greedy_ids_with_the_kernel_equal_those_without(version, enforce_eager, tmp_path, monkeypatch):
@@ -87,7 +93,7 @@ def test_greedy_ids_with_the_kernel_equal_those_without(version, enforce_eager, 
     on = _greedy(model_dir, True, enforce_eager, monkeypatch)
     off = _greedy(model_dir, False, enforce_eager, monkeypatch)
     assert all(len(ids) == 24 for ids in on)
-    assert on == off
+    assert on == off, _first_difference(on, off)
 
 
 def test_greedy_ids_equal_where_the_ffn_overflows(tmp_path, monkeypatch):
@@ -99,4 +105,5 @@ def test_greedy_ids_equal_where_the_ffn_overflows(tmp_path, monkeypatch):
     sd = load_file(str(path))
     save_file({k: v * 30000 if "DenseReluDense.wo" in k else v for k, v in sd.items()}, str(path),
               metadata={"format": "pt"})
-    assert _greedy(model_dir, True, False, monkeypatch) == _greedy(model_dir, False, False, monkeypatch)
+    on, off = _greedy(model_dir, True, False, monkeypatch), _greedy(model_dir, False, False, monkeypatch)
+    assert on == off, _first_difference(on, off)
