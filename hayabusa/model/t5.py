@@ -41,13 +41,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from hayabusa.attention.metadata import ForwardContext
+from hayabusa.envs import env_flag
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.kernels.t5_fp16_norm import reserve_t5_fp16_norm_sync, t5_fp16_add_norm
 from hayabusa.model.layers.activation import get_act_fn
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import RMSNorm
 from hayabusa.model.vision_attention import host_to_device
 
 _FP16_MAX = torch.finfo(torch.float16).max
+# fp16 on CUDA: _add_norm's fp16 branch as one Triton launch (kernels/t5_fp16_norm.py); 0 keeps the torch ops
+USE_FP16_FUSED_NORM = env_flag("HAYABUSA_T5_FP16_FUSED_NORM", True)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -95,8 +99,11 @@ def _add_norm(norm: RMSNorm, delta: torch.Tensor, residual: torch.Tensor | None
     """(norm(residual + delta), residual + delta): the residual stream after a sub-layer and the next sub-layer's
     normed input. fp16 weights (transformers' numerics, see the module docstring): an fp16 sum is clamped first
     (so the add is not fused); an fp32 delta (the FFN's fp32 ``wo``) or residual makes the sum fp32, unclamped;
-    the normed output is fp16 either way."""
+    the normed output is fp16 either way. On CUDA (``USE_FP16_FUSED_NORM``) the fp16 branch is one Triton launch
+    (``t5_fp16_add_norm``: the same residual bits, normed within one fp16 ulp)."""
     if norm.weight.dtype == torch.float16:
+        if USE_FP16_FUSED_NORM and delta.is_cuda:
+            return t5_fp16_add_norm(delta, residual, norm.weight, norm.eps)
         x = delta if residual is None else residual + delta            # fp16 + fp32 -> fp32, as in transformers
         if x.dtype == torch.float16:
             x = _clamp_fp16(x)
@@ -326,6 +333,8 @@ class T5ForConditionalGeneration(nn.Module):
         self.max_encoder_len = max(derive_encoder_decoder_max_len(cfg), self.max_position)
         self._bias_table: torch.Tensor | None = None
         self._enc_bias: torch.Tensor | None = None
+        if dtype == torch.float16 and torch.device(device).type == "cuda":
+            reserve_t5_fp16_norm_sync(device)   # the fused fp16 norm's flag + counter, before any graph capture
 
     def _load_lm_head(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
         param.data.copy_(loaded)
