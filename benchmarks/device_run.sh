@@ -680,10 +680,10 @@ g_s14c() {  # session 14, last call: the speculation CUDA tests under the measur
   local t5=tests/models/test_t5_cuda.py extra=""
   for f in tests/models/test_t5_fp16_norm_cuda.py tests/kernels/test_t5_fp16_norm_cuda.py; do [ -f "$f" ] && extra="$extra $f"; done
   step s14c_tests "$(( ${S14C_TESTS_S:-240} + 30 ))" 20 bash -c "python -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    $extra '$t5::test_cuda_fp16_equals_cpu_where_the_ffn_overflows' '$t5::test_cuda_fp16_runs_with_the_clamp' \
     tests/spec_decode/test_spec_disabled_path_cuda.py tests/spec_decode/test_vllm_metrics_cuda.py \
-    tests/spec_decode/test_greedy_verify_cuda.py tests/spec_decode/test_spec_perf_cuda.py $extra \
-    tests/seeds/test_seed000_qwen25vl_pages.py '$t5::test_cuda_fp16_equals_cpu_where_the_ffn_overflows' \
-    '$t5::test_cuda_fp16_runs_with_the_clamp' tests/spec_decode/test_eagle_cuda.py ${pt[*]} 2>&1 \
+    tests/spec_decode/test_greedy_verify_cuda.py tests/spec_decode/test_spec_perf_cuda.py \
+    tests/seeds/test_seed000_qwen25vl_pages.py tests/spec_decode/test_eagle_cuda.py ${pt[*]} 2>&1 \
     | tee '$OUT/s14c_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -60; exit \${PIPESTATUS[0]}"
   export HAYABUSA_T5_ENCODER_GRAPHS=1
   W9_SHAPES="${S14C_W9:-t5-base-shape}" W9_TAG=_fp16 W9_MAX_S=90 W9_EXTRA="--dtype float16 --sweep hf_batch_size=256" g_w9
