@@ -50,8 +50,9 @@ from hayabusa.model.layers.norm import RMSNorm
 from hayabusa.model.vision_attention import host_to_device
 
 _FP16_MAX = torch.finfo(torch.float16).max
-# fp16 on CUDA: _add_norm's fp16 branch as one Triton launch (kernels/t5_fp16_norm.py); 0 keeps the torch ops
-USE_FP16_FUSED_NORM = env_flag("HAYABUSA_T5_FP16_FUSED_NORM", True)
+# fp16 on CUDA: _add_norm's fp16 branch as one Triton launch (kernels/t5_fp16_norm.py). Opt-in (=1) until its CUDA
+# test (tests/models/test_t5_fp16_norm_cuda.py) has passed on a GPU; off keeps the torch ops
+USE_FP16_FUSED_NORM = env_flag("HAYABUSA_T5_FP16_FUSED_NORM", False)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
