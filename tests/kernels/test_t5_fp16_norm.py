@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hayabusa.kernels.t5_fp16_norm import t5_fp16_add_norm_ref
 from tests.kernels.conftest import DEVICE
 
 F16 = torch.float16
@@ -45,18 +46,8 @@ def make_inputs(case: str, T: int, d: int, device: str, seed: int = 0):
     return delta.to(device), (None if residual is None else residual.to(device)), weight.to(device)
 
 
-def torch_path(delta, residual, weight, eps):
-    """model/t5.py's _add_norm with the fused kernel off: transformers' ops."""
-    from hayabusa.model import t5
-
-    norm = t5.T5LayerNorm(weight.shape[0], eps, F16, weight.device)
-    norm.weight.data.copy_(weight)
-    saved = t5.USE_FP16_FUSED_NORM
-    t5.USE_FP16_FUSED_NORM = False
-    try:
-        return t5._add_norm(norm, delta, residual)
-    finally:
-        t5.USE_FP16_FUSED_NORM = saved
+# the torch path the kernel replaces: model/t5.py's _add_norm runs it wherever the kernel is off (CPU included)
+torch_path = t5_fp16_add_norm_ref
 
 
 def fp16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -131,18 +122,25 @@ def test_the_clamp_is_global_and_the_flag_resets(device):
         check_case(case, 5, 512, device)
 
 
-def test_reference_is_the_torch_path():
-    """t5_fp16_add_norm_ref (the launcher's fallback) is _add_norm's torch branch bit for bit."""
-    from hayabusa.kernels.t5_fp16_norm import t5_fp16_add_norm_ref
+def test_reference_is_transformers_ops():
+    """t5_fp16_add_norm_ref (the launcher's fallback and _add_norm's torch branch) is transformers' T5 in fp16 bit
+    for bit: T5Block's clamp of an fp16 sum (finfo.max - 1000 once an inf is present anywhere), then T5LayerNorm
+    with fp16 weights."""
+    from transformers.models.t5.modeling_t5 import T5LayerNorm as HFT5LayerNorm
 
     for case in CASES:
         delta, residual, weight = make_inputs(case, 9, 96, "cpu")
         out, res = t5_fp16_add_norm_ref(delta, residual, weight, 1e-6)
-        ref_out, ref_res = torch_path(delta, residual, weight, 1e-6)
-        assert torch.equal(out.nan_to_num(0.0), ref_out.nan_to_num(0.0))
-        assert torch.equal(res.nan_to_num(0.0), ref_res.nan_to_num(0.0)) and res.dtype == ref_res.dtype
-
-
+        x = delta if residual is None else residual + delta
+        if x.dtype == F16:
+            limit = torch.where(torch.isinf(x).any(), torch.finfo(F16).max - 1000, torch.finfo(F16).max)
+            x = torch.clamp(x, min=-limit, max=limit)
+        hf = HFT5LayerNorm(96, eps=1e-6).to(F16)
+        hf.weight.data.copy_(weight)
+        with torch.no_grad():
+            want = hf(x)
+        assert torch.equal(out.nan_to_num(0.0), want.nan_to_num(0.0)), case
+        assert torch.equal(res.nan_to_num(0.0), x.nan_to_num(0.0)) and res.dtype == x.dtype, case
 def test_bad_inputs_name_the_parameter(device):
     from hayabusa.errors import HayabusaValidationError
     from hayabusa.kernels.t5_fp16_norm import t5_fp16_add_norm
