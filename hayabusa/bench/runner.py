@@ -99,14 +99,31 @@ def _sampling_params(r: BenchRequest, structured_output: str | None = None) -> A
                           ignore_eos=True, detokenize=False, structured_outputs=constraint)
 
 
+def _chat_text(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The chat template's text of ``messages`` (generation prompt added). Raises HayabusaValidationError naming
+    ``model`` when the tokenizer has no chat template (W8 and W11 are chat workloads)."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except ValueError as e:
+        if "chat_template" not in str(e) and "chat template" not in str(e):
+            raise
+        from hayabusa.errors import HayabusaValidationError
+
+        raise HayabusaValidationError(
+            f"this workload renders its prompts with the model's chat template, and the tokenizer "
+            f"({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '?')}) has none: use an instruct / "
+            f"chat checkpoint (W11: a trained one, e.g. SmolLM2-135M-Instruct from "
+            f"../shared/assets/tools/get_smollm2.sh) or give --tokenizer DIR with a chat template",
+            parameter="model", value=getattr(tokenizer, "name_or_path", None)) from e
+
+
 def bench_prompts(tokenizer: Any, reqs: list[BenchRequest]) -> list[dict[str, Any]]:
     """The engine prompts of `reqs`: token ids, or for an image request the chat template's text over its
     message (``image_chat_messages``) with ``multi_modal_data`` = its images as RGB PIL images."""
     out: list[dict[str, Any]] = []
     for r in reqs:
         if r.text and not r.images:   # W11: chat template over the text, then the answer's first words
-            text = tokenizer.apply_chat_template([{"role": "user", "content": r.text}], tokenize=False,
-                                                 add_generation_prompt=True)
+            text = _chat_text(tokenizer, [{"role": "user", "content": r.text}])
             out.append({"prompt": text + (r.answer_prefix or "")})
             continue
         if not r.images:
@@ -114,7 +131,7 @@ def bench_prompts(tokenizer: Any, reqs: list[BenchRequest]) -> list[dict[str, An
             continue
         from PIL import Image
 
-        text = tokenizer.apply_chat_template(image_chat_messages(r), tokenize=False, add_generation_prompt=True)
+        text = _chat_text(tokenizer, image_chat_messages(r))
         out.append({"prompt": text, "multi_modal_data": {"image": [Image.fromarray(a) for a in r.images]}})
     return out
 

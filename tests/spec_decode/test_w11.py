@@ -24,3 +24,19 @@ def test_w11_requests_are_fixed_and_render_with_the_answer_start():
     prompt = bench_prompts(FakeTokenizer(), [r])[0]["prompt"]
     assert prompt.endswith("</user><assistant>" + r.answer_prefix)
     assert all(q.text and q.answer_prefix for q in warmup_requests(w))
+
+
+def test_a_tokenizer_without_a_chat_template_is_named():
+    """W11 on a base model's tokenizer: a HayabusaValidationError naming ``model``, not transformers' bare
+    ValueError (found by a fresh user)."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from hayabusa.errors import HayabusaValidationError
+    from tests.conftest import TOKENIZERS, require_asset
+
+    tok = AutoTokenizer.from_pretrained(str(require_asset(TOKENIZERS / "llm-jp-v3.1")))
+    tok.chat_template = None
+    with pytest.raises(HayabusaValidationError, match="chat template") as e:
+        bench_prompts(tok, get_workload("W11").requests[:1])
+    assert e.value.parameter == "model"
