@@ -690,6 +690,29 @@ g_s14c() {  # session 14, last call: the speculation CUDA tests under the measur
   unset HAYABUSA_T5_ENCODER_GRAPHS
 }
 
+g_s15a() {  # session 15, issue #17: T5's fused fp16 norm on CUDA (kernel, graph, engine), T5 fp16 CUDA cases, report 000;
+            # then W9 fp16 on t5-base with the fused norm on (HF at 256 in the same run) and off (hayabusa only)
+  local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 120 --session-timeout "${S15A_TESTS_S:-220}")
+  local t5=tests/models/test_t5_cuda.py
+  step s15a_tests "$(( ${S15A_TESTS_S:-220} + 30 ))" 20 bash -c "python -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    tests/models/test_t5_fp16_norm_cuda.py '$t5::test_cuda_fp16_equals_cpu_where_the_ffn_overflows' \
+    '$t5::test_cuda_fp16_runs_with_the_clamp' tests/seeds/test_seed000_qwen25vl_pages.py ${pt[*]} 2>&1 \
+    | tee '$OUT/s15a_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -60; exit \${PIPESTATUS[0]}"
+  export HAYABUSA_T5_ENCODER_GRAPHS=1 HAYABUSA_T5_FP16_FUSED_NORM=1
+  W9_SHAPES=t5-base-shape W9_TAG=_fp16_fused W9_MAX_S=100 W9_EXTRA="--dtype float16 --sweep hf_batch_size=256" g_w9
+  export HAYABUSA_T5_FP16_FUSED_NORM=0
+  W9_SHAPES=t5-base-shape W9_TAG=_fp16_unfused W9_MAX_S=60 W9_ENGINE=hayabusa W9_EXTRA="--dtype float16" g_w9
+  unset HAYABUSA_T5_ENCODER_GRAPHS HAYABUSA_T5_FP16_FUSED_NORM
+}
+g_s15b() {  # session 15, issue #21: the speculation CUDA files not reached in session 14, then W11 (g_s14w11)
+  local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 120 --session-timeout "${S15B_TESTS_S:-180}")
+  step s15b_tests "$(( ${S15B_TESTS_S:-180} + 30 ))" 20 bash -c "python -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    tests/spec_decode/test_spec_disabled_path_cuda.py tests/spec_decode/test_vllm_metrics_cuda.py \
+    tests/spec_decode/test_spec_perf_cuda.py tests/spec_decode/test_eagle_cuda.py ${pt[*]} 2>&1 \
+    | tee '$OUT/s15b_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -60; exit \${PIPESTATUS[0]}"
+  g_s14w11
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
