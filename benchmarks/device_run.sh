@@ -708,8 +708,8 @@ g_s15b() {  # session 15, issue #21: the speculation CUDA files not reached in s
   local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 120 --session-timeout "${S15B_TESTS_S:-180}")
   step s15b_tests "$(( ${S15B_TESTS_S:-180} + 30 ))" 20 bash -c "python -m pytest -v -rfE --tb=short -p no:cacheprovider \
     tests/spec_decode/test_spec_disabled_path_cuda.py tests/spec_decode/test_vllm_metrics_cuda.py \
-    tests/spec_decode/test_spec_perf_cuda.py tests/spec_decode/test_eagle_cuda.py ${pt[*]} 2>&1 \
-    | tee '$OUT/s15b_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -60; exit \${PIPESTATUS[0]}"
+    tests/spec_decode/test_greedy_verify_cuda.py tests/spec_decode/test_spec_perf_cuda.py \
+    tests/spec_decode/test_eagle_cuda.py ${pt[*]} 2>&1 | tee '$OUT/s15b_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -60; exit \${PIPESTATUS[0]}"
   g_s14w11
 }
 
