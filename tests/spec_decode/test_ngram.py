@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hayabusa.spec_decode.ngram import NgramProposer
+from tests.helpers import smollm2_checkpoint
 
 
 def test_longest_ngram_then_latest_occurrence():
@@ -77,7 +78,7 @@ def test_token_history_appends_only_new_tokens():
 def test_ngram_on_smollm2_accepts_and_keeps_greedy_text():
     from hayabusa import LLM, SamplingParams
 
-    path = _smollm2_path()
+    path = smollm2_checkpoint()
     doc = ("Invoice 4471. Customer: Marta Kowalska, 12 Linden Street, Gdansk. Items: 3 x blue ceramic mug at 8.50 "
            "EUR; 1 x oak cutting board at 24.00 EUR. Shipping: 5.00 EUR. Total: 54.50 EUR.")
     # the answer is started with the document's first words, so the model goes on copying it
@@ -96,14 +97,3 @@ def test_ngram_on_smollm2_accepts_and_keeps_greedy_text():
     assert m.spec_num_draft_tokens > 0 and m.spec_acceptance_rate > 0.5
     assert m.spec_mean_accepted_length > 2.0
     assert llm.get_metrics()["spec_decode_num_accepted_tokens"] == m.spec_num_accepted_tokens
-
-
-def _smollm2_path() -> str:
-    import os
-    from pathlib import Path
-
-    cache = Path(os.environ.get("HAYABUSA_CACHE", Path.home() / ".cache" / "hayabusa")) / "smollm2-135m-instruct"
-    if not (cache / "model.safetensors").exists():
-        pytest.skip(f"SmolLM2 not converted at {cache}: run tests/models/test_smollm2.py first "
-                    "(../shared/assets/tools/get_smollm2.sh)")
-    return str(cache)
