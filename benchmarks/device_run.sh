@@ -713,6 +713,18 @@ g_s15b() {  # session 15, issue #21: the speculation CUDA files not reached in s
   g_s14w11
 }
 
+g_s15c() {  # session 15: T5 v1.1 with the fused fp16 norm (now default) on CUDA, T5 v1.1's fp16 CUDA cases, report 000
+  local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 150 --session-timeout "${S15C_TESTS_S:-200}")
+  step s15c_tests "$(( ${S15C_TESTS_S:-200} + 30 ))" 20 bash -c "python -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    --durations=10 tests/models/test_t5_fp16_norm_cuda.py -k 'v1.1' tests/seeds/test_seed000_qwen25vl_pages.py ${pt[*]} 2>&1 \
+    | tee '$OUT/s15c_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert|s call' | tail -40; exit \${PIPESTATUS[0]}"
+}
+g_s15d() {  # session 15, issue #21: every sample of the payoff rule on W11 (benchmarks/payoff_trace.py), SmolLM2
+  ensure_smol || return 0
+  step payoff_trace "${TRACE_S:-240}" 30 python benchmarks/payoff_trace.py --model "$smol" --max-num-seqs ${TRACE_SEQS:-16 4 1} \
+    --num-requests "${TRACE_REQS:-32}" ${TRACE_EXTRA:-} --json "$OUT/payoff_trace.json"
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

@@ -49,9 +49,10 @@ from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import RMSNorm
 from hayabusa.model.vision_attention import host_to_device
 
-# fp16 on CUDA: _add_norm's fp16 branch as one Triton launch (kernels/t5_fp16_norm.py). Opt-in (=1) until its CUDA
-# test (tests/models/test_t5_fp16_norm_cuda.py) has passed on a GPU; off keeps the torch ops
-USE_FP16_FUSED_NORM = env_flag("HAYABUSA_T5_FP16_FUSED_NORM", False)
+# fp16 on CUDA: _add_norm's fp16 branch as one Triton launch (kernels/t5_fp16_norm.py). On by default since its CUDA
+# test (tests/models/test_t5_fp16_norm_cuda.py) passed on an H200 (2026-12-03) and W9 fp16 on t5-base measured 1.23x
+# with it (BENCHMARKS.md, fifteenth session); HAYABUSA_T5_FP16_FUSED_NORM=0 keeps transformers' torch ops
+USE_FP16_FUSED_NORM = env_flag("HAYABUSA_T5_FP16_FUSED_NORM", True)
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
