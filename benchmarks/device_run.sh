@@ -725,6 +725,14 @@ g_s15d() {  # session 15, issue #21: every sample of the payoff rule on W11 (ben
     --num-requests "${TRACE_REQS:-32}" ${TRACE_EXTRA:-} --json "$OUT/payoff_trace.json"
 }
 
+g_s15e() {  # session 15, issue #21: the payoff rule's samples (payoff_trace.py), then W11 with the rule vs speculation off
+  local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  g_s15d
+  bench_step smol_W11_ngram "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+    --speculative-config "$ng"
+  bench_step smol_W11_off "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
+}
+
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

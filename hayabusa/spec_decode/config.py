@@ -34,15 +34,16 @@ hayabusa's own keys, the measured turn-off rule (hayabusa/spec_decode/payoff.py;
   disable_by_payoff (bool, default DEFAULT_DISABLE_BY_PAYOFF = True): the engine times every step (host clock,
       from the step's schedule to its collected output; with async scheduling from the previous step's collection
       when later) and, per batch-size bucket (the running requests rounded up to a power of two), keeps the output
-      rate (tokens per request per second) of the last ``payoff_window`` decode-only steps scheduled with
-      speculation and of the last ``payoff_window`` without (steps with a prompt chunk are not measured). A bucket
-      starts speculating (it has to measure): its first 1 + payoff_window steps speculate, the next
-      1 + payoff_window are a plain probe (the first step after each change of mode is not counted: with async
-      scheduling it does not overlap its predecessor), then it decides, and again after each sample outside a
-      probe and at each probe's end: speculation is off in the bucket while its rate is below plain's by more
-      than ``payoff_margin``. Every
-      ``payoff_probe_every`` steps of its chosen mode the bucket probes the other mode for 1 + payoff_window
-      steps, so a change of acceptance or load is noticed either way.
+      rate (tokens per request per second) of decode-only steps scheduled with speculation and of those without
+      (steps with a prompt chunk are not measured). A bucket starts speculating (it has to measure): its first
+      1 + payoff_window steps speculate, the next 1 + payoff_window are a plain probe (the first step after each
+      change of mode is not counted: with async scheduling it does not overlap its predecessor), then it decides.
+      After that it probes the other mode for 1 + payoff_window steps after gaps of about
+      ``payoff_probe_every`` steps of its chosen mode (drawn in [1/2, 3/2] of it from a seeded generator) and
+      decides at each probe's end, the chosen mode's rate over its last max(4 x payoff_window,
+      payoff_probe_every) steps against the other's over its last 4 probes: speculation is off in the bucket
+      while its rate is below plain's by more than ``payoff_margin``. Decisions only at probe ends and rates
+      over several probes: see hayabusa/spec_decode/payoff.py for the W11 measurement that made them so.
       Why: the loss of speculation at a batch size is host work of synchronous verify steps and the verify
       step's extra tokens, which depend on the model, the GPU and the acceptance; measured on an H200
       (SmolLM2-135M, W11, n-gram k=4, acceptance 0.60) speculation gave 1.33x output tok/s at batch 1 but 0.87x
@@ -55,13 +56,14 @@ hayabusa's own keys, the measured turn-off rule (hayabusa/spec_decode/payoff.py;
       costs more than a few percent where it cannot help"; losses measured were 13 % and 36 %, gains 33 %, so a
       3 % margin keeps speculation where it roughly breaks even (its latency gain per request is worth a little
       throughput) and is above the step-time noise of a window (an estimate; not yet measured on the device).
-  payoff_window (int >= 1, default DEFAULT_PAYOFF_WINDOW = 8): samples per estimate and steps per probe; at
+  payoff_window (int >= 1, default DEFAULT_PAYOFF_WINDOW = 8): samples per probe and per start-up; at
       0.64x a bucket's start-up spends about 8 x 0.56 = 4.5 steps' time on speculation before turning it off,
       about 1 % of W11's ~500 steps at batch 16 (64 x 128 tokens, 16 a step); fewer samples would let one slow
       step (a GC pause, a prompt chunk next door) decide.
-  payoff_probe_every (int >= 1, default DEFAULT_PAYOFF_PROBE_EVERY = 512): a probe of the losing mode costs
-      about payoff_window x its loss (4.5 steps' time at 0.64x), under 1 % of 512 steps; a change is noticed
-      within 512 steps (1-2 s at 2-3 ms a step).
+  payoff_probe_every (int >= 1, default DEFAULT_PAYOFF_PROBE_EVERY = 256): a probe of the losing mode costs
+      about payoff_window x its loss (4.5 steps' time at 0.64x), under 2 % of 256 steps; a change is noticed
+      within a few probes (2-4 s at 2-3 ms a step); 512 (the first version's) gave the other mode's estimate
+      only ~16 probes on W11 at batch 1 (8,192 steps).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ DEFAULT_ACCEPTANCE_BACKOFF = 64
 DEFAULT_DISABLE_BY_PAYOFF = True
 DEFAULT_PAYOFF_MARGIN = 0.03
 DEFAULT_PAYOFF_WINDOW = 8
-DEFAULT_PAYOFF_PROBE_EVERY = 512
+DEFAULT_PAYOFF_PROBE_EVERY = 256
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size", "min_acceptance_rate", "acceptance_window", "acceptance_backoff",
          "disable_by_payoff", "payoff_margin", "payoff_window", "payoff_probe_every")
