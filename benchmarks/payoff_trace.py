@@ -30,13 +30,29 @@ def _prompts(tokenizer, reqs) -> list[str]:
                                           add_generation_prompt=True) + r.answer_prefix for r in reqs]
 
 
-def run(model: str, max_num_seqs: int, num_requests: int, spec: dict | None) -> dict:
+def run(model: str, max_num_seqs: int, num_requests: int, spec: dict | None, dtype: str = "auto") -> dict:
     from hayabusa import LLM, SamplingParams
     from hayabusa.bench.workloads import get_workload
+    from hayabusa.core.scheduler import Scheduler
     from hayabusa.spec_decode import payoff
 
     samples: list[dict] = []
+    steps: dict[int, dict] = {}
     real_record = payoff.PayoffRule.record
+    real_schedule, real_step_time = Scheduler.schedule, Scheduler.record_step_time
+
+    def schedule(sched):
+        out = real_schedule(sched)
+        spec_tokens = out.scheduled_spec_decode_tokens
+        steps[out.step_id] = {"tokens": out.total_num_scheduled_tokens, "reqs": len(out.num_scheduled_tokens),
+                              "prompt_chunk": any(n > 1 + len(spec_tokens.get(r, ())) for r, n in
+                                                  out.num_scheduled_tokens.items())}
+        return out
+
+    def record_step_time(sched, step_id, seconds):
+        if step_id in steps:
+            steps[step_id]["ms"] = round(seconds * 1e3, 3)
+        return real_step_time(sched, step_id, seconds)
 
     def record(rule, num_running, speculative, tokens_per_request, seconds):
         samples.append({"n": num_running, "bucket": payoff.bucket_of(num_running), "spec": speculative,
@@ -44,13 +60,15 @@ def run(model: str, max_num_seqs: int, num_requests: int, spec: dict | None) -> 
         return real_record(rule, num_running, speculative, tokens_per_request, seconds)
 
     payoff.PayoffRule.record = record
+    Scheduler.schedule, Scheduler.record_step_time = schedule, record_step_time
     try:
         reqs = get_workload("W11", 1.0).requests[:num_requests]
-        llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=2048, speculative_config=spec)
+        llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=2048, speculative_config=spec, dtype=dtype)
         prompts = _prompts(llm.get_tokenizer(), reqs)
         params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
         llm.generate(prompts[:2], params, use_tqdm=False)                 # warm-up (graphs, allocator)
         samples.clear()
+        steps.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -60,11 +78,13 @@ def run(model: str, max_num_seqs: int, num_requests: int, spec: dict | None) -> 
                "out_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / elapsed,
                "num_steps": eng.stats.get("num_steps"), "overlapped_steps": eng.stats.get("num_overlapped_steps"),
                "snapshot": rule.snapshot() if rule is not None else None, "samples": samples[:],
+               "steps": [v for _, v in sorted(steps.items()) if "ms" in v],
                "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
         del llm, eng
         return res
     finally:
         payoff.PayoffRule.record = real_record
+        Scheduler.schedule, Scheduler.record_step_time = real_schedule, real_step_time
 
 
 def summarize(res: dict) -> list[str]:
@@ -72,6 +92,12 @@ def summarize(res: dict) -> list[str]:
              f"{res['num_steps']} steps ({res['overlapped_steps']} overlapped)"]
     for b, st in (res["snapshot"] or {}).items():
         lines.append(f"  bucket {b}: {st}")
+    timed = res["steps"]
+    if timed:
+        chunk = sum(s["ms"] for s in timed if s["prompt_chunk"]) / 1e3
+        decode = [s["ms"] for s in timed if not s["prompt_chunk"]]
+        lines.append(f"  steps timed: {len(timed)}; with prompt chunks {chunk:.3f} s; decode-only {sum(decode) / 1e3:.3f} s"
+                     f" ({sum(m for m in decode if m > 10) / 1e3:.3f} s in {sum(m > 10 for m in decode)} steps over 10 ms)")
     groups: dict[tuple, list] = {}
     for s in res["samples"]:
         groups.setdefault((s["bucket"], s["spec"]), []).append(s)
@@ -90,6 +116,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[16, 4, 1])
     ap.add_argument("--num-requests", type=int, default=32, help="W11's first N requests (of 64)")
     ap.add_argument("--payoff-window", type=int, default=None, help="speculative_config payoff_window")
+    ap.add_argument("--dtype", default="auto", help="the engines' dtype (float32: is a greedy difference rounding?)")
     ap.add_argument("--json", help="write every sample and summary here")
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
@@ -99,13 +126,17 @@ def main() -> None:
     results = []
     for m in args.max_num_seqs:
         for sp in (spec, None):
-            res = run(args.model, m, args.num_requests, sp)
+            res = run(args.model, m, args.num_requests, sp, args.dtype)
             print("\n".join(summarize(res)), flush=True)
             results.append(res)
         on, off = results[-2], results[-1]
-        same = on["token_ids"] == off["token_ids"]
+        differ = [i for i, (a, b) in enumerate(zip(on["token_ids"], off["token_ids"])) if a != b]
+        first = [next(j for j, (x, y) in enumerate(zip(on["token_ids"][i], off["token_ids"][i])) if x != y)
+                 for i in differ]
+        on["greedy_differs"], on["first_difference"] = differ, first
         print(f"max_num_seqs={m}: rule {on['out_tok_s']:.1f} vs off {off['out_tok_s']:.1f} tok/s "
-              f"({on['out_tok_s'] / off['out_tok_s']:.2f}x); greedy ids equal: {same}", flush=True)
+              f"({on['out_tok_s'] / off['out_tok_s']:.2f}x); greedy ids differ from off in {len(differ)} of "
+              f"{len(on['token_ids'])} requests (first differing position: {first})", flush=True)
     if args.json:
         for r in results:
             r.pop("token_ids")
