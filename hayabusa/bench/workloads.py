@@ -37,8 +37,8 @@ DESCRIPTIONS = {
     "W8": "page images to JSON (Qwen2.5-VL): 100 x (2-5 random images up to 1024x768 + ~60 text tokens, 256 "
           "output) at max_num_seqs 1,4,8,14,16,32",
     "W10": "prefixes that outgrow the GPU: 8 system prompts x 64 x (1024 shared + 128 own, 64 output), "
-           "num_gpu_blocks_override=1024 whatever the GPU (the prefixes need 512; the running requests' blocks evict "
-           "them between cycles), CPU KV tier on (swap_space=4) vs off",
+           "num_gpu_blocks_override=384 whatever the GPU (one running round plus 2 idle prefixes; the 8 prefixes "
+           "need 512), CPU KV tier on (swap_space=4) vs off",
     "W11": "copy-heavy extraction (speculative decoding; a TRAINED model): 64 x (a ~40-line order list + a "
            "question whose answer copies lines of it, 128 output) at max_num_seqs 1,4,16; TPOT and acceptance",
     "W1P": "a W1-like batch that must preempt on 8k-token contexts: 32 x (7168 prompt, 1024 output), "
@@ -265,18 +265,26 @@ def startup(scale: float = 1.0) -> Workload:
     return Workload("startup", _fixed(rng, 1, 16, 1), scale)
 
 
+W10_IDLE_PREFIXES = 2   # prefixes the GPU cache holds beside one running round: fewer than the 8 it cycles through
+
+
 def w10(scale: float = 1.0) -> Workload:
     """W5 with 8 different system prompts whose KV does not all fit the GPU: rounds of 16 requests per prompt,
-    cycling through the 8 prompts 4 times, so each round comes back to a prefix evicted since. ``scale`` shrinks
-    the lengths and the cache (at least 64 blocks), never the 16 requests of a round: a round's running requests
-    must outgrow the cache's room beside the prefixes, or the tier has nothing to restore (2-request rounds at
-    scale 0.1 never evicted a prefix)."""
+    cycling through the 8 prompts 4 times, so each round comes back to a prefix evicted since. The GPU cache
+    (``num_gpu_blocks_override``, 16-token blocks) holds one running round (its prefix and 16 requests' own blocks)
+    plus ``W10_IDLE_PREFIXES`` idle prefixes: too small for all 8 prefixes, as the workload's definition says (at
+    scale 1: 64 + 16 x 12 + 2 x 64 = 384 blocks; the 8 prefixes alone need 512). ``scale`` shrinks the lengths and
+    the cache together, never the 16 requests of a round: a round's running requests must outgrow the cache's
+    room beside the prefixes, or the tier has nothing to restore (2-request rounds at scale 0.1 never evicted a
+    prefix)."""
     rng = np.random.default_rng(0)
-    prompts = [_tokens(rng, _n(1024, scale)) for _ in range(8)]
-    own, per_round = _n(128, scale), 16
-    reqs = [BenchRequest(prompts[p] + _tokens(rng, own), _n(64, scale))
+    prefix_len, own, out, per_round = _n(1024, scale), _n(128, scale), _n(64, scale), 16
+    prompts = [_tokens(rng, prefix_len) for _ in range(8)]
+    reqs = [BenchRequest(prompts[p] + _tokens(rng, own), out)
             for _ in range(4) for p in range(8) for _ in range(per_round)]
-    blocks = max(_n(1024, scale), 64)   # with 16-token blocks: 16,384 tokens, 8 prefixes need 8,192 of them
+    prefix_blocks = -(-prefix_len // 16)
+    own_blocks = -(-(prefix_len + own + out) // 16) - prefix_len // 16   # a request's blocks past the shared ones
+    blocks = prefix_blocks * (1 + W10_IDLE_PREFIXES) + per_round * own_blocks
     return Workload("W10", reqs, scale, variants=[{"swap_space": 4}, {"swap_space": 0}],
                     engine_defaults={"num_gpu_blocks_override": blocks, "enable_prefix_caching": True,
                                      "max_model_len": _n(2048, scale)})
