@@ -355,6 +355,21 @@ def test_hayabusa_eval_max_model_len_bounds_the_decoder_only(tmp_path):
     assert len(recs) == 2 * 5 and all(r["outputs"] is not None and r.get("error") is None for r in recs)
 
 
+def test_hayabusa_eval_fidelity_refuses_t5_by_name(tmp_path, capsys):
+    """`hayabusa eval --fidelity` measures a decoder-only model's next-token distributions over a text; on a T5 it
+    says so (exit 2, naming --fidelity and the architecture), not a KV-cache error about a
+    num_gpu_blocks_override the user never gave."""
+    from hayabusa.entrypoints.cli import main
+
+    model = save_tiny_t5(tmp_path / "t5", "v1.0", num_decoder_layers=2)
+    text = tmp_path / "t.txt"
+    text.write_text("吾輩は猫である。名前はまだ無い。 The total was 1,200 yen. " * 4)
+    assert main(["eval", "--fidelity", "--model", model, "--text", str(text), "--no-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "--fidelity" in err and "T5ForConditionalGeneration" in err and "encoder-decoder" in err, err
+    assert "num_gpu_blocks_override" not in err and "Traceback" not in err
+
+
 def test_w9_workload_and_t5_bench_shapes():
     """W9's requests as BENCHMARKS.md defines them, and the T5 shapes of `hayabusa bench --make-model`."""
     from hayabusa.bench.models import shape_config, shape_stats
