@@ -188,6 +188,25 @@ def _fidelity_engine(model: str, engine_args: dict[str, Any], chunk_len: int | N
     return LLM(model, **args)
 
 
+def _refuse_encoder_decoder(model: str, engine_args: dict[str, Any]) -> None:
+    """--fidelity scores a causal LM's next token at every position of a text; an encoder-decoder model (T5) has
+    no such distribution over its input. Raises HayabusaValidationError naming --fidelity and the architecture."""
+    from hayabusa.config import load_hf_config
+    from hayabusa.model.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(model, revision=engine_args.get("revision"),
+                                  download_dir=engine_args.get("download_dir"),
+                                  allow_pt=engine_args.get("load_format") == "pt")
+    cfg = load_hf_config(model_dir, bool(engine_args.get("trust_remote_code")), engine_args.get("revision"))
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(text_cfg, "is_encoder_decoder", False):
+        arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
+        raise HayabusaValidationError(
+            f"--fidelity measures a decoder-only model's next-token distributions over a text; {arch} is an "
+            "encoder-decoder model, whose prompt is its encoder's input. Compare its answers with "
+            "`hayabusa eval --data FILE --reference hf` instead.", parameter="model", value=model)
+
+
 def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: str = "hf",
                  reference_dtype: str | None = None, chunk_len: int | None = None,
                  max_text_tokens: int | None = None, reference_model: str | None = None,
@@ -196,6 +215,7 @@ def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: 
     ``reference_model``: the reference runs this checkpoint instead of ``model`` (the unquantized original of a
     quantized checkpoint; same tokenizer)."""
     check_fidelity_args(reference, reference_dtype, chunk_len, max_text_tokens)
+    _refuse_encoder_decoder(model, engine_args)
     t0 = time.perf_counter()
     llm = _fidelity_engine(model, engine_args, chunk_len)
     mc = llm.llm_engine.config.model_config

@@ -66,6 +66,34 @@ def test_generate_output_matches_llm_generate(stories_dir, tmp_path):
     assert [g["outputs"][0]["token_ids"] for g in got] == [r.outputs[0].token_ids for r in ref]
 
 
+def test_generate_writes_the_logprobs_a_line_asks_for(stories_dir, tmp_path):
+    """A line's `logprobs` / `prompt_logprobs` are accepted, so they are written (as LLM.generate returns them:
+    per position {token id: {logprob, rank, decoded_token}}, with cumulative_logprob); lines without them get none."""
+    rows = [{"prompt": "Once upon a time", "logprobs": 3, "max_tokens": 4},
+            {"prompt": "Lily and Tom", "prompt_logprobs": 2, "max_tokens": 2}, {"prompt": "Once", "max_tokens": 2}]
+    path = write_jsonl(tmp_path / "requests.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", stories_dir, "--prompts", path, "--output", str(out), "--no-tqdm",
+                 "--temperature", "0"]) == 0
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    ref = LLM(stories_dir).generate(["Once upon a time", "Lily and Tom"],
+                                    [SamplingParams(temperature=0, max_tokens=4, logprobs=3),
+                                     SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)], use_tqdm=False)
+    c, rc = got[0]["outputs"][0], ref[0].outputs[0]
+    assert len(c["logprobs"]) == 4 and all(3 <= len(pos) <= 4 for pos in c["logprobs"])
+    for pos, rpos in zip(c["logprobs"], rc.logprobs):
+        assert {int(k) for k in pos} == set(rpos)
+        for k, v in pos.items():
+            r = rpos[int(k)]
+            assert v["logprob"] == pytest.approx(r.logprob, abs=1e-5) and v["rank"] == r.rank
+            assert v["decoded_token"] == r.decoded_token
+    assert c["cumulative_logprob"] == pytest.approx(rc.cumulative_logprob, abs=1e-4)
+    pl = got[1]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ref[1].prompt_token_ids) and len(pl) > 1
+    assert all({int(k) for k in pos} == set(r) for pos, r in zip(pl[1:], ref[1].prompt_logprobs[1:]))
+    assert "logprobs" not in got[2]["outputs"][0] and "prompt_logprobs" not in got[2]
+
+
 def test_not_utf8_is_a_user_error(tmp_path, capsys):
     path = tmp_path / "requests.jsonl"
     path.write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n')

@@ -334,6 +334,42 @@ def test_hayabusa_eval_on_the_bundled_receipts(tmp_path, capsys):
     assert not rows["hf (reference)"].get("error")
 
 
+def test_hayabusa_eval_max_model_len_bounds_the_decoder_only(tmp_path):
+    """`hayabusa eval --max-model-len` on a T5 bounds the decoder alone, as the engine does: receipts of 150-280
+    encoder tokens still run (in hayabusa and in the HF reference) under a decoder max_model_len of 16, and agree
+    (the reference's answers also end where the engine's decoder does: 15 tokens after the start token)."""
+    import json
+
+    from hayabusa.entrypoints.cli import main
+
+    model = save_tiny_t5(tmp_path / "t5", "v1.1", num_decoder_layers=2)
+    summary = tmp_path / "summary.json"
+    out = tmp_path / "results.jsonl"     # 24 > 15: without the reference's cap its answers run on and differ
+    assert main(["eval", "--model", model, "--data", "receipts", "--reference", "hf", "--max-tokens", "24",
+                 "--max-model-len", "16", "--no-tqdm", "--json", str(summary), "--output", str(out)]) == 0
+    rows = {r["setting"]: r for r in json.loads(summary.read_text())["rows"]}
+    ours, hf = rows["default"], rows["hf (reference)"]
+    assert ours["num_errors"] == 0 and hf["num_errors"] == 0 and not hf.get("error")
+    assert ours["agreement"] == 1.0 and ours["text_agreement"] == 1.0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 2 * 5 and all(r["outputs"] is not None and r.get("error") is None for r in recs)
+
+
+def test_hayabusa_eval_fidelity_refuses_t5_by_name(tmp_path, capsys):
+    """`hayabusa eval --fidelity` measures a decoder-only model's next-token distributions over a text; on a T5 it
+    says so (exit 2, naming --fidelity and the architecture), not a KV-cache error about a
+    num_gpu_blocks_override the user never gave."""
+    from hayabusa.entrypoints.cli import main
+
+    model = save_tiny_t5(tmp_path / "t5", "v1.0", num_decoder_layers=2)
+    text = tmp_path / "t.txt"
+    text.write_text("吾輩は猫である。名前はまだ無い。 The total was 1,200 yen. " * 4)
+    assert main(["eval", "--fidelity", "--model", model, "--text", str(text), "--no-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "--fidelity" in err and "T5ForConditionalGeneration" in err and "encoder-decoder" in err, err
+    assert "num_gpu_blocks_override" not in err and "Traceback" not in err
+
+
 def test_w9_workload_and_t5_bench_shapes():
     """W9's requests as BENCHMARKS.md defines them, and the T5 shapes of `hayabusa bench --make-model`."""
     from hayabusa.bench.models import shape_config, shape_stats
