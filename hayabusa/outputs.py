@@ -20,6 +20,19 @@ class Logprob:
     decoded_token: str | None = None
 
 
+LOGPROB_JSON_FLOOR = -9999.0   # JSON has no -inf: a masked token's logprob is written as this (vLLM clamps the same)
+
+
+def logprobs_json(entries: "list[dict[int, Logprob] | None] | None") -> list | None:
+    """Logprobs per position as JSON-safe data, vLLM's ``prompt_logprobs`` form: per position null or
+    {str(token id): {"logprob" (floored at LOGPROB_JSON_FLOOR), "rank", "decoded_token"}}; None stays None."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": max(p.logprob, LOGPROB_JSON_FLOOR), "rank": p.rank,
+                                             "decoded_token": p.decoded_token} for t, p in e.items()}
+            for e in entries]
+
+
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-`logprobs` tokens).
 SampleLogprobs = list[dict[int, Logprob]]
 

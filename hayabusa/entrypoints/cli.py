@@ -15,6 +15,7 @@ from typing import Any
 from hayabusa.assets import demo_model_dir
 from hayabusa.config import EngineArgs
 from hayabusa.errors import HayabusaValidationError
+from hayabusa.outputs import logprobs_json
 
 _sp = __import__("hayabusa.sampling_params", fromlist=["SamplingParams"])
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(_sp.SamplingParams)} - _sp.ENGINE_FILLED_FIELDS
@@ -155,20 +156,12 @@ def _engine_prompts(llm: Any, ns: argparse.Namespace, rows: list[tuple[int, dict
     return prompts
 
 
-def _logprobs_record(pos: Any) -> dict[str, dict[str, Any]] | None:
-    """One position's {token id: Logprob} as JSON: {"id": {"logprob", "rank", "decoded_token"}} (None stays null)."""
-    if pos is None:
-        return None
-    return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for t, lp in pos.items()}
-
-
 def _completion_record(c: Any) -> dict[str, Any]:
     """A CompletionOutput as an output line's entry; `logprobs` and `cumulative_logprob` only when the line asked
     for logprobs (as the request's RequestOutput carries them)."""
     rec = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
     if c.logprobs is not None:
-        rec["logprobs"] = [_logprobs_record(pos) for pos in c.logprobs]
+        rec["logprobs"] = logprobs_json(c.logprobs)
         rec["cumulative_logprob"] = c.cumulative_logprob
     return rec
 
@@ -199,7 +192,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 rec.update(encoder_prompt=out.encoder_prompt, encoder_prompt_token_ids=out.encoder_prompt_token_ids)
             rec["outputs"] = [_completion_record(c) for c in out.outputs]
             if out.prompt_logprobs is not None:   # the line asked for them: one entry per prompt token (first null)
-                rec["prompt_logprobs"] = [_logprobs_record(pos) for pos in out.prompt_logprobs]
+                rec["prompt_logprobs"] = logprobs_json(out.prompt_logprobs)
             if "id" in row:
                 rec["id"] = row["id"]
             out_f.write(json.dumps(rec, ensure_ascii=False) + "\n")

@@ -71,7 +71,9 @@ def run_hayabusa(model: str, items: list[EvalItem], engine_args: dict[str, Any],
         t0 = time.perf_counter()
         llm = LLM(model, **engine_args)
         run.startup_s = time.perf_counter() - t0
-        ok, run.item_errors = _items_that_fit(items, llm.llm_engine.config.model_config)
+        mc = llm.llm_engine.config.model_config
+        enc_dec = bool(mc.is_encoder_decoder)   # T5: the prompt is the encoder input, bounded by the encoder limit
+        ok, run.item_errors = _items_that_fit(items, mc.max_encoder_len if enc_dec else mc.max_model_len, enc_dec)
         prompts = [engine_prompt(items[i]) for i in ok]
         params = [_sampling_params(sampling, i, sampling_seed) for i in ok]
         if schemas is not None:
@@ -111,15 +113,14 @@ def _too_long(num_tokens: int, limit: int, encoder_decoder: bool) -> str:
     return f"prompt has {num_tokens} tokens; max_model_len={limit} leaves no room for an answer"
 
 
-def _items_that_fit(items: list[EvalItem], model_config: Any) -> tuple[list[int], dict[int, str]]:
-    """(indices of the items the engine takes, {index: why not} for the others). A decoder-only prompt must leave
-    max_model_len room for one output token; a T5 prompt is the encoder input, bounded by the model's encoder
-    limit (``max_encoder_len``) whatever max_model_len, which bounds the decoder alone."""
-    enc_dec = bool(model_config.is_encoder_decoder)
-    limit = model_config.max_encoder_len if enc_dec else model_config.max_model_len
-    ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < limit + enc_dec]
-    skip = set(ok)
-    return ok, {i: _too_long(len(it.prompt_token_ids), limit, enc_dec) for i, it in enumerate(items) if i not in skip}
+def _items_that_fit(items: list[EvalItem], limit: int, encoder_decoder: bool) -> tuple[list[int], dict[int, str]]:
+    """(indices of the items a run takes, {index: why not} for the others). A decoder-only prompt must leave
+    ``limit`` (max_model_len) room for one output token; a T5 prompt is the encoder input, at most ``limit`` (the
+    model's encoder limit) tokens whatever max_model_len, which bounds the decoder alone."""
+    ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < limit + encoder_decoder]
+    taken = set(ok)
+    return ok, {i: _too_long(len(it.prompt_token_ids), limit, encoder_decoder)
+                for i, it in enumerate(items) if i not in taken}
 
 
 def _record_failure(run: "RunOutput", e: BaseException, num_items: int, show_traceback: bool) -> None:
@@ -174,9 +175,7 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
         enc_dec = bool(getattr(hf.config, "is_encoder_decoder", False))   # T5: the prompt is the encoder input
         # T5: the encoder limit bounds the prompt whatever max_model_len (which bounds the decoder alone)
         limit = _max_position(model_dir) if enc_dec else (max_model_len or _max_position(model_dir))
-        ok = [i for i, it in enumerate(items) if len(it.prompt_token_ids) < limit + enc_dec]
-        run.item_errors = {i: _too_long(len(it.prompt_token_ids), limit, enc_dec)
-                           for i, it in enumerate(items) if i not in set(ok)}
+        ok, run.item_errors = _items_that_fit(items, limit, enc_dec)
         # T5: the engine's decoder (its start token + the answer) holds at most max_model_len tokens
         new_tokens = min(max_tokens, (max_model_len or limit) - 1) if enc_dec else max_tokens
         synchronize(cuda)

@@ -168,6 +168,7 @@ class PayoffRule:
         if spec is None or plain is None:
             return
         st.speculating = spec >= plain * (1.0 - self.margin)
+
     def snapshot(self) -> dict[int, dict]:
         """Per bucket: ``speculating`` (the chosen mode), ``plain_steps`` / ``spec_steps`` (steps scheduled in
         each mode), ``spec_rate`` / ``plain_rate`` (tokens per request per second over the windows, or None)."""

@@ -33,7 +33,7 @@ from hayabusa.entrypoints.openai.protocol import (MAX_LOGPROBS, UNSUPPORTED_FIEL
 from hayabusa.entrypoints.openai.request_checks import (MAX_PROMPTS, PromptLimit, TimeLimitExceeded,
                                                         run_with_time_limit)
 from hayabusa.errors import ChatTemplateError, HayabusaValidationError
-from hayabusa.outputs import Logprob, RequestOutput
+from hayabusa.outputs import LOGPROB_JSON_FLOOR, Logprob, RequestOutput, logprobs_json
 from hayabusa.sampling_params import SamplingParams, StructuredOutputsParams
 from hayabusa.structured_output.manager import parse_grammar
 
@@ -191,7 +191,7 @@ class RequestTimer:
 
 
 def _clamp(lp: float) -> float:
-    return max(lp, -9999.0)   # JSON has no -inf (vLLM clamps the same way)
+    return max(lp, LOGPROB_JSON_FLOOR)   # JSON has no -inf (vLLM clamps the same way)
 
 
 def _token_str(token_id: int, lp: Logprob) -> str:
@@ -307,7 +307,7 @@ class OpenAIServing:
                 choices.append({"index": i * req.n + c.index, "text": echo_texts[i] + text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if req.prompt_logprobs is not None:
-                    choices[-1]["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                    choices[-1]["prompt_logprobs"] = logprobs_json(out.prompt_logprobs)
                 if req.return_token_ids:   # vLLM: the prompt's ids as the engine got them, the output's ids
                     choices[-1].update(prompt_token_ids=list(prompts[i][1]),
                                        token_ids=[] if echo_only else list(c.token_ids))
@@ -824,16 +824,6 @@ class OpenAIServing:
             (tid, sampled), *_ = entry.items()
             content.append({**one(tid, sampled), "top_logprobs": [one(t, p) for t, p in _ranked(entry)[:k]]})
         return content
-
-
-def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
-    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token null or {token id: {logprob, rank,
-    decoded_token}}."""
-    if entries is None:
-        return None
-    return [None if e is None else {str(t): {"logprob": _clamp(p.logprob), "rank": p.rank,
-                                             "decoded_token": p.decoded_token} for t, p in e.items()}
-            for e in entries]
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
