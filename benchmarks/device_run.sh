@@ -733,6 +733,22 @@ g_s15e() {  # session 15, issue #21: the payoff rule's samples (payoff_trace.py)
   bench_step smol_W11_off "${W11_MAX_S:-90}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
 }
 
+g_s16a() {  # session 16, issue #24: the INT8 W8A8 GEMM's tile sweep (INT8_GEMM_TABLE), then gemm_t's on int4 MLP layers
+  step w8a8_sweep 250 60 python benchmarks/kernels/bench_quant_linear.py --sweep-w8a8 --budget-s 170 \
+    --json "$OUT/w8a8_sweep.json"
+  step gemm_t_sweep "${GEMM_SWEEP_S:-170}" 30 python benchmarks/kernels/bench_quant_linear.py --sweep-gemm \
+    --layers gate_up,down --m 16,64,256 --json "$OUT/gemm_t_sweep.json"
+}
+g_s16b() {  # session 16, issue #21: where the payoff rule's stalls go (payoff_trace.py's per-step phases), cProfile of
+            # batch 4, then float32 at batch 4 (do greedy ids with speculation equal off's without fp16 rounding?)
+  ensure_smol || return 0
+  step payoff_trace 200 30 python benchmarks/payoff_trace.py --model "$smol" --max-num-seqs 4 16 --num-requests 32 \
+    --json "$OUT/payoff_trace.json"
+  step payoff_cprofile 120 20 bash -c "python benchmarks/payoff_trace.py --model '$smol' --max-num-seqs 4 \
+    --num-requests 32 --cprofile 2>&1 | grep -v 'engine steps over' | head -150"
+  step payoff_fp32 120 20 python benchmarks/payoff_trace.py --model "$smol" --max-num-seqs 4 --num-requests 32 \
+    --dtype float32 --json "$OUT/payoff_trace_fp32.json"
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

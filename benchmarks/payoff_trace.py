@@ -30,7 +30,8 @@ def _prompts(tokenizer, reqs) -> list[str]:
                                           add_generation_prompt=True) + r.answer_prefix for r in reqs]
 
 
-def run(model: str, max_num_seqs: int, num_requests: int, spec: dict | None, dtype: str = "auto") -> dict:
+def run(model: str, max_num_seqs: int, num_requests: int, spec: dict | None, dtype: str = "auto",
+        cprofile: bool = False) -> dict:
     from hayabusa import LLM, SamplingParams
     from hayabusa.bench.workloads import get_workload
     from hayabusa.core.scheduler import Scheduler
@@ -64,14 +65,28 @@ def run(model: str, max_num_seqs: int, num_requests: int, spec: dict | None, dty
     try:
         reqs = get_workload("W11", 1.0).requests[:num_requests]
         llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=2048, speculative_config=spec, dtype=dtype)
+        calls = _time_phases(llm.llm_engine)
         prompts = _prompts(llm.get_tokenizer(), reqs)
         params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
         llm.generate(prompts[:2], params, use_tqdm=False)                 # warm-up (graphs, allocator)
         samples.clear()
         steps.clear()
+        calls.clear()
+        prof = None
+        if cprofile:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        if prof is not None:
+            import io
+            import pstats
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            print(f"cProfile, max_num_seqs={max_num_seqs} spec={spec is not None} (by own time):\n{text.getvalue()}")
         eng = llm.llm_engine
         rule = eng.scheduler.spec.payoff if eng.scheduler.spec is not None else None
         res = {"max_num_seqs": max_num_seqs, "speculative": spec is not None, "seconds": elapsed,
@@ -79,12 +94,66 @@ def run(model: str, max_num_seqs: int, num_requests: int, spec: dict | None, dty
                "num_steps": eng.stats.get("num_steps"), "overlapped_steps": eng.stats.get("num_overlapped_steps"),
                "snapshot": rule.snapshot() if rule is not None else None, "samples": samples[:],
                "steps": [v for _, v in sorted(steps.items()) if "ms" in v],
-               "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+               "token_ids": [list(o.outputs[0].token_ids) for o in outs], "engine_steps": calls[:]}
         del llm, eng
         return res
     finally:
         payoff.PayoffRule.record = real_record
         Scheduler.schedule, Scheduler.record_step_time = real_schedule, real_step_time
+
+
+def _time_phases(eng) -> list[dict]:
+    """Per ``LLMEngine._step`` call: its wall ms and the ms it spent scheduling, launching, waiting for the device
+    (``finish``), collecting outputs and in the garbage collector, with the step ids it scheduled and collected
+    (instance attributes wrap the engine's own methods; nothing else changes)."""
+    import gc
+
+    calls: list[dict] = []
+    cur: dict = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                cur[name] = cur.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+        return wrapper
+
+    def gc_cb(phase, info):
+        if phase == "start":
+            cur["_gc0"] = time.perf_counter()
+        elif "_gc0" in cur:
+            cur["gc"] = cur.get("gc", 0.0) + (time.perf_counter() - cur.pop("_gc0")) * 1e3
+
+    real_step, real_collect, real_schedule = eng._step, eng._collect_outputs, eng.scheduler.schedule
+
+    def schedule():
+        out = real_schedule()
+        cur["scheduled"] = out.step_id
+        return out
+
+    def collect(sched, result):
+        cur["collected"] = sched.step_id
+        return real_collect(sched, result)
+
+    def step():
+        cur.clear()
+        t = time.perf_counter()
+        try:
+            return real_step()
+        finally:
+            rec = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in cur.items() if not k.startswith("_")}
+            rec["ms"] = round((time.perf_counter() - t) * 1e3, 3)
+            calls.append(rec)
+
+    eng._step = step
+    eng.scheduler.schedule = timed("schedule", schedule)
+    eng.runner.launch = timed("launch", eng.runner.launch)
+    eng.runner.finish = timed("finish", eng.runner.finish)
+    eng._collect_outputs = timed("collect", collect)
+    gc.callbacks.append(gc_cb)
+    return calls
 
 
 def summarize(res: dict) -> list[str]:
@@ -98,6 +167,13 @@ def summarize(res: dict) -> list[str]:
         decode = [s["ms"] for s in timed if not s["prompt_chunk"]]
         lines.append(f"  steps timed: {len(timed)}; with prompt chunks {chunk:.3f} s; decode-only {sum(decode) / 1e3:.3f} s"
                      f" ({sum(m for m in decode if m > 10) / 1e3:.3f} s in {sum(m > 10 for m in decode)} steps over 10 ms)")
+    calls = res.get("engine_steps") or []
+    if calls:
+        tot = {k: sum(c.get(k, 0.0) for c in calls) for k in ("ms", "schedule", "launch", "finish", "collect", "gc")}
+        lines.append(f"  engine steps: {len(calls)}; ms in total " + ", ".join(f"{k} {v:.1f}" for k, v in tot.items()))
+        slow = [c for c in calls if c["ms"] > 5]
+        lines.append(f"  engine steps over 5 ms: {len(slow)} ({sum(c['ms'] for c in slow):.1f} ms); the first 12: "
+                     f"{slow[:12]}")
     groups: dict[tuple, list] = {}
     for s in res["samples"]:
         groups.setdefault((s["bucket"], s["spec"]), []).append(s)
@@ -117,6 +193,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32, help="W11's first N requests (of 64)")
     ap.add_argument("--payoff-window", type=int, default=None, help="speculative_config payoff_window")
     ap.add_argument("--dtype", default="auto", help="the engines' dtype (float32: is a greedy difference rounding?)")
+    ap.add_argument("--cprofile", action="store_true", help="print cProfile's top functions of each timed run")
     ap.add_argument("--json", help="write every sample and summary here")
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
@@ -126,7 +203,7 @@ def main() -> None:
     results = []
     for m in args.max_num_seqs:
         for sp in (spec, None):
-            res = run(args.model, m, args.num_requests, sp, args.dtype)
+            res = run(args.model, m, args.num_requests, sp, args.dtype, args.cprofile)
             print("\n".join(summarize(res)), flush=True)
             results.append(res)
         on, off = results[-2], results[-1]
