@@ -139,19 +139,49 @@ def _num_sms(device: torch.device) -> int:
 # Launches of _int8_gemm_kernel, keyed by (M bucket (int8_m_bucket), shape class (quant_linear.gemm_shape_class:
 # "square" qkv / o, "wide" gate_up, "deep" down)) -> (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages);
 # SPLIT_K 0 = split K only when the output tiles do not fill the SMs (to about two programs per SM, each split >= 2
-# K tiles, at most 16), else the number of K splits asked for. The entries are the launch this module used before
-# the table (run N2, 2026-12-01): 16-row tiles with K split over the SMs for decode, 64-row tiles with 128-wide K
-# tiles (16 KB of int8 per operand) up to 512 rows, 128-row tiles above; the same for every shape class.
-# UNMEASURED per class: `python benchmarks/kernels/bench_quant_linear.py --sweep-w8a8` times candidates at
-# M = 16..256 on the 7b layers and prints the literal to paste here. The int32 accumulation is exact, so any
-# entry gives the same output bits (tests/kernels/test_int8_w8a8.py: test_every_table_launch_is_bit_exact).
+# K tiles, at most 16), else the number of K splits asked for. _INT8_BEFORE_TABLE is the launch this module used
+# before the table (run N2, 2026-12-01: the same for every shape class); buckets 512 and 8192 still use it.
+# Buckets 16..256 measured on the H200 (2026-12-03, commit 834bf9f, `python benchmarks/kernels/bench_quant_linear.py
+# --sweep-w8a8 --budget-s 170`, Qwen2.5-7B layers, CUDA-graph medians; benchmarks/results/
+# 2026-12-03_h200_834bf9f.w8a8_sweep.json): per (class, M) the candidate with the least us summed over the class's
+# layers, kept at the old launch where that was faster (128 square: 26.0 old vs 26.7 for (64, 64, 128, 0, 4, 4),
+# which splits o's K 3 ways: 16.1 us; 32 deep: 25.8 vs 26.0). Summed us at M = 16 / 32 / 64 / 128 / 256, old -> new:
+#   square (qkv + o): 16.6 22.3 28.8 26.0 28.6 -> 16.6 19.4 25.3 26.0 23.9   (bf16 cuBLAS 15.7 17.1 16.2 18.3 25.1)
+#   wide (gate_up):   36.3 39.9 40.2 55.8 87.8 -> 35.8 38.3 37.9 50.7 77.7   (bf16 69.6 71.2 70.2 73.0 113.1)
+#   deep (down):      23.4 25.8 29.5 59.0 60.8 -> 23.4 25.8 29.5 35.4 51.7   (bf16 39.5 39.5 40.9 44.6 61.9)
+# So for the square class int8 W8A8 is still slower than bf16 cuBLAS up to M = 128 (o at M = 64: best 12.5 us vs bf16
+# 7.8; o at M = 128: old launch 12.9, best candidate 16.1 vs bf16 8.5), about even at 256; wide is 1.4-1.9x and deep
+# 1.2-1.7x faster than bf16. The int32 accumulation is exact, so any entry gives the same output bits
+# (tests/kernels/test_int8_w8a8.py: test_every_table_launch_is_bit_exact; the sweep also compared every candidate's
+# output bits with the old launch's on the GPU: none differed).
 INT8_M_BUCKETS = (16, 32, 64, 128, 256, 512, 8192)
 INT8_SHAPE_CLASSES = ("square", "wide", "deep")
 _INT8_BEFORE_TABLE = {16: (16, 64, 128, 0, 4, 4), 32: (64, 64, 128, 0, 4, 4), 64: (64, 64, 128, 0, 4, 4),
                       128: (64, 128, 128, 1, 4, 4), 256: (64, 128, 128, 1, 4, 4), 512: (64, 128, 128, 1, 4, 4),
                       8192: (128, 128, 128, 1, 8, 3)}
 INT8_GEMM_TABLE: dict[tuple[int, str], tuple[int, int, int, int, int, int]] = {
-    (bucket, shape): _INT8_BEFORE_TABLE[bucket] for bucket in INT8_M_BUCKETS for shape in INT8_SHAPE_CLASSES}
+    (16, 'deep'): (16, 64, 128, 0, 4, 4),
+    (16, 'square'): (16, 64, 128, 0, 4, 4),
+    (16, 'wide'): (16, 64, 256, 0, 4, 4),
+    (32, 'deep'): (64, 64, 128, 0, 4, 4),
+    (32, 'square'): (16, 64, 256, 0, 4, 4),
+    (32, 'wide'): (32, 64, 128, 0, 4, 4),
+    (64, 'deep'): (64, 64, 128, 0, 4, 4),
+    (64, 'square'): (32, 64, 256, 0, 4, 4),
+    (64, 'wide'): (64, 128, 128, 0, 8, 3),
+    (128, 'deep'): (64, 64, 128, 0, 4, 4),
+    (128, 'square'): (64, 128, 128, 1, 4, 4),
+    (128, 'wide'): (64, 128, 128, 0, 8, 3),
+    (256, 'deep'): (64, 64, 128, 0, 4, 4),
+    (256, 'square'): (64, 64, 128, 0, 4, 4),
+    (256, 'wide'): (128, 128, 128, 0, 8, 3),
+    (512, 'deep'): (64, 128, 128, 1, 4, 4),
+    (512, 'square'): (64, 128, 128, 1, 4, 4),
+    (512, 'wide'): (64, 128, 128, 1, 4, 4),
+    (8192, 'deep'): (128, 128, 128, 1, 8, 3),
+    (8192, 'square'): (128, 128, 128, 1, 8, 3),
+    (8192, 'wide'): (128, 128, 128, 1, 8, 3),
+}
 
 
 def int8_m_bucket(M: int) -> int:
@@ -186,8 +216,10 @@ def int8_table_launch(entry: tuple[int, int, int, int, int, int], M: int, N: int
 def pick_int8_config(M: int, N: int, K: int, device: torch.device) -> Int8GemmConfig:
     """The launch for [M, K] x [K, N]: INT8_GEMM_TABLE's entry for (M bucket, shape class), resolved for the
     device's SM count (int8_table_launch). Host ints and the SM count only (CUDA-graph safe, the same every run).
-    Split K only for decode-sized M: on the H200 (run N) 128-row tiles with K split 5 ways took 104 us for the 7B
-    o_proj at M = 256, against 66 us unsplit at M = 1024; above 64 rows, smaller tiles fill the SMs instead."""
+    K is split only where the entry asks (SPLIT_K 0: while the output tiles do not fill the SMs), which the
+    measured table keeps to small M and few tiles: on the H200 (2026-12-03) the 7B down at M = 128 took 35.4 us with
+    64 x 64 tiles split 3 ways against 59.0 us unsplit 64 x 128 tiles, while o at M = 128 took 16.1 us split and 12.9
+    unsplit (run N: 128-row tiles split 5 ways, 104 us for o at M = 256)."""
     return int8_table_launch(INT8_GEMM_TABLE[(int8_m_bucket(M), gemm_shape_class(N, K))], M, N, K, device)
 
 
