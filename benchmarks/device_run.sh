@@ -749,6 +749,30 @@ g_s16b() {  # session 16, issue #21: where the payoff rule's stalls go (payoff_t
   step payoff_fp32 120 20 python benchmarks/payoff_trace.py --model "$smol" --max-num-seqs 4 --num-requests 32 \
     --dtype float32 --json "$OUT/payoff_trace_fp32.json"
 }
+g_s16c() {  # session 16: mixed-step CUDA graphs' and the int8 table's CUDA tests, W1 on 0.5b with mixed graphs off / on,
+            # W1 on the 7b shape in bf16 and INT8 W8A8 (the measured INT8_GEMM_TABLE)
+  ensure_q05
+  local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 150)
+  step s16c_tests 240 30 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    tests/engine/test_mixed_graphs_cuda.py tests/engine/test_cuda_graphs.py tests/spec_decode/test_spec_graphs_cuda.py \
+    ${pt[*]} 2>&1 | tee '$OUT/s16c_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error|assert' | tail -40; \
+    python -m pytest -q -rfE --tb=short -p no:cacheprovider tests/kernels/test_int8_w8a8.py -m cuda ${pt[*]} 2>&1 | tail -5"
+  export HAYABUSA_MIXED_GRAPHS=0
+  bench_step q05_W1_mixed0 90 20 --workload W1 --model "$Q05" --scale 0.25
+  unset HAYABUSA_MIXED_GRAPHS
+  bench_step q05_W1_mixed1 90 20 --workload W1 --model "$Q05" --scale 0.25
+  ensure_q7
+  bench_step q7_W1_w8a8 200 40 --workload W1 --model "$Q7" --scale 0.25 --sweep quantization=none,w8a8_int8
+}
+g_s16d() {  # session 16, issue #21: the payoff trace and W11 (n-gram with the rule vs off) with mixed-step graphs
+  local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  ensure_smol || return 0
+  step payoff_trace 150 30 python benchmarks/payoff_trace.py --model "$smol" --max-num-seqs 4 16 1 --num-requests 32 \
+    --json "$OUT/payoff_trace.json"
+  bench_step smol_W11_ngram "${W11_MAX_S:-100}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+    --speculative-config "$ng"
+  bench_step smol_W11_off "${W11_MAX_S:-100}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

@@ -18,6 +18,21 @@ the target's buffers; its proposal forwards have decode graphs on buffers of the
 ``make_graphs``). With EAGLE / EAGLE-3 (``eagle_forward``, on CUDA while worker/eagle.py USE_EAGLE_GRAPHS, the default) the
 target's decode and verify graphs also output the head's input for every token of the padded step (EAGLE-1: the
 final hidden state; EAGLE-3: the head's ``fc`` over the aux layers' states), read as ``head_input`` after the run.
+
+Mixed steps (prompt chunks, alone or with decode / verify rows: admissions) are keyed by (bs, T_pad): a step of
+R <= bs requests and T <= T_pad tokens, any query lengths, replays the (bs, T_pad) graph, padded like a verify step
+(``StepBuffers.pad_verify``) and captured with max_query_len = T_pad (the prefill tile configuration, which does
+not depend on the length, so the attention is the eager step's; the grid's programs past a request's queries
+exit). The output is the hidden states [T_pad, H]; logits come from the first T rows outside the graph. Why: an
+eager step is host-bound for small models. Measured on an H200 (2026-12-03, SmolLM2-135M fp16, W11 at
+max_num_seqs 4, benchmarks/payoff_trace.py): an admission step (one 1,300-token prompt with 3 decode rows) took
+15-25 ms of host launches eagerly, ~15 decode steps' time, and speculation, which desynchronises the requests,
+needed 33 admission steps where lockstep decoding needed 8: 0.52 s of its 1.63 s. Sizes (``mixed_graph_sizes``):
+bs in MIXED_GRAPH_BATCH_SIZES, T_pad in MIXED_GRAPH_TOKENS up to max_num_batched_tokens and while the padded
+step's linear FLOPs stay under MIXED_GRAPH_FLOP_BUDGET (a large model's prefill is GPU-bound: there padding
+would cost more than the launches it saves). With enforce_eager the same padded shapes run eagerly. Off (steps
+unpadded, eager) with HAYABUSA_MIXED_GRAPHS=0 and for draft / EAGLE / encoder-decoder / image / batch-invariant
+runners.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import time
 import torch
 
 from hayabusa.attention.metadata import ForwardContext
+from hayabusa.envs import env_flag
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.worker.step_buffers import StepBuffers
 
@@ -37,6 +53,15 @@ logger = logging.getLogger(__name__)
 # the profiled peak; larger verify steps run eagerly.
 VERIFY_GRAPH_MAX_TOKENS = 1024
 
+# Mixed-step graphs (module docstring): batch sizes, token buckets, and the most linear FLOPs (2 x params x T_pad)
+# a padded step may have: 1e12 is about 3 ms of an H200 at half its bf16 peak, under the 15-25 ms an eager step's
+# launches take (a choice from that measurement; on slower GPUs fewer buckets would pay). A 135M model gets every
+# bucket, a 0.5B one up to 1,024 tokens, a 7B one 64 tokens.
+MIXED_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
+MIXED_GRAPH_TOKENS = (64, 128, 256, 512, 1024, 2048)
+MIXED_GRAPH_FLOP_BUDGET = 1e12
+USE_MIXED_GRAPHS = env_flag("HAYABUSA_MIXED_GRAPHS", True)
+
 
 def capture_sizes(max_batch: int, sizes: list[int] | None = None) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every 16 up to max_batch (vLLM's schedule), plus max_batch."""
@@ -44,6 +69,30 @@ def capture_sizes(max_batch: int, sizes: list[int] | None = None) -> list[int]:
         return sorted({s for s in sizes if 1 <= s <= max_batch} | {max_batch})
     out = [s for s in (1, 2, 4, 8) if s <= max_batch] + list(range(16, max_batch + 1, 16))
     return sorted(set(out) | {max_batch})
+
+
+def linear_params_per_token(model_config) -> int:
+    """About the decoder's linear weights one token multiplies (the FLOPs per token / 2): layers x (4 h^2 + 3 h x
+    intermediate) from the model's config (an upper bound with GQA; the LM head, computed outside the graphs on
+    the sampling rows only, is left out). h = hidden_size; intermediate_size (else n_inner, else 4 h)."""
+    text = model_config.hf_config.get_text_config() if hasattr(model_config.hf_config, "get_text_config") \
+        else model_config.hf_config
+    h = model_config.hidden_size
+    inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * h
+    return model_config.num_layers * (4 * h * h + 3 * h * inter)
+
+
+def mixed_graph_sizes(max_num_reqs: int, max_num_tokens: int, params_per_token: int) -> list[tuple[int, int]]:
+    """The (bs, T_pad) sizes of mixed-step graphs: bs in MIXED_GRAPH_BATCH_SIZES up to max_num_reqs (and
+    max_num_reqs itself when it is at most the largest), T_pad in MIXED_GRAPH_TOKENS up to max_num_tokens with
+    2 x params_per_token x T_pad <= MIXED_GRAPH_FLOP_BUDGET. Empty when none fits."""
+    top = MIXED_GRAPH_BATCH_SIZES[-1]
+    sizes = {b for b in MIXED_GRAPH_BATCH_SIZES if b <= max_num_reqs}
+    if max_num_reqs <= top:
+        sizes.add(max_num_reqs)
+    tokens = [t for t in MIXED_GRAPH_TOKENS
+              if t <= max_num_tokens and 2 * params_per_token * t <= MIXED_GRAPH_FLOP_BUDGET]
+    return [(b, t) for b in sorted(sizes) for t in tokens]
 
 
 class CUDAGraphRunner:
@@ -79,7 +128,8 @@ class CUDAGraphRunner:
 
     def __init__(self, model, kv_caches, backend, buffers: StepBuffers, cfg, *, max_num_reqs: int,
                  max_num_tokens: int, device: torch.device, encdec=None, verify: bool = False,
-                 with_logits: bool = True, use_graphs: bool = True, eagle_forward=None) -> None:
+                 with_logits: bool = True, use_graphs: bool = True, eagle_forward=None,
+                 mixed_sizes: list[tuple[int, int]] | None = None) -> None:
         spec = cfg.speculative_config
         if verify and spec is None:
             raise HayabusaValidationError("verify graphs need a speculative_config.", parameter="verify",
@@ -116,6 +166,15 @@ class CUDAGraphRunner:
             self.verify_sizes = fit
         self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.verify_hidden: dict[int, torch.Tensor] = {}
+        # mixed steps (prompt chunks): (bs, T_pad) sizes (mixed_graph_sizes); with enforce_eager the same padded
+        # shapes run eagerly (as decode's do), so graphs on and off give the same numbers
+        self.mixed_sizes = sorted(mixed_sizes or [])
+        self.mixed_batch_sizes = sorted({b for b, _ in self.mixed_sizes})
+        self.mixed_tokens = sorted({t for _, t in self.mixed_sizes})
+        self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.mixed_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.num_mixed_runs = 0       # mixed steps run on the padded shapes
+        self.num_mixed_replays = 0    # of those, replayed from a graph
         self.num_runs = 0             # decode steps run on the padded shapes
         self.num_replays = 0          # of those, replayed from a graph
         self.num_verify_runs = 0      # verify steps run on the padded (bs, Q) shapes
@@ -130,6 +189,11 @@ class CUDAGraphRunner:
         otherwise EAGLE steps run eagerly and the runner gets plain decode graphs (no verify graphs)."""
         eagle_forward = None
         verify = runner.cfg.speculative_config is not None
+        mixed = None
+        if USE_MIXED_GRAPHS and runner.draft is None and runner.encdec is None \
+                and runner.mm is None and not getattr(runner.cfg.model_config, "batch_invariant", False):
+            mixed = mixed_graph_sizes(runner.max_num_reqs, runner.max_num_tokens,
+                                      linear_params_per_token(runner.cfg.model_config))
         if getattr(runner.draft, "is_eagle", False):
             from hayabusa.worker import eagle
 
@@ -139,7 +203,8 @@ class CUDAGraphRunner:
                 verify = False
         return cls(runner.model, runner.kv_caches, runner.backend, runner.buffers, runner.cfg,
                    max_num_reqs=runner.max_num_reqs, max_num_tokens=runner.max_num_tokens, device=runner.device,
-                   encdec=runner.encdec, verify=verify, use_graphs=use_graphs, eagle_forward=eagle_forward)
+                   encdec=runner.encdec, verify=verify, use_graphs=use_graphs, eagle_forward=eagle_forward,
+                   mixed_sizes=mixed)
 
     def can_run(self, num_reqs: int) -> bool:
         return num_reqs <= self.sizes[-1]
@@ -170,6 +235,11 @@ class CUDAGraphRunner:
         ctx = ForwardContext(buf.attn_metadata(bs, bs * Q, Q, self.max_model_len), self.kv_caches, self.backend)
         return self._model(bs * Q, ctx)      # [bs * Q, H], head input [bs * Q, H_head] or None
 
+    def _forward_mixed(self, bs: int, T_pad: int) -> torch.Tensor:
+        buf = self.buffers
+        ctx = ForwardContext(buf.attn_metadata(bs, T_pad, T_pad, self.max_model_len), self.kv_caches, self.backend)
+        return self.model(buf.input_ids[:T_pad], buf.positions[:T_pad], ctx)     # [T_pad, H]
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first so smaller graphs reuse the pool; then the verify sizes."""
@@ -192,11 +262,50 @@ class CUDAGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 self.verify_hidden[bs], self.verify_head_inputs[bs] = self._forward_verify(bs)
             self.verify_graphs[bs] = graph
+        if self.mixed_sizes and self.use_graphs:
+            try:   # the largest step's activations, outside the pool: no room, no mixed graphs (steps stay eager)
+                self.buffers.pad_verify(0, 0, *max(self.mixed_sizes, key=lambda s: (s[1], s[0])))
+                self._forward_mixed(*max(self.mixed_sizes, key=lambda s: (s[1], s[0])))
+            except torch.cuda.OutOfMemoryError:
+                logger.warning("no GPU memory for the mixed-step CUDA graphs (%s tokens at most): prompt steps run "
+                               "eagerly", self.mixed_tokens[-1])
+                self.mixed_sizes, self.mixed_batch_sizes, self.mixed_tokens = [], [], []
+                torch.cuda.empty_cache()
+        for bs, T_pad in sorted(self.mixed_sizes if self.use_graphs else [], key=lambda s: (-s[1], -s[0])):
+            self.buffers.pad_verify(0, 0, bs, T_pad)
+            self._forward_mixed(bs, T_pad)  # warm up
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.mixed_hidden[(bs, T_pad)] = self._forward_mixed(bs, T_pad)
+            self.mixed_graphs[(bs, T_pad)] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (sizes %s; verify sizes %s x %d tokens) in %.1f s",
-                    len(self.sizes) + len(self.verify_sizes), self.sizes, self.verify_sizes, self.verify_width,
+        logger.info("captured %d CUDA graphs (sizes %s; verify sizes %s x %d tokens; mixed batch sizes %s x tokens "
+                    "%s) in %.1f s", len(self.sizes) + len(self.verify_sizes) + len(self.mixed_sizes), self.sizes,
+                    self.verify_sizes, self.verify_width, self.mixed_batch_sizes, self.mixed_tokens,
                     self.capture_seconds)
+
+    def mixed_size(self, num_reqs: int, num_tokens: int) -> tuple[int, int] | None:
+        """The (bs, T_pad) graph a mixed step of ``num_reqs`` requests / ``num_tokens`` tokens replays: the
+        smallest captured batch size and token bucket that hold it; None when none does (it runs eagerly)."""
+        bs = next((b for b in self.mixed_batch_sizes if b >= num_reqs), None)
+        t = next((t for t in self.mixed_tokens if t >= num_tokens), None)
+        return None if bs is None or t is None else (bs, t)
+
+    def run_mixed(self, inp, size: tuple[int, int]) -> torch.Tensor:
+        """Replay (or, with enforce_eager, run eagerly on the same padded shapes) the (bs, T_pad) graph ``size``
+        (``mixed_size``) for a step whose inputs are already in the buffers; returns hidden [T, H] (a view of the
+        graph's static output: read it before the next replay)."""
+        R, T = inp.num_reqs, len(inp.input_ids)
+        bs, T_pad = size
+        self.buffers.pad_verify(T, R, bs, T_pad)
+        self.num_mixed_runs += 1
+        if not self.use_graphs:
+            return self._forward_mixed(bs, T_pad)[:T]
+        self.num_mixed_replays += 1
+        self.mixed_graphs[size].replay()
+        return self.mixed_hidden[size][:T]
 
     def can_run_verify(self, num_reqs: int, max_query_len: int) -> bool:
         """A verify step of ``num_reqs`` requests, none with more than Q tokens, fits a (bs, Q) size."""
@@ -238,4 +347,4 @@ class CUDAGraphRunner:
         return out[:R]
 
 
-__all__ = ["CUDAGraphRunner", "capture_sizes"]
+__all__ = ["CUDAGraphRunner", "capture_sizes", "linear_params_per_token", "mixed_graph_sizes"]

@@ -655,6 +655,12 @@ class ModelRunner:
         if self.draft is not None:
             return self._run_with_draft(inp, T, R, max_q)
         shape = self.graph_shape(inp, R, max_q) if inp.mm is None else None
+        if shape is None and not self.pipeline and inp.mm is None and self.decode_runner is not None \
+                and inp.prompt_logprobs is None:
+            size = self.decode_runner.mixed_size(R, T) if self.decode_runner.mixed_sizes else None
+            if size is not None:
+                # a step with prompt chunks (or a verify step past the verify graphs): a (bs, T_pad) graph
+                return self._logits(inp, self.decode_runner.run_mixed(inp, size))
         if shape == "verify" and self.encdec is None:
             # a verify step (n-gram proposals): padded to a captured (batch, k + 1) size and replayed
             return self._logits(inp, self.decode_runner.run_verify(inp))

@@ -200,3 +200,25 @@ def test_ref_matches_dense_attention(window, softcap, H, H_kv):
         paged_attention_ref(out=out, **step, sliding_window=window, softcap=softcap)
         torch.testing.assert_close(out, want[start:end], atol=1e-5, rtol=1e-5)
     assert math.isfinite(float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,H_kv", [(4, 2), (9, 3)])
+def test_mixed_graph_padding_gives_the_unpadded_bits(device, dtype, H, H_kv):
+    """A mixed-step CUDA graph (worker/cuda_graph.py, ``run_mixed``) runs a step of R requests / T tokens on its
+    captured (bs, T_pad) shape: trailing requests without queries and seq_len 0, padding tokens T..T_pad-1 in no
+    request's range, and max_query_len = T_pad. With a prompt chunk in the step (the prefill tile, whatever the
+    length; no KV split) every real row has the unpadded step's bits, and padding rows are not written."""
+    reqs = [(30, 1), (0, 37), (50, 20), (9, 1)]
+    T, bs, T_pad = 59, 8, 128
+    case = make_case(reqs + [(0, 0)] * (bs - len(reqs)), H, H_kv, 64, 16, dtype, device,
+                     num_pad_tokens=T_pad - T)
+    assert int(case["query_start_loc"][-1]) == T and case["max_query_len"] == 37
+    out_pad = torch.full(case["q"].shape, SENTINEL, dtype=dtype, device=device)
+    paged_attention(out=out_pad, **{**case, "max_query_len": T_pad})
+    R = len(reqs)
+    out = torch.full((T,) + tuple(case["q"].shape[1:]), SENTINEL, dtype=dtype, device=device)
+    paged_attention(out=out, **{**case, "q": case["q"][:T], "query_start_loc": case["query_start_loc"][:R + 1],
+                                "seq_lens": case["seq_lens"][:R], "block_table": case["block_table"][:R]})
+    assert torch.equal(out_pad[:T], out)
+    assert (out_pad[T:] == SENTINEL).all()
