@@ -256,6 +256,12 @@ class Scheduler:
         self._in_flight[out.step_id] = plan.reqs
         if self._step_mode is not None:
             self._note_payoff_step(out, plan)
+        if self._payoff_steps and out.step_id not in self._payoff_steps:
+            # a step that is not a measured decode step (an admission, a prompt chunk) scheduled while measured
+            # steps are in flight (async scheduling): their wall time, to their collection, would include its
+            # launch (15-25 ms eagerly for SmolLM2 on an H200, ~15 decode steps), so they are not samples
+            for entry in self._payoff_steps.values():
+                entry[2] = 0
         if self.num_structured:
             out.structured_output_req_ids = [r.request_id for r in plan.reqs
                                              if r.structured is not None and r.request_id in sampling]

@@ -319,3 +319,30 @@ def test_metrics_endpoint_exports_the_rules_plain_steps():
 
     families = {f.name: f for f in _EngineCollector(FakeEngine(), {"model_name": "m"}).collect()}
     assert families["hayabusa:spec_decode_payoff_plain_steps"].samples[0].value == 5
+
+
+def test_a_decode_step_whose_window_holds_an_admission_is_not_a_sample():
+    """Async scheduling: a decode step is timed from its schedule to its collection, which comes after the next
+    step's launch. When that next step admits a request (a prompt chunk: an eager launch of 15-25 ms on an H200
+    for SmolLM2), the decode step's time is mostly the admission's, so it is not given to the rule."""
+    s = make_scheduler(max_num_seqs=4)
+    s.spec = SpecDecodeScheduling(SpeculativeConfig("ngram", 2, 3, 1), s.config.max_model_len)
+    recorded = []
+    real = s.spec.payoff.record
+    s.spec.payoff.record = lambda *a: recorded.append(a[:2]) or real(*a)
+    for name in ("a", "b"):
+        s.add_request(req(name, 4, max_tokens=20))
+    s.update_from_output(s.schedule(), {"a": [9], "b": [9]})           # prefill
+    s.spec.payoff.state(2).speculating = False                          # plain steps: they overlap
+    d0 = s.schedule()
+    d1 = s.schedule()                                                   # scheduled while d0 is in flight
+    assert d0.num_scheduled_tokens == d1.num_scheduled_tokens == {"a": 1, "b": 1}
+    s.update_from_output(d0, {"a": [3], "b": [3]})
+    s.record_step_time(d0.step_id, 0.001)
+    assert recorded == [(2, False)]                                     # a decode step's window: a sample
+    s.add_request(req("c", 6, max_tokens=20))
+    d2 = s.schedule()                                                   # admits c while d1 is in flight
+    assert d2.num_scheduled_tokens["c"] == 6
+    s.update_from_output(d1, {"a": [4], "b": [4]})
+    s.record_step_time(d1.step_id, 0.020)
+    assert recorded == [(2, False)]                                     # its window held the admission
