@@ -21,7 +21,8 @@ def _prompts(n: int) -> list[dict]:
 
 
 def _run(model_dir: str, **kwargs) -> list[list[int]]:
-    llm = LLM(model_dir, kv_cache_memory_bytes=4 << 30, max_num_seqs=64, max_model_len=1024, **kwargs)
+    llm = LLM(model_dir, kv_cache_memory_bytes=4 << 30, max_num_seqs=64, max_model_len=1024, skip_tokenizer_init=True,
+              **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(40), params, use_tqdm=False)]
     engine = llm.llm_engine
