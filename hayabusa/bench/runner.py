@@ -169,6 +169,8 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
     graphs = getattr(engine.runner, "graphs", None)
     extra = {"engine_startup_s": round(getattr(engine, "startup_seconds", float("nan")), 3),
              "cuda_graphs": len(getattr(graphs, "sizes", []) or []) if graphs is not None else 0,
+             "mixed_cuda_graphs": len(getattr(graphs, "mixed_graphs", {}) or {}) if graphs is not None else 0,
+             "mixed_graph_replays": getattr(graphs, "num_mixed_replays", 0) if graphs is not None else 0,
              "cuda_graph_capture_s": round(getattr(graphs, "capture_seconds", 0.0), 3) if graphs else None,
              "num_steps": engine.stats.get("num_steps") if hasattr(engine, "stats") else None,
              "enable_prefix_caching": kv.enable_prefix_caching,

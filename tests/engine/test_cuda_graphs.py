@@ -21,8 +21,8 @@ def _prompts(n: int) -> list[dict]:
 
 
 def _run(model_dir: str, **kwargs) -> list[list[int]]:
-    llm = LLM(model_dir, kv_cache_memory_bytes=4 << 30, max_num_seqs=64, max_model_len=1024, skip_tokenizer_init=True,
-              **kwargs)
+    llm = LLM(model_dir, kv_cache_memory_bytes=4 << 30, max_num_seqs=64, max_model_len=1024,
+              skip_tokenizer_init=True, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(40), params, use_tqdm=False)]
     engine = llm.llm_engine
@@ -84,7 +84,7 @@ def test_no_attention_kernel_compiles_after_startup(q05_dir):
     from hayabusa.kernels.paged_attention import _merge_splits_kernel, _paged_attn_kernel
 
     llm = LLM(q05_dir, kv_cache_memory_bytes=4 << 30, max_num_seqs=64, max_model_len=1024,
-              max_num_batched_tokens=512)
+              max_num_batched_tokens=512, skip_tokenizer_init=True)
     before = _num_compiled(_paged_attn_kernel), _num_compiled(_merge_splits_kernel)
     assert before[0] >= 2
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

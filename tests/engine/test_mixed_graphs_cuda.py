@@ -27,8 +27,8 @@ def _run(model_dir: str, mixed: bool = True, **kwargs) -> tuple[list[list[int]],
     old = cuda_graph.USE_MIXED_GRAPHS
     cuda_graph.USE_MIXED_GRAPHS = mixed
     try:
-        llm = LLM(model_dir, kv_cache_memory_bytes=2 << 30, max_num_seqs=4, max_model_len=1024, skip_tokenizer_init=True,
-                  **kwargs)
+        llm = LLM(model_dir, kv_cache_memory_bytes=2 << 30, max_num_seqs=4, max_model_len=1024,
+                  skip_tokenizer_init=True, **kwargs)
     finally:
         cuda_graph.USE_MIXED_GRAPHS = old
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
