@@ -767,23 +767,18 @@ g_s16c() {  # session 16: mixed-step CUDA graphs' and the int8 table's CUDA test
 g_s16d() {  # session 16, issue #21: the payoff trace and W11 (n-gram with the rule vs off) with mixed-step graphs
   local ng='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
   ensure_smol || return 0
-  step payoff_trace 150 30 python benchmarks/payoff_trace.py --model "$smol" --max-num-seqs 4 16 1 --num-requests 32 \
+  step payoff_trace 120 30 python benchmarks/payoff_trace.py --model "$smol" --max-num-seqs 4 16 --num-requests 32 \
     --json "$OUT/payoff_trace.json"
   bench_step smol_W11_ngram "${W11_MAX_S:-100}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
     --speculative-config "$ng"
   bench_step smol_W11_off "${W11_MAX_S:-100}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
 }
-g_s16e() {  # session 16, call 1 of 2: mixed-graph CUDA tests, W1 on 0.5b with mixed graphs on / off (again: call 4 gave one
-            # sample each); carries SmolLM2's first half for g_s16d
+g_s16e() {  # session 16, call 1 of 2: the mixed-graph CUDA tests; carries SmolLM2's first half for g_s16d
   ensure_q05
   local pt=(); python -c "import pytest_timeout" 2>/dev/null && pt=(--timeout 120)
   step s16e_tests 150 30 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --tb=short -p no:cacheprovider \
     tests/engine/test_mixed_graphs_cuda.py 'tests/engine/test_cuda_graphs.py::test_cuda_graphs_do_not_change_greedy_output' \
     ${pt[*]} 2>&1 | tee '$OUT/s16e_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error |assert' | tail -30"
-  bench_step q05_W1_mixed1 90 20 --workload W1 --model "$Q05" --scale 0.25
-  export HAYABUSA_MIXED_GRAPHS=0
-  bench_step q05_W1_mixed0 90 20 --workload W1 --model "$Q05" --scale 0.25
-  unset HAYABUSA_MIXED_GRAPHS
 }
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
