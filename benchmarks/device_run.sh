@@ -780,6 +780,10 @@ g_s16e() {  # session 16, call 1 of 2: the mixed-graph CUDA tests; carries SmolL
     tests/engine/test_mixed_graphs_cuda.py 'tests/engine/test_cuda_graphs.py::test_cuda_graphs_do_not_change_greedy_output' \
     ${pt[*]} 2>&1 | tee '$OUT/s16e_tests.log' | grep -E 'PASSED|FAILED|ERROR|passed|failed|Timeout|Error |assert' | tail -30"
 }
+g_s16f() {  # session 16, one call: the mixed-graph CUDA tests, then admissions with mixed graphs off / on (0.5b shape)
+  g_s16e
+  step mixed_bench 130 30 python benchmarks/mixed_graphs_bench.py --model "$Q05" --json "$OUT/mixed_bench.json"
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
