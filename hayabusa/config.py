@@ -211,10 +211,11 @@ class EngineArgs:
             line); vLLM's meaning and default (V1: 999 per modality). Only for models with a vision tower.
         num_scheduler_steps, reasoning_parser: accepted for vLLM compatibility and ignored (IGNORED_ARGS).
         speculative_config: speculative decoding, vLLM's dict (a JSON string on the command line), e.g.
-            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, or {"method": "eagle" /
-            "eagle3", "model": HEAD, "num_speculative_tokens": 3} with a public EAGLE / EAGLE-3 head for a Llama /
-            Qwen2 target (pickle-only heads need load_format="pt"); see hayabusa/spec_decode/config.py (also the
-            turn-off rules). With async_scheduling (default on CUDA) a step that carries no proposals (the
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, {"method": "draft_model",
+            "model": DIR, "num_speculative_tokens": 4} with a smaller checkpoint of the same tokenizer, or
+            {"method": "eagle" / "eagle3", "model": HEAD, "num_speculative_tokens": 3} with a public EAGLE /
+            EAGLE-3 head for a Llama / Qwen2 target (pickle-only heads need load_format="pt"); null / {} = off.
+            The README's "Speculative decoding" lists every key, the turn-off rules included. With async_scheduling (default on CUDA) a step that carries no proposals (the
             turn-off rules have speculation off for every running request) still overlaps the previous one; a
             step with proposals waits for the previous step's tokens. EAGLE runs every step synchronously.
         batch_invariant: a request's token ids and logprobs do not depend on the other requests in its steps,

@@ -158,8 +158,12 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise HayabusaValidationError(f"speculative_config is not valid JSON ({e}).",
-                                          parameter="speculative_config", value=value) from None
+            raise HayabusaValidationError(
+                f"speculative_config must be a dict, or a JSON object string such as '{{\"method\": \"ngram\", "
+                f"\"num_speculative_tokens\": 4}}'; got {value!r}, which is not JSON ({e}).",
+                parameter="speculative_config", value=value) from None
+        if value is None or value == {}:   # "null" / "{}" on the command line: off, as None in Python
+            return None
     if not isinstance(value, dict):
         raise HayabusaValidationError("speculative_config must be a dict (or a JSON object string).",
                                       parameter="speculative_config", value=value)

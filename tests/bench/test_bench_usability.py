@@ -133,8 +133,8 @@ def test_no_model_names_the_flag_and_suggests_tiny_llama_on_cpu(capsys):
 
 
 @pytest.mark.parametrize("value,says", [
-    ("ngram", "is not valid JSON"),
-    ("{bad", "is not valid JSON"),
+    ("ngram", "must be a dict, or a JSON object string such as"),
+    ("{bad", "got '{bad', which is not JSON"),
     ('{"method": "foo", "num_speculative_tokens": 2}', "method='foo': unknown method"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "x=1: unknown key"),
     ("-1", "must be a dict"),
@@ -154,8 +154,9 @@ def test_bad_speculative_config_is_one_line_before_any_run(tiny_bench_model, cap
 def test_bad_json_in_a_sweep_and_limit_mm_is_refused_up_front(tiny_bench_model, capsys):
     assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--device", "cpu", "--sweep",
                      "speculative_config=ngram"]) == 2
-    assert capsys.readouterr().err.startswith("hayabusa bench: argument --speculative-config: speculative_config is "
-                                              "not valid JSON")
+    err = capsys.readouterr().err
+    assert err.startswith("hayabusa bench: argument --speculative-config: speculative_config must be a dict")
+    assert "got 'ngram', which is not JSON" in err
     assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--device", "cpu",
                      "--limit-mm-per-prompt", '{"audio": 1}']) == 2
     err = capsys.readouterr().err

@@ -192,3 +192,17 @@ def test_batched_ngram_lookups_schedule_the_same_proposals_as_single_ones():
             outs.append(steps)
         assert outs[0] == outs[1]
         assert sum(len(d) for _, spec in outs[0] for d in spec.values()) > 10      # proposals were made
+
+
+def test_null_and_empty_json_mean_off_and_a_plain_word_says_what_is_wanted():
+    """``--speculative-config null`` / ``{}`` turn speculation off as ``None`` does in Python; a word that is not
+    JSON (a Python user passing "ngram") is told a dict or a JSON object is wanted."""
+    import pytest
+
+    from hayabusa.errors import HayabusaValidationError
+    from hayabusa.spec_decode.config import parse_speculative_config
+
+    assert parse_speculative_config("null") is None and parse_speculative_config("{}") is None
+    with pytest.raises(HayabusaValidationError, match="must be a dict, or a JSON object string") as e:
+        parse_speculative_config("ngram")
+    assert e.value.parameter == "speculative_config" and "got 'ngram'" in str(e.value)
