@@ -182,8 +182,12 @@ def run_hf(model: str, items: list[EvalItem], tokenizer: Any, max_tokens: int, d
         t1 = time.perf_counter()
         for start in range(0, len(ok), batch_size):
             idx = ok[start:start + batch_size]
-            outs = _hf_generate(hf, [items[i].prompt_token_ids for i in idx], new_tokens, eos, pad, dev)
-            for i, ids in zip(idx, outs):
+            # decoder-only: the engine stops a request at max_model_len (finish "length"), so each item gets at
+            # most the room its prompt leaves (the batch generates to its roomiest item, then each is cut)
+            rooms = [new_tokens if enc_dec else min(new_tokens, limit - len(items[i].prompt_token_ids)) for i in idx]
+            outs = _hf_generate(hf, [items[i].prompt_token_ids for i in idx], max(rooms), eos, pad, dev)
+            for i, ids, room in zip(idx, outs, rooms):
+                ids = ids[:room]
                 run.texts[i] = [tokenizer.decode(ids, skip_special_tokens=True) if enc_dec else
                                 _decode_continuation(tokenizer, items[i].prompt_token_ids, ids)]
                 run.output_tokens += len(ids)

@@ -319,3 +319,31 @@ def test_engine_settings_line_resolves_the_mode(monkeypatch):
     with pytest.raises(HayabusaValidationError) as e:
         engine_settings_line({})
     assert e.value.parameter == "HAYABUSA_BATCH_INVARIANT"
+
+
+def test_hf_reference_stops_where_max_model_len_stops_the_engine(stories_dir):
+    """Decoder-only: a prompt of L tokens gets at most max_model_len - L new tokens from the engine (finish
+    "length"); the HF reference of ``eval --fidelity`` is cut at the same room, per item of a batch, so the two
+    agree (here greedy on the trained stories260K, one item with room for 4 tokens, one with room for 16)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from hayabusa.eval.data import EvalItem
+    from hayabusa.eval.runner import run_hayabusa, run_hf
+
+    tok = AutoTokenizer.from_pretrained(stories_dir)
+    rng = random.Random(0)
+    items = []
+    for name, n in (("short", 20), ("long", 60)):
+        it = EvalItem(name, "p", None, None)
+        it.prompt_token_ids = [1] + [rng.randrange(3, 500) for _ in range(n - 1)]
+        items.append(it)
+    engine = run_hayabusa(stories_dir, items, {"max_model_len": 64, "device": "cpu"},
+                          {"temperature": 0.0, "max_tokens": 16}, "hayabusa", {}, warmup=False)
+    hf = run_hf(stories_dir, items, tok, max_tokens=16, dtype="float32", device="cpu", batch_size=2,
+                max_model_len=64)
+    assert engine.error is None and hf.error is None
+    assert [len(tok(t[0], add_special_tokens=False).input_ids) > 0 for t in hf.texts] == [True, True]
+    assert hf.texts == engine.texts
+    assert hf.output_tokens <= 16 + 4 and engine.output_tokens == hf.output_tokens
