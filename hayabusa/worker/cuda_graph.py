@@ -263,9 +263,10 @@ class CUDAGraphRunner:
                 self.verify_hidden[bs], self.verify_head_inputs[bs] = self._forward_verify(bs)
             self.verify_graphs[bs] = graph
         if self.mixed_sizes and self.use_graphs:
+            largest = max(self.mixed_sizes, key=lambda s: (s[1], s[0]))
             try:   # the largest step's activations, outside the pool: no room, no mixed graphs (steps stay eager)
-                self.buffers.pad_verify(0, 0, *max(self.mixed_sizes, key=lambda s: (s[1], s[0])))
-                self._forward_mixed(*max(self.mixed_sizes, key=lambda s: (s[1], s[0])))
+                self.buffers.pad_verify(0, 0, *largest)
+                self._forward_mixed(*largest)
             except torch.cuda.OutOfMemoryError:
                 logger.warning("no GPU memory for the mixed-step CUDA graphs (%s tokens at most): prompt steps run "
                                "eagerly", self.mixed_tokens[-1])
@@ -293,11 +294,12 @@ class CUDAGraphRunner:
         t = next((t for t in self.mixed_tokens if t >= num_tokens), None)
         return None if bs is None or t is None else (bs, t)
 
-    def run_mixed(self, inp, size: tuple[int, int]) -> torch.Tensor:
-        """Replay (or, with enforce_eager, run eagerly on the same padded shapes) the (bs, T_pad) graph ``size``
-        (``mixed_size``) for a step whose inputs are already in the buffers; returns hidden [T, H] (a view of the
-        graph's static output: read it before the next replay)."""
+    def run_mixed(self, inp) -> torch.Tensor:
+        """Replay (or, with enforce_eager, run eagerly on the same padded shapes) the (bs, T_pad) graph of
+        ``mixed_size`` for a step whose inputs are already in the buffers (it must fit one); returns hidden [T, H]
+        (a view of the graph's static output: read it before the next replay)."""
         R, T = inp.num_reqs, len(inp.input_ids)
+        size = self.mixed_size(R, T)
         bs, T_pad = size
         self.buffers.pad_verify(T, R, bs, T_pad)
         self.num_mixed_runs += 1

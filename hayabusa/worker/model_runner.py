@@ -655,12 +655,9 @@ class ModelRunner:
         if self.draft is not None:
             return self._run_with_draft(inp, T, R, max_q)
         shape = self.graph_shape(inp, R, max_q) if inp.mm is None else None
-        if shape is None and not self.pipeline and inp.mm is None and self.decode_runner is not None \
-                and inp.prompt_logprobs is None:
-            size = self.decode_runner.mixed_size(R, T) if self.decode_runner.mixed_sizes else None
-            if size is not None:
-                # a step with prompt chunks (or a verify step past the verify graphs): a (bs, T_pad) graph
-                return self._logits(inp, self.decode_runner.run_mixed(inp, size))
+        if shape == "mixed":
+            # a step with prompt chunks (or a verify step past the verify graphs): a (bs, T_pad) graph
+            return self._logits(inp, self.decode_runner.run_mixed(inp))
         if shape == "verify" and self.encdec is None:
             # a verify step (n-gram proposals): padded to a captured (batch, k + 1) size and replayed
             return self._logits(inp, self.decode_runner.run_verify(inp))
@@ -769,14 +766,18 @@ class ModelRunner:
 
     def graph_shape(self, inp: StepInputs, R: int, max_q: int) -> str | None:
         """Which of the target's captured shapes a step of R requests (longest query max_q) fits: "verify" (it has
-        proposals and fits a (bs, k + 1) size), "decode" (one token each, fits a batch size), or None (runs
-        eagerly: no graph runner, prompt logprobs asked, or too large). Host ints only."""
+        proposals and fits a (bs, k + 1) size), "decode" (one token each, fits a batch size), "mixed" (any other
+        step that fits a (bs, T_pad) mixed-step size: prompt chunks; only runners without a draft, encoder or
+        images have them), or None (runs eagerly: no graph runner, prompt logprobs asked, or too large). Host ints
+        only."""
         g = self.decode_runner
         if g is None or inp.prompt_logprobs is not None:
             return None
-        if inp.spec is not None:
-            return "verify" if g.can_run_verify(R, max_q) else None
-        return "decode" if max_q == 1 and g.can_run(R) else None
+        if inp.spec is not None and g.can_run_verify(R, max_q):
+            return "verify"
+        if inp.spec is None and max_q == 1 and g.can_run(R):
+            return "decode"
+        return "mixed" if g.mixed_size(R, len(inp.input_ids)) is not None else None
 
     def _run_with_draft(self, inp: StepInputs, T: int, R: int, max_q: int) -> torch.Tensor:
         """A step with a draft model: its proposals into the input ids first (verify steps), then the target, then

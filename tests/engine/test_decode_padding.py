@@ -73,8 +73,9 @@ def test_padded_mixed_steps_give_same_greedy_output(tiny_qwen2, example_prompts,
     assert runner.decode_runner.mixed_sizes == [(b, 64) for b in (1, 2, 3)]
     sizes = []
     original = runner.decode_runner.run_mixed
-    runner.decode_runner.run_mixed = lambda inp, size: sizes.append((inp.num_reqs, len(inp.input_ids), size)) \
-        or original(inp, size)
+    runner.decode_runner.run_mixed = lambda inp: sizes.append(
+        (inp.num_reqs, len(inp.input_ids), runner.decode_runner.mixed_size(inp.num_reqs, len(inp.input_ids)))) \
+        or original(inp)
     padded = [o.outputs[0].token_ids for o in llm.generate(example_prompts, params, use_tqdm=False)]
     assert padded == base
     assert sizes and all(r <= bs and t <= T_pad for r, t, (bs, T_pad) in sizes)
