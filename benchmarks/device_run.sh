@@ -784,6 +784,32 @@ g_s16f() {  # session 16, one call: the mixed-graph CUDA tests, then admissions 
   g_s16e
   step mixed_bench 130 30 python benchmarks/mixed_graphs_bench.py --model "$Q05" --json "$OUT/mixed_bench.json"
 }
+g_s17a() {  # session 17, call 1 of 2: the whole CUDA-marked suite (xdist workers when the wheel came), then its
+           # files with time bounds one at a time, then tests/kernels' unmarked tests (they pick CUDA when it is
+           # there); carries SmolLM2's first half for g_s17b
+  ensure_q05
+  local serial=(tests/models/test_t5_encoder_graphs_cuda.py tests/spec_decode/test_eagle_graphs_cuda.py
+    tests/spec_decode/test_greedy_verify_cuda.py tests/worker/test_kv_swap.py tests/spec_decode/test_spec_perf_cuda.py
+    tests/bench/test_w9_wall.py tests/bench/test_host_overhead.py)
+  local ign=() f; for f in "${serial[@]}"; do ign+=(--ignore "$f"); done
+  local px=(); python -c "import xdist" 2>/dev/null && px=(-n "${S17_WORKERS:-8}" --dist loadfile)
+  local pt="python -m pytest -q -rfE --tb=line -p no:cacheprovider --timeout 200"
+  step cuda_suite "${S17_SUITE_S:-300}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' $pt -m cuda tests ${ign[*]} ${px[*]} \
+    --junitxml '$OUT/cuda_suite.xml' > '$OUT/cuda_suite.log' 2>&1; tail -25 '$OUT/cuda_suite.log'"
+  step cuda_serial 150 30 bash -c "HAYABUSA_Q05_DIR='$Q05' $pt -m cuda ${serial[*]} \
+    --junitxml '$OUT/cuda_serial.xml' > '$OUT/cuda_serial.log' 2>&1; tail -15 '$OUT/cuda_serial.log'"
+  step kernels_unmarked "${S17_KERNELS_S:-200}" 60 bash -c "$pt -m 'not cuda' tests/kernels ${px[*]} \
+    --junitxml '$OUT/kernels_unmarked.xml' > '$OUT/kernels_unmarked.log' 2>&1; tail -25 '$OUT/kernels_unmarked.log'"
+}
+g_s17b() {  # session 17, call 2 of 2 (issue #21): W11 off and n-gram at k = 4 and k = 8, TPOT now in the records
+  ensure_smol || return 0
+  bench_step smol_W11_off "${W11_MAX_S:-100}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
+  local k
+  for k in 4 8; do
+    bench_step "smol_W11_ngram_k$k" "${W11_MAX_S:-100}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16 \
+      --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}"
+  done
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

@@ -40,3 +40,18 @@ def test_a_tokenizer_without_a_chat_template_is_named():
     with pytest.raises(HayabusaValidationError, match="chat template") as e:
         bench_prompts(tok, get_workload("W11").requests[:1])
     assert e.value.parameter == "model"
+
+
+def test_w11_records_carry_tpot_the_issue_measures():
+    """Issue #21's W11 target is TPOT at batch 1: a W11 record keeps the run's median TPOT (W1 does not: a
+    throughput workload)."""
+    from hayabusa.bench.report import make_record
+    from hayabusa.bench.runner import RunResult
+
+    res = RunResult(elapsed_s=2.0, num_requests=4, num_sequences=4, prompt_tokens=400, output_tokens=512,
+                    startup_s=1.0, ttft_ms=12.5, tpot_ms=0.75)
+    env = {"gpu": "cpu", "commit": "x", "date": "d", "versions": {}}
+    for name, tpot in (("W11", 0.75), ("W1", None)):
+        rec = make_record(get_workload(name, 0.02 if name == "W1" else 1.0), res, engine="hayabusa", model="m",
+                          engine_args={}, env=env, variant={})
+        assert rec["tpot_ms"] == tpot and rec["ttft_ms"] == 12.5 and rec["output_throughput"] == 256.0
