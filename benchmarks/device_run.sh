@@ -810,6 +810,13 @@ g_s17b() {  # session 17, call 2 of 2 (issue #21): W11 off and n-gram at k = 4 a
       --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}"
   done
 }
+g_s17c() {  # session 17, one call: the CUDA tests of the paths sessions 11-16 changed, one at a time (xdist on one
+           # GPU failed in s17a: every worker's engines take gpu_memory_utilization of the whole GPU)
+  ensure_q05
+  step s17c_tests "${S17C_S:-420}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -rfE --tb=short \
+    -p no:cacheprovider --timeout 150 -m cuda tests/spec_decode tests/engine tests/worker tests/kernels/test_quant_linear.py \
+    --junitxml '$OUT/s17c.xml' > '$OUT/s17c_tests.log' 2>&1; tail -40 '$OUT/s17c_tests.log'"
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
