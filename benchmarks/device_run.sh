@@ -793,7 +793,7 @@ g_s17a() {  # session 17, call 1 of 2: the whole CUDA-marked suite (xdist worker
     tests/bench/test_w9_wall.py tests/bench/test_host_overhead.py)
   local ign=() f; for f in "${serial[@]}"; do ign+=(--ignore "$f"); done
   local px=(); python -c "import xdist" 2>/dev/null && px=(-n "${S17_WORKERS:-8}" --dist loadfile)
-  local pt="python -m pytest -q -rfE --tb=line -p no:cacheprovider --timeout 200"
+  local pt="python -m pytest -v -rfE --tb=line -p no:cacheprovider --timeout 200 --session-timeout 270"
   step cuda_suite "${S17_SUITE_S:-300}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' $pt -m cuda tests ${ign[*]} ${px[*]} \
     --junitxml '$OUT/cuda_suite.xml' > '$OUT/cuda_suite.log' 2>&1; tail -25 '$OUT/cuda_suite.log'"
   step cuda_serial 150 30 bash -c "HAYABUSA_Q05_DIR='$Q05' $pt -m cuda ${serial[*]} \
@@ -813,8 +813,11 @@ g_s17b() {  # session 17, call 2 of 2 (issue #21): W11 off and n-gram at k = 4 a
 g_s17c() {  # session 17, one call: the CUDA tests of the paths sessions 11-16 changed, one at a time (xdist on one
            # GPU failed in s17a: every worker's engines take gpu_memory_utilization of the whole GPU)
   ensure_q05
-  step s17c_tests "${S17C_S:-420}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -rfE --tb=short \
-    -p no:cacheprovider --timeout 150 -m cuda tests/spec_decode tests/engine tests/worker tests/kernels/test_quant_linear.py \
+  # -v: the names reach the log as they run; --session-timeout: pytest stops itself before the step's timeout and
+  # still prints its summary (s17a and the first s17c were killed by the step timeout: no names, no summary)
+  local st=$(( ${S17C_S:-420} - 30 ))
+  step s17c_tests "${S17C_S:-420}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --tb=short \
+    -p no:cacheprovider --timeout 150 --session-timeout $st -m cuda tests/spec_decode tests/engine tests/worker tests/kernels/test_quant_linear.py \
     --junitxml '$OUT/s17c.xml' > '$OUT/s17c_tests.log' 2>&1; tail -40 '$OUT/s17c_tests.log'"
 }
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
