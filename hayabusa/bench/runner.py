@@ -280,6 +280,8 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
         elapsed = time.perf_counter() - t1
         ttft, tpot = _engine_latencies(outs, t_mono)
         notes, extra = _engine_notes(llm, engine_args)
+        if tpot:   # the mean beside RunResult's median (vLLM's bench prints both; W11's gain sits in some requests)
+            extra["tpot_mean_ms"] = round(sum(tpot) / len(tpot), 3)
         extra.update(step_time_breakdown(stats0, llm.llm_engine.stats))
         extra.update(timed_counters(counters0, tier_counters(llm.llm_engine)))
         if structured_output:
