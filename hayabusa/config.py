@@ -374,6 +374,11 @@ class EngineArgs:
         from hayabusa.spec_decode.config import parse_speculative_config
 
         spec = parse_speculative_config(self.speculative_config)
+        if spec is not None and spec.num_speculative_tokens >= max_len:
+            # a request holds at most max_model_len - 1 tokens after its first, so no step can verify more; the
+            # runner sizes per-step buffers by k (R x (k + 1) on CUDA) and the metrics a vector of length k
+            raise _bad("speculative_config.num_speculative_tokens", spec.num_speculative_tokens,
+                       f"must be less than max_model_len ({max_len}): no request can verify more proposals.")
         draft_config = None
         if spec is not None and spec.method == "draft_model":
             with _as_draft_model_error(spec.model):

@@ -7,7 +7,8 @@ Keys (vLLM's names and defaults):
       HayabusaValidationError says so); any other value is an error naming it. With only ``"model": DIR`` vLLM
       infers "draft_model" (``"model": "[ngram]"`` or ``"ngram"``: n-gram, as in vLLM; a checkpoint with method
       "ngram" would go unused and is refused by name).
-  num_speculative_tokens: proposals per request per step, k >= 1 (required).
+  num_speculative_tokens: proposals per request per step, k >= 1 (required); less than max_model_len (checked
+    by EngineArgs, which knows it).
   prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram the n-gram proposer matches; both unset:
       5 and 5 (vLLM's defaults); one unset: equal to the other.
   disable_by_batch_size: no proposals in a step when more requests than this are running (vLLM's "larger than"

@@ -203,6 +203,22 @@ def test_bad_config_is_named(tiny_llama, config, parameter):
         assert config["method"] in str(e.value)
 
 
+def test_more_proposals_than_the_context_holds_is_refused_by_name(tiny_llama):
+    # k >= max_model_len can never be verified (a request holds at most max_model_len - 1 tokens after its
+    # first); accepted, it sized per-step buffers by k (R x (k + 1) pinned ints on CUDA) and a metric vector of
+    # length k. The error names the key and the bound; k = max_model_len - 1 still runs.
+    for k in (64, 10**9):
+        with pytest.raises(HayabusaValidationError, match="max_model_len") as e:
+            LLM(tiny_llama, device="cpu", max_model_len=64,
+                speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        assert e.value.parameter == "speculative_config.num_speculative_tokens"
+        assert str(k) in str(e.value) and "64" in str(e.value)
+    llm = LLM(tiny_llama, device="cpu", max_model_len=64, speculative_config={"method": "ngram",
+                                                                               "num_speculative_tokens": 63})
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
 def test_turn_off_rule_by_batch_size(reference):
     path, outs = reference["llama"]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
