@@ -25,6 +25,7 @@ import torch
 from hayabusa.bench import report
 from hayabusa.bench.ceilings import measure_ceilings
 from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, make_model, model_name, model_stats, shape_config
+from hayabusa.bench.runner import payoff_state
 from hayabusa.bench.vl_models import VL_SHAPES, make_vl_model, vl_shape_config
 from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, fit_to_vocab, get_workload
 from hayabusa.config import NOT_CLI_ARGS, EngineArgs, cli_arg_type
@@ -233,14 +234,18 @@ def _summary(rec: dict[str, Any]) -> str:
 
 
 def _spec_summary(extra: dict[str, Any]) -> str:
-    """', speculative METHOD k=K, acceptance A/D (P%)' for a run with speculative decoding, else ''."""
+    """', speculative METHOD k=K, acceptance A/D (P%)' for a run with speculative decoding, else ''; with the
+    measured turn-off rule (``disable_by_payoff``) also ', payoff rule at its end: batch<=B spec|off (S spec / P
+    plain steps), ...' (``runner.payoff_state``), so a run whose rule turned speculation off says so."""
     spec = extra.get("speculative_config")
     if not spec:
         return ""
     drafted, rate = extra.get("spec_decode_num_draft_tokens"), extra.get("spec_decode_acceptance_rate")
     acc = "" if not drafted else (f", acceptance {extra.get('spec_decode_num_accepted_tokens')}/{drafted}"
                                   + ("" if rate is None else f" ({100 * rate:.1f}%)"))
-    return f", speculative {spec.get('method')} k={spec.get('num_speculative_tokens')}{acc}"
+    payoff = extra.get("spec_decode_payoff")
+    rule = f", payoff rule at its end: {payoff_state(payoff)}" if payoff else ""
+    return f", speculative {spec.get('method')} k={spec.get('num_speculative_tokens')}{acc}{rule}"
 
 
 def _tier_summary(rec: dict[str, Any]) -> str:

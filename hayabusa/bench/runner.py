@@ -162,6 +162,15 @@ def model_weight_bytes(model: Any) -> int:
     return int(sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())))
 
 
+def payoff_state(buckets: dict[Any, dict[str, Any]]) -> str:
+    """The measured turn-off rule's state (``extra["spec_decode_payoff"]``: per batch-size bucket, ``speculating``,
+    ``spec_steps``, ``plain_steps`` since the engine started) as "batch<=B spec|off (S spec / P plain steps), ...",
+    buckets in ascending order (keys may be ints or their strings); "" for no buckets."""
+    return ", ".join(f"batch<={b} {'spec' if st['speculating'] else 'off'} ({st['spec_steps']} spec / "
+                     f"{st['plain_steps']} plain steps)"
+                     for b, st in sorted(buckets.items(), key=lambda kv: int(kv[0])))
+
+
 def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     engine = llm.llm_engine
     notes: list[str] = []
@@ -192,9 +201,7 @@ def _engine_notes(llm: Any, engine_args: dict[str, Any]) -> tuple[list[str], dic
         if payoff is not None:   # the measured turn-off rule: per batch-size bucket, its mode, steps and rates
             buckets = payoff.snapshot()
             extra["spec_decode_payoff"] = {str(b): st for b, st in buckets.items()}
-            notes.append("disable_by_payoff: " + ", ".join(
-                f"batch<={b} {'spec' if st['speculating'] else 'off'} ({st['spec_steps']} spec / "
-                f"{st['plain_steps']} plain steps)" for b, st in buckets.items()))
+            notes.append("disable_by_payoff: " + payoff_state(buckets))
     off = getattr(engine.runner, "offloader", None)
     if off is not None:      # cpu_offload_gb: weights streamed from CPU memory each forward
         extra.update(offloaded_layers=len(off.layer_indices), offloaded_bytes=off.offloaded_bytes,

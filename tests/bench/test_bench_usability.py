@@ -109,6 +109,24 @@ def test_a_speculative_run_shows_its_method_and_acceptance():
     assert report.table_rows([_rec("W1", {}, {})])[0][3] == "-"
 
 
+def test_a_speculative_run_line_shows_the_payoff_rules_state():
+    # found by a fresh user: the records' extra.spec_decode_payoff (README) said the rule had turned speculation
+    # off at batch 1 (H200 W11, 9f62562: 3,510 spec / 1,065 plain steps), but the printed line and table showed
+    # only "acceptance 3557/5812", as if every step had speculated
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
+            "spec_decode_num_draft_tokens": 5812, "spec_decode_num_accepted_tokens": 3557,
+            "spec_decode_acceptance_rate": 0.612,
+            "spec_decode_payoff": {"1": {"speculating": False, "plain_steps": 1065, "spec_steps": 3510,
+                                         "spec_rate": 900.0, "plain_rate": 950.0},
+                                   "4": {"speculating": True, "plain_steps": 0, "spec_steps": 7,
+                                         "spec_rate": None, "plain_rate": None}}}
+    line = cli._summary(_rec("W11", {"max_num_seqs": 4}, spec))
+    assert (", speculative ngram k=4, acceptance 3557/5812 (61.2%), payoff rule at its end: batch<=1 off "
+            "(3510 spec / 1065 plain steps), batch<=4 spec (7 spec / 0 plain steps)") in line
+    static = {k: v for k, v in spec.items() if k != "spec_decode_payoff"}   # disable_by_payoff false: no part
+    assert "payoff" not in cli._summary(_rec("W11", {}, static))
+
+
 @pytest.mark.payoff_default
 def test_a_speculative_bench_run_records_the_method(tmp_path, tiny_bench_model, capsys):
     path = tmp_path / "out.json"
