@@ -820,6 +820,14 @@ g_s17c() {  # session 17, one call: the CUDA tests of the paths sessions 11-16 c
     -p no:cacheprovider --timeout 150 --session-timeout $st -m cuda tests/spec_decode tests/engine tests/worker tests/kernels/test_quant_linear.py \
     --junitxml '$OUT/s17c.xml' > '$OUT/s17c_tests.log' 2>&1; tail -40 '$OUT/s17c_tests.log'"
 }
+g_s18a() {  # next session, call 1: the CUDA tests of tests/engine and tests/worker (50 of s17c's 90 did not run in
+           # its 440 s; ~11 s a test), with the fused-RoPE test fixed in 1475552 first
+  ensure_q05
+  step s18a_tests "${S18_S:-500}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --tb=short \
+    -p no:cacheprovider --timeout 150 --session-timeout $(( ${S18_S:-500} - 30 )) -m cuda \
+    tests/engine/test_cuda_graphs.py tests/engine tests/worker tests/kernels/test_quant_linear.py \
+    --junitxml '$OUT/s18a.xml' > '$OUT/s18a_tests.log' 2>&1; tail -40 '$OUT/s18a_tests.log'"
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
