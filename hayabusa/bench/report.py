@@ -81,11 +81,6 @@ def _fraction(workload: Workload, res: RunResult, stats: dict | None, ceilings: 
     return floor, round(floor / measured, 4)
 
 
-# Workloads whose target is a per-token latency: W3 (one stream) and W11 (issue #21: speculation's TPOT at
-# batch 1 / 4 / 16, the median over requests of (last - first token time) / (tokens - 1)).
-TPOT_WORKLOADS = ("W3", "W11")
-
-
 def make_record(workload: Workload, res: RunResult, *, engine: str, model: str, engine_args: dict[str, Any],
                 env: dict[str, Any], variant: dict[str, Any], stats: dict | None = None,
                 ceilings: dict | None = None, elem_bytes: int = 2) -> dict[str, Any]:
@@ -96,7 +91,8 @@ def make_record(workload: Workload, res: RunResult, *, engine: str, model: str, 
         "workload": workload.name, "model": model, "engine": engine, **{k: env[k] for k in ("gpu", "commit", "date")},
         "output_throughput": round(res.output_tokens / secs, 2),
         "total_throughput": round((res.prompt_tokens + res.output_tokens) / secs, 2),
-        "tpot_ms": res.tpot_ms if workload.name in TPOT_WORKLOADS else None, "ttft_ms": res.ttft_ms,
+        "tpot_ms": res.tpot_ms if workload.reports_tpot else None,
+        "tpot_mean_ms": res.tpot_mean_ms if workload.reports_tpot else None, "ttft_ms": res.ttft_ms,
         "startup_s": round(res.startup_s, 3), "peak_memory_bytes": res.peak_memory_bytes,
         "kv_cache_tokens": res.kv_cache_tokens, "engine_args": engine_args, "versions": env["versions"],
         "ceilings": ceilings, "fraction_of_ceiling": frac,

@@ -37,6 +37,7 @@ class RunResult:
     startup_s: float                 # engine construction (wall)
     ttft_ms: float | None = None     # median over requests, from submission of the whole batch
     tpot_ms: float | None = None     # median over sequences of (last - first token time) / (tokens - 1)
+    tpot_mean_ms: float | None = None   # their mean (vLLM's bench prints both; W11's gain sits in some requests)
     peak_memory_bytes: int | None = None   # torch.cuda.max_memory_allocated since construction; None on CPU
     kv_cache_tokens: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -45,6 +46,10 @@ class RunResult:
 
 def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(statistics.fmean(xs), 3) if xs else None
 
 
 def warmup_requests(workload: Workload, engine_warmup: bool = False) -> list[BenchRequest]:
@@ -287,8 +292,6 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
         elapsed = time.perf_counter() - t1
         ttft, tpot = _engine_latencies(outs, t_mono)
         notes, extra = _engine_notes(llm, engine_args)
-        if tpot:   # the mean beside RunResult's median (vLLM's bench prints both; W11's gain sits in some requests)
-            extra["tpot_mean_ms"] = round(sum(tpot) / len(tpot), 3)
         extra.update(step_time_breakdown(stats0, llm.llm_engine.stats))
         extra.update(timed_counters(counters0, tier_counters(llm.llm_engine)))
         if structured_output:
@@ -299,7 +302,8 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
             elapsed_s=elapsed, num_requests=len(outs), num_sequences=sum(len(o.outputs) for o in outs),
             prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
             output_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs), startup_s=startup_s,
-            ttft_ms=_median(ttft), tpot_ms=_median(tpot), peak_memory_bytes=peak_memory_bytes(cuda),
+            ttft_ms=_median(ttft), tpot_ms=_median(tpot), tpot_mean_ms=_mean(tpot),
+            peak_memory_bytes=peak_memory_bytes(cuda),
             kv_cache_tokens=int(llm.llm_engine.kv_cache_capacity_tokens), notes=notes, extra=extra)
     finally:
         del llm
@@ -408,7 +412,7 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int | None = None, dt
             elapsed_s=elapsed, num_requests=len(reqs), num_sequences=len(seqs),
             prompt_tokens=sum(len(r.prompt_token_ids) for r in reqs), output_tokens=sum(len(o) for o in outputs),
             startup_s=startup_s, ttft_ms=_median(list(first_by_request.values())), tpot_ms=_median(tpot),
-            peak_memory_bytes=peak_memory_bytes(cuda), kv_cache_tokens=None,
+            tpot_mean_ms=_mean(tpot), peak_memory_bytes=peak_memory_bytes(cuda), kv_cache_tokens=None,
             extra={"hf_batch_size": bs, "attn_implementation": "sdpa", "dtype": str(model.dtype)})
     finally:
         del model

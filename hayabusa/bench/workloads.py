@@ -78,6 +78,9 @@ class Workload:
         ceiling: "matmul" (compute floor), "bandwidth" (decode floor) or None (no fraction reported).
         hf_batch1_requests: the HF baseline at batch size 1 times only the first this many requests (None: all):
             W9 (its batch-1 variant; the larger batches run all) and W8 (whose baseline runs at batch 1 only).
+        reports_tpot: its records keep TPOT (``tpot_ms``, the median over requests, and ``tpot_mean_ms``): the
+            workloads whose target is a per-token latency, W3 (one stream) and W11 (issue #21: speculation's TPOT
+            at batch 1 / 4 / 16); throughput workloads leave them None.
         warmup_requests: 0 (the default): the warm-up is a few short requests (``runner.warmup_requests``). N > 0:
             the warm-up is N requests of the workload's own first lengths and max_tokens (fresh ids), so that it
             reaches what the timed run reaches beyond the first steps: W1P's N overflow the GPU cache, so its
@@ -93,6 +96,7 @@ class Workload:
     hf_batch1_requests: int | None = None
     engine_defaults: dict = field(default_factory=dict)   # engine arguments of record (flags override them)
     warmup_requests: int = 0
+    reports_tpot: bool = False
 
     @property
     def has_images(self) -> bool:
@@ -170,7 +174,8 @@ def w2(scale: float = 1.0) -> Workload:
 
 def w3(scale: float = 1.0) -> Workload:
     rng = np.random.default_rng(0)
-    return Workload("W3", _fixed(rng, 1, _n(128, scale), _n(512, scale)), scale, ceiling="bandwidth")
+    return Workload("W3", _fixed(rng, 1, _n(128, scale), _n(512, scale)), scale, ceiling="bandwidth",
+                    reports_tpot=True)
 
 
 def w4(scale: float = 1.0) -> Workload:
@@ -250,7 +255,7 @@ def w11(scale: float = 1.0) -> Workload:
         text = "\n".join(lines) + f"\n\nCopy every order shipped to {city}, each line exactly as written above."
         reqs.append(BenchRequest([], _n(128, scale), text=text, answer_prefix=" ".join(first.split()[:5])))
     return Workload("W11", reqs, scale, variants=[{"max_num_seqs": m} for m in W11_MAX_NUM_SEQS],
-                    engine_defaults={"max_model_len": 2048})
+                    engine_defaults={"max_model_len": 2048}, reports_tpot=True)
 
 
 def image_chat_messages(r: BenchRequest) -> list[dict]:

@@ -49,9 +49,10 @@ def test_w11_records_carry_tpot_the_issue_measures():
     from hayabusa.bench.runner import RunResult
 
     res = RunResult(elapsed_s=2.0, num_requests=4, num_sequences=4, prompt_tokens=400, output_tokens=512,
-                    startup_s=1.0, ttft_ms=12.5, tpot_ms=0.75)
+                    startup_s=1.0, ttft_ms=12.5, tpot_ms=0.75, tpot_mean_ms=0.6)
     env = {"gpu": "cpu", "commit": "x", "date": "d", "versions": {}}
-    for name, tpot in (("W11", 0.75), ("W1", None)):
+    for name, tpot, mean in (("W11", 0.75, 0.6), ("W1", None, None)):
         rec = make_record(get_workload(name, 0.02 if name == "W1" else 1.0), res, engine="hayabusa", model="m",
                           engine_args={}, env=env, variant={})
-        assert rec["tpot_ms"] == tpot and rec["ttft_ms"] == 12.5 and rec["output_throughput"] == 256.0
+        assert rec["tpot_ms"] == tpot and rec["tpot_mean_ms"] == mean
+        assert rec["ttft_ms"] == 12.5 and rec["output_throughput"] == 256.0
