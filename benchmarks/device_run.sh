@@ -784,23 +784,6 @@ g_s16f() {  # session 16, one call: the mixed-graph CUDA tests, then admissions 
   g_s16e
   step mixed_bench 130 30 python benchmarks/mixed_graphs_bench.py --model "$Q05" --json "$OUT/mixed_bench.json"
 }
-g_s17a() {  # session 17, call 1 of 2: the whole CUDA-marked suite (xdist workers when the wheel came), then its
-           # files with time bounds one at a time, then tests/kernels' unmarked tests (they pick CUDA when it is
-           # there); carries SmolLM2's first half for g_s17b
-  ensure_q05
-  local serial=(tests/models/test_t5_encoder_graphs_cuda.py tests/spec_decode/test_eagle_graphs_cuda.py
-    tests/spec_decode/test_greedy_verify_cuda.py tests/worker/test_kv_swap.py tests/spec_decode/test_spec_perf_cuda.py
-    tests/bench/test_w9_wall.py tests/bench/test_host_overhead.py)
-  local ign=() f; for f in "${serial[@]}"; do ign+=(--ignore "$f"); done
-  local px=(); python -c "import xdist" 2>/dev/null && px=(-n "${S17_WORKERS:-8}" --dist loadfile)
-  local pt="python -m pytest -v -rfE --tb=line -p no:cacheprovider --timeout 200 --session-timeout 270"
-  step cuda_suite "${S17_SUITE_S:-300}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' $pt -m cuda tests ${ign[*]} ${px[*]} \
-    --junitxml '$OUT/cuda_suite.xml' > '$OUT/cuda_suite.log' 2>&1; tail -25 '$OUT/cuda_suite.log'"
-  step cuda_serial 150 30 bash -c "HAYABUSA_Q05_DIR='$Q05' $pt -m cuda ${serial[*]} \
-    --junitxml '$OUT/cuda_serial.xml' > '$OUT/cuda_serial.log' 2>&1; tail -15 '$OUT/cuda_serial.log'"
-  step kernels_unmarked "${S17_KERNELS_S:-200}" 60 bash -c "$pt -m 'not cuda' tests/kernels ${px[*]} \
-    --junitxml '$OUT/kernels_unmarked.xml' > '$OUT/kernels_unmarked.log' 2>&1; tail -25 '$OUT/kernels_unmarked.log'"
-}
 g_s17b() {  # session 17, call 2 of 2 (issue #21): W11 off and n-gram at k = 4 and k = 8, TPOT now in the records
   ensure_smol || return 0
   bench_step smol_W11_off "${W11_MAX_S:-100}" 20 --workload W11 --model "$smol" --sweep max_num_seqs=1,4,16
@@ -810,23 +793,23 @@ g_s17b() {  # session 17, call 2 of 2 (issue #21): W11 off and n-gram at k = 4 a
       --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}"
   done
 }
-g_s17c() {  # session 17, one call: the CUDA tests of the paths sessions 11-16 changed, one at a time (xdist on one
-           # GPU failed in s17a: every worker's engines take gpu_memory_utilization of the whole GPU)
+cuda_tests() {  # cuda_tests NAME MAX_S PATH...: the CUDA-marked tests under PATHs, one at a time. -v: the names reach
+               # the log as they run; --session-timeout: pytest stops itself before the step's timeout and still
+               # prints its summary. (Session 17 lost two calls: pytest-xdist on the one GPU, where every worker's
+               # engines take gpu_memory_utilization of the whole GPU, and a run killed by the step timeout with -q:
+               # no names, no summary.)
+  local name=$1 max=$2; shift 2
   ensure_q05
-  # -v: the names reach the log as they run; --session-timeout: pytest stops itself before the step's timeout and
-  # still prints its summary (s17a and the first s17c were killed by the step timeout: no names, no summary)
-  local st=$(( ${S17C_S:-420} - 30 ))
-  step s17c_tests "${S17C_S:-420}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --tb=short \
-    -p no:cacheprovider --timeout 150 --session-timeout $st -m cuda tests/spec_decode tests/engine tests/worker tests/kernels/test_quant_linear.py \
-    --junitxml '$OUT/s17c.xml' > '$OUT/s17c_tests.log' 2>&1; tail -40 '$OUT/s17c_tests.log'"
+  step "$name" "$max" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    --timeout 150 --session-timeout $(( max - 30 )) -m cuda $* --junitxml '$OUT/$name.xml' > '$OUT/$name.log' 2>&1; \
+    tail -40 '$OUT/$name.log'"
 }
-g_s18a() {  # next session, call 1: the CUDA tests of tests/engine and tests/worker (50 of s17c's 90 did not run in
-           # its 440 s; ~11 s a test), with the fused-RoPE test fixed in 1475552 first
-  ensure_q05
-  step s18a_tests "${S18_S:-500}" 60 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -v -rfE --tb=short \
-    -p no:cacheprovider --timeout 150 --session-timeout $(( ${S18_S:-500} - 30 )) -m cuda \
-    tests/engine/test_cuda_graphs.py tests/engine tests/worker tests/kernels/test_quant_linear.py \
-    --junitxml '$OUT/s18a.xml' > '$OUT/s18a_tests.log' 2>&1; tail -40 '$OUT/s18a_tests.log'"
+g_s17c() {  # session 17, one call: the CUDA tests of the paths sessions 11-16 changed (40 of 90 ran in 440 s)
+  cuda_tests s17c_tests "${S17C_S:-420}" tests/spec_decode tests/engine tests/worker tests/kernels/test_quant_linear.py
+}
+g_s18a() {  # next session, call 1: those s17c did not reach (~11 s a test), the fused-RoPE test fixed in 1475552 first
+  cuda_tests s18a_tests "${S18_S:-500}" tests/engine/test_cuda_graphs.py tests/engine tests/worker \
+    tests/kernels/test_quant_linear.py
 }
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
