@@ -12,8 +12,10 @@ CUDA-graph replays (how decode runs; also checks that the launches capture), in 
   fused     fused_q + the same GEMM (the engine's path with HAYABUSA_FUSED_ACT_QUANT=1)
   saved     sep - fused, and 'x' = sep / fused.
 Before timing, each case checks that both paths give the same quantized bytes and scales (bit for bit) and the
-same GEMM output. FP8 at M = 1 runs fp8_small_m_linear in the engine (the quantization fused into its GEMV), so
-that row is informational only. fp8 needs compute capability >= 8.9 (skipped below). About 30 s on an H200.
+same GEMM output. FP8 rows up to FP8_SMALL_M_MAX also time the small-M kernel's two engine forms (each with
+its producer): the plain norm / SiLU-and-mul + fp8_small_m_linear quantizing x in every program, against the fused
+producer + its XQ launch on the quantized rows. fp8 needs compute capability >= 8.9 (skipped below). About 30 s
+on an H200.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 from hayabusa.kernels.activation import silu_and_mul  # noqa: E402
+from hayabusa.kernels.fp8_gemv import FP8_SMALL_M_MAX, fp8_small_m_linear  # noqa: E402
 from hayabusa.kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8_ref  # noqa: E402
 from hayabusa.kernels.fused_act_quant import rms_norm_quant, silu_and_mul_quant  # noqa: E402
 from hayabusa.kernels.fused_norm import fused_add_rms_norm  # noqa: E402
@@ -40,17 +43,20 @@ CASES = [("norm", "qkv", HIDDEN, 4608), ("norm", "gate_up", HIDDEN, 2 * INTER), 
 
 
 def _gemm(kind: str, N: int, K: int):
-    """A random quantized weight and the GEMM that consumes (xq, s): int8_scaled_mm or torch._scaled_mm."""
+    """A random quantized weight and the GEMM that consumes (xq, s): int8_scaled_mm or torch._scaled_mm; for fp8
+    also the small-M kernel's two forms, on the plain x (quantizing inside) and on (xq, s) (its XQ launch)."""
     w = torch.randn(N, K, device="cuda") / K ** 0.5
     if kind == "int8":
         wq, sw = per_token_quant_int8_ref(w)
         sw = sw.view(-1).contiguous()
-        return lambda xq, s: int8_scaled_mm(xq, s, wq, sw, None, torch.bfloat16)
+        return lambda xq, s: int8_scaled_mm(xq, s, wq, sw, None, torch.bfloat16), None, None
     from hayabusa.quantization.fp8 import fp8_matmul_cuda
 
     wq, sw = per_token_quant_fp8_ref(w)
     sw = sw.view(1, -1).contiguous()
-    return lambda xq, s: fp8_matmul_cuda(xq, s, wq.t(), sw, torch.bfloat16)
+    return (lambda xq, s: fp8_matmul_cuda(xq, s, wq.t(), sw, torch.bfloat16),
+            lambda x: fp8_small_m_linear(x, wq, sw.view(-1)),
+            lambda xq, s: fp8_small_m_linear(xq, wq, sw.view(-1), x_scale=s))
 
 
 def case(producer: str, layer: str, K: int, N: int, kind: str, M: int) -> dict:
@@ -61,8 +67,11 @@ def case(producer: str, layer: str, K: int, N: int, kind: str, M: int) -> dict:
         res = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         w = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).bfloat16()
 
+        def plain():
+            return fused_add_rms_norm(x, res, w, 1e-6)[0]
+
         def sep_q():
-            return quant(fused_add_rms_norm(x, res, w, 1e-6)[0])
+            return quant(plain())
 
         def fused_q():
             xq, s, _ = rms_norm_quant(x, res, w, 1e-6, kind)
@@ -70,16 +79,24 @@ def case(producer: str, layer: str, K: int, N: int, kind: str, M: int) -> dict:
     else:
         h = (torch.randn(M, 2 * K, device="cuda", generator=g) * 2).bfloat16()
 
+        def plain():
+            return silu_and_mul(h)
+
         def sep_q():
-            return quant(silu_and_mul(h))
+            return quant(plain())
 
         def fused_q():
             return silu_and_mul_quant(h, kind)
-    gemm = _gemm(kind, N, K)
+    gemm, gemv_plain, gemv_xq = _gemm(kind, N, K)
     (a, sa), (b, sb) = sep_q(), fused_q()
     same = torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(sa, sb)
     same = same and torch.equal(gemm(a, sa), gemm(b, sb))
     fns = {"sep_q": sep_q, "fused_q": fused_q, "sep": lambda: gemm(*sep_q()), "fused": lambda: gemm(*fused_q())}
+    if gemv_plain is not None and M <= FP8_SMALL_M_MAX:
+        # the engine's small-M FP8 forms: plain producer + the GEMV quantizing x in every program, against the
+        # fused producer + the GEMV's XQ launch (FP8Q_TABLE); the same e4m3 inputs, so close outputs
+        torch.testing.assert_close(gemv_plain(plain()), gemv_xq(b, sb), atol=0.05, rtol=0.02)
+        fns.update(prod=plain, gemv_plain=lambda: gemv_plain(plain()), gemv_xq=lambda: gemv_xq(*fused_q()))
     row = dict(producer=producer, layer=layer, kind=kind, M=M, K=K, N=N, bits_equal=bool(same))
     for name, fn in fns.items():
         row[f"{name}_us"] = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
@@ -102,7 +119,8 @@ def main() -> None:
             for M in [int(m) for m in args.m.split(",")]:
                 r = case(producer, layer, K, N, kind, M)
                 rows.append(r)
-                note = " (engine: fp8_small_m_linear)" if kind == "fp8" and M == 1 else ""
+                note = (f"  small-M kernel: producer {r['prod_us']:.1f} + GEMV quantizing x {r['gemv_plain_us']:.1f}"
+                        f" vs fused producer + XQ GEMV {r['gemv_xq_us']:.1f} us" if "gemv_xq_us" in r else "")
                 print(f"{kind + ' ' + producer + '->' + layer:<22}{M:>5}  {r['sep_q_us']:8.1f}{r['fused_q_us']:8.1f}"
                       f"  {r['sep_us']:8.1f}{r['fused_us']:8.1f}{r['sep_us'] - r['fused_us']:8.1f}"
                       f"{r['sep_us'] / r['fused_us']:7.2f}  {'equal' if r['bits_equal'] else 'DIFFER'}{note}",

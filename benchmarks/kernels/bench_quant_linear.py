@@ -26,14 +26,17 @@ torch._int_mm + the Triton epilogue, where its shape rules allow); the int8 acti
 input for INT_MM_MIN_M (kernels/int8_gemm.py). About a minute on an H200.
 --fp8 instead times, per layer and M (default 1,4,16,64), CUDA-graph replays of: bf16 F.linear (cuBLAS); FP8 W8A8
 as it ran before kernels/fp8_gemv.py (per_token_quant_fp8 + torch._scaled_mm, two launches); fp8_small_m_linear
-(the quantization fused in, FP8_TABLE's launch; the engine uses it up to FP8_SMALL_M_MAX rows). GB/s counts the
+(the quantization fused in, FP8_TABLE's launch; the engine uses it up to FP8_SMALL_M_MAX rows); and 'xq', the same
+kernel on x already quantized (its XQ launch, FP8Q_TABLE's: what the engine runs when the norm / SiLU-and-mul
+before the linear quantizes its output, kernels/fused_act_quant.py). GB/s counts the
 FP8 weights (1 byte each) + their fp32 scales + x read once + the output written once; '%copy' is that over a
 device-to-device copy of the same weight bytes measured in the same run (read + write counted). With --sweep it
 first compiles every candidate in --jobs processes (8; Triton's disk cache is shared), then times 10-28
 candidates per case (fp8_sweep_configs: GEMV tiles up to 4 rows, 16-row dot tiles, K splits for 1-12 programs
 per SM), prints the best next to the current default, per (shape class, M bucket) the candidate with the least
-time over the class's layers, and the FP8_TABLE literal to paste into hayabusa/kernels/fp8_gemv.py. `--fp8
---sweep --m 1,4,16` takes about 45 s on an H200 (12 cases, 241 candidates).
+time over the class's layers, and the FP8_TABLE and FP8Q_TABLE literals to paste into hayabusa/kernels/fp8_gemv.py
+(both launches are swept; --table-json FILE also writes them where HAYABUSA_FP8_TABLE_JSON=FILE loads them into an
+engine without editing the code). `--fp8 --sweep --m 1,4,16` took about 45 s on an H200 with one launch swept.
 --sweep-gemm instead searches the swapped-operand GEMM (gemm_t) per layer, M (default 16,32,64,128,256) and scheme
 (int8; int4 at --group-size): up to 24 tile / warp / stage candidates each (gemm_t_candidates), CUDA-graph
 medians next to bf16 F.linear, dequantize + F.linear and the current GEMM_T_TABLE launch. It prints, per (scheme,
@@ -328,13 +331,17 @@ def _fp8_compile(job: tuple[str, int, list[tuple]]) -> int:
     layer, M, entries = job
     K, N, x, w = layer_inputs(layer, M)
     wf, swf = quantize_fp8_rows(w)
+    xq, sx = quantize_fp8_rows(x)
     failed = 0
     for e in entries:
-        try:
-            fp8_small_m_linear(x, wf, swf.view(-1).contiguous(), cfg=LaunchConfig(
-                e[0], BLOCK_M=e[1], BLOCK_N=e[2], BLOCK_K=e[3], SPLIT_K=e[4], num_warps=e[5], num_stages=e[6]))
-        except Exception:  # noqa: BLE001 - out of registers / shared memory: timed as not a candidate later
-            failed += 1
+        cfg = LaunchConfig(e[0], BLOCK_M=e[1], BLOCK_N=e[2], BLOCK_K=e[3], SPLIT_K=e[4], num_warps=e[5],
+                           num_stages=e[6])
+        for args in ((x,), (xq,)):  # the kernel quantizing x, and its XQ launch (x quantized by the producer)
+            try:
+                fp8_small_m_linear(*args, wf, swf.view(-1).contiguous(), cfg=cfg,
+                                   x_scale=sx if args[0] is xq else None)
+            except Exception:  # noqa: BLE001 - out of registers / shared memory: timed as not a candidate later
+                failed += 1
     torch.cuda.synchronize()
     return failed
 
@@ -381,13 +388,17 @@ def fp8_case(layer: str, M: int, sweep: bool) -> dict:
     wf, swf = quantize_fp8_rows(w)
     swf = swf.view(-1).contiguous()
     ref = fp8_small_m_linear_ref(x, wf, swf)
+    xq, sx = per_token_quant_fp8(x)
     fused = lambda cfg=None: fp8_small_m_linear(x, wf, swf, cfg=cfg)  # noqa: E731
+    pre = lambda cfg=None: fp8_small_m_linear(xq, wf, swf, cfg=cfg, x_scale=sx)  # noqa: E731
     torch.testing.assert_close(fused(), ref, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(pre(), ref, atol=0.05, rtol=0.02)
     fns = {"bf16": lambda: F.linear(x, w),
            "scaled_mm": lambda: fp8_matmul_cuda(*per_token_quant_fp8(x), wf.t(), swf.view(1, -1), torch.bfloat16),
-           "fused": fused}
+           "fused": fused, "xq": pre}
     io = M * K * 2 + M * N * 2
-    nbytes = {"bf16": N * K * 2 + io, "scaled_mm": N * K + N * 4 + io, "fused": N * K + N * 4 + io}
+    nbytes = {"bf16": N * K * 2 + io, "scaled_mm": N * K + N * 4 + io, "fused": N * K + N * 4 + io,
+              "xq": N * K + N * 4 + M * K + M * N * 2}
     row = dict(layer=layer, K=K, N=N, M=M, config=pick_fp8_config(M, N, K, x.device).__dict__,
                copy_gb_s=copy_gb_s(N * K), fused_bytes=nbytes["fused"])
     for name, fn in fns.items():
@@ -395,36 +406,41 @@ def fp8_case(layer: str, M: int, sweep: bool) -> dict:
         row[name + "_us"] = ms * 1e3
         row[name + "_gb_s"] = nbytes[name] / ms / 1e6
     if sweep:
-        times = {}
-        for cfg in fp8_sweep_configs(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count):
-            try:
-                y = fused(cfg)
-                torch.testing.assert_close(y, ref, atol=0.05, rtol=0.02)
-                ms = triton.testing.do_bench_cudagraph(lambda: fused(cfg), rep=10, return_mode="median")
-            except Exception as e:  # noqa: BLE001 - out of shared memory / registers: not a candidate on this GPU
-                print(f"# {layer} M={M} {_fp8_entry(cfg)}: {type(e).__name__}", flush=True)
-                continue
-            times[repr(_fp8_entry(cfg))] = ms * 1e3
-        best = min(times, key=times.get) if times else None
-        row.update(sweep_us=times, sweep_best=best, sweep_best_us=times.get(best, float("nan")),
-                   sweep_best_gb_s=nbytes["fused"] / times[best] * 1e3 / 1e6 if best else float("nan"))
+        for key, fn in (("", fused), ("xq_", pre)):
+            times = {}
+            for cfg in fp8_sweep_configs(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count):
+                try:
+                    y = fn(cfg)
+                    torch.testing.assert_close(y, ref, atol=0.05, rtol=0.02)
+                    ms = triton.testing.do_bench_cudagraph(lambda: fn(cfg), rep=10, return_mode="median")
+                except Exception as e:  # noqa: BLE001 - out of shared memory / registers: not a candidate here
+                    print(f"# {layer} M={M} {key}{_fp8_entry(cfg)}: {type(e).__name__}", flush=True)
+                    continue
+                times[repr(_fp8_entry(cfg))] = ms * 1e3
+            best = min(times, key=times.get) if times else None
+            nb = nbytes["xq" if key else "fused"]
+            row.update({f"{key}sweep_us": times, f"{key}sweep_best": best,
+                        f"{key}sweep_best_us": times.get(best, float("nan")),
+                        f"{key}sweep_best_gb_s": nb / times[best] * 1e3 / 1e6 if best else float("nan")})
     print(f"# {layer} M={M} done", flush=True)
     return row
 
 
-def print_fp8_table(rows: list[dict]) -> None:
+def print_fp8_table(rows: list[dict], table_json: str | None = None) -> None:
     print(f"{'layer':<8} {'K':>6} {'N':>6} {'M':>4} {'bf16 us':>8} {'q+smm us':>9} {'fused us':>9} {'GB/s':>6} "
-          f"{'%copy':>6} {'vs bf16':>7} {'vs smm':>7}  config [| best us GB/s %copy]")
+          f"{'%copy':>6} {'vs bf16':>7} {'vs smm':>7} {'xq us':>7} {'%copy':>6}  config [| best us GB/s %copy]")
     for r in rows:
         c = r["config"]
         desc = (f"{c['kind']} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} split {c['SPLIT_K']} w{c['num_warps']} "
                 f"s{c['num_stages']}")
-        if r.get("sweep_best"):
-            desc += (f" | best {r['sweep_best']}: {r['sweep_best_us']:.1f} us {r['sweep_best_gb_s']:.0f} "
-                     f"{100 * r['sweep_best_gb_s'] / r['copy_gb_s']:.0f}%")
+        for key in ("", "xq_"):
+            if r.get(f"{key}sweep_best"):
+                desc += (f" | {key}best {r[f'{key}sweep_best']}: {r[f'{key}sweep_best_us']:.1f} us "
+                         f"{r[f'{key}sweep_best_gb_s']:.0f} {100 * r[f'{key}sweep_best_gb_s'] / r['copy_gb_s']:.0f}%")
         print(f"{r['layer']:<8} {r['K']:>6} {r['N']:>6} {r['M']:>4} {r['bf16_us']:>8.1f} {r['scaled_mm_us']:>9.1f} "
               f"{r['fused_us']:>9.1f} {r['fused_gb_s']:>6.0f} {100 * r['fused_gb_s'] / r['copy_gb_s']:>5.0f}% "
-              f"{r['bf16_us'] / r['fused_us']:>7.2f} {r['scaled_mm_us'] / r['fused_us']:>7.2f}  {desc}")
+              f"{r['bf16_us'] / r['fused_us']:>7.2f} {r['scaled_mm_us'] / r['fused_us']:>7.2f} {r['xq_us']:>7.1f} "
+              f"{100 * r['xq_gb_s'] / r['copy_gb_s']:>5.0f}%  {desc}")
     copies = sorted({(r["N"] * r["K"], r["copy_gb_s"]) for r in rows})
     print("# CUDA-graph replay medians; 'q+smm' = per_token_quant_fp8 + torch._scaled_mm (the path above "
           "FP8_SMALL_M_MAX); 'vs x' = x time / fused time (> 1: the fused kernel is faster); GB/s of the fused "
@@ -439,23 +455,31 @@ def print_fp8_table(rows: list[dict]) -> None:
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
         groups.setdefault((gemm_shape_class(r["N"], r["K"]), fp8_m_bucket(r["M"])), []).append(r)
-    table = {}
-    print("# per (shape class, M bucket): the candidate with the least time summed over the class's layers, "
-          "against the current default (FP8_TABLE as run)")
-    for key, rs in sorted(groups.items()):
-        common = set.intersection(*(set(r["sweep_us"]) for r in rs))
-        if not common:
-            continue
-        best = min(common, key=lambda e: sum(r["sweep_us"][e] for r in rs))
-        table[key] = best
-        now = sum(r["fused_us"] for r in rs)
-        new = sum(r["sweep_us"][best] for r in rs)
-        print(f"#   {key}: {best}  {new:.1f} us (default {now:.1f} us, x{now / new:.2f})  layers "
-              + ", ".join(f"{r['layer']} M={r['M']}" for r in rs))
-    print("FP8_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {")
-    for key in sorted(table):
-        print(f"    {key!r}: {table[key]},")
-    print("}")
+    tables = {}
+    for name, key, now_key in (("FP8_TABLE", "sweep_us", "fused_us"), ("FP8Q_TABLE", "xq_sweep_us", "xq_us")):
+        table = tables[name] = {}
+        print(f"# {name}, per (shape class, M bucket): the candidate with the least time summed over the class's "
+              f"layers, against the current default ({name} as run)")
+        for gkey, rs in sorted(groups.items()):
+            common = set.intersection(*(set(r.get(key, {})) for r in rs))
+            if not common:
+                continue
+            best = min(common, key=lambda e: sum(r[key][e] for r in rs))
+            table[gkey] = best
+            now = sum(r[now_key] for r in rs)
+            new = sum(r[key][best] for r in rs)
+            print(f"#   {gkey}: {best}  {new:.1f} us (default {now:.1f} us, x{now / new:.2f})  layers "
+                  + ", ".join(f"{r['layer']} M={r['M']}" for r in rs))
+        print(f"{name}: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {{")
+        for gkey in sorted(table):
+            print(f"    {gkey!r}: {table[gkey]},")
+        print("}")
+    if table_json:  # what HAYABUSA_FP8_TABLE_JSON loads (kernels/fp8_gemv.load_fp8_tables)
+        import ast
+
+        Path(table_json).write_text(json.dumps({name: [[c, b, list(ast.literal_eval(e))] for (c, b), e in
+                                                       sorted(t.items())] for name, t in tables.items()}, indent=1))
+        print(f"# wrote {table_json}: HAYABUSA_FP8_TABLE_JSON={table_json} runs the engine with these launches")
 
 
 # ------------------------------------------------------------------------------------ --sweep-gemm (gemm_t tiles)
@@ -681,6 +705,9 @@ def print_w8a8_sweep(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
+    parser.add_argument("--table-json", default=None,
+                        help="--fp8 --sweep: write the tuned FP8_TABLE / FP8Q_TABLE here, the file "
+                             "HAYABUSA_FP8_TABLE_JSON loads into the engine")
     parser.add_argument("--m", help="comma-separated batch sizes M (default 1,8,64,256,2048; with --dequant "
                                     "16,64,128,256,512,2048,8192)")
     parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated subset of {list(LAYERS)}")
@@ -751,7 +778,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"Qwen2.5-7B linears, bf16 activations, int4 group size {args.group_size}")
     if args.fp8:
-        print_fp8_table(rows)
+        print_fp8_table(rows, args.table_json)
     elif args.dequant:
         print_dequant_table(rows)
     elif args.sweep_gemm:

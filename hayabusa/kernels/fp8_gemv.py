@@ -33,6 +33,8 @@ N', K' >= N, K, zero padding ignored): no second copy.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hayabusa.kernels._triton import tl, triton
@@ -71,14 +73,17 @@ def _amax_step(acc, x_ptr, rows, m_mask, stride_xm, K, k0, offs):
 
 
 @triton.jit
-def _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC: tl.constexpr,
+def _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC: tl.constexpr, XQ: tl.constexpr,
                 BLOCK_M: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr,
                 AMAX_UNROLL: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """s [BLOCK_M] fp32: per_token_quant_fp8's scale of each row, from the amax over all K columns (or static).
-    AMAX_UNROLL: the AMAX_ITERS chunks unrolled, every chunk's load in flight at once: the prologue then costs
-    about one L2 latency before the weights stream, not one per chunk."""
-    if STATIC:
-        s = tl.load(static_scale_ptr + tl.zeros([BLOCK_M], dtype=tl.int32))
+    """s [BLOCK_M] fp32: per_token_quant_fp8's scale of each row, from the amax over all K columns (or static; or,
+    XQ, the producer's scales [M, 1] at scale_ptr). AMAX_UNROLL: the AMAX_ITERS chunks unrolled, every chunk's
+    load in flight at once: the prologue then costs about one L2 latency before the weights stream, not one per
+    chunk."""
+    if XQ:
+        s = tl.load(scale_ptr + rows, mask=m_mask, other=1.0)
+    elif STATIC:
+        s = tl.load(scale_ptr + tl.zeros([BLOCK_M], dtype=tl.int32))
     else:
         offs = tl.arange(0, AMAX_BLOCK)
         acc = tl.zeros([BLOCK_M, AMAX_BLOCK], dtype=tl.float32)
@@ -133,12 +138,15 @@ def _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_pt
 
 
 @triton.jit
-def _gemv_row(acc, w, x_ptr, row, M, stride_xm, kk, k0, k_mask, s, FP8_MAX: tl.constexpr,
+def _gemv_row(acc, w, x_ptr, row, M, stride_xm, kk, k0, k_mask, s, XQ: tl.constexpr, FP8_MAX: tl.constexpr,
               FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """acc [BN, BJ] += the exact products of one x row's quantized [BJ, VEC] slice with the weight tile, summed
-    over each thread's VEC (in-thread adds)."""
+    """acc [BN, BJ] += the exact products of one x row's quantized [BJ, VEC] slice (XQ: loaded as the producer
+    quantized it) with the weight tile, summed over each thread's VEC (in-thread adds)."""
     x = tl.load(x_ptr + row * stride_xm + k0 + kk, mask=k_mask & (row < M), other=0.0)
-    q = _quantize(x.to(tl.float32), s, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)           # [BJ, VEC] e4m3
+    if XQ:
+        q = x                                                                             # [BJ, VEC] e4m3
+    else:
+        q = _quantize(x.to(tl.float32), s, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)       # [BJ, VEC] e4m3
     return acc + tl.sum(w * q.to(tl.float32)[None, :, :], axis=2)
 
 
@@ -149,9 +157,9 @@ def _pick(v, idx, i):
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, part_ptr, lock_ptr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr,
                      M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
-                     STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     STATIC: tl.constexpr, XQ: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      FUSED_REDUCE: tl.constexpr, VEC_MASK: tl.constexpr, SOFT_ROUND: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                      AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
@@ -168,7 +176,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, 
     idx = tl.arange(0, BLOCK_M)
     rows = row0 + idx                                                                     # [BM]
     m_mask = rows < M
-    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
+    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC, XQ, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
                     AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                      # [BM] fp32
     s0 = _pick(s, idx, 0)
     s1 = _pick(s, idx, 1)
@@ -192,15 +200,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, 
         else:
             k_mask = (k0 + kk) < k_end                                                    # [BJ, VEC]
         w = tl.load(w_tile + k0, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0).to(tl.float32)
-        acc0 = _gemv_row(acc0, w, x_ptr, row0, M, stride_xm, kk, k0, k_mask, s0, FP8_MAX, FP8_MANT, FP8_EMIN,
+        acc0 = _gemv_row(acc0, w, x_ptr, row0, M, stride_xm, kk, k0, k_mask, s0, XQ, FP8_MAX, FP8_MANT, FP8_EMIN,
                          SOFT_ROUND)
         if BLOCK_M > 1:
-            acc1 = _gemv_row(acc1, w, x_ptr, row0 + 1, M, stride_xm, kk, k0, k_mask, s1, FP8_MAX, FP8_MANT,
+            acc1 = _gemv_row(acc1, w, x_ptr, row0 + 1, M, stride_xm, kk, k0, k_mask, s1, XQ, FP8_MAX, FP8_MANT,
                              FP8_EMIN, SOFT_ROUND)
         if BLOCK_M > 2:
-            acc2 = _gemv_row(acc2, w, x_ptr, row0 + 2, M, stride_xm, kk, k0, k_mask, s2, FP8_MAX, FP8_MANT,
+            acc2 = _gemv_row(acc2, w, x_ptr, row0 + 2, M, stride_xm, kk, k0, k_mask, s2, XQ, FP8_MAX, FP8_MANT,
                              FP8_EMIN, SOFT_ROUND)
-            acc3 = _gemv_row(acc3, w, x_ptr, row0 + 3, M, stride_xm, kk, k0, k_mask, s3, FP8_MAX, FP8_MANT,
+            acc3 = _gemv_row(acc3, w, x_ptr, row0 + 3, M, stride_xm, kk, k0, k_mask, s3, XQ, FP8_MAX, FP8_MANT,
                              FP8_EMIN, SOFT_ROUND)
     r = idx[:, None]
     acc = tl.where(r == 0, tl.sum(acc0, axis=1)[None, :], 0.0)                            # [BM, BN]
@@ -217,9 +225,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, 
 
 
 @triton.jit
-def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, part_ptr, lock_ptr,
+def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr,
                     M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
-                    STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+                    STATIC: tl.constexpr, XQ: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                    FUSED_REDUCE: tl.constexpr,
                     EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_ROUND: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
@@ -233,7 +242,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, p
     m_mask = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, static_scale_ptr, STATIC, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
+    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC, XQ, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
                     AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                                   # [BM] fp32
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -249,7 +258,10 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, static_scale_ptr, out_ptr, p
         else:
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        q = _quantize(x.to(tl.float32), s[:, None], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+        if XQ:
+            q = x                                                                         # [BM, BK] e4m3
+        else:
+            q = _quantize(x.to(tl.float32), s[:, None], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
         if DOT_FP32:  # the interpreter (numpy): fp32 operands, exact products as well
             acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:         # e4m3 values are exact in fp16: exact products, fp32 sums
@@ -286,6 +298,42 @@ FP8_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
     ('wide', 16): ('dot', 16, 64, 256, 1, 8, 3),
 }
 
+# The launches for an x already quantized by its producer (XQ: rms_norm_quant / silu_and_mul_quant wrote x_q and
+# its scales): no amax prologue and no per-program quantization, so the weights start streaming at once and more
+# rows per program stay cheap (the 4-row GEMV above is bound by its divisions). UNMEASURED: FP8_TABLE's launches
+# until `bench_quant_linear.py --fp8 --sweep` has run with the pre-quantized column on a GPU.
+FP8Q_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = dict(FP8_TABLE)
+# A tuned table from a GPU's sweep (bench_quant_linear.py --fp8 --sweep --table-json PATH) replaces these entries
+# at import when HAYABUSA_FP8_TABLE_JSON names it: a device's own tuning, as vLLM's per-GPU kernel config files.
+FP8_TABLE_JSON_ENV = "HAYABUSA_FP8_TABLE_JSON"
+
+
+def load_fp8_tables(path: str) -> dict[str, int]:
+    """Update FP8_TABLE / FP8Q_TABLE in place from the JSON a sweep wrote: {"FP8_TABLE": [[class, bucket, entry],
+    ...], "FP8Q_TABLE": [...]}. Every entry is checked as fp8_launch checks it. Returns how many entries each table
+    took. Raises ValueError naming the file and the bad entry (the tables are left unchanged then)."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    updates: dict[str, dict] = {}
+    for name, table in (("FP8_TABLE", FP8_TABLE), ("FP8Q_TABLE", FP8Q_TABLE)):
+        new = {}
+        for row in data.get(name, []):
+            try:
+                cls, bucket, entry = row
+                key, entry = (str(cls), int(bucket)), tuple(entry)
+                if key not in table:
+                    raise ValueError(f"unknown (shape class, M bucket) {key}")
+                fp8_launch(entry, 1, 4096, 4096, torch.device("cpu"))  # shape check only (no SM count needed)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}: bad {name} row {row!r}: {e}") from None
+            new[key] = entry
+        updates[name] = new
+    FP8_TABLE.update(updates["FP8_TABLE"])
+    FP8Q_TABLE.update(updates["FP8Q_TABLE"])
+    return {k: len(v) for k, v in updates.items()}
+
 
 def fp8_m_bucket(M: int) -> int:
     """FP8_TABLE's row bucket of M rows: the smallest of FP8_M_BUCKETS >= M (the largest past them)."""
@@ -310,10 +358,12 @@ def fp8_launch(entry: tuple[str, int, int, int, int, int, int], M: int, N: int, 
                         num_stages=stages)
 
 
-def pick_fp8_config(M: int, N: int, K: int, device: torch.device) -> LaunchConfig:
-    """The launch for [M, K] x [K, N] with M <= FP8_SMALL_M_MAX: FP8_TABLE's entry for (gemm_shape_class(N, K),
-    fp8_m_bucket(M)); host ints and the SM count only (the same every call: CUDA-graph safe)."""
-    return fp8_launch(FP8_TABLE[(gemm_shape_class(N, K), fp8_m_bucket(M))], M, N, K, device)
+def pick_fp8_config(M: int, N: int, K: int, device: torch.device, prequantized: bool = False) -> LaunchConfig:
+    """The launch for [M, K] x [K, N] with M <= FP8_SMALL_M_MAX: FP8_TABLE's entry (FP8Q_TABLE's for an x already
+    quantized) for (gemm_shape_class(N, K), fp8_m_bucket(M)); host ints and the SM count only (the same every
+    call: CUDA-graph safe)."""
+    table = FP8Q_TABLE if prequantized else FP8_TABLE
+    return fp8_launch(table[(gemm_shape_class(N, K), fp8_m_bucket(M))], M, N, K, device)
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -334,8 +384,25 @@ def _split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-           input_scale: torch.Tensor | None, N: int) -> None:
-    check_per_token_quant_inputs(x, input_scale)
+           input_scale: torch.Tensor | None, N: int, x_scale: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+    if isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE:   # quantized by its producer: x_scale [M, 1] with it
+        if x.dim() != 2 or x.shape[1] == 0 or (x.stride(1) != 1 and x.shape[0] > 0):
+            raise ValueError(f"x must be [M, K > 0] with a unit last stride, got {tuple(x.shape)} strides "
+                             f"{x.stride()}")
+        if input_scale is not None:
+            raise ValueError("input_scale must be None when x is already quantized (its scales are x_scale)")
+        if not isinstance(x_scale, torch.Tensor) or x_scale.dtype != torch.float32 \
+                or x_scale.numel() != x.shape[0] or not x_scale.is_contiguous() or x_scale.device != x.device:
+            got = ((tuple(x_scale.shape), x_scale.dtype, str(x_scale.device)) if isinstance(x_scale, torch.Tensor)
+                   else x_scale)
+            raise ValueError(f"x_scale must be [M={x.shape[0]}, 1] float32 contiguous on {x.device} when x is "
+                             f"{FP8_DTYPE}, got {got!r}")
+        if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype!r}")
+    else:
+        check_per_token_quant_inputs(x, input_scale)
+        if x_scale is not None:
+            raise ValueError(f"x_scale is only for an x already quantized to {FP8_DTYPE}; x is {x.dtype}")
     K = x.shape[1]
     if weight.dtype != FP8_DTYPE or weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N', K'] float8_e4m3fn with a unit last stride, got "
@@ -348,8 +415,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
             or not weight_scale.is_contiguous():
         raise ValueError(f"weight_scale must be [>= {N}] float32 contiguous, got {tuple(weight_scale.shape)} "
                          f"{weight_scale.dtype}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias must be [N={N}] {x.dtype} contiguous or None, got {tuple(bias.shape)} {bias.dtype}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != out_dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be [N={N}] {out_dtype} contiguous or None, got {tuple(bias.shape)} {bias.dtype}")
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
@@ -357,33 +424,44 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
 
 def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-                       out_features: int | None = None, cfg: LaunchConfig | None = None) -> torch.Tensor:
-    """FP8 W8A8 linear with the activation quantization fused in (module docstring), for M <= FP8_SMALL_M_MAX.
+                       out_features: int | None = None, cfg: LaunchConfig | None = None,
+                       x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FP8 W8A8 linear with the activation quantization fused in (module docstring), for M <= FP8_SMALL_M_MAX; or,
+    when x is already e4m3 (quantized by the kernel that made it: kernels/fused_act_quant.py), the same product of
+    x and its x_scale with no quantization step (FP8Q_TABLE's launches).
 
     Args:
-        x: [M, K] float32/float16/bfloat16, unit last stride (any row stride); finite values. M may be 0.
+        x: [M, K] float32/float16/bfloat16, unit last stride (any row stride); finite values. M may be 0. Or
+            [M, K] float8_e4m3fn with ``x_scale``.
         weight: [N', K'] float8_e4m3fn, unit last stride, N' >= N, K' >= K (columns K.. and rows N.. ignored: the
             zero padding Fp8LinearMethod adds for _scaled_mm).
         weight_scale: [N'' >= N] float32 contiguous, one scale per output channel.
-        bias: [N] x's dtype contiguous, or None (added in fp32 before the cast).
+        bias: [N] in the output dtype, contiguous, or None (added in fp32 before the cast).
         input_scale: None (dynamic per-token scales) or a one-element float32 tensor (static), read on the device.
+            None when x is e4m3.
         out_features: N (default N').
         cfg: a launch (bench sweeps and tests); default pick_fp8_config's.
+        x_scale: [M, 1] (or [M]) float32 contiguous, x's row scales, only with an e4m3 x.
+        out_dtype: the output dtype when x is e4m3 (bfloat16 / float16 / float32; default bfloat16); otherwise
+            x's dtype (the argument is ignored).
     Returns:
-        [M, N] in x's dtype: fp8_small_m_linear_ref's value up to the fp32 summation order (the same e4m3 x_q and
-        s_x bits as per_token_quant_fp8).
+        [M, N]: fp8_small_m_linear_ref's value up to the fp32 summation order (the same e4m3 x_q and s_x bits as
+        per_token_quant_fp8). With the same cfg, a bf16 x and its per_token_quant_fp8 (x_q, x_scale) give the
+        same bits: the sums run in the same order.
     Raises:
         ValueError: on a bad shape, dtype, stride or device (the message names the argument).
     No host sync; the grid depends on (M, N, K) only: safe to capture in a CUDA graph. On CPU it needs
     TRITON_INTERPRET=1.
     """
+    xq = isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE
+    out_dtype = (out_dtype or torch.bfloat16) if xq else getattr(x, "dtype", None)
     N = weight.shape[0] if out_features is None else out_features
-    _check(x, weight, weight_scale, bias, input_scale, N)
+    _check(x, weight, weight_scale, bias, input_scale, N, x_scale, out_dtype)
     M, K = x.shape
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return out
-    cfg = cfg or pick_fp8_config(M, N, K, x.device)
+    cfg = cfg or pick_fp8_config(M, N, K, x.device, prequantized=xq)
     if cfg.kind not in ("gemv", "dot"):
         raise ValueError(f"cfg.kind must be 'gemv' or 'dot', got {cfg.kind!r}")
     if cfg.kind == "gemv" and cfg.BLOCK_M not in (1, 2, 4):
@@ -401,13 +479,14 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     amax_block = min(triton.next_power_of_2(K), _MAX_AMAX_ELEMS // bm)
     amax_iters = triton.cdiv(K, amax_block)
     common = dict(
-        STATIC=input_scale is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        STATIC=input_scale is not None, XQ=xq, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         FUSED_REDUCE=locks is not None, SOFT_ROUND=x.device.type == "cpu", BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         AMAX_BLOCK=amax_block, AMAX_ITERS=amax_iters,
         AMAX_UNROLL=amax_iters * amax_block * bm <= _AMAX_UNROLL_ELEMS * 32 * cfg.num_warps,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, FP8_MANT=_MANT, FP8_EMIN=_EMIN,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = (x, weight, weight_scale, bias if bias is not None else out, input_scale if input_scale is not None else out,
+    scales = x_scale if xq else input_scale if input_scale is not None else out
+    args = (x, weight, weight_scale, bias if bias is not None else out, scales,
             out, part, locks if locks is not None else out, M, N, K, tiles_per_split * cfg.BLOCK_K, splits,
             x.stride(0), weight.stride(0), out.stride(0))
     if dot:
@@ -435,5 +514,9 @@ def fp8_small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     return y.to(x.dtype)
 
 
-__all__ = ["FP8_M_BUCKETS", "FP8_SMALL_M_MAX", "FP8_TABLE", "fp8_launch", "fp8_m_bucket", "fp8_small_m_linear",
-           "fp8_small_m_linear_ref", "pick_fp8_config"]
+if os.environ.get(FP8_TABLE_JSON_ENV):
+    load_fp8_tables(os.environ[FP8_TABLE_JSON_ENV])
+
+
+__all__ = ["FP8_M_BUCKETS", "FP8_SMALL_M_MAX", "FP8_TABLE", "FP8Q_TABLE", "fp8_launch", "fp8_m_bucket",
+           "fp8_small_m_linear", "fp8_small_m_linear_ref", "load_fp8_tables", "pick_fp8_config"]

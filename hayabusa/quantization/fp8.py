@@ -67,6 +67,11 @@ USE_FP8_SMALL_M = env_flag("HAYABUSA_FP8_SMALL_M", True)
 # o 8.2 / 15.0, gate_up 48.0 / 52.7, down 31.5 / 59.6; M = 4 qkv 23.9 / 15.1, o 17.0 / 15.2, gate_up 155 / 50.3,
 # down 100 / 54.4; M = 16 gate_up 111 / 49.3, down 71.5 / 54.5. So only one row pays (M = 2-3 not measured).
 FP8_SMALL_M_ENGINE_MAX = 1
+# Rows up to which an activation already quantized by its producer (a QuantizedActivation from rms_norm_quant /
+# silu_and_mul_quant, when the fused producers are on: quantization/act_quant.py) takes fp8_small_m_linear's XQ
+# launches (no amax prologue, no per-program quantization) instead of _scaled_mm. UNMEASURED beyond one row: the
+# pre-quantized column of `bench_quant_linear.py --fp8` sets it.
+FP8_PREQUANT_ENGINE_MAX = 1
 # Fast accumulation on Hopper (fewer promotions of the partial sums to fp32 inside the tensor-core pipeline):
 # the inference default of torchao's float8 path. Set False to trade speed for bit-closer agreement with the
 # emulation.
@@ -116,10 +121,11 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def use_small_m_kernel(M: int) -> bool:
-    """Whether the _scaled_mm path runs M rows through fp8_small_m_linear (USE_FP8_SMALL_M, FP8_SMALL_M_ENGINE_MAX
-    capped at the kernels' FP8_SMALL_M_MAX)."""
-    return USE_FP8_SMALL_M and 0 < M <= min(FP8_SMALL_M_ENGINE_MAX, fp8_gemv.FP8_SMALL_M_MAX)
+def use_small_m_kernel(M: int, prequantized: bool = False) -> bool:
+    """Whether the _scaled_mm path runs M rows through fp8_small_m_linear (USE_FP8_SMALL_M; FP8_SMALL_M_ENGINE_MAX,
+    or FP8_PREQUANT_ENGINE_MAX for rows its producer quantized, capped at the kernels' FP8_SMALL_M_MAX)."""
+    limit = FP8_PREQUANT_ENGINE_MAX if prequantized else FP8_SMALL_M_ENGINE_MAX
+    return USE_FP8_SMALL_M and 0 < M <= min(limit, fp8_gemv.FP8_SMALL_M_MAX)
 
 
 def has_fp8_matmul(device: torch.device) -> bool:
@@ -175,16 +181,24 @@ class Fp8LinearMethod(LinearMethod):
 
     def input_quant(self, layer, M):
         """"fp8" for per-token dynamic activations, except where ``apply`` would not quantize x separately: a
-        static input scale, the decode-sized rows of ``fp8_small_m_linear`` (which quantizes inside its GEMV) and
-        a weight zero-padded in K (x's padding columns)."""
+        static input scale, a weight zero-padded in K (x's padding columns), and the decode-sized rows of
+        ``fp8_small_m_linear`` when it may not take them pre-quantized (it then quantizes inside its GEMV)."""
         if self.static_input:
             return None
-        if layer.fp8_scaled_mm and (use_small_m_kernel(M) or layer.weight.shape[1] != layer.in_features):
+        if layer.fp8_scaled_mm and layer.weight.shape[1] != layer.in_features:
+            return None
+        if layer.fp8_scaled_mm and use_small_m_kernel(M) and not use_small_m_kernel(M, prequantized=True):
             return None
         return "fp8"
 
     def apply(self, layer, x):
         if isinstance(x, QuantizedActivation):  # quantized by the kernel that made x (input_quant): [M, K] e4m3
+            M = x.xq.shape[0]
+            if (layer.fp8_scaled_mm and use_small_m_kernel(M, prequantized=True) and x.dtype == torch.bfloat16
+                    and (layer.bias is None or layer.bias.dtype == x.dtype)):
+                # decode-sized M: the weights stream at once (no quantization step in the kernel)
+                return fp8_small_m_linear(x.xq, layer.weight, layer.weight_scale, layer.bias, None,
+                                          layer.out_features, x_scale=x.scale, out_dtype=x.dtype)
             return self._matmul(layer, x.xq, x.scale, x.dtype)
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)

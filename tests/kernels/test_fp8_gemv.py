@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hayabusa.kernels.fp8_gemv import (
-    FP8_M_BUCKETS, FP8_SMALL_M_MAX, FP8_TABLE, fp8_launch, fp8_m_bucket, fp8_small_m_linear, fp8_small_m_linear_ref,
-    pick_fp8_config,
+    FP8_M_BUCKETS, FP8_SMALL_M_MAX, FP8_TABLE, FP8Q_TABLE, fp8_launch, fp8_m_bucket, fp8_small_m_linear,
+    fp8_small_m_linear_ref, pick_fp8_config,
 )
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, per_token_quant_fp8_ref
-from hayabusa.kernels.quant_linear import LaunchConfig
+from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class
 from tests.kernels.conftest import QWEN_7B
 
 # interpreter-sized launches reaching every code path (K = 104 is not a multiple of 32: a ragged last K tile)
@@ -207,6 +207,40 @@ def test_fp8_table_launches():
                 ("dot", 16, 48, 128, 1, 4, 3), ("gemv", 1, 32, 512, -1, 4, 1)]:
         with pytest.raises(ValueError, match="FP8_TABLE entry"):
             fp8_launch(bad, 1, 64, 64, cpu)
+    assert set(FP8Q_TABLE) == set(FP8_TABLE)
+    for M in (1, 4, 16):
+        for K, N in QWEN_7B.values():
+            assert pick_fp8_config(M, N, K, cpu, prequantized=True) == fp8_launch(
+                FP8Q_TABLE[(gemm_shape_class(N, K), fp8_m_bucket(M))], M, N, K, cpu)
+
+
+def test_tables_load_from_a_sweeps_json(tmp_path, monkeypatch):
+    """HAYABUSA_FP8_TABLE_JSON's file (what `bench_quant_linear.py --fp8 --sweep --table-json` writes) replaces the
+    entries it names, in both tables; a bad entry is refused naming the file and the row, leaving both tables as
+    they were."""
+    import json
+
+    import hayabusa.kernels.fp8_gemv as fg
+
+    monkeypatch.setattr(fg, "FP8_TABLE", dict(FP8_TABLE))
+    monkeypatch.setattr(fg, "FP8Q_TABLE", dict(FP8Q_TABLE))
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"FP8_TABLE": [["deep", 1, ["gemv", 1, 64, 256, 2, 8, 1]]],
+                                "FP8Q_TABLE": [["wide", 4, ["gemv", 4, 16, 512, 1, 8, 1]],
+                                               ["square", 16, ["dot", 16, 64, 128, 0, 4, 3]]]}))
+    assert fg.load_fp8_tables(str(path)) == {"FP8_TABLE": 1, "FP8Q_TABLE": 2}
+    assert fg.FP8_TABLE[("deep", 1)] == ("gemv", 1, 64, 256, 2, 8, 1)
+    assert fg.FP8Q_TABLE[("wide", 4)] == ("gemv", 4, 16, 512, 1, 8, 1)
+    assert fg.FP8Q_TABLE[("deep", 1)] == FP8Q_TABLE[("deep", 1)]            # entries not named stay
+    cfg = fg.pick_fp8_config(4, 37888, 3584, torch.device("cpu"), prequantized=True)
+    assert (cfg.kind, cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps) == ("gemv", 4, 16, 512, 8)
+    before = (dict(fg.FP8_TABLE), dict(fg.FP8Q_TABLE))
+    for bad in ([["deep", 1, ["gemv", 8, 64, 256, 2, 8, 1]]], [["huge", 1, ["gemv", 1, 64, 256, 2, 8, 1]]],
+                [["deep", 1]]):
+        path.write_text(json.dumps({"FP8Q_TABLE": [["wide", 1, ["gemv", 1, 16, 512, 1, 4, 1]]], "FP8_TABLE": bad}))
+        with pytest.raises(ValueError, match="t.json: bad FP8_TABLE row"):
+            fg.load_fp8_tables(str(path))
+        assert (fg.FP8_TABLE, fg.FP8Q_TABLE) == before
 
 
 @pytest.mark.parametrize("make, match", [
@@ -221,8 +255,73 @@ def test_fp8_table_launches():
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d).double(), weight=w, weight_scale=s), "x must"),
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s, input_scale=0.5),
      "static_scale"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s,
+                          x_scale=torch.ones(2, 1, device=d)), "x_scale is only"),
+    (lambda d, w, s: dict(x=torch.zeros(2, 8, device=d).to(FP8_DTYPE), weight=w, weight_scale=s), "x_scale must"),
+    (lambda d, w, s: dict(x=torch.zeros(2, 8, device=d).to(FP8_DTYPE), weight=w, weight_scale=s,
+                          x_scale=torch.ones(3, 1, device=d)), "x_scale must"),
+    (lambda d, w, s: dict(x=torch.zeros(2, 8, device=d).to(FP8_DTYPE), weight=w, weight_scale=s,
+                          x_scale=torch.ones(2, 1, device=d), input_scale=torch.ones(1, device=d)), "input_scale"),
+    (lambda d, w, s: dict(x=torch.zeros(2, 8, device=d).to(FP8_DTYPE), weight=w, weight_scale=s,
+                          x_scale=torch.ones(2, 1, device=d), out_dtype=torch.int8), "out_dtype"),
+    (lambda d, w, s: dict(x=torch.zeros(2, 8, device=d).to(FP8_DTYPE), weight=w, weight_scale=s,
+                          x_scale=torch.ones(2, 1, device=d), bias=torch.zeros(16, device=d)), "bias must"),
 ])
 def test_fp8_small_m_rejects_bad_input(device, make, match):
     w, s = (t.to(device) for t in _weight(16, 16, seed=0))
     with pytest.raises(ValueError, match=match):
         fp8_small_m_linear(**make(device, w, s))
+
+
+@pytest.mark.parametrize("M", [1, 3, 6])
+@pytest.mark.parametrize("cfg", ["gemv", "gemv_split", "gemv4_split", "gemm", "gemm_split"])
+def test_prequantized_x_gives_the_fused_kernels_bits(device, cfg, M):
+    """x quantized by its producer (per_token_quant_fp8's x_q and scales, what fused_act_quant's kernels write)
+    through the XQ launches: the same bits as the kernel quantizing x itself with the same launch (the sums run in
+    the same order), bias on; float16 output when asked."""
+    N, K = 40, 104
+    g = torch.Generator().manual_seed(M + 5)
+    x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16).to(device)
+    w, sw = (t.to(device) for t in _weight(N, K, seed=M))
+    bias = torch.randn(N, generator=g).to(torch.bfloat16).to(device)
+    xq, sx = per_token_quant_fp8_ref(x)
+    fused = fp8_small_m_linear(x, w, sw, bias, cfg=CONFIGS[cfg])
+    pre = fp8_small_m_linear(xq, w, sw, bias, cfg=CONFIGS[cfg], x_scale=sx)
+    assert pre.dtype == torch.bfloat16 and torch.equal(pre, fused)
+    half = fp8_small_m_linear(xq, w, sw, bias.half(), cfg=CONFIGS[cfg], x_scale=sx, out_dtype=torch.float16)
+    _assert_few_ulps(half, fp8_small_m_linear_ref(x.half(), w, sw, bias.half()))
+
+
+def test_sweep_tables_reach_the_engine_through_the_json(tmp_path, monkeypatch, capsys):
+    """bench_quant_linear's --fp8 --sweep summary: per (shape class, M bucket) the launch with the least time summed
+    over the class's layers, for the kernel quantizing x (FP8_TABLE) and for its XQ launch (FP8Q_TABLE), printed
+    and written with --table-json; load_fp8_tables (HAYABUSA_FP8_TABLE_JSON) then picks exactly those launches."""
+    import importlib.util
+    from pathlib import Path
+
+    import hayabusa.kernels.fp8_gemv as fg
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_quant_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_quant_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a, b = ("gemv", 1, 32, 512, 4, 8, 1), ("gemv", 1, 64, 256, 2, 4, 1)
+    cfg = dict(kind="gemv", BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=1)
+
+    def row(layer, K, N, fused, xq):
+        return dict(layer=layer, K=K, N=N, M=1, config=cfg, copy_gb_s=4000.0, bf16_us=10.0, scaled_mm_us=15.0,
+                    fused_us=9.0, fused_gb_s=2000.0, xq_us=8.0, xq_gb_s=2500.0,
+                    sweep_us={repr(a): fused[0], repr(b): fused[1]}, sweep_best=repr(a), sweep_best_us=fused[0],
+                    sweep_best_gb_s=1.0, xq_sweep_us={repr(a): xq[0], repr(b): xq[1]}, xq_sweep_best=repr(b),
+                    xq_sweep_best_us=xq[1], xq_sweep_best_gb_s=1.0)
+
+    # qkv and o are one class ("square"): a wins the fused sum (5 + 6 < 7 + 5), b the XQ sum (4 + 4 < 3 + 6)
+    rows = [row("qkv", 3584, 4608, (5.0, 7.0), (3.0, 4.0)), row("o", 3584, 3584, (6.0, 5.0), (6.0, 4.0))]
+    out = tmp_path / "tables.json"
+    bench.print_fp8_table(rows, str(out))
+    text = capsys.readouterr().out
+    assert f"('square', 1): {a!r}" in text and f"('square', 1): {b!r}" in text
+    monkeypatch.setattr(fg, "FP8_TABLE", dict(FP8_TABLE))
+    monkeypatch.setattr(fg, "FP8Q_TABLE", dict(FP8Q_TABLE))
+    assert fg.load_fp8_tables(str(out)) == {"FP8_TABLE": 1, "FP8Q_TABLE": 1}
+    assert fg.FP8_TABLE[("square", 1)] == a and fg.FP8Q_TABLE[("square", 1)] == b

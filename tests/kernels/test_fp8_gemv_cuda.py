@@ -1,7 +1,8 @@
 """On a GPU (sm89+: FP8): fp8_small_m_linear at Qwen2.5-7B's linear shapes against its torch reference and the
 path it replaces (per_token_quant_fp8 + torch._scaled_mm), its quantized activations bit for bit, CUDA-graph
-replay, run-to-run determinism, the Fp8LinearMethod switch, and greedy decoding (stories260K and a tiny random
-Qwen2, quantization="fp8", CUDA graphs) with the kernel on and off."""
+replay, run-to-run determinism, its XQ launch on rows quantized by their producer, the Fp8LinearMethod switch,
+and greedy decoding (stories260K and a tiny random Qwen2, quantization="fp8", CUDA graphs) with the kernel on and
+off and with the fused producers on and off."""
 
 from __future__ import annotations
 
@@ -106,6 +107,33 @@ def test_fp8_small_m_cuda_graph_replay_and_determinism(monkeypatch, layer):
         del graph
 
 
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("layer", list(QWEN_7B))
+def test_xq_launch_at_7b_shapes(layer, M):
+    """x quantized by its producer (per_token_quant_fp8's bits), through the XQ launches: with FP8_TABLE's launch,
+    the bits of the kernel quantizing x itself (the same sums in the same order); with FP8Q_TABLE's own launch,
+    within 2 ulps of the reference; captured in a CUDA graph and replayed on new rows, the eager bits."""
+    x, w, sw, b = _case(layer, M, torch.bfloat16, bias=True, seed=M + 7)
+    N, K = w.shape[0], x.shape[1]
+    xq, sx = per_token_quant_fp8(x)
+    same = pick_fp8_config(M, N, K, x.device)
+    assert torch.equal(fp8_small_m_linear(xq, w, sw, b, cfg=same, x_scale=sx),
+                       fp8_small_m_linear(x, w, sw, b, cfg=same))
+    y = fp8_small_m_linear(xq, w, sw, b, x_scale=sx)
+    assert y.dtype == torch.bfloat16 and _ulps_of_scale(y, fp8_small_m_linear_ref(x, w, sw, b)) <= 2
+    static_q, static_s = xq.clone(), sx.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fp8_small_m_linear(static_q, w, sw, b, x_scale=static_s)
+    new_q, new_s = per_token_quant_fp8(_case(layer, M, torch.bfloat16, bias=False, seed=M + 99)[0])
+    static_q.copy_(new_q)
+    static_s.copy_(new_s)
+    graph.replay()
+    assert torch.equal(static_y, fp8_small_m_linear(new_q, w, sw, b, x_scale=new_s))
+    del graph
+
+
 @pytest.mark.parametrize("M", [1, 3, 16, 17])
 def test_fp8_layer_switch_on_and_off_agree(monkeypatch, M):
     """An online-fp8 Linear at the qkv shape with bias: the fused kernel (M <= 16) and the quantizer + _scaled_mm
@@ -119,7 +147,7 @@ def test_fp8_layer_switch_on_and_off_agree(monkeypatch, M):
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     calls = []
     fused = fp8.fp8_small_m_linear
-    monkeypatch.setattr(fp8, "fp8_small_m_linear", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(fp8, "fp8_small_m_linear", lambda *a, **k: calls.append(1) or fused(*a, **k))
     monkeypatch.setattr(fp8, "FP8_SMALL_M_ENGINE_MAX", FP8_SMALL_M_MAX)   # every size the kernels take
     on = layer(x)
     assert len(calls) == (1 if M <= FP8_SMALL_M_MAX else 0)
@@ -168,13 +196,41 @@ def test_fp8_engine_greedy_with_small_m_kernel_on_and_off(monkeypatch, request, 
     model_dir = request.getfixturevalue(model)
     calls = []
     fused = fp8.fp8_small_m_linear
-    monkeypatch.setattr(fp8, "fp8_small_m_linear", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(fp8, "fp8_small_m_linear", lambda *a, **k: calls.append(1) or fused(*a, **k))
     on = _generate(model_dir)
     assert calls, "the fused kernel never ran"
     monkeypatch.setattr(fp8, "USE_FP8_SMALL_M", False)
     n_on = len(calls)
     off = _generate(model_dir)
     assert len(calls) == n_on
+    _assert_parity(model, on, off)
+
+
+@pytest.mark.parametrize("model", ["stories_dir", "tiny_qwen2"])
+def test_fp8_engine_greedy_with_prequantized_rows_on_and_off(monkeypatch, request, model):
+    """The fused producers on (rms_norm_quant / silu_and_mul_quant quantize qkv's, gate_up's and down's input; one
+    decode row then takes the small-M kernel's XQ launch, FP8Q_TABLE) against off (the kernel quantizes x
+    itself): the same parity rule. tiny_qwen2's K = 64 is unpadded, so its producers quantize."""
+    import hayabusa.quantization.act_quant as aq
+    import hayabusa.quantization.fp8 as fp8
+
+    model_dir = request.getfixturevalue(model)
+    xq_calls = []
+    kernel = fp8.fp8_small_m_linear
+    monkeypatch.setattr(fp8, "fp8_small_m_linear", lambda *a, **k: xq_calls.append(k.get("x_scale") is not None)
+                        or kernel(*a, **k))
+    monkeypatch.setattr(aq, "USE_FUSED_ACT_QUANT_CUDA", True)
+    on = _generate(model_dir)
+    if model == "tiny_qwen2":
+        assert any(xq_calls), "no decode row took the XQ launch"
+    monkeypatch.setattr(aq, "USE_FUSED_ACT_QUANT_CUDA", False)
+    n_on = len(xq_calls)
+    off = _generate(model_dir)
+    assert not any(xq_calls[n_on:])
+    _assert_parity(model, on, off)
+
+
+def _assert_parity(model: str, on: list, off: list) -> None:
     worst, diverged = 0.0, 0
     for a, b in zip(on, off):
         assert len(a.token_ids) == len(b.token_ids) == 24

@@ -15,6 +15,7 @@ from hayabusa.model.layers.activation import silu_and_mul
 from hayabusa.model.layers.linear import Linear
 from hayabusa.model.layers.norm import RMSNorm
 from hayabusa.quantization import act_quant, set_quantization_config
+from hayabusa.quantization import fp8 as fp8_module
 from hayabusa.quantization.act_quant import QuantizedActivation, input_quant_of, quantize_ref
 from hayabusa.quantization.base import UnquantizedLinearMethod
 from hayabusa.quantization.fp8 import Fp8Config, Fp8LinearMethod
@@ -62,8 +63,11 @@ def test_which_linears_ask_for_a_quantized_input(monkeypatch):
     assert isinstance(plain.quant_method, UnquantizedLinearMethod) and plain.quant_method.input_quant(plain, 3) is None
     static = Int8W8A8LinearMethod(checkpoint_int8=True, static_input=True)
     assert static.input_quant(int8, 3) is None and Fp8LinearMethod(True, "tensor", True).input_quant(fp8, 3) is None
-    # FP8 on the _scaled_mm path: the small-M GEMV quantizes inside itself; a K-padded weight needs x's padding
+    # FP8 on the _scaled_mm path: one row goes to the small-M GEMV, which takes it quantized (its XQ launch) or,
+    # with that launch off, quantizes inside itself; a K-padded weight needs x's padding
     fp8.fp8_scaled_mm = True
+    assert fp8.quant_method.input_quant(fp8, 1) == "fp8" and fp8.quant_method.input_quant(fp8, 2) == "fp8"
+    monkeypatch.setattr(fp8_module, "FP8_PREQUANT_ENGINE_MAX", 0)
     assert fp8.quant_method.input_quant(fp8, 1) is None and fp8.quant_method.input_quant(fp8, 2) == "fp8"
     fp8.in_features = 60
     assert fp8.quant_method.input_quant(fp8, 2) is None

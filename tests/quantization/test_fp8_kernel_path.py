@@ -157,3 +157,60 @@ def test_fp16_rows_keep_the_scaled_mm_path(monkeypatch):
     monkeypatch.setattr(fp8, "fp8_matmul_cuda", lambda xq, sx, wq_t, sw_row, out_dtype: used.append(1) or
                         fp8.fp8_matmul_emulated(xq, sx, wq_t.t(), sw_row.view(-1), out_dtype))
     assert layer(torch.randn(1, 64).to(DEVICE, torch.float16)).shape == (1, 32) and used == [1]
+
+
+@pytest.mark.parametrize("M,engine_max", [(1, None), (3, None), (3, 4), (0, None)])
+def test_prequantized_rows_take_the_xq_launch(monkeypatch, M, engine_max):
+    """An activation its producer quantized (QuantizedActivation: rms_norm_quant / silu_and_mul_quant) with M <=
+    FP8_PREQUANT_ENGINE_MAX rows: one fp8_small_m_linear call on x_q with its scales and no _scaled_mm; more rows:
+    _scaled_mm on the same x_q. input_quant asks the producer to quantize at every M then (at M = 1 too, which
+    without the XQ launch keeps the plain x for the kernel that quantizes inside). The result is the plain x's
+    within the output's rounding (bias included)."""
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    from hayabusa.quantization.act_quant import quantize_ref
+
+    if engine_max is not None:
+        monkeypatch.setattr(fp8, "FP8_PREQUANT_ENGINE_MAX", engine_max)
+    K, N = 64, 32                          # K a multiple of 16: no padding, so the producer may quantize
+    layer = _scaled_mm_layer(K, N, torch.bfloat16, monkeypatch)
+    M_ = max(M, 1)
+    assert layer.quant_method.input_quant(layer, M_) == "fp8"
+    small = 0 < M <= fp8.FP8_PREQUANT_ENGINE_MAX
+    calls, used = [], []
+    kernel = fp8.fp8_small_m_linear
+
+    def spy(x, w, sw, bias, input_scale, n, **kw):
+        calls.append((x, w, sw, bias, input_scale, n, kw))
+        return kernel(x, w, sw, bias, input_scale, n, **kw)
+
+    monkeypatch.setattr(fp8, "fp8_small_m_linear", spy)
+    monkeypatch.setattr(fp8, "fp8_matmul_cuda", lambda xq, sx, wq_t, sw_row, out_dtype: used.append(1) or
+                        fp8.fp8_matmul_emulated(xq, sx, wq_t.t(), sw_row.view(-1), out_dtype))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, torch.bfloat16)
+    qa = quantize_ref(x, "fp8")
+    y = layer(qa)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    if small:
+        assert used == [] and len(calls) == 1
+        xq, w, sw, bias, scale, n, kw = calls[0]
+        assert xq is qa.xq and kw["x_scale"] is qa.scale and kw["out_dtype"] == torch.bfloat16
+        assert w is layer.weight and sw is layer.weight_scale and bias is layer.bias and scale is None and n == N
+    else:
+        assert calls == [] and used == [1]
+    if M:
+        ref = fp8.fp8_matmul_emulated(qa.xq, qa.scale, layer.weight[:N], layer.weight_scale[:N], torch.float32)
+        ref = ref + layer.bias
+        err = float((y.float() - ref).abs().max())
+        assert err <= 2 * 2.0 ** -7 * float(ref.abs().max()), err
+
+
+def test_one_row_keeps_the_plain_x_when_the_xq_launch_is_off(monkeypatch):
+    """FP8_PREQUANT_ENGINE_MAX = 0: one row is left unquantized for the kernel that quantizes inside (input_quant
+    None), as before the XQ launches; two rows are still the producer's to quantize (for _scaled_mm)."""
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    monkeypatch.setattr(fp8, "FP8_PREQUANT_ENGINE_MAX", 0)
+    layer = _scaled_mm_layer(64, 32, torch.bfloat16, monkeypatch)
+    assert layer.quant_method.input_quant(layer, 1) is None
+    assert layer.quant_method.input_quant(layer, 2) == "fp8"
