@@ -826,6 +826,26 @@ g_s18b() {  # session 18, issue #25: FP8 at batch 1 with the activation quantize
     --sweep quantization=none,fp8
   HAYABUSA_FUSED_ACT_QUANT=0 bench_step q7_W3_fp8_plain 60 30 --workload W3 --model "$Q7" --scale 0.5 --quantization fp8
 }
+g_s18c() {  # session 18, call 3 (issue #25): the column-parallel producers and the XQ launches up to 16 rows on
+            # the GPU: their CUDA tests, the sweep with 16-row dot tiles at one row too (tables to JSON, loaded by the
+            # engine below), the producer + GEMV pairs, then W3 and W4 at max_num_seqs 14 on the 7b shape, fp8 with
+            # the XQ launches (default) against HAYABUSA_FP8_PREQUANT=0 (the path before), bf16 beside
+  cuda_tests s18c_tests "${S18C_TESTS_S:-190}" tests/kernels/test_fp8_gemv_cuda.py \
+    tests/kernels/test_fused_act_quant_cuda.py tests/quantization/test_cuda.py -k "'not dtype1'"
+  step fp8_sweep "${FP8_SWEEP_S:-150}" 20 bash -c "python benchmarks/kernels/bench_quant_linear.py --fp8 --sweep \
+    --m 1,4,16 --table-json '$OUT/fp8_tables.json' --json '$OUT/fp8_sweep.json' 2>&1 | grep -v '^{' | tail -60"
+  step fused_act_quant_fp8 60 15 bash -c "python benchmarks/kernels/bench_fused_act_quant.py --kinds fp8 --m 1,4,16 \
+    --json '$OUT/fused_act_quant_fp8.json' 2>&1 | tail -12"
+  [ -s "$OUT/fp8_tables.json" ] && export HAYABUSA_FP8_TABLE_JSON="$OUT/fp8_tables.json"
+  ensure_q7
+  bench_step q7_W3_xq 100 40 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
+  HAYABUSA_FP8_PREQUANT=0 bench_step q7_W3_noxq 60 30 --workload W3 --model "$Q7" --scale 0.5 --quantization fp8
+  bench_step q7_W4_xq 120 40 --workload W4 --model "$Q7" --scale 0.25 --sweep max_num_seqs=14 \
+    --quantization fp8
+  HAYABUSA_FP8_PREQUANT=0 bench_step q7_W4_noxq 90 40 --workload W4 --model "$Q7" --scale 0.25 \
+    --sweep max_num_seqs=14 --quantization fp8
+  bench_step q7_W4_bf16 90 40 --workload W4 --model "$Q7" --scale 0.25 --sweep max_num_seqs=14
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

@@ -296,7 +296,7 @@ def fp8_sweep_configs(M: int, N: int, K: int, sms: int) -> list[LaunchConfig]:
       * GEMV (M <= 4, all rows in one program): 16-byte vectors, 64-128 weight bytes per thread per step (4-8 loads in flight: less starves
         HBM, more spills) in 8-32 KB tiles; 4 or 8 warps; num_stages 1 (the loads of one step are independent, and
         Triton 3.6 does not pipeline loads that feed no tl.dot);
-      * dot (M = 16, and a few at M = 4): 16-row tiles, 32-128 wide, BLOCK_K 128-256, 3-4 stages (cp.async);
+      * dot (M = 16, and a few at M = 1 and 4): 16-row tiles, 32-128 wide, BLOCK_K 128-256, 3-4 stages (cp.async);
       * K splits from FP8_SPLITS that put 1-12 programs per SM (fewer leave SMs idle, more only add partials)."""
     from hayabusa.kernels.fp8_gemv import fp8_launch
 
@@ -305,10 +305,11 @@ def fp8_sweep_configs(M: int, N: int, K: int, sms: int) -> list[LaunchConfig]:
         shapes += [("gemv", min(4, triton.next_power_of_2(M)), bn, bk, w, 1) for bn, bk, w in
                    ((16, 512, 4), (32, 256, 4), (32, 512, 4), (16, 1024, 4), (32, 512, 8), (64, 256, 8),
                     (64, 512, 8), (32, 1024, 8))]
-    if M > 1:
-        dots = ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4),
-                (64, 128, 8, 4), (128, 128, 8, 3), (64, 256, 8, 3))
-        shapes += [("dot", 16, bn, bk, w, st) for bn, bk, w, st in (dots if M > 4 else dots[:2])]
+    dots = ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4),
+            (64, 128, 8, 4), (128, 128, 8, 3), (64, 256, 8, 3))
+    # one row too: the 16-row tl.dot tile on x quantized by its producer streamed the weights at 72-95 % of a copy
+    # from 4 rows up (2026-12-03), above the GEMV's 60-76 % at one row
+    shapes += [("dot", 16, bn, bk, w, st) for bn, bk, w, st in (dots if M > 4 else dots[:3])]
     cands = []
     for kind, bm, bn, bk, warps, stages in shapes:
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)

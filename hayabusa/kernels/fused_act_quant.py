@@ -12,7 +12,9 @@ rounded to the model dtype first (what the separate path stores and the quantize
 operations follow: amax of |row| (a max: any order gives the same value), s = max(div_rn(amax, qmax), floor),
 q = clamp(round(div_rn(v, s))). The quantized rows are written, the unquantized output is not (no consumer reads
 it). Each program owns one row; SiLU-and-mul rows longer than ``MAX_BLOCK`` are computed twice (amax pass, then
-quantize pass), which reads the gate and up rows twice instead of writing and re-reading the output.
+quantize pass), which reads the gate and up rows twice instead of writing and re-reading the output. Up to
+``COLUMN_PARALLEL_MAX_T`` rows (decode) both take a column-parallel form instead: two launches, the row's values
+and amax, then the quantization over (row, column block) programs (same values, same bits).
 
 Only dynamic per-token scales (the decoder's W8A8 linears' default); static input scales keep the separate path.
 The references (``rms_norm_quant_ref``, ``silu_and_mul_quant_ref``) are the CPU path: the torch producer, then the
@@ -32,6 +34,15 @@ from hayabusa.kernels.per_token_quant import FLOAT_DTYPES
 
 FP8_MAX, _MANT, _EMIN = FP8_FORMATS[FP8_DTYPE]          # 448.0, 3, -6 (as fp8_quant.py)
 MAX_BLOCK = 4096     # SiLU-and-mul columns one program holds at once (the quantizers' MAX_BLOCK)
+# Up to this many rows the producers take their column-parallel form: the row's values and amax first (SiLU-and-mul
+# over many programs per row, each storing its columns and their amax; the norm as before plus its amax), then a
+# second launch over (row, column block) programs that quantizes. One program per row leaves decode's 1-16 rows on
+# 1-16 SMs, where the IEEE divisions of a long row take longer than the launch saved: H200, 2026-12-03,
+# bench_fused_act_quant.py at M = 1: SiLU-and-mul-quantize of an 18,944-column row 11.7 us against 1.2 us for the
+# plain SiLU-and-mul, RMSNorm-quantize of 3,584 columns 4.7 against 1.7. The same values, amax and divisions, so
+# the same bits.
+COLUMN_PARALLEL_MAX_T = 16
+COL_BLOCK = 1024     # columns per program of the column-parallel launches
 KINDS = ("int8", "fp8")
 
 
@@ -56,10 +67,10 @@ def _quantize_store(ptr, v, s, mask, FP8: tl.constexpr, QMAX: tl.constexpr, FP8_
 
 
 @triton.jit
-def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, xq_ptr, s_ptr, res_out_ptr, stride_x, stride_r, stride_ro, N,
-                           eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, QMAX: tl.constexpr,
-                           MIN_SCALE: tl.constexpr, FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr,
-                           SOFT_ROUND: tl.constexpr):
+def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, xq_ptr, s_ptr, res_out_ptr, h_ptr, amax_ptr, stride_x, stride_r,
+                           stride_ro, N, eps, HAS_RES: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK: tl.constexpr,
+                           FP8: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, FP8_MANT: tl.constexpr,
+                           FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -68,9 +79,59 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, xq_ptr, s_ptr, res_out_ptr, st
                             mask, HAS_RES, False).to(x_ptr.dtype.element_ty)
     # then the quantizer's, on the output as the model dtype holds it (masked lanes are 0: they do not move amax)
     v = out.to(tl.float32)
-    s = _row_scale(tl.max(tl.abs(v), axis=0), QMAX, MIN_SCALE)
-    tl.store(s_ptr + row, s)
-    _quantize_store(xq_ptr + row * N + offs, v, s, mask, FP8, QMAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+    amax = tl.max(tl.abs(v), axis=0)
+    if AMAX_ONLY:   # column-parallel form: the row and its amax; _quantize_cols_kernel quantizes
+        tl.store(h_ptr + row * N + offs, out, mask=mask)
+        tl.store(amax_ptr + row, amax)
+    else:
+        s = _row_scale(amax, QMAX, MIN_SCALE)
+        tl.store(s_ptr + row, s)
+        _quantize_store(xq_ptr + row * N + offs, v, s, mask, FP8, QMAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+
+
+@triton.jit
+def _silu_and_mul_amax_kernel(x_ptr, h_ptr, amax_ptr, stride_x, D, PARTS, BLOCK: tl.constexpr):
+    """Column-parallel SiLU-and-mul, grid (rows, PARTS): each program stores its BLOCK columns of the row in the
+    model dtype and their amax (one of the row's PARTS partials)."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    v = _silu_mul(x_ptr + row * stride_x, cols, D, mask)                 # masked lanes: silu(0) * 0 = 0
+    tl.store(h_ptr + row * D + cols, v.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(amax_ptr + row * PARTS + part, tl.max(tl.abs(v), axis=0))
+
+
+@triton.jit
+def _quantize_cols_kernel(h_ptr, amax_ptr, xq_ptr, s_ptr, D, PARTS, PARTS_P2: tl.constexpr, BLOCK: tl.constexpr,
+                          FP8: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, FP8_MANT: tl.constexpr,
+                          FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """Grid (rows, column blocks): the row's scale from its PARTS amax partials (a max: any order), then BLOCK
+    columns of the stored row quantized; the first column block stores the scale."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    p = tl.arange(0, PARTS_P2)
+    amax = tl.max(tl.load(amax_ptr + row * PARTS + p, mask=p < PARTS, other=0.0), axis=0)
+    s = _row_scale(amax, QMAX, MIN_SCALE)
+    if blk == 0:
+        tl.store(s_ptr + row, s)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    v = tl.load(h_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    _quantize_store(xq_ptr + row * D + cols, v, s, mask, FP8, QMAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+
+
+def _quantize_cols(h: torch.Tensor, amax: torch.Tensor, qdtype: torch.dtype, consts: dict) -> tuple[torch.Tensor,
+                                                                                                    torch.Tensor]:
+    """The column-parallel form's second launch: h [T, D] (model dtype), amax [T, PARTS] fp32 -> (xq, s)."""
+    T, D = h.shape
+    parts = amax.shape[1]
+    xq = torch.empty(T, D, dtype=qdtype, device=h.device)
+    s = torch.empty(T, 1, dtype=torch.float32, device=h.device)
+    _quantize_cols_kernel[(T, triton.cdiv(D, COL_BLOCK))](h, amax, xq, s, D, parts,
+                                                          PARTS_P2=triton.next_power_of_2(parts), BLOCK=COL_BLOCK,
+                                                          num_warps=4, **consts)
+    return xq, s
 
 
 @triton.jit
@@ -153,9 +214,14 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     BLOCK = triton.next_power_of_2(N)
     r = residual if residual is not None else x
     ro = res_out if res_out is not None else x      # unwritten without a residual
-    _rms_norm_quant_kernel[(T,)](x, r, weight, xq, s, ro, x.stride(0), r.stride(0), ro.stride(0), N, eps,
-                                 HAS_RES=residual is not None, BLOCK=BLOCK,
+    cols = T <= COLUMN_PARALLEL_MAX_T               # the norm's row (its warps: its bits), then the quantize launch
+    h = torch.empty_like(x) if cols else xq
+    amax = torch.empty(T, 1, dtype=torch.float32, device=x.device) if cols else s
+    _rms_norm_quant_kernel[(T,)](x, r, weight, xq, s, ro, h, amax, x.stride(0), r.stride(0), ro.stride(0), N, eps,
+                                 HAS_RES=residual is not None, AMAX_ONLY=cols, BLOCK=BLOCK,
                                  num_warps=4 if BLOCK <= 4096 else 8, **consts)   # fused_add_rms_norm's warps
+    if cols:
+        xq, s = _quantize_cols(h, amax, qdtype, consts)
     return xq, s, res_out
 
 
@@ -187,6 +253,12 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
         raise ValueError(f"x must be [T, 2D] float32/float16/bfloat16 with D > 0 and unit last stride, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     T, D = x.shape[0], x.shape[1] // 2
+    if 0 < T <= COLUMN_PARALLEL_MAX_T:
+        parts = triton.cdiv(D, COL_BLOCK)
+        h = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        amax = torch.empty(T, parts, dtype=torch.float32, device=x.device)
+        _silu_and_mul_amax_kernel[(T, parts)](x, h, amax, x.stride(0), D, parts, BLOCK=COL_BLOCK, num_warps=4)
+        return _quantize_cols(h, amax, qdtype, consts)
     xq = torch.empty(T, D, dtype=qdtype, device=x.device)
     s = torch.empty(T, 1, dtype=torch.float32, device=x.device)
     if T == 0:

@@ -14,13 +14,18 @@ the separate quantizer's exact arithmetic (``per_token_quant_int8`` / ``per_toke
 does not change with the switch.
 
 Switch: ``HAYABUSA_FUSED_ACT_QUANT`` (read at import; ``USE_FUSED_ACT_QUANT`` / ``USE_FUSED_ACT_QUANT_CUDA`` at call
-time). On by default on CPU (plain torch: the producer's output, then the quantizer's torch reference); opt-in on
-CUDA (``HAYABUSA_FUSED_ACT_QUANT=1``) until ``tests/kernels/test_fused_act_quant_cuda.py`` has passed on a GPU.
-Setting the variable sets both.
+time). On by default on CPU (plain torch: the producer's output, then the quantizer's torch reference). On CUDA,
+unset means "where it was measured to pay" (``USE_FUSED_ACT_QUANT_CUDA = None``): the producer quantizes only when
+every consumer's method says its kernel prefers quantized rows at that M and dtype
+(``LinearMethod.prefers_quantized_input``: FP8's small-M kernel, whose XQ launch streams the weights without a
+quantization step; measured on an H200, 2026-12-03, BENCHMARKS.md). Setting the variable sets both: 1 = always
+(where the consumers can take it), 0 = never. ``tests/kernels/test_fused_act_quant_cuda.py`` passed on the H200
+in bf16 at every M; fp16 at 256 rows with a residual did not (session 13), so the measured default is bf16 only.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
@@ -28,7 +33,9 @@ import torch
 from hayabusa.envs import env_flag
 
 USE_FUSED_ACT_QUANT = env_flag("HAYABUSA_FUSED_ACT_QUANT", True)           # CPU (and any non-CUDA device)
-USE_FUSED_ACT_QUANT_CUDA = env_flag("HAYABUSA_FUSED_ACT_QUANT", False)     # CUDA: opt-in until run on a GPU
+# CUDA: True / False when the variable is set, None (where the consumers prefer it) when not
+USE_FUSED_ACT_QUANT_CUDA: bool | None = (env_flag("HAYABUSA_FUSED_ACT_QUANT", False)
+                                         if "HAYABUSA_FUSED_ACT_QUANT" in os.environ else None)
 
 ACT_QUANT_KINDS = ("int8", "fp8")
 
@@ -57,22 +64,27 @@ class QuantizedActivation:
         return f"QuantizedActivation({self.kind}, shape={tuple(self.xq.shape)}, dtype={self.dtype})"
 
 
-def fused_act_quant_enabled(device: torch.device) -> bool:
-    """The switch for activations on ``device`` (module docstring)."""
+def fused_act_quant_enabled(device: torch.device) -> bool | None:
+    """The switch for activations on ``device`` (module docstring): True, False, or None (CUDA's default: where
+    the consumers prefer quantized rows)."""
     return USE_FUSED_ACT_QUANT_CUDA if device.type == "cuda" else USE_FUSED_ACT_QUANT
 
 
 def input_quant_of(linears: Iterable[torch.nn.Module | None], M: int, x: torch.Tensor) -> str | None:
     """The quantization the producer of ``x`` [M, K] should apply for its consumers ``linears``: "int8" / "fp8"
-    when the switch is on for x's device and every consumer's method answers that same kind, else None (the
-    producer returns its plain output). A consumer that is None or has no method counts as a plain one."""
-    if not fused_act_quant_enabled(x.device):
+    when the switch is on for x's device (or, unset on CUDA, every consumer prefers quantized rows at this M and
+    dtype) and every consumer's method answers that same kind, else None (the producer returns its plain output).
+    A consumer that is None or has no method counts as a plain one."""
+    enabled = fused_act_quant_enabled(x.device)
+    if enabled is False:
         return None
     kind = None
     for layer in linears:
         method = getattr(layer, "quant_method", None)
         k = method.input_quant(layer, M) if method is not None else None
         if k is None or (kind is not None and k != kind):
+            return None
+        if enabled is None and not method.prefers_quantized_input(layer, M, x.dtype):
             return None
         kind = k
     return kind

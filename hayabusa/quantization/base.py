@@ -159,6 +159,11 @@ class LinearMethod(ABC):
         plain."""
         return None
 
+    def prefers_quantized_input(self, layer: nn.Module, M: int, dtype: torch.dtype) -> bool:
+        """Whether ``apply`` on M rows of ``dtype`` is faster with x quantized by its producer than plain, as
+        measured (the CUDA default of ``quantization/act_quant.py``). False (the default): not measured to pay."""
+        return False
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Today's Linear: weight [N, K] in the model dtype, ``F.linear``."""

@@ -67,11 +67,14 @@ USE_FP8_SMALL_M = env_flag("HAYABUSA_FP8_SMALL_M", True)
 # o 8.2 / 15.0, gate_up 48.0 / 52.7, down 31.5 / 59.6; M = 4 qkv 23.9 / 15.1, o 17.0 / 15.2, gate_up 155 / 50.3,
 # down 100 / 54.4; M = 16 gate_up 111 / 49.3, down 71.5 / 54.5. So only one row pays (M = 2-3 not measured).
 FP8_SMALL_M_ENGINE_MAX = 1
-# Rows up to which an activation already quantized by its producer (a QuantizedActivation from rms_norm_quant /
-# silu_and_mul_quant, when the fused producers are on: quantization/act_quant.py) takes fp8_small_m_linear's XQ
-# launches (no amax prologue, no per-program quantization) instead of _scaled_mm. UNMEASURED beyond one row: the
-# pre-quantized column of `bench_quant_linear.py --fp8` sets it.
-FP8_PREQUANT_ENGINE_MAX = 1
+# Rows up to which an activation already quantized (by its producer: a QuantizedActivation from rms_norm_quant /
+# silu_and_mul_quant, quantization/act_quant.py; or, from 2 rows, by per_token_quant_fp8 here) takes
+# fp8_small_m_linear's XQ launches (no amax prologue, no per-program quantization) instead of _scaled_mm: at 4 and 16
+# rows 1.4-2.5x faster than _scaled_mm on every 7B layer (H200, 2026-12-03; FP8Q_TABLE's note).
+FP8_PREQUANT_ENGINE_MAX = 16
+# HAYABUSA_FP8_PREQUANT=0 (read at import) or USE_FP8_PREQUANT = False (call time): no XQ launches, the path before
+# them (one row quantized inside the kernel, more rows on _scaled_mm), for A/B runs.
+USE_FP8_PREQUANT = env_flag("HAYABUSA_FP8_PREQUANT", True)
 # Fast accumulation on Hopper (fewer promotions of the partial sums to fp32 inside the tensor-core pipeline):
 # the inference default of torchao's float8 path. Set False to trade speed for bit-closer agreement with the
 # emulation.
@@ -123,7 +126,10 @@ def _round_up(n: int, m: int) -> int:
 
 def use_small_m_kernel(M: int, prequantized: bool = False) -> bool:
     """Whether the _scaled_mm path runs M rows through fp8_small_m_linear (USE_FP8_SMALL_M; FP8_SMALL_M_ENGINE_MAX,
-    or FP8_PREQUANT_ENGINE_MAX for rows its producer quantized, capped at the kernels' FP8_SMALL_M_MAX)."""
+    or, for rows already quantized, USE_FP8_PREQUANT and FP8_PREQUANT_ENGINE_MAX, capped at the kernels'
+    FP8_SMALL_M_MAX)."""
+    if prequantized and not USE_FP8_PREQUANT:
+        return False
     limit = FP8_PREQUANT_ENGINE_MAX if prequantized else FP8_SMALL_M_ENGINE_MAX
     return USE_FP8_SMALL_M and 0 < M <= min(limit, fp8_gemv.FP8_SMALL_M_MAX)
 
@@ -191,6 +197,13 @@ class Fp8LinearMethod(LinearMethod):
             return None
         return "fp8"
 
+    def prefers_quantized_input(self, layer, M, dtype):
+        """One to FP8_PREQUANT_ENGINE_MAX bf16 rows on the _scaled_mm path: the small-M kernel's XQ launch on rows
+        the producer quantized (no quantization step, the weights stream at once; H200, 2026-12-03:
+        BENCHMARKS.md, eighteenth session)."""
+        return (bool(getattr(layer, "fp8_scaled_mm", False)) and dtype == torch.bfloat16
+                and use_small_m_kernel(M, prequantized=True) and self.input_quant(layer, M) == "fp8")
+
     def apply(self, layer, x):
         if isinstance(x, QuantizedActivation):  # quantized by the kernel that made x (input_quant): [M, K] e4m3
             M = x.xq.shape[0]
@@ -217,6 +230,13 @@ class Fp8LinearMethod(LinearMethod):
             # one Triton launch (not ~7 torch ops): per-token scales and e4m3 rows, zero columns up to the padded
             # K' of the weight; the same bits as quantize_fp8_rows
             xq, sx = per_token_quant_fp8(x2, layer.input_scale, out_cols=w.shape[1])
+            if (layer.input_scale is None and use_small_m_kernel(x2.shape[0], prequantized=True)
+                    and x2.dtype == torch.bfloat16 and (layer.bias is None or layer.bias.dtype == x.dtype)):
+                # 2..FP8_PREQUANT_ENGINE_MAX rows (o_proj's, and any linear whose producer did not quantize): the
+                # XQ launch on the quantized rows (x's zero columns meet the weight's zero padding)
+                y = fp8_small_m_linear(xq, w, layer.weight_scale, layer.bias, None, N, x_scale=sx,
+                                       out_dtype=x.dtype)
+                return y.reshape(*lead, N)
         else:
             xq, sx = quantize_fp8_rows(x2, layer.input_scale)
         return self._matmul(layer, xq, sx, x.dtype).reshape(*lead, N)

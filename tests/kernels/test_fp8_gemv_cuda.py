@@ -208,9 +208,11 @@ def test_fp8_engine_greedy_with_small_m_kernel_on_and_off(monkeypatch, request, 
 
 @pytest.mark.parametrize("model", ["stories_dir", "tiny_qwen2"])
 def test_fp8_engine_greedy_with_prequantized_rows_on_and_off(monkeypatch, request, model):
-    """The fused producers on (rms_norm_quant / silu_and_mul_quant quantize qkv's, gate_up's and down's input; one
-    decode row then takes the small-M kernel's XQ launch, FP8Q_TABLE) against off (the kernel quantizes x
-    itself): the same parity rule. tiny_qwen2's K = 64 is unpadded, so its producers quantize."""
+    """The defaults (the fused producers quantize where FP8's small-M kernel prefers it: qkv's, gate_up's and
+    down's input at 1-16 bf16 rows, then its XQ launch, FP8Q_TABLE; o_proj's 2-16 rows quantized by
+    per_token_quant_fp8, then the XQ launch) against the path before them (producers off, FP8_PREQUANT_ENGINE_MAX
+    0: the kernel quantizes one row itself, _scaled_mm above): the same parity rule. tiny_qwen2's K = 64 is
+    unpadded, so its producers quantize."""
     import hayabusa.quantization.act_quant as aq
     import hayabusa.quantization.fp8 as fp8
 
@@ -219,11 +221,11 @@ def test_fp8_engine_greedy_with_prequantized_rows_on_and_off(monkeypatch, reques
     kernel = fp8.fp8_small_m_linear
     monkeypatch.setattr(fp8, "fp8_small_m_linear", lambda *a, **k: xq_calls.append(k.get("x_scale") is not None)
                         or kernel(*a, **k))
-    monkeypatch.setattr(aq, "USE_FUSED_ACT_QUANT_CUDA", True)
+    monkeypatch.setattr(aq, "USE_FUSED_ACT_QUANT_CUDA", None)
     on = _generate(model_dir)
-    if model == "tiny_qwen2":
-        assert any(xq_calls), "no decode row took the XQ launch"
+    assert any(xq_calls), "no decode row took the XQ launch"
     monkeypatch.setattr(aq, "USE_FUSED_ACT_QUANT_CUDA", False)
+    monkeypatch.setattr(fp8, "FP8_PREQUANT_ENGINE_MAX", 0)
     n_on = len(xq_calls)
     off = _generate(model_dir)
     assert not any(xq_calls[n_on:])

@@ -39,8 +39,8 @@ def _rows(T: int, N: int, dtype, seed: int, device) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N", [64, 200, 1024])
 @pytest.mark.parametrize("with_res", [False, True])
-def test_rms_norm_quant_is_norm_then_quantizer_bit_for_bit(device, kind, dtype, N, with_res):
-    T = 5
+@pytest.mark.parametrize("T", [5, 20])     # up to COLUMN_PARALLEL_MAX_T: norm + column-parallel quantize; above: one
+def test_rms_norm_quant_is_norm_then_quantizer_bit_for_bit(device, kind, dtype, N, with_res, T):
     x, res = _rows(T, N, dtype, N, device), _rows(T, N, dtype, N + 1, device) if with_res else None
     w = (1 + 0.3 * _rows(1, N, torch.float32, 7, device)[0]).to(dtype)
     xq, s, res_out = rms_norm_quant(x, res, w, 1e-5, kind)
@@ -59,9 +59,9 @@ def test_rms_norm_quant_is_norm_then_quantizer_bit_for_bit(device, kind, dtype, 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [48, 300, 5000])       # 5000 > MAX_BLOCK: the two-pass path
-def test_silu_and_mul_quant_is_activation_then_quantizer_bit_for_bit(device, kind, dtype, D):
-    T = 4
+@pytest.mark.parametrize("D", [48, 300, 5000])       # 5000 > MAX_BLOCK: the two-pass path (above 16 rows)
+@pytest.mark.parametrize("T", [4, 19])                # 4: the column-parallel launches (5 column blocks at 5000)
+def test_silu_and_mul_quant_is_activation_then_quantizer_bit_for_bit(device, kind, dtype, D, T):
     x = _rows(T, 2 * D, dtype, D, device) * 3
     x[1] = 0.0                                          # an all-zero row: the scale floor, q = 0
     xq, s = silu_and_mul_quant(x, kind)
@@ -88,6 +88,13 @@ def test_references_are_the_torch_producers_then_the_quantizer_refs(kind):
     assert torch.equal(res, res_want)
     g = _rows(6, 192, torch.bfloat16, 3, "cpu")
     _assert_same(silu_and_mul_quant_ref(g, kind), ref(silu_and_mul_ref(g)))
+
+
+def test_column_parallel_bound_is_the_one_documented():
+    """Decode-sized inputs (1-16 rows) take the column-parallel launches, the tests above cover both sides."""
+    from hayabusa.kernels.fused_act_quant import COL_BLOCK, COLUMN_PARALLEL_MAX_T
+
+    assert COLUMN_PARALLEL_MAX_T == 16 and 5 <= COLUMN_PARALLEL_MAX_T < 19 and 48 < COL_BLOCK < 5000
 
 
 def test_empty_and_bad_inputs_are_refused_by_name(device):

@@ -75,6 +75,30 @@ def test_which_linears_ask_for_a_quantized_input(monkeypatch):
     assert input_quant_of([int8], 3, x) is None
 
 
+def test_unset_switch_quantizes_where_the_consumers_prefer_it(monkeypatch):
+    """The CUDA default (switch None): the producer quantizes only for consumers whose kernel was measured to prefer
+    quantized rows at that M and dtype: FP8 on the _scaled_mm path, bf16, 1..FP8_PREQUANT_ENGINE_MAX rows. INT8
+    W8A8, fp16, more rows, a mixed consumer list: plain."""
+    int8 = _layer(Int8W8A8LinearMethod(checkpoint_int8=False), 64, 32, False)
+    fp8 = _layer(Fp8LinearMethod(False), 64, 32, False)
+    fp8_b = _layer(Fp8LinearMethod(False), 64, 16, False, seed=1)
+    fp8.fp8_scaled_mm = fp8_b.fp8_scaled_mm = True
+    monkeypatch.setattr(act_quant, "USE_FUSED_ACT_QUANT", None)       # CPU reads this one; the same rule
+    one = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert input_quant_of([fp8, fp8_b], 1, one) == "fp8"
+    assert input_quant_of([int8], 1, one) is None
+    assert input_quant_of([fp8, int8], 1, one) is None
+    assert input_quant_of([fp8], 1, one.half()) is None
+    monkeypatch.setattr(fp8_module, "FP8_PREQUANT_ENGINE_MAX", 1)
+    two = torch.zeros(2, 64, dtype=torch.bfloat16)
+    assert input_quant_of([fp8], 2, two) is None
+    monkeypatch.setattr(fp8_module, "FP8_PREQUANT_ENGINE_MAX", 16)
+    assert input_quant_of([fp8], 2, two) == "fp8"
+    assert input_quant_of([fp8], 17, torch.zeros(17, 64, dtype=torch.bfloat16)) is None   # the kernels' 16
+    fp8.fp8_scaled_mm = False                                          # the CPU emulation: no small-M kernel
+    assert input_quant_of([fp8], 1, one) is None
+
+
 def test_producers_return_quantized_activations_with_the_plain_bits():
     norm = RMSNorm(64, 1e-5, torch.bfloat16, CPU)
     norm.weight.data = torch.rand(64).to(torch.bfloat16) + 0.5
@@ -92,10 +116,11 @@ def test_producers_return_quantized_activations_with_the_plain_bits():
         quantize_ref(h, "int4")
 
 
-@pytest.mark.parametrize("value, cpu, cuda", [(None, True, False), ("1", True, True), ("0", False, False),
+@pytest.mark.parametrize("value, cpu, cuda", [(None, True, None), ("1", True, True), ("0", False, False),
                                               ("maybe", None, None)])
 def test_switch_is_one_env_flag_read_at_import(value, cpu, cuda):
-    """Unset: on for CPU, off (opt-in) for CUDA; set: both; a bad value is refused naming the variable. In a fresh
+    """Unset: on for CPU, None for CUDA (where the consumers prefer it); set: both; a bad value is refused naming the
+    variable. In a fresh
     interpreter: reloading the module here would give the engine's QuantizedActivation a second class."""
     import os
     import subprocess
@@ -106,7 +131,7 @@ def test_switch_is_one_env_flag_read_at_import(value, cpu, cuda):
         env["HAYABUSA_FUSED_ACT_QUANT"] = value
     code = "import hayabusa.quantization.act_quant as a; print(a.USE_FUSED_ACT_QUANT, a.USE_FUSED_ACT_QUANT_CUDA)"
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    if cpu is None:
+    if value == "maybe":
         assert p.returncode != 0 and "HAYABUSA_FUSED_ACT_QUANT" in p.stderr
     else:
         assert p.returncode == 0, p.stderr

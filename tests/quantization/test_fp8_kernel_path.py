@@ -92,7 +92,8 @@ def _forbid(name: str):
 def test_small_m_rows_take_the_fused_kernel(monkeypatch, M, engine_max, static):
     """Up to FP8_SMALL_M_ENGINE_MAX rows (1 by default; 16 = the kernels' FP8_SMALL_M_MAX set here): one
     fp8_small_m_linear call on the padded weight with the layer's bias, scales and true N, and no separate quantize
-    or _scaled_mm; more rows: the quantizer + _scaled_mm as before. The output is the CPU emulation's within the
+    or _scaled_mm; more rows, up to FP8_PREQUANT_ENGINE_MAX with dynamic scales: the quantizer, then one XQ call on
+    its rows; beyond (or static): the quantizer + _scaled_mm as before. The output is the CPU emulation's within the
     output's rounding (the emulation adds the bias after its cast)."""
     if SKIP_REASON is not None:
         pytest.skip(SKIP_REASON)
@@ -104,15 +105,18 @@ def test_small_m_rows_take_the_fused_kernel(monkeypatch, M, engine_max, static):
     calls = []
     fused = fp8.fp8_small_m_linear
 
-    def fused_spy(x2, w, sw, bias, input_scale, n):
-        calls.append((x2.shape, w, sw, bias, input_scale, n))
-        return fused(x2, w, sw, bias, input_scale, n)
+    def fused_spy(x2, w, sw, bias, input_scale, n, **kw):
+        calls.append((x2.shape, w, sw, bias, input_scale, n, kw))
+        return fused(x2, w, sw, bias, input_scale, n, **kw)
 
     monkeypatch.setattr(fp8, "fp8_small_m_linear", fused_spy)
     small = M <= fp8.FP8_SMALL_M_ENGINE_MAX
     assert small == fp8.use_small_m_kernel(M)
+    xq_launch = not small and not static and fp8.use_small_m_kernel(M, prequantized=True)
     if small:
         monkeypatch.setattr(fp8, "per_token_quant_fp8", _forbid("per_token_quant_fp8"))
+        monkeypatch.setattr(fp8, "fp8_matmul_cuda", _forbid("_scaled_mm"))
+    elif xq_launch:
         monkeypatch.setattr(fp8, "fp8_matmul_cuda", _forbid("_scaled_mm"))
     else:
         monkeypatch.setattr(fp8, "fp8_matmul_cuda", lambda xq, sx, wq_t, sw_row, out_dtype:
@@ -122,9 +126,15 @@ def test_small_m_rows_take_the_fused_kernel(monkeypatch, M, engine_max, static):
     assert y.shape == (M, N) and y.dtype == dtype
     if small:
         assert len(calls) == 1
-        shape, w, sw, bias, scale, n = calls[0]
+        shape, w, sw, bias, scale, n, kw = calls[0]
         assert shape == (M, K) and w is layer.weight and w.shape == (32, 48) and sw is layer.weight_scale
         assert bias is layer.bias and n == N and (scale is layer.input_scale if static else scale is None)
+        assert kw == {}
+    elif xq_launch:
+        assert len(calls) == 1
+        shape, w, sw, bias, scale, n, kw = calls[0]
+        assert shape == (M, 48) and w is layer.weight and scale is None and n == N and bias is layer.bias
+        assert kw["x_scale"].shape == (M, 1) and kw["out_dtype"] == dtype
     else:
         assert calls == []
     xq, sx = fp8.quantize_fp8_rows(x, layer.input_scale)
@@ -214,3 +224,19 @@ def test_one_row_keeps_the_plain_x_when_the_xq_launch_is_off(monkeypatch):
     layer = _scaled_mm_layer(64, 32, torch.bfloat16, monkeypatch)
     assert layer.quant_method.input_quant(layer, 1) is None
     assert layer.quant_method.input_quant(layer, 2) == "fp8"
+
+
+def test_prequant_switch_off_is_the_path_before(monkeypatch):
+    """USE_FP8_PREQUANT = False (HAYABUSA_FP8_PREQUANT=0 at import): no XQ launch at any M, and one row is left
+    plain for the kernel that quantizes inside."""
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    monkeypatch.setattr(fp8, "USE_FP8_PREQUANT", False)
+    assert not any(fp8.use_small_m_kernel(M, prequantized=True) for M in range(1, 17))
+    layer = _scaled_mm_layer(64, 32, torch.bfloat16, monkeypatch)
+    assert layer.quant_method.input_quant(layer, 1) is None
+    assert not layer.quant_method.prefers_quantized_input(layer, 1, torch.bfloat16)
+    used = []
+    monkeypatch.setattr(fp8, "fp8_matmul_cuda", lambda xq, sx, wq_t, sw_row, out_dtype: used.append(1) or
+                        fp8.fp8_matmul_emulated(xq, sx, wq_t.t(), sw_row.view(-1), out_dtype))
+    assert layer(torch.randn(6, 64).to(DEVICE, torch.bfloat16)).shape == (6, 32) and used == [1]
