@@ -846,6 +846,14 @@ g_s18c() {  # session 18, call 3 (issue #25): the column-parallel producers and 
     --sweep max_num_seqs=14 --quantization fp8
   bench_step q7_W4_bf16 90 40 --workload W4 --model "$Q7" --scale 0.25 --sweep max_num_seqs=14
 }
+g_s18d() {  # session 18, call 4: the pasted FP8Q_TABLE's launches (16-row dot at one row) in their CUDA tests, the
+            # q05 graph tests with their tokenizer fix, then where a 7b fp8 decode step goes now (kernel profile)
+  cuda_tests s18d_tests "${S18D_TESTS_S:-110}" tests/kernels/test_fp8_gemv_cuda.py tests/quantization/test_cuda.py \
+    -k "'xq or prequantized or graphs_equal_eager'"
+  ensure_q7
+  step prof_q7_fp8 90 30 python benchmarks/profile_decode.py --model "$Q7" --batch 1 --eager false \
+    --decode-steps 48 --engine-args '{"quantization": "fp8"}' --json "$OUT/prof_q7_fp8.json"
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

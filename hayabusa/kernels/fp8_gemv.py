@@ -298,22 +298,24 @@ FP8_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
     ('wide', 16): ('dot', 16, 64, 256, 1, 8, 3),
 }
 
-# The launches for an x already quantized by its producer (XQ: rms_norm_quant / silu_and_mul_quant wrote x_q and
-# its scales): no amax prologue and no per-program quantization, so the weights start streaming at once and the
-# 16-row tl.dot tile is no longer bound by its divisions. Measured on an H200 (2026-12-03, `bench_quant_linear.py
-# --fp8 --sweep --m 1,4,16`, 7B layers, CUDA-graph us, benchmarks/results/2026-12-03_h200_845d4d2.fp8_sweep.json):
-# M = 4 / 16: qkv 6.9 / 7.4, o 6.2 / 6.8, gate_up 34.8 / 35.1 (95 % of a same-size copy), down 21.4 / 21.7 (79 %),
-# against per_token_quant_fp8 + _scaled_mm 15.0 / 15.2, 15.0 / 15.2, 49.0 / 49.1, 53.6 / 54.1 and bf16 cuBLAS 8.2 /
-# 7.6, 8.9 / 8.2, 68.7 / 70.0, 39.4 / 39.4; M = 1 (GEMV only in that sweep): 8.1, 6.7, 43.5, 24.2.
+# The launches for an x already quantized (XQ: by its producer, rms_norm_quant / silu_and_mul_quant, or by
+# per_token_quant_fp8): no amax prologue and no per-program quantization, so the weights start streaming at once and
+# the 16-row tl.dot tile is no longer bound by its divisions, at one row too (15 rows masked). Measured on an H200
+# (2026-12-03, `bench_quant_linear.py --fp8 --sweep --m 1,4,16`, 7B layers, CUDA-graph us,
+# benchmarks/results/2026-12-03_h200_df2f410.fp8_sweep.json), this table's launch at M = 1 / 4 / 16: qkv 6.8 / 6.8 /
+# 7.2, o 6.2 / 6.2 / 6.7, gate_up 34.0 / 34.5 / 35.0 (97 / 96 / 95 % of a same-size copy), down 20.6 / 21.0 / 21.8
+# (83 / 81 / 79 %); against the kernel quantizing x itself (FP8_TABLE) 9.4 / 24.0 / 18.3, 8.2 / 16.9 / 18.0, 47.6 /
+# 155.7 / 109.8, 31.3 / 99.6 / 71.3, per_token_quant_fp8 + _scaled_mm 15.0-15.3, 14.9-15.2, 48.8-50.1, 53.4-53.7 and
+# bf16 cuBLAS 7.6-8.8, 8.0-9.1, 68.8-71.7, 38.9-40.9.
 FP8Q_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
-    ('deep', 1): ('gemv', 1, 16, 512, 4, 4, 1),
-    ('deep', 4): ('dot', 16, 64, 128, 8, 4, 3),
+    ('deep', 1): ('dot', 16, 64, 256, 8, 4, 3),
+    ('deep', 4): ('dot', 16, 64, 256, 8, 4, 3),
     ('deep', 16): ('dot', 16, 32, 128, 8, 4, 3),
-    ('square', 1): ('gemv', 1, 16, 512, 1, 4, 1),
+    ('square', 1): ('dot', 16, 64, 128, 8, 4, 3),
     ('square', 4): ('dot', 16, 64, 128, 8, 4, 3),
     ('square', 16): ('dot', 16, 64, 128, 8, 4, 3),
-    ('wide', 1): ('gemv', 1, 32, 256, 1, 4, 1),
-    ('wide', 4): ('dot', 16, 64, 128, 1, 4, 3),
+    ('wide', 1): ('dot', 16, 32, 128, 1, 4, 3),
+    ('wide', 4): ('dot', 16, 64, 256, 1, 4, 3),
     ('wide', 16): ('dot', 16, 64, 128, 1, 4, 3),
 }
 # A tuned table from a GPU's sweep (bench_quant_linear.py --fp8 --sweep --table-json PATH) replaces these entries

@@ -70,7 +70,8 @@ FP8_SMALL_M_ENGINE_MAX = 1
 # Rows up to which an activation already quantized (by its producer: a QuantizedActivation from rms_norm_quant /
 # silu_and_mul_quant, quantization/act_quant.py; or, from 2 rows, by per_token_quant_fp8 here) takes
 # fp8_small_m_linear's XQ launches (no amax prologue, no per-program quantization) instead of _scaled_mm: at 4 and 16
-# rows 1.4-2.5x faster than _scaled_mm on every 7B layer (H200, 2026-12-03; FP8Q_TABLE's note).
+# rows 1.4-2.5x faster than _scaled_mm on every 7B layer (H200, 2026-12-03; FP8Q_TABLE's note). W3 (one row) on the
+# 7b shape 3.64 -> 3.13 ms per token, W4 at max_num_seqs 14 1,603 -> 2,076 out tok/s (BENCHMARKS.md, session 18).
 FP8_PREQUANT_ENGINE_MAX = 16
 # HAYABUSA_FP8_PREQUANT=0 (read at import) or USE_FP8_PREQUANT = False (call time): no XQ launches, the path before
 # them (one row quantized inside the kernel, more rows on _scaled_mm), for A/B runs.
