@@ -849,7 +849,7 @@ g_s18c() {  # session 18, call 3 (issue #25): the column-parallel producers and 
 g_s18d() {  # session 18, call 4: the pasted FP8Q_TABLE's launches (16-row dot at one row) in their CUDA tests, the
             # q05 graph tests with their tokenizer fix, then where a 7b fp8 decode step goes now (kernel profile)
   cuda_tests s18d_tests "${S18D_TESTS_S:-110}" tests/kernels/test_fp8_gemv_cuda.py tests/quantization/test_cuda.py \
-    -k "'xq or prequantized or graphs_equal_eager'"
+    -k "'xq or prequantized or (graphs_equal_eager and q05)'"
   ensure_q7
   step prof_q7_fp8 90 30 python benchmarks/profile_decode.py --model "$Q7" --batch 1 --eager false \
     --decode-steps 48 --engine-args '{"quantization": "fp8"}' --json "$OUT/prof_q7_fp8.json"
