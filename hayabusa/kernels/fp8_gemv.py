@@ -326,11 +326,18 @@ FP8_TABLE_JSON_ENV = "HAYABUSA_FP8_TABLE_JSON"
 def load_fp8_tables(path: str) -> dict[str, int]:
     """Update FP8_TABLE / FP8Q_TABLE in place from the JSON a sweep wrote: {"FP8_TABLE": [[class, bucket, entry],
     ...], "FP8Q_TABLE": [...]}. Every entry is checked as fp8_launch checks it. Returns how many entries each table
-    took. Raises ValueError naming the file and the bad entry (the tables are left unchanged then)."""
+    took. Raises ValueError naming the file and the bad entry, or a file that is missing or not JSON (the tables are
+    left unchanged then)."""
     import json
 
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read an FP8 launch table ({type(e).__name__}: {e}); write one with "
+                         "`bench_quant_linear.py --fp8 --sweep --table-json PATH`") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: an FP8 launch table is a JSON object with FP8_TABLE / FP8Q_TABLE lists")
     updates: dict[str, dict] = {}
     for name, table in (("FP8_TABLE", FP8_TABLE), ("FP8Q_TABLE", FP8Q_TABLE)):
         new = {}
@@ -530,7 +537,13 @@ def fp8_small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 
 
 if os.environ.get(FP8_TABLE_JSON_ENV):
-    load_fp8_tables(os.environ[FP8_TABLE_JSON_ENV])
+    try:
+        load_fp8_tables(os.environ[FP8_TABLE_JSON_ENV])
+    except ValueError as e:
+        from hayabusa.errors import HayabusaValidationError
+
+        raise HayabusaValidationError(f"environment variable {FP8_TABLE_JSON_ENV}: {e}", parameter=FP8_TABLE_JSON_ENV,
+                                      value=os.environ[FP8_TABLE_JSON_ENV]) from None
 
 
 __all__ = ["FP8_M_BUCKETS", "FP8_SMALL_M_MAX", "FP8_TABLE", "FP8Q_TABLE", "fp8_launch", "fp8_m_bucket",

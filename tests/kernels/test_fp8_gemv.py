@@ -241,6 +241,26 @@ def test_tables_load_from_a_sweeps_json(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="t.json: bad FP8_TABLE row"):
             fg.load_fp8_tables(str(path))
         assert (fg.FP8_TABLE, fg.FP8Q_TABLE) == before
+    for text in ("{not json", "[1, 2]"):
+        path.write_text(text)
+        with pytest.raises(ValueError, match="t.json"):
+            fg.load_fp8_tables(str(path))
+    with pytest.raises(ValueError, match="missing.json: cannot read"):
+        fg.load_fp8_tables(str(tmp_path / "missing.json"))
+    assert (fg.FP8_TABLE, fg.FP8Q_TABLE) == before
+
+
+def test_table_env_var_with_a_bad_file_is_refused_by_name(tmp_path):
+    """HAYABUSA_FP8_TABLE_JSON naming a missing file: importing the kernels fails with an error naming the variable
+    and the file (a fresh interpreter: the module reads it at import)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HAYABUSA_FP8_TABLE_JSON=str(tmp_path / "nope.json"))
+    p = subprocess.run([sys.executable, "-c", "import hayabusa.kernels.fp8_gemv"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and "HAYABUSA_FP8_TABLE_JSON" in p.stderr and "nope.json" in p.stderr
 
 
 @pytest.mark.parametrize("make, match", [
