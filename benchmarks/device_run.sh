@@ -811,16 +811,20 @@ g_s18a() {  # next session, call 1: those s17c did not reach (~11 s a test), the
   cuda_tests s18a_tests "${S18_S:-500}" tests/engine/test_cuda_graphs.py tests/engine tests/worker \
     tests/kernels/test_quant_linear.py
 }
+fp8_tune() {  # the FP8 small-M kernel's launch sweep (both forms) to JSON, loaded by every later engine of the call
+              # (HAYABUSA_FP8_TABLE_JSON), then the producer + linear pairs with those launches
+  step fp8_sweep "${FP8_SWEEP_S:-150}" 20 bash -c "python benchmarks/kernels/bench_quant_linear.py --fp8 --sweep \
+    --m 1,4,16 --table-json '$OUT/fp8_tables.json' --json '$OUT/fp8_sweep.json' 2>&1 | grep -v '^{' | tail -60"
+  [ -s "$OUT/fp8_tables.json" ] && export HAYABUSA_FP8_TABLE_JSON="$OUT/fp8_tables.json"
+  step fused_act_quant_fp8 60 15 bash -c "python benchmarks/kernels/bench_fused_act_quant.py --kinds fp8 --m 1,4,16 \
+    --json '$OUT/fused_act_quant_fp8.json' 2>&1 | tail -12"
+}
 g_s18b() {  # session 18, issue #25: FP8 at batch 1 with the activation quantized by its producer (the GEMV's XQ
             # launch): its CUDA tests, the sweep of both launches (tables to JSON), the producer + GEMV pairs, then W3
             # on the 7b shape with the tuned tables: bf16 and fp8 with the fused producers on (XQ), fp8 with them off
   cuda_tests s18b_tests "${S18B_TESTS_S:-200}" tests/kernels/test_fp8_gemv_cuda.py \
     tests/kernels/test_fused_act_quant_cuda.py -k "'not dtype1'"
-  step fp8_sweep "${FP8_SWEEP_S:-150}" 20 bash -c "python benchmarks/kernels/bench_quant_linear.py --fp8 --sweep \
-    --m 1,4,16 --table-json '$OUT/fp8_tables.json' --json '$OUT/fp8_sweep.json' 2>&1 | grep -v '^{' | tail -60"
-  step fused_act_quant_fp8 60 15 bash -c "python benchmarks/kernels/bench_fused_act_quant.py --kinds fp8 --m 1,4,16 \
-    --json '$OUT/fused_act_quant_fp8.json' 2>&1 | tail -12"
-  [ -s "$OUT/fp8_tables.json" ] && export HAYABUSA_FP8_TABLE_JSON="$OUT/fp8_tables.json"
+  fp8_tune
   ensure_q7
   HAYABUSA_FUSED_ACT_QUANT=1 bench_step q7_W3_fp8_xq 100 40 --workload W3 --model "$Q7" --scale 0.5 \
     --sweep quantization=none,fp8
@@ -832,11 +836,7 @@ g_s18c() {  # session 18, call 3 (issue #25): the column-parallel producers and 
             # the XQ launches (default) against HAYABUSA_FP8_PREQUANT=0 (the path before), bf16 beside
   cuda_tests s18c_tests "${S18C_TESTS_S:-190}" tests/kernels/test_fp8_gemv_cuda.py \
     tests/kernels/test_fused_act_quant_cuda.py tests/quantization/test_cuda.py -k "'not dtype1'"
-  step fp8_sweep "${FP8_SWEEP_S:-150}" 20 bash -c "python benchmarks/kernels/bench_quant_linear.py --fp8 --sweep \
-    --m 1,4,16 --table-json '$OUT/fp8_tables.json' --json '$OUT/fp8_sweep.json' 2>&1 | grep -v '^{' | tail -60"
-  step fused_act_quant_fp8 60 15 bash -c "python benchmarks/kernels/bench_fused_act_quant.py --kinds fp8 --m 1,4,16 \
-    --json '$OUT/fused_act_quant_fp8.json' 2>&1 | tail -12"
-  [ -s "$OUT/fp8_tables.json" ] && export HAYABUSA_FP8_TABLE_JSON="$OUT/fp8_tables.json"
+  fp8_tune
   ensure_q7
   bench_step q7_W3_xq 100 40 --workload W3 --model "$Q7" --scale 0.5 --sweep quantization=none,fp8
   HAYABUSA_FP8_PREQUANT=0 bench_step q7_W3_noxq 60 30 --workload W3 --model "$Q7" --scale 0.5 --quantization fp8
