@@ -406,7 +406,8 @@ def _split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-           input_scale: torch.Tensor | None, N: int, x_scale: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+           input_scale: torch.Tensor | None, N: int, x_scale: torch.Tensor | None,
+           out_dtype: torch.dtype | None) -> None:
     if isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE:   # quantized by its producer: x_scale [M, 1] with it
         if x.dim() != 2 or x.shape[1] == 0 or (x.stride(1) != 1 and x.shape[0] > 0):
             raise ValueError(f"x must be [M, K > 0] with a unit last stride, got {tuple(x.shape)} strides "
@@ -422,9 +423,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype!r}")
     else:
-        check_per_token_quant_inputs(x, input_scale)
+        check_per_token_quant_inputs(x, input_scale, scale_name="input_scale")
         if x_scale is not None:
             raise ValueError(f"x_scale is only for an x already quantized to {FP8_DTYPE}; x is {x.dtype}")
+        if out_dtype is not None and out_dtype != x.dtype:
+            raise ValueError(f"out_dtype must be None or x's dtype ({x.dtype}) when x is not {FP8_DTYPE} (the "
+                             f"output has x's dtype), got {out_dtype!r}")
     K = x.shape[1]
     if weight.dtype != FP8_DTYPE or weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N', K'] float8_e4m3fn with a unit last stride, got "
@@ -437,8 +441,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
             or not weight_scale.is_contiguous():
         raise ValueError(f"weight_scale must be [>= {N}] float32 contiguous, got {tuple(weight_scale.shape)} "
                          f"{weight_scale.dtype}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != out_dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias must be [N={N}] {out_dtype} contiguous or None, got {tuple(bias.shape)} {bias.dtype}")
+    y_dtype = out_dtype if x.dtype == FP8_DTYPE else x.dtype
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.dtype != y_dtype
+                             or not bias.is_contiguous()):
+        got = (tuple(bias.shape), bias.dtype) if isinstance(bias, torch.Tensor) else bias
+        raise ValueError(f"bias must be [N={N}] {y_dtype} contiguous or None, got {got}")
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
@@ -465,7 +472,7 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         cfg: a launch (bench sweeps and tests); default pick_fp8_config's.
         x_scale: [M, 1] (or [M]) float32 contiguous, x's row scales, only with an e4m3 x.
         out_dtype: the output dtype when x is e4m3 (bfloat16 / float16 / float32; default bfloat16); otherwise
-            x's dtype (the argument is ignored).
+            the output has x's dtype, and out_dtype must be None or that dtype.
     Returns:
         [M, N]: fp8_small_m_linear_ref's value up to the fp32 summation order (the same e4m3 x_q and s_x bits as
         per_token_quant_fp8). With the same cfg, a bf16 x and its per_token_quant_fp8 (x_q, x_scale) give the
@@ -476,9 +483,9 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     TRITON_INTERPRET=1.
     """
     xq = isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE
-    out_dtype = (out_dtype or torch.bfloat16) if xq else getattr(x, "dtype", None)
     N = weight.shape[0] if out_features is None else out_features
-    _check(x, weight, weight_scale, bias, input_scale, N, x_scale, out_dtype)
+    _check(x, weight, weight_scale, bias, input_scale, N, x_scale, (out_dtype or torch.bfloat16) if xq else out_dtype)
+    out_dtype = (out_dtype or torch.bfloat16) if xq else x.dtype
     M, K = x.shape
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:

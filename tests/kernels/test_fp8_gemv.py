@@ -326,6 +326,16 @@ def test_the_kernel_runs_in_a_plain_script_under_the_interpreter(tmp_path):
     assert "max err" in p.stdout
 
 
+def test_out_dtype_of_a_float_x_may_only_repeat_its_dtype(device):
+    """A bf16 / float32 x gives its own dtype: out_dtype equal to it is accepted (the same bits as without it);
+    any other out_dtype is refused by name rather than ignored (checked in test_fp8_small_m_rejects_bad_input)."""
+    w, s = (t.to(device) for t in _weight(16, 16, seed=0))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+        y = fp8_small_m_linear(x, w, s, out_dtype=dtype, cfg=CONFIGS["gemv"])
+        assert y.dtype == dtype and torch.equal(y, fp8_small_m_linear(x, w, s, cfg=CONFIGS["gemv"]))
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w.float(), weight_scale=s), "weight must"),
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w.t(), weight_scale=s), "weight must"),
