@@ -325,9 +325,11 @@ FP8_TABLE_JSON_ENV = "HAYABUSA_FP8_TABLE_JSON"
 
 def load_fp8_tables(path: str) -> dict[str, int]:
     """Update FP8_TABLE / FP8Q_TABLE in place from the JSON a sweep wrote: {"FP8_TABLE": [[class, bucket, entry],
-    ...], "FP8Q_TABLE": [...]}. Every entry is checked as fp8_launch checks it. Returns how many entries each table
-    took. Raises ValueError naming the file and the bad entry, or a file that is missing or not JSON (the tables are
-    left unchanged then)."""
+    ...], "FP8Q_TABLE": [...]}: class "deep" | "square" | "wide" (gemm_shape_class), bucket one of FP8_M_BUCKETS,
+    entry [kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages] (check_fp8_entry), e.g.
+    ["deep", 1, ["gemv", 1, 32, 512, 4, 8, 1]]. Returns how many entries each table took. Raises ValueError naming
+    the file and the bad row (an unknown top-level key, a table that is not a list, a (class, bucket) given twice
+    included), or a file that is missing or not JSON; the tables are left unchanged then."""
     import json
 
     try:
@@ -338,16 +340,28 @@ def load_fp8_tables(path: str) -> dict[str, int]:
                          "`bench_quant_linear.py --fp8 --sweep --table-json PATH`") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: an FP8 launch table is a JSON object with FP8_TABLE / FP8Q_TABLE lists")
+    unknown = sorted(set(data) - {"FP8_TABLE", "FP8Q_TABLE"})
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}: an FP8 launch table has only FP8_TABLE / FP8Q_TABLE")
     updates: dict[str, dict] = {}
     for name, table in (("FP8_TABLE", FP8_TABLE), ("FP8Q_TABLE", FP8Q_TABLE)):
         new = {}
-        for row in data.get(name, []):
+        rows = data.get(name, [])
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: {name} must be a list of [class, bucket, entry] rows, got "
+                             f"{type(rows).__name__}")
+        for row in rows:
             try:
                 cls, bucket, entry = row
-                key, entry = (str(cls), int(bucket)), tuple(entry)
+                if not isinstance(cls, str) or isinstance(bucket, bool) or not isinstance(bucket, int):
+                    raise ValueError(f"the shape class must be a string and the M bucket an int, got {cls!r}, "
+                                     f"bucket {bucket!r}")
+                key, entry = (cls, bucket), tuple(entry)
                 if key not in table:
                     raise ValueError(f"unknown (shape class, M bucket) {key}")
-                fp8_launch(entry, 1, 4096, 4096, torch.device("cpu"))  # shape check only (no SM count needed)
+                if key in new:
+                    raise ValueError(f"{key} is given twice")
+                check_fp8_entry(entry)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}: bad {name} row {row!r}: {e}") from None
             new[key] = entry
@@ -362,17 +376,36 @@ def fp8_m_bucket(M: int) -> int:
     return next((b for b in FP8_M_BUCKETS if M <= b), FP8_M_BUCKETS[-1])
 
 
+def check_fp8_entry(entry: tuple) -> None:
+    """Check one FP8_TABLE / FP8Q_TABLE entry: (kind "gemv" | "dot", BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
+    num_stages), all but kind ints; BLOCK_* and num_warps powers of two, SPLIT_K >= 0 (0: chosen from the SM
+    count), num_stages >= 1; gemv: BLOCK_M <= 4 and BLOCK_K >= 16; dot: every tile >= 16.
+
+    Raises:
+        ValueError: naming what is wrong and the entry.
+    """
+    what = (f"FP8_TABLE entry must be (gemv | dot, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K >= 0, num_warps, num_stages "
+            f">= 1) with power-of-two tiles and warps (gemv: BLOCK_M <= 4, BLOCK_K >= {_VEC}; dot: tiles >= 16)")
+    if not isinstance(entry, tuple) or len(entry) != 7:
+        raise ValueError(f"{what}, got {entry!r}")
+    kind, bm, bn, bk, split, warps, stages = entry
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+    for name, v in zip(names, entry[1:]):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{what}: {name} must be an int, got {v!r} in {entry}")
+    if kind not in ("gemv", "dot") or split < 0 or stages < 1 \
+            or any(v < 1 or v & (v - 1) for v in (bm, bn, bk, warps)) \
+            or bk < _VEC or (kind == "dot" and min(bm, bn, bk) < 16) or (kind == "gemv" and bm > 4):
+        raise ValueError(f"{what}, got {entry}")
+
+
 def fp8_launch(entry: tuple[str, int, int, int, int, int, int], M: int, N: int, K: int,
                device: torch.device) -> LaunchConfig:
     """The launch of one FP8_TABLE entry for [M, K] x [K, N] (SPLIT_K 0 resolved on the device's SM count).
     Raises ValueError on a malformed entry (unknown kind, tiles not powers of two, GEMV BLOCK_K < 16, dot tiles
     < 16, negative SPLIT_K)."""
+    check_fp8_entry(entry)
     kind, bm, bn, bk, split, warps, stages = entry
-    if kind not in ("gemv", "dot") or split < 0 or any(v < 1 or v & (v - 1) for v in (bm, bn, bk)) \
-            or bk < _VEC or (kind == "dot" and min(bm, bn, bk) < 16) or (kind == "gemv" and bm > 4):
-        raise ValueError(f"FP8_TABLE entry must be (gemv | dot, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K >= 0, warps, "
-                         f"stages) with power-of-two tiles (gemv: BLOCK_M <= 4, BLOCK_K >= {_VEC}; dot: >= 16), "
-                         f"got {entry}")
     if split == 0:
         sms, _ = device_limits(device)
         split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), FP8_AUTO_SPLIT_WAVES * sms)
