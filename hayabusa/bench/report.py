@@ -150,6 +150,12 @@ def _variant_label(rec: dict[str, Any]) -> str:
     if rec.get("engine") == "hf" and "hf_batch_size" not in v and extra.get("hf_batch_size"):
         v["batch"] = extra["hf_batch_size"]
     parts = [f"{k}={val}" for k, val in v.items()]
+    # numerics given outside a sweep (`--quantization fp8`): otherwise the cell reads "-" as a bf16 run's does
+    args = rec.get("engine_args") or {}
+    for key, default in (("quantization", None), ("kv_cache_dtype", "auto")):
+        val = args.get(key)
+        if val not in (default, None, "none") and key not in v:
+            parts.append(f"{key}={val}")
     spec = spec_label(extra)
     if spec and not any(k == "speculative_config" for k in v):
         parts.append(spec)
