@@ -25,8 +25,8 @@ def env_flag(name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise HayabusaValidationError(f"environment variable {name}={raw!r}: use 1 (on) or 0 (off).", parameter=name,
-                                  value=raw)
+    raise HayabusaValidationError(f"environment variable {name}={raw!r}: use 1 / true / yes / on (on) or "
+                                  f"0 / false / no / off or empty (off), any case.", parameter=name, value=raw)
 
 
 __all__ = ["env_flag"]

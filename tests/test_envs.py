@@ -20,3 +20,13 @@ def test_env_flag_default_and_bad_value(monkeypatch):
     with pytest.raises(HayabusaValidationError, match="HAYABUSA_TEST_FLAG='2'") as e:
         env_flag("HAYABUSA_TEST_FLAG", False)
     assert e.value.parameter == "HAYABUSA_TEST_FLAG" and e.value.value == "2"
+
+
+def test_env_flag_refusal_lists_every_value_it_takes(monkeypatch):
+    """The refusal names what the parser accepts (true / yes / on and false / no / off and empty are accepted too,
+    so "use 1 or 0" alone misled: a user who wrote `true` elsewhere could not tell it works)."""
+    monkeypatch.setenv("HAYABUSA_TEST_FLAG", "garbage")
+    with pytest.raises(HayabusaValidationError) as e:
+        env_flag("HAYABUSA_TEST_FLAG", False)
+    for word in ("1", "true", "yes", "on", "0", "false", "no", "off", "empty"):
+        assert word in str(e.value), (word, str(e.value))

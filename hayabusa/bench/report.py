@@ -61,11 +61,23 @@ def gpu_name(device: str | None) -> str:
         if torch.cuda.is_available() else "cpu"
 
 
+_NOT_SWITCHES = ("HAYABUSA_ASSETS",)
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+def hayabusa_switches() -> dict[str, str]:
+    """The HAYABUSA_* environment variables set for this run (HAYABUSA_FP8_PREQUANT=0, ...: they change which
+    kernels run, so two records with equal engine_args can differ by them), sorted; never one whose name says it
+    holds a secret (HAYABUSA_API_KEY), nor the assets path."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("HAYABUSA_") and k not in _NOT_SWITCHES and not any(w in k for w in _SECRET_WORDS)}
+
+
 def environment(device: str | None) -> dict[str, Any]:
-    """The fields every record of one process shares."""
+    """The fields every record of one process shares (``switches``: hayabusa_switches())."""
     return {"gpu": gpu_name(device), "commit": git_commit(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "versions": versions(),
-            "command": " ".join(sys.argv) if sys.argv else None}
+            "command": " ".join(sys.argv) if sys.argv else None, "switches": hayabusa_switches()}
 
 
 def _fraction(workload: Workload, res: RunResult, stats: dict | None, ceilings: dict | None,
@@ -101,7 +113,7 @@ def make_record(workload: Workload, res: RunResult, *, engine: str, model: str, 
         "seconds_per_request": round(res.elapsed_s / max(res.num_requests, 1), 4),
         "num_requests": res.num_requests, "num_sequences": res.num_sequences,
         "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens,
-        "notes": res.notes, "extra": res.extra, "command": env.get("command"),
+        "notes": res.notes, "extra": res.extra, "command": env.get("command"), "switches": env.get("switches"),
         "prefix_cache_hit_rate": (res.extra or {}).get("prefix_cache_hit_rate"),
     }
     return rec
@@ -112,7 +124,8 @@ def error_record(workload: str, *, engine: str, model: str, engine_args: dict[st
     """A record for a run that failed (every metric None; "error" says what happened)."""
     rec: dict[str, Any] = {k: None for k in REQUIRED_KEYS}
     rec.update({"workload": workload, "model": model, "engine": engine, "engine_args": engine_args,
-                "variant": variant, "error": error, **{k: env[k] for k in ("gpu", "commit", "date", "versions")}})
+                "variant": variant, "error": error, **{k: env[k] for k in ("gpu", "commit", "date", "versions")},
+                "switches": env.get("switches")})
     return rec
 
 
@@ -150,6 +163,13 @@ def _variant_label(rec: dict[str, Any]) -> str:
     if rec.get("engine") == "hf" and "hf_batch_size" not in v and extra.get("hf_batch_size"):
         v["batch"] = extra["hf_batch_size"]
     parts = [f"{k}={val}" for k, val in v.items()]
+    # numerics given outside a sweep (`--quantization fp8`): otherwise the cell reads "-" as a bf16 run's does
+    args = rec.get("engine_args") or {}
+    for key, default in (("quantization", None), ("kv_cache_dtype", "auto")):
+        val = args.get(key)
+        if val not in (default, None, "none") and key not in v:
+            parts.append(f"{key}={val}")
+    parts += [f"{k}={val}" for k, val in (rec.get("switches") or {}).items()]
     spec = spec_label(extra)
     if spec and not any(k == "speculative_config" for k in v):
         parts.append(spec)

@@ -325,9 +325,11 @@ FP8_TABLE_JSON_ENV = "HAYABUSA_FP8_TABLE_JSON"
 
 def load_fp8_tables(path: str) -> dict[str, int]:
     """Update FP8_TABLE / FP8Q_TABLE in place from the JSON a sweep wrote: {"FP8_TABLE": [[class, bucket, entry],
-    ...], "FP8Q_TABLE": [...]}. Every entry is checked as fp8_launch checks it. Returns how many entries each table
-    took. Raises ValueError naming the file and the bad entry, or a file that is missing or not JSON (the tables are
-    left unchanged then)."""
+    ...], "FP8Q_TABLE": [...]}: class "deep" | "square" | "wide" (gemm_shape_class), bucket one of FP8_M_BUCKETS,
+    entry [kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages] (check_fp8_entry), e.g.
+    ["deep", 1, ["gemv", 1, 32, 512, 4, 8, 1]]. Returns how many entries each table took. Raises ValueError naming
+    the file and the bad row (an unknown top-level key, a table that is not a list, a (class, bucket) given twice
+    included), or a file that is missing or not JSON; the tables are left unchanged then."""
     import json
 
     try:
@@ -338,16 +340,28 @@ def load_fp8_tables(path: str) -> dict[str, int]:
                          "`bench_quant_linear.py --fp8 --sweep --table-json PATH`") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: an FP8 launch table is a JSON object with FP8_TABLE / FP8Q_TABLE lists")
+    unknown = sorted(set(data) - {"FP8_TABLE", "FP8Q_TABLE"})
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}: an FP8 launch table has only FP8_TABLE / FP8Q_TABLE")
     updates: dict[str, dict] = {}
     for name, table in (("FP8_TABLE", FP8_TABLE), ("FP8Q_TABLE", FP8Q_TABLE)):
         new = {}
-        for row in data.get(name, []):
+        rows = data.get(name, [])
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: {name} must be a list of [class, bucket, entry] rows, got "
+                             f"{type(rows).__name__}")
+        for row in rows:
             try:
                 cls, bucket, entry = row
-                key, entry = (str(cls), int(bucket)), tuple(entry)
+                if not isinstance(cls, str) or isinstance(bucket, bool) or not isinstance(bucket, int):
+                    raise ValueError(f"the shape class must be a string and the M bucket an int, got {cls!r}, "
+                                     f"bucket {bucket!r}")
+                key, entry = (cls, bucket), tuple(entry)
                 if key not in table:
                     raise ValueError(f"unknown (shape class, M bucket) {key}")
-                fp8_launch(entry, 1, 4096, 4096, torch.device("cpu"))  # shape check only (no SM count needed)
+                if key in new:
+                    raise ValueError(f"{key} is given twice")
+                check_fp8_entry(entry)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}: bad {name} row {row!r}: {e}") from None
             new[key] = entry
@@ -362,17 +376,36 @@ def fp8_m_bucket(M: int) -> int:
     return next((b for b in FP8_M_BUCKETS if M <= b), FP8_M_BUCKETS[-1])
 
 
+def check_fp8_entry(entry: tuple) -> None:
+    """Check one FP8_TABLE / FP8Q_TABLE entry: (kind "gemv" | "dot", BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps,
+    num_stages), all but kind ints; BLOCK_* and num_warps powers of two, SPLIT_K >= 0 (0: chosen from the SM
+    count), num_stages >= 1; gemv: BLOCK_M <= 4 and BLOCK_K >= 16; dot: every tile >= 16.
+
+    Raises:
+        ValueError: naming what is wrong and the entry.
+    """
+    what = (f"FP8_TABLE entry must be (gemv | dot, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K >= 0, num_warps, num_stages "
+            f">= 1) with power-of-two tiles and warps (gemv: BLOCK_M <= 4, BLOCK_K >= {_VEC}; dot: tiles >= 16)")
+    if not isinstance(entry, tuple) or len(entry) != 7:
+        raise ValueError(f"{what}, got {entry!r}")
+    kind, bm, bn, bk, split, warps, stages = entry
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+    for name, v in zip(names, entry[1:]):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{what}: {name} must be an int, got {v!r} in {entry}")
+    if kind not in ("gemv", "dot") or split < 0 or stages < 1 \
+            or any(v < 1 or v & (v - 1) for v in (bm, bn, bk, warps)) \
+            or bk < _VEC or (kind == "dot" and min(bm, bn, bk) < 16) or (kind == "gemv" and bm > 4):
+        raise ValueError(f"{what}, got {entry}")
+
+
 def fp8_launch(entry: tuple[str, int, int, int, int, int, int], M: int, N: int, K: int,
                device: torch.device) -> LaunchConfig:
     """The launch of one FP8_TABLE entry for [M, K] x [K, N] (SPLIT_K 0 resolved on the device's SM count).
     Raises ValueError on a malformed entry (unknown kind, tiles not powers of two, GEMV BLOCK_K < 16, dot tiles
     < 16, negative SPLIT_K)."""
+    check_fp8_entry(entry)
     kind, bm, bn, bk, split, warps, stages = entry
-    if kind not in ("gemv", "dot") or split < 0 or any(v < 1 or v & (v - 1) for v in (bm, bn, bk)) \
-            or bk < _VEC or (kind == "dot" and min(bm, bn, bk) < 16) or (kind == "gemv" and bm > 4):
-        raise ValueError(f"FP8_TABLE entry must be (gemv | dot, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K >= 0, warps, "
-                         f"stages) with power-of-two tiles (gemv: BLOCK_M <= 4, BLOCK_K >= {_VEC}; dot: >= 16), "
-                         f"got {entry}")
     if split == 0:
         sms, _ = device_limits(device)
         split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), FP8_AUTO_SPLIT_WAVES * sms)
@@ -406,7 +439,8 @@ def _split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-           input_scale: torch.Tensor | None, N: int, x_scale: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+           input_scale: torch.Tensor | None, N: int, x_scale: torch.Tensor | None,
+           out_dtype: torch.dtype | None) -> None:
     if isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE:   # quantized by its producer: x_scale [M, 1] with it
         if x.dim() != 2 or x.shape[1] == 0 or (x.stride(1) != 1 and x.shape[0] > 0):
             raise ValueError(f"x must be [M, K > 0] with a unit last stride, got {tuple(x.shape)} strides "
@@ -422,9 +456,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype!r}")
     else:
-        check_per_token_quant_inputs(x, input_scale)
+        check_per_token_quant_inputs(x, input_scale, scale_name="input_scale")
         if x_scale is not None:
             raise ValueError(f"x_scale is only for an x already quantized to {FP8_DTYPE}; x is {x.dtype}")
+        if out_dtype is not None and out_dtype != x.dtype:
+            raise ValueError(f"out_dtype must be None or x's dtype ({x.dtype}) when x is not {FP8_DTYPE} (the "
+                             f"output has x's dtype), got {out_dtype!r}")
     K = x.shape[1]
     if weight.dtype != FP8_DTYPE or weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N', K'] float8_e4m3fn with a unit last stride, got "
@@ -437,8 +474,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
             or not weight_scale.is_contiguous():
         raise ValueError(f"weight_scale must be [>= {N}] float32 contiguous, got {tuple(weight_scale.shape)} "
                          f"{weight_scale.dtype}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != out_dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias must be [N={N}] {out_dtype} contiguous or None, got {tuple(bias.shape)} {bias.dtype}")
+    y_dtype = out_dtype if x.dtype == FP8_DTYPE else x.dtype
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.dtype != y_dtype
+                             or not bias.is_contiguous()):
+        got = (tuple(bias.shape), bias.dtype) if isinstance(bias, torch.Tensor) else bias
+        raise ValueError(f"bias must be [N={N}] {y_dtype} contiguous or None, got {got}")
     for name, t in (("weight", weight), ("weight_scale", weight_scale), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
@@ -465,7 +505,7 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         cfg: a launch (bench sweeps and tests); default pick_fp8_config's.
         x_scale: [M, 1] (or [M]) float32 contiguous, x's row scales, only with an e4m3 x.
         out_dtype: the output dtype when x is e4m3 (bfloat16 / float16 / float32; default bfloat16); otherwise
-            x's dtype (the argument is ignored).
+            the output has x's dtype, and out_dtype must be None or that dtype.
     Returns:
         [M, N]: fp8_small_m_linear_ref's value up to the fp32 summation order (the same e4m3 x_q and s_x bits as
         per_token_quant_fp8). With the same cfg, a bf16 x and its per_token_quant_fp8 (x_q, x_scale) give the
@@ -476,9 +516,9 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     TRITON_INTERPRET=1.
     """
     xq = isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE
-    out_dtype = (out_dtype or torch.bfloat16) if xq else getattr(x, "dtype", None)
     N = weight.shape[0] if out_features is None else out_features
-    _check(x, weight, weight_scale, bias, input_scale, N, x_scale, out_dtype)
+    _check(x, weight, weight_scale, bias, input_scale, N, x_scale, (out_dtype or torch.bfloat16) if xq else out_dtype)
+    out_dtype = (out_dtype or torch.bfloat16) if xq else x.dtype
     M, K = x.shape
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:

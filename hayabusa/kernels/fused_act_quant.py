@@ -23,6 +23,8 @@ quantizer's torch reference.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hayabusa.kernels._triton import tl, triton
@@ -194,17 +196,23 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         (xq [T, N] int8 / float8_e4m3fn contiguous, s [T, 1] float32, x + residual [T, N] or None without a
         residual); xq, s bit-identical to per_token_quant_{int8,fp8}(fused_add_rms_norm(x, residual, ...)[0]).
     Raises:
-        ValueError: naming the argument (x, residual, weight, kind) on a bad shape, dtype, stride or kind.
+        ValueError: naming the argument (x, residual, weight, eps, kind) on a bad shape, dtype, stride, device,
+            kind or an eps that is not a finite number >= 0.
     No host sync: safe to capture in a CUDA graph. On CPU it needs TRITON_INTERPRET=1.
     """
-    qdtype, consts = _kind_args(kind, x.device)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, N] float32/float16/bfloat16 with unit last stride, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"weight must be [N] = [{x.shape[1]}], got {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
-        raise ValueError("residual must match x in shape and dtype, with unit last stride")
+    qdtype, consts = _kind_args(kind, x.device)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (x.shape[1],) or weight.device != x.device:
+        got = (tuple(weight.shape), str(weight.device)) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be [N] = [{x.shape[1]}] on {x.device}, got {got}")
+    if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != x.shape
+                                 or residual.dtype != x.dtype or residual.stride(-1) != 1
+                                 or residual.device != x.device):
+        raise ValueError(f"residual must match x in shape and dtype, with unit last stride, on {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     T, N = x.shape
     xq = torch.empty(T, N, dtype=qdtype, device=x.device)
     s = torch.empty(T, 1, dtype=torch.float32, device=x.device)

@@ -8,12 +8,13 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_per_token_quant_inputs(x: torch.Tensor, static_scale: torch.Tensor | None) -> None:
+def check_per_token_quant_inputs(x: torch.Tensor, static_scale: torch.Tensor | None,
+                                 scale_name: str = "static_scale") -> None:
     """A quantizer launcher's arguments: x [M, K] float32/float16/bfloat16 with K > 0 and a unit last stride;
     static_scale None or a one-element float32 tensor on x's device.
 
     Raises:
-        ValueError: naming the argument (x or static_scale).
+        ValueError: naming the argument (x, or static_scale under the caller's name for it, ``scale_name``).
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -27,7 +28,7 @@ def check_per_token_quant_inputs(x: torch.Tensor, static_scale: torch.Tensor | N
             and static_scale.dtype == torch.float32 and static_scale.device == x.device):
         got = ((tuple(static_scale.shape), static_scale.dtype, str(static_scale.device))
                if isinstance(static_scale, torch.Tensor) else static_scale)
-        raise ValueError(f"static_scale must be None or a one-element float32 tensor on {x.device}, got {got!r}")
+        raise ValueError(f"{scale_name} must be None or a one-element float32 tensor on {x.device}, got {got!r}")
 
 
 def per_token_scales_ref(tf: torch.Tensor, static_scale: torch.Tensor | None, qmax: float,

@@ -191,3 +191,33 @@ def test_help_texts():
     assert "default on" in helps["enable_prefix_caching"]
     assert "EngineArgs default: None" not in "".join(h or "" for h in helps.values())
     assert "[EngineArgs default: 256]" in helps["max_num_seqs"]
+
+
+def test_config_cell_names_a_quantization_or_kv_cache_dtype_given_outside_a_sweep():
+    """Found by a fresh FP8 user (fresh18q): `hayabusa bench --quantization fp8` printed config "-", the same
+    cell as a bf16 run, so two runs' tables could not be told apart. The cell now names the quantization and the
+    KV-cache dtype when they are not the defaults and the sweep does not already say so."""
+    fp8 = {**_rec("W3", {}, {}), "engine_args": {"quantization": "fp8", "kv_cache_dtype": "auto"}}
+    both = {**_rec("W3", {}, {}), "engine_args": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+    swept = {**_rec("W3", {"quantization": "fp8"}, {}), "engine_args": {"quantization": "fp8"}}
+    plain = {**_rec("W3", {}, {}), "engine_args": {"quantization": None, "kv_cache_dtype": "auto"}}
+    rows = report.table_rows([fp8, both, swept, plain])
+    assert [r[3] for r in rows] == ["quantization=fp8", "quantization=fp8,kv_cache_dtype=fp8", "quantization=fp8",
+                                    "-"]
+
+
+def test_records_and_config_cell_keep_the_hayabusa_switches_of_the_run(monkeypatch):
+    """Found by a fresh FP8 user (fresh18q): session 18's records of W3 fp8 at 3.641 and 3.133 ms/token have the same
+    engine_args and variant; only HAYABUSA_FP8_PREQUANT=0 told them apart, and no record kept it. The record now
+    keeps the HAYABUSA_* switches set in the environment (never the API key; not the assets path) and the table's
+    config cell shows them."""
+    monkeypatch.setenv("HAYABUSA_FP8_PREQUANT", "0")
+    monkeypatch.setenv("HAYABUSA_API_KEY", "sk-secret")
+    monkeypatch.setenv("HAYABUSA_ASSETS", "/somewhere")
+    env = report.environment("cpu")
+    assert env["switches"] == {"HAYABUSA_FP8_PREQUANT": "0"}
+    rec = {**_rec("W3", {"quantization": "fp8"}, {}), "switches": env["switches"]}
+    assert report.table_rows([rec])[0][3] == "quantization=fp8,HAYABUSA_FP8_PREQUANT=0"
+    assert "sk-secret" not in json.dumps(env)
+    monkeypatch.delenv("HAYABUSA_FP8_PREQUANT")
+    assert report.environment("cpu")["switches"] == {}

@@ -39,23 +39,6 @@ def _kernels_usable() -> str | None:
     return None
 
 
-def _fix_interpreter_for_numpy_2_4() -> None:
-    """Triton <= 3.6's interpreter turns 1-element arrays into ints with int(array), which numpy >= 2.4 rejects
-    (triton-lang/triton#9171: every `for i in range(0, tensor)` fails). Re-register __index__ with a squeeze."""
-    import triton.runtime.interpreter as interp
-
-    original = interp._patch_lang_tensor
-    if getattr(original, "_hayabusa_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patched._hayabusa_fixed = True
-    interp._patch_lang_tensor = patched
-
-
 def _fix_interpreter_dot_row_invariance() -> None:
     """The interpreter's tl.dot is one np.matmul of the tile, and OpenBLAS's sgemm (numpy 2.4.6's 0.3.31) sums a
     row's products in an order that depends on the tile's other rows (small-matrix and edge kernels), so a row of a
@@ -87,7 +70,9 @@ def _fix_interpreter_dot_row_invariance() -> None:
 
 SKIP_REASON = _kernels_usable()
 if SKIP_REASON is None and DEVICE == "cpu":
-    _fix_interpreter_for_numpy_2_4()
+    from hayabusa.kernels._triton import fix_interpreter_for_numpy_2_4
+
+    fix_interpreter_for_numpy_2_4()   # importing a kernel applies it too; here before any test module imports one
     _fix_interpreter_dot_row_invariance()
 
 

@@ -6,6 +6,8 @@ scales, strided rows; the launch choice; the input checks. The real 7B shapes ru
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -250,6 +252,35 @@ def test_tables_load_from_a_sweeps_json(tmp_path, monkeypatch):
     assert (fg.FP8_TABLE, fg.FP8Q_TABLE) == before
 
 
+def test_table_json_refuses_what_it_would_silently_drop_or_fail_on_later(tmp_path, monkeypatch):
+    """A hand-written table: a misspelt table name would load nothing and say nothing; num_warps 3 (Triton takes
+    powers of two), num_stages 0, a bucket given as true or 1.5, a table that is not a list and the same
+    (class, bucket) twice would only fail (or be dropped) at a launch. Each is refused naming the file."""
+    import json
+
+    import hayabusa.kernels.fp8_gemv as fg
+
+    monkeypatch.setattr(fg, "FP8_TABLE", dict(FP8_TABLE))
+    monkeypatch.setattr(fg, "FP8Q_TABLE", dict(FP8Q_TABLE))
+    before = (dict(fg.FP8_TABLE), dict(fg.FP8Q_TABLE))
+    path = tmp_path / "t.json"
+    good = ["gemv", 1, 32, 512, 4, 8, 1]
+    for data, match in (
+            ({"FP8_TABEL": [["deep", 1, good]]}, "FP8_TABEL"),
+            ({"FP8_TABLE": {"deep": good}}, "FP8_TABLE must be a list"),
+            ({"FP8_TABLE": [["deep", 1, ["gemv", 1, 32, 512, 4, 3, 1]]]}, "warps"),
+            ({"FP8_TABLE": [["deep", 1, ["gemv", 1, 32, 512, 4, 8, 0]]]}, "stages"),
+            ({"FP8_TABLE": [["deep", 1, ["gemv", 1.5, 32, 512, 4, 8, 1]]]}, "BLOCK_M"),
+            ({"FP8_TABLE": [["deep", True, good]]}, "bucket"),
+            ({"FP8_TABLE": [["deep", 1.5, good]]}, "bucket"),
+            ({"FP8_TABLE": [["deep", 1, good], ["deep", 1, ["gemv", 1, 64, 256, 2, 8, 1]]]}, "twice")):
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=match) as info:
+            fg.load_fp8_tables(str(path))
+        assert "t.json" in str(info.value)
+        assert (fg.FP8_TABLE, fg.FP8Q_TABLE) == before
+
+
 def test_table_env_var_with_a_bad_file_is_refused_by_name(tmp_path):
     """HAYABUSA_FP8_TABLE_JSON naming a missing file: importing the kernels fails with an error naming the variable
     and the file (a fresh interpreter: the module reads it at import)."""
@@ -263,6 +294,48 @@ def test_table_env_var_with_a_bad_file_is_refused_by_name(tmp_path):
     assert p.returncode != 0 and "HAYABUSA_FP8_TABLE_JSON" in p.stderr and "nope.json" in p.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's case")
+def test_the_kernel_runs_in_a_plain_script_under_the_interpreter(tmp_path):
+    """The docstring's promise (\"on CPU it needs TRITON_INTERPRET=1\") in a fresh interpreter that has not loaded the
+    tests' conftest: Triton 3.6's interpreter turns a loop bound into an int with int(array), which numpy >= 2.4
+    refuses for a 1-element array (triton-lang/triton#9171), so every `range(k_start, k_end, ...)` loop failed
+    there; importing the kernels now applies the fix. The default launch and the XQ launch, against the reference."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from hayabusa.kernels.fp8_gemv import fp8_small_m_linear, fp8_small_m_linear_ref\n"
+        "from hayabusa.kernels.fp8_quant import per_token_quant_fp8_ref\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w, s = per_token_quant_fp8_ref(torch.randn(48, 64, generator=g) / 8)\n"
+        "s = s.view(-1).contiguous()\n"
+        "x = torch.randn(3, 64, generator=g).to(torch.bfloat16)\n"
+        "y = fp8_small_m_linear(x, w, s)\n"
+        "xq, sx = per_token_quant_fp8_ref(x)\n"
+        "assert torch.equal(fp8_small_m_linear(xq, w, s, x_scale=sx), y)\n"
+        "err = float((y.float() - fp8_small_m_linear_ref(x, w, s).float()).abs().max())\n"
+        "print('max err', err)\n"
+        "assert err <= 2 ** -6 * float(y.float().abs().max()), err\n")
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=repo)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "max err" in p.stdout
+
+
+def test_out_dtype_of_a_float_x_may_only_repeat_its_dtype(device):
+    """A bf16 / float32 x gives its own dtype: out_dtype equal to it is accepted (the same bits as without it);
+    any other out_dtype is refused by name rather than ignored (checked in test_fp8_small_m_rejects_bad_input)."""
+    w, s = (t.to(device) for t in _weight(16, 16, seed=0))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+        y = fp8_small_m_linear(x, w, s, out_dtype=dtype, cfg=CONFIGS["gemv"])
+        assert y.dtype == dtype and torch.equal(y, fp8_small_m_linear(x, w, s, cfg=CONFIGS["gemv"]))
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w.float(), weight_scale=s), "weight must"),
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w.t(), weight_scale=s), "weight must"),
@@ -274,7 +347,13 @@ def test_table_env_var_with_a_bad_file_is_refused_by_name(tmp_path):
                           bias=torch.zeros(16, dtype=torch.float16, device=d)), "bias"),
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d).double(), weight=w, weight_scale=s), "x must"),
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s, input_scale=0.5),
-     "static_scale"),
+     "input_scale must"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s,
+                          input_scale=torch.ones(2, device=d)), "input_scale must"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s, out_dtype=torch.int8),
+     "out_dtype"),
+    (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s, out_dtype=torch.bfloat16),
+     "out_dtype"),
     (lambda d, w, s: dict(x=torch.randn(2, 8, device=d), weight=w, weight_scale=s,
                           x_scale=torch.ones(2, 1, device=d)), "x_scale is only"),
     (lambda d, w, s: dict(x=torch.zeros(2, 8, device=d).to(FP8_DTYPE), weight=w, weight_scale=s), "x_scale must"),

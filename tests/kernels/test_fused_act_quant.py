@@ -113,3 +113,21 @@ def test_empty_and_bad_inputs_are_refused_by_name(device):
         silu_and_mul_quant(torch.randn(2, 63, device=device), "int8")
     with pytest.raises(ValueError, match="kind"):
         silu_and_mul_quant(torch.randn(2, 64, device=device), "e5m2")
+
+
+def test_rms_norm_quant_refuses_a_bad_eps_and_other_devices_by_name(device):
+    """Found by a fresh user: eps = -1 or NaN ran (rsqrt of a negative: NaN rows, quantized), eps as a string
+    failed inside the interpreter with an AttributeError, and a weight on another device failed in a copy. Each
+    is now a ValueError naming the argument; an int eps (0) is a number like any other."""
+    x, w = torch.randn(2, 64, device=device), torch.ones(64, device=device)
+    for eps in (-1.0, float("nan"), float("inf"), "1e-6", None, True):
+        with pytest.raises(ValueError, match="eps"):
+            rms_norm_quant(x, None, w, eps, "fp8")
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_quant(x, None, w.to("meta"), 1e-6, "fp8")
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_quant(x, torch.randn(2, 64, device="meta"), w, 1e-6, "fp8")
+    with pytest.raises(ValueError, match="x must be"):
+        rms_norm_quant([[1.0]], None, w, 1e-6, "fp8")
+    q, s, _ = rms_norm_quant(x, None, w, 0, "int8")
+    assert q.shape == (2, 64) and bool(torch.isfinite(s).all())
