@@ -61,14 +61,14 @@ def gpu_name(device: str | None) -> str:
         if torch.cuda.is_available() else "cpu"
 
 
-_NOT_SWITCHES = ("HAYABUSA_ASSETS",)
+_NOT_SWITCHES = ("HAYABUSA_ASSETS", "HAYABUSA_COMMIT")   # a path; the commit has its own field
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 
 
 def hayabusa_switches() -> dict[str, str]:
     """The HAYABUSA_* environment variables set for this run (HAYABUSA_FP8_PREQUANT=0, ...: they change which
     kernels run, so two records with equal engine_args can differ by them), sorted; never one whose name says it
-    holds a secret (HAYABUSA_API_KEY), nor the assets path."""
+    holds a secret (HAYABUSA_API_KEY), nor the assets path, nor HAYABUSA_COMMIT (the record's "commit")."""
     return {k: v for k, v in sorted(os.environ.items())
             if k.startswith("HAYABUSA_") and k not in _NOT_SWITCHES and not any(w in k for w in _SECRET_WORDS)}
 
