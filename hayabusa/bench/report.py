@@ -61,16 +61,19 @@ def gpu_name(device: str | None) -> str:
         if torch.cuda.is_available() else "cpu"
 
 
-_NOT_SWITCHES = ("HAYABUSA_ASSETS", "HAYABUSA_COMMIT")   # a path; the commit has its own field
+# where things are, not how the engine runs: the assets and cache folders, the test models' folders, and the commit
+# (the record has its own field)
+_NOT_SWITCHES = ("HAYABUSA_ASSETS", "HAYABUSA_CACHE", "HAYABUSA_COMMIT")
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 
 
 def hayabusa_switches() -> dict[str, str]:
     """The HAYABUSA_* environment variables set for this run (HAYABUSA_FP8_PREQUANT=0, ...: they change which
     kernels run, so two records with equal engine_args can differ by them), sorted; never one whose name says it
-    holds a secret (HAYABUSA_API_KEY), nor the assets path, nor HAYABUSA_COMMIT (the record's "commit")."""
+    holds a secret (HAYABUSA_API_KEY), nor where things are (_NOT_SWITCHES, *_DIR)."""
     return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith("HAYABUSA_") and k not in _NOT_SWITCHES and not any(w in k for w in _SECRET_WORDS)}
+            if k.startswith("HAYABUSA_") and k not in _NOT_SWITCHES and not k.endswith("_DIR")
+            and not any(w in k for w in _SECRET_WORDS)}
 
 
 def environment(device: str | None) -> dict[str, Any]:

@@ -488,7 +488,8 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
                        bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
                        out_features: int | None = None, cfg: LaunchConfig | None = None,
                        x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """FP8 W8A8 linear with the activation quantization fused in (module docstring), for M <= FP8_SMALL_M_MAX; or,
+    """FP8 W8A8 linear with the activation quantization fused in (module docstring), sized for M <= FP8_SMALL_M_MAX
+    (more rows run the largest M bucket's launch: the same result, slower than _scaled_mm there); or,
     when x is already e4m3 (quantized by the kernel that made it: kernels/fused_act_quant.py), the same product of
     x and its x_scale with no quantization step (FP8Q_TABLE's launches).
 

@@ -189,7 +189,8 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     Args:
         x: [T, N] float32/float16/bfloat16, unit last stride.
         residual: None or [T, N] of x's dtype, unit last stride.
-        weight: [N] (the norm's weight, x's dtype).
+        weight: [N] (the norm's weight, normally x's dtype; any float dtype is read as fp32, as
+            fused_add_rms_norm reads it, so the bits still match the separate path).
         eps: the norm's epsilon.
         kind: "int8" or "fp8" (e4m3).
     Returns:

@@ -209,11 +209,18 @@ def test_config_cell_names_a_quantization_or_kv_cache_dtype_given_outside_a_swee
 def test_records_and_config_cell_keep_the_hayabusa_switches_of_the_run(monkeypatch):
     """Found by a fresh FP8 user (fresh18q): session 18's records of W3 fp8 at 3.641 and 3.133 ms/token have the same
     engine_args and variant; only HAYABUSA_FP8_PREQUANT=0 told them apart, and no record kept it. The record now
-    keeps the HAYABUSA_* switches set in the environment (never the API key; not the assets path) and the table's
-    config cell shows them."""
+    keeps the HAYABUSA_* switches set in the environment (never the API key; not where things are: the assets and
+    cache folders, *_DIR, the commit) and the table's config cell shows them."""
+    import os
+
+    for k in [k for k in os.environ if k.startswith("HAYABUSA_")]:
+        monkeypatch.delenv(k)                 # CI sets HAYABUSA_CACHE; a device run HAYABUSA_COMMIT, ...
     monkeypatch.setenv("HAYABUSA_FP8_PREQUANT", "0")
     monkeypatch.setenv("HAYABUSA_API_KEY", "sk-secret")
     monkeypatch.setenv("HAYABUSA_ASSETS", "/somewhere")
+    monkeypatch.setenv("HAYABUSA_CACHE", "/root/.cache/hayabusa")
+    monkeypatch.setenv("HAYABUSA_Q05_DIR", "/tmp/q05")
+    monkeypatch.setenv("HAYABUSA_COMMIT", "abc1234")
     env = report.environment("cpu")
     assert env["switches"] == {"HAYABUSA_FP8_PREQUANT": "0"}
     rec = {**_rec("W3", {"quantization": "fp8"}, {}), "switches": env["switches"]}
