@@ -198,18 +198,23 @@ class Fp8LinearMethod(LinearMethod):
             return None
         return "fp8"
 
-    def prefers_quantized_input(self, layer, M, dtype):
-        """One to FP8_PREQUANT_ENGINE_MAX bf16 rows on the _scaled_mm path: the small-M kernel's XQ launch on rows
-        the producer quantized (no quantization step, the weights stream at once; H200, 2026-12-03:
-        BENCHMARKS.md, eighteenth session)."""
+    @staticmethod
+    def _takes_xq_launch(layer, M: int, dtype: torch.dtype) -> bool:
+        """Whether M already-quantized rows of a ``dtype`` activation go to fp8_small_m_linear's XQ launch: the
+        _scaled_mm path (sm89+), bf16 (the kernel's fp16 cases were not measured), 1..FP8_PREQUANT_ENGINE_MAX
+        rows."""
         return (bool(getattr(layer, "fp8_scaled_mm", False)) and dtype == torch.bfloat16
-                and use_small_m_kernel(M, prequantized=True) and self.input_quant(layer, M) == "fp8")
+                and use_small_m_kernel(M, prequantized=True)
+                and (layer.bias is None or layer.bias.dtype == dtype))
+
+    def prefers_quantized_input(self, layer, M, dtype):
+        """Where the rows then take the small-M kernel's XQ launch (no quantization step, the weights stream at
+        once; H200, 2026-12-03: BENCHMARKS.md, eighteenth session)."""
+        return self._takes_xq_launch(layer, M, dtype)
 
     def apply(self, layer, x):
         if isinstance(x, QuantizedActivation):  # quantized by the kernel that made x (input_quant): [M, K] e4m3
-            M = x.xq.shape[0]
-            if (layer.fp8_scaled_mm and use_small_m_kernel(M, prequantized=True) and x.dtype == torch.bfloat16
-                    and (layer.bias is None or layer.bias.dtype == x.dtype)):
+            if self._takes_xq_launch(layer, x.xq.shape[0], x.dtype):
                 # decode-sized M: the weights stream at once (no quantization step in the kernel)
                 return fp8_small_m_linear(x.xq, layer.weight, layer.weight_scale, layer.bias, None,
                                           layer.out_features, x_scale=x.scale, out_dtype=x.dtype)
@@ -231,8 +236,7 @@ class Fp8LinearMethod(LinearMethod):
             # one Triton launch (not ~7 torch ops): per-token scales and e4m3 rows, zero columns up to the padded
             # K' of the weight; the same bits as quantize_fp8_rows
             xq, sx = per_token_quant_fp8(x2, layer.input_scale, out_cols=w.shape[1])
-            if (layer.input_scale is None and use_small_m_kernel(x2.shape[0], prequantized=True)
-                    and x2.dtype == torch.bfloat16 and (layer.bias is None or layer.bias.dtype == x.dtype)):
+            if layer.input_scale is None and self._takes_xq_launch(layer, x2.shape[0], x2.dtype):
                 # 2..FP8_PREQUANT_ENGINE_MAX rows (o_proj's, and any linear whose producer did not quantize): the
                 # XQ launch on the quantized rows (x's zero columns meet the weight's zero padding)
                 y = fp8_small_m_linear(xq, w, layer.weight_scale, layer.bias, None, N, x_scale=sx,
