@@ -172,10 +172,11 @@ def _variant_label(rec: dict[str, Any]) -> str:
         val = args.get(key)
         if val not in (default, None, "none") and key not in v:
             parts.append(f"{key}={val}")
-    parts += [f"{k}={val}" for k, val in (rec.get("switches") or {}).items()]
     spec = spec_label(extra)
     if spec and not any(k == "speculative_config" for k in v):
         parts.append(spec)
+    # the environment's switches last: the engine's own arguments read first whatever the machine sets
+    parts += [f"{k}={val}" for k, val in (rec.get("switches") or {}).items()]
     return ",".join(parts) or "-"
 
 
