@@ -225,7 +225,10 @@ def run_fidelity(model: str, text: str, engine_args: dict[str, Any], reference: 
         raise HayabusaValidationError(f"chunk_len {chunk_len} exceeds max_model_len {mc.max_model_len}.",
                                       parameter="chunk_len", value=chunk_len)
     tok = llm.get_tokenizer()
-    ids = list(tok(text).input_ids)[:max_text_tokens] if max_text_tokens else list(tok(text).input_ids)
+    # verbose=False: the text is cut into chunks of at most chunk_len below, so the tokenizer's "longer than the
+    # maximum sequence length" warning on the whole text is not the model's
+    ids = list(tok(text, verbose=False).input_ids)
+    ids = ids[:max_text_tokens] if max_text_tokens else ids
     if len(ids) < 2:
         raise HayabusaValidationError("the text has fewer than 2 tokens.", parameter="text", value=len(ids))
     chunks, nxt = chunk_text(ids, chunk_len)

@@ -196,11 +196,13 @@ def test_hf_reference_agrees_with_hayabusa_fp32(stories_dir, tmp_path):
     assert hy["text_agreement"] == 1.0 and hy["flag"] == ""
 
 
-def test_fidelity_fp32_matches_hf_fp32(stories_dir):
+def test_fidelity_fp32_matches_hf_fp32(stories_dir, capfd):
+    """Also: a text longer than the tokenizer's model_max_length (512) brings no "sequence length is longer"
+    warning: the text is scored in chunks of chunk_len."""
     from hayabusa.eval.fidelity import run_fidelity
 
     text = ("Once upon a time, there was a little girl named Lily. She liked to play in the park with her dog. "
-            "One day the dog found a big red ball under a tree. Lily and the dog played until the sun went down. ") * 4
+            "One day the dog found a big red ball under a tree. Lily and the dog played until the sun went down. ") * 12
     res = run_fidelity(stories_dir, text, {"device": "cpu", "dtype": "float32", "max_num_seqs": 4,
                                            "max_num_batched_tokens": 48},          # chunks run in 48-token pieces
                        reference="hf", reference_dtype="float32", chunk_len=100, max_text_tokens=250)
@@ -208,6 +210,7 @@ def test_fidelity_fp32_matches_hf_fp32(stories_dir):
     assert res.mean_kl < 1e-6 and res.max_kl < 1e-5
     assert res.top1_agreement == 1.0
     assert abs(res.ppl - res.ppl_reference) < 1e-3 * res.ppl_reference and res.ppl < 50
+    assert "longer than the specified maximum sequence length" not in "".join(capfd.readouterr())
 
 
 def test_fidelity_on_a_checkpoint_hf_cannot_load_says_use_reference_model(tmp_path, monkeypatch):
