@@ -854,6 +854,38 @@ g_s18d() {  # session 18, call 4: the pasted FP8Q_TABLE's launches (16-row dot a
   step prof_q7_fp8 90 30 python benchmarks/profile_decode.py --model "$Q7" --batch 1 --eager false \
     --decode-steps 48 --engine-args '{"quantization": "fp8"}' --json "$OUT/prof_q7_fp8.json"
 }
+g_s19a() {  # session 19's plan, call 1 (issue #25): the bf16 small-M linear (HAYABUSA_SMALL_M_LINEAR, off by
+            # default): its CUDA tests (kernel vs reference and cuBLAS at the 7b / 0.5b shapes, graph replay, engine
+            # greedy on and off), its launch sweep (table to JSON, loaded by the engines below), then W3 on both
+            # shapes with the switch off and on, and fp8 W3 on 7b with it on (its bf16 lm_head takes the kernel)
+  cuda_tests s19a_tests "${S19A_TESTS_S:-170}" tests/kernels/test_small_m_linear_cuda.py
+  step small_m_sweep "${SMALL_M_SWEEP_S:-170}" 20 bash -c "python benchmarks/kernels/bench_small_m_linear.py --sweep \
+    --table-json '$OUT/small_m_table.json' --json '$OUT/small_m_sweep.json' 2>&1 | grep -v '^# .* done' | tail -45"
+  [ -s "$OUT/small_m_table.json" ] && export HAYABUSA_SMALL_M_TABLE_JSON="$OUT/small_m_table.json"
+  ensure_q05
+  bench_step q05_W3_smallm_off 50 20 --workload W3 --model "$Q05"
+  HAYABUSA_SMALL_M_LINEAR=1 bench_step q05_W3_smallm_on 50 20 --workload W3 --model "$Q05"
+  ensure_q7
+  bench_step q7_W3_smallm_off 70 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_smallm_on 70 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_fp8_smallm 70 30 --workload W3 --model "$Q7" --scale 0.5 \
+    --quantization fp8
+}
+g_s19b() {  # session 19's plan, call 2: what session 18 left (the q05 W8A8 graph test; where a 7b fp8 decode step
+            # goes now), issue #24's W4 at max_num_seqs 14 for the schemes other than fp8, and the bf16 decode step's
+            # kernel profile with the small-M linear on
+  cuda_tests s19b_tests "${S19B_TESTS_S:-90}" tests/quantization/test_cuda.py -k "'graphs_equal_eager and q05'"
+  ensure_q7
+  step prof_q7_fp8 90 30 python benchmarks/profile_decode.py --model "$Q7" --batch 1 --eager false \
+    --decode-steps 48 --engine-args '{"quantization": "fp8"}' --json "$OUT/prof_q7_fp8.json"
+  HAYABUSA_SMALL_M_LINEAR=1 step prof_q7_smallm 90 30 python benchmarks/profile_decode.py --model "$Q7" --batch 1 \
+    --eager false --decode-steps 48 --json "$OUT/prof_q7_smallm.json"
+  bench_step q7_W4_bf16 90 40 --workload W4 --model "$Q7" --scale 0.25 --sweep max_num_seqs=14
+  local q
+  for q in w8a8_int8 int8 int4; do
+    bench_step "q7_W4_$q" 100 40 --workload W4 --model "$Q7" --scale 0.25 --sweep max_num_seqs=14 --quantization "$q"
+  done
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

@@ -323,28 +323,49 @@ FP8Q_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
 FP8_TABLE_JSON_ENV = "HAYABUSA_FP8_TABLE_JSON"
 
 
-def load_fp8_tables(path: str) -> dict[str, int]:
-    """Update FP8_TABLE / FP8Q_TABLE in place from the JSON a sweep wrote: {"FP8_TABLE": [[class, bucket, entry],
-    ...], "FP8Q_TABLE": [...]}: class "deep" | "square" | "wide" (gemm_shape_class), bucket one of FP8_M_BUCKETS,
-    entry [kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages] (check_fp8_entry), e.g.
-    ["deep", 1, ["gemv", 1, 32, 512, 4, 8, 1]]. Returns how many entries each table took. Raises ValueError naming
-    the file and the bad row (an unknown top-level key, a table that is not a list, a (class, bucket) given twice
-    included), or a file that is missing or not JSON; the tables are left unchanged then."""
+def load_launch_tables(path: str, tables: dict[str, dict], env: str | None = None,
+                       writer: str = "bench_quant_linear.py --fp8 --sweep --table-json PATH",
+                       dot_only: tuple[str, ...] = ()) -> dict[str, int]:
+    """Update launch tables in place from the JSON a sweep wrote: {NAME: [[class, bucket, entry], ...], ...} for
+    each NAME of ``tables`` (FP8_TABLE / FP8Q_TABLE here, SMALL_M_TABLE in kernels/small_m_linear.py): class
+    "deep" | "square" | "wide" (gemm_shape_class), bucket one of FP8_M_BUCKETS, entry [kind, BLOCK_M, BLOCK_N,
+    BLOCK_K, SPLIT_K, num_warps, num_stages] (check_fp8_entry), e.g. ["deep", 1, ["gemv", 1, 32, 512, 4, 8, 1]].
+    The tables named in ``dot_only`` take "dot" entries only. Returns how many entries each table took. Nothing
+    changes unless every row is good.
+
+    Raises:
+        ValueError: naming the file and the bad row (an unknown top-level key, a table that is not a list, a
+            (class, bucket) given twice, a bad entry), or a file that is missing or not JSON; with ``env`` (the
+            environment variable that named the file) a HayabusaValidationError naming that variable.
+    """
     import json
 
+    try:
+        return _load_launch_tables(path, tables, writer, dot_only, json)
+    except ValueError as e:
+        if env is None:
+            raise
+        from hayabusa.errors import HayabusaValidationError
+
+        raise HayabusaValidationError(f"environment variable {env}: {e}", parameter=env, value=path) from None
+
+
+def _load_launch_tables(path: str, tables: dict[str, dict], writer: str, dot_only: tuple[str, ...],
+                        json) -> dict[str, int]:
+    names = " / ".join(tables)
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read an FP8 launch table ({type(e).__name__}: {e}); write one with "
-                         "`bench_quant_linear.py --fp8 --sweep --table-json PATH`") from None
+        raise ValueError(f"{path}: cannot read a launch table ({type(e).__name__}: {e}); write one with "
+                         f"`{writer}`") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: an FP8 launch table is a JSON object with FP8_TABLE / FP8Q_TABLE lists")
-    unknown = sorted(set(data) - {"FP8_TABLE", "FP8Q_TABLE"})
+        raise ValueError(f"{path}: a launch table file is a JSON object with {names} lists")
+    unknown = sorted(set(data) - set(tables))
     if unknown:
-        raise ValueError(f"{path}: unknown key(s) {unknown}: an FP8 launch table has only FP8_TABLE / FP8Q_TABLE")
+        raise ValueError(f"{path}: unknown key(s) {unknown}: this launch table file has only {names}")
     updates: dict[str, dict] = {}
-    for name, table in (("FP8_TABLE", FP8_TABLE), ("FP8Q_TABLE", FP8Q_TABLE)):
+    for name, table in tables.items():
         new = {}
         rows = data.get(name, [])
         if not isinstance(rows, list):
@@ -362,13 +383,20 @@ def load_fp8_tables(path: str) -> dict[str, int]:
                 if key in new:
                     raise ValueError(f"{key} is given twice")
                 check_fp8_entry(entry)
+                if name in dot_only and entry[0] != "dot":
+                    raise ValueError(f"{name} takes 'dot' launches only, got {entry[0]!r}")
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}: bad {name} row {row!r}: {e}") from None
             new[key] = entry
         updates[name] = new
-    FP8_TABLE.update(updates["FP8_TABLE"])
-    FP8Q_TABLE.update(updates["FP8Q_TABLE"])
+    for name, table in tables.items():
+        table.update(updates[name])
     return {k: len(v) for k, v in updates.items()}
+
+
+def load_fp8_tables(path: str) -> dict[str, int]:
+    """load_launch_tables for FP8_TABLE and FP8Q_TABLE (what ``HAYABUSA_FP8_TABLE_JSON`` names)."""
+    return load_launch_tables(path, {"FP8_TABLE": FP8_TABLE, "FP8Q_TABLE": FP8Q_TABLE})
 
 
 def fp8_m_bucket(M: int) -> int:
@@ -578,14 +606,10 @@ def fp8_small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 
 
 if os.environ.get(FP8_TABLE_JSON_ENV):
-    try:
-        load_fp8_tables(os.environ[FP8_TABLE_JSON_ENV])
-    except ValueError as e:
-        from hayabusa.errors import HayabusaValidationError
-
-        raise HayabusaValidationError(f"environment variable {FP8_TABLE_JSON_ENV}: {e}", parameter=FP8_TABLE_JSON_ENV,
-                                      value=os.environ[FP8_TABLE_JSON_ENV]) from None
+    load_launch_tables(os.environ[FP8_TABLE_JSON_ENV], {"FP8_TABLE": FP8_TABLE, "FP8Q_TABLE": FP8Q_TABLE},
+                       env=FP8_TABLE_JSON_ENV)
 
 
 __all__ = ["FP8_M_BUCKETS", "FP8_SMALL_M_MAX", "FP8_TABLE", "FP8Q_TABLE", "fp8_launch", "fp8_m_bucket",
-           "fp8_small_m_linear", "fp8_small_m_linear_ref", "load_fp8_tables", "pick_fp8_config"]
+           "fp8_small_m_linear", "fp8_small_m_linear_ref", "load_fp8_tables", "load_launch_tables",
+           "pick_fp8_config"]

@@ -210,7 +210,28 @@ def build_model(model_config, device: torch.device) -> nn.Module:
         torch.cuda.empty_cache()   # the high-precision copies that online schemes freed
     if getattr(model_config, "batch_invariant", False):
         use_batch_invariant_linears(model)
+    elif device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
+        from hayabusa.kernels.small_m_linear import small_m_enabled
+
+        if small_m_enabled():
+            use_small_m_linears(model)
     return model.eval()
+
+
+def use_small_m_linears(model: nn.Module) -> None:
+    """``HAYABUSA_SMALL_M_LINEAR=1`` (off by default; CUDA, bf16 / fp16, not in batch-invariant mode): every
+    unquantized Linear and the lm_head (``model.logits_linear``) multiply 1-16 rows with
+    ``kernels/small_m_linear.small_m_linear`` (the weight streamed once by 16-row tl.dot tiles) and more rows with
+    F.linear as before. Quantized linears keep their own kernels."""
+    from hayabusa.kernels.small_m_linear import linear_small_m
+    from hayabusa.model.layers.linear import Linear
+    from hayabusa.quantization.base import SmallMLinearMethod, UnquantizedLinearMethod
+
+    for module in model.modules():
+        if isinstance(module, Linear) and type(module.quant_method) is UnquantizedLinearMethod:
+            module.quant_method = SmallMLinearMethod()
+    if hasattr(model, "logits_linear"):
+        model.logits_linear = linear_small_m
 
 
 def use_batch_invariant_linears(model: nn.Module) -> None:

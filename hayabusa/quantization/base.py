@@ -186,6 +186,16 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
         return linear_bi(x, layer.weight, layer.bias)
 
 
+class SmallMLinearMethod(UnquantizedLinearMethod):
+    """``HAYABUSA_SMALL_M_LINEAR=1``'s Linear: the same weight; 1-16 rows multiplied by
+    ``kernels/small_m_linear.small_m_linear``, more by F.linear (``linear_small_m`` decides per call)."""
+
+    def apply(self, layer, x):
+        from hayabusa.kernels.small_m_linear import linear_small_m
+
+        return linear_small_m(x, layer.weight, layer.bias)
+
+
 class QuantizationConfig(ABC):
     """One quantization scheme, as read from a checkpoint's ``quantization_config`` or asked for by name.
 

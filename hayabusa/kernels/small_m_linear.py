@@ -1,0 +1,217 @@
+"""small_m_linear: an unquantized (bf16 / fp16) linear for a few rows (decode), streaming the weight once (kernel +
+launcher + reference).
+
+    y [M, N] = x [M, K] @ w[:N, :K]^T (+ bias), fp32 accumulation, one rounding to x's dtype
+
+Why (issue #25): at batch-1 decode a linear reads its whole weight to make one row, so its time is the weight's
+bytes over the bandwidth it streams at. cuBLAS's GEMMs at M = 1 reach 3.6-3.9 TB/s on a 7B model's gate_up / down /
+lm_head but 2.8-3.0 TB/s on qkv / o (the project's W3 profile, BENCHMARKS.md "Where the time goes"), and on the
+0.5B shape they stream far below bandwidth (0.61 ms of GEMMs a step against 0.23 ms of weight bytes at copy speed).
+The FP8 path's kernel for an x quantized by its producer (kernels/fp8_gemv.py, the XQ launch: one 16-row tl.dot
+tile per program, 15 rows masked at batch 1, split-K reduced by each tile's last program) streamed e4m3 weights at
+95-97 % of a same-size copy on gate_up at M = 1-16 (2026-12-03). This is that kernel for float weights: the same
+tile loop and the same fused split-K reduction (fp8_gemv._splitk_finish), bf16 / fp16 operands into tl.dot.
+
+Numerics: tl.dot's products of bf16 / fp16 values are exact in fp32 and summed in fp32, as cuBLAS's; only the order
+of the sums differs (the K split and the MMA's), so a row differs from F.linear by fp32 rounding before the one
+cast: not bit-identical, and greedy decoding can part from cuBLAS's after many tokens. Hence off by default
+(``HAYABUSA_SMALL_M_LINEAR``, read by the model loader): its speed and its fidelity against the default path are
+measured on the GPU first (benchmarks/device_run.sh, group s19a) before it may become a default.
+
+The launch comes from SMALL_M_TABLE keyed by (shape class, M bucket) as FP8Q_TABLE, entries checked by
+fp8_gemv.check_fp8_entry ("dot" only); no autotune (CUDA-graph safe, the same every run). Retune with
+``benchmarks/kernels/bench_small_m_linear.py --sweep --table-json PATH``, loaded by
+``HAYABUSA_SMALL_M_TABLE_JSON``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hayabusa.envs import env_flag
+from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.fp8_gemv import FP8_M_BUCKETS, _split_locks, _splitk_finish, fp8_launch, fp8_m_bucket, \
+    load_launch_tables
+from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class, splitk_reduce
+
+# Rows up to here take the kernel when the switch is on; more rows: F.linear (cuBLAS), which fills its tensor-core
+# tiles from there. One 16-row tl.dot tile, as the FP8 XQ launches.
+SMALL_M_MAX = 16
+SMALL_M_SWITCH = "HAYABUSA_SMALL_M_LINEAR"
+SMALL_M_TABLE_JSON_ENV = "HAYABUSA_SMALL_M_TABLE_JSON"
+_DTYPES = (torch.bfloat16, torch.float16)
+
+# (shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0 = from the
+# SM count (fp8_gemv.fp8_launch). NOT MEASURED: FP8Q_TABLE's measured launches (2026-12-03) with BLOCK_K halved, so
+# a stage holds the same weight bytes (bf16 is 2 bytes a weight, e4m3 1). The sweep replaces it.
+SMALL_M_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
+    ('deep', 1): ('dot', 16, 64, 128, 8, 4, 3),
+    ('deep', 4): ('dot', 16, 64, 128, 8, 4, 3),
+    ('deep', 16): ('dot', 16, 32, 64, 8, 4, 3),
+    ('square', 1): ('dot', 16, 64, 64, 8, 4, 3),
+    ('square', 4): ('dot', 16, 64, 64, 8, 4, 3),
+    ('square', 16): ('dot', 16, 64, 64, 8, 4, 3),
+    ('wide', 1): ('dot', 16, 32, 64, 1, 4, 3),
+    ('wide', 4): ('dot', 16, 64, 128, 1, 4, 3),
+    ('wide', 16): ('dot', 16, 64, 64, 1, 4, 3),
+}
+
+
+def small_m_enabled() -> bool:
+    """``HAYABUSA_SMALL_M_LINEAR`` (default off); raises HayabusaValidationError on a value that is not a switch."""
+    return env_flag(SMALL_M_SWITCH, False)
+
+
+@triton.jit
+def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                        M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
+                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+                        EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_mask = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn                             # [1, BN]: W is [N', K']
+    x_rows = x_ptr + rows[:, None] * stride_xm                                            # [BM, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:  # every tile whole: no column mask
+            w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)       # [BK, BN]
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)        # [BM, BK]
+        else:
+            k_mask = offs_k < k_end
+            w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_FP32:  # the interpreter (numpy): fp32 operands, the same exact products
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:         # bf16 / fp16 operands: exact products, fp32 sums (the tensor cores)
+            acc = tl.dot(x, w, acc)
+    _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                   pid_m * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
+                   FUSED_REDUCE)
+
+
+def pick_small_m_config(M: int, N: int, K: int, device: torch.device) -> LaunchConfig:
+    """SMALL_M_TABLE's launch for [M, K] x [K, N] (the smallest FP8_M_BUCKETS entry >= M; the largest past them):
+    host ints and the SM count only, so the same every call (CUDA-graph safe)."""
+    return fp8_launch(SMALL_M_TABLE[(gemm_shape_class(N, K), fp8_m_bucket(M))], M, N, K, device)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, N: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or x.dim() != 2 or x.shape[1] == 0 \
+            or (x.stride(1) != 1 and x.shape[0] > 0):
+        got = (tuple(x.shape), x.dtype, x.stride()) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be [M, K > 0] bfloat16 or float16 with a unit last stride, got {got}")
+    if not isinstance(weight, torch.Tensor) or weight.dtype != x.dtype or weight.dim() != 2 \
+            or weight.stride(1) != 1:
+        got = ((tuple(weight.shape), weight.dtype, weight.stride()) if isinstance(weight, torch.Tensor)
+               else type(weight).__name__)
+        raise ValueError(f"weight must be [N', K'] {x.dtype} (x's dtype) with a unit last stride, got {got}")
+    if weight.shape[1] < x.shape[1]:
+        raise ValueError(f"weight has {weight.shape[1]} columns, fewer than x's K = {x.shape[1]}")
+    if isinstance(N, bool) or not isinstance(N, int) or not 0 < N <= weight.shape[0]:
+        raise ValueError(f"out_features must be an int in 1..{weight.shape[0]} (weight rows), got {N!r}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.dtype != x.dtype
+                             or not bias.is_contiguous()):
+        got = (tuple(bias.shape), bias.dtype) if isinstance(bias, torch.Tensor) else bias
+        raise ValueError(f"bias must be [N={N}] {x.dtype} contiguous or None, got {got}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_features: int | None = None, cfg: LaunchConfig | None = None) -> torch.Tensor:
+    """x @ weight[:N]^T (+ bias) for a few rows, the weight streamed once (module docstring); sized for M <=
+    SMALL_M_MAX (more rows run the largest bucket's launch: correct, slower than F.linear there).
+
+    Args:
+        x: [M, K] bfloat16 or float16, unit last stride (any row stride); M may be 0.
+        weight: [N', K'] in x's dtype, unit last stride, N' >= N, K' >= K (rows N.. and columns K.. ignored).
+        bias: [N] in x's dtype, contiguous, or None (added in fp32 before the cast).
+        out_features: N (default N').
+        cfg: a launch (bench sweeps and tests): kind "dot"; default pick_small_m_config's.
+    Returns:
+        [M, N] in x's dtype: small_m_linear_ref's value up to the fp32 summation order.
+    Raises:
+        ValueError: a bad shape, dtype, stride or device, or a cfg that is not a "dot" launch (the message names
+            the argument).
+    No host sync; the grid depends on (M, N, K) only: safe to capture in a CUDA graph. On CPU it needs
+    TRITON_INTERPRET=1.
+    """
+    N = weight.shape[0] if out_features is None and isinstance(weight, torch.Tensor) else out_features
+    _check(x, weight, bias, N)
+    M, K = x.shape
+    # the interpreter's bf16 / fp16 cast truncates (Triton 3.6): on CPU the kernel writes fp32 and torch rounds
+    # once, to nearest even, as the GPU's cast does
+    on_cpu = x.device.type == "cpu"
+    out = torch.empty((M, N), dtype=torch.float32 if on_cpu else x.dtype, device=x.device)
+    if M == 0:
+        return out.to(x.dtype)
+    cfg = cfg or pick_small_m_config(M, N, K, x.device)
+    if cfg.kind != "dot" or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16:
+        raise ValueError(f"cfg must be a 'dot' launch with tiles >= 16, got {cfg}")
+    k_tiles = triton.cdiv(K, cfg.BLOCK_K)
+    tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
+    splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
+    grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), splits)
+    part, locks = out, None
+    if splits > 1:
+        part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+        from hayabusa.kernels import fp8_gemv
+
+        locks = _split_locks(x.device, grid[0] * grid[1]) if fp8_gemv.USE_FUSED_REDUCE else None
+    _small_m_dot_kernel[grid](
+        x, weight, bias if bias is not None else out, out, part, locks if locks is not None else out,
+        M, N, K, tiles_per_split * cfg.BLOCK_K, splits, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, FUSED_REDUCE=locks is not None,
+        EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=x.device.type == "cpu",
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1 and locks is None:
+        splitk_reduce(part, bias, out)
+    return out.to(x.dtype) if on_cpu else out
+
+
+def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       out_features: int | None = None) -> torch.Tensor:
+    """Plain torch, same arguments and result: the products summed in fp32 (+ bias in fp32), one rounding."""
+    N = weight.shape[0] if out_features is None else out_features
+    y = x.float() @ weight[:N, :x.shape[1]].float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear's signature and result up to the fp32 summation order: x [..., K] with at most SMALL_M_MAX rows in
+    bf16 / fp16 takes small_m_linear, anything else F.linear. The loader puts it in place of F.linear for the
+    unquantized linears and the lm_head when ``HAYABUSA_SMALL_M_LINEAR`` is on (model/loader.py)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    on_triton = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"      # the interpreter: CPU tests
+    if 0 < rows <= SMALL_M_MAX and x.dtype in _DTYPES and weight.dtype == x.dtype and on_triton \
+            and weight.device == x.device and weight.stride(-1) == 1:     # (cpu_offload_gb's weights: F.linear)
+        x2 = x.reshape(rows, x.shape[-1])
+        if x2.stride(-1) == 1:
+            return small_m_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+if os.environ.get(SMALL_M_TABLE_JSON_ENV):
+    load_launch_tables(os.environ[SMALL_M_TABLE_JSON_ENV], {"SMALL_M_TABLE": SMALL_M_TABLE},
+                       env=SMALL_M_TABLE_JSON_ENV, dot_only=("SMALL_M_TABLE",),
+                       writer="benchmarks/kernels/bench_small_m_linear.py --sweep --table-json PATH")
+
+
+__all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_TABLE", "linear_small_m", "pick_small_m_config",
+           "small_m_enabled", "small_m_linear", "small_m_linear_ref"]

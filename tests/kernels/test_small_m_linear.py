@@ -1,0 +1,214 @@
+"""small_m_linear (Triton; CUDA, or the interpreter on CPU) against its torch reference on every launch path (16-row
+tl.dot tiles with and without split-K, the fused split-K reduction and the two-launch one, ragged N and K, a
+padded weight, strided rows, bias), the table and its JSON, F.linear's drop-in (linear_small_m) and the loader's
+switch. The 7B shapes on the GPU: test_small_m_linear_cuda.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hayabusa.kernels.fp8_gemv import FP8_M_BUCKETS, check_fp8_entry, load_launch_tables
+from hayabusa.kernels.quant_linear import LaunchConfig
+from hayabusa.kernels.small_m_linear import (
+    SMALL_M_MAX, SMALL_M_TABLE, linear_small_m, pick_small_m_config, small_m_linear, small_m_linear_ref,
+)
+
+CONFIGS = {
+    "dot": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2),
+    "dot_split": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2),
+    "dot_wide_k": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3),
+}
+EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}   # 1 ulp at 1.0
+
+
+def _operands(M: int, N: int, K: int, dtype: torch.dtype, device: str, seed: int = 0, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 2).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(device)
+    b = torch.randn(N, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def _assert_few_ulps(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 2 ulps of the output's largest value: the fp32 sums in another order, then one rounding (the
+    interpreter's bf16 cast truncates: 1 ulp of that)."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    scale = float(ref.float().abs().max())
+    err = float((y.float() - ref.float()).abs().max())
+    assert err <= 2 * EPS[y.dtype] * scale, f"max |kernel - ref| = {err:.3g}, output scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_matches_reference(device, dtype, cfg, M):
+    """N = 72 and K = 104 fit no tile: ragged N and K tiles; with split-K a ragged last split."""
+    x, w, b = _operands(M, 72, 104, dtype, device, seed=M)
+    _assert_few_ulps(small_m_linear(x, w, b, cfg=CONFIGS[cfg]), small_m_linear_ref(x, w, b))
+    _assert_few_ulps(small_m_linear(x, w, None, cfg=CONFIGS[cfg]), small_m_linear_ref(x, w, None))
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_fused_split_reduce_equals_two_launch_reduce(device, monkeypatch, M):
+    """The split-K partials summed by each tile's last program are splitk_reduce's sum, bit for bit (the same
+    order), with a bias; the counters are zero again afterwards (a CUDA-graph replay needs them so)."""
+    import hayabusa.kernels.fp8_gemv as fg
+
+    x, w, b = _operands(M, 72, 200, torch.bfloat16, device, seed=3)
+    fused = small_m_linear(x, w, b, cfg=CONFIGS["dot_split"])
+    monkeypatch.setattr(fg, "USE_FUSED_REDUCE", False)
+    assert torch.equal(fused, small_m_linear(x, w, b, cfg=CONFIGS["dot_split"]))
+    assert int(fg._LOCKS[torch.device(device)].abs().sum()) == 0
+
+
+def test_padded_weight_strided_rows_and_out_features(device):
+    """A weight with more rows and columns than used (out_features, K < K'), x a column slice of a wider tensor
+    (row stride > K), and M = 0."""
+    x_wide, w, b = _operands(3, 80, 120, torch.bfloat16, device, seed=5)
+    x = x_wide[:, :100]
+    assert x.stride(0) == 120
+    y = small_m_linear(x, w, b[:64].contiguous(), out_features=64, cfg=CONFIGS["dot_split"])
+    _assert_few_ulps(y, small_m_linear_ref(x, w, b[:64], out_features=64))
+    assert small_m_linear(x[:0], w).shape == (0, 80)
+
+
+def test_default_launches_from_the_table(device):
+    """Every SMALL_M_TABLE entry is a valid 'dot' launch; pick_small_m_config keys it by shape class and M bucket;
+    the default launch at each bucket matches the reference on a small 'wide' shape."""
+    assert {b for _, b in SMALL_M_TABLE} == set(FP8_M_BUCKETS) and SMALL_M_MAX == FP8_M_BUCKETS[-1]
+    for entry in SMALL_M_TABLE.values():
+        check_fp8_entry(entry)
+        assert entry[0] == "dot"
+    cfg = pick_small_m_config(1, 37888, 3584, torch.device("cpu"))
+    assert (cfg.kind, cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == SMALL_M_TABLE[("wide", 1)][:4]
+    for M in FP8_M_BUCKETS:
+        x, w, b = _operands(M, 96, 48, torch.bfloat16, device, seed=M)   # N > 1.5 K: "wide"
+        _assert_few_ulps(small_m_linear(x, w, b), small_m_linear_ref(x, w, b))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w: small_m_linear(x.float(), w), "x must be .* bfloat16 or float16"),
+    (lambda x, w: small_m_linear(x, w.half()), "weight must be .* torch.bfloat16"),
+    (lambda x, w: small_m_linear(x.t(), w), "x must be"),
+    (lambda x, w: small_m_linear(x, w[:, :8]), "weight has 8 columns, fewer than x's K = 16"),
+    (lambda x, w: small_m_linear(x, w, out_features=40), "out_features must be an int in 1..32"),
+    (lambda x, w: small_m_linear(x, w, torch.zeros(31, dtype=torch.bfloat16)), "bias must be \\[N=32\\]"),
+    (lambda x, w: small_m_linear(x, w, cfg=LaunchConfig("gemv", BLOCK_N=32, BLOCK_K=32)), "cfg must be a 'dot'"),
+])
+def test_bad_arguments_are_refused_by_name(call, match):
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    w = torch.zeros(32, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        call(x, w)
+
+
+def test_linear_small_m_is_f_linear_beyond_its_rows(device):
+    """The drop-in: 1-16 rows (any leading shape) take the kernel, its bits exactly; 17 rows and fp32 take
+    F.linear, its bits exactly."""
+    x, w, b = _operands(16, 72, 104, torch.bfloat16, device, seed=9)
+    y = linear_small_m(x.view(2, 8, 104), w, b)
+    assert y.shape == (2, 8, 72) and torch.equal(y.view(16, 72), small_m_linear(x, w, b))
+    x17, _, _ = _operands(17, 72, 104, torch.bfloat16, device, seed=10)
+    assert torch.equal(linear_small_m(x17, w, b), F.linear(x17, w, b))
+    assert torch.equal(linear_small_m(x.float(), w.float(), b.float()), F.linear(x.float(), w.float(), b.float()))
+
+
+def test_table_json_loads_dot_launches_only(tmp_path, monkeypatch):
+    """The sweep's JSON (--small-m --sweep --table-json) replaces the named entries; a 'gemv' launch (the kernel
+    has only the tl.dot form), an unknown table and a bad file are refused naming the file, the table unchanged;
+    named by the environment variable, the error names the variable."""
+    import hayabusa.kernels.small_m_linear as sm
+    from hayabusa.errors import HayabusaValidationError
+
+    table = dict(SMALL_M_TABLE)
+    monkeypatch.setattr(sm, "SMALL_M_TABLE", table)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"SMALL_M_TABLE": [["square", 4, ["dot", 16, 128, 64, 2, 8, 4]]]}))
+    assert load_launch_tables(str(path), {"SMALL_M_TABLE": table}, dot_only=("SMALL_M_TABLE",)) == {"SMALL_M_TABLE": 1}
+    assert table[("square", 4)] == ("dot", 16, 128, 64, 2, 8, 4)
+    cfg = sm.pick_small_m_config(4, 4608, 3584, torch.device("cpu"))
+    assert (cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages) == (128, 64, 2, 8, 4)
+    before = dict(table)
+    for data, match in (({"SMALL_M_TABLE": [["deep", 1, ["gemv", 1, 32, 512, 4, 8, 1]]]}, "'dot' launches only"),
+                        ({"FP8_TABLE": []}, "unknown key"),
+                        ({"SMALL_M_TABLE": [["deep", 1, ["dot", 16, 48, 64, 1, 4, 3]]]}, "power-of-two")):
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=match) as info:
+            load_launch_tables(str(path), {"SMALL_M_TABLE": table}, dot_only=("SMALL_M_TABLE",))
+        assert "t.json" in str(info.value) and table == before
+    with pytest.raises(HayabusaValidationError, match="environment variable HAYABUSA_SMALL_M_TABLE_JSON: .*missing"):
+        load_launch_tables(str(tmp_path / "missing.json"), {"SMALL_M_TABLE": table},
+                           env="HAYABUSA_SMALL_M_TABLE_JSON", dot_only=("SMALL_M_TABLE",))
+
+
+def test_switch_is_off_by_default_and_refuses_garbage(monkeypatch):
+    from hayabusa.errors import HayabusaValidationError
+    from hayabusa.kernels.small_m_linear import small_m_enabled
+
+    monkeypatch.delenv("HAYABUSA_SMALL_M_LINEAR", raising=False)
+    assert small_m_enabled() is False
+    monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", "1")
+    assert small_m_enabled() is True
+    monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", "fast")
+    with pytest.raises(HayabusaValidationError, match="HAYABUSA_SMALL_M_LINEAR='fast'"):
+        small_m_enabled()
+
+
+def test_engine_greedy_with_the_kernel_in_every_linear(stories_dir):
+    """use_small_m_linears (what HAYABUSA_SMALL_M_LINEAR=1 does on a CUDA GPU) on the trained stories260K in bf16,
+    here on the CPU engine through the interpreter: every Linear takes SmallMLinearMethod and the lm_head
+    linear_small_m, decode steps (1-4 rows) run the kernel, prefill (more rows) F.linear; the greedy ids of 4
+    prompts x 24 tokens equal the default path's (the products are the same, the fp32 sums in another order)."""
+    from hayabusa import LLM, SamplingParams
+    from hayabusa.model.layers.linear import Linear
+    from hayabusa.model.loader import use_small_m_linears
+    from hayabusa.quantization.base import SmallMLinearMethod
+
+    prompts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a big"]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(stories_dir, device="cpu", dtype="bfloat16", max_num_seqs=4, enable_prefix_caching=False)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    model = llm.llm_engine.runner.model
+    use_small_m_linears(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(type(m.quant_method) is SmallMLinearMethod for m in linears)
+    assert model.logits_linear is linear_small_m
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert after == before and all(len(t) == 24 for t in after)
+
+
+def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, capsys):
+    """bench_small_m_linear's --sweep summary: per (shape class, M bucket) the launch with the least time summed
+    over the class's layers, printed and written with --table-json; load_launch_tables (what
+    HAYABUSA_SMALL_M_TABLE_JSON does at import) then picks exactly it. The candidates are 'dot' launches with K
+    splits putting 1-12 programs on each of 132 SMs."""
+    import importlib.util
+    from pathlib import Path
+
+    import hayabusa.kernels.small_m_linear as sm
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_small_m_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_small_m_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cands = bench.sweep_configs(1, 4608, 3584, 132)
+    assert cands and all(c.kind == "dot" and c.BLOCK_M == 16 for c in cands)
+    assert all(132 <= -(-4608 // c.BLOCK_N) * c.SPLIT_K <= 12 * 132 for c in cands)
+    a, b = ("dot", 16, 64, 64, 8, 4, 3), ("dot", 16, 128, 64, 4, 8, 3)
+
+    def row(layer, K, N, times):
+        return dict(shape="7b", layer=layer, K=K, N=N, M=1, copy_gb_s=4000.0, bytes=N * K * 2, config=a,
+                    cublas_us=10.0, small_m_us=9.0, sweep_us={repr(a): times[0], repr(b): times[1]})
+
+    # qkv and o are one class ("square"): b wins the sum (4 + 4 < 3 + 6) though a is best on qkv alone
+    out = tmp_path / "table.json"
+    bench.print_table([row("qkv", 3584, 4608, (3.0, 4.0)), row("o", 3584, 3584, (6.0, 4.0))], str(out))
+    assert f"('square', 1): {b!r}" in capsys.readouterr().out
+    table = dict(SMALL_M_TABLE)
+    monkeypatch.setattr(sm, "SMALL_M_TABLE", table)
+    assert load_launch_tables(str(out), {"SMALL_M_TABLE": table}, dot_only=("SMALL_M_TABLE",)) == {"SMALL_M_TABLE": 1}
+    assert table[("square", 1)] == b and sm.pick_small_m_config(1, 3584, 3584, torch.device("cpu")).BLOCK_N == 128
