@@ -110,7 +110,7 @@ def _quantize(x, s, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_EMIN: tl.
 
 
 @triton.jit
-def _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr, tile, pid_k, splits,
+def splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr, tile, pid_k, splits,
                    M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr):
     """acc [BM, BN] fp32 -> out (+ bias, cast); with split-K the fp32 partial of split pid_k goes to the workspace
     [splits, M, N] and, FUSED_REDUCE, the tile's last program to arrive (a counter per tile, lock_ptr[tile], reset
@@ -219,7 +219,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_pt
         acc = tl.where(r == 3, tl.sum(acc3, axis=1)[None, :], acc)
     sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * s[:, None] * sw[None, :]            # (acc * s_x) * s_w: fp8_matmul_emulated's order
-    _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
                    tl.program_id(0) * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
                    FUSED_REDUCE)
 
@@ -268,7 +268,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr
             acc = tl.dot(q.to(tl.float16), w.to(tl.float16), acc)
     sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * s[:, None] * sw[None, :]            # (acc * s_x) * s_w: fp8_matmul_emulated's order
-    _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
                    pid_m * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
                    FUSED_REDUCE)
 
@@ -452,7 +452,7 @@ def pick_fp8_config(M: int, N: int, K: int, device: torch.device, prequantized: 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
-def _split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
+def split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The per-device int32 counters of the fused split-K reduction (zero between launches: each tile's last
     program resets its own), at least `tiles` of them; None while a CUDA graph is being captured and the buffer is
     missing or too small (allocating there would tie it to the graph's pool): that launch reduces with
@@ -566,7 +566,7 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     part, locks = out, out
     if splits > 1:
         part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-        locks = _split_locks(x.device, grid[0] * grid[1]) if USE_FUSED_REDUCE else None
+        locks = split_locks(x.device, grid[0] * grid[1]) if USE_FUSED_REDUCE else None
     amax_block = min(triton.next_power_of_2(K), _MAX_AMAX_ELEMS // bm)
     amax_iters = triton.cdiv(K, amax_block)
     common = dict(

@@ -10,7 +10,7 @@ lm_head but 2.8-3.0 TB/s on qkv / o (the project's W3 profile, BENCHMARKS.md "Wh
 The FP8 path's kernel for an x quantized by its producer (kernels/fp8_gemv.py, the XQ launch: one 16-row tl.dot
 tile per program, 15 rows masked at batch 1, split-K reduced by each tile's last program) streamed e4m3 weights at
 95-97 % of a same-size copy on gate_up at M = 1-16 (2026-12-03). This is that kernel for float weights: the same
-tile loop and the same fused split-K reduction (fp8_gemv._splitk_finish), bf16 / fp16 operands into tl.dot.
+tile loop and the same fused split-K reduction (fp8_gemv.splitk_finish), bf16 / fp16 operands into tl.dot.
 
 Numerics: tl.dot's products of bf16 / fp16 values are exact in fp32 and summed in fp32, as cuBLAS's; only the order
 of the sums differs (the K split and the MMA's), so a row differs from F.linear by fp32 rounding before the one
@@ -32,8 +32,9 @@ import torch
 
 from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import tl, triton
-from hayabusa.kernels.fp8_gemv import FP8_M_BUCKETS, _split_locks, _splitk_finish, fp8_launch, fp8_m_bucket, \
-    load_launch_tables
+from hayabusa.kernels.fp8_gemv import (
+    FP8_M_BUCKETS, fp8_launch, fp8_m_bucket, load_launch_tables, split_locks, splitk_finish,
+)
 from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class, splitk_reduce
 
 # Rows up to here take the kernel when the switch is on; more rows: F.linear (cuBLAS), which fills its tensor-core
@@ -96,7 +97,7 @@ def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:         # bf16 / fp16 operands: exact products, fp32 sums (the tensor cores)
             acc = tl.dot(x, w, acc)
-    _splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
                    pid_m * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
                    FUSED_REDUCE)
 
@@ -170,7 +171,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
         from hayabusa.kernels import fp8_gemv
 
-        locks = _split_locks(x.device, grid[0] * grid[1]) if fp8_gemv.USE_FUSED_REDUCE else None
+        locks = split_locks(x.device, grid[0] * grid[1]) if fp8_gemv.USE_FUSED_REDUCE else None
     _small_m_dot_kernel[grid](
         x, weight, bias if bias is not None else out, out, part, locks if locks is not None else out,
         M, N, K, tiles_per_split * cfg.BLOCK_K, splits, x.stride(0), weight.stride(0), out.stride(0),
