@@ -856,8 +856,8 @@ g_s18d() {  # session 18, call 4: the pasted FP8Q_TABLE's launches (16-row dot a
 }
 g_s19a() {  # session 19's plan, call 1 (issue #25): the bf16 small-M linear (HAYABUSA_SMALL_M_LINEAR, off by
             # default): its CUDA tests (kernel vs reference and cuBLAS at the 7b / 0.5b shapes, graph replay, engine
-            # greedy on and off), its launch sweep (table to JSON, loaded by the engines below), then W3 on both
-            # shapes with the switch off and on, and fp8 W3 on 7b with it on (its bf16 lm_head takes the kernel)
+            # greedy on and off), its launch sweep (table to JSON: paste it into SMALL_M_TABLE before call 2; this
+            # call's engines load it through HAYABUSA_SMALL_M_TABLE_JSON), then W3 on the 0.5b shape off and on
   cuda_tests s19a_tests "${S19A_TESTS_S:-170}" tests/kernels/test_small_m_linear_cuda.py
   step small_m_sweep "${SMALL_M_SWEEP_S:-170}" 20 bash -c "python benchmarks/kernels/bench_small_m_linear.py --sweep \
     --table-json '$OUT/small_m_table.json' --json '$OUT/small_m_sweep.json' 2>&1 | grep -v '^# .* done' | tail -45"
@@ -865,16 +865,27 @@ g_s19a() {  # session 19's plan, call 1 (issue #25): the bf16 small-M linear (HA
   ensure_q05
   bench_step q05_W3_smallm_off 50 20 --workload W3 --model "$Q05"
   HAYABUSA_SMALL_M_LINEAR=1 bench_step q05_W3_smallm_on 50 20 --workload W3 --model "$Q05"
+}
+g_s19b() {  # session 19's plan, call 2: programmatic dependent launch (HAYABUSA_PDL, kernels/pdl.py): its CUDA
+            # tests (bit-identical on and off), W3 on the 0.5b shape with it and the small-M linear on (the whole
+            # layer's kernels PDL-aware); then the 7b shape: W3 bf16 off / small-M on / small-M + PDL, fp8 + small-M
+            # without and with PDL
+  cuda_tests s19b_tests "${S19B_TESTS_S:-150}" tests/kernels/test_pdl_cuda.py -k "'graph or stories'"   # ~120 s
+  ensure_q05
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q05_W3_pdl 50 20 --workload W3 --model "$Q05"
   ensure_q7
   bench_step q7_W3_smallm_off 70 30 --workload W3 --model "$Q7" --scale 0.5
   HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_smallm_on 70 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_pdl 70 30 --workload W3 --model "$Q7" --scale 0.5
   HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_fp8_smallm 70 30 --workload W3 --model "$Q7" --scale 0.5 \
     --quantization fp8
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_fp8_pdl 70 30 --workload W3 --model "$Q7" --scale 0.5 \
+    --quantization fp8
 }
-g_s19b() {  # session 19's plan, call 2: what session 18 left (the q05 W8A8 graph test; where a 7b fp8 decode step
+g_s19c() {  # session 19's plan, call 3: what session 18 left (the q05 W8A8 graph test; where a 7b fp8 decode step
             # goes now), issue #24's W4 at max_num_seqs 14 for the schemes other than fp8, and the bf16 decode step's
             # kernel profile with the small-M linear on
-  cuda_tests s19b_tests "${S19B_TESTS_S:-90}" tests/quantization/test_cuda.py -k "'graphs_equal_eager and q05'"
+  cuda_tests s19c_tests "${S19C_TESTS_S:-90}" tests/quantization/test_cuda.py -k "'graphs_equal_eager and q05'"
   ensure_q7
   step prof_q7_fp8 90 30 python benchmarks/profile_decode.py --model "$Q7" --batch 1 --eager false \
     --decode-steps 48 --engine-args '{"quantization": "fp8"}' --json "$OUT/prof_q7_fp8.json"

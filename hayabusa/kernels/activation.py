@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -30,7 +32,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if T == 0:
         return out
     BLOCK = min(1024, triton.next_power_of_2(D))
-    _silu_and_mul_kernel[(T, triton.cdiv(D, BLOCK))](x, out, x.stride(0), out.stride(0), D, BLOCK=BLOCK)
+    _silu_and_mul_kernel[(T, triton.cdiv(D, BLOCK))](x, out, x.stride(0), out.stride(0), D, BLOCK=BLOCK,
+                                                     **pdl_kwargs(x.device))
     return out
 
 

@@ -38,6 +38,7 @@ import os
 import torch
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
 from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs
@@ -164,7 +165,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_pt
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                      AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
                      FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                     FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr):
+                     FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     # grid (row tiles of BLOCK_M <= 4 rows, N tiles, K splits). The weight tile is [BLOCK_N, BLOCK_K / VEC, VEC]:
     # VEC = 16 contiguous e4m3 per thread (one 16-byte load), loaded once per step for all the program's rows (one
     # accumulator each, unrolled: rows read the weights once, not once per row), and each row's products summed
@@ -233,7 +235,8 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                    FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr):
+                    FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -575,7 +578,7 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         AMAX_BLOCK=amax_block, AMAX_ITERS=amax_iters,
         AMAX_UNROLL=amax_iters * amax_block * bm <= _AMAX_UNROLL_ELEMS * 32 * cfg.num_warps,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, FP8_MANT=_MANT, FP8_EMIN=_EMIN,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
     scales = x_scale if xq else input_scale if input_scale is not None else out
     args = (x, weight, weight_scale, bias if bias is not None else out, scales,
             out, part, locks if locks is not None else out, M, N, K, tiles_per_split * cfg.BLOCK_K, splits,

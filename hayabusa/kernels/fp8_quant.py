@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, quantize_fp8_ref, round_to_fp8_grid
 from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs, per_token_scales_ref
 
@@ -36,8 +37,9 @@ def _per_token_quant_fp8_kernel(
     K: tl.constexpr, OUT_COLS: tl.constexpr, BLOCK: tl.constexpr,
     STATIC: tl.constexpr,                     # read the scale from static_scale_ptr ([1] fp32) instead of the amax
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     xq_row = xq_ptr + row * OUT_COLS
@@ -121,7 +123,7 @@ def per_token_quant_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = Non
         K=K, OUT_COLS=cols, BLOCK=block, STATIC=static_scale is not None,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, FP8_MANT=_MANT, FP8_EMIN=_EMIN,
         SOFT_ROUND=x.device.type == "cpu",
-        num_warps=max(1, min(8, block // 256)),
+        num_warps=max(1, min(8, block // 256)), **pdl_kwargs(x.device),
     )
     return xq, s
 

@@ -28,6 +28,7 @@ import math
 import torch
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
 from hayabusa.kernels.fused_norm import add_rms_norm_row, fused_add_rms_norm_ref
@@ -72,7 +73,8 @@ def _quantize_store(ptr, v, s, mask, FP8: tl.constexpr, QMAX: tl.constexpr, FP8_
 def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, xq_ptr, s_ptr, res_out_ptr, h_ptr, amax_ptr, stride_x, stride_r,
                            stride_ro, N, eps, HAS_RES: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK: tl.constexpr,
                            FP8: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, FP8_MANT: tl.constexpr,
-                           FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                           FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -92,9 +94,11 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, xq_ptr, s_ptr, res_out_ptr, h_
 
 
 @triton.jit
-def _silu_and_mul_amax_kernel(x_ptr, h_ptr, amax_ptr, stride_x, D, PARTS, BLOCK: tl.constexpr):
+def _silu_and_mul_amax_kernel(x_ptr, h_ptr, amax_ptr, stride_x, D, PARTS, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """Column-parallel SiLU-and-mul, grid (rows, PARTS): each program stores its BLOCK columns of the row in the
     model dtype and their amax (one of the row's PARTS partials)."""
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
@@ -107,9 +111,10 @@ def _silu_and_mul_amax_kernel(x_ptr, h_ptr, amax_ptr, stride_x, D, PARTS, BLOCK:
 @triton.jit
 def _quantize_cols_kernel(h_ptr, amax_ptr, xq_ptr, s_ptr, D, PARTS, PARTS_P2: tl.constexpr, BLOCK: tl.constexpr,
                           FP8: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, FP8_MANT: tl.constexpr,
-                          FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                          FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (rows, column blocks): the row's scale from its PARTS amax partials (a max: any order), then BLOCK
     columns of the stored row quantized; the first column block stores the scale."""
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     p = tl.arange(0, PARTS_P2)
@@ -148,7 +153,9 @@ def _silu_mul(x_row, cols, D, mask):
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, xq_ptr, s_ptr, stride_x, D, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
                                FP8: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                               FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                               FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     xq_row = xq_ptr + row * D
@@ -175,10 +182,10 @@ def _kind_args(kind: str, device: torch.device) -> tuple[torch.dtype, dict]:
     """(quantized dtype, the kernels' quantizer constants) of ``kind``; ValueError naming ``kind`` otherwise."""
     if kind == "int8":
         return torch.int8, dict(FP8=False, QMAX=INT8_MAX, MIN_SCALE=MIN_SCALE_INT8, FP8_MANT=0, FP8_EMIN=0,
-                                SOFT_ROUND=False)
+                                SOFT_ROUND=False, **pdl_kwargs(device))
     if kind == "fp8":
         return FP8_DTYPE, dict(FP8=True, QMAX=FP8_MAX, MIN_SCALE=MIN_SCALE, FP8_MANT=_MANT, FP8_EMIN=_EMIN,
-                               SOFT_ROUND=device.type == "cpu")
+                               SOFT_ROUND=device.type == "cpu", **pdl_kwargs(device))
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
@@ -266,7 +273,8 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
         parts = triton.cdiv(D, COL_BLOCK)
         h = torch.empty(T, D, dtype=x.dtype, device=x.device)
         amax = torch.empty(T, parts, dtype=torch.float32, device=x.device)
-        _silu_and_mul_amax_kernel[(T, parts)](x, h, amax, x.stride(0), D, parts, BLOCK=COL_BLOCK, num_warps=4)
+        _silu_and_mul_amax_kernel[(T, parts)](x, h, amax, x.stride(0), D, parts, BLOCK=COL_BLOCK, num_warps=4,
+                                              **pdl_kwargs(x.device))
         return _quantize_cols(h, amax, qdtype, consts)
     xq = torch.empty(T, D, dtype=qdtype, device=x.device)
     s = torch.empty(T, 1, dtype=torch.float32, device=x.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 
 
 @triton.jit
@@ -37,7 +38,8 @@ def add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r
 @triton.jit
 def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
                                stride_ro, N, eps, HAS_RES: tl.constexpr, GEMMA: tl.constexpr,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -70,7 +72,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     ro = res_out if res_out is not None else out
     _fused_add_rms_norm_kernel[(T,)](x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
                                      N, eps, HAS_RES=residual is not None, GEMMA=gemma, BLOCK=BLOCK,
-                                     num_warps=4 if BLOCK <= 4096 else 8)
+                                     num_warps=4 if BLOCK <= 4096 else 8, **pdl_kwargs(x.device))
     return out, res_out
 
 

@@ -43,6 +43,7 @@ import torch
 
 from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import check_scale, dequantize_fp8_ref, is_fp8, unit_scale
 
 _LOG2E = 1.4426950408889634
@@ -185,7 +186,9 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False, ALL_MASKED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     r = tl.program_id(0) // num_q_tiles
     qt = tl.program_id(0) % num_q_tiles
     kv_head = tl.program_id(1)
@@ -255,8 +258,9 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr, seq_lens_ptr,
     max_query_len, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the attention kernel here (nothing is read before)
     r = tl.program_id(0) // max_query_len
     i = tl.program_id(0) % max_query_len
     h = tl.program_id(1)
@@ -471,12 +475,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
         # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
         DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias,
-        ALL_MASKED=batch_invariant, **cfg)
+        ALL_MASKED=batch_invariant, **cfg, **pdl_kwargs(q.device))
     if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
             NUM_HEADS=H, HEAD_DIM=D, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
-            num_warps=4)
+            num_warps=4, **pdl_kwargs(q.device))
 
 
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int, scale) -> torch.Tensor:

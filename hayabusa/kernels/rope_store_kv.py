@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, check_scale, unit_scale
 from hayabusa.kernels.rotary import check_rotary_inputs, rope_in_place, rotary_embedding_ref, rotated_halves
 from hayabusa.kernels.store_kv import cache_values, check_store_kv_inputs, store_kv_ref
@@ -33,7 +34,9 @@ def _rope_store_kv_kernel(
     NQ: tl.constexpr, NK: tl.constexpr, HALF: tl.constexpr,
     HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     # One program per token. Every tile is [heads, HALF_PAD] over the first halves of the head rows; the second
     # halves are the same pointers + HALF (rotate-half pairs element i with element i + D/2).
     t = tl.program_id(0).to(tl.int64)
@@ -115,7 +118,7 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         NQ=NQ, NK=NK, HALF=HALF, HQ_PAD=triton.next_power_of_2(NQ), HK_PAD=triton.next_power_of_2(NK),
         HALF_PAD=triton.next_power_of_2(HALF),
         FP8_MAX=fp8_max, FP8_MANT=mant, FP8_EMIN=emin, SOFT_ROUND=k_cache.device.type == "cpu",
-        num_warps=4,
+        num_warps=4, **pdl_kwargs(q.device),
     )
 
 

@@ -32,6 +32,7 @@ import torch
 
 from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8_gemv import (
     FP8_M_BUCKETS, fp8_launch, fp8_m_bucket, load_launch_tables, split_locks, splitk_finish,
 )
@@ -66,11 +67,23 @@ def small_m_enabled() -> bool:
 
 
 @triton.jit
+def _dot(x, w, acc, DOT_FP32: tl.constexpr):
+    """acc + x [BM, BK] @ w [BK, BN]: bf16 / fp16 operands (exact products, fp32 sums on the tensor cores), or, in
+    the interpreter (numpy), fp32 operands with the same exact products."""
+    if DOT_FP32:
+        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
 def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                         M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
     # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -84,7 +97,20 @@ def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn                             # [1, BN]: W is [N', K']
     x_rows = x_ptr + rows[:, None] * stride_xm                                            # [BM, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    k_loop = k_start
+    if PDL:
+        # kernels/pdl.py: this program's first weight tile is loaded BEFORE waiting for the previous kernel (no
+        # kernel of the step writes weights: CUTLASS example 63's weight prefetch), so the weights start streaming
+        # while that kernel ends; x, the split-K workspace and the counters only after the wait. Every split has
+        # at least one tile, and the tiles are summed in the same order as without PDL: the same bits.
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        pdl_wait(PDL)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _dot(x, w, acc, DOT_FP32)
+        k_loop = k_start + BLOCK_K
+    for k0 in range(k_loop, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:  # every tile whole: no column mask
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)       # [BK, BN]
@@ -93,10 +119,7 @@ def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
             k_mask = offs_k < k_end
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_FP32:  # the interpreter (numpy): fp32 operands, the same exact products
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:         # bf16 / fp16 operands: exact products, fp32 sums (the tensor cores)
-            acc = tl.dot(x, w, acc)
+        acc = _dot(x, w, acc, DOT_FP32)
     splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
                    pid_m * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
                    FUSED_REDUCE)
@@ -178,7 +201,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         HAS_BIAS=bias is not None, SPLIT=splits > 1, FUSED_REDUCE=locks is not None,
         EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=x.device.type == "cpu",
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
     if splits > 1 and locks is None:
         splitk_reduce(part, bias, out)
     return out.to(x.dtype) if on_cpu else out
