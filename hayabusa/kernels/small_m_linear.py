@@ -219,15 +219,24 @@ def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear's signature and result up to the fp32 summation order: x [..., K] with at most SMALL_M_MAX rows in
-    bf16 / fp16 takes small_m_linear, anything else F.linear. The loader puts it in place of F.linear for the
-    unquantized linears and the lm_head when ``HAYABUSA_SMALL_M_LINEAR`` is on (model/loader.py)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    bf16 / fp16 and a weight [N > 0, K] of x's dtype and device with a unit last stride takes small_m_linear (a
+    bias of x's dtype and device that broadcasts to [N] made contiguous first), anything else F.linear, errors
+    included (a weight of another K). The loader puts it in place of F.linear for the unquantized linears and the
+    lm_head when ``HAYABUSA_SMALL_M_LINEAR`` is on (model/loader.py)."""
+    K = x.shape[-1] if x.dim() else 0
+    rows = x.numel() // K if K else 0
     on_triton = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"      # the interpreter: CPU tests
-    if 0 < rows <= SMALL_M_MAX and x.dtype in _DTYPES and weight.dtype == x.dtype and on_triton \
-            and weight.device == x.device and weight.stride(-1) == 1:     # (cpu_offload_gb's weights: F.linear)
-        x2 = x.reshape(rows, x.shape[-1])
+    if 0 < rows <= SMALL_M_MAX and x.dtype in _DTYPES and on_triton and weight.dim() == 2 \
+            and weight.shape[1] == K and weight.shape[0] > 0 and weight.dtype == x.dtype \
+            and weight.device == x.device and weight.stride(-1) == 1:
+        N = weight.shape[0]
+        if bias is not None:
+            if bias.dtype != x.dtype or bias.device != x.device or bias.dim() > 1 or bias.numel() not in (1, N):
+                return torch.nn.functional.linear(x, weight, bias)
+            bias = bias.expand(N).contiguous()      # the layer's own bias: already so, no copy
+        x2 = x.reshape(rows, K)
         if x2.stride(-1) == 1:
-            return small_m_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+            return small_m_linear(x2, weight, bias).view(*x.shape[:-1], N)
     return torch.nn.functional.linear(x, weight, bias)
 
 

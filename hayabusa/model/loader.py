@@ -210,12 +210,32 @@ def build_model(model_config, device: torch.device) -> nn.Module:
         torch.cuda.empty_cache()   # the high-precision copies that online schemes freed
     if getattr(model_config, "batch_invariant", False):
         use_batch_invariant_linears(model)
-    elif device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
-        from hayabusa.kernels.small_m_linear import small_m_enabled
-
-        if small_m_enabled():
-            use_small_m_linears(model)
+    else:
+        maybe_use_small_m_linears(model, model_config, device)
     return model.eval()
+
+
+# the device types HAYABUSA_SMALL_M_LINEAR applies on (the kernel runs in the CPU engine only under the interpreter)
+SMALL_M_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+
+
+def maybe_use_small_m_linears(model: nn.Module, model_config, device: torch.device) -> bool:
+    """``use_small_m_linears`` where ``HAYABUSA_SMALL_M_LINEAR`` applies: the switch on, ``device`` (where the model
+    runs) CUDA, a bf16 / fp16 model, not batch-invariant mode. build_model calls it, and build_sharded_model once
+    the shard is on its device (tensor / pipeline parallel workers build on the host). Returns whether it did.
+
+    Raises:
+        HayabusaValidationError: the switch's value is not one (``envs.env_flag``).
+    """
+    if getattr(model_config, "batch_invariant", False) or device.type not in SMALL_M_DEVICE_TYPES \
+            or model_config.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from hayabusa.kernels.small_m_linear import small_m_enabled
+
+    if not small_m_enabled():
+        return False
+    use_small_m_linears(model)
+    return True
 
 
 def use_small_m_linears(model: nn.Module) -> None:

@@ -395,6 +395,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     is_multimodal = True
     v25 = False
     stacked_params_mapping = MERGED_QKV_GATE_UP
+    # the lm_head matmul; HAYABUSA_SMALL_M_LINEAR sets linear_small_m on the instance (model/loader.py)
+    logits_linear = staticmethod(F.linear)
 
     def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, max_position: int) -> None:
         super().__init__()
@@ -439,7 +441,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> logits [R, V] in the model dtype."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w)
+        return self.logits_linear(hidden, w)
 
     @staticmethod
     def rename_checkpoint_key(name: str) -> str:

@@ -277,6 +277,8 @@ class T5ForConditionalGeneration(nn.Module):
     """HF ``T5ForConditionalGeneration`` (see the module docstring)."""
 
     is_encoder_decoder = True
+    # the lm_head matmul; HAYABUSA_SMALL_M_LINEAR sets linear_small_m on the instance (model/loader.py)
+    logits_linear = staticmethod(F.linear)
     # (ours, checkpoint's, shard): q/k/v and wi_0/wi_1 load into merged Linears
     stacked_params_mapping = [
         (".qkv.", ".SelfAttention.q.", "q"), (".qkv.", ".SelfAttention.k.", "k"), (".qkv.", ".SelfAttention.v.", "v"),
@@ -453,7 +455,7 @@ class T5ForConditionalGeneration(nn.Module):
         """hidden [R, d] -> logits [R, V] in the model dtype."""
         if self.scale_decoder_outputs:
             hidden = hidden * (self.config.d_model ** -0.5)
-        return F.linear(hidden, self.lm_head if self.has_lm_head else self.shared.weight)
+        return self.logits_linear(hidden, self.lm_head if self.has_lm_head else self.shared.weight)
 
 
 class MT5ForConditionalGeneration(T5ForConditionalGeneration):

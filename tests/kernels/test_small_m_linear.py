@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.kernels.fp8_gemv import FP8_M_BUCKETS, check_fp8_entry, load_launch_tables
-from hayabusa.kernels.quant_linear import LaunchConfig
+from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class
 from hayabusa.kernels.small_m_linear import (
     SMALL_M_MAX, SMALL_M_TABLE, linear_small_m, pick_small_m_config, small_m_linear, small_m_linear_ref,
 )
@@ -78,7 +78,7 @@ def test_padded_weight_strided_rows_and_out_features(device):
 
 def test_default_launches_from_the_table(device):
     """Every SMALL_M_TABLE entry is a valid 'dot' launch; pick_small_m_config keys it by shape class and M bucket;
-    the default launch at each bucket matches the reference on a small 'wide' shape."""
+    the default launch of every (class, bucket) matches the reference on a small shape of that class."""
     assert {b for _, b in SMALL_M_TABLE} == set(FP8_M_BUCKETS) and SMALL_M_MAX == FP8_M_BUCKETS[-1]
     for entry in SMALL_M_TABLE.values():
         check_fp8_entry(entry)
@@ -86,8 +86,10 @@ def test_default_launches_from_the_table(device):
     cfg = pick_small_m_config(1, 37888, 3584, torch.device("cpu"))
     assert (cfg.kind, cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == SMALL_M_TABLE[("wide", 1)][:4]
     for M in FP8_M_BUCKETS:
-        x, w, b = _operands(M, 96, 48, torch.bfloat16, device, seed=M)   # N > 1.5 K: "wide"
-        _assert_few_ulps(small_m_linear(x, w, b), small_m_linear_ref(x, w, b))
+        for N, K, cls in ((200, 48, "wide"), (72, 104, "square"), (24, 112, "deep")):
+            assert gemm_shape_class(N, K) == cls
+            x, w, b = _operands(M, N, K, torch.bfloat16, device, seed=M)
+            _assert_few_ulps(small_m_linear(x, w, b), small_m_linear_ref(x, w, b))
 
 
 @pytest.mark.parametrize("call,match", [
@@ -117,10 +119,29 @@ def test_linear_small_m_is_f_linear_beyond_its_rows(device):
     assert torch.equal(linear_small_m(x.float(), w.float(), b.float()), F.linear(x.float(), w.float(), b.float()))
 
 
+def test_linear_small_m_takes_what_f_linear_takes(device):
+    """The drop-in refuses what F.linear refuses and takes what it takes: a weight of another K is an error (not
+    its first K columns), a bias that is a strided view, an expanded scalar or a [1] broadcast is added as F.linear
+    adds it, and a weight of no rows gives [M, 0]."""
+    x, w, b = _operands(3, 24, 48, torch.bfloat16, device, seed=11)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        F.linear(x[:, :40], w, b)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        linear_small_m(x[:, :40], w, b)
+    strided = torch.stack([b, -b], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    for bias in (strided, torch.tensor(0.5, dtype=torch.bfloat16, device=device).expand(24), b[:1]):
+        want = F.linear(x, w, bias)
+        got = linear_small_m(x, w, bias)
+        _assert_few_ulps(got, want)
+        assert torch.equal(got, small_m_linear(x, w, bias.expand(24).contiguous()))
+    assert linear_small_m(x, w[:0]).shape == (3, 0)
+
+
 def test_table_json_loads_dot_launches_only(tmp_path, monkeypatch):
-    """The sweep's JSON (--small-m --sweep --table-json) replaces the named entries; a 'gemv' launch (the kernel
-    has only the tl.dot form), an unknown table and a bad file are refused naming the file, the table unchanged;
-    named by the environment variable, the error names the variable."""
+    """The sweep's JSON (bench_small_m_linear.py --sweep --table-json) replaces the named entries; a 'gemv' launch
+    (the kernel has only the tl.dot form), an unknown table and a bad file are refused naming the file, the table
+    unchanged; named by the environment variable, the error names the variable."""
     import hayabusa.kernels.small_m_linear as sm
     from hayabusa.errors import HayabusaValidationError
 
@@ -212,3 +233,61 @@ def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, 
     monkeypatch.setattr(sm, "SMALL_M_TABLE", table)
     assert load_launch_tables(str(out), {"SMALL_M_TABLE": table}, dot_only=("SMALL_M_TABLE",)) == {"SMALL_M_TABLE": 1}
     assert table[("square", 1)] == b and sm.pick_small_m_config(1, 3584, 3584, torch.device("cpu")).BLOCK_N == 128
+
+
+def test_switch_reaches_every_lm_head():
+    """Every registered architecture's lm_head goes through ``logits_linear`` (what the switch and batch-invariant
+    mode replace): Qwen2-VL's and T5's compute_logits too, called on stand-ins for the model."""
+    from types import SimpleNamespace
+
+    from hayabusa.model.registry import get_model_class, supported_architectures
+
+    for arch in supported_architectures():
+        assert hasattr(get_model_class(arch), "logits_linear"), arch
+    seen = []
+
+    def fake_linear(h, w):
+        seen.append((h, w))
+        return h @ w.t()
+
+    w = torch.randn(10, 4)
+    h = torch.randn(2, 4)
+    vl = SimpleNamespace(lm_head=None, model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=w)),
+                         logits_linear=fake_linear)
+    assert torch.equal(get_model_class("Qwen2VLForConditionalGeneration").compute_logits(vl, h), h @ w.t())
+    t5 = SimpleNamespace(scale_decoder_outputs=True, config=SimpleNamespace(d_model=4), has_lm_head=True, lm_head=w,
+                         logits_linear=fake_linear)
+    assert torch.equal(get_model_class("T5ForConditionalGeneration").compute_logits(t5, h), (h * 0.5) @ w.t())
+    assert len(seen) == 2 and seen[0][1] is w and seen[1][1] is w
+
+
+@pytest.mark.parametrize("tp_path", [False, True], ids=["build_model", "build_sharded_model"])
+def test_switch_reaches_models_built_on_the_host(stories_dir, monkeypatch, tp_path):
+    """Tensor- and pipeline-parallel workers build the model on the host and move their shard to the GPU
+    (build_sharded_model): the switch still applies there, on the device the shard lands on. Here "meta" (the shard)
+    and "cpu" (build_model) stand in for CUDA. Not in fp32, not in batch-invariant mode, not with the switch off."""
+    import dataclasses
+
+    from hayabusa.config import EngineArgs
+    from hayabusa.model import loader
+    from hayabusa.model.layers.linear import Linear
+    from hayabusa.model.layers.tensor_parallel import build_sharded_model
+    from hayabusa.quantization.base import SmallMLinearMethod
+
+    device = torch.device("meta" if tp_path else "cpu")   # the shard moves to meta from the host's CPU build
+    monkeypatch.setattr(loader, "SMALL_M_DEVICE_TYPES", (device.type,))
+
+    def build(dtype, switch="1", bi=False):
+        monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", switch)
+        mc = EngineArgs(model=stories_dir, device="cpu", dtype=dtype).create_engine_config().model_config
+        mc = dataclasses.replace(mc, batch_invariant=bi)
+        model = build_sharded_model(mc, device, 0, 1) if tp_path else loader.build_model(mc, device)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert linears
+        on = [type(m.quant_method) is SmallMLinearMethod for m in linears]
+        assert all(on) or not any(on)
+        assert all(on) == (model.logits_linear is linear_small_m)
+        return all(on)
+
+    assert build("bfloat16") and build("float16")
+    assert not build("float32") and not build("bfloat16", switch="0") and not build("bfloat16", bi=True)

@@ -165,9 +165,11 @@ def build_sharded_model(model_config, device: torch.device, rank: int, tp: int,
     model/layers/pipeline.py; None: all) and rank ``rank``'s slice of them, move only that to ``device`` (a GPU
     never holds more than its shard; the host holds one full copy per rank while loading)."""
     from hayabusa.model.layers.pipeline import stage_model
-    from hayabusa.model.loader import build_model
+    from hayabusa.model.loader import build_model, maybe_use_small_m_linears
 
     model = build_model(model_config, torch.device("cpu"))
     if stage is not None:
         model = stage_model(model, *stage)
-    return shard_model(model, rank, tp).to(device)
+    model = shard_model(model, rank, tp).to(device)
+    maybe_use_small_m_linears(model, model_config, device)   # HAYABUSA_SMALL_M_LINEAR: decided by where it runs
+    return model
