@@ -28,6 +28,9 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # bench_quant_linear beside it
+
+from bench_quant_linear import copy_gb_s  # noqa: E402  (a same-size device copy: the bandwidth yardstick)
 
 from hayabusa.kernels.fp8_gemv import fp8_launch, fp8_m_bucket  # noqa: E402
 from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class  # noqa: E402
@@ -60,19 +63,6 @@ def sweep_configs(M: int, N: int, K: int, sms: int) -> list[LaunchConfig]:
 
 def entry(cfg: LaunchConfig) -> tuple:
     return (cfg.kind, cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages)
-
-
-_COPY: dict[int, float] = {}
-
-
-def copy_gb_s(nbytes: int) -> float:
-    """A device-to-device copy of nbytes (read + write counted), CUDA-graph median."""
-    if nbytes not in _COPY:
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=20, return_mode="median")
-        _COPY[nbytes] = 2 * nbytes / ms / 1e6
-    return _COPY[nbytes]
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -126,7 +116,8 @@ def print_table(rows: list[dict], table_json: str | None) -> None:
               f"{r['cublas_us'] / r['small_m_us']:>9.2f}  {r['config']}{best}")
     print("# CUDA-graph replay medians; 'vs cuBLAS' = cuBLAS time / small_m time (> 1: the kernel is faster); "
           "%copy = (weight + x + out bytes) per second over a same-size weight copy's: "
-          + ", ".join(f"{n / 1e6:.0f} MB {g:.0f} GB/s" for n, g in sorted(_COPY.items())))
+          + ", ".join(f"{n / 1e6:.0f} MB {g:.0f} GB/s" for n, g in sorted({(r["N"] * r["K"] * 2, r["copy_gb_s"])
+                                                                             for r in rows})))
     swept = [r for r in rows if r.get("sweep_us")]
     if not swept:
         return
