@@ -23,7 +23,7 @@ def _chain(x, w_qkv, w_o, w_up, w_down, norm_w):
     from hayabusa.kernels.fused_norm import fused_add_rms_norm
     from hayabusa.kernels.small_m_linear import small_m_linear
 
-    h, res = fused_add_rms_norm(x, None, norm_w, 1e-6)
+    h, res = fused_add_rms_norm(x, torch.zeros_like(x), norm_w, 1e-6)
     a = silu_and_mul(small_m_linear(h, w_qkv))
     h2, res = fused_add_rms_norm(small_m_linear(a, w_o), res, norm_w, 1e-6)
     return small_m_linear(silu_and_mul(small_m_linear(h2, w_up)), w_down) + res
