@@ -227,6 +227,22 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_pt
 
 
 @triton.jit
+def _fp8_tile_dot(acc, x, w, s, XQ: tl.constexpr, DOT_FP32: tl.constexpr, FP8_MAX: tl.constexpr,
+                  FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """acc [BM, BN] + q(x) [BM, BK] @ w [BK, BN]: x as its producer quantized it (XQ) or quantized here with its
+    rows' scales s [BM]; e4m3 operands are exact in fp16 (exact products, fp32 sums), fp32 in the interpreter."""
+    if XQ:
+        q = x                                                                             # [BM, BK] e4m3
+    else:
+        q = _quantize(x.to(tl.float32), s[:, None], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+    if DOT_FP32:  # the interpreter (numpy): fp32 operands, exact products as well
+        acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:         # e4m3 values are exact in fp16: exact products, fp32 sums
+        acc = tl.dot(q.to(tl.float16), w.to(tl.float16), acc)
+    return acc
+
+
+@triton.jit
 def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr,
                     M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
                     STATIC: tl.constexpr, XQ: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
@@ -236,7 +252,6 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr
                     AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
                     FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -245,14 +260,27 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr
     m_mask = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC, XQ, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
-                    AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                                   # [BM] fp32
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn                             # [1, BN]: W is [N', K']
     x_rows = x_ptr + rows[:, None] * stride_xm                                            # [BM, 1]
+    if PDL:
+        # kernels/pdl.py: the first weight tile is loaded BEFORE waiting for the previous kernel (no kernel of the
+        # step writes weights), x, its scales, the workspace and the counters only after the wait; every split has
+        # at least one tile and the tiles are summed in the same order: the same bits as without PDL
+        offs_k0 = k_start + tl.arange(0, BLOCK_K)
+        k_mask0 = offs_k0 < k_end
+        w0 = tl.load(w_cols + offs_k0[:, None], mask=n_mask[None, :] & k_mask0[:, None], other=0.0)
+        pdl_wait(PDL)
+    s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC, XQ, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
+                    AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                                   # [BM] fp32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    k_loop = k_start
+    if PDL:
+        x0 = tl.load(x_rows + offs_k0[None, :], mask=m_mask[:, None] & k_mask0[None, :], other=0.0)
+        acc = _fp8_tile_dot(acc, x0, w0, s, XQ, DOT_FP32, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
+        k_loop = k_start + BLOCK_K
+    for k0 in range(k_loop, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
         if EVEN_K:  # every tile whole: no column mask (the compiler drops k_mask)
@@ -261,14 +289,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr
         else:
             w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if XQ:
-            q = x                                                                         # [BM, BK] e4m3
-        else:
-            q = _quantize(x.to(tl.float32), s[:, None], FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
-        if DOT_FP32:  # the interpreter (numpy): fp32 operands, exact products as well
-            acc = tl.dot(q.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:         # e4m3 values are exact in fp16: exact products, fp32 sums
-            acc = tl.dot(q.to(tl.float16), w.to(tl.float16), acc)
+        acc = _fp8_tile_dot(acc, x, w, s, XQ, DOT_FP32, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
     sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * s[:, None] * sw[None, :]            # (acc * s_x) * s_w: fp8_matmul_emulated's order
     splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,

@@ -9,9 +9,9 @@ executed ``griddepcontrol.launch_dependents`` (or ended); it must then execute `
 returns when the previous grid has completed and its memory is visible) before it touches anything that grid
 wrote. ``pdl_wait`` does both at a kernel's start: the boundary's launch latency hides behind the previous
 kernel's tail, and nothing is read early, so results are bit-identical with PDL on and off. The small-M linear
-(kernels/small_m_linear.py) also loads its first weight tile before the wait (weights are never written during a
-step; CUTLASS's example 63 prefetches weights the same way), so its weight stream starts during the previous
-kernel's tail.
+(kernels/small_m_linear.py) and the FP8 16-row dot kernel (kernels/fp8_gemv.py) also load their first weight tile
+before the wait (weights are never written during a step; CUTLASS's example 63 prefetches weights the same way), so
+their weight stream starts during the previous kernel's tail.
 
 Switch: ``HAYABUSA_PDL=1`` (read at import; off by default until measured on the GPU: benchmarks/device_run.sh,
 group s19a). It applies on CUDA devices of compute capability 9.0+ and only to the kernels whose launchers pass
