@@ -225,14 +225,13 @@ def maybe_use_small_m_linears(model: nn.Module, model_config, device: torch.devi
     the shard is on its device (tensor / pipeline parallel workers build on the host). Returns whether it did.
 
     Raises:
-        HayabusaValidationError: the switch's value is not one (``envs.env_flag``).
+        HayabusaValidationError: the switch's value is not one (``envs.env_flag``), on any device and dtype.
     """
-    if getattr(model_config, "batch_invariant", False) or device.type not in SMALL_M_DEVICE_TYPES \
-            or model_config.dtype not in (torch.bfloat16, torch.float16):
-        return False
     from hayabusa.kernels.small_m_linear import small_m_enabled
 
-    if not small_m_enabled():
+    # the switch is read first, so a value that is not one is refused wherever the model loads (CPU, fp32 too)
+    if not small_m_enabled() or getattr(model_config, "batch_invariant", False) \
+            or device.type not in SMALL_M_DEVICE_TYPES or model_config.dtype not in (torch.bfloat16, torch.float16):
         return False
     use_small_m_linears(model)
     return True

@@ -179,6 +179,24 @@ def test_switch_is_off_by_default_and_refuses_garbage(monkeypatch):
         small_m_enabled()
 
 
+def test_switch_garbage_is_refused_where_the_switch_does_nothing(stories_dir, monkeypatch):
+    """The loader reads HAYABUSA_SMALL_M_LINEAR before deciding whether it applies: on the CPU engine in float32
+    (where 0 and 1 change nothing) a value that is not a switch is still refused, naming it; 1 loads as 0 does."""
+    from hayabusa import LLM
+    from hayabusa.errors import HayabusaValidationError
+    from hayabusa.model.layers.linear import Linear
+    from hayabusa.quantization.base import UnquantizedLinearMethod
+
+    monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", "fast")
+    with pytest.raises(HayabusaValidationError, match="HAYABUSA_SMALL_M_LINEAR='fast'"):
+        LLM(stories_dir, device="cpu", dtype="float32")
+    monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", "1")
+    model = LLM(stories_dir, device="cpu", dtype="float32").llm_engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(type(m.quant_method) is UnquantizedLinearMethod for m in linears)
+    assert model.logits_linear is not linear_small_m
+
+
 def test_engine_greedy_with_the_kernel_in_every_linear(stories_dir):
     """use_small_m_linears (what HAYABUSA_SMALL_M_LINEAR=1 does on a CUDA GPU) on the trained stories260K in bf16,
     here on the CPU engine through the interpreter: every Linear takes SmallMLinearMethod and the lm_head
