@@ -30,8 +30,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
+try:
+    import triton
+    import triton.testing
+except ImportError:  # a CPU-only install: the engine runs plain torch there, and there is no kernel to time
+    sys.exit(f"{sys.argv[0]}: times Triton kernels on a CUDA GPU and needs Triton (a CUDA build of torch installs "
+             "it: pip install torch)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
