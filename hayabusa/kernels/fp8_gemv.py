@@ -33,7 +33,9 @@ N', K' >= N, K, zero padding ignored): no second copy.
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -227,6 +229,45 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_pt
 
 
 @triton.jit
+def dot_tile_setup(x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The 16-row tl.dot kernels' program (this module's and kernels/small_m_linear.py's), grid (row tiles, N
+    tiles, K splits), row tiles varying fastest so the programs sharing a weight tile run together: (pid_m, pid_n,
+    pid_k, rows [BM] int64, m_mask, offs_n [BN], n_mask, k_start, k_end, w_cols [1, BN] pointers into W [N', K'],
+    x_rows [BM, 1] pointers into x)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    return pid_m, pid_n, pid_k, rows, rows < M, offs_n, offs_n < N, k_start, k_end, w_cols, x_rows
+
+
+@triton.jit
+def load_w_tile(w_cols, offs_k, k_end, n_mask, EVEN_K: tl.constexpr):
+    """The weight tile [BK, BN] at columns offs_k (EVEN_K: every tile whole, no column mask)."""
+    if EVEN_K:
+        w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
+    else:
+        w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & (offs_k < k_end)[:, None], other=0.0)
+    return w
+
+
+@triton.jit
+def load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K: tl.constexpr):
+    """The x tile [BM, BK] at columns offs_k (EVEN_K: every tile whole, no column mask)."""
+    if EVEN_K:
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+    else:
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def _fp8_tile_dot(acc, x, w, s, XQ: tl.constexpr, DOT_FP32: tl.constexpr, FP8_MAX: tl.constexpr,
                   FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """acc [BM, BN] + q(x) [BM, BK] @ w [BK, BN]: x as its producer quantized it (XQ) or quantized here with its
@@ -252,43 +293,27 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr
                     AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
                     FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, PDL: tl.constexpr = False):
-    # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    m_mask = rows < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn                             # [1, BN]: W is [N', K']
-    x_rows = x_ptr + rows[:, None] * stride_xm                                            # [BM, 1]
+    pid_m, pid_n, pid_k, rows, m_mask, offs_n, n_mask, k_start, k_end, w_cols, x_rows = dot_tile_setup(
+        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
     if PDL:
         # kernels/pdl.py: the first weight tile is loaded BEFORE waiting for the previous kernel (no kernel of the
         # step writes weights), x, its scales, the workspace and the counters only after the wait; every split has
         # at least one tile and the tiles are summed in the same order: the same bits as without PDL
         offs_k0 = k_start + tl.arange(0, BLOCK_K)
-        k_mask0 = offs_k0 < k_end
-        w0 = tl.load(w_cols + offs_k0[:, None], mask=n_mask[None, :] & k_mask0[:, None], other=0.0)
+        w0 = load_w_tile(w_cols, offs_k0, k_end, n_mask, EVEN_K)
         pdl_wait(PDL)
     s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC, XQ, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
                     AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                                   # [BM] fp32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_loop = k_start
     if PDL:
-        x0 = tl.load(x_rows + offs_k0[None, :], mask=m_mask[:, None] & k_mask0[None, :], other=0.0)
+        x0 = load_x_tile(x_rows, offs_k0, k_end, m_mask, EVEN_K)
         acc = _fp8_tile_dot(acc, x0, w0, s, XQ, DOT_FP32, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
         k_loop = k_start + BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        if EVEN_K:  # every tile whole: no column mask (the compiler drops k_mask)
-            w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)       # [BK, BN] e4m3
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)        # [BM, BK]
-        else:
-            w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = load_w_tile(w_cols, offs_k, k_end, n_mask, EVEN_K)                               # [BK, BN] e4m3
+        x = load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K)                               # [BM, BK]
         acc = _fp8_tile_dot(acc, x, w, s, XQ, DOT_FP32, FP8_MAX, FP8_MANT, FP8_EMIN, SOFT_ROUND)
     sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
     acc = acc * s[:, None] * sw[None, :]            # (acc * s_x) * s_w: fp8_matmul_emulated's order
@@ -362,10 +387,8 @@ def load_launch_tables(path: str, tables: dict[str, dict], env: str | None = Non
             (class, bucket) given twice, a bad entry), or a file that is missing or not JSON; with ``env`` (the
             environment variable that named the file) a HayabusaValidationError naming that variable.
     """
-    import json
-
     try:
-        return _load_launch_tables(path, tables, writer, dot_only, json)
+        return _load_launch_tables(path, tables, writer, dot_only)
     except ValueError as e:
         if env is None:
             raise
@@ -374,8 +397,8 @@ def load_launch_tables(path: str, tables: dict[str, dict], env: str | None = Non
         raise HayabusaValidationError(f"environment variable {env}: {e}", parameter=env, value=path) from None
 
 
-def _load_launch_tables(path: str, tables: dict[str, dict], writer: str, dot_only: tuple[str, ...],
-                        json) -> dict[str, int]:
+def _load_launch_tables(path: str, tables: dict[str, dict], writer: str,
+                        dot_only: tuple[str, ...]) -> dict[str, int]:
     names = " / ".join(tables)
     try:
         with open(path) as f:
@@ -490,6 +513,38 @@ def split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     return locks
 
 
+@dataclass
+class SplitKPlan:
+    """The grid and split-K workspace of one launch of a kernel that ends in splitk_finish (this module's and
+    kernels/small_m_linear.py's): K cut into ``splits`` runs of ``k_per_split`` columns (whole BLOCK_K tiles, no
+    empty split); with more than one, the fp32 partials ``part`` [splits, M, N] and, under USE_FUSED_REDUCE, the
+    per-tile counters ``locks`` (None: ``finish`` reduces with splitk_reduce's second launch, the same sum)."""
+    grid: tuple[int, int, int]
+    k_per_split: int
+    splits: int
+    part: torch.Tensor
+    locks: torch.Tensor | None
+
+    @classmethod
+    def of(cls, M: int, N: int, K: int, cfg: LaunchConfig, out: torch.Tensor) -> "SplitKPlan":
+        """The plan of cfg's tiles and SPLIT_K for [M, K] x [K, N] into ``out`` (also the unused workspace
+        pointer without a split)."""
+        k_tiles = triton.cdiv(K, cfg.BLOCK_K)
+        tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
+        splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
+        grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), splits)
+        part, locks = out, out
+        if splits > 1:
+            part = torch.empty((splits, M, N), dtype=torch.float32, device=out.device)
+            locks = split_locks(out.device, grid[0] * grid[1]) if USE_FUSED_REDUCE else None
+        return cls(grid, tiles_per_split * cfg.BLOCK_K, splits, part, locks)
+
+    def finish(self, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        """After the launch: the second-launch reduction where the kernel could not reduce itself."""
+        if self.splits > 1 and self.locks is None:
+            splitk_reduce(self.part, bias, out)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
            input_scale: torch.Tensor | None, N: int, x_scale: torch.Tensor | None,
            out_dtype: torch.dtype | None) -> None:
@@ -583,34 +638,26 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         raise ValueError(f"cfg.BLOCK_M of a gemv launch must be 1, 2 or 4, got {cfg.BLOCK_M}")
     dot = cfg.kind == "dot"
     bm = cfg.BLOCK_M
-    k_tiles = triton.cdiv(K, cfg.BLOCK_K)
-    tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
-    splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, cfg.BLOCK_N), splits)
-    part, locks = out, out
-    if splits > 1:
-        part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-        locks = split_locks(x.device, grid[0] * grid[1]) if USE_FUSED_REDUCE else None
+    plan = SplitKPlan.of(M, N, K, cfg, out)
     amax_block = min(triton.next_power_of_2(K), _MAX_AMAX_ELEMS // bm)
     amax_iters = triton.cdiv(K, amax_block)
     common = dict(
-        STATIC=input_scale is not None, XQ=xq, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        FUSED_REDUCE=locks is not None, SOFT_ROUND=x.device.type == "cpu", BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        STATIC=input_scale is not None, XQ=xq, HAS_BIAS=bias is not None, SPLIT=plan.splits > 1,
+        FUSED_REDUCE=plan.locks is not None, SOFT_ROUND=x.device.type == "cpu", BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         AMAX_BLOCK=amax_block, AMAX_ITERS=amax_iters,
         AMAX_UNROLL=amax_iters * amax_block * bm <= _AMAX_UNROLL_ELEMS * 32 * cfg.num_warps,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, FP8_MANT=_MANT, FP8_EMIN=_EMIN,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
     scales = x_scale if xq else input_scale if input_scale is not None else out
     args = (x, weight, weight_scale, bias if bias is not None else out, scales,
-            out, part, locks if locks is not None else out, M, N, K, tiles_per_split * cfg.BLOCK_K, splits,
-            x.stride(0), weight.stride(0), out.stride(0))
+            out, plan.part, plan.locks if plan.locks is not None else out, M, N, K, plan.k_per_split,
+            plan.splits, x.stride(0), weight.stride(0), out.stride(0))
     if dot:
-        _fp8_dot_kernel[grid](*args, EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=x.device.type == "cpu", BLOCK_M=bm,
-                              **common)
+        _fp8_dot_kernel[plan.grid](*args, EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=x.device.type == "cpu", BLOCK_M=bm,
+                                   **common)
     else:
-        _fp8_gemv_kernel[grid](*args, VEC_MASK=K % _VEC == 0, VEC=_VEC, BLOCK_M=bm, **common)
-    if splits > 1 and locks is None:
-        splitk_reduce(part, bias, out)
+        _fp8_gemv_kernel[plan.grid](*args, VEC_MASK=K % _VEC == 0, VEC=_VEC, BLOCK_M=bm, **common)
+    plan.finish(bias, out)
     return out
 
 

@@ -65,7 +65,11 @@ def pdl_enabled(device: torch.device) -> bool:
 def pdl_kwargs(device: torch.device) -> dict:
     """The launch keywords of a PDL-aware kernel (one with a ``PDL: tl.constexpr`` that calls ``pdl_wait(PDL)``
     first): ``{"PDL": True, "launch_pdl": True}`` where pdl_enabled(device), else ``{"PDL": False}``."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+    return _ON if pdl_enabled(device) else _OFF
+
+
+_ON = {"PDL": True, "launch_pdl": True}     # read-only: spread into launches (one dict, not one per launch)
+_OFF = {"PDL": False}
 
 
 __all__ = ["PDL_SWITCH", "pdl_enabled", "pdl_kwargs", "pdl_wait"]

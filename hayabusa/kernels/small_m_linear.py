@@ -34,9 +34,10 @@ from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8_gemv import (
-    FP8_M_BUCKETS, fp8_launch, fp8_m_bucket, load_launch_tables, split_locks, splitk_finish,
+    FP8_M_BUCKETS, SplitKPlan, dot_tile_setup, fp8_launch, fp8_m_bucket, load_launch_tables, load_w_tile,
+    load_x_tile, splitk_finish,
 )
-from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class, splitk_reduce
+from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class
 
 # Rows up to here take the kernel when the switch is on; more rows: F.linear (cuBLAS), which fills its tensor-core
 # tiles from there. One 16-row tl.dot tile, as the FP8 XQ launches.
@@ -84,18 +85,8 @@ def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                         EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PDL: tl.constexpr = False):
-    # grid (row tiles, N tiles, K splits); row tiles vary fastest: the programs sharing a weight tile run together
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    m_mask = rows < M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn                             # [1, BN]: W is [N', K']
-    x_rows = x_ptr + rows[:, None] * stride_xm                                            # [BM, 1]
+    pid_m, pid_n, pid_k, rows, m_mask, offs_n, n_mask, k_start, k_end, w_cols, x_rows = dot_tile_setup(
+        x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_loop = k_start
     if PDL:
@@ -104,21 +95,14 @@ def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
         # while that kernel ends; x, the split-K workspace and the counters only after the wait. Every split has
         # at least one tile, and the tiles are summed in the same order as without PDL: the same bits.
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        w = load_w_tile(w_cols, offs_k, k_end, n_mask, EVEN_K)
         pdl_wait(PDL)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot(x, w, acc, DOT_FP32)
+        acc = _dot(load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K), w, acc, DOT_FP32)
         k_loop = k_start + BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:  # every tile whole: no column mask
-            w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)       # [BK, BN]
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)        # [BM, BK]
-        else:
-            k_mask = offs_k < k_end
-            w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = load_w_tile(w_cols, offs_k, k_end, n_mask, EVEN_K)                               # [BK, BN]
+        x = load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K)                               # [BM, BK]
         acc = _dot(x, w, acc, DOT_FP32)
     splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
                    pid_m * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
@@ -185,25 +169,15 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     cfg = cfg or pick_small_m_config(M, N, K, x.device)
     if cfg.kind != "dot" or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16:
         raise ValueError(f"cfg must be a 'dot' launch with tiles >= 16, got {cfg}")
-    k_tiles = triton.cdiv(K, cfg.BLOCK_K)
-    tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
-    splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
-    grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), splits)
-    part, locks = out, None
-    if splits > 1:
-        part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-        from hayabusa.kernels import fp8_gemv
-
-        locks = split_locks(x.device, grid[0] * grid[1]) if fp8_gemv.USE_FUSED_REDUCE else None
-    _small_m_dot_kernel[grid](
-        x, weight, bias if bias is not None else out, out, part, locks if locks is not None else out,
-        M, N, K, tiles_per_split * cfg.BLOCK_K, splits, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, FUSED_REDUCE=locks is not None,
-        EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=x.device.type == "cpu",
+    plan = SplitKPlan.of(M, N, K, cfg, out)
+    _small_m_dot_kernel[plan.grid](
+        x, weight, bias if bias is not None else out, out, plan.part, plan.locks if plan.locks is not None else out,
+        M, N, K, plan.k_per_split, plan.splits, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=plan.splits > 1, FUSED_REDUCE=plan.locks is not None,
+        EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=on_cpu,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
-    if splits > 1 and locks is None:
-        splitk_reduce(part, bias, out)
+    plan.finish(bias, out)
     return out.to(x.dtype) if on_cpu else out
 
 

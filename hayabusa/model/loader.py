@@ -237,20 +237,32 @@ def maybe_use_small_m_linears(model: nn.Module, model_config, device: torch.devi
     return True
 
 
+def _swap_unquantized_linears(model: nn.Module, method: type, logits_linear, refuse: str | None = None) -> None:
+    """Every unquantized Linear (exactly ``UnquantizedLinearMethod``) gets ``method()`` and the lm_head
+    (``model.logits_linear``, which every architecture has) ``logits_linear``: a mode that multiplies the same
+    weights another way. With ``refuse`` (the mode's name), any other Linear is a ValueError naming it; without, it
+    keeps its own kernel."""
+    from hayabusa.model.layers.linear import Linear
+    from hayabusa.quantization.base import UnquantizedLinearMethod
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            if type(module.quant_method) is UnquantizedLinearMethod:
+                module.quant_method = method()
+            elif refuse is not None:
+                raise ValueError(f"{refuse}: a {type(module.quant_method).__name__} linear is not covered")
+    model.logits_linear = logits_linear
+
+
 def use_small_m_linears(model: nn.Module) -> None:
     """``HAYABUSA_SMALL_M_LINEAR=1`` (off by default; CUDA, bf16 / fp16, not in batch-invariant mode): every
     unquantized Linear and the lm_head (``model.logits_linear``) multiply 1-16 rows with
     ``kernels/small_m_linear.small_m_linear`` (the weight streamed once by 16-row tl.dot tiles) and more rows with
     F.linear as before. Quantized linears keep their own kernels."""
     from hayabusa.kernels.small_m_linear import linear_small_m
-    from hayabusa.model.layers.linear import Linear
-    from hayabusa.quantization.base import SmallMLinearMethod, UnquantizedLinearMethod
+    from hayabusa.quantization.base import SmallMLinearMethod
 
-    for module in model.modules():
-        if isinstance(module, Linear) and type(module.quant_method) is UnquantizedLinearMethod:
-            module.quant_method = SmallMLinearMethod()
-    if hasattr(model, "logits_linear"):
-        model.logits_linear = linear_small_m
+    _swap_unquantized_linears(model, SmallMLinearMethod, linear_small_m)
 
 
 def use_batch_invariant_linears(model: nn.Module) -> None:
@@ -259,15 +271,9 @@ def use_batch_invariant_linears(model: nn.Module) -> None:
     here (``check_batch_invariant`` refuses them by name)."""
     from hayabusa.kernels.batch_invariant import linear_bi
     from hayabusa.kernels.bi_gemm import reserve_tile_counters
-    from hayabusa.model.layers.linear import Linear
-    from hayabusa.quantization.base import BatchInvariantLinearMethod, UnquantizedLinearMethod
+    from hayabusa.quantization.base import BatchInvariantLinearMethod
 
-    for module in model.modules():
-        if isinstance(module, Linear):
-            if type(module.quant_method) is not UnquantizedLinearMethod:
-                raise ValueError(f"batch_invariant: a {type(module.quant_method).__name__} linear is not covered")
-            module.quant_method = BatchInvariantLinearMethod()
-    model.logits_linear = linear_bi
+    _swap_unquantized_linears(model, BatchInvariantLinearMethod, linear_bi, refuse="batch_invariant")
     param = next(model.parameters(), None)
     if param is not None and param.is_cuda:
         reserve_tile_counters(param.device)     # the GEMM's workspace, before any CUDA-graph capture
