@@ -897,6 +897,23 @@ g_s19c() {  # session 19's plan, call 3: what session 18 left (the q05 W8A8 grap
     bench_step "q7_W4_$q" 100 40 --workload W4 --model "$Q7" --scale 0.25 --sweep max_num_seqs=14 --quantization "$q"
   done
 }
+g_s20a() {  # session 20, call 4 (issue #25): SMALL_M_SHAPES (each timed layer's own fastest launch, from call 1's
+            # sweep) in the small-M CUDA tests, then W3 with programmatic dependent launch alone and with the small-M
+            # linear on both shapes, fp8 with both, and W1 on the 7b shape with both against the default (batched
+            # decode must not lose)
+  cuda_tests s20a_tests "${S20A_TESTS_S:-90}" -rA tests/kernels/test_small_m_linear_cuda.py   # -rA: the printed agreement
+  ensure_q05
+  HAYABUSA_PDL=1 bench_step q05_W3_pdlonly 50 20 --workload W3 --model "$Q05"
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q05_W3_both 50 20 --workload W3 --model "$Q05"
+  ensure_q7
+  bench_step q7_W3_default 70 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_PDL=1 bench_step q7_W3_pdlonly 70 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_both 70 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_fp8_both 70 30 --workload W3 --model "$Q7" \
+    --scale 0.5 --quantization fp8
+  bench_step q7_W1_default 90 40 --workload W1 --model "$Q7" --scale 0.5
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W1_both 90 40 --workload W1 --model "$Q7" --scale 0.5
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

@@ -374,13 +374,14 @@ FP8_TABLE_JSON_ENV = "HAYABUSA_FP8_TABLE_JSON"
 
 def load_launch_tables(path: str, tables: dict[str, dict], env: str | None = None,
                        writer: str = "bench_quant_linear.py --fp8 --sweep --table-json PATH",
-                       dot_only: tuple[str, ...] = ()) -> dict[str, int]:
+                       dot_only: tuple[str, ...] = (), shape_keyed: tuple[str, ...] = ()) -> dict[str, int]:
     """Update launch tables in place from the JSON a sweep wrote: {NAME: [[class, bucket, entry], ...], ...} for
     each NAME of ``tables`` (FP8_TABLE / FP8Q_TABLE here, SMALL_M_TABLE in kernels/small_m_linear.py): class
     "deep" | "square" | "wide" (gemm_shape_class), bucket one of FP8_M_BUCKETS, entry [kind, BLOCK_M, BLOCK_N,
     BLOCK_K, SPLIT_K, num_warps, num_stages] (check_fp8_entry), e.g. ["deep", 1, ["gemv", 1, 32, 512, 4, 8, 1]].
-    The tables named in ``dot_only`` take "dot" entries only. Returns how many entries each table took. Nothing
-    changes unless every row is good.
+    The tables named in ``dot_only`` take "dot" entries only. Those named in ``shape_keyed`` are keyed by one
+    layer's exact shape instead, rows [N, K, bucket, entry] with positive ints N, K (any shape: the sweep's own
+    layers). Returns how many entries each table took. Nothing changes unless every row is good.
 
     Raises:
         ValueError: naming the file and the bad row (an unknown top-level key, a table that is not a list, a
@@ -388,7 +389,7 @@ def load_launch_tables(path: str, tables: dict[str, dict], env: str | None = Non
             environment variable that named the file) a HayabusaValidationError naming that variable.
     """
     try:
-        return _load_launch_tables(path, tables, writer, dot_only)
+        return _load_launch_tables(path, tables, writer, dot_only, shape_keyed)
     except ValueError as e:
         if env is None:
             raise
@@ -397,8 +398,8 @@ def load_launch_tables(path: str, tables: dict[str, dict], env: str | None = Non
         raise HayabusaValidationError(f"environment variable {env}: {e}", parameter=env, value=path) from None
 
 
-def _load_launch_tables(path: str, tables: dict[str, dict], writer: str,
-                        dot_only: tuple[str, ...]) -> dict[str, int]:
+def _load_launch_tables(path: str, tables: dict[str, dict], writer: str, dot_only: tuple[str, ...],
+                        shape_keyed: tuple[str, ...]) -> dict[str, int]:
     names = " / ".join(tables)
     try:
         with open(path) as f:
@@ -415,18 +416,25 @@ def _load_launch_tables(path: str, tables: dict[str, dict], writer: str,
     for name, table in tables.items():
         new = {}
         rows = data.get(name, [])
+        layout = "[N, K, bucket, entry]" if name in shape_keyed else "[class, bucket, entry]"
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: {name} must be a list of [class, bucket, entry] rows, got "
-                             f"{type(rows).__name__}")
+            raise ValueError(f"{path}: {name} must be a list of {layout} rows, got {type(rows).__name__}")
         for row in rows:
             try:
-                cls, bucket, entry = row
-                if not isinstance(cls, str) or isinstance(bucket, bool) or not isinstance(bucket, int):
-                    raise ValueError(f"the shape class must be a string and the M bucket an int, got {cls!r}, "
-                                     f"bucket {bucket!r}")
-                key, entry = (cls, bucket), tuple(entry)
-                if key not in table:
-                    raise ValueError(f"unknown (shape class, M bucket) {key}")
+                *key, entry = row
+                key, entry = tuple(key), tuple(entry)
+                if name in shape_keyed:
+                    if len(key) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in key) \
+                            or key[2] not in FP8_M_BUCKETS:
+                        raise ValueError(f"a row is {layout} with positive ints N, K and a bucket of "
+                                         f"{FP8_M_BUCKETS}, got key {list(key)}")
+                else:
+                    if len(key) != 2 or not isinstance(key[0], str) or isinstance(key[1], bool) \
+                            or not isinstance(key[1], int):
+                        raise ValueError(f"the shape class must be a string and the M bucket an int, got key "
+                                         f"{list(key)}")
+                    if key not in table:
+                        raise ValueError(f"unknown (shape class, M bucket) {key}")
                 if key in new:
                     raise ValueError(f"{key} is given twice")
                 check_fp8_entry(entry)

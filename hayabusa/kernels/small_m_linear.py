@@ -47,18 +47,53 @@ SMALL_M_TABLE_JSON_ENV = "HAYABUSA_SMALL_M_TABLE_JSON"
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # (shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0 = from the
-# SM count (fp8_gemv.fp8_launch). NOT MEASURED: FP8Q_TABLE's measured launches (2026-12-03) with BLOCK_K halved, so
-# a stage holds the same weight bytes (bf16 is 2 bytes a weight, e4m3 1). The sweep replaces it.
+# SM count (fp8_gemv.fp8_launch). For layer shapes SMALL_M_SHAPES lacks. Measured on an H200 (2026-12-04, commit
+# 87f03ee, `bench_small_m_linear.py --sweep` over the 7b and 0.5b shapes): per class and bucket the launch with the
+# least time summed over its layers (bench_small_m_linear.class_cost).
 SMALL_M_TABLE: dict[tuple[str, int], tuple[str, int, int, int, int, int, int]] = {
-    ('deep', 1): ('dot', 16, 64, 128, 8, 4, 3),
-    ('deep', 4): ('dot', 16, 64, 128, 8, 4, 3),
+    ('deep', 1): ('dot', 16, 32, 64, 8, 4, 3),
+    ('deep', 4): ('dot', 16, 32, 64, 8, 4, 3),
     ('deep', 16): ('dot', 16, 32, 64, 8, 4, 3),
     ('square', 1): ('dot', 16, 64, 64, 8, 4, 3),
     ('square', 4): ('dot', 16, 64, 64, 8, 4, 3),
-    ('square', 16): ('dot', 16, 64, 64, 8, 4, 3),
-    ('wide', 1): ('dot', 16, 32, 64, 1, 4, 3),
+    ('square', 16): ('dot', 16, 32, 64, 8, 4, 3),
+    ('wide', 1): ('dot', 16, 64, 128, 1, 4, 3),
     ('wide', 4): ('dot', 16, 64, 128, 1, 4, 3),
-    ('wide', 16): ('dot', 16, 64, 64, 1, 4, 3),
+    ('wide', 16): ('dot', 16, 64, 128, 1, 4, 3),
+}
+# (N, K, M bucket) -> launch, for the layers the sweep timed: each one's fastest candidate, CUDA-graph replay medians
+# from the same run (one class-wide launch was up to 20 % slower on the 7b qkv / o). Qwen2.5-7B and -0.5B shapes.
+SMALL_M_SHAPES: dict[tuple[int, int, int], tuple[str, int, int, int, int, int, int]] = {
+    (4608, 3584, 1): ('dot', 16, 64, 128, 8, 4, 3),  # 7b qkv: 9.0 us, cuBLAS 8.7
+    (4608, 3584, 4): ('dot', 16, 64, 128, 8, 4, 3),  # 7b qkv: 9.0 us, cuBLAS 8.3
+    (4608, 3584, 16): ('dot', 16, 64, 128, 8, 8, 3),  # 7b qkv: 9.7 us, cuBLAS 7.7
+    (3584, 3584, 1): ('dot', 16, 64, 128, 8, 4, 3),  # 7b o: 7.6 us, cuBLAS 9.0
+    (3584, 3584, 4): ('dot', 16, 64, 128, 4, 4, 3),  # 7b o: 7.6 us, cuBLAS 8.8
+    (3584, 3584, 16): ('dot', 16, 64, 128, 4, 4, 3),  # 7b o: 8.1 us, cuBLAS 8.0
+    (37888, 3584, 1): ('dot', 16, 64, 64, 1, 4, 3),  # 7b gate_up: 64.4 us, cuBLAS 70.9
+    (37888, 3584, 4): ('dot', 16, 32, 64, 1, 4, 3),  # 7b gate_up: 64.8 us, cuBLAS 71.0
+    (37888, 3584, 16): ('dot', 16, 64, 64, 1, 4, 3),  # 7b gate_up: 65.9 us, cuBLAS 71.9
+    (3584, 18944, 1): ('dot', 16, 64, 128, 8, 4, 3),  # 7b down: 36.4 us, cuBLAS 39.1
+    (3584, 18944, 4): ('dot', 16, 64, 128, 8, 4, 3),  # 7b down: 36.8 us, cuBLAS 39.9
+    (3584, 18944, 16): ('dot', 16, 64, 128, 4, 4, 3),  # 7b down: 37.8 us, cuBLAS 39.4
+    (152064, 3584, 1): ('dot', 16, 32, 128, 1, 4, 4),  # 7b lm_head: 246.6 us, cuBLAS 258.4
+    (152064, 3584, 4): ('dot', 16, 32, 128, 1, 4, 4),  # 7b lm_head: 249.0 us, cuBLAS 260.0
+    (152064, 3584, 16): ('dot', 16, 64, 128, 1, 4, 3),  # 7b lm_head: 255.7 us, cuBLAS 263.4
+    (1152, 896, 1): ('dot', 16, 64, 128, 16, 8, 3),  # 05b qkv: 4.1 us, cuBLAS 3.7
+    (1152, 896, 4): ('dot', 16, 64, 128, 16, 8, 3),  # 05b qkv: 4.2 us, cuBLAS 3.7
+    (1152, 896, 16): ('dot', 16, 32, 64, 4, 4, 3),  # 05b qkv: 4.2 us, cuBLAS 3.5
+    (896, 896, 1): ('dot', 16, 64, 128, 16, 8, 3),  # 05b o: 4.0 us, cuBLAS 4.3
+    (896, 896, 4): ('dot', 16, 64, 128, 16, 8, 3),  # 05b o: 4.0 us, cuBLAS 4.3
+    (896, 896, 16): ('dot', 16, 64, 128, 16, 8, 3),  # 05b o: 4.1 us, cuBLAS 3.5
+    (9728, 896, 1): ('dot', 16, 64, 64, 1, 4, 3),  # 05b gate_up: 5.6 us, cuBLAS 5.0
+    (9728, 896, 4): ('dot', 16, 64, 64, 1, 4, 3),  # 05b gate_up: 5.7 us, cuBLAS 4.9
+    (9728, 896, 16): ('dot', 16, 64, 128, 1, 4, 3),  # 05b gate_up: 5.6 us, cuBLAS 4.8
+    (896, 4864, 1): ('dot', 16, 32, 128, 8, 4, 4),  # 05b down: 5.9 us, cuBLAS 6.5
+    (896, 4864, 4): ('dot', 16, 32, 128, 8, 4, 4),  # 05b down: 5.9 us, cuBLAS 6.6
+    (896, 4864, 16): ('dot', 16, 32, 128, 8, 4, 4),  # 05b down: 6.1 us, cuBLAS 6.7
+    (151936, 896, 1): ('dot', 16, 64, 128, 1, 4, 3),  # 05b lm_head: 64.4 us, cuBLAS 67.5
+    (151936, 896, 4): ('dot', 16, 64, 128, 1, 4, 3),  # 05b lm_head: 66.0 us, cuBLAS 68.9
+    (151936, 896, 16): ('dot', 16, 64, 128, 1, 4, 3),  # 05b lm_head: 68.5 us, cuBLAS 71.2
 }
 
 
@@ -110,9 +145,12 @@ def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
 
 
 def pick_small_m_config(M: int, N: int, K: int, device: torch.device) -> LaunchConfig:
-    """SMALL_M_TABLE's launch for [M, K] x [K, N] (the smallest FP8_M_BUCKETS entry >= M; the largest past them):
-    host ints and the SM count only, so the same every call (CUDA-graph safe)."""
-    return fp8_launch(SMALL_M_TABLE[(gemm_shape_class(N, K), fp8_m_bucket(M))], M, N, K, device)
+    """The launch for [M, K] x [K, N] at M's bucket (the smallest FP8_M_BUCKETS entry >= M; the largest past
+    them): SMALL_M_SHAPES's for a layer shape the sweep timed, else SMALL_M_TABLE's for its shape class. Host ints
+    and the SM count only, so the same every call (CUDA-graph safe)."""
+    bucket = fp8_m_bucket(M)
+    entry = SMALL_M_SHAPES.get((N, K, bucket)) or SMALL_M_TABLE[(gemm_shape_class(N, K), bucket)]
+    return fp8_launch(entry, M, N, K, device)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, N: int) -> None:
@@ -214,11 +252,19 @@ def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def load_small_m_tables(path: str, env: str | None = None) -> dict[str, int]:
+    """Update SMALL_M_TABLE and SMALL_M_SHAPES in place from the JSON that ``bench_small_m_linear.py --sweep
+    --table-json`` wrote (what ``HAYABUSA_SMALL_M_TABLE_JSON`` names; fp8_gemv.load_launch_tables, "dot" launches
+    only). Returns how many entries each took. Raises ValueError naming the file and the bad row (with ``env``, a
+    HayabusaValidationError naming that variable)."""
+    return load_launch_tables(path, {"SMALL_M_TABLE": SMALL_M_TABLE, "SMALL_M_SHAPES": SMALL_M_SHAPES}, env=env,
+                              dot_only=("SMALL_M_TABLE", "SMALL_M_SHAPES"), shape_keyed=("SMALL_M_SHAPES",),
+                              writer="benchmarks/kernels/bench_small_m_linear.py --sweep --table-json PATH")
+
+
 if os.environ.get(SMALL_M_TABLE_JSON_ENV):
-    load_launch_tables(os.environ[SMALL_M_TABLE_JSON_ENV], {"SMALL_M_TABLE": SMALL_M_TABLE},
-                       env=SMALL_M_TABLE_JSON_ENV, dot_only=("SMALL_M_TABLE",),
-                       writer="benchmarks/kernels/bench_small_m_linear.py --sweep --table-json PATH")
+    load_small_m_tables(os.environ[SMALL_M_TABLE_JSON_ENV], env=SMALL_M_TABLE_JSON_ENV)
 
 
-__all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_TABLE", "linear_small_m", "pick_small_m_config",
+__all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables", "pick_small_m_config",
            "small_m_enabled", "small_m_linear", "small_m_linear_ref"]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hayabusa.kernels.fp8_gemv import FP8_M_BUCKETS, check_fp8_entry, load_launch_tables
 from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class
 from hayabusa.kernels.small_m_linear import (
-    SMALL_M_MAX, SMALL_M_TABLE, linear_small_m, pick_small_m_config, small_m_linear, small_m_linear_ref,
+    SMALL_M_MAX, SMALL_M_SHAPES, SMALL_M_TABLE, linear_small_m, pick_small_m_config, small_m_linear, small_m_linear_ref,
 )
 
 CONFIGS = {
@@ -83,8 +83,18 @@ def test_default_launches_from_the_table(device):
     for entry in SMALL_M_TABLE.values():
         check_fp8_entry(entry)
         assert entry[0] == "dot"
-    cfg = pick_small_m_config(1, 37888, 3584, torch.device("cpu"))
+    cfg = pick_small_m_config(1, 40000, 3584, torch.device("cpu"))
     assert (cfg.kind, cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == SMALL_M_TABLE[("wide", 1)][:4]
+    # a layer shape the sweep timed takes its own launch, at every M of its bucket
+    assert {(N, K) for N, K, _ in SMALL_M_SHAPES} >= {(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)}
+    for (N, K, bucket), entry in SMALL_M_SHAPES.items():
+        check_fp8_entry(entry)
+        assert entry[0] == "dot" and bucket in FP8_M_BUCKETS
+    own = SMALL_M_SHAPES[(4608, 3584, 16)]
+    assert own != SMALL_M_TABLE[("square", 16)]
+    for M in (5, 16):
+        cfg = pick_small_m_config(M, 4608, 3584, torch.device("cpu"))
+        assert (cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages) == own[2:]
     for M in FP8_M_BUCKETS:
         for N, K, cls in ((200, 48, "wide"), (72, 104, "square"), (24, 112, "deep")):
             assert gemm_shape_class(N, K) == cls
@@ -151,7 +161,7 @@ def test_table_json_loads_dot_launches_only(tmp_path, monkeypatch):
     path.write_text(json.dumps({"SMALL_M_TABLE": [["square", 4, ["dot", 16, 128, 64, 2, 8, 4]]]}))
     assert load_launch_tables(str(path), {"SMALL_M_TABLE": table}, dot_only=("SMALL_M_TABLE",)) == {"SMALL_M_TABLE": 1}
     assert table[("square", 4)] == ("dot", 16, 128, 64, 2, 8, 4)
-    cfg = sm.pick_small_m_config(4, 4608, 3584, torch.device("cpu"))
+    cfg = sm.pick_small_m_config(4, 4000, 3584, torch.device("cpu"))      # a shape SMALL_M_SHAPES lacks
     assert (cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K, cfg.num_warps, cfg.num_stages) == (128, 64, 2, 8, 4)
     before = dict(table)
     for data, match in (({"SMALL_M_TABLE": [["deep", 1, ["gemv", 1, 32, 512, 4, 8, 1]]]}, "'dot' launches only"),
@@ -161,6 +171,23 @@ def test_table_json_loads_dot_launches_only(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=match) as info:
             load_launch_tables(str(path), {"SMALL_M_TABLE": table}, dot_only=("SMALL_M_TABLE",))
         assert "t.json" in str(info.value) and table == before
+    # the per-layer table: rows [N, K, bucket, entry]; a class key, a bucket not in FP8_M_BUCKETS or N < 1 refused
+    shapes = {}
+    monkeypatch.setattr(sm, "SMALL_M_SHAPES", shapes)
+    both = {"SMALL_M_TABLE": table, "SMALL_M_SHAPES": shapes}
+    path.write_text(json.dumps({"SMALL_M_SHAPES": [[4608, 3584, 4, ["dot", 16, 32, 64, 4, 4, 3]]]}))
+    assert load_launch_tables(str(path), both, dot_only=tuple(both), shape_keyed=("SMALL_M_SHAPES",)) == \
+        {"SMALL_M_TABLE": 0, "SMALL_M_SHAPES": 1}
+    cfg = sm.pick_small_m_config(3, 4608, 3584, torch.device("cpu"))
+    assert (cfg.BLOCK_N, cfg.BLOCK_K, cfg.SPLIT_K) == (32, 64, 4) and table == before
+    for row, match in (([["square", 4, ["dot", 16, 32, 64, 4, 4, 3]]], "positive ints N, K"),
+                       ([[4608, 3584, 8, ["dot", 16, 32, 64, 4, 4, 3]]], "a bucket of"),
+                       ([[0, 3584, 4, ["dot", 16, 32, 64, 4, 4, 3]]], "positive ints"),
+                       ([[4608, 3584, 4, ["gemv", 1, 32, 512, 4, 8, 1]]], "'dot' launches only")):
+        path.write_text(json.dumps({"SMALL_M_SHAPES": row}))
+        with pytest.raises(ValueError, match=match):
+            load_launch_tables(str(path), both, dot_only=tuple(both), shape_keyed=("SMALL_M_SHAPES",))
+        assert shapes == {(4608, 3584, 4): ("dot", 16, 32, 64, 4, 4, 3)}
     with pytest.raises(HayabusaValidationError, match="environment variable HAYABUSA_SMALL_M_TABLE_JSON: .*missing"):
         load_launch_tables(str(tmp_path / "missing.json"), {"SMALL_M_TABLE": table},
                            env="HAYABUSA_SMALL_M_TABLE_JSON", dot_only=("SMALL_M_TABLE",))
@@ -222,8 +249,8 @@ def test_engine_greedy_with_the_kernel_in_every_linear(stories_dir):
 
 def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, capsys):
     """bench_small_m_linear's --sweep summary: per (shape class, M bucket) the launch with the least time summed
-    over the class's layers, printed and written with --table-json; load_launch_tables (what
-    HAYABUSA_SMALL_M_TABLE_JSON does at import) then picks exactly it. The candidates are 'dot' launches with K
+    over the class's layers, and each layer's own fastest, printed and written with --table-json;
+    load_small_m_tables (what HAYABUSA_SMALL_M_TABLE_JSON does at import) then picks exactly them. The candidates are 'dot' launches with K
     splits putting 1-12 programs on each of 132 SMs."""
     import importlib.util
     from pathlib import Path
@@ -243,14 +270,25 @@ def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, 
         return dict(shape="7b", layer=layer, K=K, N=N, M=1, copy_gb_s=4000.0, bytes=N * K * 2, config=a,
                     cublas_us=10.0, small_m_us=9.0, sweep_us={repr(a): times[0], repr(b): times[1]})
 
-    # qkv and o are one class ("square"): b wins the sum (4 + 4 < 3 + 6) though a is best on qkv alone
+    # qkv and o are one class ("square"): b wins the sum (4 + 4 < 3 + 6) though a is best on qkv alone; a third
+    # launch c only the o layer timed (qkv's sweep left it out) is charged qkv's slowest time (4): 4 + 4.5 > 8
+    c = ("dot", 16, 32, 64, 16, 4, 3)
     out = tmp_path / "table.json"
-    bench.print_table([row("qkv", 3584, 4608, (3.0, 4.0)), row("o", 3584, 3584, (6.0, 4.0))], str(out))
-    assert f"('square', 1): {b!r}" in capsys.readouterr().out
-    table = dict(SMALL_M_TABLE)
+    rows = [row("qkv", 3584, 4608, (3.0, 4.0)), row("o", 3584, 3584, (6.0, 4.0))]
+    rows[1]["sweep_us"][repr(c)] = 4.5
+    assert bench.class_cost(rows, repr(c)) == 8.5 and bench.class_cost(rows, repr(b)) == 8.0
+    bench.print_table(rows, str(out))
+    printed = capsys.readouterr().out
+    assert f"('square', 1): {b!r}" in printed and f"(4608, 3584, 1): {a!r}" in printed
+    table, shapes = dict(SMALL_M_TABLE), {}
     monkeypatch.setattr(sm, "SMALL_M_TABLE", table)
-    assert load_launch_tables(str(out), {"SMALL_M_TABLE": table}, dot_only=("SMALL_M_TABLE",)) == {"SMALL_M_TABLE": 1}
-    assert table[("square", 1)] == b and sm.pick_small_m_config(1, 3584, 3584, torch.device("cpu")).BLOCK_N == 128
+    monkeypatch.setattr(sm, "SMALL_M_SHAPES", shapes)
+    assert sm.load_small_m_tables(str(out)) == {"SMALL_M_TABLE": 1, "SMALL_M_SHAPES": 2}
+    assert table[("square", 1)] == b and shapes == {(4608, 3584, 1): a, (3584, 3584, 1): b}
+    # each timed layer takes its own fastest launch; another square layer the class's
+    assert sm.pick_small_m_config(1, 4608, 3584, torch.device("cpu")).BLOCK_N == 64
+    assert sm.pick_small_m_config(1, 3584, 3584, torch.device("cpu")).BLOCK_N == 128
+    assert sm.pick_small_m_config(1, 3000, 3584, torch.device("cpu")).BLOCK_N == 128
 
 
 def test_switch_reaches_every_lm_head():
