@@ -914,6 +914,13 @@ g_s20a() {  # session 20, call 4 (issue #25): SMALL_M_SHAPES (each timed layer's
   bench_step q7_W1_default 90 40 --workload W1 --model "$Q7" --scale 0.5
   HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W1_both 90 40 --workload W1 --model "$Q7" --scale 0.5
 }
+g_s20b() {  # session 20, call 5 (the last 300 s): the fp8 default's W3 in this session, and a second sample of the
+            # 7b W3 default against PDL + small-M
+  ensure_q7
+  bench_step q7_W3_fp8_default 60 30 --workload W3 --model "$Q7" --scale 0.5 --quantization fp8
+  bench_step q7_W3_default2 50 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_both2 50 30 --workload W3 --model "$Q7" --scale 0.5
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
