@@ -921,6 +921,26 @@ g_s20b() {  # session 20, call 5 (the last 300 s): the fp8 default's W3 in this 
   bench_step q7_W3_default2 50 30 --workload W3 --model "$Q7" --scale 0.5
   HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_both2 50 30 --workload W3 --model "$Q7" --scale 0.5
 }
+g_s21a() {  # for session 21, call 1 (issue #25): the fused gate_up + SiLU-and-mul small-M launch (built in session 20,
+            # bit-identical to the two launches on CPU): its CUDA tests with the rest of the small-M and PDL tests, its
+            # micro-benchmark against the two launches, then W3 on both shapes with both switches (the fusion on)
+            # against the default
+  cuda_tests s21a_tests "${S21A_TESTS_S:-200}" -rA tests/kernels/test_small_m_linear_cuda.py \
+    tests/kernels/test_pdl_cuda.py
+  step small_m_silu 60 20 bash -c "python benchmarks/kernels/bench_small_m_linear.py --layers gate_up \
+    --json '$OUT/small_m_silu.json' 2>&1 | grep -v '^# .* done'"
+  ensure_q05
+  bench_step q05_W3_default 50 20 --workload W3 --model "$Q05"
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q05_W3_both_silu 50 20 --workload W3 --model "$Q05"
+  ensure_q7
+  bench_step q7_W3_default 60 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_both_silu 60 30 --workload W3 --model "$Q7" --scale 0.5
+}
+g_s21b() {  # for session 21, call 2: the engine-level CUDA tests with both decode switches on (what must hold before
+            # they become defaults: greedy against HF, CUDA graphs against eager, speculative decoding, the models)
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 cuda_tests s21b_tests "${S21B_TESTS_S:-500}" tests/engine tests/models \
+    tests/spec_decode tests/worker
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")

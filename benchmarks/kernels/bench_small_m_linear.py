@@ -40,7 +40,10 @@ from bench_quant_linear import copy_gb_s  # noqa: E402  (a same-size device copy
 
 from hayabusa.kernels.fp8_gemv import fp8_launch, fp8_m_bucket  # noqa: E402
 from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class  # noqa: E402
-from hayabusa.kernels.small_m_linear import pick_small_m_config, small_m_linear, small_m_linear_ref  # noqa: E402
+from hayabusa.kernels.activation import silu_and_mul  # noqa: E402
+from hayabusa.kernels.small_m_linear import (  # noqa: E402
+    pick_small_m_config, small_m_linear, small_m_linear_ref, small_m_silu_linear,
+)
 
 SHAPES = {
     "7b": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584),
@@ -88,6 +91,12 @@ def case(shape: str, layer: str, M: int, sweep: bool) -> dict:
                config=entry(pick_small_m_config(M, N, K, x.device)))
     for name, fn in (("cublas", lambda: F.linear(x, w)), ("small_m", lambda: small_m_linear(x, w))):
         row[name + "_us"] = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+    if layer == "gate_up":   # the MLP's gate_up + SiLU-and-mul: two launches against the fused one
+        if not torch.equal(small_m_silu_linear(x, w), silu_and_mul(small_m_linear(x, w))):
+            raise AssertionError(f"{shape} gate_up M={M}: the fused SiLU launch differs from the two launches")
+        for name, fn in (("silu_two", lambda: silu_and_mul(small_m_linear(x, w))),
+                         ("silu_fused", lambda: small_m_silu_linear(x, w))):
+            row[name + "_us"] = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
     if sweep:
         times = {}
         for cfg in sweep_configs(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count):
@@ -128,6 +137,10 @@ def print_table(rows: list[dict], table_json: str | None) -> None:
         print(f"{r['shape']:<5} {r['layer']:<8} {r['K']:>6} {r['N']:>7} {r['M']:>3} {r['cublas_us']:>9.1f} "
               f"{pct(r, r['cublas_us']):>5.0f}% {r['small_m_us']:>10.1f} {pct(r, r['small_m_us']):>5.0f}% "
               f"{r['cublas_us'] / r['small_m_us']:>9.2f}  {r['config']}{best}")
+    for r in rows:
+        if "silu_fused_us" in r:
+            print(f"# {r['shape']} gate_up + SiLU-and-mul M={r['M']}: two launches {r['silu_two_us']:.1f} us, fused "
+                  f"{r['silu_fused_us']:.1f} us (x{r['silu_two_us'] / r['silu_fused_us']:.2f})")
     print("# CUDA-graph replay medians; 'vs cuBLAS' = cuBLAS time / small_m time (> 1: the kernel is faster); "
           "%copy = (weight + x + out bytes) per second over a same-size weight copy's: "
           + ", ".join(f"{n / 1e6:.0f} MB {g:.0f} GB/s" for n, g in sorted({(r["N"] * r["K"] * 2, r["copy_gb_s"])

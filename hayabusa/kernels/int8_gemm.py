@@ -27,7 +27,7 @@ import torch
 
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.kernels._triton import tl, triton
-from hayabusa.kernels.quant_linear import gemm_shape_class
+from hayabusa.kernels.quant_linear import bf16_rne, gemm_shape_class
 
 # From this many rows (tokens) on, the CUDA path multiplies with torch._int_mm (cuBLASLt) instead of the Triton
 # kernel; None: never. Measured on the H200 (run N, 2026-12-01, `python benchmarks/kernels/bench_quant_linear.py
@@ -40,15 +40,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # ----------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _to_bf16_rne(y):
-    """fp32 -> bf16 rounded to nearest even by integer arithmetic (finite y). Only for the interpreter, whose
-    .to(tl.bfloat16) truncates (Triton 3.6); the GPU's conversion rounds correctly."""
-    b = y.to(tl.uint32, bitcast=True)
-    b += 0x7FFF + ((b >> 16) & 1)
-    return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _scale_and_store(acc_f32, rows, offs_n, m_mask, n_mask, sx_ptr, sw_ptr, bias_ptr, out_ptr, stride_om,
                      HAS_BIAS: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """out[rows, offs_n] = (acc * s_x[rows]) * s_w[offs_n] (+ bias), all fp32, then one cast to out's dtype."""
@@ -58,7 +49,7 @@ def _scale_and_store(acc_f32, rows, offs_n, m_mask, n_mask, sx_ptr, sw_ptr, bias
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if BF16_BY_HAND:
-        y = _to_bf16_rne(y)
+        y = bf16_rne(y)
     tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 

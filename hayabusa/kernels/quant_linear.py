@@ -344,9 +344,10 @@ def splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_o
 
 
 @triton.jit
-def _bf16_rne(w):
+def bf16_rne(w):
     """fp32 -> bf16 rounded to nearest even by integer arithmetic (finite w). Only for the interpreter: Triton
-    3.6's truncates in .to(tl.bfloat16) (cast_impl drops the rounding mode), the GPU's cvt.rn rounds correctly."""
+    3.6's truncates in .to(tl.bfloat16) (cast_impl drops the rounding mode), the GPU's cvt.rn rounds correctly.
+    Shared by the dequantize, INT8 W8A8 and small-M kernels."""
     b = w.to(tl.uint32, bitcast=True)
     b += 0x7FFF + ((b >> 16) & 1)
     return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -377,7 +378,7 @@ def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, out_ptr, N, K,
         s = tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         w = (_f32_plus_2p23(q.to(tl.int32) + 128) - 8388736.0) * s[:, None]
     if BF16_BY_HAND:
-        w = _bf16_rne(w)
+        w = bf16_rne(w)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=mask)
 

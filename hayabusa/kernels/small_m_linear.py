@@ -15,12 +15,18 @@ tile loop and the same fused split-K reduction (fp8_gemv.splitk_finish), bf16 / 
 Numerics: tl.dot's products of bf16 / fp16 values are exact in fp32 and summed in fp32, as cuBLAS's; only the order
 of the sums differs (the K split and the MMA's), so a row differs from F.linear by fp32 rounding before the one
 cast: not bit-identical, and greedy decoding can part from cuBLAS's after many tokens. Hence off by default
-(``HAYABUSA_SMALL_M_LINEAR``, read by the model loader): its speed and its fidelity against the default path are
-measured on the GPU first (benchmarks/device_run.sh, group s19a) before it may become a default.
+(``HAYABUSA_SMALL_M_LINEAR``, read by the model loader). Measured on an H200 (2026-12-04, BENCHMARKS.md "Twentieth
+session"): with HAYABUSA_PDL, W3 4.26 against 4.59 ms/token on the 7b shape and 0.92 against 1.06 on the 0.5b
+shape; stories260K's greedy ids identical on and off, logprobs within 0.061 nats.
 
-The launch comes from SMALL_M_TABLE keyed by (shape class, M bucket) as FP8Q_TABLE, entries checked by
-fp8_gemv.check_fp8_entry ("dot" only); no autotune (CUDA-graph safe, the same every run). Retune with
-``benchmarks/kernels/bench_small_m_linear.py --sweep --table-json PATH``, loaded by
+small_m_silu_linear fuses an MLP's gate_up projection with its SiLU-and-mul (one launch instead of two; the MLP asks
+through the Linear method's ``apply_silu_and_mul``): a program holds BLOCK_N gate and BLOCK_N up columns, sums each
+as the plain kernel does, rounds both to the model dtype and applies activation.silu_and_mul's operations, so the
+result has the bits of the two launches. Only without a K split (the tables' gate_up launches have none).
+
+Launches: SMALL_M_SHAPES keyed by a timed layer's (N, K, M bucket), else SMALL_M_TABLE keyed by (shape class, M
+bucket) as FP8Q_TABLE, entries checked by fp8_gemv.check_fp8_entry ("dot" only); no autotune (CUDA-graph safe, the
+same every run). Retune with ``benchmarks/kernels/bench_small_m_linear.py --sweep --table-json PATH``, loaded by
 ``HAYABUSA_SMALL_M_TABLE_JSON``.
 """
 
@@ -37,7 +43,7 @@ from hayabusa.kernels.fp8_gemv import (
     FP8_M_BUCKETS, SplitKPlan, dot_tile_setup, fp8_launch, fp8_m_bucket, load_launch_tables, load_w_tile,
     load_x_tile, splitk_finish,
 )
-from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class
+from hayabusa.kernels.quant_linear import LaunchConfig, bf16_rne, gemm_shape_class
 
 # Rows up to here take the kernel when the switch is on; more rows: F.linear (cuBLAS), which fills its tensor-core
 # tiles from there. One 16-row tl.dot tile, as the FP8 XQ launches.
@@ -144,6 +150,54 @@ def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                    FUSED_REDUCE)
 
 
+@triton.jit
+def _to_dtype(v, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """fp32 -> dtype rounded to nearest even (BF16_BY_HAND: by integer arithmetic, for the interpreter, whose bf16
+    cast truncates)."""
+    if BF16_BY_HAND:
+        r = bf16_rne(v)
+    else:
+        r = v.to(dtype)
+    return r
+
+
+@triton.jit
+def _small_m_silu_dot_kernel(x_ptr, w_ptr, out_ptr, M, D, K, stride_xm, stride_wn, stride_om,
+                             EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """out [M, D] = silu(x @ w[:D]^T) * (x @ w[D:2D]^T): an MLP's gate_up projection and SiLU-and-mul in one launch,
+    grid (row tiles, D tiles), no K split. A program holds BLOCK_N gate columns and the same BLOCK_N up columns;
+    each product is summed as _small_m_dot_kernel sums it (the same BLOCK_K loop), rounded to out's dtype, then
+    combined by activation._silu_and_mul_kernel's operations: the same bits as the two launches."""
+    pid_m, pid_n, pid_k, rows, m_mask, offs_n, n_mask, k_start, k_end, w_gate, x_rows = dot_tile_setup(
+        x_ptr, w_ptr, M, D, K, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
+    w_up = w_gate + D.to(tl.int64) * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_loop = 0
+    if PDL:  # as _small_m_dot_kernel: the first weight tiles before the wait, x after it
+        offs_k = tl.arange(0, BLOCK_K)
+        wg = load_w_tile(w_gate, offs_k, K, n_mask, EVEN_K)
+        wu = load_w_tile(w_up, offs_k, K, n_mask, EVEN_K)
+        pdl_wait(PDL)
+        x = load_x_tile(x_rows, offs_k, K, m_mask, EVEN_K)
+        acc_g = _dot(x, wg, acc_g, DOT_FP32)
+        acc_u = _dot(x, wu, acc_u, DOT_FP32)
+        k_loop = BLOCK_K
+    for k0 in range(k_loop, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = load_x_tile(x_rows, offs_k, K, m_mask, EVEN_K)
+        acc_g = _dot(x, load_w_tile(w_gate, offs_k, K, n_mask, EVEN_K), acc_g, DOT_FP32)
+        acc_u = _dot(x, load_w_tile(w_up, offs_k, K, n_mask, EVEN_K), acc_u, DOT_FP32)
+    dtype = out_ptr.dtype.element_ty
+    g = _to_dtype(acc_g, dtype, BF16_BY_HAND).to(tl.float32)
+    u = _to_dtype(acc_u, dtype, BF16_BY_HAND).to(tl.float32)
+    s = _to_dtype(g / (1.0 + tl.exp(-g)), dtype, BF16_BY_HAND).to(tl.float32)
+    y = _to_dtype(s * u, dtype, BF16_BY_HAND)
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], y, mask=m_mask[:, None] & n_mask[None, :])
+
+
 def pick_small_m_config(M: int, N: int, K: int, device: torch.device) -> LaunchConfig:
     """The launch for [M, K] x [K, N] at M's bucket (the smallest FP8_M_BUCKETS entry >= M; the largest past
     them): SMALL_M_SHAPES's for a layer shape the sweep timed, else SMALL_M_TABLE's for its shape class. Host ints
@@ -219,6 +273,66 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.to(x.dtype) if on_cpu else out
 
 
+def small_m_silu_config(M: int, D: int, K: int, device: torch.device) -> LaunchConfig | None:
+    """The fused gate_up + SiLU-and-mul launch for x [M, K] and a [2D, K] weight: the gate_up layer's own small-M
+    launch (pick_small_m_config(M, 2D, K)) with BLOCK_N halved (two tiles a program: the same weight bytes a stage,
+    the same programs), or None where that launch splits K (the fused kernel has no split-K reduction; the tables'
+    gate_up launches do not split) or M > SMALL_M_MAX."""
+    if M > SMALL_M_MAX:
+        return None
+    cfg = pick_small_m_config(M, 2 * D, K, device)
+    if cfg.SPLIT_K != 1:
+        return None
+    return LaunchConfig("dot", BLOCK_M=cfg.BLOCK_M, BLOCK_N=max(16, cfg.BLOCK_N // 2), BLOCK_K=cfg.BLOCK_K,
+                        SPLIT_K=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def small_m_silu_linear(x: torch.Tensor, weight: torch.Tensor, cfg: LaunchConfig | None = None) -> torch.Tensor:
+    """silu(x @ weight[:D]^T) * (x @ weight[D:]^T) in one launch, D = weight.shape[0] // 2: an MLP's gate_up
+    projection (rows [gate | up], as ``Linear(K, [D, D])`` stores them) and its SiLU-and-mul, for a few rows.
+
+    Args:
+        x: [M, K] bfloat16 or float16, unit last stride (any row stride); M may be 0.
+        weight: [2D, K] in x's dtype, unit last stride.
+        cfg: a launch (tests, bench); default small_m_silu_config's.
+    Returns:
+        [M, D] in x's dtype: the same bits as ``activation.silu_and_mul(small_m_linear(x, weight))`` with the
+        gate_up launch whose BLOCK_K this shares (no bias: a gate_up with one takes the two launches).
+    Raises:
+        ValueError: a bad shape, dtype, stride or device, an odd number of weight rows, a cfg that is not a "dot"
+            launch without a K split, or no cfg where small_m_silu_config has none (the message names it).
+    No host sync; the grid depends on (M, D) only: CUDA-graph safe. On CPU it needs TRITON_INTERPRET=1.
+    """
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] % 2:
+        raise ValueError(f"weight must have an even number of rows [gate | up], got {tuple(weight.shape)}")
+    _check(x, weight, None, weight.shape[0] if isinstance(weight, torch.Tensor) else 0)
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight has {weight.shape[1]} columns, x has K = {x.shape[1]}")
+    M, K = x.shape
+    D = weight.shape[0] // 2
+    out = torch.empty((M, D), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    cfg = cfg or small_m_silu_config(M, D, K, x.device)
+    if cfg is None or cfg.kind != "dot" or cfg.SPLIT_K != 1 or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16:
+        raise ValueError(f"cfg must be a 'dot' launch with tiles >= 16 and SPLIT_K 1, got {cfg}")
+    on_cpu = x.device.type == "cpu"
+    grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(D, cfg.BLOCK_N))
+    _small_m_silu_dot_kernel[grid](
+        x, weight, out, M, D, K, x.stride(0), weight.stride(0), out.stride(0),
+        EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=on_cpu, BF16_BY_HAND=on_cpu and x.dtype == torch.bfloat16,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
+    return out
+
+
+def small_m_silu_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Plain torch: each half's product summed in fp32 and rounded to x's dtype, then F.silu(gate) * up."""
+    h = small_m_linear_ref(x, weight)
+    D = weight.shape[0] // 2
+    return torch.nn.functional.silu(h[:, :D]) * h[:, D:]
+
+
 def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        out_features: int | None = None) -> torch.Tensor:
     """Plain torch, same arguments and result: the products summed in fp32 (+ bias in fp32), one rounding."""
@@ -227,6 +341,24 @@ def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def silu_and_mul_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``activation.silu_and_mul(linear_small_m(x, weight, bias))`` in one launch (small_m_silu_linear) where it
+    applies: x [..., K] with 1..SMALL_M_MAX rows in bf16 / fp16 on CUDA (or the interpreter), a [2D, K] weight of
+    its dtype and device with a unit last stride, no bias, a launch without a K split. Else None: the caller runs
+    the two steps."""
+    K = x.shape[-1] if x.dim() else 0
+    rows = x.numel() // K if K else 0
+    on_triton = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if bias is not None or not (0 < rows <= SMALL_M_MAX) or x.dtype not in _DTYPES or not on_triton \
+            or weight.dim() != 2 or weight.shape[1] != K or weight.shape[0] % 2 or weight.dtype != x.dtype \
+            or weight.device != x.device or weight.stride(-1) != 1:
+        return None
+    x2 = x.reshape(rows, K)
+    if x2.stride(-1) != 1 or small_m_silu_config(rows, weight.shape[0] // 2, K, x.device) is None:
+        return None
+    return small_m_silu_linear(x2, weight).view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -267,4 +399,5 @@ if os.environ.get(SMALL_M_TABLE_JSON_ENV):
 
 
 __all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables", "pick_small_m_config",
+           "silu_and_mul_small_m", "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref",
            "small_m_enabled", "small_m_linear", "small_m_linear_ref"]

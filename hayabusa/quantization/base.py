@@ -195,6 +195,13 @@ class SmallMLinearMethod(UnquantizedLinearMethod):
 
         return linear_small_m(x, layer.weight, layer.bias)
 
+    def apply_silu_and_mul(self, layer, x):
+        """An MLP's gate_up layer and its SiLU-and-mul in one launch (``small_m_silu_linear``) where it applies,
+        else None (the caller runs ``apply`` and the activation)."""
+        from hayabusa.kernels.small_m_linear import silu_and_mul_small_m
+
+        return silu_and_mul_small_m(x, layer.weight, layer.bias)
+
 
 class QuantizationConfig(ABC):
     """One quantization scheme, as read from a checkpoint's ``quantization_config`` or asked for by name.

@@ -93,7 +93,7 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
     from hayabusa.kernels.paged_attention import paged_attention
     from hayabusa.kernels.quant_linear import LaunchConfig
     from hayabusa.kernels.rope_store_kv import rope_and_store_kv
-    from hayabusa.kernels.small_m_linear import small_m_linear
+    from hayabusa.kernels.small_m_linear import small_m_linear, small_m_silu_linear
     from tests.kernels.test_paged_attention import make_case
     from tests.kernels.test_rope_store_kv import _case, _run
 
@@ -126,6 +126,7 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
         "paged_attention_split_merge": lambda: attention(3),
         "small_m_split": lambda: small_m_linear(x, w, b, cfg=split),
         "small_m_whole": lambda: small_m_linear(x, w, b, cfg=whole),
+        "small_m_silu": lambda: small_m_silu_linear(x, w, cfg=whole),        # gate_up + SiLU-and-mul, D = 36
         "per_token_quant_fp8": lambda: per_token_quant_fp8(x),
         "rms_norm_quant": lambda: rms_norm_quant(x, res, nw, 1e-6, "fp8"),
         "silu_and_mul_quant": lambda: silu_and_mul_quant(gu, "fp8"),

@@ -1,7 +1,8 @@
 """small_m_linear (Triton; CUDA, or the interpreter on CPU) against its torch reference on every launch path (16-row
 tl.dot tiles with and without split-K, the fused split-K reduction and the two-launch one, ragged N and K, a
 padded weight, strided rows, bias), the table and its JSON, F.linear's drop-in (linear_small_m) and the loader's
-switch. The 7B shapes on the GPU: test_small_m_linear_cuda.py."""
+switch; the fused gate_up + SiLU-and-mul kernel against the two launches it replaces. The 7B shapes on the GPU:
+test_small_m_linear_cuda.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from hayabusa.kernels.fp8_gemv import FP8_M_BUCKETS, check_fp8_entry, load_launch_tables
 from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class
 from hayabusa.kernels.small_m_linear import (
-    SMALL_M_MAX, SMALL_M_SHAPES, SMALL_M_TABLE, linear_small_m, pick_small_m_config, small_m_linear, small_m_linear_ref,
+    SMALL_M_MAX, SMALL_M_SHAPES, SMALL_M_TABLE, linear_small_m, pick_small_m_config, silu_and_mul_small_m,
+    small_m_linear, small_m_linear_ref, small_m_silu_config, small_m_silu_linear, small_m_silu_linear_ref,
 )
 
 CONFIGS = {
@@ -148,6 +150,55 @@ def test_linear_small_m_takes_what_f_linear_takes(device):
     assert linear_small_m(x, w[:0]).shape == (3, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("K", [96, 104])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_fused_silu_equals_the_two_launches(device, dtype, K, M):
+    """small_m_silu_linear (gate_up + SiLU-and-mul in one launch) gives the bits of small_m_linear with the gate_up
+    launch whose BLOCK_K it shares, then activation.silu_and_mul: D = 40 fits no 16-column tile, K = 104 no 32-wide
+    K tile (ragged tiles); and it is close to the torch reference."""
+    from hayabusa.kernels.activation import silu_and_mul
+
+    x, w, _ = _operands(M, 80, K, dtype, device, seed=M + K)
+    two = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
+    one = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
+    h = small_m_linear(x, w, cfg=two)
+    ref2 = silu_and_mul(h) if device == "cuda" else torch.nn.functional.silu(h[:, :40]) * h[:, 40:]
+    y = small_m_silu_linear(x, w, cfg=one)
+    assert y.shape == (M, 40) and y.dtype == dtype
+    assert torch.equal(y, ref2), float((y.float() - ref2.float()).abs().max())
+    _assert_few_ulps(y, small_m_silu_linear_ref(x, w))
+
+
+def test_fused_silu_launch_and_refusals(device):
+    """small_m_silu_config: the gate_up layer's own launch with BLOCK_N halved, None where that launch splits K or
+    past SMALL_M_MAX rows; silu_and_mul_small_m (the Linear method's hook) answers None wherever the two launches
+    must run (a bias, too many rows, fp32, a K split), and small_m_silu_linear refuses bad arguments by name."""
+    cpu = torch.device("cpu")
+    for M in (1, 4, 16):
+        gate_up = pick_small_m_config(M, 37888, 3584, cpu)
+        fused = small_m_silu_config(M, 18944, 3584, cpu)
+        assert gate_up.SPLIT_K == 1 and fused is not None
+        assert (fused.BLOCK_N, fused.BLOCK_K, fused.num_warps, fused.num_stages) == \
+            (gate_up.BLOCK_N // 2, gate_up.BLOCK_K, gate_up.num_warps, gate_up.num_stages)
+    assert small_m_silu_config(17, 18944, 3584, cpu) is None
+    assert small_m_silu_config(1, 3584, 18944, cpu) is None          # a "deep" launch: 8 K splits
+    x, w, b = _operands(3, 400, 96, torch.bfloat16, device)        # 400 >= 4 x 96: a "wide" launch, no split
+    y = silu_and_mul_small_m(x, w, None)
+    assert y is not None and torch.equal(y, small_m_silu_linear(x, w))
+    assert silu_and_mul_small_m(x.view(1, 3, 96), w, None).shape == (1, 3, 200)
+    assert silu_and_mul_small_m(x, w, b) is None
+    assert silu_and_mul_small_m(x.float(), w.float(), None) is None
+    assert silu_and_mul_small_m(torch.cat([x] * 6), w, None) is None    # 18 rows
+    assert silu_and_mul_small_m(x, w[:80].contiguous(), None) is None   # 80 x 96: a "square" launch, 8 K splits
+    for call, match in ((lambda: small_m_silu_linear(x, w[:79]), "even number of rows"),
+                        (lambda: small_m_silu_linear(x, w[:, :64].contiguous()), "fewer than x's K|x has K"),
+                        (lambda: small_m_silu_linear(x, w, cfg=CONFIGS["dot_split"]), "SPLIT_K 1")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert small_m_silu_linear(x[:0], w).shape == (0, 200)
+
+
 def test_table_json_loads_dot_launches_only(tmp_path, monkeypatch):
     """The sweep's JSON (bench_small_m_linear.py --sweep --table-json) replaces the named entries; a 'gemv' launch
     (the kernel has only the tl.dot form), an unknown table and a bad file are refused naming the file, the table
@@ -243,8 +294,24 @@ def test_engine_greedy_with_the_kernel_in_every_linear(stories_dir):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(type(m.quant_method) is SmallMLinearMethod for m in linears)
     assert model.logits_linear is linear_small_m
-    after = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    import hayabusa.kernels.small_m_linear as sm
+
+    calls = []
+    real = sm.small_m_silu_linear
+
+    def counting(x, w, cfg=None):
+        calls.append(x.shape[0])
+        return real(x, w, cfg)
+
+    sm.small_m_silu_linear = counting
+    try:
+        after = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        sm.small_m_silu_linear = real
     assert after == before and all(len(t) == 24 for t in after)
+    # every decode step's MLPs took the fused gate_up + SiLU-and-mul launch (prefill's rows: the two steps)
+    n_mlp = sum(type(m).__name__ == "LlamaMLP" for m in model.modules())
+    assert n_mlp and calls and max(calls) <= 4 and len(calls) >= 23 * n_mlp
 
 
 def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, capsys):

@@ -49,6 +49,30 @@ def test_matches_ref_and_cublas(shape, M, dtype, bias):
     assert _ulps_of_scale(y, F.linear(x, w, b)) <= 2, cfg
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", ["7b_gate_up", "05b_gate_up"])
+def test_fused_silu_equals_the_two_launches(shape, dtype):
+    """small_m_silu_linear (gate_up + SiLU-and-mul, one launch, BLOCK_N halved) gives the bits of the gate_up
+    small-M launch and activation.silu_and_mul, at every M bucket, eagerly and replayed from a CUDA graph."""
+    from hayabusa.kernels.activation import silu_and_mul
+    from hayabusa.kernels.small_m_linear import small_m_silu_config, small_m_silu_linear
+
+    for M in (1, 3, SMALL_M_MAX):
+        x, w, _ = _case(shape, M, dtype, bias=False, seed=M)
+        assert small_m_silu_config(M, w.shape[0] // 2, x.shape[1], x.device) is not None
+        two = silu_and_mul(small_m_linear(x, w))
+        one = small_m_silu_linear(x, w)
+        assert torch.equal(one, two), (M, float((one.float() - two.float()).abs().max()))
+        static_x = x.clone()
+        small_m_silu_linear(static_x, w)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = small_m_silu_linear(static_x, w)
+        static_x.copy_(x * 0.5)
+        graph.replay()
+        assert torch.equal(out, silu_and_mul(small_m_linear(x * 0.5, w)))
+
+
 @pytest.mark.parametrize("shape", ["7b_qkv", "7b_gate_up", "7b_down", "05b_lm_head"])
 def test_cuda_graph_replay_and_determinism(monkeypatch, shape):
     """Captured once per M, replayed on new rows: the eager bits (the split-K counters are zero again after each
