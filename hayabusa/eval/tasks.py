@@ -50,10 +50,11 @@ def score_run(task: str, items: list[EvalItem], texts: list[list[str] | None],
 def agreement(task: str, items: list[EvalItem], results: list[dict[str, Any]],
               ref_results: list[dict[str, Any]]) -> list[float | None]:
     """Per item: agreement of the answer with the reference's (field level for extraction, else 0/1); None when
-    either side has no output for the item."""
+    either side has no output for the item, or neither side's output had an answer (two unparsable outputs agree on
+    nothing: counted as agreeing, a run of garbage read as 1.000)."""
     out: list[float | None] = []
     for it, r, ref in zip(items, results, ref_results):
-        if "error" in r or "error" in ref:
+        if "error" in r or "error" in ref or (r["answer"] is None and ref["answer"] is None):
             out.append(None)
         elif task == "extraction":
             out.append(field_agreement(r["answer"], ref["answer"], it.gold))
