@@ -941,6 +941,16 @@ g_s21b() {  # for session 21, call 2: the engine-level CUDA tests with both deco
   HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 cuda_tests s21b_tests "${S21B_TESTS_S:-500}" tests/engine tests/models \
     tests/spec_decode tests/worker
 }
+g_s21c() {  # for session 21, call 3 (issue #24): where W4 at max_num_seqs 14 goes with int4 (0.64x bf16 in session 20)
+            # and int8 (0.98x): kernel profiles of the whole run, bf16 beside them
+  ensure_q7
+  local q
+  for q in none int4 int8; do
+    step "prof_q7_W4_$q" 100 40 python benchmarks/profile_decode.py --model "$Q7" --workload W4 --scale 0.25 \
+      --engine-args "{\"max_num_seqs\": 14, \"quantization\": $([ $q = none ] && echo null || echo "\"$q\"")}" \
+      --json "$OUT/prof_q7_W4_$q.json"
+  done
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
