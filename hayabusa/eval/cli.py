@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
 from typing import Any
 
@@ -40,7 +42,8 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                    help="engine or sampling argument values (repeatable: the grid is the product); the table's "
                         "'differ' column counts the items whose output token ids differ from the same setting "
-                        "at max_num_seqs=1 (e.g. --sweep max_num_seqs=1,14,16 shows batch effects)")
+                        "at max_num_seqs=1 (e.g. --sweep max_num_seqs=1,14,16 shows batch effects; without that "
+                        "run, from the first max_num_seqs=1 run, else the first run)")
     p.add_argument("--reference", default=None,
                    help="eval: 'hf' (Transformers greedy); fidelity: 'hf' (default) or 'hayabusa-bf16'")
     p.add_argument("--tolerance", type=float, default=0.02, help="flag settings this far below the reference")
@@ -97,6 +100,7 @@ def run_eval(ns: argparse.Namespace) -> int:
             from hayabusa.assets import receipts_data_path
 
             ns.data = receipts_data_path()
+        _check_task_flags(ns)
         return _run_tasks(ns)
     except HayabusaValidationError as e:
         print(f"hayabusa eval: error: {e}", file=sys.stderr)
@@ -104,6 +108,21 @@ def run_eval(ns: argparse.Namespace) -> int:
     except (FileNotFoundError, IsADirectoryError) as e:
         print(f"hayabusa eval: error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_task_flags(ns: argparse.Namespace) -> None:
+    """Refuse bad --data / --limit / --hf-batch-size / --tolerance before any model loads (a negative --limit
+    would otherwise slice items off the end, a negative --hf-batch-size turn every reference item into an error)."""
+    if not os.path.isfile(ns.data):
+        raise HayabusaValidationError(f"--data {ns.data!r}: no such file.", parameter="data", value=ns.data)
+    if ns.limit is not None and ns.limit < 1:
+        raise HayabusaValidationError(f"--limit {ns.limit}: must be at least 1.", parameter="limit", value=ns.limit)
+    if ns.hf_batch_size < 1:
+        raise HayabusaValidationError(f"--hf-batch-size {ns.hf_batch_size}: must be at least 1.",
+                                      parameter="hf_batch_size", value=ns.hf_batch_size)
+    if not (math.isfinite(ns.tolerance) and ns.tolerance >= 0):
+        raise HayabusaValidationError(f"--tolerance {ns.tolerance}: must be a finite number >= 0.",
+                                      parameter="tolerance", value=ns.tolerance)
 
 
 def _schemas(ns: argparse.Namespace, items: list) -> list | None:

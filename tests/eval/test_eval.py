@@ -355,3 +355,20 @@ def test_hf_reference_stops_where_max_model_len_stops_the_engine(stories_dir):
     assert [len(tok(t[0], add_special_tokens=False).input_ids) > 0 for t in hf.texts] == [True, True]
     assert hf.texts == engine.texts
     assert hf.output_tokens <= 16 + 4 and engine.output_tokens == hf.output_tokens
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--limit", "0"], "--limit 0"), (["--limit", "-2"], "--limit -2"),
+    (["--hf-batch-size", "0"], "--hf-batch-size 0"), (["--hf-batch-size", "-1"], "--hf-batch-size -1"),
+    (["--tolerance", "-1"], "--tolerance -1.0"), (["--tolerance", "nan"], "--tolerance nan"),
+    (["--data", "/nonexistent/items.jsonl"], "--data '/nonexistent/items.jsonl'")])
+def test_eval_refuses_bad_task_flags_by_name(flags, named, capsys):
+    """A negative --limit would slice items off the end, a negative --hf-batch-size make every reference item an
+    error, a negative --tolerance flag the reference itself and NaN never flag: each is refused before loading."""
+    from hayabusa.entrypoints.cli import main
+
+    argv = ["eval", "--data", str(DATA), "--task", "extraction", "--device", "cpu", "--no-tqdm", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"hayabusa eval: error: {named}:" in err
+    assert "no --model given" not in err               # refused before the model was even chosen
