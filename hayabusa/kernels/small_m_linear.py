@@ -172,7 +172,8 @@ def _small_m_silu_dot_kernel(x_ptr, w_ptr, out_ptr, M, D, K, stride_xm, stride_w
     combined by activation._silu_and_mul_kernel's operations: the same bits as the two launches."""
     pid_m, pid_n, pid_k, rows, m_mask, offs_n, n_mask, k_start, k_end, w_gate, x_rows = dot_tile_setup(
         x_ptr, w_ptr, M, D, K, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
-    w_up = w_gate + D.to(tl.int64) * stride_wn
+    # tl.cast, not D.to: on the GPU an int argument equal to 1 arrives as a constexpr (a Python int)
+    w_up = w_gate + tl.cast(D, tl.int64) * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_loop = 0

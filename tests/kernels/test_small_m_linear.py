@@ -414,3 +414,48 @@ def test_switch_reaches_models_built_on_the_host(stories_dir, monkeypatch, tp_pa
 
     assert build("bfloat16") and build("float16")
     assert not build("float32") and not build("bfloat16", switch="0") and not build("bfloat16", bi=True)
+
+
+
+_COMPILE_FOR_SM90 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import hayabusa.kernels.small_m_linear as sm
+D = int(sys.argv[1])
+sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "constexpr", "D": "i32", "K": "i32",
+       "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "EVEN_K": "constexpr", "DOT_FP32": "constexpr",
+       "BF16_BY_HAND": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+       "PDL": "constexpr"}
+consts = {"M": 1, "EVEN_K": True, "DOT_FP32": False, "BF16_BY_HAND": False, "BLOCK_M": 16, "BLOCK_N": 16,
+          "BLOCK_K": 64, "PDL": False}
+if D == 1:
+    sig.update(D="constexpr", stride_om="constexpr")
+    consts.update(D=1, stride_om=1)
+src = ASTSource(sm._small_m_silu_dot_kernel, sig, consts)
+try:
+    import triton.backends.nvidia  # noqa: F401
+except ImportError:
+    sys.exit(77)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+print("mma.sync.aligned.m16n8k16" in k.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("D", [1, 40])
+def test_fused_silu_kernel_compiles_for_the_gpu_with_any_d(D):
+    """On a GPU, Triton passes an int argument equal to 1 as a constexpr (a Python int): the fused kernel's
+    up-half offset must not call a tensor method on D, or a gate_up of 2 rows (D = 1) fails to compile there while
+    the interpreter (which does not specialize) runs it. Compiled for sm90 without a GPU (Triton's front end and
+    its bundled ptxas) in a process without TRITON_INTERPRET; M = 1 a constexpr too, as at every decode step."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, str(D)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode == 77 or "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip("no CUDA compiler in this Triton install")
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
