@@ -399,6 +399,6 @@ if os.environ.get(SMALL_M_TABLE_JSON_ENV):
     load_small_m_tables(os.environ[SMALL_M_TABLE_JSON_ENV], env=SMALL_M_TABLE_JSON_ENV)
 
 
-__all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables", "pick_small_m_config",
-           "silu_and_mul_small_m", "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref",
+__all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables",
+           "pick_small_m_config", "silu_and_mul_small_m", "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref",
            "small_m_enabled", "small_m_linear", "small_m_linear_ref"]

@@ -317,8 +317,8 @@ def test_engine_greedy_with_the_kernel_in_every_linear(stories_dir):
 def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, capsys):
     """bench_small_m_linear's --sweep summary: per (shape class, M bucket) the launch with the least time summed
     over the class's layers, and each layer's own fastest, printed and written with --table-json;
-    load_small_m_tables (what HAYABUSA_SMALL_M_TABLE_JSON does at import) then picks exactly them. The candidates are 'dot' launches with K
-    splits putting 1-12 programs on each of 132 SMs."""
+    load_small_m_tables (what HAYABUSA_SMALL_M_TABLE_JSON does at import) then picks exactly them. The candidates
+    are 'dot' launches with K splits putting 1-12 programs on each of 132 SMs."""
     import importlib.util
     from pathlib import Path
 
@@ -357,6 +357,36 @@ def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, 
     assert sm.pick_small_m_config(1, 3584, 3584, torch.device("cpu")).BLOCK_N == 128
     assert sm.pick_small_m_config(1, 3000, 3584, torch.device("cpu")).BLOCK_N == 128
 
+
+
+def test_sweep_per_layer_table_sums_the_rows_of_one_bucket(tmp_path, monkeypatch, capsys):
+    """SMALL_M_SHAPES from a sweep with two row counts in one M bucket (--m 2,4: both bucket 4): the layer's launch
+    is the one with the least time summed over both rows (as the class table sums its layers), written once, not
+    the last row's own fastest."""
+    import importlib.util
+    from pathlib import Path
+
+    import hayabusa.kernels.small_m_linear as sm
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_small_m_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_small_m_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a, b = ("dot", 16, 64, 64, 8, 4, 3), ("dot", 16, 128, 64, 4, 8, 3)
+
+    def row(M, ta, tb):
+        return dict(shape="7b", layer="qkv", K=3584, N=4608, M=M, copy_gb_s=4000.0, bytes=4608 * 3584 * 2,
+                    config=a, cublas_us=10.0, small_m_us=9.0, sweep_us={repr(a): ta, repr(b): tb})
+
+    out = tmp_path / "table.json"
+    bench.print_table([row(2, 3.0, 5.0), row(4, 4.1, 4.0)], str(out))      # a: 7.1 us in all, b: 9.0
+    printed = capsys.readouterr().out
+    assert printed.count("(4608, 3584, 4): ") == 1 and f"(4608, 3584, 4): {a!r}" in printed
+    shapes = {}
+    monkeypatch.setattr(sm, "SMALL_M_TABLE", dict(SMALL_M_TABLE))
+    monkeypatch.setattr(sm, "SMALL_M_SHAPES", shapes)
+    assert sm.load_small_m_tables(str(out)) == {"SMALL_M_TABLE": 1, "SMALL_M_SHAPES": 1}
+    assert shapes == {(4608, 3584, 4): a}
 
 def test_switch_reaches_every_lm_head():
     """Every registered architecture's lm_head goes through ``logits_linear`` (what the switch and batch-invariant
