@@ -197,6 +197,10 @@ def test_fused_silu_launch_and_refusals(device):
         with pytest.raises(ValueError, match=match):
             call()
     assert small_m_silu_linear(x[:0], w).shape == (0, 200)
+    # no default launch: 17 rows, or a "square" gate_up whose launch splits K; the error says so, naming cfg
+    for xx, ww in ((torch.cat([x] * 6), w), (x, w[:80].contiguous())):
+        with pytest.raises(ValueError, match=r"cfg: no fused launch for x \[\d+, 96\] and D = \d+ \(more than"):
+            small_m_silu_linear(xx, ww)
 
 
 def test_table_json_loads_dot_launches_only(tmp_path, monkeypatch):
@@ -387,6 +391,56 @@ def test_sweep_per_layer_table_sums_the_rows_of_one_bucket(tmp_path, monkeypatch
     monkeypatch.setattr(sm, "SMALL_M_SHAPES", shapes)
     assert sm.load_small_m_tables(str(out)) == {"SMALL_M_TABLE": 1, "SMALL_M_SHAPES": 1}
     assert shapes == {(4608, 3584, 4): a}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "mlp_bias"])
+def test_llama_mlp_fused_path_on_tensor_parallel_shards(monkeypatch, bias):
+    """LlamaMLP with SmallMLinearMethod: each tensor-parallel rank's gate_up shard ([gate rows | up rows] of its
+    slice, tensor_parallel._shard_mlp) gives, through the fused launch, exactly its columns of the whole MLP's
+    activation; a gate_up with a bias (mlp_bias) never takes the fused launch and matches the two steps; more than
+    16 rows take the two steps."""
+    import copy
+    from types import SimpleNamespace
+
+    import hayabusa.kernels.small_m_linear as sm
+    from hayabusa.model.layers.activation import silu_and_mul
+    from hayabusa.model.layers.tensor_parallel import _shard_mlp
+    from hayabusa.model.llama import LlamaMLP
+    from hayabusa.quantization.base import SmallMLinearMethod
+
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=256, hidden_act="silu")
+    mlp = LlamaMLP(cfg, bias, torch.bfloat16, torch.device("cpu"))
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32) / 8)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.quant_method = SmallMLinearMethod()
+    calls, acts = [], []
+    real = sm.small_m_silu_linear
+    monkeypatch.setattr(sm, "small_m_silu_linear", lambda x, w, cfg=None: calls.append(x.shape[0]) or real(x, w, cfg))
+
+    def run(m, x):
+        h = m.down_proj.register_forward_pre_hook(lambda mod, args: acts.append(args[0]))
+        try:
+            return m(x)
+        finally:
+            h.remove()
+
+    x = (torch.randn(5, 64) * 2).to(torch.bfloat16)
+    y = run(mlp, x)
+    two = silu_and_mul(mlp.gate_up_proj(x))
+    assert torch.equal(acts[-1], two) and calls == ([] if bias else [5])
+    assert torch.equal(y, mlp.down_proj(two))
+    whole = acts[-1]
+    for rank in range(2):
+        shard = copy.deepcopy(mlp)
+        _shard_mlp(shard.gate_up_proj, shard.down_proj, rank, 2, gated=True)
+        assert shard.gate_up_proj.weight.shape == (256, 64)
+        run(shard, x)
+        assert torch.equal(acts[-1], whole[:, rank * 128:(rank + 1) * 128])
+    assert calls == ([] if bias else [5, 5, 5])
+    x17 = torch.cat([x] * 4)[:17]
+    assert torch.equal(run(mlp, x17), mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x17)))) and len(calls) in (0, 3)
 
 def test_switch_reaches_every_lm_head():
     """Every registered architecture's lm_head goes through ``logits_linear`` (what the switch and batch-invariant
