@@ -42,7 +42,7 @@ from hayabusa.kernels.fp8_gemv import fp8_launch, fp8_m_bucket  # noqa: E402
 from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class  # noqa: E402
 from hayabusa.kernels.activation import silu_and_mul  # noqa: E402
 from hayabusa.kernels.small_m_linear import (  # noqa: E402
-    pick_small_m_config, small_m_linear, small_m_linear_ref, small_m_silu_linear,
+    pick_small_m_config, small_m_linear, small_m_linear_ref, small_m_silu_config, small_m_silu_linear,
 )
 
 SHAPES = {
@@ -91,7 +91,9 @@ def case(shape: str, layer: str, M: int, sweep: bool) -> dict:
                config=entry(pick_small_m_config(M, N, K, x.device)))
     for name, fn in (("cublas", lambda: F.linear(x, w)), ("small_m", lambda: small_m_linear(x, w))):
         row[name + "_us"] = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
-    if layer == "gate_up":   # the MLP's gate_up + SiLU-and-mul: two launches against the fused one
+    if layer == "gate_up" and small_m_silu_config(M, N // 2, K, x.device) is not None:
+        # the MLP's gate_up + SiLU-and-mul: two launches against the fused one (none where a loaded table's
+        # gate_up launch splits K: the engine then runs the two launches too)
         if not torch.equal(small_m_silu_linear(x, w), silu_and_mul(small_m_linear(x, w))):
             raise AssertionError(f"{shape} gate_up M={M}: the fused SiLU launch differs from the two launches")
         for name, fn in (("silu_two", lambda: silu_and_mul(small_m_linear(x, w))),
@@ -166,12 +168,14 @@ def print_table(rows: list[dict], table_json: str | None) -> None:
         print(f"    {key!r}: {table[key]},")
     print("}")
     print("SMALL_M_SHAPES: dict[tuple[int, int, int], tuple[str, int, int, int, int, int, int]] = {")
+    layers: dict[tuple[int, int, int], list[dict]] = {}
+    for r in swept:   # one layer shape's rows per M bucket (--m 2,4 gives bucket 4 two rows; two models may share one)
+        layers.setdefault((r["N"], r["K"], fp8_m_bucket(r["M"])), []).append(r)
     shapes = {}
-    for r in swept:   # each timed layer's own fastest launch, per M bucket
-        b = min(r["sweep_us"], key=r["sweep_us"].get)
-        shapes[(r["N"], r["K"], fp8_m_bucket(r["M"]))] = b
-        print(f"    ({r['N']}, {r['K']}, {fp8_m_bucket(r['M'])}): {b},  # {r['shape']} {r['layer']}: "
-              f"{r['sweep_us'][b]:.1f} us, cuBLAS {r['cublas_us']:.1f}")
+    for key, rs in layers.items():   # each timed layer's own fastest launch: class_cost's rule over its rows
+        b = shapes[key] = min(set().union(*(r["sweep_us"] for r in rs)), key=lambda e: (class_cost(rs, e), e))
+        print(f"    {key}: {b},  # " + ", ".join(f"{r['shape']} {r['layer']} M={r['M']}" for r in rs)
+              + f": {class_cost(rs, b):.1f} us, cuBLAS {sum(r['cublas_us'] for r in rs):.1f}")
     print("}")
     if table_json:  # what HAYABUSA_SMALL_M_TABLE_JSON loads (kernels/fp8_gemv.load_launch_tables)
         import ast
@@ -180,6 +184,7 @@ def print_table(rows: list[dict], table_json: str | None) -> None:
             "SMALL_M_TABLE": [[c, b, list(ast.literal_eval(e))] for (c, b), e in sorted(table.items())],
             "SMALL_M_SHAPES": [[n, k, b, list(ast.literal_eval(e))] for (n, k, b), e in sorted(shapes.items())]}))
         print(f"# wrote {table_json}: HAYABUSA_SMALL_M_TABLE_JSON={table_json} runs the engine with these launches")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

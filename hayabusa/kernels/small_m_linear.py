@@ -22,7 +22,9 @@ shape; stories260K's greedy ids identical on and off, logprobs within 0.061 nats
 small_m_silu_linear fuses an MLP's gate_up projection with its SiLU-and-mul (one launch instead of two; the MLP asks
 through the Linear method's ``apply_silu_and_mul``): a program holds BLOCK_N gate and BLOCK_N up columns, sums each
 as the plain kernel does, rounds both to the model dtype and applies activation.silu_and_mul's operations, so the
-result has the bits of the two launches. Only without a K split (the tables' gate_up launches have none).
+result has the bits of the two launches. Only without a K split: the tables' launches for a whole model's gate_up
+("wide", N >= 4K) have none; a narrower one's (e.g. a 7B's 4-way tensor-parallel shard, "square") split K, and such
+an MLP runs the two launches.
 
 Launches: SMALL_M_SHAPES keyed by a timed layer's (N, K, M bucket), else SMALL_M_TABLE keyed by (shape class, M
 bucket) as FP8Q_TABLE, entries checked by fp8_gemv.check_fp8_entry ("dot" only); no autotune (CUDA-graph safe, the
@@ -172,7 +174,8 @@ def _small_m_silu_dot_kernel(x_ptr, w_ptr, out_ptr, M, D, K, stride_xm, stride_w
     combined by activation._silu_and_mul_kernel's operations: the same bits as the two launches."""
     pid_m, pid_n, pid_k, rows, m_mask, offs_n, n_mask, k_start, k_end, w_gate, x_rows = dot_tile_setup(
         x_ptr, w_ptr, M, D, K, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
-    w_up = w_gate + D.to(tl.int64) * stride_wn
+    # tl.cast, not D.to: on the GPU an int argument equal to 1 arrives as a constexpr (a Python int)
+    w_up = w_gate + tl.cast(D, tl.int64) * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_loop = 0
@@ -313,8 +316,12 @@ def small_m_silu_linear(x: torch.Tensor, weight: torch.Tensor, cfg: LaunchConfig
     out = torch.empty((M, D), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    cfg = cfg or small_m_silu_config(M, D, K, x.device)
-    if cfg is None or cfg.kind != "dot" or cfg.SPLIT_K != 1 or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16:
+    if cfg is None:
+        cfg = small_m_silu_config(M, D, K, x.device)
+        if cfg is None:
+            raise ValueError(f"cfg: no fused launch for x [{M}, {K}] and D = {D} (more than SMALL_M_MAX = "
+                             f"{SMALL_M_MAX} rows, or the gate_up launch splits K); pass one or run the two launches")
+    if cfg.kind != "dot" or cfg.SPLIT_K != 1 or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16:
         raise ValueError(f"cfg must be a 'dot' launch with tiles >= 16 and SPLIT_K 1, got {cfg}")
     on_cpu = x.device.type == "cpu"
     grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(D, cfg.BLOCK_N))
@@ -356,9 +363,10 @@ def silu_and_mul_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             or weight.device != x.device or weight.stride(-1) != 1:
         return None
     x2 = x.reshape(rows, K)
-    if x2.stride(-1) != 1 or small_m_silu_config(rows, weight.shape[0] // 2, K, x.device) is None:
+    cfg = small_m_silu_config(rows, weight.shape[0] // 2, K, x.device)
+    if x2.stride(-1) != 1 or cfg is None:
         return None
-    return small_m_silu_linear(x2, weight).view(*x.shape[:-1], weight.shape[0] // 2)
+    return small_m_silu_linear(x2, weight, cfg).view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -398,6 +406,6 @@ if os.environ.get(SMALL_M_TABLE_JSON_ENV):
     load_small_m_tables(os.environ[SMALL_M_TABLE_JSON_ENV], env=SMALL_M_TABLE_JSON_ENV)
 
 
-__all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables", "pick_small_m_config",
-           "silu_and_mul_small_m", "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref",
-           "small_m_enabled", "small_m_linear", "small_m_linear_ref"]
+__all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables",
+           "pick_small_m_config", "silu_and_mul_small_m", "small_m_enabled", "small_m_linear", "small_m_linear_ref",
+           "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref"]

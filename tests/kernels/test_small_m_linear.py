@@ -197,6 +197,10 @@ def test_fused_silu_launch_and_refusals(device):
         with pytest.raises(ValueError, match=match):
             call()
     assert small_m_silu_linear(x[:0], w).shape == (0, 200)
+    # no default launch: 17 rows, or a "square" gate_up whose launch splits K; the error says so, naming cfg
+    for xx, ww in ((torch.cat([x] * 6), w), (x, w[:80].contiguous())):
+        with pytest.raises(ValueError, match=r"cfg: no fused launch for x \[\d+, 96\] and D = \d+ \(more than"):
+            small_m_silu_linear(xx, ww)
 
 
 def test_table_json_loads_dot_launches_only(tmp_path, monkeypatch):
@@ -317,8 +321,8 @@ def test_engine_greedy_with_the_kernel_in_every_linear(stories_dir):
 def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, capsys):
     """bench_small_m_linear's --sweep summary: per (shape class, M bucket) the launch with the least time summed
     over the class's layers, and each layer's own fastest, printed and written with --table-json;
-    load_small_m_tables (what HAYABUSA_SMALL_M_TABLE_JSON does at import) then picks exactly them. The candidates are 'dot' launches with K
-    splits putting 1-12 programs on each of 132 SMs."""
+    load_small_m_tables (what HAYABUSA_SMALL_M_TABLE_JSON does at import) then picks exactly them. The candidates
+    are 'dot' launches with K splits putting 1-12 programs on each of 132 SMs."""
     import importlib.util
     from pathlib import Path
 
@@ -357,6 +361,86 @@ def test_sweep_table_reaches_the_engine_through_the_json(tmp_path, monkeypatch, 
     assert sm.pick_small_m_config(1, 3584, 3584, torch.device("cpu")).BLOCK_N == 128
     assert sm.pick_small_m_config(1, 3000, 3584, torch.device("cpu")).BLOCK_N == 128
 
+
+
+def test_sweep_per_layer_table_sums_the_rows_of_one_bucket(tmp_path, monkeypatch, capsys):
+    """SMALL_M_SHAPES from a sweep with two row counts in one M bucket (--m 2,4: both bucket 4): the layer's launch
+    is the one with the least time summed over both rows (as the class table sums its layers), written once, not
+    the last row's own fastest."""
+    import importlib.util
+    from pathlib import Path
+
+    import hayabusa.kernels.small_m_linear as sm
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_small_m_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_small_m_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a, b = ("dot", 16, 64, 64, 8, 4, 3), ("dot", 16, 128, 64, 4, 8, 3)
+
+    def row(M, ta, tb):
+        return dict(shape="7b", layer="qkv", K=3584, N=4608, M=M, copy_gb_s=4000.0, bytes=4608 * 3584 * 2,
+                    config=a, cublas_us=10.0, small_m_us=9.0, sweep_us={repr(a): ta, repr(b): tb})
+
+    out = tmp_path / "table.json"
+    bench.print_table([row(2, 3.0, 5.0), row(4, 4.1, 4.0)], str(out))      # a: 7.1 us in all, b: 9.0
+    printed = capsys.readouterr().out
+    assert printed.count("(4608, 3584, 4): ") == 1 and f"(4608, 3584, 4): {a!r}" in printed
+    shapes = {}
+    monkeypatch.setattr(sm, "SMALL_M_TABLE", dict(SMALL_M_TABLE))
+    monkeypatch.setattr(sm, "SMALL_M_SHAPES", shapes)
+    assert sm.load_small_m_tables(str(out)) == {"SMALL_M_TABLE": 1, "SMALL_M_SHAPES": 1}
+    assert shapes == {(4608, 3584, 4): a}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "mlp_bias"])
+def test_llama_mlp_fused_path_on_tensor_parallel_shards(monkeypatch, bias):
+    """LlamaMLP with SmallMLinearMethod: each tensor-parallel rank's gate_up shard ([gate rows | up rows] of its
+    slice, tensor_parallel._shard_mlp) gives, through the fused launch, exactly its columns of the whole MLP's
+    activation; a gate_up with a bias (mlp_bias) never takes the fused launch and matches the two steps; more than
+    16 rows take the two steps."""
+    import copy
+    from types import SimpleNamespace
+
+    import hayabusa.kernels.small_m_linear as sm
+    from hayabusa.model.layers.activation import silu_and_mul
+    from hayabusa.model.layers.tensor_parallel import _shard_mlp
+    from hayabusa.model.llama import LlamaMLP
+    from hayabusa.quantization.base import SmallMLinearMethod
+
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=256, hidden_act="silu")
+    mlp = LlamaMLP(cfg, bias, torch.bfloat16, torch.device("cpu"))
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32) / 8)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.quant_method = SmallMLinearMethod()
+    calls, acts = [], []
+    real = sm.small_m_silu_linear
+    monkeypatch.setattr(sm, "small_m_silu_linear", lambda x, w, cfg=None: calls.append(x.shape[0]) or real(x, w, cfg))
+
+    def run(m, x):
+        h = m.down_proj.register_forward_pre_hook(lambda mod, args: acts.append(args[0]))
+        try:
+            return m(x)
+        finally:
+            h.remove()
+
+    x = (torch.randn(5, 64) * 2).to(torch.bfloat16)
+    y = run(mlp, x)
+    two = silu_and_mul(mlp.gate_up_proj(x))
+    assert torch.equal(acts[-1], two) and calls == ([] if bias else [5])
+    assert torch.equal(y, mlp.down_proj(two))
+    whole = acts[-1]
+    for rank in range(2):
+        shard = copy.deepcopy(mlp)
+        _shard_mlp(shard.gate_up_proj, shard.down_proj, rank, 2, gated=True)
+        assert shard.gate_up_proj.weight.shape == (256, 64)
+        run(shard, x)
+        assert torch.equal(acts[-1], whole[:, rank * 128:(rank + 1) * 128])
+    assert calls == ([] if bias else [5, 5, 5])
+    x17 = torch.cat([x] * 4)[:17]
+    assert torch.equal(run(mlp, x17), mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x17)))) and len(calls) in (0, 3)
 
 def test_switch_reaches_every_lm_head():
     """Every registered architecture's lm_head goes through ``logits_linear`` (what the switch and batch-invariant
@@ -414,3 +498,48 @@ def test_switch_reaches_models_built_on_the_host(stories_dir, monkeypatch, tp_pa
 
     assert build("bfloat16") and build("float16")
     assert not build("float32") and not build("bfloat16", switch="0") and not build("bfloat16", bi=True)
+
+
+
+_COMPILE_FOR_SM90 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import hayabusa.kernels.small_m_linear as sm
+D = int(sys.argv[1])
+sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "constexpr", "D": "i32", "K": "i32",
+       "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "EVEN_K": "constexpr", "DOT_FP32": "constexpr",
+       "BF16_BY_HAND": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+       "PDL": "constexpr"}
+consts = {"M": 1, "EVEN_K": True, "DOT_FP32": False, "BF16_BY_HAND": False, "BLOCK_M": 16, "BLOCK_N": 16,
+          "BLOCK_K": 64, "PDL": False}
+if D == 1:
+    sig.update(D="constexpr", stride_om="constexpr")
+    consts.update(D=1, stride_om=1)
+src = ASTSource(sm._small_m_silu_dot_kernel, sig, consts)
+try:
+    import triton.backends.nvidia  # noqa: F401
+except ImportError:
+    sys.exit(77)
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+print("mma.sync.aligned.m16n8k16" in k.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("D", [1, 40])
+def test_fused_silu_kernel_compiles_for_the_gpu_with_any_d(D):
+    """On a GPU, Triton passes an int argument equal to 1 as a constexpr (a Python int): the fused kernel's
+    up-half offset must not call a tensor method on D, or a gate_up of 2 rows (D = 1) fails to compile there while
+    the interpreter (which does not specialize) runs it. Compiled for sm90 without a GPU (Triton's front end and
+    its bundled ptxas) in a process without TRITON_INTERPRET; M = 1 a constexpr too, as at every decode step."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, str(D)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode == 77 or "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip("no CUDA compiler in this Triton install")
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
