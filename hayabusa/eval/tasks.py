@@ -47,14 +47,25 @@ def score_run(task: str, items: list[EvalItem], texts: list[list[str] | None],
     return out
 
 
+def _has_answer(task: str, answer: Any, gold: Any) -> bool:
+    """An answer to compare: for extraction a JSON value holding at least one of the gold fields."""
+    if answer is None:
+        return False
+    if task != "extraction":
+        return True
+    fields = flatten(answer)
+    return any(p in fields for p in flatten(gold))
+
+
 def agreement(task: str, items: list[EvalItem], results: list[dict[str, Any]],
               ref_results: list[dict[str, Any]]) -> list[float | None]:
     """Per item: agreement of the answer with the reference's (field level for extraction, else 0/1); None when
-    either side has no output for the item, or neither side's output had an answer (two unparsable outputs agree on
-    nothing: counted as agreeing, a run of garbage read as 1.000)."""
+    either side has no output for the item, or neither side's output had an answer (extraction: no gold field in
+    either; two unparsable outputs agree on nothing: counted as agreeing, a run of garbage read as 1.000)."""
     out: list[float | None] = []
     for it, r, ref in zip(items, results, ref_results):
-        if "error" in r or "error" in ref or (r["answer"] is None and ref["answer"] is None):
+        if "error" in r or "error" in ref or not (_has_answer(task, r["answer"], it.gold)
+                                                 or _has_answer(task, ref["answer"], it.gold)):
             out.append(None)
         elif task == "extraction":
             out.append(field_agreement(r["answer"], ref["answer"], it.gold))

@@ -138,6 +138,11 @@ def test_score_runs_flags_drops_and_keeps_error_rows():
     # two runs with no parsable answer have no agreement to report (None, "-" in the table), not 1.0
     res2 = _score_runs("extraction", items, [broken, broken], tolerance=0.02)
     assert res2.rows[1]["agreement"] is None and res2.rows[1]["text_agreement"] == 1.0
+    # nor has a run whose JSON holds none of the gold fields against an unparsable one; one gold field present
+    # on one side is an answer to compare (0 of 1 field agrees)
+    empty = RunOutput("max_num_seqs=2", "hayabusa", {}, texts=[['{"b": 1}']] * 4, elapsed_s=0.5, output_tokens=40)
+    assert _score_runs("extraction", items, [broken, empty], tolerance=0.02).rows[1]["agreement"] is None
+    assert _score_runs("extraction", items, [empty, same], tolerance=0.02).rows[1]["agreement"] == 0.0
     assert res.rows[1]["seconds_per_item"] == 0.25 and res.rows[1]["output_throughput"] == 40.0
     assert len(res.records) == 12                          # 3 runs that produced output x 4 items
     # items refused before running (a prompt over max_model_len) took no time: s/item is over the items that ran
