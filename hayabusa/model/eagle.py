@@ -182,7 +182,7 @@ def build_eagle_head(head_config, target: nn.Module, device: torch.device,
             a missing one, a shape that does not fit), naming ``speculative_config`` and the head's folder.
     """
     from hayabusa.errors import HayabusaValidationError
-    from hayabusa.model.loader import load_weights
+    from hayabusa.model.loader import load_weights, maybe_use_small_m_linears
 
     names = {EagleHead.rename_checkpoint_key(n) for n in head_config.tensor_names()}
     flags = eagle_head_tensor_flags(names)
@@ -199,6 +199,9 @@ def build_eagle_head(head_config, target: nn.Module, device: torch.device,
             f"speculative_config: {where} is not a {head_config.method} head for this target ({e}); give the "
             "folder of an EAGLE / EAGLE-3 head trained for this model in speculative_config['model'].",
             parameter="speculative_config", value=where) from None
+    # HAYABUSA_SMALL_M_LINEAR reaches the head's own layers as the target's (never in batch-invariant mode: it
+    # refuses speculative decoding); the head's lm_head (EAGLE-3) is one of its Linears
+    maybe_use_small_m_linears(head, head_config, device)
     return head.eval()
 
 

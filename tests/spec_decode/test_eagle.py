@@ -109,6 +109,33 @@ def test_public_tensor_names_load(heads, arch, method):
         assert a.qkv_proj.in_features == 2 * model.hidden_size
 
 
+def test_small_m_switch_reaches_the_heads_own_layers(heads, monkeypatch):
+    """HAYABUSA_SMALL_M_LINEAR=1 puts the small-M kernel into the head's own Linears (EAGLE-3's fc, attention, MLP
+    and draft lm_head), as into the target's ("cpu" stands in for CUDA; the kernel runs in Triton's interpreter),
+    and greedy output with speculation is unchanged against the switch off in the same dtype."""
+    from hayabusa.model import loader
+    from hayabusa.model.layers.linear import Linear
+    from hayabusa.quantization.base import SmallMLinearMethod
+
+    target, head = heads[("llama", "eagle3")]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(loader, "SMALL_M_DEVICE_TYPES", ("cpu",))
+    outs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", switch)
+        llm = LLM(target, device="cpu", dtype="bfloat16", max_num_seqs=4, speculative_config=_spec("eagle3", head))
+        linears = [m for m in llm.llm_engine.runner.draft.head.modules() if isinstance(m, Linear)]
+        assert len(linears) >= 5
+        assert all((type(m.quant_method) is SmallMLinearMethod) == (switch == "1") for m in linears)
+        # the target's lm_head (a 99k vocabulary) back on F.linear: through the interpreter it alone takes minutes
+        llm.llm_engine.runner.model.logits_linear = torch.nn.functional.linear
+        # few tokens: every interpreted launch costs milliseconds here
+        outs[switch] = _ids(llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                                         use_tqdm=False))
+        assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+    assert outs["1"] == outs["0"]
+
+
 def test_eagle3_proposals_are_target_ids(heads):
     """A reduced draft vocabulary maps back through d2t: every proposal is one of the 300 mapped target ids."""
     from safetensors.torch import load_file
