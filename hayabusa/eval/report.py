@@ -78,7 +78,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if isinstance(line, tuple):   # error row: the message spans the number columns
             out.append(f"{line[0].ljust(widths[0])}  {line[1].ljust(widths[1])}  {line[2]}  {line[3]}".rstrip())
             continue
-        out.append("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
+        last = len(line) - 1       # setting, engine and flag read left to right; the numbers right-aligned
+        out.append("  ".join(c.ljust(w) if j < 2 or j == last else c.rjust(w)
+                             for j, (c, w) in enumerate(zip(line, widths))).rstrip())
         if len(out) == 1:
             out.append("-" * len(out[0]))
     return "\n".join(out)

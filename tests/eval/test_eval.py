@@ -153,6 +153,10 @@ def test_score_runs_flags_drops_and_keeps_error_rows():
 
     table = format_table(res.rows)
     assert "error: HayabusaValidationError: no" in table and "DROP" in table
+    header, rule, *body = table.splitlines()
+    # the flag column starts where its header does (left-aligned), rows carry no trailing blanks
+    drop = next(line for line in body if "DROP" in line)
+    assert drop.index("DROP") == header.index("flag") and all(line == line.rstrip() for line in body)
 
 
 def test_plot_and_wandb_say_what_is_missing(monkeypatch, tmp_path):
