@@ -330,7 +330,9 @@ def test_hayabusa_eval_on_the_bundled_receipts(tmp_path, capsys):
                  "--no-tqdm", "--json", str(summary)]) == 0
     rows = {r["setting"]: r for r in json.loads(summary.read_text())["rows"]}
     ours = rows["default"]
-    assert ours["num_errors"] == 0 and ours["agreement"] == 1.0 and ours["text_agreement"] == 1.0
+    # random weights: the texts agree exactly; answer agreement is 1.0, or None (-) where no answer parses on either
+    # side (there is then no answer to compare)
+    assert ours["num_errors"] == 0 and ours["agreement"] in (None, 1.0) and ours["text_agreement"] == 1.0
     assert not rows["hf (reference)"].get("error")
 
 
@@ -350,7 +352,7 @@ def test_hayabusa_eval_max_model_len_bounds_the_decoder_only(tmp_path):
     rows = {r["setting"]: r for r in json.loads(summary.read_text())["rows"]}
     ours, hf = rows["default"], rows["hf (reference)"]
     assert ours["num_errors"] == 0 and hf["num_errors"] == 0 and not hf.get("error")
-    assert ours["agreement"] == 1.0 and ours["text_agreement"] == 1.0
+    assert ours["agreement"] in (None, 1.0) and ours["text_agreement"] == 1.0     # None: no answer on either side
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) == 2 * 5 and all(r["outputs"] is not None and r.get("error") is None for r in recs)
 
