@@ -921,12 +921,13 @@ g_s20b() {  # session 20, call 5 (the last 300 s): the fp8 default's W3 in this 
   bench_step q7_W3_default2 50 30 --workload W3 --model "$Q7" --scale 0.5
   HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_both2 50 30 --workload W3 --model "$Q7" --scale 0.5
 }
-g_s21a() {  # for session 21, call 1 (issue #25): the fused gate_up + SiLU-and-mul small-M launch (built in session 20,
-            # bit-identical to the two launches on CPU): its CUDA tests with the rest of the small-M and PDL tests, its
-            # micro-benchmark against the two launches, then W3 on both shapes with both switches (the fusion on)
-            # against the default
-  cuda_tests s21a_tests "${S21A_TESTS_S:-200}" -rA tests/kernels/test_small_m_linear_cuda.py \
-    tests/kernels/test_pdl_cuda.py
+g_s21a() {  # for session 21, call 1 (issue #25): what session 20 built after its device time: the fused gate_up +
+            # SiLU-and-mul small-M launch and HAYABUSA_FP8_CONSUMER_QUANT (both bit-identical to what they replace on
+            # CPU): their CUDA tests with the rest of the small-M and PDL tests, the fused launch's micro-benchmark,
+            # then W3 on both shapes with both switches against the default, and 7b fp8 with and without the consumer
+            # quantizing
+  cuda_tests s21a_tests "${S21A_TESTS_S:-230}" -rA tests/kernels/test_small_m_linear_cuda.py \
+    tests/kernels/test_pdl_cuda.py tests/kernels/test_fp8_consumer_quant_cuda.py
   step small_m_silu 60 20 bash -c "python benchmarks/kernels/bench_small_m_linear.py --layers gate_up \
     --json '$OUT/small_m_silu.json' 2>&1 | grep -v '^# .* done'"
   ensure_q05
@@ -935,6 +936,11 @@ g_s21a() {  # for session 21, call 1 (issue #25): the fused gate_up + SiLU-and-m
   ensure_q7
   bench_step q7_W3_default 60 30 --workload W3 --model "$Q7" --scale 0.5
   HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_both_silu 60 30 --workload W3 --model "$Q7" --scale 0.5
+  # fp8: the consumer quantizing its own tiles (HAYABUSA_FP8_CONSUMER_QUANT) with the two switches, and without it
+  HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_fp8_both 60 30 --workload W3 --model "$Q7" --scale 0.5 \
+    --quantization fp8
+  HAYABUSA_FP8_CONSUMER_QUANT=1 HAYABUSA_PDL=1 HAYABUSA_SMALL_M_LINEAR=1 bench_step q7_W3_fp8_consumer 60 30 \
+    --workload W3 --model "$Q7" --scale 0.5 --quantization fp8
 }
 g_s21b() {  # for session 21, call 2: the engine-level CUDA tests with both decode switches on (what must hold before
             # they become defaults: greedy against HF, CUDA graphs against eager, speculative decoding, the models)

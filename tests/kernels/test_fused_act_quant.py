@@ -131,3 +131,65 @@ def test_rms_norm_quant_refuses_a_bad_eps_and_other_devices_by_name(device):
         rms_norm_quant([[1.0]], None, w, 1e-6, "fp8")
     q, s, _ = rms_norm_quant(x, None, w, 0, "int8")
     assert q.shape == (2, 64) and bool(torch.isfinite(s).all())
+
+
+# ------------------------------------------------------------- deferred quantization (the consumer quantizes)
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_amax_forms_then_quantize_cols_are_the_one_call(device, T):
+    """rms_norm_amax / silu_and_mul_amax (the column-parallel first launch alone) then quantize_cols give the bits
+    of rms_norm_quant / silu_and_mul_quant; the normed rows and the new residual are fused_add_rms_norm's."""
+    from hayabusa.kernels.fused_act_quant import quantize_cols, rms_norm_amax, silu_and_mul_amax
+
+    g = torch.Generator().manual_seed(T)
+    bf = torch.bfloat16
+    x = torch.randn(T, 200, generator=g).to(bf).to(device)
+    res = torch.randn(T, 200, generator=g).to(bf).to(device)
+    w = (torch.rand(200, generator=g) + 0.5).to(bf).to(device)
+    h, amax, r = rms_norm_amax(x, res, w, 1e-6)
+    xq, s, r2 = rms_norm_quant(x, res, w, 1e-6, "fp8")
+    out, r3 = fused_add_rms_norm(x, res, w, 1e-6)
+    assert amax.shape == (T, 1) and torch.equal(h, out) and torch.equal(r, r2) and torch.equal(r, r3)
+    q2, s2 = quantize_cols(h, amax, "fp8")
+    assert torch.equal(q2.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(s2, s)
+    gu = torch.randn(T, 2 * 2100, generator=g).to(bf).to(device)      # 3 column blocks of 1,024
+    h, amax = silu_and_mul_amax(gu)
+    assert amax.shape == (T, 3) and torch.equal(h, silu_and_mul(gu))
+    xq, s = silu_and_mul_quant(gu, "fp8")
+    q2, s2 = quantize_cols(h, amax, "fp8")
+    assert torch.equal(q2.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(s2, s)
+    with pytest.raises(ValueError, match="1..16 rows"):
+        silu_and_mul_amax(torch.cat([gu] * 17)[:17])
+    with pytest.raises(ValueError, match="1..16 rows"):
+        rms_norm_amax(torch.cat([x] * 17)[:17], None, w, 1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_fp8_consumer_quantizing_from_amax_partials_is_the_xq_launch(device, T):
+    """fp8_small_m_linear(h, x_amax=amax) (the consumer quantizes its own tiles from the producer's amax partials)
+    gives the bits of the XQ launch on the producer's quantized rows, for the norm's one partial per row and
+    SiLU-and-mul's three, split-K and not."""
+    from hayabusa.kernels.fp8_gemv import fp8_small_m_linear
+    from hayabusa.kernels.fp8_quant import per_token_quant_fp8_ref
+    from hayabusa.kernels.fused_act_quant import quantize_cols, rms_norm_amax, silu_and_mul_amax
+    from hayabusa.kernels.quant_linear import LaunchConfig
+
+    g = torch.Generator().manual_seed(T)
+    bf = torch.bfloat16
+    x = torch.randn(T, 200, generator=g).to(bf).to(device)
+    w8 = (torch.rand(200, generator=g) + 0.5).to(bf).to(device)
+    gu = torch.randn(T, 2 * 2100, generator=g).to(bf).to(device)
+    cases = [rms_norm_amax(x, None, w8, 1e-6)[:2], silu_and_mul_amax(gu)]
+    for (h, amax), split in zip(cases, (1, 3)):
+        K = h.shape[1]
+        wq, sw = per_token_quant_fp8_ref(torch.randn(72, K, generator=g) / 10)
+        wq, sw = wq.to(device), sw.view(-1).contiguous().to(device)
+        cfg = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=split, num_warps=4, num_stages=2)
+        xq, s = quantize_cols(h, amax, "fp8")
+        ref = fp8_small_m_linear(xq, wq, sw, None, x_scale=s, out_dtype=bf, cfg=cfg)
+        y = fp8_small_m_linear(h, wq, sw, None, x_amax=amax, cfg=cfg)
+        assert y.dtype == bf and torch.equal(y, ref), float((y.float() - ref.float()).abs().max())
+    h, amax = cases[0]
+    for bad, match in (({"x_amax": amax[:, :0]}, "x_amax must be"), ({"x_amax": amax.double()}, "x_amax must be"),
+                       ({"x_amax": amax, "input_scale": torch.ones(1, device=device)}, "x_amax must be")):
+        with pytest.raises(ValueError, match=match):
+            fp8_small_m_linear(h, wq[:, :200].contiguous(), sw, None, **bad)

@@ -169,3 +169,71 @@ def test_greedy_ids_are_the_same_with_the_fusion_on_and_off(model, quantization,
     # 4 linears a layer, 3 of them (qkv, gate_up, down) fed by a fused producer; o_proj's input is attention's
     assert n_calls == n_calls_off > 0 and n_fused_off == 0
     assert n_fused * 4 == n_calls * 3, (n_fused, n_calls)
+
+
+# ------------------------------------------------------------------ HAYABUSA_FP8_CONSUMER_QUANT: the deferred form
+def test_deferred_activation_quantizes_on_first_use_with_the_producers_bits(monkeypatch):
+    """QuantizedActivation.deferred(h, amax) holds the producer's rows before its second launch: its shape is the
+    activation's, reading xq / scale runs quantize_cols once (rms_norm_quant's bits), and an FP8 linear that does
+    not take the small-M kernel (here: CPU) gives the bits of the already-quantized activation."""
+    from hayabusa.kernels.fused_act_quant import quantize_cols, rms_norm_amax, rms_norm_quant
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 96, generator=g).to(torch.bfloat16)
+    w = (torch.rand(96, generator=g) + 0.5).to(torch.bfloat16)
+    h, amax, _ = rms_norm_amax(x, None, w, 1e-6)
+    qa = QuantizedActivation.deferred(h, amax, "fp8")
+    assert qa.is_deferred and qa.shape == (3, 96) and qa.dtype == torch.bfloat16 and "deferred" in repr(qa)
+    calls = []
+    monkeypatch.setattr("hayabusa.kernels.fused_act_quant.quantize_cols",
+                        lambda *a: calls.append(1) or quantize_cols(*a))
+    xq, s, _ = rms_norm_quant(x, None, w, 1e-6, "fp8")
+    assert torch.equal(qa.xq.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(qa.scale, s)
+    assert not qa.is_deferred and len(calls) == 1
+    layer = _layer(Fp8LinearMethod(False), 96, 40, False)
+    fresh = QuantizedActivation.deferred(h, amax, "fp8")
+    assert torch.equal(layer(fresh), layer(QuantizedActivation(xq, s, torch.bfloat16, "fp8")))
+
+
+def test_fp8_linear_takes_the_amax_partials_where_it_takes_the_xq_launch(monkeypatch):
+    """Where the FP8 method sends quantized rows to the small-M kernel's XQ launch (sm89+, bf16, 1-16 rows: forced
+    here), a deferred activation goes to the same kernel with its amax partials (x_amax) instead, never quantized
+    first, and gives the XQ launch's bits."""
+    from hayabusa.kernels import fp8_gemv
+    from hayabusa.kernels.fused_act_quant import silu_and_mul_amax, silu_and_mul_quant
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    layer = _layer(Fp8LinearMethod(False), 2100, 40, True)
+    monkeypatch.setattr(Fp8LinearMethod, "_takes_xq_launch", staticmethod(lambda layer, M, dtype: True))
+    seen = []
+    real = fp8_gemv.fp8_small_m_linear
+    monkeypatch.setattr(fp8_module, "fp8_small_m_linear", lambda *a, **k: seen.append(sorted(k)) or real(*a, **k))
+    gu = (torch.randn(4, 4200, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    qa = QuantizedActivation.deferred(*silu_and_mul_amax(gu), "fp8")
+    y = layer(qa)
+    assert qa.is_deferred and seen == [["x_amax"]]
+    xq, s = silu_and_mul_quant(gu, "fp8")
+    assert torch.equal(y, layer(QuantizedActivation(xq, s, torch.bfloat16, "fp8")))
+
+
+def test_consumer_quant_switch_where_it_applies(monkeypatch):
+    """fp8_consumer_quant: off by default; with the switch, "fp8" rows on CUDA, 1..16 of them; never int8, never on
+    CPU. A value that is not a switch is refused at import, naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    if "HAYABUSA_FP8_CONSUMER_QUANT" not in os.environ:
+        assert act_quant.FP8_CONSUMER_QUANT is False
+    monkeypatch.setattr(act_quant, "FP8_CONSUMER_QUANT", True)
+    cuda = torch.device("cuda")
+    assert act_quant.fp8_consumer_quant("fp8", 1, cuda) and act_quant.fp8_consumer_quant("fp8", 16, cuda)
+    assert not act_quant.fp8_consumer_quant("fp8", 17, cuda) and not act_quant.fp8_consumer_quant("int8", 1, cuda)
+    assert not act_quant.fp8_consumer_quant("fp8", 1, CPU)
+    monkeypatch.setattr(act_quant, "FP8_CONSUMER_QUANT", False)
+    assert not act_quant.fp8_consumer_quant("fp8", 1, cuda)
+    env = {**os.environ, "HAYABUSA_FP8_CONSUMER_QUANT": "later"}
+    p = subprocess.run([sys.executable, "-c", "import hayabusa.quantization.act_quant"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "HAYABUSA_FP8_CONSUMER_QUANT" in p.stderr
