@@ -295,11 +295,11 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
         ValueError: naming the argument (x, kind) on a bad shape, dtype, stride or kind.
     No host sync: safe to capture in a CUDA graph. On CPU it needs TRITON_INTERPRET=1.
     """
-    qdtype, consts = _kind_args(kind, x.device)
     if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] % 2 or x.shape[1] == 0
             or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1):
         raise ValueError(f"x must be [T, 2D] float32/float16/bfloat16 with D > 0 and unit last stride, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    qdtype, consts = _kind_args(kind, x.device)     # after x's check: a non-tensor x is named, not x.device
     T, D = x.shape[0], x.shape[1] // 2
     if 0 < T <= COLUMN_PARALLEL_MAX_T:
         return _quantize_cols(*_silu_and_mul_amax_launch(x), qdtype, consts)
@@ -339,7 +339,18 @@ def silu_and_mul_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_cols(h: torch.Tensor, amax: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The column-parallel producers' second launch: h [T, D] (model dtype) and its amax partials [T, P] ->
     (xq [T, D], s [T, 1]) per token ("int8" / "fp8"). What a deferred QuantizedActivation runs when a consumer
-    reads its quantized rows."""
+    reads its quantized rows. Raises ValueError naming h, amax or kind: h must be [T, D > 0] float32 / float16 /
+    bfloat16 contiguous (the kernel reads row t at t * D), amax [T, P >= 1] float32 contiguous on h's device."""
+    if (not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] == 0 or h.dtype not in FLOAT_DTYPES
+            or not h.is_contiguous()):
+        got = (tuple(h.shape), h.dtype, h.stride()) if isinstance(h, torch.Tensor) else type(h).__name__
+        raise ValueError(f"h must be [T, D > 0] float32/float16/bfloat16 contiguous, got {got}")
+    if (not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or amax.dim() != 2
+            or amax.shape[0] != h.shape[0] or amax.shape[1] < 1 or not amax.is_contiguous()
+            or amax.device != h.device):
+        got = ((tuple(amax.shape), amax.dtype, str(amax.device)) if isinstance(amax, torch.Tensor)
+               else type(amax).__name__)
+        raise ValueError(f"amax must be [T={h.shape[0]}, P >= 1] float32 contiguous on {h.device}, got {got}")
     qdtype, consts = _kind_args(kind, h.device)
     return _quantize_cols(h, amax, qdtype, consts)
 

@@ -67,7 +67,17 @@ class QuantizedActivation:
 
     @classmethod
     def deferred(cls, h: torch.Tensor, amax: torch.Tensor, kind: str) -> "QuantizedActivation":
-        """The producer's rows h [M, K] (model dtype) and amax partials [M, P], quantized on first use."""
+        """The producer's rows h [M, K] (model dtype) and amax partials [M, P], quantized on first use. Raises
+        ValueError naming kind (not one of ACT_QUANT_KINDS), h or amax (not tensors of M rows) here, not at the
+        first read."""
+        if kind not in ACT_QUANT_KINDS:
+            raise ValueError(f"kind must be one of {ACT_QUANT_KINDS}, got {kind!r}")
+        if not isinstance(h, torch.Tensor) or h.dim() != 2:
+            raise ValueError(f"h must be a [M, K] tensor, got "
+                             f"{tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__}")
+        if not isinstance(amax, torch.Tensor) or amax.dim() != 2 or amax.shape[0] != h.shape[0]:
+            raise ValueError(f"amax must be a [M={h.shape[0]}, P] tensor, got "
+                             f"{tuple(amax.shape) if isinstance(amax, torch.Tensor) else type(amax).__name__}")
         return cls(None, None, h.dtype, kind, h=h, amax=amax)
 
     @property
@@ -152,5 +162,6 @@ def quantize_ref(t: torch.Tensor, kind: str) -> QuantizedActivation:
     return QuantizedActivation(xq, s, t.dtype, kind)
 
 
-__all__ = ["QuantizedActivation", "input_quant_of", "fused_act_quant_enabled", "quantize_ref", "ACT_QUANT_KINDS",
+__all__ = ["QuantizedActivation", "input_quant_of", "fused_act_quant_enabled", "fp8_consumer_quant", "quantize_ref",
+           "ACT_QUANT_KINDS", "FP8_CONSUMER_QUANT",
            "USE_FUSED_ACT_QUANT", "USE_FUSED_ACT_QUANT_CUDA"]

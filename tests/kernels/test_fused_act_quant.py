@@ -193,3 +193,57 @@ def test_fp8_consumer_quantizing_from_amax_partials_is_the_xq_launch(device, T):
                        ({"x_amax": amax, "input_scale": torch.ones(1, device=device)}, "x_amax must be")):
         with pytest.raises(ValueError, match=match):
             fp8_small_m_linear(h, wq[:, :200].contiguous(), sw, None, **bad)
+
+
+def test_quantize_cols_refuses_what_its_kernel_would_misread_by_name(device):
+    """quantize_cols (public: the deferred activation's second launch) reads row t of h at t * D and amax at t * P:
+    a strided h or an amax of other rows was quantized silently wrong (or read out of bounds); now refused naming
+    h / amax / kind. silu_and_mul_quant names a non-tensor x (it read x.device for the kind first)."""
+    from hayabusa.kernels.fused_act_quant import quantize_cols, silu_and_mul_amax
+
+    gu = _rows(3, 2 * 1100, torch.bfloat16, 7, device)
+    h, amax = silu_and_mul_amax(gu)
+    want = quantize_cols(h, amax, "fp8")
+    for args, match in (((h.t().contiguous().t(), amax), "h must be"), (([[1.0]], amax), "h must be"),
+                        ((h[:, :0], amax), "h must be"), ((h.to(torch.int32), amax), "h must be"),
+                        ((h, amax[:1]), r"amax must be \[T=3"), ((h, amax.t().contiguous().t()), "amax must be"),
+                        ((h, amax.double()), "amax must be"), ((h, amax[:, :0]), "amax must be")):
+        with pytest.raises(ValueError, match=match):
+            quantize_cols(*args, "fp8")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        quantize_cols(h, amax, "fp4")
+    _assert_same(quantize_cols(h.clone(), amax.clone(), "fp8"), want)   # a good call still gives the same bits
+    with pytest.raises(ValueError, match="x must be"):
+        silu_and_mul_quant([[1.0, 2.0]], "fp8")
+
+
+def test_fp8_consumer_from_amax_partials_gemv_padded_bias_fp16(device):
+    """fp8_small_m_linear's x_amax on what the engine's table never sends it but a loaded table or cfg may: the
+    "gemv" kind (1 / 4 rows a program, split-K, rows of a tile beyond M), a weight padded to K' > K, a bias, an fp16
+    x: the XQ launch's bits on quantize_cols' rows, the same cfg. An e4m3 x or a static scale with x_amax is
+    refused, naming which."""
+    from hayabusa.kernels.fp8_gemv import fp8_small_m_linear
+    from hayabusa.kernels.fp8_quant import per_token_quant_fp8_ref
+    from hayabusa.kernels.fused_act_quant import quantize_cols, silu_and_mul_amax
+    from hayabusa.kernels.quant_linear import LaunchConfig
+
+    g = torch.Generator().manual_seed(5)
+    for dtype, T, cfg in ((torch.bfloat16, 3, LaunchConfig("gemv", BLOCK_M=4, BLOCK_N=16, BLOCK_K=256, SPLIT_K=3,
+                                                           num_warps=4, num_stages=1)),
+                          (torch.float16, 2, LaunchConfig("gemv", BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1,
+                                                          num_warps=4, num_stages=1))):
+        gu = (torch.randn(T, 2 * 1100, generator=g) * 3).to(dtype).to(device)   # 2 column blocks of 1,024
+        h, amax = silu_and_mul_amax(gu)
+        wq, sw = per_token_quant_fp8_ref(torch.randn(24, 1100 + 20, generator=g) / 10)   # K' = K + 20
+        wq, sw = wq.to(device), sw.view(-1).contiguous().to(device)
+        b = torch.randn(24, generator=g).to(dtype).to(device)
+        xq, s = quantize_cols(h, amax, "fp8")
+        ref = fp8_small_m_linear(xq, wq, sw, b, x_scale=s, out_dtype=dtype, cfg=cfg)
+        y = fp8_small_m_linear(h, wq, sw, b, x_amax=amax, cfg=cfg)
+        assert y.dtype == dtype and torch.equal(y, ref), (dtype, float((y.float() - ref.float()).abs().max()))
+    with pytest.raises(ValueError, match="x_amax must be None with an e4m3 x"):
+        fp8_small_m_linear(xq, wq, sw, None, x_scale=s, x_amax=amax)
+    with pytest.raises(ValueError, match="x_amax must be None with input_scale"):
+        fp8_small_m_linear(h, wq, sw, None, torch.ones(1, device=device), x_amax=amax)
+    y0 = fp8_small_m_linear(h[:0], wq, sw, None, x_amax=amax[:0])
+    assert y0.shape == (0, 24)

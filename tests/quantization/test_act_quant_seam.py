@@ -237,3 +237,37 @@ def test_consumer_quant_switch_where_it_applies(monkeypatch):
     p = subprocess.run([sys.executable, "-c", "import hayabusa.quantization.act_quant"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "HAYABUSA_FP8_CONSUMER_QUANT" in p.stderr
+
+
+def test_deferred_activation_two_consumers_quantize_once(monkeypatch):
+    """One deferred activation read by an FP8 linear that takes the XQ launch (x_amax: it stays deferred) and by one
+    that does not (it reads xq / scale: quantize_cols once, then cached): each gives the bits it gives on the
+    producer's quantized rows, and a second reader launches nothing more. A bad kind, h or amax is refused when the
+    deferred form is made, naming it, not at its first read."""
+    from hayabusa.kernels import fused_act_quant
+    from hayabusa.kernels.fused_act_quant import silu_and_mul_amax, silu_and_mul_quant
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    small = _layer(Fp8LinearMethod(False), 1100, 24, False, seed=1)
+    other = _layer(Fp8LinearMethod(False), 1100, 24, False, seed=2)
+    monkeypatch.setattr(Fp8LinearMethod, "_takes_xq_launch", staticmethod(lambda layer, M, dtype: layer is small))
+    calls = []
+    real = fused_act_quant.quantize_cols
+    monkeypatch.setattr(fused_act_quant, "quantize_cols", lambda *a: calls.append(1) or real(*a))
+    gu = (torch.randn(2, 2200, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
+    h, amax = silu_and_mul_amax(gu)
+    qa = QuantizedActivation.deferred(h, amax, "fp8")
+    y_small = small(qa)
+    assert qa.is_deferred and calls == []
+    y_other, y_other2 = other(qa), other(qa)
+    assert not qa.is_deferred and len(calls) == 1 and qa.shape == (2, 1100) and "deferred" not in repr(qa)
+    xq, s = silu_and_mul_quant(gu, "fp8")
+    plain = QuantizedActivation(xq, s, torch.bfloat16, "fp8")
+    assert torch.equal(y_small, small(plain)) and torch.equal(y_other, other(plain))
+    assert torch.equal(y_other2, y_other)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        QuantizedActivation.deferred(h, amax, "fp4")
+    with pytest.raises(ValueError, match=r"amax must be a \[M=2"):
+        QuantizedActivation.deferred(h, amax[:1], "fp8")
+    with pytest.raises(ValueError, match="h must be"):
+        QuantizedActivation.deferred(h[0], amax, "fp8")
