@@ -653,12 +653,9 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         if xq or input_scale is not None:   # the scales come from x_amax alone: a float x, dynamic scales
             raise ValueError(f"x_amax must be None with {'an e4m3 x (its scales are x_scale)' if xq else 'input_scale'}"
                              f" (x_amax: a float x's amax partials, dynamic scales only)")
-        if (not isinstance(x_amax, torch.Tensor) or x_amax.dtype != torch.float32 or x_amax.dim() != 2
-                or x_amax.shape[0] != x.shape[0] or x_amax.shape[1] < 1 or not x_amax.is_contiguous()
-                or x_amax.device != x.device):
-            got = ((tuple(x_amax.shape), x_amax.dtype, str(x_amax.device)) if isinstance(x_amax, torch.Tensor)
-                   else type(x_amax).__name__)
-            raise ValueError(f"x_amax must be [M={x.shape[0]}, P >= 1] float32 contiguous on {x.device}, got {got}")
+        from hayabusa.kernels.fused_act_quant import check_amax_partials
+
+        check_amax_partials("x_amax", x_amax, x.shape[0], x.device)
     out_dtype = (out_dtype or torch.bfloat16) if xq else x.dtype
     M, K = x.shape
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)

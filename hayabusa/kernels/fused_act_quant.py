@@ -336,6 +336,16 @@ def silu_and_mul_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _silu_and_mul_amax_launch(x)
 
 
+def check_amax_partials(name: str, amax, rows: int, device: torch.device) -> None:
+    """Raise ValueError naming ``name`` unless amax is the producers' amax partials of ``rows`` rows: [rows, P >= 1]
+    float32 contiguous on ``device`` (quantize_cols', and fp8_small_m_linear's ``x_amax``)."""
+    if (not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or amax.dim() != 2
+            or amax.shape[0] != rows or amax.shape[1] < 1 or not amax.is_contiguous() or amax.device != device):
+        got = ((tuple(amax.shape), amax.dtype, str(amax.device)) if isinstance(amax, torch.Tensor)
+               else type(amax).__name__)
+        raise ValueError(f"{name} must be [{rows}, P >= 1] float32 contiguous on {device}, got {got}")
+
+
 def quantize_cols(h: torch.Tensor, amax: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The column-parallel producers' second launch: h [T, D] (model dtype) and its amax partials [T, P] ->
     (xq [T, D], s [T, 1]) per token ("int8" / "fp8"). What a deferred QuantizedActivation runs when a consumer
@@ -345,12 +355,7 @@ def quantize_cols(h: torch.Tensor, amax: torch.Tensor, kind: str) -> tuple[torch
             or not h.is_contiguous()):
         got = (tuple(h.shape), h.dtype, h.stride()) if isinstance(h, torch.Tensor) else type(h).__name__
         raise ValueError(f"h must be [T, D > 0] float32/float16/bfloat16 contiguous, got {got}")
-    if (not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or amax.dim() != 2
-            or amax.shape[0] != h.shape[0] or amax.shape[1] < 1 or not amax.is_contiguous()
-            or amax.device != h.device):
-        got = ((tuple(amax.shape), amax.dtype, str(amax.device)) if isinstance(amax, torch.Tensor)
-               else type(amax).__name__)
-        raise ValueError(f"amax must be [T={h.shape[0]}, P >= 1] float32 contiguous on {h.device}, got {got}")
+    check_amax_partials("amax", amax, h.shape[0], h.device)
     qdtype, consts = _kind_args(kind, h.device)
     return _quantize_cols(h, amax, qdtype, consts)
 
@@ -371,5 +376,5 @@ def _quant_ref(kind: str):
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-__all__ = ["KINDS", "quantize_cols", "rms_norm_amax", "rms_norm_quant", "rms_norm_quant_ref",
+__all__ = ["KINDS", "check_amax_partials", "quantize_cols", "rms_norm_amax", "rms_norm_quant", "rms_norm_quant_ref",
            "silu_and_mul_amax", "silu_and_mul_quant", "silu_and_mul_quant_ref"]

@@ -5,8 +5,6 @@ and logprobs of stories260K in fp8 with the switch on and off."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -35,21 +33,10 @@ def test_kernel_from_amax_partials_is_the_xq_launch_at_7b_shapes(M):
         assert torch.equal(y, ref), (N, float((y.float() - ref.float()).abs().max()))
 
 
-PROMPTS = ["Once upon a time, there was a little girl named", "The cat sat on the", "Tom and his dog went to the"]
-
-
 def _generate(model_dir: str) -> list:
-    from hayabusa import LLM, SamplingParams
+    from tests.kernels.test_pdl_cuda import _generate as generate     # greedy ids + logprobs, CUDA graphs on
 
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_bytes=1 << 28, max_num_seqs=8, max_model_len=256,
-              quantization="fp8")
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3),
-                        use_tqdm=False)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
+    return generate(model_dir, "fp8")
 
 
 def test_engine_greedy_identical_with_the_switch_on_and_off(monkeypatch, stories_dir):
