@@ -43,6 +43,7 @@ from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
+from hayabusa.kernels.fused_act_quant import check_amax_partials
 from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs
 from hayabusa.kernels.quant_linear import (
     LaunchConfig, device_limits, gemm_shape_class, split_k_for, splitk_epilogue, splitk_reduce,
@@ -653,8 +654,6 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         if xq or input_scale is not None:   # the scales come from x_amax alone: a float x, dynamic scales
             raise ValueError(f"x_amax must be None with {'an e4m3 x (its scales are x_scale)' if xq else 'input_scale'}"
                              f" (x_amax: a float x's amax partials, dynamic scales only)")
-        from hayabusa.kernels.fused_act_quant import check_amax_partials
-
         check_amax_partials("x_amax", x_amax, x.shape[0], x.device)
     out_dtype = (out_dtype or torch.bfloat16) if xq else x.dtype
     M, K = x.shape

@@ -235,8 +235,7 @@ def _rms_norm_launch(x, residual, weight, eps, res_out, xq, s, consts):
     cols = xq is None
     h = torch.empty_like(x) if cols else xq
     amax = torch.empty(T, 1, dtype=torch.float32, device=x.device) if cols else s
-    _rms_norm_quant_kernel[(T,)](x, r, weight, xq if not cols else h, s if not cols else amax, ro, h, amax,
-                                 x.stride(0), r.stride(0), ro.stride(0), N, eps,
+    _rms_norm_quant_kernel[(T,)](x, r, weight, h, amax, ro, h, amax, x.stride(0), r.stride(0), ro.stride(0), N, eps,
                                  HAS_RES=residual is not None, AMAX_ONLY=cols, BLOCK=BLOCK,
                                  num_warps=4 if BLOCK <= 4096 else 8, **consts)   # fused_add_rms_norm's warps
     return h, amax

@@ -355,18 +355,28 @@ def silu_and_mul_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     applies: x [..., K] with 1..SMALL_M_MAX rows in bf16 / fp16 on CUDA (or the interpreter), a [2D, K] weight of
     its dtype and device with a unit last stride, no bias, a launch without a K split. Else None: the caller runs
     the two steps."""
+    x2 = _small_m_rows(x, weight)
+    if bias is not None or x2 is None or weight.shape[0] % 2:
+        return None
+    cfg = small_m_silu_config(x2.shape[0], weight.shape[0] // 2, x2.shape[1], x.device)
+    if cfg is None:
+        return None
+    return small_m_silu_linear(x2, weight, cfg).view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def _small_m_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [..., K] as [rows, K] (a view) where the small-M kernels take it with this weight: 1..SMALL_M_MAX rows in
+    bf16 / fp16 on CUDA (or the interpreter: CPU tests), a weight [N > 0, K] of x's dtype and device with a unit
+    last stride, unit last stride after the reshape; else None (linear_small_m and silu_and_mul_small_m)."""
     K = x.shape[-1] if x.dim() else 0
     rows = x.numel() // K if K else 0
     on_triton = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if bias is not None or not (0 < rows <= SMALL_M_MAX) or x.dtype not in _DTYPES or not on_triton \
-            or weight.dim() != 2 or weight.shape[1] != K or weight.shape[0] % 2 or weight.dtype != x.dtype \
+    if not (0 < rows <= SMALL_M_MAX) or x.dtype not in _DTYPES or not on_triton or weight.dim() != 2 \
+            or weight.shape[1] != K or weight.shape[0] == 0 or weight.dtype != x.dtype \
             or weight.device != x.device or weight.stride(-1) != 1:
         return None
     x2 = x.reshape(rows, K)
-    cfg = small_m_silu_config(rows, weight.shape[0] // 2, K, x.device)
-    if x2.stride(-1) != 1 or cfg is None:
-        return None
-    return small_m_silu_linear(x2, weight, cfg).view(*x.shape[:-1], weight.shape[0] // 2)
+    return x2 if x2.stride(-1) == 1 else None
 
 
 def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -375,20 +385,14 @@ def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     bias of x's dtype and device that broadcasts to [N] made contiguous first), anything else F.linear, errors
     included (a weight of another K). The loader puts it in place of F.linear for the unquantized linears and the
     lm_head when ``HAYABUSA_SMALL_M_LINEAR`` is on (model/loader.py)."""
-    K = x.shape[-1] if x.dim() else 0
-    rows = x.numel() // K if K else 0
-    on_triton = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"      # the interpreter: CPU tests
-    if 0 < rows <= SMALL_M_MAX and x.dtype in _DTYPES and on_triton and weight.dim() == 2 \
-            and weight.shape[1] == K and weight.shape[0] > 0 and weight.dtype == x.dtype \
-            and weight.device == x.device and weight.stride(-1) == 1:
+    x2 = _small_m_rows(x, weight)
+    if x2 is not None:
         N = weight.shape[0]
         if bias is not None:
             if bias.dtype != x.dtype or bias.device != x.device or bias.dim() > 1 or bias.numel() not in (1, N):
                 return torch.nn.functional.linear(x, weight, bias)
             bias = bias.expand(N).contiguous()      # the layer's own bias: already so, no copy
-        x2 = x.reshape(rows, K)
-        if x2.stride(-1) == 1:
-            return small_m_linear(x2, weight, bias).view(*x.shape[:-1], N)
+        return small_m_linear(x2, weight, bias).view(*x.shape[:-1], N)
     return torch.nn.functional.linear(x, weight, bias)
 
 

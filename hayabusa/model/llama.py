@@ -74,8 +74,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (or a QuantizedActivation of it, for gate_up_proj) -> [T, hidden]."""
-        fused = getattr(self.gate_up_proj.quant_method, "apply_silu_and_mul", None)
-        act = fused(self.gate_up_proj, x) if fused is not None else None
+        act = self.gate_up_proj.quant_method.apply_silu_and_mul(self.gate_up_proj, x)
         if act is not None:                  # the small-M linear's one launch for gate_up + SiLU-and-mul
             return self.down_proj(act)
         h = self.gate_up_proj(x)                                        # [T, 2 inter]

@@ -153,6 +153,11 @@ class LinearMethod(ABC):
         """x [T, K] (model dtype) -> y [T, N] (model dtype) = x W^T + bias. A method whose ``input_quant`` names
         a kind also takes a ``quantization/act_quant.QuantizedActivation`` ([T, K] quantized rows + scales) as x."""
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """An MLP's gate_up layer and its SiLU-and-mul in one step, [T, K] -> [T, N / 2], where the method has one
+        (SmallMLinearMethod); None (the default): the MLP runs ``apply`` and the activation."""
+        return None
+
     def input_quant(self, layer: nn.Module, M: int) -> str | None:
         """The per-token dynamic quantization ``apply`` would do to an x of M rows itself ("int8" or "fp8"), so
         that the kernel producing x may do it instead (``quantization/act_quant.py``); None (the default): x

@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
     def _forward_quant(self, x: torch.Tensor, residual: torch.Tensor | None, quant: str):
-        if x.is_cuda and fp8_consumer_quant(quant, x.shape[0], x.device):   # the consumer quantizes its tiles
+        if fp8_consumer_quant(quant, x.shape[0], x.device):   # the consumer quantizes its tiles
             from hayabusa.kernels.fused_act_quant import rms_norm_amax
 
             h, amax, res = rms_norm_amax(x, residual, self.weight, self.eps)
