@@ -189,7 +189,8 @@ def print_table(rows: list[dict], table_json: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="7b,05b", help="comma-separated subset of 7b,05b")
-    parser.add_argument("--layers", default="qkv,o,gate_up,down,lm_head")
+    parser.add_argument("--layers", default="qkv,o,gate_up,down,lm_head",
+                        help="comma-separated subset of qkv,o,gate_up,down,lm_head")
     parser.add_argument("--m", default="1,4,16", help="comma-separated row counts (<= 16: the kernel's range)")
     parser.add_argument("--sweep", action="store_true", help="also time the candidate launches")
     parser.add_argument("--table-json", default=None, help="--sweep: write the tuned SMALL_M_TABLE here")
