@@ -13,8 +13,10 @@ kernel's tail, and nothing is read early, so results are bit-identical with PDL 
 before the wait (weights are never written during a step; CUTLASS's example 63 prefetches weights the same way), so
 their weight stream starts during the previous kernel's tail.
 
-Switch: ``HAYABUSA_PDL=1`` (read at import; off by default until measured on the GPU: benchmarks/device_run.sh,
-group s19a). It applies on CUDA devices of compute capability 9.0+ and only to the kernels whose launchers pass
+Switch: ``HAYABUSA_PDL`` (read at import), on by default since it was measured on an H200 (2026-12-04,
+BENCHMARKS.md "Twentieth session" and "Twenty-second session": W3 faster on both shapes with it, the whole engine
+CUDA suite green with it and HAYABUSA_SMALL_M_LINEAR on); ``HAYABUSA_PDL=0`` turns it off. It applies on CUDA
+devices of compute capability 9.0+ and only to the kernels whose launchers pass
 ``pdl_kwargs(device)``: fused add + RMSNorm, SiLU-and-mul, fused RoPE + KV write, paged attention and its merge,
 the small-M linears (kernels/small_m_linear.py) and, for FP8 / INT8 W8A8, the producers that quantize their output
 (kernels/fused_act_quant.py), per_token_quant_fp8 and the FP8 small-M kernels (kernels/fp8_gemv.py). A kernel that
@@ -29,7 +31,7 @@ from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import HAS_TRITON, tl, triton
 
 PDL_SWITCH = "HAYABUSA_PDL"
-USE_PDL = env_flag(PDL_SWITCH, False)   # read per launch through pdl_kwargs (tests change it)
+USE_PDL = env_flag(PDL_SWITCH, True)   # read per launch through pdl_kwargs (tests change it)
 
 if HAS_TRITON:
     try:

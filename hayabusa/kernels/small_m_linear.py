@@ -14,10 +14,13 @@ tile loop and the same fused split-K reduction (fp8_gemv.splitk_finish), bf16 / 
 
 Numerics: tl.dot's products of bf16 / fp16 values are exact in fp32 and summed in fp32, as cuBLAS's; only the order
 of the sums differs (the K split and the MMA's), so a row differs from F.linear by fp32 rounding before the one
-cast: not bit-identical, and greedy decoding can part from cuBLAS's after many tokens. Hence off by default
-(``HAYABUSA_SMALL_M_LINEAR``, read by the model loader). Measured on an H200 (2026-12-04, BENCHMARKS.md "Twentieth
-session"): with HAYABUSA_PDL, W3 4.26 against 4.59 ms/token on the 7b shape and 0.92 against 1.06 on the 0.5b
-shape; stories260K's greedy ids identical on and off, logprobs within 0.061 nats.
+cast: not bit-identical, and greedy decoding can part from cuBLAS's after many tokens (a measured fidelity bound,
+below). On by default on Hopper (compute capability 9.0+, where the tables were measured), off elsewhere;
+``HAYABUSA_SMALL_M_LINEAR=0`` / ``=1`` (read by the model loader) turns it off / on anywhere. Measured on an H200
+(2026-12-04, BENCHMARKS.md "Twentieth session"): with HAYABUSA_PDL, W3 4.26 against 4.59 ms/token on the 7b shape
+and 0.92 against 1.06 on the 0.5b shape; stories260K's greedy ids identical on and off, logprobs within 0.061 nats;
+the engine's CUDA suite (greedy against HF, graphs against eager, speculative decoding, every model) 82 of 82
+passed with it and PDL on (session 21).
 
 small_m_silu_linear fuses an MLP's gate_up projection with its SiLU-and-mul (one launch instead of two; the MLP asks
 through the Linear method's ``apply_silu_and_mul``): a program holds BLOCK_N gate and BLOCK_N up columns, sums each
@@ -52,6 +55,11 @@ from hayabusa.kernels.quant_linear import LaunchConfig, bf16_rne, gemm_shape_cla
 SMALL_M_MAX = 16
 SMALL_M_SWITCH = "HAYABUSA_SMALL_M_LINEAR"
 SMALL_M_TABLE_JSON_ENV = "HAYABUSA_SMALL_M_TABLE_JSON"
+# The fused gate_up + SiLU-and-mul launch runs only where the gate_up launch is at least this wide (its halves: 32
+# columns each). Measured on an H200 (2026-12-04, commit 9c76d06, `bench_small_m_linear.py --layers gate_up`), us,
+# fused / two launches: 7b gate_up M=1 64.1 / 66.3, M=16 64.9 / 67.7 (BLOCK_N 64 -> 32); 0.5b 5.4-5.7 / 6.9-7.0 at
+# M = 1, 4, 16 (64 -> 32); but 7b M=4, whose launch is 32 wide (16-column halves), 84.4 / 66.5.
+FUSED_SILU_MIN_BLOCK_N = 64
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # (shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0 = from the
@@ -105,9 +113,21 @@ SMALL_M_SHAPES: dict[tuple[int, int, int], tuple[str, int, int, int, int, int, i
 }
 
 
-def small_m_enabled() -> bool:
-    """``HAYABUSA_SMALL_M_LINEAR`` (default off); raises HayabusaValidationError on a value that is not a switch."""
-    return env_flag(SMALL_M_SWITCH, False)
+# Compute capability from which the kernels are on when HAYABUSA_SMALL_M_LINEAR is unset: where the tables were
+# measured (Hopper: the H200 of BENCHMARKS.md). Older GPUs take them with HAYABUSA_SMALL_M_LINEAR=1.
+SMALL_M_DEFAULT_CAPABILITY = (9, 0)
+
+
+def small_m_enabled(device: torch.device | None = None) -> bool:
+    """Whether the small-M kernels serve ``device``: ``HAYABUSA_SMALL_M_LINEAR`` when set (1 / 0, on any device);
+    unset, a CUDA device of compute capability >= SMALL_M_DEFAULT_CAPABILITY (False for None or any other device).
+    Raises HayabusaValidationError on a value that is not a switch, on every device."""
+    if SMALL_M_SWITCH in os.environ:
+        return env_flag(SMALL_M_SWITCH, False)
+    if device is None or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= SMALL_M_DEFAULT_CAPABILITY
 
 
 @triton.jit
@@ -280,13 +300,13 @@ def small_m_silu_config(M: int, D: int, K: int, device: torch.device) -> LaunchC
     """The fused gate_up + SiLU-and-mul launch for x [M, K] and a [2D, K] weight: the gate_up layer's own small-M
     launch (pick_small_m_config(M, 2D, K)) with BLOCK_N halved (two tiles a program: the same weight bytes a stage,
     the same programs), or None where that launch splits K (the fused kernel has no split-K reduction; the tables'
-    gate_up launches do not split) or M > SMALL_M_MAX."""
+    gate_up launches do not split), where it is narrower than FUSED_SILU_MIN_BLOCK_N, or M > SMALL_M_MAX."""
     if M > SMALL_M_MAX:
         return None
     cfg = pick_small_m_config(M, 2 * D, K, device)
-    if cfg.SPLIT_K != 1:
+    if cfg.SPLIT_K != 1 or cfg.BLOCK_N < FUSED_SILU_MIN_BLOCK_N:
         return None
-    return LaunchConfig("dot", BLOCK_M=cfg.BLOCK_M, BLOCK_N=max(16, cfg.BLOCK_N // 2), BLOCK_K=cfg.BLOCK_K,
+    return LaunchConfig("dot", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N // 2, BLOCK_K=cfg.BLOCK_K,
                         SPLIT_K=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -384,7 +404,7 @@ def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     bf16 / fp16 and a weight [N > 0, K] of x's dtype and device with a unit last stride takes small_m_linear (a
     bias of x's dtype and device that broadcasts to [N] made contiguous first), anything else F.linear, errors
     included (a weight of another K). The loader puts it in place of F.linear for the unquantized linears and the
-    lm_head when ``HAYABUSA_SMALL_M_LINEAR`` is on (model/loader.py)."""
+    lm_head where small_m_enabled (model/loader.py)."""
     x2 = _small_m_rows(x, weight)
     if x2 is not None:
         N = weight.shape[0]
@@ -410,6 +430,6 @@ if os.environ.get(SMALL_M_TABLE_JSON_ENV):
     load_small_m_tables(os.environ[SMALL_M_TABLE_JSON_ENV], env=SMALL_M_TABLE_JSON_ENV)
 
 
-__all__ = ["FP8_M_BUCKETS", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables",
+__all__ = ["FP8_M_BUCKETS", "FUSED_SILU_MIN_BLOCK_N", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables",
            "pick_small_m_config", "silu_and_mul_small_m", "small_m_enabled", "small_m_linear", "small_m_linear_ref",
-           "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref"]
+           "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref", "SMALL_M_DEFAULT_CAPABILITY"]

@@ -220,8 +220,9 @@ SMALL_M_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
 def maybe_use_small_m_linears(model: nn.Module, model_config, device: torch.device) -> bool:
-    """``use_small_m_linears`` where ``HAYABUSA_SMALL_M_LINEAR`` applies: the switch on, ``device`` (where the model
-    runs) CUDA, a bf16 / fp16 model, not batch-invariant mode. build_model calls it, and build_sharded_model once
+    """``use_small_m_linears`` where the small-M kernels apply: ``small_m_enabled(device)``
+    (``HAYABUSA_SMALL_M_LINEAR`` when set, else a CUDA device of compute capability 9.0+), ``device`` (where the
+    model runs) CUDA, a bf16 / fp16 model, not batch-invariant mode. build_model calls it, and build_sharded_model once
     the shard is on its device (tensor / pipeline parallel workers build on the host). Returns whether it did.
 
     Raises:
@@ -230,7 +231,7 @@ def maybe_use_small_m_linears(model: nn.Module, model_config, device: torch.devi
     from hayabusa.kernels.small_m_linear import small_m_enabled
 
     # the switch is read first, so a value that is not one is refused wherever the model loads (CPU, fp32 too)
-    if not small_m_enabled() or getattr(model_config, "batch_invariant", False) \
+    if not small_m_enabled(device) or getattr(model_config, "batch_invariant", False) \
             or device.type not in SMALL_M_DEVICE_TYPES or model_config.dtype not in (torch.bfloat16, torch.float16):
         return False
     use_small_m_linears(model)
@@ -255,7 +256,7 @@ def _swap_unquantized_linears(model: nn.Module, method: type, logits_linear, ref
 
 
 def use_small_m_linears(model: nn.Module) -> None:
-    """``HAYABUSA_SMALL_M_LINEAR=1`` (off by default; CUDA, bf16 / fp16, not in batch-invariant mode): every
+    """The small-M kernels (where ``maybe_use_small_m_linears`` finds they apply; on by default on Hopper): every
     unquantized Linear and the lm_head (``model.logits_linear``) multiply 1-16 rows with
     ``kernels/small_m_linear.small_m_linear`` (the weight streamed once by 16-row tl.dot tiles) and more rows with
     F.linear as before. Quantized linears keep their own kernels."""

@@ -192,7 +192,7 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
 
 
 class SmallMLinearMethod(UnquantizedLinearMethod):
-    """``HAYABUSA_SMALL_M_LINEAR=1``'s Linear: the same weight; 1-16 rows multiplied by
+    """The small-M kernels' Linear (loader.use_small_m_linears): the same weight; 1-16 rows multiplied by
     ``kernels/small_m_linear.small_m_linear``, more by F.linear (``linear_small_m`` decides per call)."""
 
     def apply(self, layer, x):

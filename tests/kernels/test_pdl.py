@@ -39,6 +39,17 @@ def test_switch_garbage_is_refused_naming_it():
     assert r.returncode != 0 and "HAYABUSA_PDL='sometimes'" in r.stderr
 
 
+@pytest.mark.parametrize("value, expected", [(None, "True"), ("0", "False"), ("1", "True")])
+def test_on_by_default_and_zero_turns_it_off(value, expected):
+    """Unset means on (measured on an H200, BENCHMARKS.md); HAYABUSA_PDL=0 turns it off."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "HAYABUSA_PDL"}
+    if value is not None:
+        env["HAYABUSA_PDL"] = value
+    r = subprocess.run([sys.executable, "-c", "import hayabusa.kernels.pdl as p; print(p.USE_PDL)"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == expected, r.stderr
+
+
 # ------------------------------------------------------------------------------ every PDL-aware kernel, PDL taken
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402,F401  (the interpreter wants it visible from jit functions)

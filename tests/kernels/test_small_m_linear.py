@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from hayabusa.kernels.fp8_gemv import FP8_M_BUCKETS, check_fp8_entry, load_launch_tables
 from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class
 from hayabusa.kernels.small_m_linear import (
-    SMALL_M_MAX, SMALL_M_SHAPES, SMALL_M_TABLE, linear_small_m, pick_small_m_config, silu_and_mul_small_m,
-    small_m_linear, small_m_linear_ref, small_m_silu_config, small_m_silu_linear, small_m_silu_linear_ref,
+    FUSED_SILU_MIN_BLOCK_N, SMALL_M_MAX, SMALL_M_SHAPES, SMALL_M_TABLE, linear_small_m, pick_small_m_config,
+    silu_and_mul_small_m, small_m_linear, small_m_linear_ref, small_m_silu_config, small_m_silu_linear, small_m_silu_linear_ref,
 )
 
 CONFIGS = {
@@ -178,7 +178,10 @@ def test_fused_silu_launch_and_refusals(device):
     for M in (1, 4, 16):
         gate_up = pick_small_m_config(M, 37888, 3584, cpu)
         fused = small_m_silu_config(M, 18944, 3584, cpu)
-        assert gate_up.SPLIT_K == 1 and fused is not None
+        assert gate_up.SPLIT_K == 1
+        if gate_up.BLOCK_N < FUSED_SILU_MIN_BLOCK_N:   # 7b's M=4 launch (32 wide): the fused one measured slower
+            assert M == 4 and fused is None
+            continue
         assert (fused.BLOCK_N, fused.BLOCK_K, fused.num_warps, fused.num_stages) == \
             (gate_up.BLOCK_N // 2, gate_up.BLOCK_K, gate_up.num_warps, gate_up.num_stages)
     assert small_m_silu_config(17, 18944, 3584, cpu) is None
@@ -248,14 +251,23 @@ def test_table_json_loads_dot_launches_only(tmp_path, monkeypatch):
                            env="HAYABUSA_SMALL_M_TABLE_JSON", dot_only=("SMALL_M_TABLE",))
 
 
-def test_switch_is_off_by_default_and_refuses_garbage(monkeypatch):
+def test_switch_defaults_to_hopper_and_refuses_garbage(monkeypatch):
+    """Unset: on for a CUDA device of compute capability 9.0+ only (where the tables were measured), off on CPU,
+    on an Ampere / Ada GPU and with no device; set: its value on any device; garbage refused by name."""
     from hayabusa.errors import HayabusaValidationError
     from hayabusa.kernels.small_m_linear import small_m_enabled
 
+    capability = {0: (9, 0), 1: (8, 9)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability[index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.delenv("HAYABUSA_SMALL_M_LINEAR", raising=False)
-    assert small_m_enabled() is False
+    assert small_m_enabled() is False and small_m_enabled(torch.device("cpu")) is False
+    assert small_m_enabled(torch.device("cuda", 0)) is True
+    assert small_m_enabled(torch.device("cuda", 1)) is False and small_m_enabled(torch.device("cuda")) is False
+    monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", "0")
+    assert small_m_enabled(torch.device("cuda", 0)) is False
     monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", "1")
-    assert small_m_enabled() is True
+    assert small_m_enabled() is True and small_m_enabled(torch.device("cuda", 1)) is True
     monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", "fast")
     with pytest.raises(HayabusaValidationError, match="HAYABUSA_SMALL_M_LINEAR='fast'"):
         small_m_enabled()
