@@ -957,6 +957,21 @@ g_s21c() {  # for session 21, call 3 (issue #24): where W4 at max_num_seqs 14 go
       --json "$OUT/prof_q7_W4_$q.json"
   done
 }
+g_s22a() {  # session 22, call 1 (issue #25): PDL and the small-M linears now on by default on Hopper: their CUDA tests
+            # (the fused SiLU launch only where >= 64 wide), then W3 on both shapes and 7b fp8 with the new default
+            # against both switched off (the old default), in one session
+  cuda_tests s22a_tests "${S22A_TESTS_S:-200}" -rA tests/kernels/test_small_m_linear_cuda.py tests/kernels/test_pdl_cuda.py
+  ensure_q05
+  bench_step q05_W3_default 50 20 --workload W3 --model "$Q05"
+  HAYABUSA_PDL=0 HAYABUSA_SMALL_M_LINEAR=0 bench_step q05_W3_off 50 20 --workload W3 --model "$Q05"
+  ensure_q7
+  bench_step q7_W3_default 60 30 --workload W3 --model "$Q7" --scale 0.5
+  HAYABUSA_PDL=0 HAYABUSA_SMALL_M_LINEAR=0 bench_step q7_W3_off 60 30 --workload W3 --model "$Q7" --scale 0.5
+  bench_step q7_W3_fp8_default 60 30 --workload W3 --model "$Q7" --scale 0.5 --quantization fp8
+  HAYABUSA_PDL=0 HAYABUSA_SMALL_M_LINEAR=0 bench_step q7_W3_fp8_off 60 30 --workload W3 --model "$Q7" --scale 0.5 \
+    --quantization fp8
+  bench_step q7_W1_default 90 40 --workload W1 --model "$Q7" --scale 0.5
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
