@@ -43,7 +43,6 @@ from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
-from hayabusa.kernels.fused_act_quant import check_amax_partials
 from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs
 from hayabusa.kernels.quant_linear import (
     LaunchConfig, device_limits, gemm_shape_class, split_k_for, splitk_epilogue, splitk_reduce,
@@ -79,20 +78,12 @@ def _amax_step(acc, x_ptr, rows, m_mask, stride_xm, K, k0, offs):
 @triton.jit
 def _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC: tl.constexpr, XQ: tl.constexpr,
                 BLOCK_M: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr,
-                AMAX_UNROLL: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                AMAX_PARTS: tl.constexpr = 0, PARTS_P2: tl.constexpr = 1):
+                AMAX_UNROLL: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """s [BLOCK_M] fp32: per_token_quant_fp8's scale of each row, from the amax over all K columns (or static; or,
-    XQ, the producer's scales [M, 1] at scale_ptr; or, AMAX_PARTS > 0, the max of the producer's AMAX_PARTS amax
-    partials per row [M, AMAX_PARTS] at scale_ptr: fused_act_quant's column-parallel first launch). AMAX_UNROLL:
-    the AMAX_ITERS chunks unrolled, every chunk's load in flight at once: the prologue then costs about one L2
-    latency before the weights stream, not one per chunk."""
-    if AMAX_PARTS > 0:
-        p = tl.arange(0, PARTS_P2)
-        parts = tl.load(scale_ptr + rows[:, None] * AMAX_PARTS + p[None, :],
-                        mask=m_mask[:, None] & (p < AMAX_PARTS)[None, :], other=0.0)
-        # fused_act_quant._row_scale's expression on the same max (a max: any order)
-        s = tl.maximum(tl.math.div_rn(tl.max(parts, axis=1), FP8_MAX), MIN_SCALE)
-    elif XQ:
+    XQ, the producer's scales [M, 1] at scale_ptr). AMAX_UNROLL: the AMAX_ITERS chunks unrolled, every chunk's
+    load in flight at once: the prologue then costs about one L2 latency before the weights stream, not one per
+    chunk."""
+    if XQ:
         s = tl.load(scale_ptr + rows, mask=m_mask, other=1.0)
     elif STATIC:
         s = tl.load(scale_ptr + tl.zeros([BLOCK_M], dtype=tl.int32))
@@ -176,8 +167,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_pt
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                      AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
                      FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                     FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, PDL: tl.constexpr = False,
-                     AMAX_PARTS: tl.constexpr = 0, PARTS_P2: tl.constexpr = 1):
+                     FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     # grid (row tiles of BLOCK_M <= 4 rows, N tiles, K splits). The weight tile is [BLOCK_N, BLOCK_K / VEC, VEC]:
     # VEC = 16 contiguous e4m3 per thread (one 16-byte load), loaded once per step for all the program's rows (one
@@ -191,7 +181,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_pt
     rows = row0 + idx                                                                     # [BM]
     m_mask = rows < M
     s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC, XQ, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
-                    AMAX_UNROLL, FP8_MAX, MIN_SCALE, AMAX_PARTS, PARTS_P2)   # [BM] fp32
+                    AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                      # [BM] fp32
     s0 = _pick(s, idx, 0)
     s1 = _pick(s, idx, 1)
     s2 = _pick(s, idx, 2)
@@ -302,8 +292,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     AMAX_BLOCK: tl.constexpr, AMAX_ITERS: tl.constexpr, AMAX_UNROLL: tl.constexpr,
                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                    FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, PDL: tl.constexpr = False,
-                    AMAX_PARTS: tl.constexpr = 0, PARTS_P2: tl.constexpr = 1):
+                    FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, PDL: tl.constexpr = False):
     pid_m, pid_n, pid_k, rows, m_mask, offs_n, n_mask, k_start, k_end, w_cols, x_rows = dot_tile_setup(
         x_ptr, w_ptr, M, N, K, k_per_split, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
     if PDL:
@@ -314,7 +303,7 @@ def _fp8_dot_kernel(x_ptr, w_ptr, sw_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr
         w0 = load_w_tile(w_cols, offs_k0, k_end, n_mask, EVEN_K)
         pdl_wait(PDL)
     s = _row_scales(x_ptr, rows, m_mask, stride_xm, K, scale_ptr, STATIC, XQ, BLOCK_M, AMAX_BLOCK, AMAX_ITERS,
-                    AMAX_UNROLL, FP8_MAX, MIN_SCALE, AMAX_PARTS, PARTS_P2)   # [BM] fp32
+                    AMAX_UNROLL, FP8_MAX, MIN_SCALE)                                                   # [BM] fp32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_loop = k_start
     if PDL:
@@ -613,8 +602,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bi
 def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
                        out_features: int | None = None, cfg: LaunchConfig | None = None,
-                       x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                       x_amax: torch.Tensor | None = None) -> torch.Tensor:
+                       x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """FP8 W8A8 linear with the activation quantization fused in (module docstring), sized for M <= FP8_SMALL_M_MAX
     (more rows run the largest M bucket's launch: the same result, slower than _scaled_mm there); or,
     when x is already e4m3 (quantized by the kernel that made it: kernels/fused_act_quant.py), the same product of
@@ -634,10 +622,6 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         x_scale: [M, 1] (or [M]) float32 contiguous, x's row scales, only with an e4m3 x.
         out_dtype: the output dtype when x is e4m3 (bfloat16 / float16 / float32; default bfloat16); otherwise
             the output has x's dtype, and out_dtype must be None or that dtype.
-        x_amax: [M, P] float32 contiguous, a bf16 / fp16 x's amax partials as fused_act_quant's column-parallel
-            producers write them (rms_norm_amax: P = 1, silu_and_mul_amax: one per column block): each row's scale
-            is their max (no amax pass over x) and x is quantized inside, as _quantize_cols would; with the XQ
-            launch (FP8Q_TABLE) the result has the bits of the producer's quantized rows. Dynamic scales only.
     Returns:
         [M, N]: fp8_small_m_linear_ref's value up to the fp32 summation order (the same e4m3 x_q and s_x bits as
         per_token_quant_fp8). With the same cfg, a bf16 x and its per_token_quant_fp8 (x_q, x_scale) give the
@@ -650,17 +634,12 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     xq = isinstance(x, torch.Tensor) and x.dtype == FP8_DTYPE
     N = weight.shape[0] if out_features is None else out_features
     _check(x, weight, weight_scale, bias, input_scale, N, x_scale, (out_dtype or torch.bfloat16) if xq else out_dtype)
-    if x_amax is not None:
-        if xq or input_scale is not None:   # the scales come from x_amax alone: a float x, dynamic scales
-            raise ValueError(f"x_amax must be None with {'an e4m3 x (its scales are x_scale)' if xq else 'input_scale'}"
-                             f" (x_amax: a float x's amax partials, dynamic scales only)")
-        check_amax_partials("x_amax", x_amax, x.shape[0], x.device)
     out_dtype = (out_dtype or torch.bfloat16) if xq else x.dtype
     M, K = x.shape
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return out
-    cfg = cfg or pick_fp8_config(M, N, K, x.device, prequantized=xq or x_amax is not None)
+    cfg = cfg or pick_fp8_config(M, N, K, x.device, prequantized=xq)
     if cfg.kind not in ("gemv", "dot"):
         raise ValueError(f"cfg.kind must be 'gemv' or 'dot', got {cfg.kind!r}")
     if cfg.kind == "gemv" and cfg.BLOCK_M not in (1, 2, 4):
@@ -677,9 +656,7 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         AMAX_UNROLL=amax_iters * amax_block * bm <= _AMAX_UNROLL_ELEMS * 32 * cfg.num_warps,
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, FP8_MANT=_MANT, FP8_EMIN=_EMIN,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
-    if x_amax is not None:
-        common.update(AMAX_PARTS=x_amax.shape[1], PARTS_P2=triton.next_power_of_2(x_amax.shape[1]))
-    scales = x_scale if xq else x_amax if x_amax is not None else input_scale if input_scale is not None else out
+    scales = x_scale if xq else input_scale if input_scale is not None else out
     args = (x, weight, weight_scale, bias if bias is not None else out, scales,
             out, plan.part, plan.locks if plan.locks is not None else out, M, N, K, plan.k_per_split,
             plan.splits, x.stride(0), weight.stride(0), out.stride(0))

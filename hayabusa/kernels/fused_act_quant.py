@@ -208,59 +208,10 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
             kind or an eps that is not a finite number >= 0.
     No host sync: safe to capture in a CUDA graph. On CPU it needs TRITON_INTERPRET=1.
     """
-    _check_rms_norm(x, residual, weight, eps)
-    qdtype, consts = _kind_args(kind, x.device)
-    T, N = x.shape
-    xq = torch.empty(T, N, dtype=qdtype, device=x.device)
-    s = torch.empty(T, 1, dtype=torch.float32, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else None
-    if T == 0:
-        return xq, s, res_out
-    cols = T <= COLUMN_PARALLEL_MAX_T               # the norm's row (its warps: its bits), then the quantize launch
-    if cols:
-        h, amax = _rms_norm_launch(x, residual, weight, eps, res_out, None, None, consts)
-        xq, s = _quantize_cols(h, amax, qdtype, consts)
-    else:
-        _rms_norm_launch(x, residual, weight, eps, res_out, xq, s, consts)
-    return xq, s, res_out
-
-
-def _rms_norm_launch(x, residual, weight, eps, res_out, xq, s, consts):
-    """_rms_norm_quant_kernel over x's rows (arguments checked): with xq / s None the column-parallel form's first
-    launch (the rows in the model dtype and their amax [T, 1], returned), else the rows quantized into xq / s."""
-    T, N = x.shape
-    BLOCK = triton.next_power_of_2(N)
-    r = residual if residual is not None else x
-    ro = res_out if res_out is not None else x      # unwritten without a residual
-    cols = xq is None
-    h = torch.empty_like(x) if cols else xq
-    amax = torch.empty(T, 1, dtype=torch.float32, device=x.device) if cols else s
-    _rms_norm_quant_kernel[(T,)](x, r, weight, h, amax, ro, h, amax, x.stride(0), r.stride(0), ro.stride(0), N, eps,
-                                 HAS_RES=residual is not None, AMAX_ONLY=cols, BLOCK=BLOCK,
-                                 num_warps=4 if BLOCK <= 4096 else 8, **consts)   # fused_add_rms_norm's warps
-    return h, amax
-
-
-def rms_norm_amax(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """rms_norm_quant's column-parallel form without its second launch, for a consumer that quantizes its own
-    tiles (fp8_gemv.fp8_small_m_linear's ``x_amax``): (h [T, N] the normed rows in x's dtype, amax [T, 1] float32,
-    x + residual or None). 1..COLUMN_PARALLEL_MAX_T rows; quantize_cols(h, amax, "fp8") gives rms_norm_quant's
-    (xq, s) bits. Raises ValueError as rms_norm_quant does, and on a row count outside that range (naming x)."""
-    _check_rms_norm(x, residual, weight, eps)
-    if not 0 < x.shape[0] <= COLUMN_PARALLEL_MAX_T:
-        raise ValueError(f"x must have 1..{COLUMN_PARALLEL_MAX_T} rows, got {x.shape[0]}")
-    _, consts = _kind_args("fp8", x.device)
-    res_out = torch.empty_like(x) if residual is not None else None
-    h, amax = _rms_norm_launch(x, residual, weight, eps, res_out, None, None, consts)
-    return h, amax, res_out
-
-
-def _check_rms_norm(x, residual, weight, eps) -> None:
-    """rms_norm_quant's argument checks (its Raises)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, N] float32/float16/bfloat16 with unit last stride, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    qdtype, consts = _kind_args(kind, x.device)
     if not isinstance(weight, torch.Tensor) or weight.shape != (x.shape[1],) or weight.device != x.device:
         got = (tuple(weight.shape), str(weight.device)) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"weight must be [N] = [{x.shape[1]}] on {x.device}, got {got}")
@@ -270,6 +221,24 @@ def _check_rms_norm(x, residual, weight, eps) -> None:
         raise ValueError(f"residual must match x in shape and dtype, with unit last stride, on {x.device}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    T, N = x.shape
+    xq = torch.empty(T, N, dtype=qdtype, device=x.device)
+    s = torch.empty(T, 1, dtype=torch.float32, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if T == 0:
+        return xq, s, res_out
+    BLOCK = triton.next_power_of_2(N)
+    r = residual if residual is not None else x
+    ro = res_out if res_out is not None else x      # unwritten without a residual
+    cols = T <= COLUMN_PARALLEL_MAX_T               # the norm's row (its warps: its bits), then the quantize launch
+    h = torch.empty_like(x) if cols else xq
+    amax = torch.empty(T, 1, dtype=torch.float32, device=x.device) if cols else s
+    _rms_norm_quant_kernel[(T,)](x, r, weight, xq, s, ro, h, amax, x.stride(0), r.stride(0), ro.stride(0), N, eps,
+                                 HAS_RES=residual is not None, AMAX_ONLY=cols, BLOCK=BLOCK,
+                                 num_warps=4 if BLOCK <= 4096 else 8, **consts)   # fused_add_rms_norm's warps
+    if cols:
+        xq, s = _quantize_cols(h, amax, qdtype, consts)
+    return xq, s, res_out
 
 
 def rms_norm_quant_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -294,14 +263,19 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
         ValueError: naming the argument (x, kind) on a bad shape, dtype, stride or kind.
     No host sync: safe to capture in a CUDA graph. On CPU it needs TRITON_INTERPRET=1.
     """
+    qdtype, consts = _kind_args(kind, x.device)
     if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] % 2 or x.shape[1] == 0
             or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1):
         raise ValueError(f"x must be [T, 2D] float32/float16/bfloat16 with D > 0 and unit last stride, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    qdtype, consts = _kind_args(kind, x.device)     # after x's check: a non-tensor x is named, not x.device
     T, D = x.shape[0], x.shape[1] // 2
     if 0 < T <= COLUMN_PARALLEL_MAX_T:
-        return _quantize_cols(*_silu_and_mul_amax_launch(x), qdtype, consts)
+        parts = triton.cdiv(D, COL_BLOCK)
+        h = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        amax = torch.empty(T, parts, dtype=torch.float32, device=x.device)
+        _silu_and_mul_amax_kernel[(T, parts)](x, h, amax, x.stride(0), D, parts, BLOCK=COL_BLOCK, num_warps=4,
+                                              **pdl_kwargs(x.device))
+        return _quantize_cols(h, amax, qdtype, consts)
     xq = torch.empty(T, D, dtype=qdtype, device=x.device)
     s = torch.empty(T, 1, dtype=torch.float32, device=x.device)
     if T == 0:
@@ -310,53 +284,6 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     _silu_and_mul_quant_kernel[(T,)](x, xq, s, x.stride(0), D, BLOCK=block, ONE_BLOCK=D <= block,
                                      num_warps=max(1, min(8, block // 256)), **consts)
     return xq, s
-
-
-def _silu_and_mul_amax_launch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    T, D = x.shape[0], x.shape[1] // 2
-    parts = triton.cdiv(D, COL_BLOCK)
-    h = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    amax = torch.empty(T, parts, dtype=torch.float32, device=x.device)
-    _silu_and_mul_amax_kernel[(T, parts)](x, h, amax, x.stride(0), D, parts, BLOCK=COL_BLOCK, num_warps=4,
-                                          **pdl_kwargs(x.device))
-    return h, amax
-
-
-def silu_and_mul_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """silu_and_mul_quant's column-parallel form without its second launch: (h [T, D] in x's dtype, amax [T,
-    cdiv(D, COL_BLOCK)] float32 partials), for a consumer that quantizes its own tiles (fp8_small_m_linear's
-    ``x_amax``); quantize_cols(h, amax, "fp8") gives silu_and_mul_quant's bits. x [T, 2D] with 1..
-    COLUMN_PARALLEL_MAX_T rows, float, unit last stride; ValueError naming x otherwise."""
-    if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] % 2 or x.shape[1] == 0
-            or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1 or not 0 < x.shape[0] <= COLUMN_PARALLEL_MAX_T):
-        raise ValueError(f"x must be [T, 2D] float32/float16/bfloat16 with 1..{COLUMN_PARALLEL_MAX_T} rows, D > 0 "
-                         f"and unit last stride, got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    return _silu_and_mul_amax_launch(x)
-
-
-def check_amax_partials(name: str, amax, rows: int, device: torch.device) -> None:
-    """Raise ValueError naming ``name`` unless amax is the producers' amax partials of ``rows`` rows: [rows, P >= 1]
-    float32 contiguous on ``device`` (quantize_cols', and fp8_small_m_linear's ``x_amax``)."""
-    if (not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or amax.dim() != 2
-            or amax.shape[0] != rows or amax.shape[1] < 1 or not amax.is_contiguous() or amax.device != device):
-        got = ((tuple(amax.shape), amax.dtype, str(amax.device)) if isinstance(amax, torch.Tensor)
-               else type(amax).__name__)
-        raise ValueError(f"{name} must be [{rows}, P >= 1] float32 contiguous on {device}, got {got}")
-
-
-def quantize_cols(h: torch.Tensor, amax: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The column-parallel producers' second launch: h [T, D] (model dtype) and its amax partials [T, P] ->
-    (xq [T, D], s [T, 1]) per token ("int8" / "fp8"). What a deferred QuantizedActivation runs when a consumer
-    reads its quantized rows. Raises ValueError naming h, amax or kind: h must be [T, D > 0] float32 / float16 /
-    bfloat16 contiguous (the kernel reads row t at t * D), amax [T, P >= 1] float32 contiguous on h's device."""
-    if (not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] == 0 or h.dtype not in FLOAT_DTYPES
-            or not h.is_contiguous()):
-        got = (tuple(h.shape), h.dtype, h.stride()) if isinstance(h, torch.Tensor) else type(h).__name__
-        raise ValueError(f"h must be [T, D > 0] float32/float16/bfloat16 contiguous, got {got}")
-    check_amax_partials("amax", amax, h.shape[0], h.device)
-    qdtype, consts = _kind_args(kind, h.device)
-    return _quantize_cols(h, amax, qdtype, consts)
 
 
 def silu_and_mul_quant_ref(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,5 +302,4 @@ def _quant_ref(kind: str):
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-__all__ = ["KINDS", "check_amax_partials", "quantize_cols", "rms_norm_amax", "rms_norm_quant", "rms_norm_quant_ref",
-           "silu_and_mul_amax", "silu_and_mul_quant", "silu_and_mul_quant_ref"]
+__all__ = ["rms_norm_quant", "rms_norm_quant_ref", "silu_and_mul_quant", "silu_and_mul_quant_ref", "KINDS"]

@@ -38,9 +38,6 @@ USE_FUSED_ACT_QUANT_CUDA: bool | None = (env_flag("HAYABUSA_FUSED_ACT_QUANT", Fa
                                          if "HAYABUSA_FUSED_ACT_QUANT" in os.environ else None)
 
 ACT_QUANT_KINDS = ("int8", "fp8")
-# The FP8 small-M consumer quantizes its own x tiles from the producer's amax partials (QuantizedActivation.deferred):
-# one launch fewer per producer at decode. Off by default until measured on the GPU (read at import).
-FP8_CONSUMER_QUANT = env_flag("HAYABUSA_FP8_CONSUMER_QUANT", False)
 
 
 class QuantizedActivation:
@@ -51,75 +48,20 @@ class QuantizedActivation:
         scale: [M, 1] float32 contiguous; row m of the activation ~= xq[m] * scale[m].
         dtype: the unquantized activation's dtype (the model dtype): the linear's output dtype.
         kind: "int8" or "fp8".
-        h, amax: only in the deferred form (``deferred``, ``HAYABUSA_FP8_CONSUMER_QUANT``): the producer's rows in
-            the model dtype [M, K] and their amax partials [M, P] float32, the quantization not done yet. A
-            consumer that quantizes its own tiles reads these (fp8_small_m_linear's ``x_amax``: the same bits); the
-            first read of ``xq`` / ``scale`` runs the producer's second launch (fused_act_quant.quantize_cols), so
-            any other consumer gets the same rows as without the switch.
-    ``shape`` is the activation's, so code that reads only the number of tokens (``x.shape[0]``) needs no change.
+    ``shape`` is xq's, so code that reads only the number of tokens (``x.shape[0]``) needs no change.
     """
 
-    __slots__ = ("_xq", "_scale", "dtype", "kind", "h", "amax")
+    __slots__ = ("xq", "scale", "dtype", "kind")
 
-    def __init__(self, xq: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype, kind: str,
-                 h: torch.Tensor | None = None, amax: torch.Tensor | None = None) -> None:
-        self._xq, self._scale, self.dtype, self.kind, self.h, self.amax = xq, scale, dtype, kind, h, amax
-
-    @classmethod
-    def deferred(cls, h: torch.Tensor, amax: torch.Tensor, kind: str) -> "QuantizedActivation":
-        """The producer's rows h [M, K] (model dtype) and amax partials [M, P], quantized on first use. Raises
-        ValueError naming kind (not one of ACT_QUANT_KINDS), h or amax (not tensors of M rows) here, not at the
-        first read."""
-        if kind not in ACT_QUANT_KINDS:
-            raise ValueError(f"kind must be one of {ACT_QUANT_KINDS}, got {kind!r}")
-        if not isinstance(h, torch.Tensor) or h.dim() != 2:
-            raise ValueError(f"h must be a [M, K] tensor, got "
-                             f"{tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__}")
-        if not isinstance(amax, torch.Tensor) or amax.dim() != 2 or amax.shape[0] != h.shape[0]:
-            raise ValueError(f"amax must be a [M={h.shape[0]}, P] tensor, got "
-                             f"{tuple(amax.shape) if isinstance(amax, torch.Tensor) else type(amax).__name__}")
-        return cls(None, None, h.dtype, kind, h=h, amax=amax)
-
-    @property
-    def is_deferred(self) -> bool:
-        """Not quantized yet (``h`` and ``amax`` hold the activation)."""
-        return self._xq is None
-
-    def _materialize(self) -> None:
-        from hayabusa.kernels.fused_act_quant import quantize_cols
-
-        self._xq, self._scale = quantize_cols(self.h, self.amax, self.kind)
-
-    @property
-    def xq(self) -> torch.Tensor:
-        if self._xq is None:
-            self._materialize()
-        return self._xq
-
-    @property
-    def scale(self) -> torch.Tensor:
-        if self._xq is None:
-            self._materialize()
-        return self._scale
+    def __init__(self, xq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kind: str) -> None:
+        self.xq, self.scale, self.dtype, self.kind = xq, scale, dtype, kind
 
     @property
     def shape(self) -> torch.Size:
-        return (self.h if self._xq is None else self._xq).shape
+        return self.xq.shape
 
     def __repr__(self) -> str:
-        form = ", deferred" if self.is_deferred else ""
-        return f"QuantizedActivation({self.kind}{form}, shape={tuple(self.shape)}, dtype={self.dtype})"
-
-
-def fp8_consumer_quant(kind: str, rows: int, device: torch.device) -> bool:
-    """Whether a producer hands its FP8 consumers the deferred form (``HAYABUSA_FP8_CONSUMER_QUANT=1``, off by
-    default until measured on the GPU): "fp8" rows on CUDA, 1..COLUMN_PARALLEL_MAX_T of them (the producers'
-    column-parallel form, whose second launch the consumer's own tile quantization replaces)."""
-    if kind != "fp8" or device.type != "cuda" or not FP8_CONSUMER_QUANT:
-        return False
-    from hayabusa.kernels.fused_act_quant import COLUMN_PARALLEL_MAX_T
-
-    return 0 < rows <= COLUMN_PARALLEL_MAX_T
+        return f"QuantizedActivation({self.kind}, shape={tuple(self.xq.shape)}, dtype={self.dtype})"
 
 
 def fused_act_quant_enabled(device: torch.device) -> bool | None:
@@ -162,6 +104,5 @@ def quantize_ref(t: torch.Tensor, kind: str) -> QuantizedActivation:
     return QuantizedActivation(xq, s, t.dtype, kind)
 
 
-__all__ = ["QuantizedActivation", "input_quant_of", "fused_act_quant_enabled", "fp8_consumer_quant", "quantize_ref",
-           "ACT_QUANT_KINDS", "FP8_CONSUMER_QUANT",
+__all__ = ["QuantizedActivation", "input_quant_of", "fused_act_quant_enabled", "quantize_ref", "ACT_QUANT_KINDS",
            "USE_FUSED_ACT_QUANT", "USE_FUSED_ACT_QUANT_CUDA"]

@@ -214,10 +214,7 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         if isinstance(x, QuantizedActivation):  # quantized by the kernel that made x (input_quant): [M, K] e4m3
-            if self._takes_xq_launch(layer, x.shape[0], x.dtype):
-                if x.is_deferred:   # HAYABUSA_FP8_CONSUMER_QUANT: the tiles quantized here, from the amax partials
-                    return fp8_small_m_linear(x.h, layer.weight, layer.weight_scale, layer.bias, None,
-                                              layer.out_features, x_amax=x.amax)
+            if self._takes_xq_launch(layer, x.xq.shape[0], x.dtype):
                 # decode-sized M: the weights stream at once (no quantization step in the kernel)
                 return fp8_small_m_linear(x.xq, layer.weight, layer.weight_scale, layer.bias, None,
                                           layer.out_features, x_scale=x.scale, out_dtype=x.dtype)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.errors import UnsupportedModelError
-from hayabusa.quantization.act_quant import QuantizedActivation, fp8_consumer_quant, quantize_ref
+from hayabusa.quantization.act_quant import QuantizedActivation, quantize_ref
 
 
 def silu_and_mul(x: torch.Tensor, quant: str | None = None) -> torch.Tensor:
@@ -18,10 +18,6 @@ def silu_and_mul(x: torch.Tensor, quant: str | None = None) -> torch.Tensor:
     (x [T, 2d]): a ``QuantizedActivation`` of it instead (quantization/act_quant.py), the same bits as quantizing
     the plain output per token (CUDA: one kernel, ``kernels/fused_act_quant.silu_and_mul_quant``)."""
     if quant is not None:
-        if fp8_consumer_quant(quant, x.shape[0], x.device):   # the consumer quantizes its tiles
-            from hayabusa.kernels.fused_act_quant import silu_and_mul_amax
-
-            return QuantizedActivation.deferred(*silu_and_mul_amax(x), quant)
         if x.is_cuda:
             from hayabusa.kernels.fused_act_quant import silu_and_mul_quant
 

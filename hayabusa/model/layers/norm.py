@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hayabusa.quantization.act_quant import QuantizedActivation, fp8_consumer_quant, quantize_ref
+from hayabusa.quantization.act_quant import QuantizedActivation, quantize_ref
 
 
 class RMSNorm(nn.Module):
@@ -42,12 +42,7 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
     def _forward_quant(self, x: torch.Tensor, residual: torch.Tensor | None, quant: str):
-        if fp8_consumer_quant(quant, x.shape[0], x.device):   # the consumer quantizes its tiles
-            from hayabusa.kernels.fused_act_quant import rms_norm_amax
-
-            h, amax, res = rms_norm_amax(x, residual, self.weight, self.eps)
-            out = QuantizedActivation.deferred(h, amax, quant)
-        elif x.is_cuda:  # norm + per-token quantization in one kernel; the plain output is never written
+        if x.is_cuda:  # norm + per-token quantization in one kernel; the plain output is never written
             from hayabusa.kernels.fused_act_quant import rms_norm_quant
 
             xq, s, res = rms_norm_quant(x, residual, self.weight, self.eps, quant)
