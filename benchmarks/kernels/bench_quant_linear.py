@@ -810,7 +810,7 @@ def small_m_case(layer: str, M: int, scheme: str, G: int) -> dict:
     K, N = LAYERS[layer]
     x, q, s, z, g, ref, w = _small_m_operands(layer, M, scheme, G)
     w_bytes = N * K // 2 + 2 * (K // G) * N * 2 if scheme == "int4" else N * K + N * 2
-    bench = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median") * 1e3  # noqa: E731
+    bench = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=5, return_mode="median") * 1e3  # noqa: E731
     if (layer, M) not in _BF16_US:
         _BF16_US[(layer, M)] = bench(lambda: F.linear(x, w))
     ql.USE_WO_SMALL_M = False

@@ -81,16 +81,16 @@ def test_int8_matches_reference(device, dtype, cfg, M):
                      int8_weight_only_linear_ref(x, q, s, b))
 
 
-@pytest.mark.parametrize("M", [17, 32])
-def test_32_row_tiles(device, M):
-    """The table's 32-row launches (the bench's M = 32) and a second 16-row tile (M = 17)."""
+@pytest.mark.parametrize("M", [17, 32, 64])
+def test_32_and_64_row_tiles(device, M):
+    """The table's 32- and 64-row launches (the bench's M = 32, 64) and more than one row tile (M = 17)."""
     x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=7, M=M)
-    for bm in (16, 32):
+    for bm in (16, 32) if M < 64 else (64,):
         cfg = LaunchConfig("slab", BLOCK_M=bm, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2)
         _assert_few_ulps(wo_small_m_linear(x, q, s, z, 128, b, cfg=cfg),
                          int4_weight_only_linear_ref(x, q, s, z, 128, b))
     x, q8, s8, b = _int8(40, 96, torch.float16, device, seed=8, M=M)
-    cfg = LaunchConfig("dot", BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)
+    cfg = LaunchConfig("dot", BLOCK_M=32 if M < 64 else 64, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)
     _assert_few_ulps(wo_small_m_linear(x, q8, s8, None, None, b, cfg=cfg), int8_weight_only_linear_ref(x, q8, s8, b))
 
 
