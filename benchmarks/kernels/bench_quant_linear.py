@@ -57,8 +57,8 @@ what was measured); --merge prints the tables of several runs' --json files toge
 tile loop) per M (default 1,4,8,16,32,64), layer and scheme (int4 at --group-size, int8), CUDA-graph medians in us:
 bf16 F.linear; today's quant_linear path at that M (_kernel_linear with USE_WO_SMALL_M off: GEMV to 4 rows, then
 the tl.dot GEMM, dequantize + cuBLAS from DEQUANT_GEMM_MIN_M*); WO_SMALL_M_TABLE's launch; and 8 candidate launches
-(small_m_candidates: BLOCK_N 32-256, SPLIT_K 1 / auto, 4 / 8 warps, 3 / 4 stages, int4's slab and join tile builds;
-the row tile is M's bucket 16 / 32 / 64), each checked against the reference first (2 ulps of the output scale),
+(small_m_candidates: BLOCK_N 32-256, SPLIT_K 1 / auto, 4 / 8 warps, 3 / 4 stages, the slab and the join / dot tile
+builds; the row tile is M's bucket 16 / 32 / 64), each checked against the reference first (2 ulps of the output scale),
 all compiled first in --jobs processes. '%copy' = the quantized weight bytes (int4: nibbles + bf16 scales and zeros;
 int8: bytes + scales) per second over a device copy of that many bytes (read + write counted); the 7b qkv / o
 int4 weights (8-9 MB) stay in L2 between replays, so their figures overstate a decode step's. It prints per (scheme,
@@ -727,7 +727,8 @@ SMALL_M_M = (1, 4, 8, 16, 32, 64)
 def small_m_candidates(scheme: str, M: int) -> list[tuple]:
     """--small-m: the wo_small_m launches timed per case, WO_SMALL_M_TABLE entries (kind, BLOCK_M, BLOCK_N, BLOCK_K,
     SPLIT_K (0: from the SM count), num_warps, num_stages): N tiles 32-256, no split / auto split, 4 / 8 warps,
-    3 / 4 stages; int4 both tile builds (slab: 8 nibble-slab dots; join: the k-ordered tile), int8 K tiles 64-256.
+    3 / 4 stages; int4 both tile builds (slab: 8 nibble-slab dots; join: the k-ordered tile), int8 both (slab: 4
+    byte-slab dots on int32 words; dot: the byte tile), K tiles 128-256.
     The row tile is M's bucket (16, 32, 64)."""
     from hayabusa.kernels.wo_small_m import wo_m_bucket
 
@@ -737,9 +738,9 @@ def small_m_candidates(scheme: str, M: int) -> list[tuple]:
                   ("slab", 128, 128, 0, 8, 3), ("slab", 32, 128, 0, 4, 4), ("slab", 256, 128, 1, 8, 3),
                   ("join", 64, 128, 1, 4, 3), ("join", 128, 128, 0, 4, 4)]
     else:
-        shapes = [("dot", 64, 128, 1, 4, 3), ("dot", 64, 128, 0, 4, 4), ("dot", 128, 128, 1, 4, 3),
-                  ("dot", 128, 128, 0, 8, 3), ("dot", 32, 128, 0, 4, 4), ("dot", 64, 256, 1, 4, 3),
-                  ("dot", 128, 64, 0, 4, 4), ("dot", 32, 256, 0, 4, 3)]
+        shapes = [("slab", 64, 128, 1, 4, 3), ("slab", 64, 128, 0, 4, 4), ("slab", 128, 128, 1, 4, 4),
+                  ("slab", 128, 128, 0, 8, 3), ("slab", 32, 128, 0, 4, 4), ("slab", 64, 256, 1, 8, 3),
+                  ("dot", 32, 128, 0, 4, 4), ("dot", 64, 128, 1, 4, 3)]
     return [(kind, bm, bn, bk, split, warps, stages) for kind, bn, bk, split, warps, stages in shapes]
 
 

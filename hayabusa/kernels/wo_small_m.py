@@ -21,9 +21,14 @@ the x columns k0 + s + 8i (a stride-8 load of x, which is tiny and stays in L1/L
 multiplies that partial once (BLOCK_K divides G: one group per tile, as _wo_gemm_kernel). BLOCK_K = 128 makes each
 dot's K 16, the MMA minimum, so "slab" needs G % 128 == 0 (GPTQ's usual 128). Kind "join" builds the [BLOCK_K,
 BLOCK_N] tile in k order with quant_linear._int4_tile_t (tl.interleave = join + reshape) and does one dot: for
-groups of 16-64, and for the bench to compare. int8, kind "dot": quant_linear._int8_tile_t's exact integer tile
-(fp16: one LOP3; bf16: an fp32 OR and one exact conversion), one dot with the transposed tile, the channel scale
-times the fp32 sum at the end. x is bf16 / fp16; BLOCK_M 16 (32 / 64 tiles for 17-64 rows).
+groups of 16-64, and for the bench to compare. int8, kind "slab" (the default): qweight read as int32 words
+(qweight.view(int32) [N, K // 4], K % 4 == 0), the word tile [BLOCK_K // 4, BLOCK_N] split into its 4 byte slabs
+(slab b: k = k0 + 4i + b) against x's stride-4 columns, 4 dots of K = BLOCK_K // 4; kind "dot": the [BLOCK_K,
+BLOCK_N] byte tile as stored, one dot. Either way a byte becomes the exact integer q by the fp16 magic number
+((q & 0xFF) ^ 0x6480 is the half 1152 + q: one LOP3 and one subtract; for bf16 x one exact fp16 -> bf16
+conversion), and the channel scale multiplies the fp32 sum at the end. Compiled for sm_90 (ptxas -v, Triton 3.6,
+bf16, 16 x 64 x 128 tiles, 4 warps): int4 slab 72 registers, join 158; int8 byte tile 255 with spills (4-byte
+pointers per weight byte), which the word slabs avoid. x is bf16 / fp16; BLOCK_M 16 (32 / 64 tiles for 17-64 rows).
 
 Numerics: the dot operands are exact integers and x's values, so the products are exact and summed in fp32; only
 the order of the sums differs from quant_ref's references (and the scale is applied per tile / split): fp32
@@ -44,11 +49,11 @@ import torch
 
 from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.fp8_gemv import (
-    FP8_AUTO_SPLIT_WAVES, SplitKPlan, dot_tile_setup, load_x_tile, splitk_finish,
+    FP8_AUTO_SPLIT_WAVES, SplitKPlan, dot_tile_setup, load_w_tile, load_x_tile, splitk_finish,
 )
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.quant_linear import (
-    LaunchConfig, _int4_tile_t, _int8_tile_t, _pow2_divisor, device_limits, gemm_shape_class, split_k_for,
+    LaunchConfig, _int4_tile_t, _pow2_divisor, device_limits, gemm_shape_class, split_k_for,
 )
 from hayabusa.kernels.quant_ref import check_group_size
 from hayabusa.kernels.small_m_linear import _dot
@@ -57,7 +62,9 @@ from hayabusa.kernels.small_m_linear import _dot
 # BLOCK_M rows; the table has 32- and 64-row entries for the bench's M = 32, 64)
 WO_SMALL_M_MAX = 16
 WO_M_BUCKETS = (16, 32, 64)
-WO_KINDS = {"int4": ("slab", "join"), "int8": ("dot",)}
+WO_KINDS = {"int4": ("slab", "join"), "int8": ("slab", "dot")}
+# the smallest BLOCK_K of a "slab" launch: each of its dots has K = BLOCK_K // (weights per int32) >= 16
+_SLAB_MIN_BK = {"int4": 128, "int8": 64}
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # (scheme, shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0:
@@ -68,8 +75,8 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _GUESS = {
     ("int4", "wide"): ("slab", 64, 128, 1, 4, 4), ("int4", "square"): ("slab", 64, 128, 0, 4, 4),
     ("int4", "deep"): ("slab", 64, 128, 0, 4, 4),
-    ("int8", "wide"): ("dot", 64, 128, 1, 4, 3), ("int8", "square"): ("dot", 64, 128, 0, 4, 3),
-    ("int8", "deep"): ("dot", 64, 128, 0, 4, 3),
+    ("int8", "wide"): ("slab", 64, 128, 1, 4, 3), ("int8", "square"): ("slab", 64, 128, 0, 4, 3),
+    ("int8", "deep"): ("slab", 64, 128, 0, 4, 3),
 }
 WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {
     (scheme, shape, bucket): (kind, bucket, bn, bk, split, warps, stages)
@@ -114,6 +121,47 @@ def _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask
 
 
 @triton.jit
+def _int8_tile(w_cols, offs_k, k_end, n_mask, EVEN_K: tl.constexpr, BY_HAND: tl.constexpr, DTYPE: tl.constexpr):
+    """The int8 weight tile [BK, BN] (qweight [N, K]: w_cols [1, BN] points at its rows) as the exact integers q in
+    DTYPE: (q & 0xFF) ^ 0x6480 is the half 1024 + q + 128 (one LOP3 on the sign-extended byte, as
+    quant_linear._int8_tile_t's fp16 path), minus 1152 in fp16; for bf16 x one fp16 -> bf16 conversion, exact
+    (|q| <= 128 needs 8 significant bits). BY_HAND (the interpreter): left in fp32."""
+    q = load_w_tile(w_cols, offs_k, k_end, n_mask, EVEN_K)                                 # [BK, BN] int8
+    w = ((q.to(tl.int16) & 0xFF) ^ 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    if BY_HAND:
+        return w.to(tl.float32)
+    return w.to(DTYPE)
+
+
+@triton.jit
+def _int8_slab_dot(acc, x_rows, w_cols, k0, k_end, m_mask, n_mask, EVEN_K: tl.constexpr, BY_HAND: tl.constexpr,
+                   DOT_FP32: tl.constexpr, DTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[:, k0:k0 + BK] @ q[k0:k0 + BK, n] from qweight read as int32 words (w_cols [1, BN] points at the
+    rows of qweight.view(int32) [N, K // 4]): the word tile [BK // 4, BN] is split into its 4 byte slabs (slab b:
+    k = k0 + 4i + b), each made exact integers by the fp16 magic number (as _int8_tile) and dotted with x's stride-4
+    columns. A quarter of the byte tile's pointers and registers (ptxas, sm_90: the byte tile spilled)."""
+    offs_i = tl.arange(0, BLOCK_K // 4)
+    kw = k0 // 4 + offs_i
+    if EVEN_K:
+        q = tl.load(w_cols + kw[:, None], mask=n_mask[None, :], other=0)                   # [BK // 4, BN]
+    else:  # K % 4 == 0: a word lies wholly before k_end or after it
+        q = tl.load(w_cols + kw[:, None], mask=n_mask[None, :] & (4 * kw < k_end)[:, None], other=0)
+    for b in tl.static_range(4):
+        w = (((q >> (8 * b)) & 0xFF) ^ 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+        if BY_HAND:
+            w = w.to(tl.float32)
+        else:
+            w = w.to(DTYPE)
+        offs_k = k0 + b + 4 * offs_i
+        if EVEN_K:
+            xs = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            xs = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        acc = _dot(xs, w, acc, DOT_FP32)
+    return acc
+
+
+@triton.jit
 def _wo_small_m_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                        M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
                        INT4: tl.constexpr, SLAB: tl.constexpr, GROUP_SIZE: tl.constexpr, MAGIC: tl.constexpr,
@@ -131,11 +179,13 @@ def _wo_small_m_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, 
         if INT4:
             acc = _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask, offs_n, n_mask, N,
                                  GROUP_SIZE, SLAB, MAGIC, BY_HAND, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        elif SLAB:
+            acc = _int8_slab_dot(acc, x_rows, w_cols, k0, k_end, m_mask, n_mask, EVEN_K, BY_HAND, DOT_FP32,
+                                 x_ptr.dtype.element_ty, BLOCK_K)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            w = _int8_tile_t(qw_ptr, offs_k, offs_n, n_mask, offs_k < k_end, K, MAGIC, EVEN_K, BY_HAND,
-                             x_ptr.dtype.element_ty)                                       # [BN, BK]
-            acc = _dot(load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K), tl.trans(w), acc, DOT_FP32)
+            w = _int8_tile(w_cols, offs_k, k_end, n_mask, EVEN_K, BY_HAND, x_ptr.dtype.element_ty)  # [BK, BN]
+            acc = _dot(load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K), w, acc, DOT_FP32)
     if not INT4:
         acc *= tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
@@ -159,18 +209,19 @@ def check_wo_entry(scheme: str, entry: tuple) -> None:
     if ok:
         kind, bm, bn, bk, split, warps, stages = entry
         ok = min(bm, bn, bk) >= 16 and split >= 0 and stages >= 1 and warps >= 1 \
-            and not any(v & (v - 1) for v in (bm, bn, bk, warps)) and (kind != "slab" or bk >= 128)
+            and not any(v & (v - 1) for v in (bm, bn, bk, warps)) and (kind != "slab" or bk >= _SLAB_MIN_BK[scheme])
     if not ok:
         raise ValueError(f"{scheme} entry must be ({' | '.join(WO_KINDS[scheme])}, BLOCK_M, BLOCK_N, BLOCK_K, "
                          f"SPLIT_K >= 0, num_warps, num_stages >= 1) with power-of-two tiles >= 16 (slab: BLOCK_K "
-                         f">= 128), got {entry!r}")
+                         f">= {_SLAB_MIN_BK[scheme]}), got {entry!r}")
 
 
 def wo_small_m_launch(entry: tuple, M: int, N: int, K: int, group_size: int | None,
                       device: torch.device) -> LaunchConfig | None:
     """The launch of one table entry for [M, K] x [K, N] (int4 when group_size is given): int4's BLOCK_K capped at
-    the largest power-of-two divisor of G (one group per tile); a "slab" entry whose capped BLOCK_K is under 128
-    becomes "join"; SPLIT_K 0 resolved on the SM count. None where int4's G has no power-of-two divisor >= 16 (the
+    the largest power-of-two divisor of G (one group per tile); an int4 "slab" entry whose capped BLOCK_K is under
+    128 becomes "join", an int8 "slab" entry for K % 4 != 0 (no int32 words) "dot"; SPLIT_K 0 resolved on the SM
+    count. None where int4's G has no power-of-two divisor >= 16 (the
     dot needs K >= 16): the caller keeps quant_linear's path. Raises ValueError on a malformed entry."""
     check_wo_entry("int8" if group_size is None else "int4", entry)
     kind, bm, bn, bk, split, warps, stages = entry
@@ -180,6 +231,8 @@ def wo_small_m_launch(entry: tuple, M: int, N: int, K: int, group_size: int | No
             return None
         if kind == "slab" and bk < 128:
             kind = "join"
+    elif kind == "slab" and K % 4:
+        kind = "dot"
     if split == 0:
         split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk),
                             FP8_AUTO_SPLIT_WAVES * device_limits(device)[0])
@@ -252,8 +305,8 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         zeros: int4: [K // G, N] in x's dtype (integers 0..15), contiguous; int8: ignored (None).
         group_size: G (int4: a multiple of 8 dividing K), or None for int8.
         bias: [N] in x's dtype, or None (added in fp32 before the one cast).
-        cfg: a launch (bench, tests): kind "slab" | "join" (int4) or "dot" (int8), tiles >= 16, int4's BLOCK_K
-            dividing G ("slab": >= 128); default pick_wo_small_m_config's.
+        cfg: a launch (bench, tests): kind "slab" | "join" (int4) or "slab" | "dot" (int8), tiles >= 16, int4's
+            BLOCK_K dividing G ("slab": BLOCK_K >= 128 for int4, >= 64 for int8); default pick_wo_small_m_config's.
     Returns:
         [M, N] in x's dtype: int4_weight_only_linear_ref / int8_weight_only_linear_ref's value up to the fp32
         summation order (one rounding).
@@ -273,17 +326,22 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         cfg = pick_wo_small_m_config(M, N, K, group_size, x.device)
         if cfg is None:
             raise ValueError(f"group_size {group_size} has no power-of-two divisor >= 16: no tl.dot tile fits")
-    if cfg.kind not in WO_KINDS["int4" if int4 else "int8"] or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16 \
-            or (int4 and (group_size % cfg.BLOCK_K or (cfg.kind == "slab" and cfg.BLOCK_K < 128))):
-        raise ValueError(f"cfg must be a {' | '.join(WO_KINDS['int4' if int4 else 'int8'])} launch with tiles >= 16"
-                         f"{' and BLOCK_K dividing group_size (slab: >= 128)' if int4 else ''}, got {cfg}")
+    scheme = "int4" if int4 else "int8"
+    if cfg.kind not in WO_KINDS[scheme] or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16 \
+            or (cfg.kind == "slab" and cfg.BLOCK_K < _SLAB_MIN_BK[scheme]) or (int4 and group_size % cfg.BLOCK_K):
+        raise ValueError(f"cfg must be a {' | '.join(WO_KINDS[scheme])} launch with tiles >= 16 (slab: BLOCK_K >= "
+                         f"{_SLAB_MIN_BK[scheme]}){' and BLOCK_K dividing group_size' if int4 else ''}, got {cfg}")
+    # int8 "slab" reads qweight as int32 words: where it has none (K % 4, a misaligned view) the byte tile, same sums
+    slab = cfg.kind == "slab" and (int4 or (K % 4 == 0 and qweight.data_ptr() % 4 == 0))
+    if not int4 and slab:
+        qweight = qweight.view(torch.int32)
     plan = SplitKPlan.of(M, N, K, cfg, out)
     fp16 = x.dtype == torch.float16
     _wo_small_m_kernel[plan.grid](
         x, qweight, scales, zeros if int4 else scales, bias if bias is not None else out, out, plan.part,
         plan.locks if plan.locks is not None else out,
-        M, N, K, plan.k_per_split, plan.splits, x.stride(0), 1 if int4 else K, out.stride(0),
-        INT4=int4, SLAB=cfg.kind == "slab", GROUP_SIZE=group_size or 1,
+        M, N, K, plan.k_per_split, plan.splits, x.stride(0), 1 if int4 else K // 4 if slab else K, out.stride(0),
+        INT4=int4, SLAB=slab, GROUP_SIZE=group_size or 1,
         MAGIC=0x6400 if fp16 else 0x4300, BY_HAND=on_cpu and not fp16,
         HAS_BIAS=bias is not None, SPLIT=plan.splits > 1, FUSED_REDUCE=plan.locks is not None,
         EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=on_cpu,

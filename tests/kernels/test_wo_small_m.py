@@ -25,6 +25,8 @@ INT4_CFGS = {
     "join_split": LaunchConfig("join", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3),
 }
 INT8_CFGS = {
+    "slab": LaunchConfig("slab", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1),
+    "slab_split": LaunchConfig("slab", BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2),
     "dot": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1),
     "dot_split": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3),
 }
@@ -75,10 +77,15 @@ def test_int4_matches_reference(device, dtype, cfg, M):
 @pytest.mark.parametrize("cfg", list(INT8_CFGS))
 @pytest.mark.parametrize("M", [1, 5, 16])
 def test_int8_matches_reference(device, dtype, cfg, M):
-    """N = 72 and K = 104 fit no tile: ragged N and K tiles; with split-K a ragged last split."""
+    """N = 72 and K = 104 fit no tile: ragged N and K tiles (slab: ragged in whole int32 words); with split-K a
+    ragged last split. K = 102 has no int32 words: a slab launch runs the byte tile."""
     x, q, s, b = _int8(72, 104, dtype, device, seed=M, M=M)
     _assert_few_ulps(wo_small_m_linear(x, q, s, None, None, b, cfg=INT8_CFGS[cfg]),
                      int8_weight_only_linear_ref(x, q, s, b))
+    if cfg == "slab_split":
+        x, q, s, b = _int8(72, 102, dtype, device, seed=M, M=M)
+        _assert_few_ulps(wo_small_m_linear(x, q, s, None, None, b, cfg=INT8_CFGS[cfg]),
+                         int8_weight_only_linear_ref(x, q, s, b))
 
 
 @pytest.mark.parametrize("M", [17, 32, 64])
@@ -140,9 +147,11 @@ def test_table_entries_resolve():
             c4 = pick_wo_small_m_config(M, N, K, 128, cpu)
             c8 = pick_wo_small_m_config(M, N, K, None, cpu)
             assert c4.kind == "slab" and c4.BLOCK_K == 128 and c4.SPLIT_K >= 1 and c4.BLOCK_M >= min(M, 16)
-            assert c8.kind == "dot" and c8.SPLIT_K >= 1
+            assert c8.kind == "slab" and c8.SPLIT_K >= 1
     assert wo_small_m_launch(("slab", 16, 64, 128, 0, 4, 4), 16, 64, 256, 8, cpu) is None  # G = 8: no 16-k tile
-    for scheme, bad in (("int4", ("dot", 16, 64, 128, 1, 4, 3)), ("int8", ("slab", 16, 64, 128, 1, 4, 3)),
+    assert wo_small_m_launch(("slab", 16, 64, 128, 0, 4, 4), 16, 64, 202, None, cpu).kind == "dot"  # no words
+    for scheme, bad in (("int4", ("dot", 16, 64, 128, 1, 4, 3)), ("int8", ("join", 16, 64, 128, 1, 4, 3)),
+                        ("int8", ("slab", 16, 64, 32, 1, 4, 3)),
                         ("int4", ("slab", 16, 64, 64, 1, 4, 3)), ("int8", ("dot", 16, 48, 128, 1, 4, 3)),
                         ("int8", ("dot", 16, 64, 128, -1, 4, 3))):
         with pytest.raises(ValueError, match="entry"):
@@ -206,7 +215,7 @@ def test_bad_inputs_raise_naming_the_argument(device):
     with pytest.raises(ValueError, match="scales must be"):
         wo_small_m_linear(x8, q8, s8[:8])
     with pytest.raises(ValueError, match="cfg must be"):
-        wo_small_m_linear(x8, q8, s8, cfg=INT4_CFGS["slab"])
+        wo_small_m_linear(x8, q8, s8, cfg=INT4_CFGS["join"])
 
 
 def test_bench_candidates_and_table_literal(capsys):
