@@ -75,11 +75,14 @@ def test_matches_reference(weights, layer, scheme, M, dtype):
         assert _ulps_of_scale(y, _ref(x, q, s, z, group, bias)) <= 2, cfg
 
 
-@pytest.mark.parametrize("kind,bk,split", [("slab", 128, 1), ("slab", 128, 4), ("join", 128, 1), ("join", 64, 4)])
+@pytest.mark.parametrize("scheme,kind,bk,split", [
+    ("int4", "slab", 128, 1), ("int4", "slab", 128, 4), ("int4", "join", 128, 1), ("int4", "join", 64, 4),
+    ("int8", "slab", 128, 1), ("int8", "slab", 64, 4), ("int8", "dot", 128, 1), ("int8", "dot", 64, 4)])
 @pytest.mark.parametrize("layer", ["qkv", "down"])
-def test_int4_kinds(weights, layer, kind, bk, split):
-    """Both int4 tile builds, with and without a K split, at 16 rows: the reference's value within 2 ulps."""
-    q, s, z, group = _ops(weights, layer, "int4", torch.bfloat16)
+def test_kinds(weights, layer, scheme, kind, bk, split):
+    """Every tile build of both schemes, with and without a K split, at 16 rows: the reference's value within 2
+    ulps."""
+    q, s, z, group = _ops(weights, layer, scheme, torch.bfloat16)
     x, b = _x(layer, 16, torch.bfloat16, seed=3)
     cfg = LaunchConfig(kind, BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, SPLIT_K=split, num_warps=4, num_stages=3)
     assert _ulps_of_scale(wo_small_m_linear(x, q, s, z, group, b, cfg=cfg), _ref(x, q, s, z, group, b)) <= 2
