@@ -2,7 +2,7 @@
 
     python benchmarks/kernels/bench_quant_linear.py [--json FILE] [--m 1,8,64,256,2048] [--group-size 128]
                                                     [--sweep | --dequant | --w8a8 | --fp8 [--sweep] | --sweep-gemm
-                                                     | --sweep-w8a8 [--budget-s 170]]
+                                                     | --sweep-w8a8 [--budget-s 170] | --small-m [--budget-s 110]]
                                                     [--layers qkv,o,gate_up,down] [--merge A.json B.json ...]
 
 Shapes are Qwen2.5-7B's linears, (K, N): qkv (3584, 4608), o (3584, 3584), gate_up (3584, 37888),
@@ -53,11 +53,24 @@ is exact). It prints per (shape class, M) the candidate with the least time summ
 the INT8_GEMM_TABLE literal to paste into hayabusa/kernels/int8_gemm.py. --budget-s (default 170) stops starting
 new cases after that many seconds, so a full run stays under 3 minutes on an H200 (the JSON and the tables keep
 what was measured); --merge prints the tables of several runs' --json files together.
+--small-m instead times kernels/wo_small_m.py (the weight-only int4 / int8 linear on small_m_linear's 16-row tl.dot
+tile loop) per M (default 1,4,8,16,32,64), layer and scheme (int4 at --group-size, int8), CUDA-graph medians in us:
+bf16 F.linear; today's quant_linear path at that M (_kernel_linear with USE_WO_SMALL_M off: GEMV to 4 rows, then
+the tl.dot GEMM, dequantize + cuBLAS from DEQUANT_GEMM_MIN_M*); WO_SMALL_M_TABLE's launch; and 8 candidate launches
+(small_m_candidates: BLOCK_N 32-256, SPLIT_K 1 / auto, 4 / 8 warps, 3 / 4 stages, the slab and the join / dot tile
+builds; the row tile is M's bucket 16 / 32 / 64), each checked against the reference first (2 ulps of the output scale),
+all compiled first in --jobs processes. '%copy' = the quantized weight bytes (int4: nibbles + bf16 scales and zeros;
+int8: bytes + scales) per second over a device copy of that many bytes (read + write counted); the 7b qkv / o
+int4 weights (8-9 MB) stay in L2 between replays, so their figures overstate a decode step's. It prints per (scheme,
+shape class, M bucket) the candidate with the least summed time as a WO_SMALL_M_TABLE literal. --budget-s
+(default 110 here) stops starting cases after that many seconds from the start (precompile included; M outer, so a
+cut run keeps whole row counts); about 150 s at most on an H200 (not yet run there).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -707,6 +720,154 @@ def print_w8a8_sweep(rows: list[dict]) -> None:
     print("}")
 
 
+# ------------------------------------------------------------------------------------------------------- --small-m
+SMALL_M_M = (1, 4, 8, 16, 32, 64)
+
+
+def small_m_candidates(scheme: str, M: int) -> list[tuple]:
+    """--small-m: the wo_small_m launches timed per case, WO_SMALL_M_TABLE entries (kind, BLOCK_M, BLOCK_N, BLOCK_K,
+    SPLIT_K (0: from the SM count), num_warps, num_stages): N tiles 32-256, no split / auto split, 4 / 8 warps,
+    3 / 4 stages; int4 both tile builds (slab: 8 nibble-slab dots; join: the k-ordered tile), int8 both (slab: 4
+    byte-slab dots on int32 words; dot: the byte tile), K tiles 128-256.
+    The row tile is M's bucket (16, 32, 64)."""
+    from hayabusa.kernels.wo_small_m import wo_m_bucket
+
+    bm = wo_m_bucket(M)
+    if scheme == "int4":
+        shapes = [("slab", 64, 128, 1, 4, 3), ("slab", 64, 128, 0, 4, 4), ("slab", 128, 128, 1, 4, 4),
+                  ("slab", 128, 128, 0, 8, 3), ("slab", 32, 128, 0, 4, 4), ("slab", 256, 128, 1, 8, 3),
+                  ("join", 64, 128, 1, 4, 3), ("join", 128, 128, 0, 4, 4)]
+    else:
+        shapes = [("slab", 64, 128, 1, 4, 3), ("slab", 64, 128, 0, 4, 4), ("slab", 128, 128, 1, 4, 4),
+                  ("slab", 128, 128, 0, 8, 3), ("slab", 32, 128, 0, 4, 4), ("slab", 64, 256, 1, 8, 3),
+                  ("dot", 32, 128, 0, 4, 4), ("dot", 64, 128, 1, 4, 3)]
+    return [(kind, bm, bn, bk, split, warps, stages) for kind, bn, bk, split, warps, stages in shapes]
+
+
+_SMALL_M_W: dict[tuple[str, str, int], tuple] = {}
+
+
+def _small_m_operands(layer: str, M: int, scheme: str, G: int):
+    """(x [M, K] bf16 (seed M), qweight, scales, zeros or None, group size or None, reference output, w [N, K] bf16)
+    of one --small-m case; the layer's weight (seed 0, times 0.02) and its quantization made once per process."""
+    K, N = LAYERS[layer]
+    key = (layer, scheme, G)
+    if key not in _SMALL_M_W:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        quant = quantize_int4_grouped(w, G) if scheme == "int4" else (*quantize_int8_per_channel(w), None)
+        _SMALL_M_W[key] = (w, *quant)
+    w, q, s, z = _SMALL_M_W[key]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(M))
+    if scheme == "int4":
+        return x, q, s, z, G, int4_weight_only_linear_ref(x, q, s, z, G), w
+    return x, q, s, None, None, int8_weight_only_linear_ref(x, q, s), w
+
+
+def _small_m_compile(job: tuple[str, int, str, int, list[tuple]]) -> int:
+    """A worker process of --small-m: compile (and run once) the candidate launches of one case into Triton's disk
+    cache. Returns how many failed (out of registers / shared memory: not candidates on this GPU)."""
+    from hayabusa.kernels.wo_small_m import wo_small_m_launch, wo_small_m_linear
+
+    layer, M, scheme, G, entries = job
+    x, q, s, z, g, _, _ = _small_m_operands(layer, M, scheme, G)
+    failed = 0
+    for e in entries:
+        try:
+            cfg = wo_small_m_launch(e, M, LAYERS[layer][1], LAYERS[layer][0], g, x.device)
+            wo_small_m_linear(x, q, s, z, g, cfg=cfg)
+        except Exception:  # noqa: BLE001
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def small_m_precompile(cases: list[tuple[str, int, str]], G: int, jobs: int) -> None:
+    """Compile every --small-m candidate of every case in `jobs` processes before the timing (the disk cache is
+    shared)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from hayabusa.kernels.wo_small_m import WO_SMALL_M_TABLE, wo_m_bucket
+
+    work = [(layer, M, scheme, G, small_m_candidates(scheme, M)
+             + [WO_SMALL_M_TABLE[(scheme, gemm_shape_class(*reversed(LAYERS[layer])), wo_m_bucket(M))]])
+            for layer, M, scheme in cases]
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = sum(pool.map(_small_m_compile, work))
+    print(f"# precompiled {sum(len(w[4]) for w in work)} launches in {jobs} processes ({failed} failed)", flush=True)
+
+
+_BF16_US: dict[tuple[str, int], float] = {}
+
+
+def small_m_case(layer: str, M: int, scheme: str, G: int) -> dict:
+    """One --small-m row: CUDA-graph medians (us) of bf16 F.linear, today's quant_linear path at this M
+    (_kernel_linear with USE_WO_SMALL_M off: GEMV to 4 rows, then the tl.dot GEMM / dequantize + cuBLAS), the
+    WO_SMALL_M_TABLE launch and every small_m_candidates launch (each checked against the reference first)."""
+    import hayabusa.kernels.quant_linear as ql
+    from hayabusa.kernels.wo_small_m import pick_wo_small_m_config, wo_small_m_launch, wo_small_m_linear
+
+    K, N = LAYERS[layer]
+    x, q, s, z, g, ref, w = _small_m_operands(layer, M, scheme, G)
+    w_bytes = N * K // 2 + 2 * (K // G) * N * 2 if scheme == "int4" else N * K + N * 2
+    bench = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=5, return_mode="median") * 1e3  # noqa: E731
+    if (layer, M) not in _BF16_US:
+        _BF16_US[(layer, M)] = bench(lambda: F.linear(x, w))
+    ql.USE_WO_SMALL_M = False
+    row = dict(kind="small_m", layer=layer, K=K, N=N, M=M, scheme=scheme, group_size=g, weight_bytes=w_bytes,
+               copy_gb_s=copy_gb_s(w_bytes), bf16_us=_BF16_US[(layer, M)],
+               today_us=bench(lambda: ql._kernel_linear(x, q, s, z, None, N, g)))
+    table_cfg = pick_wo_small_m_config(M, N, K, g, x.device)
+    row["table"] = [table_cfg.kind, table_cfg.BLOCK_M, table_cfg.BLOCK_N, table_cfg.BLOCK_K, table_cfg.SPLIT_K,
+                    table_cfg.num_warps, table_cfg.num_stages]
+    times = {}
+    for e in [None] + small_m_candidates(scheme, M):
+        name = "table" if e is None else repr(e)
+        try:
+            cfg = table_cfg if e is None else wo_small_m_launch(e, M, N, K, g, x.device)
+            y = wo_small_m_linear(x, q, s, z, g, cfg=cfg)
+            if float((y.float() - ref.float()).abs().max()) > 2 * 2.0 ** -7 * float(ref.float().abs().max()):
+                raise AssertionError("differs from the reference by more than 2 ulps of the output scale")
+            times[name] = bench(lambda: wo_small_m_linear(x, q, s, z, g, cfg=cfg))
+        except Exception as err:  # noqa: BLE001 - out of registers / shared memory: not a candidate here
+            print(f"# {layer} {scheme} M={M} {name}: {type(err).__name__}: {err}", flush=True)
+    row["table_us"] = times.pop("table", float("nan"))
+    row["cand_us"] = times
+    best = min(times, key=times.get) if times else None
+    row["best"], row["best_us"] = best, times.get(best, float("nan"))
+    for key in ("bf16", "today", "table", "best"):
+        row[f"{key}_pct_copy"] = 100 * w_bytes / (row[f"{key}_us"] * 1e-6) / 1e9 / row["copy_gb_s"]
+    print(f"# {layer} {scheme} M={M} done", flush=True)
+    return row
+
+
+def print_small_m_table(rows: list[dict]) -> None:
+    """The --small-m rows, then per (scheme, shape class, M bucket) the candidate with the least time summed over
+    the class's rows (a row missing it is charged its slowest) as a WO_SMALL_M_TABLE literal."""
+    from hayabusa.kernels.wo_small_m import WO_SMALL_M_TABLE, wo_m_bucket
+
+    print(f"{'layer':<8} {'scheme':<6} {'M':>3} {'bf16 us':>8} {'today us':>9} {'table us':>9} {'best us':>8} "
+          f"{'best/bf16':>9} {'%copy':>6}  best launch (kind, BM, BN, BK, split, warps, stages)")
+    for r in rows:
+        print(f"{r['layer']:<8} {r['scheme']:<6} {r['M']:>3} {r['bf16_us']:>8.1f} {r['today_us']:>9.1f} "
+              f"{r['table_us']:>9.1f} {r['best_us']:>8.1f} {r['bf16_us'] / r['best_us']:>9.2f} "
+              f"{r['best_pct_copy']:>6.1f}  {r['best']}")
+    groups: dict[tuple[str, str, int], list[dict]] = {}
+    for r in rows:
+        if r["cand_us"]:
+            groups.setdefault((r["scheme"], gemm_shape_class(r["N"], r["K"]), wo_m_bucket(r["M"])), []).append(r)
+    table = dict(WO_SMALL_M_TABLE)
+    for key, rs in sorted(groups.items()):
+        cands = {c for r in rs for c in r["cand_us"]}
+        cost = {c: sum(r["cand_us"].get(c, max(r["cand_us"].values())) for r in rs) for c in cands}
+        table[key] = ast.literal_eval(min(cost, key=cost.get))
+    print("WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {")
+    for key in sorted(table):
+        print(f"    {key!r}: {table[key]!r},")
+    print("}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="also write the rows (and the setup) to this JSON file")
@@ -732,8 +893,12 @@ def main() -> None:
                              "GEMM_T_TABLE and the dequantize + cuBLAS crossovers")
     parser.add_argument("--sweep-w8a8", action="store_true",
                         help="search the INT8 W8A8 GEMM's tiles per (shape class, M) and print INT8_GEMM_TABLE")
-    parser.add_argument("--budget-s", type=float, default=170.0,
-                        help="--sweep-w8a8: start no new case after this many seconds (default 170)")
+    parser.add_argument("--small-m", action="store_true",
+                        help="time kernels/wo_small_m.py's candidate launches against bf16 F.linear and today's "
+                             "path, int4 and int8, M 1,4,8,16,32,64 (prints a WO_SMALL_M_TABLE literal)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="--sweep-w8a8 / --small-m: start no new case after this many seconds from the start "
+                             "(default 170 / 110)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="print the --sweep-gemm / --sweep-w8a8 tables of earlier runs' --json files together "
                              "(no GPU needed)")
@@ -742,29 +907,46 @@ def main() -> None:
         rows = [r for f in args.merge for r in json.loads(f.read_text())["rows"]]
         if rows and all(r.get("kind") == "w8a8_sweep" for r in rows):
             print_w8a8_sweep(rows)
+        elif rows and all(r.get("kind") == "small_m" for r in rows):
+            print_small_m_table(rows)
         else:
             print_gemm_sweep(rows)
         return
     if not torch.cuda.is_available():
         sys.exit("bench_quant_linear needs a CUDA GPU")
-    modes = args.dequant + args.w8a8 + args.sweep_gemm + args.sweep_w8a8
+    modes = args.dequant + args.w8a8 + args.sweep_gemm + args.sweep_w8a8 + args.small_m
+    budget_s = args.budget_s if args.budget_s is not None else 110.0 if args.small_m else 170.0
     if args.sweep + modes > 1 or args.fp8 + modes > 1:
-        sys.exit("--sweep, --dequant, --w8a8, --fp8, --sweep-gemm and --sweep-w8a8 are separate runs (--fp8 --sweep "
-                 "sweeps the FP8 kernel)")
+        sys.exit("--sweep, --dequant, --w8a8, --fp8, --sweep-gemm, --sweep-w8a8 and --small-m are separate runs "
+                 "(--fp8 --sweep sweeps the FP8 kernel)")
     m_list = args.m or ("16,64,128,256,512,2048,8192" if args.dequant else "1,16,64,256,1024,8192" if args.w8a8
                         else "1,4,16,64" if args.fp8 else ",".join(map(str, SWEEP_GEMM_M)) if args.sweep_gemm
-                        else ",".join(map(str, SWEEP_W8A8_M)) if args.sweep_w8a8 else "1,8,64,256,2048")
+                        else ",".join(map(str, SWEEP_W8A8_M)) if args.sweep_w8a8
+                        else ",".join(map(str, SMALL_M_M)) if args.small_m else "1,8,64,256,2048")
     rows = []
     if args.fp8 and args.sweep and args.jobs > 1:
         fp8_precompile([(layer, int(m)) for layer in args.layers.split(",") for m in m_list.split(",")], args.jobs)
     started = time.monotonic()
+    if args.small_m and args.jobs > 1:
+        small_m_precompile([(layer, int(m), scheme) for m in m_list.split(",") for layer in args.layers.split(",")
+                            for scheme in ("int4", "int8")], args.group_size, args.jobs)
+    if args.small_m:  # M outer, layers inner: a run cut by the budget keeps whole row counts
+        for M in (int(m) for m in m_list.split(",")):
+            for layer in args.layers.split(","):
+                for scheme in ("int4", "int8"):
+                    if time.monotonic() - started > budget_s:
+                        print(f"# --budget-s {budget_s:g} reached: {layer} {scheme} M={M} not run", flush=True)
+                        continue
+                    rows.append(small_m_case(layer, M, scheme, args.group_size))
+                    if args.json:  # after every case: a run stopped by a time limit keeps what it measured
+                        args.json.write_text(json.dumps(dict(setup=dict(small_m=True), rows=rows)))
     if args.sweep_w8a8 and args.jobs > 1:
         w8a8_precompile([(layer, int(m)) for layer in args.layers.split(",") for m in m_list.split(",")], args.jobs)
-    for layer in args.layers.split(","):
+    for layer in args.layers.split(",") if not args.small_m else ():
         for M in (int(m) for m in m_list.split(",")):
             if args.sweep_w8a8:
-                if time.monotonic() - started > args.budget_s:
-                    print(f"# --budget-s {args.budget_s:g} reached: {layer} M={M} not run", flush=True)
+                if time.monotonic() - started > budget_s:
+                    print(f"# --budget-s {budget_s:g} reached: {layer} M={M} not run", flush=True)
                     continue
                 rows.append(sweep_w8a8_case(layer, M))
                 if args.json:  # after every case: a run stopped by a time limit keeps what it measured
@@ -782,7 +964,9 @@ def main() -> None:
                     bench_case(layer, M, args.group_size, args.sweep)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"Qwen2.5-7B linears, bf16 activations, int4 group size {args.group_size}")
-    if args.fp8:
+    if args.small_m:
+        print_small_m_table(rows)
+    elif args.fp8:
         print_fp8_table(rows, args.table_json)
     elif args.dequant:
         print_dequant_table(rows)
@@ -796,8 +980,9 @@ def main() -> None:
         print_table(rows)
     setup = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                  group_size=args.group_size, sweep=args.sweep, dequant=args.dequant, w8a8=args.w8a8, fp8=args.fp8,
-                 sweep_gemm=args.sweep_gemm, sweep_w8a8=args.sweep_w8a8)
-    print(json.dumps(dict(setup=setup, rows=rows)))
+                 sweep_gemm=args.sweep_gemm, sweep_w8a8=args.sweep_w8a8, small_m=args.small_m)
+    if not (args.small_m and args.json):  # --small-m's rows are long: with --json the table ends the output
+        print(json.dumps(dict(setup=setup, rows=rows)))
     if args.json:
         args.json.write_text(json.dumps(dict(setup=setup, rows=rows), indent=2))
 

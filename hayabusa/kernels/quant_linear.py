@@ -41,6 +41,7 @@ F.linear multiplies. vLLM's AWQ method does the same from 256 tokens on.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -409,6 +410,11 @@ GEMM_M_BUCKETS = (16, 32, 64, 128, 256)
 # gate_up M=16 161.9 vs 147.2; faster only at int4 M=64, 164 vs 187.8). HAYABUSA_WO_GEMM_T=1 (read at import) or
 # USE_GEMM_T = True (read per call) turns it on, for the --sweep-gemm run that fills GEMM_T_TABLE.
 USE_GEMM_T = env_flag("HAYABUSA_WO_GEMM_T", False)
+# Batched decode (_GEMV_MAX_M < M <= 16 rows, fp16 / bf16 x) on kernels/wo_small_m.py's kernel (small_m_linear's
+# 16-row tl.dot loop, nibble slabs dequantized by the magic number): off by default until measured on a GPU
+# (`bench_quant_linear.py --small-m`); HAYABUSA_WO_SMALL_M=1 (read at import) or USE_WO_SMALL_M = True (read per
+# call: tests) turns it on.
+USE_WO_SMALL_M = env_flag("HAYABUSA_WO_SMALL_M", False)
 GEMM_SHAPE_CLASSES = ("square", "wide", "deep")
 _GEMM_T_GUESS = {16: (16, 128, 128, 0, 4, 4), 32: (32, 128, 128, 0, 4, 4), 64: (64, 128, 64, 0, 4, 4),
                  128: (128, 128, 64, 0, 8, 3), 256: (128, 128, 64, 0, 8, 3)}
@@ -575,8 +581,16 @@ def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 def _kernel_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                    bias: torch.Tensor | None, N: int, group_size: int | None) -> torch.Tensor:
     """The CUDA path (inputs already checked; runs on CPU under the interpreter): from DEQUANT_GEMM_MIN_M rows on,
-    W dequantized to x's dtype by one kernel, then F.linear (cuBLAS); below, the fused Triton GEMV / GEMM."""
+    W dequantized to x's dtype by one kernel, then F.linear (cuBLAS); below, the fused Triton GEMV / GEMM; with
+    USE_WO_SMALL_M, fp16 / bf16 x of _GEMV_MAX_M < M <= wo_small_m.WO_SMALL_M_MAX rows (unit last stride) takes
+    kernels/wo_small_m.py's 16-row tl.dot kernel instead."""
     threshold = DEQUANT_GEMM_MIN_M if group_size is None else min(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_INT4)
+    if USE_WO_SMALL_M and x.shape[0] > _GEMV_MAX_M and x.stride(1) == 1 \
+            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        from hayabusa.kernels.wo_small_m import wo_small_m_applies, wo_small_m_linear  # imports this module
+
+        if wo_small_m_applies(x, group_size):
+            return wo_small_m_linear(x, qweight, scales, zeros, group_size, bias)
     if x.shape[0] >= threshold:
         return F.linear(x, _dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
     return _launch(x, qweight, scales, zeros, bias, N, group_size, None)

@@ -1,0 +1,362 @@
+"""wo_small_m_linear: the weight-only int4 / int8 linears (W4A16 / W8A16, quant_linear's layouts) for a few rows
+(batched decode), on small_m_linear's 16-row tl.dot tile loop (kernel + launcher + launch table).
+
+    int4: y [M, N] = x [M, K] @ W (+ bias),   W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+          qweight [K // 8, N] int32 (GPTQ packing: k = 8i + j in bits 4j..4j+3 of row i), scales / zeros [K // G, N]
+    int8: y [M, N] = x [M, K] @ W^T (+ bias), W[n, k] = qweight[n, k] * scales[n];  qweight [N, K] int8, scales [N]
+
+Why (issue #24): at M = 5-64 the weight-only linears lost to bf16 cuBLAS on the H200 (7b gate_up int4 at M = 16:
+~100 us against 70 us, BENCHMARKS.md "swapped-operand"), while kernels/small_m_linear.py streams bf16 weights at
+89-97 % of copy bandwidth at M = 1-16 with one 16-row tl.dot tile per program (fp8_gemv.dot_tile_setup) and the
+fused split-K reduction (fp8_gemv.SplitKPlan / splitk_finish). Int4 weights are a quarter of bf16's bytes, so that
+loop streaming them with cheap in-register dequantization could beat bf16 by up to ~3x at M <= 16.
+
+int4, kind "slab" (the default): the packed tile [BLOCK_K // 8, BLOCK_N] int32 is NOT rebuilt in k order (the
+nibble interleave costs Triton layout conversions). A dot product sums over k in any order, so the tile is split
+into its 8 nibble slabs: slab s holds k = k0 + 8i + s, i < BLOCK_K // 8. Each becomes exact integers in x's dtype
+by quant_linear's magic number (a nibble q OR 0x4300 is the bf16 128 + q, OR 0x6400 the fp16 1024 + q; minus
+(128 + zero), resp. (1024 + zero), in that dtype: exact; one shift, one LOP3, one subtract per weight) and meets
+the x columns k0 + s + 8i (a stride-8 load of x, which is tiny and stays in L1/L2) in one tl.dot
+[BLOCK_M, BLOCK_K // 8] @ [BLOCK_K // 8, BLOCK_N]; the 8 dots are summed in fp32 and the tile's group scale
+multiplies that partial once (BLOCK_K divides G: one group per tile, as _wo_gemm_kernel). BLOCK_K = 128 makes each
+dot's K 16, the MMA minimum, so "slab" needs G % 128 == 0 (GPTQ's usual 128). Kind "join" builds the [BLOCK_K,
+BLOCK_N] tile in k order with quant_linear._int4_tile_t (tl.interleave = join + reshape) and does one dot: for
+groups of 16-64, and for the bench to compare. int8, kind "slab" (the default): qweight read as int32 words
+(qweight.view(int32) [N, K // 4], K % 4 == 0), the word tile [BLOCK_K // 4, BLOCK_N] split into its 4 byte slabs
+(slab b: k = k0 + 4i + b) against x's stride-4 columns, 4 dots of K = BLOCK_K // 4; kind "dot": the [BLOCK_K,
+BLOCK_N] byte tile as stored, one dot. Either way a byte becomes the exact integer q by the fp16 magic number
+((q & 0xFF) ^ 0x6480 is the half 1152 + q: one LOP3 and one subtract; for bf16 x one exact fp16 -> bf16
+conversion), and the channel scale multiplies the fp32 sum at the end. Compiled for sm_90 (ptxas -v, Triton 3.6,
+bf16, 16 x 64 x 128 tiles, 4 warps): int4 slab 72 registers, join 158; int8 byte tile 255 with spills (4-byte
+pointers per weight byte), which the word slabs avoid. x is bf16 / fp16; BLOCK_M 16 (32 / 64 tiles for 17-64 rows).
+
+Numerics: the dot operands are exact integers and x's values, so the products are exact and summed in fp32; only
+the order of the sums differs from quant_ref's references (and the scale is applied per tile / split): fp32
+rounding before one cast. In the interpreter (CPU tests) the dot takes fp32 operands (DOT_FP32, as
+small_m_linear) and the kernel writes fp32, rounded once by torch (the interpreter's bf16 cast truncates).
+
+Switch: quant_linear._kernel_linear sends x with _GEMV_MAX_M < M <= WO_SMALL_M_MAX rows (fp16 / bf16, CUDA or
+the interpreter) here when quant_linear.USE_WO_SMALL_M, read once at import from ``HAYABUSA_WO_SMALL_M``; OFF by
+default: WO_SMALL_M_TABLE's launches are unmeasured guesses and the kernel has not yet been timed on a GPU
+(``benchmarks/kernels/bench_quant_linear.py --small-m`` times it against bf16 F.linear and today's path). No
+autotune: the launch comes from WO_SMALL_M_TABLE by (scheme, shape class, M bucket), the same every call
+(CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.fp8_gemv import (
+    FP8_AUTO_SPLIT_WAVES, SplitKPlan, dot_tile_setup, load_w_tile, load_x_tile, splitk_finish,
+)
+from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
+from hayabusa.kernels.quant_linear import (
+    LaunchConfig, _int4_tile_t, _pow2_divisor, device_limits, gemm_shape_class, split_k_for,
+)
+from hayabusa.kernels.quant_ref import check_group_size
+from hayabusa.kernels.small_m_linear import _dot
+
+# quant_linear routes at most this many rows here (one 16-row tile); the launcher itself takes any M (tiles of
+# BLOCK_M rows; the table has 32- and 64-row entries for the bench's M = 32, 64)
+WO_SMALL_M_MAX = 16
+WO_M_BUCKETS = (16, 32, 64)
+WO_KINDS = {"int4": ("slab", "join"), "int8": ("slab", "dot")}
+# the smallest BLOCK_K of a "slab" launch: each of its dots has K = BLOCK_K // (weights per int32) >= 16
+_SLAB_MIN_BK = {"int4": 128, "int8": 64}
+_DTYPES = (torch.bfloat16, torch.float16)
+
+# (scheme, shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0:
+# as many K splits as give FP8_AUTO_SPLIT_WAVES programs per SM (split_k_for). UNMEASURED GUESSES (2026-12-04):
+# small_m_linear's measured tiles at about the same bytes per stage (int4 128 k x 64 n = 4 KB packed, int8 128 x 64
+# = 8 KB), no split where the N tiles fill the SMs ("wide": a 7B gate_up, 592 tiles), a K split elsewhere. Replace
+# with what `bench_quant_linear.py --small-m` measures.
+_GUESS = {
+    ("int4", "wide"): ("slab", 64, 128, 1, 4, 4), ("int4", "square"): ("slab", 64, 128, 0, 4, 4),
+    ("int4", "deep"): ("slab", 64, 128, 0, 4, 4),
+    ("int8", "wide"): ("slab", 64, 128, 1, 4, 3), ("int8", "square"): ("slab", 64, 128, 0, 4, 3),
+    ("int8", "deep"): ("slab", 64, 128, 0, 4, 3),
+}
+WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {
+    (scheme, shape, bucket): (kind, bucket, bn, bk, split, warps, stages)
+    for (scheme, shape), (kind, bn, bk, split, warps, stages) in _GUESS.items() for bucket in WO_M_BUCKETS}
+
+
+@triton.jit
+def _int4_slab(q, s: tl.constexpr, off, MAGIC: tl.constexpr, BY_HAND: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibble slab s of the packed tile q [BK // 8, BN] int32 as the exact integers q - zero: in DTYPE, or (BY_HAND,
+    the interpreter with bf16: its bf16 arithmetic works on raw bits) in fp32. off [BN] fp32 = 2**e + zero."""
+    u = (q >> (4 * s)) & 0xF | MAGIC
+    if BY_HAND:
+        w = (u << 16).to(tl.float32, bitcast=True) - off[None, :]
+    else:
+        w = u.to(tl.int16).to(DTYPE, bitcast=True) - off.to(DTYPE)[None, :]
+    return w
+
+
+@triton.jit
+def _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask, offs_n, n_mask, N,
+                   GROUP_SIZE: tl.constexpr, SLAB: tl.constexpr, MAGIC: tl.constexpr, BY_HAND: tl.constexpr,
+                   DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + (x[:, k0:k0 + BK] @ (q - zero)[k0:k0 + BK, n]) * scale[g, n] for one group g = k0 // G."""
+    dtype = x_ptr.dtype.element_ty
+    g = k0 // GROUP_SIZE
+    sc = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if SLAB:
+        offs_i = tl.arange(0, BLOCK_K // 8)
+        q = tl.load(qw_ptr + (k0 // 8 + offs_i)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        off = z + (128.0 if MAGIC == 0x4300 else 1024.0)
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(8):
+            w = _int4_slab(q, s, off, MAGIC, BY_HAND, dtype)                             # [BK // 8, BN]
+            xs = tl.load(x_rows + (k0 + s + 8 * offs_i)[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK // 8]
+            part = _dot(xs, w, part, DOT_FP32)
+    else:
+        w = tl.trans(_int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE, BLOCK_K, MAGIC, BY_HAND))
+        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
+        part = _dot(x, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32)
+    return acc + part * sc[None, :]
+
+
+@triton.jit
+def _int8_tile(w_cols, offs_k, k_end, n_mask, EVEN_K: tl.constexpr, BY_HAND: tl.constexpr, DTYPE: tl.constexpr):
+    """The int8 weight tile [BK, BN] (qweight [N, K]: w_cols [1, BN] points at its rows) as the exact integers q in
+    DTYPE: (q & 0xFF) ^ 0x6480 is the half 1024 + q + 128 (one LOP3 on the sign-extended byte, as
+    quant_linear._int8_tile_t's fp16 path), minus 1152 in fp16; for bf16 x one fp16 -> bf16 conversion, exact
+    (|q| <= 128 needs 8 significant bits). BY_HAND (the interpreter): left in fp32."""
+    q = load_w_tile(w_cols, offs_k, k_end, n_mask, EVEN_K)                                 # [BK, BN] int8
+    w = ((q.to(tl.int16) & 0xFF) ^ 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    if BY_HAND:
+        return w.to(tl.float32)
+    return w.to(DTYPE)
+
+
+@triton.jit
+def _int8_slab_dot(acc, x_rows, w_cols, k0, k_end, m_mask, n_mask, EVEN_K: tl.constexpr, BY_HAND: tl.constexpr,
+                   DOT_FP32: tl.constexpr, DTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[:, k0:k0 + BK] @ q[k0:k0 + BK, n] from qweight read as int32 words (w_cols [1, BN] points at the
+    rows of qweight.view(int32) [N, K // 4]): the word tile [BK // 4, BN] is split into its 4 byte slabs (slab b:
+    k = k0 + 4i + b), each made exact integers by the fp16 magic number (as _int8_tile) and dotted with x's stride-4
+    columns. A quarter of the byte tile's pointers and registers (ptxas, sm_90: the byte tile spilled)."""
+    offs_i = tl.arange(0, BLOCK_K // 4)
+    kw = k0 // 4 + offs_i
+    if EVEN_K:
+        q = tl.load(w_cols + kw[:, None], mask=n_mask[None, :], other=0)                   # [BK // 4, BN]
+    else:  # K % 4 == 0: a word lies wholly before k_end or after it
+        q = tl.load(w_cols + kw[:, None], mask=n_mask[None, :] & (4 * kw < k_end)[:, None], other=0)
+    for b in tl.static_range(4):
+        w = (((q >> (8 * b)) & 0xFF) ^ 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+        if BY_HAND:
+            w = w.to(tl.float32)
+        else:
+            w = w.to(DTYPE)
+        offs_k = k0 + b + 4 * offs_i
+        if EVEN_K:
+            xs = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            xs = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        acc = _dot(xs, w, acc, DOT_FP32)
+    return acc
+
+
+@triton.jit
+def _wo_small_m_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                       M, N, K, k_per_split, splits, stride_xm, stride_wn, stride_om,
+                       INT4: tl.constexpr, SLAB: tl.constexpr, GROUP_SIZE: tl.constexpr, MAGIC: tl.constexpr,
+                       BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                       FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """Grid (row tiles, N tiles, K splits), as small_m_linear's _small_m_dot_kernel; int4 tiles lie in one group
+    (BLOCK_K divides G and so K: no K mask), int8 tiles may be ragged at K's end (EVEN_K False)."""
+    pid_m, pid_n, pid_k, rows, m_mask, offs_n, n_mask, k_start, k_end, w_cols, x_rows = dot_tile_setup(
+        x_ptr, qw_ptr, M, N, K, k_per_split, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
+    pdl_wait(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if INT4:
+            acc = _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask, offs_n, n_mask, N,
+                                 GROUP_SIZE, SLAB, MAGIC, BY_HAND, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+        elif SLAB:
+            acc = _int8_slab_dot(acc, x_rows, w_cols, k0, k_end, m_mask, n_mask, EVEN_K, BY_HAND, DOT_FP32,
+                                 x_ptr.dtype.element_ty, BLOCK_K)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = _int8_tile(w_cols, offs_k, k_end, n_mask, EVEN_K, BY_HAND, x_ptr.dtype.element_ty)  # [BK, BN]
+            acc = _dot(load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K), w, acc, DOT_FP32)
+    if not INT4:
+        acc *= tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                  pid_m * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT, FUSED_REDUCE)
+
+
+def wo_m_bucket(M: int) -> int:
+    """WO_SMALL_M_TABLE's row bucket of M rows: the smallest of WO_M_BUCKETS >= M (the largest past them)."""
+    return next((b for b in WO_M_BUCKETS if M <= b), WO_M_BUCKETS[-1])
+
+
+def check_wo_entry(scheme: str, entry: tuple) -> None:
+    """Check one WO_SMALL_M_TABLE entry (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for
+    scheme "int4" | "int8": kind in WO_KINDS[scheme], power-of-two tiles >= 16 and warps, SPLIT_K >= 0 (0: from the
+    SM count), num_stages >= 1; "slab" needs BLOCK_K >= 128 (each of its 8 dots has K = BLOCK_K // 8 >= 16).
+    Raises ValueError naming the entry."""
+    if scheme not in WO_KINDS:
+        raise ValueError(f"scheme must be 'int4' or 'int8', got {scheme!r}")
+    ok = isinstance(entry, tuple) and len(entry) == 7 and entry[0] in WO_KINDS[scheme] \
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in entry[1:])
+    if ok:
+        kind, bm, bn, bk, split, warps, stages = entry
+        ok = min(bm, bn, bk) >= 16 and split >= 0 and stages >= 1 and warps >= 1 \
+            and not any(v & (v - 1) for v in (bm, bn, bk, warps)) and (kind != "slab" or bk >= _SLAB_MIN_BK[scheme])
+    if not ok:
+        raise ValueError(f"{scheme} entry must be ({' | '.join(WO_KINDS[scheme])}, BLOCK_M, BLOCK_N, BLOCK_K, "
+                         f"SPLIT_K >= 0, num_warps, num_stages >= 1) with power-of-two tiles >= 16 (slab: BLOCK_K "
+                         f">= {_SLAB_MIN_BK[scheme]}), got {entry!r}")
+
+
+def wo_small_m_launch(entry: tuple, M: int, N: int, K: int, group_size: int | None,
+                      device: torch.device) -> LaunchConfig | None:
+    """The launch of one table entry for [M, K] x [K, N] (int4 when group_size is given): int4's BLOCK_K capped at
+    the largest power-of-two divisor of G (one group per tile); an int4 "slab" entry whose capped BLOCK_K is under
+    128 becomes "join", an int8 "slab" entry for K % 4 != 0 (no int32 words) "dot"; SPLIT_K 0 resolved on the SM
+    count. None where int4's G has no power-of-two divisor >= 16 (the
+    dot needs K >= 16): the caller keeps quant_linear's path. Raises ValueError on a malformed entry."""
+    check_wo_entry("int8" if group_size is None else "int4", entry)
+    kind, bm, bn, bk, split, warps, stages = entry
+    if group_size is not None:
+        bk = min(bk, _pow2_divisor(group_size, 128))
+        if bk < 16:
+            return None
+        if kind == "slab" and bk < 128:
+            kind = "join"
+    elif kind == "slab" and K % 4:
+        kind = "dot"
+    if split == 0:
+        split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk),
+                            FP8_AUTO_SPLIT_WAVES * device_limits(device)[0])
+    return LaunchConfig(kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                        num_stages=stages)
+
+
+def pick_wo_small_m_config(M: int, N: int, K: int, group_size: int | None,
+                           device: torch.device) -> LaunchConfig | None:
+    """WO_SMALL_M_TABLE's launch for (scheme, gemm_shape_class(N, K), wo_m_bucket(M)), or None where the scheme's G
+    cannot be tiled (wo_small_m_launch). Host ints and the SM count only: CUDA-graph safe."""
+    scheme = "int8" if group_size is None else "int4"
+    entry = WO_SMALL_M_TABLE[(scheme, gemm_shape_class(N, K), wo_m_bucket(M))]
+    return wo_small_m_launch(entry, M, N, K, group_size, device)
+
+
+def _check(x, qweight, scales, zeros, group_size, bias) -> int:
+    """Validate the operands; returns N."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or x.dim() != 2 or x.shape[1] == 0 \
+            or (x.stride(1) != 1 and x.shape[0] > 0):
+        got = (tuple(x.shape), x.dtype, x.stride()) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be [M, K > 0] bfloat16 or float16 with a unit last stride, got {got}")
+    K = x.shape[1]
+    if not isinstance(qweight, torch.Tensor):
+        raise ValueError(f"qweight must be a tensor, got {type(qweight).__name__}")
+    if group_size is None:
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != K:
+            raise ValueError(f"qweight must be [N, K={K}] int8, got {tuple(qweight.shape)} {qweight.dtype}")
+        N = qweight.shape[0]
+        if not isinstance(scales, torch.Tensor) or scales.shape != (N,) or scales.dtype != x.dtype:
+            got = (tuple(scales.shape), scales.dtype) if isinstance(scales, torch.Tensor) else scales
+            raise ValueError(f"scales must be [N={N}] {x.dtype} (x's dtype), got {got}")
+        named = dict(qweight=qweight, scales=scales, bias=bias)
+    else:
+        if qweight.dtype != torch.int32 or qweight.dim() != 2 or K % 8 or qweight.shape[0] != K // 8:
+            raise ValueError(f"qweight must be [K // 8, N] int32 with K = {K} (a multiple of 8), got "
+                             f"{tuple(qweight.shape)} {qweight.dtype}")
+        check_group_size(K, group_size)
+        N = qweight.shape[1]
+        for name, t in (("scales", scales), ("zeros", zeros)):
+            if not isinstance(t, torch.Tensor) or t.shape != (K // group_size, N) or t.dtype != x.dtype:
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+                raise ValueError(f"{name} must be [K // group_size, N] = [{K // group_size}, {N}] {x.dtype}, got "
+                                 f"{got}")
+        named = dict(qweight=qweight, scales=scales, zeros=zeros, bias=bias)
+    if N == 0:
+        raise ValueError(f"qweight has N = 0 output features: {tuple(qweight.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.dtype != x.dtype):
+        got = (tuple(bias.shape), bias.dtype) if isinstance(bias, torch.Tensor) else bias
+        raise ValueError(f"bias must be [N={N}] {x.dtype} or None, got {got}")
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    return N
+
+
+def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                      group_size: int | None = None, bias: torch.Tensor | None = None,
+                      cfg: LaunchConfig | None = None) -> torch.Tensor:
+    """The weight-only int4 (group_size given) or int8 (group_size None) linear for a few rows (module docstring).
+
+    Args:
+        x: [M, K] bfloat16 or float16, unit last stride (any row stride); M may be 0.
+        qweight: int4: [K // 8, N] int32 (GPTQ packing), int8: [N, K] int8; contiguous.
+        scales: int4: [K // G, N], int8: [N]; x's dtype, contiguous.
+        zeros: int4: [K // G, N] in x's dtype (integers 0..15), contiguous; int8: ignored (None).
+        group_size: G (int4: a multiple of 8 dividing K), or None for int8.
+        bias: [N] in x's dtype, or None (added in fp32 before the one cast).
+        cfg: a launch (bench, tests): kind "slab" | "join" (int4) or "slab" | "dot" (int8), tiles >= 16, int4's
+            BLOCK_K dividing G ("slab": BLOCK_K >= 128 for int4, >= 64 for int8); default pick_wo_small_m_config's.
+    Returns:
+        [M, N] in x's dtype: int4_weight_only_linear_ref / int8_weight_only_linear_ref's value up to the fp32
+        summation order (one rounding).
+    Raises:
+        ValueError: a bad shape, dtype, stride, contiguity or device (the message names the argument), a group size
+            with no tile (G with no power-of-two divisor >= 16), or a cfg that does not fit the scheme.
+    No host sync; the grid depends on (M, N, K, G) only: CUDA-graph safe. On CPU it needs TRITON_INTERPRET=1.
+    """
+    N = _check(x, qweight, scales, zeros, group_size, bias)
+    M, K = x.shape
+    int4 = group_size is not None
+    on_cpu = x.device.type == "cpu"
+    out = torch.empty((M, N), dtype=torch.float32 if on_cpu else x.dtype, device=x.device)
+    if M == 0:
+        return out.to(x.dtype)
+    if cfg is None:
+        cfg = pick_wo_small_m_config(M, N, K, group_size, x.device)
+        if cfg is None:
+            raise ValueError(f"group_size {group_size} has no power-of-two divisor >= 16: no tl.dot tile fits")
+    scheme = "int4" if int4 else "int8"
+    if cfg.kind not in WO_KINDS[scheme] or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16 \
+            or (cfg.kind == "slab" and cfg.BLOCK_K < _SLAB_MIN_BK[scheme]) or (int4 and group_size % cfg.BLOCK_K):
+        raise ValueError(f"cfg must be a {' | '.join(WO_KINDS[scheme])} launch with tiles >= 16 (slab: BLOCK_K >= "
+                         f"{_SLAB_MIN_BK[scheme]}){' and BLOCK_K dividing group_size' if int4 else ''}, got {cfg}")
+    # int8 "slab" reads qweight as int32 words: where it has none (K % 4, a misaligned view) the byte tile, same sums
+    slab = cfg.kind == "slab" and (int4 or (K % 4 == 0 and qweight.data_ptr() % 4 == 0))
+    if not int4 and slab:
+        qweight = qweight.view(torch.int32)
+    plan = SplitKPlan.of(M, N, K, cfg, out)
+    fp16 = x.dtype == torch.float16
+    _wo_small_m_kernel[plan.grid](
+        x, qweight, scales, zeros if int4 else scales, bias if bias is not None else out, out, plan.part,
+        plan.locks if plan.locks is not None else out,
+        M, N, K, plan.k_per_split, plan.splits, x.stride(0), 1 if int4 else K // 4 if slab else K, out.stride(0),
+        INT4=int4, SLAB=slab, GROUP_SIZE=group_size or 1,
+        MAGIC=0x6400 if fp16 else 0x4300, BY_HAND=on_cpu and not fp16,
+        HAS_BIAS=bias is not None, SPLIT=plan.splits > 1, FUSED_REDUCE=plan.locks is not None,
+        EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=on_cpu,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
+    plan.finish(bias, out)
+    return out.to(x.dtype) if on_cpu else out
+
+
+def wo_small_m_applies(x: torch.Tensor, group_size: int | None) -> bool:
+    """Whether quant_linear's dispatch may send x here (checked operands assumed): bf16 / fp16 x with 1..
+    WO_SMALL_M_MAX rows, int4's G tileable (a power-of-two divisor >= 16)."""
+    return x.dtype in _DTYPES and 0 < x.shape[0] <= WO_SMALL_M_MAX \
+        and (group_size is None or _pow2_divisor(group_size, 128) >= 16)
+
+
+__all__ = ["WO_KINDS", "WO_M_BUCKETS", "WO_SMALL_M_MAX", "WO_SMALL_M_TABLE", "check_wo_entry",
+           "pick_wo_small_m_config", "wo_m_bucket", "wo_small_m_applies", "wo_small_m_launch", "wo_small_m_linear"]

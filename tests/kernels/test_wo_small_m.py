@@ -1,0 +1,255 @@
+"""wo_small_m_linear (Triton; CUDA, or the interpreter on CPU) against quant_ref's int4 / int8 weight-only references:
+both int4 kinds ("slab": 8 nibble slabs, 8 dots; "join": the tile rebuilt in k order), int8, 16- and 32-row
+tiles, split-K (fused and two-launch reduction), ragged N and (int8) K, bias, bf16 and fp16; the launch table;
+quant_linear's HAYABUSA_WO_SMALL_M routing; bad inputs. The 7B shapes on the GPU: test_wo_small_m_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hayabusa.kernels.quant_linear as ql
+from hayabusa.kernels.quant_linear import (
+    LaunchConfig, int4_weight_only_linear_ref, int8_weight_only_linear_ref, quantize_int4_grouped,
+    quantize_int8_per_channel,
+)
+from hayabusa.kernels.wo_small_m import (
+    WO_M_BUCKETS, WO_SMALL_M_TABLE, check_wo_entry, pick_wo_small_m_config, wo_small_m_launch, wo_small_m_linear,
+)
+
+EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}   # 1 ulp at 1.0
+INT4_CFGS = {
+    "slab": LaunchConfig("slab", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1),
+    "slab_split": LaunchConfig("slab", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2),
+    "join": LaunchConfig("join", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1),
+    "join_split": LaunchConfig("join", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3),
+}
+INT8_CFGS = {
+    "slab": LaunchConfig("slab", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1),
+    "slab_split": LaunchConfig("slab", BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2),
+    "dot": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1),
+    "dot_split": LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3),
+}
+
+
+def _w(N: int, K: int, dtype: torch.dtype, device: str, seed: int, M: int = 5, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 2).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def _int4(N, K, G, dtype, device, seed, M=5, bias=True):
+    x, w, b = _w(N, K, dtype, device, seed, M, bias)
+    q, s, z = quantize_int4_grouped(w, G)
+    return x, q.to(device), s.to(device), z.to(device), b
+
+
+def _int8(N, K, dtype, device, seed, M=5, bias=True):
+    x, w, b = _w(N, K, dtype, device, seed, M, bias)
+    q, s = quantize_int8_per_channel(w)
+    return x, q.to(device), s.to(device), b
+
+
+def _assert_few_ulps(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within 2 ulps of the output's largest value: fp32 sums in another order (the scale applied per tile), one
+    rounding."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    scale = float(ref.float().abs().max())
+    err = float((y.float() - ref.float()).abs().max())
+    assert err <= 2 * EPS[y.dtype] * scale, f"max |kernel - ref| = {err:.3g}, output scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", list(INT4_CFGS))
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_int4_matches_reference(device, dtype, cfg, M):
+    """N = 72 fits no N tile; K = 384 is three groups of 128 (slab: one tile each; split 2: a ragged last split)."""
+    x, q, s, z, b = _int4(72, 384, 128, dtype, device, seed=M, M=M)
+    _assert_few_ulps(wo_small_m_linear(x, q, s, z, 128, b, cfg=INT4_CFGS[cfg]),
+                     int4_weight_only_linear_ref(x, q, s, z, 128, b))
+    _assert_few_ulps(wo_small_m_linear(x, q, s, z, 128, None, cfg=INT4_CFGS[cfg]),
+                     int4_weight_only_linear_ref(x, q, s, z, 128, None))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", list(INT8_CFGS))
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_int8_matches_reference(device, dtype, cfg, M):
+    """N = 72 and K = 104 fit no tile: ragged N and K tiles (slab: ragged in whole int32 words); with split-K a
+    ragged last split. K = 102 has no int32 words: a slab launch runs the byte tile."""
+    x, q, s, b = _int8(72, 104, dtype, device, seed=M, M=M)
+    _assert_few_ulps(wo_small_m_linear(x, q, s, None, None, b, cfg=INT8_CFGS[cfg]),
+                     int8_weight_only_linear_ref(x, q, s, b))
+    if cfg == "slab_split":
+        x, q, s, b = _int8(72, 102, dtype, device, seed=M, M=M)
+        _assert_few_ulps(wo_small_m_linear(x, q, s, None, None, b, cfg=INT8_CFGS[cfg]),
+                         int8_weight_only_linear_ref(x, q, s, b))
+
+
+@pytest.mark.parametrize("M", [17, 32, 64])
+def test_32_and_64_row_tiles(device, M):
+    """The table's 32- and 64-row launches (the bench's M = 32, 64) and more than one row tile (M = 17)."""
+    x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=7, M=M)
+    for bm in (16, 32) if M < 64 else (64,):
+        cfg = LaunchConfig("slab", BLOCK_M=bm, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2)
+        _assert_few_ulps(wo_small_m_linear(x, q, s, z, 128, b, cfg=cfg),
+                         int4_weight_only_linear_ref(x, q, s, z, 128, b))
+    x, q8, s8, b = _int8(40, 96, torch.float16, device, seed=8, M=M)
+    cfg = LaunchConfig("dot", BLOCK_M=32 if M < 64 else 64, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)
+    _assert_few_ulps(wo_small_m_linear(x, q8, s8, None, None, b, cfg=cfg), int8_weight_only_linear_ref(x, q8, s8, b))
+
+
+@pytest.mark.parametrize("G", [32, 64])
+def test_int4_small_groups_take_join(device, G):
+    """Groups under 128 cannot hold a slab tile (8 dots of K >= 16): the table's slab entry becomes a join launch
+    with BLOCK_K = G, and the result matches the reference."""
+    x, q, s, z, b = _int4(48, 256, G, torch.bfloat16, device, seed=G)
+    cfg = pick_wo_small_m_config(5, 48, 256, G, torch.device(device))
+    assert cfg.kind == "join" and cfg.BLOCK_K == G
+    _assert_few_ulps(wo_small_m_linear(x, q, s, z, G, b), int4_weight_only_linear_ref(x, q, s, z, G, b))
+
+
+def test_fused_split_reduce_equals_two_launch_reduce(device, monkeypatch):
+    """The split-K partials summed by each tile's last program are splitk_reduce's sum, bit for bit; the counters
+    are zero again afterwards."""
+    import hayabusa.kernels.fp8_gemv as fg
+
+    x, q, s, z, b = _int4(72, 384, 128, torch.bfloat16, device, seed=3, M=16)
+    cfg = LaunchConfig("slab", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=3)
+    fused = wo_small_m_linear(x, q, s, z, 128, b, cfg=cfg)
+    monkeypatch.setattr(fg, "USE_FUSED_REDUCE", False)
+    assert torch.equal(fused, wo_small_m_linear(x, q, s, z, 128, b, cfg=cfg))
+    assert int(fg._LOCKS[torch.device(device)].abs().sum()) == 0
+
+
+def test_strided_rows_and_empty(device):
+    """x a column slice of a wider tensor (row stride > K), and M = 0."""
+    x_wide, q, s, z, b = _int4(40, 256, 128, torch.float16, device, seed=5, M=6)
+    x = torch.cat([x_wide, x_wide[:, :64]], dim=1)[:, :256]
+    assert x.stride(0) == 320
+    y = wo_small_m_linear(x, q, s, z, 128, b, cfg=INT4_CFGS["slab_split"])
+    _assert_few_ulps(y, int4_weight_only_linear_ref(x, q, s, z, 128, b))
+    empty = wo_small_m_linear(x[:0], q, s, z, 128)
+    assert empty.shape == (0, 40) and empty.dtype == torch.float16
+
+
+def test_table_entries_resolve():
+    """Every WO_SMALL_M_TABLE entry is well formed; its launch for the 7B shapes has the bucket's row tile, int4
+    BLOCK_K 128 (slab) at G = 128, and SPLIT_K resolved to >= 1."""
+    cpu = torch.device("cpu")
+    for (scheme, shape, bucket), entry in WO_SMALL_M_TABLE.items():
+        check_wo_entry(scheme, entry)
+        assert bucket in WO_M_BUCKETS and entry[1] == bucket
+    for N, K in ((4608, 3584), (37888, 3584), (3584, 18944)):
+        for M in (5, 16, 32, 64):
+            c4 = pick_wo_small_m_config(M, N, K, 128, cpu)
+            c8 = pick_wo_small_m_config(M, N, K, None, cpu)
+            assert c4.kind == "slab" and c4.BLOCK_K == 128 and c4.SPLIT_K >= 1 and c4.BLOCK_M >= min(M, 16)
+            assert c8.kind == "slab" and c8.SPLIT_K >= 1
+    assert wo_small_m_launch(("slab", 16, 64, 128, 0, 4, 4), 16, 64, 256, 8, cpu) is None  # G = 8: no 16-k tile
+    assert wo_small_m_launch(("slab", 16, 64, 128, 0, 4, 4), 16, 64, 202, None, cpu).kind == "dot"  # no words
+    for scheme, bad in (("int4", ("dot", 16, 64, 128, 1, 4, 3)), ("int8", ("join", 16, 64, 128, 1, 4, 3)),
+                        ("int8", ("slab", 16, 64, 32, 1, 4, 3)),
+                        ("int4", ("slab", 16, 64, 64, 1, 4, 3)), ("int8", ("dot", 16, 48, 128, 1, 4, 3)),
+                        ("int8", ("dot", 16, 64, 128, -1, 4, 3))):
+        with pytest.raises(ValueError, match="entry"):
+            check_wo_entry(scheme, bad)
+
+
+def test_quant_linear_routes_when_switched_on(device, monkeypatch):
+    """quant_linear._kernel_linear sends 5-16 bf16 / fp16 rows to wo_small_m_linear only with USE_WO_SMALL_M; 4
+    rows (GEMV), 17 rows, fp32 x and an int4 group of 8 keep the old paths; the routed result matches the
+    reference."""
+    import hayabusa.kernels.wo_small_m as wsm
+
+    calls = []
+    real = wsm.wo_small_m_linear
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wsm, "wo_small_m_linear", spy)
+    x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=11, M=16)
+    monkeypatch.setattr(ql, "USE_WO_SMALL_M", False)
+    ql._kernel_linear(x[:5], q, s, z, b, 40, 128)
+    assert calls == []
+    monkeypatch.setattr(ql, "USE_WO_SMALL_M", True)
+    for M in (4, 5, 16):
+        y = ql._kernel_linear(x[:M], q, s, z, b, 40, 128)
+        _assert_few_ulps(y, int4_weight_only_linear_ref(x[:M], q, s, z, 128, b))
+    assert calls == [5, 16]
+    x8, q8, s8, b8 = _int8(40, 96, torch.float16, device, seed=12, M=17)
+    y = ql._kernel_linear(x8[:8], q8, s8, None, b8, 40, None)
+    _assert_few_ulps(y, int8_weight_only_linear_ref(x8[:8], q8, s8, b8))
+    ql._kernel_linear(x8, q8, s8, None, b8, 40, None)                       # 17 rows: the GEMM
+    ql._kernel_linear(x8[:8].float(), q8, s8.float(), None, None, 40, None)  # fp32 x
+    x4, q4, s4, z4, _ = _int4(40, 64, 8, torch.bfloat16, device, seed=13, M=8)
+    ql._kernel_linear(x4, q4, s4, z4, None, 40, 8)                           # G = 8: no dot tile
+    assert calls == [5, 16, 8]
+
+
+def test_bad_inputs_raise_naming_the_argument(device):
+    x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=1)
+    cases = [
+        (dict(x=x.float()), "x must be"),
+        (dict(x=x.t().contiguous().t()), "x must be"),
+        (dict(qweight=q.to(torch.int8)), "qweight must be"),
+        (dict(qweight=q[:16].contiguous()), "qweight must be"),
+        (dict(scales=s.half()), "scales must be"),
+        (dict(zeros=z[:1].contiguous()), "zeros must be"),
+        (dict(bias=b[:8]), "bias must be"),
+        (dict(group_size=48), "group_size"),
+        (dict(cfg=LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)), "cfg must be"),
+        (dict(cfg=LaunchConfig("slab", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)), "cfg must be"),
+    ]
+    args = dict(x=x, qweight=q, scales=s, zeros=z, group_size=128, bias=b)
+    for change, match in cases:
+        with pytest.raises(ValueError, match=match):
+            wo_small_m_linear(**{**args, **change})
+    x8, q8, s8, b8 = _int8(40, 96, torch.bfloat16, device, seed=2)
+    with pytest.raises(ValueError, match="qweight must be"):
+        wo_small_m_linear(x8, q8[:, :64].contiguous(), s8)
+    with pytest.raises(ValueError, match="scales must be"):
+        wo_small_m_linear(x8, q8, s8[:8])
+    with pytest.raises(ValueError, match="cfg must be"):
+        wo_small_m_linear(x8, q8, s8, cfg=INT4_CFGS["join"])
+
+
+def test_bench_candidates_and_table_literal(capsys):
+    """bench_quant_linear.py --small-m, no GPU: every candidate launch is a valid entry with the M bucket's row tile,
+    and on made-up timings the printed WO_SMALL_M_TABLE takes per (scheme, class, M bucket) the candidate with the
+    least time summed over the class's rows (a row lacking one is charged its slowest), keeping the unswept keys."""
+    import ast
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_quant_linear.py"),
+                           run_name="bench_quant_linear")
+    for scheme in ("int4", "int8"):
+        for M, bm in ((1, 16), (8, 16), (16, 16), (32, 32), (64, 64)):
+            cands = bench["small_m_candidates"](scheme, M)
+            assert 6 <= len(cands) <= 10 and len(set(cands)) == len(cands)
+            for e in cands:
+                check_wo_entry(scheme, e)
+                assert e[1] == bm
+    a, b = ("slab", 16, 64, 128, 1, 4, 3), ("join", 16, 64, 128, 1, 4, 3)
+
+    def row(layer, M, cand_us):
+        K, N = bench["LAYERS"][layer]
+        best = min(cand_us, key=cand_us.get)
+        return dict(kind="small_m", layer=layer, K=K, N=N, M=M, scheme="int4", bf16_us=70.0, today_us=100.0,
+                    table_us=50.0, best=best, best_us=cand_us[best], best_pct_copy=90.0, cand_us=cand_us)
+
+    rows = [row("qkv", 4, {repr(a): 10.0, repr(b): 30.0}),
+            row("o", 16, {repr(a): 40.0, repr(b): 15.0}),        # square, bucket 16: a 50, b 45 -> b
+            row("gate_up", 8, {repr(a): 30.0})]                   # wide: only a
+    bench["print_small_m_table"](rows)
+    out = capsys.readouterr().out
+    literal = out[out.index("WO_SMALL_M_TABLE"):]
+    table = ast.literal_eval(literal[literal.index("{"):])
+    assert table[("int4", "square", 16)] == b and table[("int4", "wide", 16)] == a
+    assert {k: v for k, v in table.items() if k not in {("int4", "square", 16), ("int4", "wide", 16)}} == \
+        {k: v for k, v in WO_SMALL_M_TABLE.items() if k not in {("int4", "square", 16), ("int4", "wide", 16)}}
