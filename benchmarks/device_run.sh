@@ -971,6 +971,24 @@ g_s22a() {  # session 22, call 1 (issue #25): PDL and the small-M linears now on
     --quantization fp8
   bench_step q7_W1_default 90 40 --workload W1 --model "$Q7" --scale 0.5
 }
+g_s22b() {  # session 22, call 2 (issue #24): the weight-only small-M kernel (kernels/wo_small_m.py, HAYABUSA_WO_SMALL_M):
+            # its CUDA tests, its micro-benchmark against bf16 cuBLAS and today's path, then W4 at max_num_seqs 14
+            # (the seed's setting; scale 1: the 0.25 runs took under a second) for bf16, int4 and int8 with and without
+            # it; last, a repeat of the 7b W3 default (call 1's 4.42 ms ran first after the checkpoint was written)
+  step s22b_tests "${S22B_TESTS_S:-110}" 30 bash -c "python -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    tests/kernels/test_wo_small_m_cuda.py > '$OUT/s22b_tests.log' 2>&1; a=\$?; tail -5 '$OUT/s22b_tests.log'; exit \$a"
+  step wo_small_m "${WO_BENCH_S:-170}" 60 python benchmarks/kernels/bench_quant_linear.py --small-m \
+    --budget-s "${WO_BUDGET_S:-130}" --json "$OUT/wo_small_m.json"
+  ensure_q7
+  bench_step q7_W4_bf16 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14
+  local q
+  for q in int4 int8; do
+    bench_step "q7_W4_$q" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 --quantization "$q"
+    HAYABUSA_WO_SMALL_M=1 bench_step "q7_W4_${q}_wosm" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 \
+      --quantization "$q"
+  done
+  bench_step q7_W3_default2 50 30 --workload W3 --model "$Q7" --scale 0.5
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
