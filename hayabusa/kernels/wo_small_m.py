@@ -35,10 +35,13 @@ the order of the sums differs from quant_ref's references (and the scale is appl
 rounding before one cast. In the interpreter (CPU tests) the dot takes fp32 operands (DOT_FP32, as
 small_m_linear) and the kernel writes fp32, rounded once by torch (the interpreter's bf16 cast truncates).
 
-Switch: quant_linear._kernel_linear sends x with _GEMV_MAX_M < M <= WO_SMALL_M_MAX rows (fp16 / bf16, CUDA or
-the interpreter) here when quant_linear.USE_WO_SMALL_M, read once at import from ``HAYABUSA_WO_SMALL_M``; OFF by
-default: WO_SMALL_M_TABLE's launches are unmeasured guesses and the kernel has not yet been timed on a GPU
-(``benchmarks/kernels/bench_quant_linear.py --small-m`` times it against bf16 F.linear and today's path). No
+Switch: quant_linear._kernel_linear sends x with WO_SMALL_M_MIN_M <= M <= WO_SMALL_M_MAX rows (fp16 / bf16, CUDA
+or the interpreter) here when quant_linear.USE_WO_SMALL_M, read once at import from ``HAYABUSA_WO_SMALL_M`` (on by
+default; ``=0`` keeps the GEMV to 4 rows and the 16-row GEMM above). Measured on an H200
+(``benchmarks/kernels/bench_quant_linear.py --small-m``, BENCHMARKS.md "twenty-second session"), us summed over a
+7B layer's qkv + o + gate_up + down: int4 at 4 rows 110 against the 4-row GEMV's 231, at 16 rows 171 against 301
+(bf16 cuBLAS 126); int8 at 4 rows 92 against 325, at 16 rows 93 against 132 (bf16 126). At one row the GEMV stays
+(int4 81 against 105 here). Past 16 rows neither kernel of this file beat bf16 cuBLAS on most layers. No
 autotune: the launch comes from WO_SMALL_M_TABLE by (scheme, shape class, M bucket), the same every call
 (CUDA-graph safe).
 """
@@ -61,6 +64,8 @@ from hayabusa.kernels.small_m_linear import _dot
 # quant_linear routes at most this many rows here (one 16-row tile); the launcher itself takes any M (tiles of
 # BLOCK_M rows; the table has 32- and 64-row entries for the bench's M = 32, 64)
 WO_SMALL_M_MAX = 16
+# and at least this many (one row: quant_linear's GEMV, faster there; see the module docstring)
+WO_SMALL_M_MIN_M = 2
 WO_M_BUCKETS = (16, 32, 64)
 WO_KINDS = {"int4": ("slab", "join"), "int8": ("slab", "dot")}
 # the smallest BLOCK_K of a "slab" launch: each of its dots has K = BLOCK_K // (weights per int32) >= 16
@@ -68,19 +73,32 @@ _SLAB_MIN_BK = {"int4": 128, "int8": 64}
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # (scheme, shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0:
-# as many K splits as give FP8_AUTO_SPLIT_WAVES programs per SM (split_k_for). UNMEASURED GUESSES (2026-12-04):
-# small_m_linear's measured tiles at about the same bytes per stage (int4 128 k x 64 n = 4 KB packed, int8 128 x 64
-# = 8 KB), no split where the N tiles fill the SMs ("wide": a 7B gate_up, 592 tiles), a K split elsewhere. Replace
-# with what `bench_quant_linear.py --small-m` measures.
-_GUESS = {
-    ("int4", "wide"): ("slab", 64, 128, 1, 4, 4), ("int4", "square"): ("slab", 64, 128, 0, 4, 4),
-    ("int4", "deep"): ("slab", 64, 128, 0, 4, 4),
-    ("int8", "wide"): ("slab", 64, 128, 1, 4, 3), ("int8", "square"): ("slab", 64, 128, 0, 4, 3),
-    ("int8", "deep"): ("slab", 64, 128, 0, 4, 3),
-}
+# as many K splits as give FP8_AUTO_SPLIT_WAVES programs per SM (split_k_for). Measured on an H200 (2026-12-04,
+# commit 21d4d34, `bench_quant_linear.py --small-m`, CUDA-graph replay medians over the Qwen2.5-7B qkv / o /
+# gate_up / down, int4 G = 128; BENCHMARKS.md "twenty-second session"): per class and bucket the candidate with the
+# least summed time. At 1-16 rows the same launch won every layer and M (int4: slab 16 x 128 x 128, 8 warps; int8:
+# the byte tile 16 x 32 x 128, 4 warps, 4 stages); e.g. gate_up at 16 rows int4 90 us, int8 45.5, bf16 cuBLAS 69.5,
+# the previous path 142 / 62.
 WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {
-    (scheme, shape, bucket): (kind, bucket, bn, bk, split, warps, stages)
-    for (scheme, shape), (kind, bn, bk, split, warps, stages) in _GUESS.items() for bucket in WO_M_BUCKETS}
+    ('int4', 'deep', 16): ('slab', 16, 128, 128, 0, 8, 3),
+    ('int4', 'deep', 32): ('join', 32, 128, 128, 0, 4, 4),
+    ('int4', 'deep', 64): ('join', 64, 128, 128, 0, 4, 4),
+    ('int4', 'square', 16): ('slab', 16, 128, 128, 0, 8, 3),
+    ('int4', 'square', 32): ('join', 32, 128, 128, 0, 4, 4),
+    ('int4', 'square', 64): ('join', 64, 64, 128, 1, 4, 3),
+    ('int4', 'wide', 16): ('slab', 16, 128, 128, 0, 8, 3),
+    ('int4', 'wide', 32): ('join', 32, 64, 128, 1, 4, 3),
+    ('int4', 'wide', 64): ('join', 64, 64, 128, 1, 4, 3),
+    ('int8', 'deep', 16): ('dot', 16, 32, 128, 0, 4, 4),
+    ('int8', 'deep', 32): ('dot', 32, 32, 128, 0, 4, 4),
+    ('int8', 'deep', 64): ('dot', 64, 32, 128, 0, 4, 4),
+    ('int8', 'square', 16): ('dot', 16, 32, 128, 0, 4, 4),
+    ('int8', 'square', 32): ('dot', 32, 64, 128, 1, 4, 3),
+    ('int8', 'square', 64): ('dot', 64, 64, 128, 1, 4, 3),
+    ('int8', 'wide', 16): ('dot', 16, 32, 128, 0, 4, 4),
+    ('int8', 'wide', 32): ('dot', 32, 64, 128, 1, 4, 3),
+    ('int8', 'wide', 64): ('dot', 64, 64, 128, 1, 4, 3),
+}
 
 
 @triton.jit
@@ -352,11 +370,11 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 def wo_small_m_applies(x: torch.Tensor, group_size: int | None) -> bool:
-    """Whether quant_linear's dispatch may send x here (checked operands assumed): bf16 / fp16 x with 1..
-    WO_SMALL_M_MAX rows, int4's G tileable (a power-of-two divisor >= 16)."""
-    return x.dtype in _DTYPES and 0 < x.shape[0] <= WO_SMALL_M_MAX \
+    """Whether quant_linear's dispatch may send x here (checked operands assumed): bf16 / fp16 x with
+    WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows, int4's G tileable (a power-of-two divisor >= 16)."""
+    return x.dtype in _DTYPES and WO_SMALL_M_MIN_M <= x.shape[0] <= WO_SMALL_M_MAX \
         and (group_size is None or _pow2_divisor(group_size, 128) >= 16)
 
 
-__all__ = ["WO_KINDS", "WO_M_BUCKETS", "WO_SMALL_M_MAX", "WO_SMALL_M_TABLE", "check_wo_entry",
+__all__ = ["WO_KINDS", "WO_M_BUCKETS", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M", "WO_SMALL_M_TABLE", "check_wo_entry",
            "pick_wo_small_m_config", "wo_m_bucket", "wo_small_m_applies", "wo_small_m_launch", "wo_small_m_linear"]

@@ -193,6 +193,7 @@ def test_large_m_dequantizes_then_calls_f_linear(device, monkeypatch, dtype, sch
     u (x's unit roundoff) for rounding W to x's dtype and for each side's rounding of its output; K 2**-24 for each
     side's fp32 accumulation; on CUDA one more u S for cuBLAS's reduced-precision split-K reduction."""
     monkeypatch.setattr(quant_linear, "DEQUANT_GEMM_MIN_M", 8)
+    monkeypatch.setattr(quant_linear, "USE_WO_SMALL_M", False)   # it takes 2-16 rows by default (test_wo_small_m.py)
     launches, dequants = _spy(monkeypatch, "_launch"), _spy(monkeypatch, "_dequantize")
     gen = torch.Generator().manual_seed(21)
     N, K, G = 40, 256, 32

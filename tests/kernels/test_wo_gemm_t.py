@@ -140,8 +140,10 @@ def test_every_table_launch_shape_runs(device, scheme, dtype):
 
 
 def test_public_path_takes_gemm_t_for_batches(device, monkeypatch):
-    """_kernel_linear (the CUDA path) below DEQUANT_GEMM_MIN_M launches pick_config's gemm_t for bf16 x."""
+    """_kernel_linear (the CUDA path) below DEQUANT_GEMM_MIN_M launches pick_config's gemm_t for bf16 x (9 rows: with
+    the small-M kernel off, which takes 2-16 rows by default)."""
     monkeypatch.setattr(quant_linear, "USE_GEMM_T", True)
+    monkeypatch.setattr(quant_linear, "USE_WO_SMALL_M", False)
     seen = []
     real = quant_linear._launch
     monkeypatch.setattr(quant_linear, "_launch", lambda *a: seen.append(

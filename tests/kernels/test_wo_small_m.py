@@ -5,6 +5,8 @@ quant_linear's HAYABUSA_WO_SMALL_M routing; bad inputs. The 7B shapes on the GPU
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -146,8 +148,11 @@ def test_table_entries_resolve():
         for M in (5, 16, 32, 64):
             c4 = pick_wo_small_m_config(M, N, K, 128, cpu)
             c8 = pick_wo_small_m_config(M, N, K, None, cpu)
-            assert c4.kind == "slab" and c4.BLOCK_K == 128 and c4.SPLIT_K >= 1 and c4.BLOCK_M >= min(M, 16)
-            assert c8.kind == "slab" and c8.SPLIT_K >= 1
+            assert c4.BLOCK_K == 128 and c4.SPLIT_K >= 1 and c4.BLOCK_M >= min(M, 16)
+            assert c8.SPLIT_K >= 1 and c8.BLOCK_K == 128
+            if M <= 16:   # the measured launches of the engine's rows (BENCHMARKS.md, twenty-second session)
+                assert (c4.kind, c4.BLOCK_N, c4.num_warps) == ("slab", 128, 8)
+                assert (c8.kind, c8.BLOCK_N, c8.num_warps, c8.num_stages) == ("dot", 32, 4, 4)
     assert wo_small_m_launch(("slab", 16, 64, 128, 0, 4, 4), 16, 64, 256, 8, cpu) is None  # G = 8: no 16-k tile
     assert wo_small_m_launch(("slab", 16, 64, 128, 0, 4, 4), 16, 64, 202, None, cpu).kind == "dot"  # no words
     for scheme, bad in (("int4", ("dot", 16, 64, 128, 1, 4, 3)), ("int8", ("join", 16, 64, 128, 1, 4, 3)),
@@ -159,9 +164,9 @@ def test_table_entries_resolve():
 
 
 def test_quant_linear_routes_when_switched_on(device, monkeypatch):
-    """quant_linear._kernel_linear sends 5-16 bf16 / fp16 rows to wo_small_m_linear only with USE_WO_SMALL_M; 4
-    rows (GEMV), 17 rows, fp32 x and an int4 group of 8 keep the old paths; the routed result matches the
-    reference."""
+    """quant_linear._kernel_linear sends 2-16 bf16 / fp16 rows to wo_small_m_linear only with USE_WO_SMALL_M (on by
+    default); 1 row (GEMV), 17 rows, fp32 x and an int4 group of 8 keep the old paths; the routed result matches
+    the reference."""
     import hayabusa.kernels.wo_small_m as wsm
 
     calls = []
@@ -176,11 +181,13 @@ def test_quant_linear_routes_when_switched_on(device, monkeypatch):
     monkeypatch.setattr(ql, "USE_WO_SMALL_M", False)
     ql._kernel_linear(x[:5], q, s, z, b, 40, 128)
     assert calls == []
+    if "HAYABUSA_WO_SMALL_M" not in os.environ:
+        assert ql.env_flag("HAYABUSA_WO_SMALL_M", True) is True      # the default the module read
     monkeypatch.setattr(ql, "USE_WO_SMALL_M", True)
-    for M in (4, 5, 16):
+    for M in (1, 2, 4, 16):
         y = ql._kernel_linear(x[:M], q, s, z, b, 40, 128)
         _assert_few_ulps(y, int4_weight_only_linear_ref(x[:M], q, s, z, 128, b))
-    assert calls == [5, 16]
+    assert calls == [2, 4, 16]
     x8, q8, s8, b8 = _int8(40, 96, torch.float16, device, seed=12, M=17)
     y = ql._kernel_linear(x8[:8], q8, s8, None, b8, 40, None)
     _assert_few_ulps(y, int8_weight_only_linear_ref(x8[:8], q8, s8, b8))
@@ -188,7 +195,7 @@ def test_quant_linear_routes_when_switched_on(device, monkeypatch):
     ql._kernel_linear(x8[:8].float(), q8, s8.float(), None, None, 40, None)  # fp32 x
     x4, q4, s4, z4, _ = _int4(40, 64, 8, torch.bfloat16, device, seed=13, M=8)
     ql._kernel_linear(x4, q4, s4, z4, None, 40, 8)                           # G = 8: no dot tile
-    assert calls == [5, 16, 8]
+    assert calls == [2, 4, 16, 8]
 
 
 def test_bad_inputs_raise_naming_the_argument(device):
