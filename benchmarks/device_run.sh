@@ -989,6 +989,21 @@ g_s22b() {  # session 22, call 2 (issue #24): the weight-only small-M kernel (ke
   done
   bench_step q7_W3_default2 50 30 --workload W3 --model "$Q7" --scale 0.5
 }
+g_s22c() {  # session 22, call 3 (issue #24): wo_small_m on by default with its measured table (2-16 rows): its CUDA
+            # tests, the engine's int4 / int8 CUDA tests (graphs against eager, fidelity), then W4 at max_num_seqs 14
+            # for bf16, int4 and int8 with it (the default) and without (HAYABUSA_WO_SMALL_M=0)
+  step s22c_wo_tests 80 30 bash -c "python -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    tests/kernels/test_wo_small_m_cuda.py > '$OUT/s22c_wo_tests.log' 2>&1; a=\$?; tail -3 '$OUT/s22c_wo_tests.log'; exit \$a"
+  cuda_tests s22c_quant_tests "${S22C_QUANT_S:-150}" -k "'int4 or int8'" tests/quantization/test_cuda.py
+  ensure_q7
+  bench_step q7_W4_bf16 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14
+  local q
+  for q in int4 int8; do
+    bench_step "q7_W4_$q" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 --quantization "$q"
+    HAYABUSA_WO_SMALL_M=0 bench_step "q7_W4_${q}_off" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 \
+      --quantization "$q"
+  done
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
