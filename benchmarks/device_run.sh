@@ -1004,6 +1004,10 @@ g_s22c() {  # session 22, call 3 (issue #24): wo_small_m on by default with its 
       --quantization "$q"
   done
 }
+g_s22d() {  # session 22, call 4 (the last ~120 s): int8 W4 at max_num_seqs 14 with wo_small_m (call 3 ran out first)
+  ensure_q7
+  bench_step q7_W4_int8 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 --quantization int8
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
