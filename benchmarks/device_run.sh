@@ -1008,6 +1008,14 @@ g_s22d() {  # session 22, call 4 (the last ~120 s): int8 W4 at max_num_seqs 14 w
   ensure_q7
   bench_step q7_W4_int8 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 --quantization int8
 }
+g_s22e() {  # session 22, call 5 (the last ~120 s, the machine still warm): W4 without wo_small_m in the same session
+  ensure_q7
+  local q
+  for q in int8 int4; do
+    HAYABUSA_WO_SMALL_M=0 bench_step "q7_W4_${q}_off" 50 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 \
+      --quantization "$q"
+  done
+}
 g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, then one number per issue
   ensure_q05
   PT_TIMEOUT=(); python -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT=(--timeout "${T10_TIMEOUT:-60}")
