@@ -646,8 +646,9 @@ def int8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torc
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias with W = qweight * scales[:, None] (W8A16; Triton on CUDA, the reference on CPU).
 
-    On CUDA, M < DEQUANT_GEMM_MIN_M (256, vLLM's AWQ threshold) runs the fused Triton GEMV / GEMM; from there on W
-    is dequantized to x's dtype (dequantize_int8_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
+    On CUDA, M < DEQUANT_GEMM_MIN_M (256, vLLM's AWQ threshold) runs the fused Triton GEMV / GEMM (2-16 fp16 / bf16
+    rows: kernels/wo_small_m.py, USE_WO_SMALL_M); from there on W is dequantized to x's dtype (dequantize_int8_to, a
+    temporary [N, K]) and F.linear (cuBLAS) multiplies.
 
     Args:
         x: [M, K] float16/bfloat16/float32, any strides; M may be 0.
@@ -669,8 +670,9 @@ def int4_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torc
                             group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W + bias with W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] (W4A16, GPTQ packing).
 
-    On CUDA, M < DEQUANT_GEMM_MIN_M_INT4 (64, measured: see the constant) runs the fused Triton GEMV / GEMM; from there
-    on W is dequantized to x's dtype (dequantize_int4_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
+    On CUDA, M < DEQUANT_GEMM_MIN_M_INT4 (64, measured: see the constant) runs the fused Triton GEMV / GEMM (2-16
+    fp16 / bf16 rows: kernels/wo_small_m.py, USE_WO_SMALL_M); from there on W is dequantized to x's dtype
+    (dequantize_int4_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
 
     Args:
         x: [M, K] float16/bfloat16/float32, any strides; K a multiple of 8 and of group_size.
