@@ -605,6 +605,11 @@ def _check_common(x: torch.Tensor, named: dict[str, torch.Tensor | None], N: int
     bias = named.get("bias")
     if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [N={N}] {x.dtype} or None, got {tuple(bias.shape)} {bias.dtype}")
+    check_on_device_contiguous(x, named)
+
+
+def check_on_device_contiguous(x: torch.Tensor, named: dict[str, torch.Tensor | None]) -> None:
+    """Every tensor of ``named`` (None skipped) on x's device and contiguous; else ValueError naming it."""
     for name, t in named.items():
         if t is None:
             continue

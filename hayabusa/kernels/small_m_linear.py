@@ -288,12 +288,20 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _small_m_dot_kernel[plan.grid](
         x, weight, bias if bias is not None else out, out, plan.part, plan.locks if plan.locks is not None else out,
         M, N, K, plan.k_per_split, plan.splits, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=plan.splits > 1, FUSED_REDUCE=plan.locks is not None,
-        EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=on_cpu,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
+        **split_dot_launch_kwargs(plan, cfg, K, bias is not None, x.device))
     plan.finish(bias, out)
     return out.to(x.dtype) if on_cpu else out
+
+
+def split_dot_launch_kwargs(plan: SplitKPlan, cfg: LaunchConfig, K: int, has_bias: bool,
+                            device: torch.device) -> dict:
+    """The launch keywords a 16-row tl.dot kernel with the fused split-K reduction takes (_small_m_dot_kernel,
+    wo_small_m's kernel): the split plan's flags, cfg's tiles, warps and stages, PDL's, and DOT_FP32 on CPU (the
+    interpreter)."""
+    return dict(HAS_BIAS=has_bias, SPLIT=plan.splits > 1, FUSED_REDUCE=plan.locks is not None,
+                EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=device.type == "cpu",
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(device))
 
 
 def small_m_silu_config(M: int, D: int, K: int, device: torch.device) -> LaunchConfig | None:
@@ -432,4 +440,5 @@ if os.environ.get(SMALL_M_TABLE_JSON_ENV):
 
 __all__ = ["FP8_M_BUCKETS", "FUSED_SILU_MIN_BLOCK_N", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables",
            "pick_small_m_config", "silu_and_mul_small_m", "small_m_enabled", "small_m_linear", "small_m_linear_ref",
-           "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref", "SMALL_M_DEFAULT_CAPABILITY"]
+           "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref", "split_dot_launch_kwargs",
+           "SMALL_M_DEFAULT_CAPABILITY"]

@@ -54,12 +54,12 @@ from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.fp8_gemv import (
     FP8_AUTO_SPLIT_WAVES, SplitKPlan, dot_tile_setup, load_w_tile, load_x_tile, splitk_finish,
 )
-from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
+from hayabusa.kernels.pdl import pdl_wait
 from hayabusa.kernels.quant_linear import (
-    LaunchConfig, _int4_tile_t, _pow2_divisor, device_limits, gemm_shape_class, split_k_for,
+    LaunchConfig, _int4_tile_t, _pow2_divisor, check_on_device_contiguous, device_limits, gemm_shape_class, split_k_for,
 )
 from hayabusa.kernels.quant_ref import check_group_size
-from hayabusa.kernels.small_m_linear import _dot
+from hayabusa.kernels.small_m_linear import _dot, split_dot_launch_kwargs
 
 # quant_linear routes at most this many rows here (one 16-row tile); the launcher itself takes any M (tiles of
 # BLOCK_M rows; the table has 32- and 64-row entries for the bench's M = 32, 64)
@@ -301,13 +301,7 @@ def _check(x, qweight, scales, zeros, group_size, bias) -> int:
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (N,) or bias.dtype != x.dtype):
         got = (tuple(bias.shape), bias.dtype) if isinstance(bias, torch.Tensor) else bias
         raise ValueError(f"bias must be [N={N}] {x.dtype} or None, got {got}")
-    for name, t in named.items():
-        if t is None:
-            continue
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    check_on_device_contiguous(x, named)
     return N
 
 
@@ -361,10 +355,7 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         M, N, K, plan.k_per_split, plan.splits, x.stride(0), 1 if int4 else K // 4 if slab else K, out.stride(0),
         INT4=int4, SLAB=slab, GROUP_SIZE=group_size or 1,
         MAGIC=0x6400 if fp16 else 0x4300, BY_HAND=on_cpu and not fp16,
-        HAS_BIAS=bias is not None, SPLIT=plan.splits > 1, FUSED_REDUCE=plan.locks is not None,
-        EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=on_cpu,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
+        **split_dot_launch_kwargs(plan, cfg, K, bias is not None, x.device))
     plan.finish(bias, out)
     return out.to(x.dtype) if on_cpu else out
 
