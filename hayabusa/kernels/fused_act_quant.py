@@ -263,11 +263,11 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
         ValueError: naming the argument (x, kind) on a bad shape, dtype, stride or kind.
     No host sync: safe to capture in a CUDA graph. On CPU it needs TRITON_INTERPRET=1.
     """
-    qdtype, consts = _kind_args(kind, x.device)
     if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] % 2 or x.shape[1] == 0
             or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1):
         raise ValueError(f"x must be [T, 2D] float32/float16/bfloat16 with D > 0 and unit last stride, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    qdtype, consts = _kind_args(kind, x.device)     # after x's check: a non-tensor x is named, not x.device
     T, D = x.shape[0], x.shape[1] // 2
     if 0 < T <= COLUMN_PARALLEL_MAX_T:
         parts = triton.cdiv(D, COL_BLOCK)

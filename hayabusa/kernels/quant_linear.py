@@ -243,7 +243,7 @@ def _wo_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, par
 
 
 @triton.jit
-def _int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+def int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
                  MAGIC: tl.constexpr, BY_HAND: tl.constexpr):
     """Weight tile W^T [BLOCK_N, BLOCK_K] as the exact integers q - zero in x's dtype, one group. A nibble OR-ed
     with MAGIC is the float 2**e + q (bf16 0x4300 = 128 + q, fp16 0x6400 = 1024 + q: the nibble fills the low
@@ -292,7 +292,7 @@ def _wo_gemm_t_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, p
     x^T and the packed weights in cp.async pipelines. The dequantized tile is the A operand, which wgmma can read
     from registers; Triton 3.6 still passes it through shared memory to reach the operand layout (the nibble
     interleave's layout is not it), as the original GEMM does for its B operand.
-    Weights are exact integers in x's dtype (see _int4_tile_t, _int8_tile_t); the group scale multiplies the fp32
+    Weights are exact integers in x's dtype (see int4_tile_t, _int8_tile_t); the group scale multiplies the fp32
     partial sum per K tile (int4: BLOCK_K divides G) or the sum at the end (int8), as in _wo_gemm_kernel."""
     # launch order: the M tiles of one N tile are neighbours, so a weight tile comes from HBM once, then from L2
     pid = tl.program_id(0)
@@ -316,7 +316,7 @@ def _wo_gemm_t_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, p
         if BY_HAND:  # the interpreter (numpy) computes a bf16 tl.dot on raw bits: fp32 operands
             xt = xt.to(tl.float32)
         if INT4:
-            w = _int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE, BLOCK_K, MAGIC, BY_HAND)
+            w = int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE, BLOCK_K, MAGIC, BY_HAND)
             s = tl.load(scales_ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             acc += tl.dot(w, xt) * s[:, None]
         else:
@@ -411,10 +411,24 @@ GEMM_M_BUCKETS = (16, 32, 64, 128, 256)
 # USE_GEMM_T = True (read per call) turns it on, for the --sweep-gemm run that fills GEMM_T_TABLE.
 USE_GEMM_T = env_flag("HAYABUSA_WO_GEMM_T", False)
 # Batched decode (2 <= M <= 16 rows, fp16 / bf16 x) on kernels/wo_small_m.py's kernel (small_m_linear's 16-row
-# tl.dot loop, nibble slabs dequantized by the magic number): on by default, measured 2-3.5x faster than the GEMV /
-# GEMM it replaces on the H200 (wo_small_m's docstring); HAYABUSA_WO_SMALL_M=0 (read at import) or
-# USE_WO_SMALL_M = False (read per call: tests) turns it off.
-USE_WO_SMALL_M = env_flag("HAYABUSA_WO_SMALL_M", True)
+# tl.dot loop, nibble slabs dequantized by the magic number): measured 1.4-3.5x faster than the GEMV / GEMM it
+# replaces on the H200 (wo_small_m's docstring), so on by default on CUDA devices of compute capability 9.0+ (where
+# its table was measured; USE_WO_SMALL_M None). HAYABUSA_WO_SMALL_M=0 / =1 (read at import) or USE_WO_SMALL_M =
+# False / True (read per call: tests) turns it off / on anywhere.
+USE_WO_SMALL_M: bool | None = (env_flag("HAYABUSA_WO_SMALL_M", False) if "HAYABUSA_WO_SMALL_M" in os.environ
+                               else None)
+HOPPER = (9, 0)
+# That kernel, as kernels/wo_small_m.py registers it when imported (register_small_m_kernel): (applies(x,
+# group_size) -> bool, linear(x, qweight, scales, zeros, group_size, bias) -> y). A registration, not an import
+# here: wo_small_m builds on this module's launch configs and tiles, so importing it from here would close a circle.
+# quantization/packed.quant_kernels, through which every weight-only method reaches these kernels, imports both.
+_SMALL_M_KERNEL: tuple | None = None
+
+
+def register_small_m_kernel(applies, linear) -> None:
+    """Set the kernel _kernel_linear sends 2-16 rows to where wo_small_m_enabled (kernels/wo_small_m.py calls it)."""
+    global _SMALL_M_KERNEL
+    _SMALL_M_KERNEL = (applies, linear)
 GEMM_SHAPE_CLASSES = ("square", "wide", "deep")
 _GEMM_T_GUESS = {16: (16, 128, 128, 0, 4, 4), 32: (32, 128, 128, 0, 4, 4), 64: (64, 128, 64, 0, 4, 4),
                  128: (128, 128, 64, 0, 8, 3), 256: (128, 128, 64, 0, 8, 3)}
@@ -435,6 +449,24 @@ def gemm_shape_class(N: int, K: int) -> str:
 
 
 @functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether ``device`` is a CUDA device of at least this compute capability (False for any other device); cached
+    per device index."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= capability
+
+
+def wo_small_m_enabled(device: torch.device) -> bool:
+    """USE_WO_SMALL_M when set (HAYABUSA_WO_SMALL_M, or a test), else a CUDA device of compute capability 9.0+."""
+    return USE_WO_SMALL_M if USE_WO_SMALL_M is not None else capability_at_least(device, HOPPER)
+
+
 def device_limits(device: torch.device) -> tuple[int, int]:
     """(SM count, shared memory a block may opt into, bytes). The interpreter gets a small fixed "GPU", so CPU
     tests see split-K."""
@@ -444,7 +476,7 @@ def device_limits(device: torch.device) -> tuple[int, int]:
     return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 99 * 1024)
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
+def pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two <= cap that divides n."""
     p = 1
     while p * 2 <= cap and n % (p * 2) == 0:
@@ -481,7 +513,7 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
     tiles stay inside one group (tl.dot also needs K >= 16).
     """
     sms, smem = device_limits(device)
-    k_cap = _pow2_divisor(group_size, 128) if group_size is not None else 128
+    k_cap = pow2_divisor(group_size, 128) if group_size is not None else 128
     if M <= _GEMV_MAX_M or k_cap < 16:
         bn, bk, warps = (128, k_cap, 4) if group_size is not None else (64, 128, 8)
         split = split_k_for(M * triton.cdiv(N, bn), triton.cdiv(K, bk), 4 * sms)
@@ -507,7 +539,7 @@ def gemm_t_launch(entry: tuple[int, int, int, int, int, int], M: int, N: int, K:
     if min(bm, bn, bk) < 16 or split < 0 or any(v & (v - 1) for v in (bm, bn, bk)):
         raise ValueError(f"gemm_t entry needs power-of-two tiles >= 16 and SPLIT_K >= 0, got {entry}")
     if group_size is not None:
-        bk = min(bk, _pow2_divisor(group_size, 128))
+        bk = min(bk, pow2_divisor(group_size, 128))
     if split == 0:
         split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), device_limits(device)[0])
     return LaunchConfig("gemm_t", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
@@ -569,7 +601,7 @@ def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     out = torch.empty((N, K), dtype=dtype, device=qweight.device)
     if out.numel() == 0:
         return out
-    bk = _pow2_divisor(group_size, 128) if int4 else 128   # int4: a tile lies in one group (G % 8 == 0: bk >= 8)
+    bk = pow2_divisor(group_size, 128) if int4 else 128   # int4: a tile lies in one group (G % 8 == 0: bk >= 8)
     bn = _DEQUANT_TILE // bk
     _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         qweight, scales, zeros if int4 else scales, out, N, K, INT4=int4, GROUP_SIZE=group_size or 1,
@@ -582,15 +614,14 @@ def _kernel_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None, N: int, group_size: int | None) -> torch.Tensor:
     """The CUDA path (inputs already checked; runs on CPU under the interpreter): from DEQUANT_GEMM_MIN_M rows on,
     W dequantized to x's dtype by one kernel, then F.linear (cuBLAS); below, the fused Triton GEMV / GEMM; with
-    USE_WO_SMALL_M, fp16 / bf16 x of wo_small_m.WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (unit last stride) takes
+    wo_small_m_enabled, fp16 / bf16 x of wo_small_m.WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (unit last stride) takes
     kernels/wo_small_m.py's 16-row tl.dot kernel instead."""
     threshold = DEQUANT_GEMM_MIN_M if group_size is None else min(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_INT4)
-    if USE_WO_SMALL_M and x.shape[0] > 1 and x.stride(1) == 1 \
+    if _SMALL_M_KERNEL is not None and x.shape[0] > 1 and x.stride(1) == 1 and wo_small_m_enabled(x.device) \
             and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        from hayabusa.kernels.wo_small_m import wo_small_m_applies, wo_small_m_linear  # imports this module
-
-        if wo_small_m_applies(x, group_size):
-            return wo_small_m_linear(x, qweight, scales, zeros, group_size, bias)
+        applies, linear = _SMALL_M_KERNEL
+        if applies(x, group_size):
+            return linear(x, qweight, scales, zeros, group_size, bias)
     if x.shape[0] >= threshold:
         return F.linear(x, _dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
     return _launch(x, qweight, scales, zeros, bias, N, group_size, None)

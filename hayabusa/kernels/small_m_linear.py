@@ -48,7 +48,7 @@ from hayabusa.kernels.fp8_gemv import (
     FP8_M_BUCKETS, SplitKPlan, dot_tile_setup, fp8_launch, fp8_m_bucket, load_launch_tables, load_w_tile,
     load_x_tile, splitk_finish,
 )
-from hayabusa.kernels.quant_linear import LaunchConfig, bf16_rne, gemm_shape_class
+from hayabusa.kernels.quant_linear import LaunchConfig, bf16_rne, capability_at_least, gemm_shape_class
 
 # Rows up to here take the kernel when the switch is on; more rows: F.linear (cuBLAS), which fills its tensor-core
 # tiles from there. One 16-row tl.dot tile, as the FP8 XQ launches.
@@ -124,14 +124,11 @@ def small_m_enabled(device: torch.device | None = None) -> bool:
     Raises HayabusaValidationError on a value that is not a switch, on every device."""
     if SMALL_M_SWITCH in os.environ:
         return env_flag(SMALL_M_SWITCH, False)
-    if device is None or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= SMALL_M_DEFAULT_CAPABILITY
+    return device is not None and capability_at_least(device, SMALL_M_DEFAULT_CAPABILITY)
 
 
 @triton.jit
-def _dot(x, w, acc, DOT_FP32: tl.constexpr):
+def dot_acc(x, w, acc, DOT_FP32: tl.constexpr):
     """acc + x [BM, BK] @ w [BK, BN]: bf16 / fp16 operands (exact products, fp32 sums on the tensor cores), or, in
     the interpreter (numpy), fp32 operands with the same exact products."""
     if DOT_FP32:
@@ -160,13 +157,13 @@ def _small_m_dot_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
         offs_k = k_start + tl.arange(0, BLOCK_K)
         w = load_w_tile(w_cols, offs_k, k_end, n_mask, EVEN_K)
         pdl_wait(PDL)
-        acc = _dot(load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K), w, acc, DOT_FP32)
+        acc = dot_acc(load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K), w, acc, DOT_FP32)
         k_loop = k_start + BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = load_w_tile(w_cols, offs_k, k_end, n_mask, EVEN_K)                               # [BK, BN]
         x = load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K)                               # [BM, BK]
-        acc = _dot(x, w, acc, DOT_FP32)
+        acc = dot_acc(x, w, acc, DOT_FP32)
     splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
                    pid_m * tl.num_programs(1) + pid_n, pid_k, splits, M, N, stride_om, HAS_BIAS, SPLIT,
                    FUSED_REDUCE)
@@ -205,14 +202,14 @@ def _small_m_silu_dot_kernel(x_ptr, w_ptr, out_ptr, M, D, K, stride_xm, stride_w
         wu = load_w_tile(w_up, offs_k, K, n_mask, EVEN_K)
         pdl_wait(PDL)
         x = load_x_tile(x_rows, offs_k, K, m_mask, EVEN_K)
-        acc_g = _dot(x, wg, acc_g, DOT_FP32)
-        acc_u = _dot(x, wu, acc_u, DOT_FP32)
+        acc_g = dot_acc(x, wg, acc_g, DOT_FP32)
+        acc_u = dot_acc(x, wu, acc_u, DOT_FP32)
         k_loop = BLOCK_K
     for k0 in range(k_loop, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = load_x_tile(x_rows, offs_k, K, m_mask, EVEN_K)
-        acc_g = _dot(x, load_w_tile(w_gate, offs_k, K, n_mask, EVEN_K), acc_g, DOT_FP32)
-        acc_u = _dot(x, load_w_tile(w_up, offs_k, K, n_mask, EVEN_K), acc_u, DOT_FP32)
+        acc_g = dot_acc(x, load_w_tile(w_gate, offs_k, K, n_mask, EVEN_K), acc_g, DOT_FP32)
+        acc_u = dot_acc(x, load_w_tile(w_up, offs_k, K, n_mask, EVEN_K), acc_u, DOT_FP32)
     dtype = out_ptr.dtype.element_ty
     g = _to_dtype(acc_g, dtype, BF16_BY_HAND).to(tl.float32)
     u = _to_dtype(acc_u, dtype, BF16_BY_HAND).to(tl.float32)
@@ -438,7 +435,7 @@ if os.environ.get(SMALL_M_TABLE_JSON_ENV):
     load_small_m_tables(os.environ[SMALL_M_TABLE_JSON_ENV], env=SMALL_M_TABLE_JSON_ENV)
 
 
-__all__ = ["FP8_M_BUCKETS", "FUSED_SILU_MIN_BLOCK_N", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "linear_small_m", "load_small_m_tables",
-           "pick_small_m_config", "silu_and_mul_small_m", "small_m_enabled", "small_m_linear", "small_m_linear_ref",
+__all__ = ["FP8_M_BUCKETS", "FUSED_SILU_MIN_BLOCK_N", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "dot_acc",
+           "linear_small_m", "load_small_m_tables", "pick_small_m_config", "silu_and_mul_small_m", "small_m_enabled", "small_m_linear", "small_m_linear_ref",
            "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref", "split_dot_launch_kwargs",
            "SMALL_M_DEFAULT_CAPABILITY"]

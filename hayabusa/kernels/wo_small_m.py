@@ -11,39 +11,39 @@ Why (issue #24): at M = 5-64 the weight-only linears lost to bf16 cuBLAS on the 
 fused split-K reduction (fp8_gemv.SplitKPlan / splitk_finish). Int4 weights are a quarter of bf16's bytes, so that
 loop streaming them with cheap in-register dequantization could beat bf16 by up to ~3x at M <= 16.
 
-int4, kind "slab" (the default): the packed tile [BLOCK_K // 8, BLOCK_N] int32 is NOT rebuilt in k order (the
-nibble interleave costs Triton layout conversions). A dot product sums over k in any order, so the tile is split
-into its 8 nibble slabs: slab s holds k = k0 + 8i + s, i < BLOCK_K // 8. Each becomes exact integers in x's dtype
-by quant_linear's magic number (a nibble q OR 0x4300 is the bf16 128 + q, OR 0x6400 the fp16 1024 + q; minus
-(128 + zero), resp. (1024 + zero), in that dtype: exact; one shift, one LOP3, one subtract per weight) and meets
-the x columns k0 + s + 8i (a stride-8 load of x, which is tiny and stays in L1/L2) in one tl.dot
-[BLOCK_M, BLOCK_K // 8] @ [BLOCK_K // 8, BLOCK_N]; the 8 dots are summed in fp32 and the tile's group scale
-multiplies that partial once (BLOCK_K divides G: one group per tile, as _wo_gemm_kernel). BLOCK_K = 128 makes each
-dot's K 16, the MMA minimum, so "slab" needs G % 128 == 0 (GPTQ's usual 128). Kind "join" builds the [BLOCK_K,
-BLOCK_N] tile in k order with quant_linear._int4_tile_t (tl.interleave = join + reshape) and does one dot: for
-groups of 16-64, and for the bench to compare. int8, kind "slab" (the default): qweight read as int32 words
-(qweight.view(int32) [N, K // 4], K % 4 == 0), the word tile [BLOCK_K // 4, BLOCK_N] split into its 4 byte slabs
-(slab b: k = k0 + 4i + b) against x's stride-4 columns, 4 dots of K = BLOCK_K // 4; kind "dot": the [BLOCK_K,
-BLOCK_N] byte tile as stored, one dot. Either way a byte becomes the exact integer q by the fp16 magic number
-((q & 0xFF) ^ 0x6480 is the half 1152 + q: one LOP3 and one subtract; for bf16 x one exact fp16 -> bf16
-conversion), and the channel scale multiplies the fp32 sum at the end. Compiled for sm_90 (ptxas -v, Triton 3.6,
-bf16, 16 x 64 x 128 tiles, 4 warps): int4 slab 72 registers, join 158; int8 byte tile 255 with spills (4-byte
-pointers per weight byte), which the word slabs avoid. x is bf16 / fp16; BLOCK_M 16 (32 / 64 tiles for 17-64 rows).
+int4, kind "slab" (the default): the packed tile [BLOCK_K // 8, BLOCK_N] int32 is NOT rebuilt in k order (the nibble
+interleave costs Triton layout conversions). A dot product sums over k in any order, so the tile is split into its 8
+nibble slabs: slab s holds k = k0 + 8i + s, i < BLOCK_K // 8. Each becomes exact integers in x's dtype by
+quant_linear's magic number (a nibble q OR 0x4300 is the bf16 128 + q, OR 0x6400 the fp16 1024 + q; minus (128 +
+zero), resp. (1024 + zero), in that dtype: exact; one shift, one LOP3, one subtract per weight) and meets the x
+columns k0 + s + 8i (a stride-8 load of x, which is tiny and stays in L1/L2) in one tl.dot [BLOCK_M, BLOCK_K // 8] @
+[BLOCK_K // 8, BLOCK_N]; the 8 dots are summed in fp32 and the tile's group scale multiplies that partial once
+(BLOCK_K divides G: one group per tile, as _wo_gemm_kernel). BLOCK_K = 128 makes each dot's K 16, the MMA minimum,
+so "slab" needs G % 128 == 0 (GPTQ's usual 128). Kind "join" builds the [BLOCK_K, BLOCK_N] tile in k order with
+quant_linear.int4_tile_t (tl.interleave = join + reshape) and does one dot: for groups of 16-64, and for the bench
+to compare. int8, kind "slab" (a candidate): qweight read as int32 words (qweight.view(int32) [N, K // 4], K % 4 ==
+0), the word tile [BLOCK_K // 4, BLOCK_N] split into its 4 byte slabs (slab b: k = k0 + 4i + b) against x's stride-4
+columns, 4 dots of K = BLOCK_K // 4; kind "dot": the [BLOCK_K, BLOCK_N] byte tile as stored, one dot (what the H200
+sweep chose for every int8 entry). Either way a byte becomes the exact integer q by the fp16 magic number ((q &
+0xFF) ^ 0x6480 is the half 1152 + q: one LOP3 and one subtract; for bf16 x one exact fp16 -> bf16 conversion), and
+the channel scale multiplies the fp32 sum at the end. Compiled for sm_90 (ptxas -v, Triton 3.6, bf16, 16 x 64 x 128
+tiles, 4 warps): int4 slab 72 registers, join 158; int8 byte tile 255 with spills (4-byte pointers per weight byte),
+which the word slabs avoid. x is bf16 / fp16; BLOCK_M 16 (32 / 64 tiles for 17-64 rows).
 
 Numerics: the dot operands are exact integers and x's values, so the products are exact and summed in fp32; only
 the order of the sums differs from quant_ref's references (and the scale is applied per tile / split): fp32
 rounding before one cast. In the interpreter (CPU tests) the dot takes fp32 operands (DOT_FP32, as
 small_m_linear) and the kernel writes fp32, rounded once by torch (the interpreter's bf16 cast truncates).
 
-Switch: quant_linear._kernel_linear sends x with WO_SMALL_M_MIN_M <= M <= WO_SMALL_M_MAX rows (fp16 / bf16, CUDA
-or the interpreter) here when quant_linear.USE_WO_SMALL_M, read once at import from ``HAYABUSA_WO_SMALL_M`` (on by
-default; ``=0`` keeps the GEMV to 4 rows and the 16-row GEMM above). Measured on an H200
-(``benchmarks/kernels/bench_quant_linear.py --small-m``, BENCHMARKS.md "twenty-second session"), us summed over a
-7B layer's qkv + o + gate_up + down: int4 at 4 rows 110 against the 4-row GEMV's 231, at 16 rows 171 against 301
+Switch: quant_linear._kernel_linear (this module registers with it at import) sends x with WO_SMALL_M_MIN_M <= M <=
+WO_SMALL_M_MAX rows (fp16 / bf16, CUDA or the interpreter) here where quant_linear.wo_small_m_enabled: on by default
+on CUDA devices of compute capability 9.0+ (where the table was measured); ``HAYABUSA_WO_SMALL_M=0`` / ``=1`` (read
+at import) turns it off / on anywhere (off: the GEMV to 4 rows and the 16-row GEMM above, as before). Measured on an
+H200 (``benchmarks/kernels/bench_quant_linear.py --small-m``, BENCHMARKS.md "twenty-second session"), us summed over
+a 7B layer's qkv + o + gate_up + down: int4 at 4 rows 110 against the 4-row GEMV's 231, at 16 rows 171 against 301
 (bf16 cuBLAS 126); int8 at 4 rows 92 against 325, at 16 rows 93 against 132 (bf16 126). At one row the GEMV stays
-(int4 81 against 105 here). Past 16 rows neither kernel of this file beat bf16 cuBLAS on most layers. No
-autotune: the launch comes from WO_SMALL_M_TABLE by (scheme, shape class, M bucket), the same every call
-(CUDA-graph safe).
+(int4 81 against 105 here). Past 16 rows neither kernel of this file beat bf16 cuBLAS on most layers. No autotune:
+the launch comes from WO_SMALL_M_TABLE by (scheme, shape class, M bucket), the same every call (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ from hayabusa.kernels.fp8_gemv import (
 )
 from hayabusa.kernels.pdl import pdl_wait
 from hayabusa.kernels.quant_linear import (
-    LaunchConfig, _int4_tile_t, _pow2_divisor, check_on_device_contiguous, device_limits, gemm_shape_class, split_k_for,
+    LaunchConfig, check_on_device_contiguous, device_limits, gemm_shape_class, int4_tile_t, pow2_divisor,
+    register_small_m_kernel, split_k_for,
 )
 from hayabusa.kernels.quant_ref import check_group_size
-from hayabusa.kernels.small_m_linear import _dot, split_dot_launch_kwargs
+from hayabusa.kernels.small_m_linear import dot_acc, split_dot_launch_kwargs
 
 # quant_linear routes at most this many rows here (one 16-row tile); the launcher itself takes any M (tiles of
 # BLOCK_M rows; the table has 32- and 64-row entries for the bench's M = 32, 64)
@@ -130,11 +131,11 @@ def _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask
         for s in tl.static_range(8):
             w = _int4_slab(q, s, off, MAGIC, BY_HAND, dtype)                             # [BK // 8, BN]
             xs = tl.load(x_rows + (k0 + s + 8 * offs_i)[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK // 8]
-            part = _dot(xs, w, part, DOT_FP32)
+            part = dot_acc(xs, w, part, DOT_FP32)
     else:
-        w = tl.trans(_int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE, BLOCK_K, MAGIC, BY_HAND))
+        w = tl.trans(int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE, BLOCK_K, MAGIC, BY_HAND))
         x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
-        part = _dot(x, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32)
+        part = dot_acc(x, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32)
     return acc + part * sc[None, :]
 
 
@@ -175,7 +176,7 @@ def _int8_slab_dot(acc, x_rows, w_cols, k0, k_end, m_mask, n_mask, EVEN_K: tl.co
             xs = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
         else:
             xs = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
-        acc = _dot(xs, w, acc, DOT_FP32)
+        acc = dot_acc(xs, w, acc, DOT_FP32)
     return acc
 
 
@@ -203,7 +204,7 @@ def _wo_small_m_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, 
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = _int8_tile(w_cols, offs_k, k_end, n_mask, EVEN_K, BY_HAND, x_ptr.dtype.element_ty)  # [BK, BN]
-            acc = _dot(load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K), w, acc, DOT_FP32)
+            acc = dot_acc(load_x_tile(x_rows, offs_k, k_end, m_mask, EVEN_K), w, acc, DOT_FP32)
     if not INT4:
         acc *= tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     splitk_finish(acc, rows, m_mask, offs_n, n_mask, bias_ptr, out_ptr, part_ptr, lock_ptr,
@@ -244,7 +245,7 @@ def wo_small_m_launch(entry: tuple, M: int, N: int, K: int, group_size: int | No
     check_wo_entry("int8" if group_size is None else "int4", entry)
     kind, bm, bn, bk, split, warps, stages = entry
     if group_size is not None:
-        bk = min(bk, _pow2_divisor(group_size, 128))
+        bk = min(bk, pow2_divisor(group_size, 128))
         if bk < 16:
             return None
         if kind == "slab" and bk < 128:
@@ -364,8 +365,12 @@ def wo_small_m_applies(x: torch.Tensor, group_size: int | None) -> bool:
     """Whether quant_linear's dispatch may send x here (checked operands assumed): bf16 / fp16 x with
     WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows, int4's G tileable (a power-of-two divisor >= 16)."""
     return x.dtype in _DTYPES and WO_SMALL_M_MIN_M <= x.shape[0] <= WO_SMALL_M_MAX \
-        and (group_size is None or _pow2_divisor(group_size, 128) >= 16)
+        and (group_size is None or pow2_divisor(group_size, 128) >= 16)
 
+
+# quant_linear's dispatch reaches this kernel through the registration (the names looked up per call: tests patch them)
+register_small_m_kernel(lambda x, group_size: wo_small_m_applies(x, group_size),
+                        lambda *args: wo_small_m_linear(*args))
 
 __all__ = ["WO_KINDS", "WO_M_BUCKETS", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M", "WO_SMALL_M_TABLE", "check_wo_entry",
            "pick_wo_small_m_config", "wo_m_bucket", "wo_small_m_applies", "wo_small_m_launch", "wo_small_m_linear"]

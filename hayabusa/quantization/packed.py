@@ -22,8 +22,9 @@ from hayabusa.quantization.base import LinearMethod
 
 
 def quant_kernels():
-    """``hayabusa.kernels.quant_linear``, imported on first use (so that naming a scheme does not load Triton)."""
-    from hayabusa.kernels import quant_linear
+    """``hayabusa.kernels.quant_linear``, imported on first use (so that naming a scheme does not load Triton), with
+    ``kernels/wo_small_m.py``, which registers its batched-decode kernel with it."""
+    from hayabusa.kernels import quant_linear, wo_small_m  # noqa: F401  (wo_small_m: its registration)
 
     return quant_linear
 

@@ -111,6 +111,8 @@ def test_empty_and_bad_inputs_are_refused_by_name(device):
         rms_norm_quant(torch.randn(2, 64, device=device), torch.randn(2, 32, device=device), w, 1e-5, "int8")
     with pytest.raises(ValueError, match="x must be"):
         silu_and_mul_quant(torch.randn(2, 63, device=device), "int8")
+    with pytest.raises(ValueError, match="x must be .* got list"):   # a non-tensor x is named, not x.device
+        silu_and_mul_quant([[1.0, 2.0]], "int8")
     with pytest.raises(ValueError, match="kind"):
         silu_and_mul_quant(torch.randn(2, 64, device=device), "e5m2")
 

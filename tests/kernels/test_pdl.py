@@ -104,7 +104,9 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
     from hayabusa.kernels.paged_attention import paged_attention
     from hayabusa.kernels.quant_linear import LaunchConfig
     from hayabusa.kernels.rope_store_kv import rope_and_store_kv
+    from hayabusa.kernels.quant_ref import quantize_int4_grouped, quantize_int8_per_channel
     from hayabusa.kernels.small_m_linear import small_m_linear, small_m_silu_linear
+    from hayabusa.kernels.wo_small_m import wo_small_m_linear
     from tests.kernels.test_paged_attention import make_case
     from tests.kernels.test_rope_store_kv import _case, _run
 
@@ -118,6 +120,9 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
     wq, sw = per_token_quant_fp8_ref(torch.randn(72, 104, generator=g) / 10)
     wq, sw = wq.to(device), sw.view(-1).contiguous().to(device)
     gu = torch.randn(5, 2 * 104, generator=g).to(bf).to(device)
+    q8, s8 = (t.to(device) for t in quantize_int8_per_channel(w))
+    x128 = torch.randn(5, 128, generator=g).to(bf).to(device)
+    q4, s4, z4 = (t.to(device) for t in quantize_int4_grouped((torch.randn(72, 128, generator=g) / 10).to(bf), 128))
     split = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
     whole = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
     gemv = LaunchConfig("gemv", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=1)
@@ -146,6 +151,8 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
                                                  x_scale=per_token_quant_fp8(x)[1]),
         "fp8_dot_plain": lambda: fp8_small_m_linear(x, wq, sw, b, cfg=split),
         "fp8_gemv": lambda: fp8_small_m_linear(x, wq, sw, b, cfg=gemv),
+        "wo_small_m_int8": lambda: wo_small_m_linear(x, q8, s8, None, None, b, cfg=split),
+        "wo_small_m_int4": lambda: wo_small_m_linear(x128, q4, s4, z4, 128, b),
     }
     _STUB_CALLS.clear()
     off, on = _run_both(monkeypatch, lambda: {k: f() for k, f in cases.items()})

@@ -6,6 +6,8 @@ test_small_m_linear_cuda.py."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 
 import pytest
@@ -257,9 +259,14 @@ def test_switch_defaults_to_hopper_and_refuses_garbage(monkeypatch):
     from hayabusa.errors import HayabusaValidationError
     from hayabusa.kernels.small_m_linear import small_m_enabled
 
+    from hayabusa.kernels import quant_linear
+
     capability = {0: (9, 0), 1: (8, 9)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability[index])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    quant_linear._capability.cache_clear()      # the made-up GPUs' answers are not kept for other tests
+    monkeypatch.setattr(quant_linear, "_capability", functools.lru_cache(maxsize=None)(
+        lambda index: torch.cuda.get_device_capability(index)))
     monkeypatch.delenv("HAYABUSA_SMALL_M_LINEAR", raising=False)
     assert small_m_enabled() is False and small_m_enabled(torch.device("cpu")) is False
     assert small_m_enabled(torch.device("cuda", 0)) is True

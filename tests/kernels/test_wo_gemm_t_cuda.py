@@ -93,8 +93,8 @@ def test_pick_config_launch_matches_ref_and_original_gemm(dtype, scheme, G, laye
 
 @pytest.mark.parametrize("M", [16, 48])
 def test_public_linears_and_cuda_graph_replay(M):
-    """The public linears below their dequantize thresholds (pick_config's gemm_t launch): a CUDA-graph capture
-    of both replays with new x."""
+    """The public linears below their dequantize thresholds: a CUDA-graph capture of both replays with new x (16
+    rows take kernels/wo_small_m.py on Hopper when it is registered, 48 the GEMM of pick_config)."""
     packed, bias, N, K = _weights("qkv", torch.bfloat16, "int4", 128)
     q8, s8, _ = _weights("qkv", torch.bfloat16, "int8", None)[0]
     x = _x(M, K, torch.bfloat16)

@@ -178,11 +178,15 @@ def test_quant_linear_routes_when_switched_on(device, monkeypatch):
 
     monkeypatch.setattr(wsm, "wo_small_m_linear", spy)
     x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=11, M=16)
+    if "HAYABUSA_WO_SMALL_M" not in os.environ:   # unset: on for CUDA devices of compute capability 9.0+ only
+        assert ql.USE_WO_SMALL_M is None and not ql.wo_small_m_enabled(torch.device("cpu"))
+        monkeypatch.setattr(ql, "_capability", lambda index: {0: (9, 0), 1: (8, 6)}[index])
+        assert ql.wo_small_m_enabled(torch.device("cuda", 0)) and not ql.wo_small_m_enabled(torch.device("cuda", 1))
+        ql._kernel_linear(x[:5], q, s, z, b, 40, 128)                # CPU (interpreter): not routed by default
+        assert calls == []
     monkeypatch.setattr(ql, "USE_WO_SMALL_M", False)
     ql._kernel_linear(x[:5], q, s, z, b, 40, 128)
     assert calls == []
-    if "HAYABUSA_WO_SMALL_M" not in os.environ:
-        assert ql.env_flag("HAYABUSA_WO_SMALL_M", True) is True      # the default the module read
     monkeypatch.setattr(ql, "USE_WO_SMALL_M", True)
     for M in (1, 2, 4, 16):
         y = ql._kernel_linear(x[:M], q, s, z, b, 40, 128)
