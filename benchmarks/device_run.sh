@@ -971,6 +971,17 @@ g_s22a() {  # session 22, call 1 (issue #25): PDL and the small-M linears now on
     --quantization fp8
   bench_step q7_W1_default 90 40 --workload W1 --model "$Q7" --scale 0.5
 }
+w4_schemes_with() {  # w4_schemes_with SUFFIX VAR=VALUE: W4 at max_num_seqs 14 on the 7b shape for bf16, int4 and
+                     # int8, then int4 and int8 again with VAR=VALUE (steps q7_W4_SCHEME_SUFFIX)
+  ensure_q7
+  bench_step q7_W4_bf16 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14
+  local q
+  for q in int4 int8; do
+    bench_step "q7_W4_$q" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 --quantization "$q"
+    (export "$2"; bench_step "q7_W4_${q}_$1" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 \
+      --quantization "$q")
+  done
+}
 g_s22b() {  # session 22, call 2 (issue #24): the weight-only small-M kernel (kernels/wo_small_m.py, HAYABUSA_WO_SMALL_M):
             # its CUDA tests, its micro-benchmark against bf16 cuBLAS and today's path, then W4 at max_num_seqs 14
             # (the seed's setting; scale 1: the 0.25 runs took under a second) for bf16, int4 and int8 with and without
@@ -979,14 +990,7 @@ g_s22b() {  # session 22, call 2 (issue #24): the weight-only small-M kernel (ke
     tests/kernels/test_wo_small_m_cuda.py > '$OUT/s22b_tests.log' 2>&1; a=\$?; tail -5 '$OUT/s22b_tests.log'; exit \$a"
   step wo_small_m "${WO_BENCH_S:-170}" 60 python benchmarks/kernels/bench_quant_linear.py --small-m \
     --budget-s "${WO_BUDGET_S:-130}" --json "$OUT/wo_small_m.json"
-  ensure_q7
-  bench_step q7_W4_bf16 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14
-  local q
-  for q in int4 int8; do
-    bench_step "q7_W4_$q" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 --quantization "$q"
-    HAYABUSA_WO_SMALL_M=1 bench_step "q7_W4_${q}_wosm" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 \
-      --quantization "$q"
-  done
+  w4_schemes_with wosm HAYABUSA_WO_SMALL_M=1
   bench_step q7_W3_default2 50 30 --workload W3 --model "$Q7" --scale 0.5
 }
 g_s22c() {  # session 22, call 3 (issue #24): wo_small_m on by default with its measured table (2-16 rows): its CUDA
@@ -995,14 +999,7 @@ g_s22c() {  # session 22, call 3 (issue #24): wo_small_m on by default with its 
   step s22c_wo_tests 80 30 bash -c "python -m pytest -q -rfE --tb=short -p no:cacheprovider \
     tests/kernels/test_wo_small_m_cuda.py > '$OUT/s22c_wo_tests.log' 2>&1; a=\$?; tail -3 '$OUT/s22c_wo_tests.log'; exit \$a"
   cuda_tests s22c_quant_tests "${S22C_QUANT_S:-150}" -k "'int4 or int8'" tests/quantization/test_cuda.py
-  ensure_q7
-  bench_step q7_W4_bf16 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14
-  local q
-  for q in int4 int8; do
-    bench_step "q7_W4_$q" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 --quantization "$q"
-    HAYABUSA_WO_SMALL_M=0 bench_step "q7_W4_${q}_off" 70 30 --workload W4 --model "$Q7" --sweep max_num_seqs=14 \
-      --quantization "$q"
-  done
+  w4_schemes_with off HAYABUSA_WO_SMALL_M=0
 }
 g_s22d() {  # session 22, call 4 (the last ~120 s): int8 W4 at max_num_seqs 14 with wo_small_m (call 3 ran out first)
   ensure_q7

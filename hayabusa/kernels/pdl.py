@@ -42,7 +42,8 @@ if HAS_TRITON:
 else:
     gdc_launch_dependents = gdc_wait = None
 
-_CAPABLE: dict[int, bool] = {}
+HOPPER = (9, 0)   # the compute capability PDL needs, and where the small-M kernels' tables were measured
+_CAPABILITY: dict[int, tuple[int, int]] = {}   # device index -> compute capability, asked once
 
 
 @triton.jit
@@ -57,12 +58,19 @@ def pdl_wait(PDL: tl.constexpr):
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launches on ``device`` use PDL: ``HAYABUSA_PDL`` on, a CUDA device of compute capability 9.0+, and a
     Triton with grid dependency control (never in the CPU interpreter)."""
-    if not USE_PDL or device.type != "cuda" or gdc_wait is None:
+    return USE_PDL and gdc_wait is not None and capability_at_least(device, HOPPER)
+
+
+def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether ``device`` is a CUDA device of at least this compute capability (False for any other device; the
+    capability asked once per device index). PDL's test here, and the small-M kernels' default
+    (small_m_linear.small_m_enabled, quant_linear.wo_small_m_enabled)."""
+    if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABLE:
-        _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return _CAPABLE[index]
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
+    return _CAPABILITY[index] >= capability
 
 
 def pdl_kwargs(device: torch.device) -> dict:
@@ -75,4 +83,4 @@ _ON = {"PDL": True, "launch_pdl": True}     # read-only: spread into launches (o
 _OFF = {"PDL": False}
 
 
-__all__ = ["PDL_SWITCH", "pdl_enabled", "pdl_kwargs", "pdl_wait"]
+__all__ = ["HOPPER", "PDL_SWITCH", "capability_at_least", "pdl_enabled", "pdl_kwargs", "pdl_wait"]

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import HOPPER, capability_at_least
 from hayabusa.kernels.quant_ref import (  # noqa: F401  (re-exported: callers import the quantizers from here)
     dequantize_int4, dequantize_int4_to_ref, dequantize_int8, dequantize_int8_to_ref, int4_weight_only_linear_ref,
     int8_weight_only_linear_ref, pack_int4, quantize_int4_grouped, quantize_int8_per_channel, unpack_int4,
@@ -417,7 +418,6 @@ USE_GEMM_T = env_flag("HAYABUSA_WO_GEMM_T", False)
 # False / True (read per call: tests) turns it off / on anywhere.
 USE_WO_SMALL_M: bool | None = (env_flag("HAYABUSA_WO_SMALL_M", False) if "HAYABUSA_WO_SMALL_M" in os.environ
                                else None)
-HOPPER = (9, 0)
 # That kernel, as kernels/wo_small_m.py registers it when imported (register_small_m_kernel): (applies(x,
 # group_size) -> bool, linear(x, qweight, scales, zeros, group_size, bias) -> y). A registration, not an import
 # here: wo_small_m builds on this module's launch configs and tiles, so importing it from here would close a circle.
@@ -448,25 +448,12 @@ def gemm_shape_class(N: int, K: int) -> str:
     return "wide" if N >= 4 * K else "deep" if K >= 4 * N else "square"
 
 
-@functools.lru_cache(maxsize=8)
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
-    """Whether ``device`` is a CUDA device of at least this compute capability (False for any other device); cached
-    per device index."""
-    if device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= capability
-
-
 def wo_small_m_enabled(device: torch.device) -> bool:
     """USE_WO_SMALL_M when set (HAYABUSA_WO_SMALL_M, or a test), else a CUDA device of compute capability 9.0+."""
     return USE_WO_SMALL_M if USE_WO_SMALL_M is not None else capability_at_least(device, HOPPER)
 
 
+@functools.lru_cache(maxsize=8)
 def device_limits(device: torch.device) -> tuple[int, int]:
     """(SM count, shared memory a block may opt into, bytes). The interpreter gets a small fixed "GPU", so CPU
     tests see split-K."""

@@ -43,12 +43,12 @@ import torch
 
 from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import tl, triton
-from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
+from hayabusa.kernels.pdl import HOPPER, capability_at_least, pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8_gemv import (
     FP8_M_BUCKETS, SplitKPlan, dot_tile_setup, fp8_launch, fp8_m_bucket, load_launch_tables, load_w_tile,
     load_x_tile, splitk_finish,
 )
-from hayabusa.kernels.quant_linear import LaunchConfig, bf16_rne, capability_at_least, gemm_shape_class
+from hayabusa.kernels.quant_linear import LaunchConfig, bf16_rne, gemm_shape_class
 
 # Rows up to here take the kernel when the switch is on; more rows: F.linear (cuBLAS), which fills its tensor-core
 # tiles from there. One 16-row tl.dot tile, as the FP8 XQ launches.
@@ -115,7 +115,7 @@ SMALL_M_SHAPES: dict[tuple[int, int, int], tuple[str, int, int, int, int, int, i
 
 # Compute capability from which the kernels are on when HAYABUSA_SMALL_M_LINEAR is unset: where the tables were
 # measured (Hopper: the H200 of BENCHMARKS.md). Older GPUs take them with HAYABUSA_SMALL_M_LINEAR=1.
-SMALL_M_DEFAULT_CAPABILITY = (9, 0)
+SMALL_M_DEFAULT_CAPABILITY = HOPPER
 
 
 def small_m_enabled(device: torch.device | None = None) -> bool:
@@ -436,6 +436,7 @@ if os.environ.get(SMALL_M_TABLE_JSON_ENV):
 
 
 __all__ = ["FP8_M_BUCKETS", "FUSED_SILU_MIN_BLOCK_N", "SMALL_M_MAX", "SMALL_M_SHAPES", "SMALL_M_TABLE", "dot_acc",
-           "linear_small_m", "load_small_m_tables", "pick_small_m_config", "silu_and_mul_small_m", "small_m_enabled", "small_m_linear", "small_m_linear_ref",
+           "linear_small_m", "load_small_m_tables", "pick_small_m_config", "silu_and_mul_small_m", "small_m_enabled",
+           "small_m_linear", "small_m_linear_ref",
            "small_m_silu_config", "small_m_silu_linear", "small_m_silu_linear_ref", "split_dot_launch_kwargs",
            "SMALL_M_DEFAULT_CAPABILITY"]

@@ -6,8 +6,6 @@ test_small_m_linear_cuda.py."""
 
 from __future__ import annotations
 
-import functools
-
 import json
 
 import pytest
@@ -18,7 +16,8 @@ from hayabusa.kernels.fp8_gemv import FP8_M_BUCKETS, check_fp8_entry, load_launc
 from hayabusa.kernels.quant_linear import LaunchConfig, gemm_shape_class
 from hayabusa.kernels.small_m_linear import (
     FUSED_SILU_MIN_BLOCK_N, SMALL_M_MAX, SMALL_M_SHAPES, SMALL_M_TABLE, linear_small_m, pick_small_m_config,
-    silu_and_mul_small_m, small_m_linear, small_m_linear_ref, small_m_silu_config, small_m_silu_linear, small_m_silu_linear_ref,
+    silu_and_mul_small_m, small_m_linear, small_m_linear_ref, small_m_silu_config, small_m_silu_linear,
+    small_m_silu_linear_ref,
 )
 
 CONFIGS = {
@@ -259,14 +258,10 @@ def test_switch_defaults_to_hopper_and_refuses_garbage(monkeypatch):
     from hayabusa.errors import HayabusaValidationError
     from hayabusa.kernels.small_m_linear import small_m_enabled
 
-    from hayabusa.kernels import quant_linear
+    from hayabusa.kernels import pdl
 
-    capability = {0: (9, 0), 1: (8, 9)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability[index])
+    monkeypatch.setattr(pdl, "_CAPABILITY", {0: (9, 0), 1: (8, 9)})   # two made-up GPUs, kept from other tests
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    quant_linear._capability.cache_clear()      # the made-up GPUs' answers are not kept for other tests
-    monkeypatch.setattr(quant_linear, "_capability", functools.lru_cache(maxsize=None)(
-        lambda index: torch.cuda.get_device_capability(index)))
     monkeypatch.delenv("HAYABUSA_SMALL_M_LINEAR", raising=False)
     assert small_m_enabled() is False and small_m_enabled(torch.device("cpu")) is False
     assert small_m_enabled(torch.device("cuda", 0)) is True

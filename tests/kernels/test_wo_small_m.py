@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+import hayabusa.kernels.pdl as pdl
 import hayabusa.kernels.quant_linear as ql
 from hayabusa.kernels.quant_linear import (
     LaunchConfig, int4_weight_only_linear_ref, int8_weight_only_linear_ref, quantize_int4_grouped,
@@ -180,7 +181,7 @@ def test_quant_linear_routes_when_switched_on(device, monkeypatch):
     x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=11, M=16)
     if "HAYABUSA_WO_SMALL_M" not in os.environ:   # unset: on for CUDA devices of compute capability 9.0+ only
         assert ql.USE_WO_SMALL_M is None and not ql.wo_small_m_enabled(torch.device("cpu"))
-        monkeypatch.setattr(ql, "_capability", lambda index: {0: (9, 0), 1: (8, 6)}[index])
+        monkeypatch.setattr(pdl, "_CAPABILITY", {0: (9, 0), 1: (8, 6)})   # two made-up GPUs
         assert ql.wo_small_m_enabled(torch.device("cuda", 0)) and not ql.wo_small_m_enabled(torch.device("cuda", 1))
         ql._kernel_linear(x[:5], q, s, z, b, 40, 128)                # CPU (interpreter): not routed by default
         assert calls == []
