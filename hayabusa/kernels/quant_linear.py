@@ -415,7 +415,7 @@ USE_GEMM_T = env_flag("HAYABUSA_WO_GEMM_T", False)
 # tl.dot loop, nibble slabs dequantized by the magic number): measured 1.4-3.5x faster than the GEMV / GEMM it
 # replaces on the H200 (wo_small_m's docstring), so on by default on CUDA devices of compute capability 9.0+ (where
 # its table was measured; USE_WO_SMALL_M None). HAYABUSA_WO_SMALL_M=0 / =1 (read at import) or USE_WO_SMALL_M =
-# False / True (read per call: tests) turns it off / on anywhere.
+# False / True (read per call: tests) turns it off / on for any CUDA device (the CPU path is the torch reference).
 USE_WO_SMALL_M: bool | None = (env_flag("HAYABUSA_WO_SMALL_M", False) if "HAYABUSA_WO_SMALL_M" in os.environ
                                else None)
 # That kernel, as kernels/wo_small_m.py registers it when imported (register_small_m_kernel): (applies(x,

@@ -16,10 +16,10 @@ Numerics: tl.dot's products of bf16 / fp16 values are exact in fp32 and summed i
 of the sums differs (the K split and the MMA's), so a row differs from F.linear by fp32 rounding before the one
 cast: not bit-identical, and greedy decoding can part from cuBLAS's after many tokens (a measured fidelity bound,
 below). On by default on Hopper (compute capability 9.0+, where the tables were measured), off elsewhere;
-``HAYABUSA_SMALL_M_LINEAR=0`` / ``=1`` (read by the model loader) turns it off / on anywhere. Measured on an H200
-(2026-12-04, BENCHMARKS.md "Twentieth session"): with HAYABUSA_PDL, W3 4.26 against 4.59 ms/token on the 7b shape
-and 0.92 against 1.06 on the 0.5b shape; stories260K's greedy ids identical on and off, logprobs within 0.061 nats;
-the engine's CUDA suite (greedy against HF, graphs against eager, speculative decoding, every model) 82 of 82
+``HAYABUSA_SMALL_M_LINEAR=0`` / ``=1`` (read by the model loader) turns it off / on on any CUDA device. Measured on
+an H200 (2026-12-04, BENCHMARKS.md "Twentieth session"): with HAYABUSA_PDL, W3 4.26 against 4.59 ms/token on the 7b
+shape and 0.92 against 1.06 on the 0.5b shape; stories260K's greedy ids identical on and off, logprobs within 0.061
+nats; the engine's CUDA suite (greedy against HF, graphs against eager, speculative decoding, every model) 82 of 82
 passed with it and PDL on (session 21).
 
 small_m_silu_linear fuses an MLP's gate_up projection with its SiLU-and-mul (one launch instead of two; the MLP asks

@@ -38,12 +38,13 @@ small_m_linear) and the kernel writes fp32, rounded once by torch (the interpret
 Switch: quant_linear._kernel_linear (this module registers with it at import) sends x with WO_SMALL_M_MIN_M <= M <=
 WO_SMALL_M_MAX rows (fp16 / bf16, CUDA or the interpreter) here where quant_linear.wo_small_m_enabled: on by default
 on CUDA devices of compute capability 9.0+ (where the table was measured); ``HAYABUSA_WO_SMALL_M=0`` / ``=1`` (read
-at import) turns it off / on anywhere (off: the GEMV to 4 rows and the 16-row GEMM above, as before). Measured on an
-H200 (``benchmarks/kernels/bench_quant_linear.py --small-m``, BENCHMARKS.md "twenty-second session"), us summed over
-a 7B layer's qkv + o + gate_up + down: int4 at 4 rows 110 against the 4-row GEMV's 231, at 16 rows 171 against 301
-(bf16 cuBLAS 126); int8 at 4 rows 92 against 325, at 16 rows 93 against 132 (bf16 126). At one row the GEMV stays
-(int4 81 against 105 here). Past 16 rows neither kernel of this file beat bf16 cuBLAS on most layers. No autotune:
-the launch comes from WO_SMALL_M_TABLE by (scheme, shape class, M bucket), the same every call (CUDA-graph safe).
+at import) turns it off / on for any CUDA device (off: the GEMV to 4 rows and the 16-row GEMM above, as before).
+Measured on an H200 (``benchmarks/kernels/bench_quant_linear.py --small-m``, BENCHMARKS.md "twenty-second session"),
+us summed over a 7B layer's qkv + o + gate_up + down: int4 at 4 rows 110 against the 4-row GEMV's 231, at 16 rows
+171 against 301 (bf16 cuBLAS 126); int8 at 4 rows 92 against 325, at 16 rows 93 against 132 (bf16 126). At one row
+the GEMV stays (int4 81 against 105 here). Past 16 rows neither kernel of this file beat bf16 cuBLAS on most layers.
+No autotune: the launch comes from WO_SMALL_M_TABLE by (scheme, shape class, M bucket), the same every call (CUDA-
+graph safe).
 """
 
 from __future__ import annotations
