@@ -1031,6 +1031,17 @@ g_tenth() {  # the tenth session's one full call: the new kernels' CUDA tests, t
   bench_step t5s_W9 "${W9_MAX_S:-90}" 30 --workload W9 --model "$MODELS/t5-small-shape" --engine hayabusa  # #17
 }
 
+g_bi23() {  # issue #23: does a row's bits depend on tiles / warps / stages at a fixed BLOCK_K and CHUNK_K? Then the
+            # fastest tiles per M under one arithmetic per shape, and the mode's cost on W3 as it stands
+  ensure_q05
+  bench_step q05_W3_bi23 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
+  step bi_probe "${BIPROBE_S:-150}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --probe-tiles \
+    --shapes "${BIPROBE_SHAPES:-1152x896,896x4864,3584x3584,37888x3584}" --json "$OUT/bi_probe.json"
+  step bi_bucket "${BIBUCKET_S:-330}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --models "${BIBUCKET_MODELS:-qwen2.5-0.5b-shape}" --layers "${BIBUCKET_LAYERS:-qkv,o,gate_up,down,lm_head}" \
+    --m "${BIBUCKET_M:-1,16,64,256,2048}" --json "$OUT/bi_bucket.json"
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

@@ -209,6 +209,106 @@ def print_sweep(best: list[dict]) -> None:
               f"{per_m}; {r['candidates']} candidates")
 
 
+# ------------------------------------------------------------------------------- tiles that share the arithmetic
+def tile_variants(cfg: bg.BiGemmConfig, device: str, probe: bool = False) -> list[bg.BiGemmConfig]:
+    """Launches that keep ``cfg``'s arithmetic (BLOCK_K, CHUNK_K: the order a row's products are added in) and change
+    everything else: BLOCK_M 16 / 64 / 128, BLOCK_N 32 / 64 / 128 / 256, 4 / 8 warps (8 only for tiles of 64 x 64 or
+    more, and the only choice above 128 x 128), 3 / 4 stages (``probe``: 3, and 2 / 4 on one tile)."""
+    if device != "cuda":
+        return [dataclasses.replace(cfg, BLOCK_M=bm, BLOCK_N=bn) for bm in (16, 32) for bn in (16, 32)]
+    out = []
+    for bm in (16, 64, 128):
+        for bn in (32, 64, 128, 256):
+            for warps in (4, 8):
+                for stages in ((3,) if probe else (3, 4)):
+                    if bm * bn > 128 * 128 and warps < 8 or bm * bn < 64 * 64 and warps > 4:
+                        continue
+                    out.append(dataclasses.replace(cfg, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages))
+    if probe:
+        out += [dataclasses.replace(cfg, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=st) for st in (2, 4)]
+    return out
+
+
+def probe_tiles(N: int, K: int, has_bias: bool, device: str, dtype=DTYPE, M: int = 300) -> dict:
+    """Whether a row's bits depend on the tile shape, warps or stages once BLOCK_K and CHUNK_K are fixed: x [M, K]
+    through every ``tile_variants`` launch (split and unsplit) of two arithmetics (the shape's configuration, and
+    BLOCK_K 64 with one chunk), each compared bit for bit with the first. Returns counts and the differing launches."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    w = (torch.randn(N, K, device=device, generator=gen) / K ** 0.5).to(dtype)
+    b = torch.randn(N, device=device, generator=gen).to(dtype) if has_bias else None
+    x = torch.randn(M, K, device=device, generator=gen).to(dtype)
+    base = bg.bi_gemm_config(N, K, bg.num_sms(torch.device(device)))
+    arith = [base, dataclasses.replace(base, BLOCK_K=64, CHUNK_K=-(-K // 64) * 64)]
+    out = dict(N=N, K=K, dtype=str(dtype), compared=0, differ=[], failed=0)
+    for a in arith:
+        ref = None
+        for cfg in tile_variants(a, device, probe=True):
+            for split in (False, True):
+                try:
+                    y = bg.bi_gemm(x, w, b, config=cfg, split=split)
+                    y1 = bg.bi_gemm(x[M // 2:M // 2 + 1], w, b, config=cfg, split=split)
+                except Exception:  # noqa: BLE001 - out of shared memory / registers on this GPU
+                    out["failed"] += 1
+                    continue
+                if ref is None:
+                    ref = y
+                out["compared"] += 1
+                if not (torch.equal(y, ref) and torch.equal(y1[0], ref[M // 2])):
+                    out["differ"].append(dict(cfg=dataclasses.asdict(cfg), split=split,
+                                              rows=int((y != ref).any(dim=1).sum()),
+                                              max_abs=(y.float() - ref.float()).abs().max().item()))
+    return out
+
+
+def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: str) -> dict:
+    """The fastest launch per M that keeps one arithmetic per shape. For each arithmetic (BLOCK_K 64 / 128, K in 1 /
+    2 / 4 / 8 chunks) and each M: the best of ``tile_variants`` x (split, unsplit); then the arithmetic with the
+    smallest mean of best / torch time over M. Returns that arithmetic, the per-M winners and times."""
+    inputs = {M: make_inputs(N, K, M, has_bias, device) for M in ms}
+    torch_us = {M: time_us(lambda x=x, w=w, b=b: F.linear(x, w, b), device, 10) for M, (x, w, b) in inputs.items()}
+    ariths = {}
+    for bk in (64, 128):
+        for splits in (1, 2, 4, 8):
+            chunk = -(-(-(-K // splits)) // bk) * bk
+            ariths[(bk, chunk)] = None
+    results = []
+    for bk, chunk in ariths:
+        per_m = {}
+        for M, (x, w, b) in inputs.items():
+            best = (float("inf"), None, None)
+            for cfg in tile_variants(bg.BiGemmConfig(BLOCK_K=bk, CHUNK_K=chunk), device):
+                if (cfg.BLOCK_M == 16 and M > 64) or (cfg.BLOCK_M >= 64 and M <= 16 and cfg.BLOCK_M > 64) \
+                        or (cfg.BLOCK_M > 16 and M == 1):
+                    continue                       # pruned: tiles far from M's size
+                S = cfg.num_chunks(K)
+                for split in ((False, True) if S > 1 else (False,)):
+                    if split and S * M * N * 4 > MAX_PARTIAL_BYTES or not split and S > 1 and M <= 16:
+                        continue
+                    try:
+                        us = time_us(lambda: bg.bi_gemm(x, w, b, config=cfg, split=split), device, 10)
+                    except Exception:  # noqa: BLE001 - out of resources: not a candidate
+                        continue
+                    if us < best[0]:
+                        best = (us, cfg, split)
+            per_m[M] = best
+        mean = sum(per_m[M][0] / torch_us[M] for M in ms) / len(ms)
+        results.append((mean, (bk, chunk), per_m))
+    mean, (bk, chunk), per_m = min(results, key=lambda r: r[0])
+    return dict(N=N, K=K, BLOCK_K=bk, CHUNK_K=chunk, mean_ratio=mean, ms=ms,
+                torch_us=[torch_us[M] for M in ms], best_us=[per_m[M][0] for M in ms],
+                per_m=[dict(M=M, split=per_m[M][2], cfg=dataclasses.asdict(per_m[M][1])) for M in ms],
+                arith_means={f"{a[1][0]}/{a[1][1]}": a[0] for a in results})
+
+
+def print_bucket_sweep(best: list[dict]) -> None:
+    print("# bucket sweep: per shape one arithmetic (BLOCK_K / CHUNK_K), the fastest tiles per M, us bi / torch")
+    for r in best:
+        per = " ".join(f"M{p['M']}:{b:.1f}/{t:.1f}({p['cfg']['BLOCK_M']}x{p['cfg']['BLOCK_N']} w{p['cfg']['num_warps']}"
+                       f" s{p['cfg']['num_stages']}{' split' if p['split'] else ''})"
+                       for p, b, t in zip(r["per_m"], r["best_us"], r["torch_us"]))
+        print(f"  {r['N']}x{r['K']} BK {r['BLOCK_K']} CHUNK {r['CHUNK_K']} mean {r['mean_ratio']:.2f}x: {per}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -220,12 +320,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", help="comma-separated NxK weight shapes instead of --models / --layers")
     parser.add_argument("--config", help=f"JSON per-shape config fields for this run (sets {bg.ENV_CONFIGS})")
     parser.add_argument("--sweep", action="store_true", help="also search a grid of configs per shape (slow)")
+    parser.add_argument("--probe-tiles", action="store_true",
+                        help="only check that a row's bits do not depend on tiles / warps / stages at fixed BLOCK_K "
+                             "and CHUNK_K (bf16 and fp16), then exit")
+    parser.add_argument("--bucket-sweep", action="store_true",
+                        help="only search, per shape, one arithmetic and the fastest tiles per M (slow)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_bi_gemm --device cuda needs a CUDA GPU (--device cpu: the Triton interpreter, tiny shapes)")
     if args.config:
         os.environ[bg.ENV_CONFIGS] = args.config
     ms = [int(m) for m in args.m.split(",")]
+    if args.probe_tiles or args.bucket_sweep:
+        found = []
+        for _model, _layer, N, K, has_bias in shapes_to_run(args):
+            if args.probe_tiles:
+                for dtype in (torch.bfloat16, torch.float16):
+                    r = probe_tiles(N, K, has_bias, args.device, dtype)
+                    print(f"# probe {N}x{K} {dtype}: {r['compared']} launches, {len(r['differ'])} differ, "
+                          f"{r['failed']} did not run", flush=True)
+                    found.append(r)
+            else:
+                found.append(bucket_sweep_shape(N, K, has_bias, ms, args.device))
+                print_bucket_sweep(found[-1:])
+                sys.stdout.flush()
+            if args.json:                          # after every shape: a run cut short keeps what it measured
+                args.json.write_text(json.dumps(found, indent=2))
+        return
     rows, best = [], []
     for model, layer, N, K, has_bias in shapes_to_run(args):
         for M in ms:
