@@ -1042,6 +1042,22 @@ g_bi23() {  # issue #23: does a row's bits depend on tiles / warps / stages at a
     --m "${BIBUCKET_M:-1,16,64,256,2048}" --json "$OUT/bi_bucket.json"
 }
 
+g_bi23b() {  # issue #23 after the per-M launches and PDL: the GEMM's and the mode's CUDA tests, the mode's cost on W3 /
+             # W1, W3's kernel families with and without the mode, then the 7b shapes' launches per M
+  ensure_q05
+  step bi_tests "${BITESTS_S:-200}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_bi_gemm_cuda.py tests/test_batch_invariant_cuda.py 2>&1 | tail -25"
+  bench_step q05_W3_bi23b 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
+  bench_step q05_W1_bi23b 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+  for bi in false true; do
+    step "prof_w3_bi_$bi" 60 20 bash -c "python benchmarks/profile_decode.py --model '$Q05' --workload W3 --scale 0.5 \
+      --engine-args '{\"batch_invariant\": $bi}' --json '$OUT/prof_w3_bi_$bi.json' 2>&1 | tail -28"
+  done
+  step bi_bucket7 "${BIBUCKET7_S:-240}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --models qwen2.5-7b-shape --layers "${BIBUCKET7_LAYERS:-qkv,o,down,gate_up}" --m 1,16,64,256,2048 \
+    --json "$OUT/bi_bucket7.json"
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

@@ -3,9 +3,15 @@
 The mode's linears and lm_head (``batch_invariant=True``) run here on CUDA. Why a row's bits never depend on M or on
 the other rows:
 
-- Everything that shapes the arithmetic comes from the weight shape (N, K) and the GPU's SM count, never from M:
-  the tile configuration (``BiGemmConfig``: BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages) and the K chunks
-  ``[c * CHUNK_K, min((c + 1) * CHUNK_K, K))`` for c = 0 .. S - 1, S = cdiv(K, CHUNK_K).
+- What shapes the arithmetic comes from the weight shape (N, K) and the GPU's SM count, never from M: BLOCK_K (the
+  K step of each tl.dot) and the K chunks ``[c * CHUNK_K, min((c + 1) * CHUNK_K, K))`` for c = 0 .. S - 1,
+  S = cdiv(K, CHUNK_K) (``BiGemmConfig``, ``BI_GEMM_TABLE``).
+- What M may choose is the rest of the launch: the output tile (BLOCK_M x BLOCK_N), warps, pipeline stages and
+  whether the chunks run as separate programs (``BI_GEMM_BUCKETS``, ``TILE_FIELDS``). Measured not to change a bit:
+  ``bench_bi_gemm.py --probe-tiles`` on an H200 (2026-12-04, commit 789ed26) ran x [300, K] through BLOCK_M 16 / 64 /
+  128 x BLOCK_N 32-256 x 4 / 8 warps x 2-4 stages, split and unsplit, at two arithmetics each, on four weight shapes
+  of the 0.5b and 7b models in bf16 and fp16: 648 launches, every one bit-identical to the first of its arithmetic
+  (mma.sync tiles of 16 rows and wgmma tiles of 64 / 128 rows alike), a row alone included.
 - A chunk's partial of an output tile is ``acc = 0; for each BLOCK_K step from the chunk's start: acc = dot(x_tile,
   w_tile, acc)``. The tl.dot of a fixed configuration is a fixed sequence of MMA instructions; each reduces one output
   element's K slice from that element's own x row and w column, so what the other rows of the tile hold (other
@@ -27,11 +33,12 @@ operations again (which program is last varies; what it computes does not).
 
 Splitting K thus buys decode its parallelism (S x the programs of an unsplit GEMM: a 896-wide weight has 14 column
 tiles of 64, far below the SM count) without making the result depend on M, and prefill pays no partial traffic.
-Why not simply pick a different tile configuration or split count per M (as cuBLAS does): a different BLOCK_K or
-chunking changes the order in which a row's products are added, so a row's bits would change with the batch size.
+Why not simply pick a different BLOCK_K or split count per M (as cuBLAS does): either changes the order in which a
+row's products are added, so a row's bits would change with the batch size; tile shapes, warps and stages do not.
 
 Tile configurations: ``BI_GEMM_TABLE`` maps (N, K) to a measured configuration (``benchmarks/kernels/bench_bi_gemm.py
---sweep`` prints the lines to paste); other shapes get ``heuristic_config``. ``HAYABUSA_BI_GEMM_CONFIGS`` (JSON,
+--sweep`` prints the lines to paste); other shapes get ``heuristic_config``. ``BI_GEMM_BUCKETS`` gives a shape's
+launch per M bucket (``--bucket-sweep``); other shapes get ``heuristic_buckets``. ``HAYABUSA_BI_GEMM_CONFIGS`` (JSON,
 ``{"NxK": {"BLOCK_N": 64, "CHUNK_K": 256}}``) overrides fields per shape for an experiment. The reference is
 ``kernels/batch_invariant.matmul_bi_ref`` (the CPU path of the mode).
 """
@@ -47,6 +54,7 @@ import torch
 
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels.pdl import HOPPER, capability_at_least, pdl_kwargs, pdl_wait
 
 ENV_CONFIGS = "HAYABUSA_BI_GEMM_CONFIGS"
 MIN_CHUNK_K = 128        # the heuristic never splits K finer than this (two BLOCK_K = 64 steps per program)
@@ -112,6 +120,46 @@ BI_GEMM_TABLE: dict[tuple[int, int], BiGemmConfig] = {
 }
 
 
+# The fields a launch may change with M (module docstring: they leave a row's bits alone). BLOCK_K and CHUNK_K are
+# not among them: they fix the order a row's products are added in.
+TILE_FIELDS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_BELOW_TILES",
+                         "SUM_IN_KERNEL"})
+SPLIT, UNSPLIT = 1 << 30, 1     # SPLIT_BELOW_TILES values: always / never run the K chunks as separate programs
+
+
+def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_BELOW_TILES=SPLIT if split else UNSPLIT)
+
+
+# (N, K) -> ((largest M, the launch's TILE_FIELDS), ...), M ascending; the last bucket also takes every larger M.
+# Measured on an H200 by `bench_bi_gemm.py --bucket-sweep --models qwen2.5-0.5b-shape --m 1,16,64,256,2048` (run of
+# 2026-12-04, commit 789ed26, BENCHMARKS.md "twenty-third session"): per M the fastest launch keeping the table's
+# BLOCK_K / CHUNK_K (which that sweep chose too), us with it / with the table's one launch / cuBLAS in the comments.
+BI_GEMM_BUCKETS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
+    # qkv: M=1 4.2 / 4.2 / 3.9, M=16 4.1 / 4.1 / 3.7, M=256 5.1 / 5.7 / 4.2, M=2048 17.4 / 21.4 / 9.3
+    (1152, 896): ((1, _tile(16, 32)), (16, _tile(64, 32, stages=4)), (64, _tile(64, 32)), (1 << 62, _tile(64, 64))),
+    # o_proj: M=1 4.1 / 3.9 / 4.4, M=256 4.2 / 4.1 / 4.0, M=2048 10.7 / 16.8 / 7.0
+    (896, 896): ((1, _tile(16, 32, stages=4)), (256, _tile(64, 32)), (1 << 62, _tile(128, 128, 8))),
+    # gate_up: M=1 5.6 / 7.1 / 5.1, M=16 5.7 / 7.2 / 4.8, M=64 7.1 / 7.2 / 5.8, M=256 17.0 / 15.4 / 9.6,
+    # M=2048 95.6 / 112 / 56.0 (at M=256 the table's 64 x 64 x 64 launch measured 15.4 in run AC; this BLOCK_K = 128
+    # run's best 64 x 64 took 17.0)
+    (9728, 896): ((16, _tile(16, 128)), (64, _tile(64, 128, 8)), (256, _tile(64, 64)), (1 << 62, _tile(128, 128, 8))),
+    # down: M=1 6.7 / 7.5 / 6.7, M=16 6.5 / 7.7 / 6.8, M=256 11.1 / 11.8 / 9.7, M=2048 41.5 / 58.7 / 25.1
+    (896, 4864): ((1, _tile(16, 32, split=True)), (16, _tile(64, 32, split=True)), (64, _tile(64, 32, 4, 4, True)),
+                  (256, _tile(64, 128, 8, split=True)), (1 << 62, _tile(128, 128, 8))),
+}
+
+
+def heuristic_buckets(cfg: BiGemmConfig, hopper: bool) -> tuple[tuple[int, dict], ...]:
+    """Launches per M for a shape without measured buckets, around its configuration ``cfg``: 16-row tiles up to
+    M = 16 (a decode step's rows; the 64-row tile there is 3/4 masked), ``cfg``'s tile up to 256, and 128 x 128 tiles
+    of 8 warps above that on compute capability 9.0+ (``hopper``), where every measured shape's prefill chose them
+    (their shared memory, 2 x 128 x BLOCK_K x 2 bytes a stage, is what other GPUs may not have)."""
+    small = dict(BLOCK_M=16, num_warps=4)
+    big = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8) if hopper and cfg.BLOCK_K <= 64 else {}
+    return ((16, small), (256, {}), (1 << 62, big))
+
+
 def heuristic_config(N: int, K: int, num_sms: int) -> BiGemmConfig:
     """A configuration from (N, K) and the SM count alone: BLOCK_N 128 when the weight has at least one 128-wide
     column tile per SM, else 64; K split into S chunks (each a multiple of BLOCK_K = 64, at least MIN_CHUNK_K) so a
@@ -144,7 +192,7 @@ def _env_overrides(raw: str) -> dict[tuple[int, int], dict]:
 
 
 @functools.lru_cache(maxsize=256)
-def _config(N: int, K: int, num_sms: int, env: str) -> BiGemmConfig:
+def _fields(N: int, K: int, num_sms: int, env: str, hopper: bool) -> tuple[BiGemmConfig, tuple[tuple[int, dict], ...], dict]:
     cfg = BI_GEMM_TABLE.get((N, K)) or heuristic_config(N, K, num_sms)
     overrides = _env_overrides(env) if env else {}
     fields = {**overrides.get((0, 0), {}), **overrides.get((N, K), {})}     # "*" for every shape, then "NxK"
@@ -154,17 +202,37 @@ def _config(N: int, K: int, num_sms: int, env: str) -> BiGemmConfig:
             raise HayabusaValidationError(f"{ENV_CONFIGS}: unknown field(s) {sorted(unknown)} for {N}x{K}.",
                                           parameter=ENV_CONFIGS, value=env)
         cfg = dataclasses.replace(cfg, **fields)
-    return cfg
+    buckets = BI_GEMM_BUCKETS.get((N, K)) or heuristic_buckets(cfg, hopper)
+    for _, tile in buckets:
+        if set(tile) - TILE_FIELDS:
+            raise ValueError(f"bi_gemm bucket of {N}x{K} changes {sorted(set(tile) - TILE_FIELDS)}: only "
+                             f"{sorted(TILE_FIELDS)} may change with M")
+    return cfg, buckets, fields
 
 
-def bi_gemm_config(N: int, K: int, num_sms: int = 132) -> BiGemmConfig:
-    """The one configuration of a weight [N, K] on a GPU of ``num_sms`` SMs: ``BI_GEMM_TABLE``, else
+@functools.lru_cache(maxsize=1024)
+def _config(N: int, K: int, num_sms: int, env: str, M: int | None, hopper: bool) -> BiGemmConfig:
+    cfg, buckets, fields = _fields(N, K, num_sms, env, hopper)
+    if M is None:
+        return cfg
+    tile = next(t for m_max, t in buckets if M <= m_max or m_max == buckets[-1][0])
+    # the bucket's launch over the shape's, then the environment's fields over both (an experiment sets all M)
+    return dataclasses.replace(cfg, **{**tile, **{k: v for k, v in fields.items() if k in TILE_FIELDS}})
+
+
+def bi_gemm_config(N: int, K: int, num_sms: int = 132, M: int | None = None,
+                   device: torch.device | None = None) -> BiGemmConfig:
+    """The configuration of a weight [N, K] on a GPU of ``num_sms`` SMs: ``BI_GEMM_TABLE``, else
     ``heuristic_config``, with the fields of ``HAYABUSA_BI_GEMM_CONFIGS`` for "*" (every shape), then for "NxK",
-    over it (``{"*": {"SUM_IN_KERNEL": true}, "896x896": {"CHUNK_K": 128}}``). Never a function of M.
+    over it (``{"*": {"SUM_IN_KERNEL": true}, "896x896": {"CHUNK_K": 128}}``). Its BLOCK_K and CHUNK_K (the
+    arithmetic) are never a function of M. With ``M``: the launch for a step of M rows, i.e. that configuration with
+    the ``TILE_FIELDS`` of M's bucket (``BI_GEMM_BUCKETS``, else ``heuristic_buckets``: its large tiles only where
+    ``device`` is a CUDA device of compute capability 9.0+), then the environment's fields again.
 
     Raises:
         HayabusaValidationError: a malformed ``HAYABUSA_BI_GEMM_CONFIGS`` or a bad field value in it."""
-    return _config(N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip())
+    hopper = device is not None and capability_at_least(device, HOPPER)
+    return _config(N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip(), M, hopper)
 
 
 TILE_COUNTERS = 1 << 16   # per device: one int32 arrival counter per output tile of a SUM_IN_KERNEL launch
@@ -196,8 +264,10 @@ def _tile_counters(device: torch.device) -> torch.Tensor | None:
 
 
 def reset_config_cache() -> None:
-    """Forget the configurations chosen so far (after ``BI_GEMM_TABLE`` changed; the environment variable is part
-    of the cache key already). Tests and benchmarks only: a running engine must keep its configurations."""
+    """Forget the configurations chosen so far (after ``BI_GEMM_TABLE`` or ``BI_GEMM_BUCKETS`` changed; the
+    environment variable is part of the cache key already). Tests and benchmarks only: a running engine must keep
+    its configurations."""
+    _fields.cache_clear()
     _config.cache_clear()
 
 
@@ -236,7 +306,7 @@ def _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym,
 def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                     CHUNK_K, CHUNKS_PER_PROG, HAS_BIAS: tl.constexpr, SUM_IN_KERNEL: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    DOT_FP32: tl.constexpr):
+                    DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     # CHUNKS_PER_PROG: S (one program per output tile, summing its chunks; writes y) or 1 (one program per
     # (tile, chunk); writes the chunk's fp32 partial to part [S, M, N]; then either _bi_gemm_sum_kernel finishes,
     # or, SUM_IN_KERNEL, the tile's last program to finish (a counter per tile in lock_ptr) does the same sum)
@@ -257,6 +327,7 @@ def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, str
     x_rows = x_ptr + offs_m64[:, None] * stride_xm
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pdl_wait(PDL)                    # kernels/pdl.py: x (and part / y) are the previous kernels' outputs
     for c in range(c_lo, c_lo + CHUNKS_PER_PROG):
         # the chunk's partial: from 0, BLOCK_K steps from the chunk's start (CHUNK_K is a multiple of BLOCK_K, so
         # only the last step of the last chunk is masked, by K)
@@ -289,8 +360,10 @@ def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, str
 
 
 @triton.jit(do_not_specialize=["M", "S"])
-def _bi_gemm_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _bi_gemm_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
     # y [M, N] (contiguous) = sum_{s = 0 .. S-1} part[s] in index order (+ b), the unsplit launch's epilogue
+    pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M.to(tl.int64) * N
     total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -339,7 +412,8 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         x: [M, K] (or [..., K]; flattened) fp32 / fp16 / bf16.
         weight: [N, K], x's dtype, unit last stride (HF layout).
         bias: [N] or None.
-        config: the launch (default: ``bi_gemm_config(N, K, SMs)``); fixed per weight for invariance.
+        config: the launch (default: ``bi_gemm_config(N, K, SMs, M)``); its BLOCK_K and CHUNK_K must be the
+            weight's for invariance (its other fields change no bit).
         split: force (True) or forbid (False) the split launch; default: ``bi_gemm_splits`` (benchmarks and the
             tests that compare the two launches bit for bit).
     Returns:
@@ -352,7 +426,7 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if M == 0:
         return y.view(*lead, N)
     sms = num_sms(x.device)
-    cfg = config or bi_gemm_config(N, K, sms)
+    cfg = config or bi_gemm_config(N, K, sms, M, x.device)
     S = cfg.num_chunks(K)
     if split is None:
         split = bi_gemm_splits(M, N, K, cfg, sms)
@@ -369,13 +443,13 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         y.stride(0), cfg.CHUNK_K, 1 if split else S, HAS_BIAS=bias is not None, SUM_IN_KERNEL=in_kernel,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         DOT_FP32=x.device.type == "cpu",   # the CPU interpreter computes bf16 tl.dot on raw bits: fp32 operands
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
     if split and not in_kernel:
         _bi_gemm_sum_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](part, b, y, M, N, S, HAS_BIAS=bias is not None,
-                                                              BLOCK=SUM_BLOCK, num_warps=4)
+                                                              BLOCK=SUM_BLOCK, num_warps=4, **pdl_kwargs(x.device))
     return y.view(*lead, N)
 
 
-__all__ = ["BiGemmConfig", "BI_GEMM_TABLE", "ENV_CONFIGS", "bi_gemm", "bi_gemm_config", "bi_gemm_splits",
-           "grouped_tile", "heuristic_config", "linear_operands", "num_sms", "reserve_tile_counters",
-           "reset_config_cache", "TILE_COUNTERS"]
+__all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_CONFIGS", "SPLIT", "TILE_FIELDS", "UNSPLIT",
+           "bi_gemm", "bi_gemm_config", "bi_gemm_splits", "grouped_tile", "heuristic_buckets", "heuristic_config",
+           "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]

@@ -1,7 +1,8 @@
 """The split-K batch-invariant GEMM (kernels/bi_gemm.py): one input row's bits are the same alone and inside batches
 of other rows of many sizes, whichever launch (split: a program per (tile, K chunk) + the partial-sum kernel;
-unsplit: a program per tile) M picks; they match F.linear within the dtype's tolerance. The configuration depends
-on (N, K) and the SM count only; the table and HAYABUSA_BI_GEMM_CONFIGS override it.
+unsplit: a program per tile) and whichever tiles M's bucket picks; they match F.linear within the dtype's tolerance.
+The arithmetic (BLOCK_K, CHUNK_K) depends on (N, K) and the SM count only; the table and HAYABUSA_BI_GEMM_CONFIGS
+override it; M's bucket changes only the launch's TILE_FIELDS.
 
 Triton kernels run under TRITON_INTERPRET on CPU (its "GPU" has 4 SMs: bi_gemm.num_sms), tiny shapes. NOTE: the
 interpreter casts fp32 to bf16 / fp16 by truncation (the GPU rounds to nearest), hence the tolerance of 2 ulps.
@@ -25,7 +26,7 @@ SMALL = BiGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, CHUNK_K=64)
 CASES = {
     "small-tiles": (72, 200, SMALL),
     "narrow": (40, 300, BiGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, CHUNK_K=96)),
-    "heuristic": (72, 520, None),
+    "heuristic": (72, 520, None),     # and M's buckets: 16-row tiles up to M = 16, the 64-row tiles above
 }
 RUNS = [("small-tiles", torch.bfloat16, True), ("narrow", torch.float16, False), ("narrow", torch.float32, True),
         ("heuristic", torch.bfloat16, True)]
@@ -222,3 +223,48 @@ def test_bench_bi_gemm_runs(device, tmp_path):
         (best,) = data["sweep"]
         assert (best["N"], best["K"]) == (40, 200) and best["candidates"] > 0
         BiGemmConfig(**best["best"])
+
+
+@pytest.mark.parametrize("shape", [*bg.BI_GEMM_BUCKETS, (768, 512), (3584, 18944)])
+def test_buckets_change_only_the_launch(monkeypatch, fresh_config_cache, shape):
+    """Every M's launch keeps the shape's BLOCK_K and CHUNK_K (the order a row's products are added in) and differs
+    from the shape's configuration only in TILE_FIELDS; M picks the first bucket whose bound it does not pass."""
+    monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
+    base = bi_gemm_config(*shape)
+    buckets = bg.BI_GEMM_BUCKETS.get(shape) or bg.heuristic_buckets(base, hopper=False)
+    seen = set()
+    for M in (1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 2048, 100_000):
+        cfg = bi_gemm_config(*shape, M=M)
+        assert (cfg.BLOCK_K, cfg.CHUNK_K) == (base.BLOCK_K, base.CHUNK_K), (shape, M)
+        changed = {f for f in BiGemmConfig.__dataclass_fields__ if getattr(cfg, f) != getattr(base, f)}
+        assert changed <= bg.TILE_FIELDS, (shape, M, changed)
+        bound, tile = next(b for b in buckets if M <= b[0] or b is buckets[-1])
+        assert all(getattr(cfg, k) == v for k, v in tile.items()), (shape, M, bound)
+        seen.add(bound)
+    assert seen == {b for b, _ in buckets}, "the sizes should reach every bucket"
+
+
+def test_buckets_table_and_env(monkeypatch, fresh_config_cache):
+    """The measured buckets are what the launch reads; the environment's tile fields win over a bucket (an
+    experiment sets every M); a bucket that changes BLOCK_K or CHUNK_K is refused naming the fields."""
+    monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
+    assert bi_gemm_config(9728, 896, M=1).BLOCK_M == 16 and bi_gemm_config(9728, 896, M=2048).BLOCK_M == 128
+    assert bi_gemm_splits(1, 896, 4864, bi_gemm_config(896, 4864, M=1), 132)          # measured: split at 1 row
+    assert not bi_gemm_splits(2048, 896, 4864, bi_gemm_config(896, 4864, M=2048), 132)
+    monkeypatch.setenv(bg.ENV_CONFIGS, '{"9728x896": {"BLOCK_M": 32, "num_warps": 2}}')
+    assert {(bi_gemm_config(9728, 896, M=m).BLOCK_M, bi_gemm_config(9728, 896, M=m).num_warps)
+            for m in (1, 64, 4096)} == {(32, 2)}
+    monkeypatch.delenv(bg.ENV_CONFIGS)
+    monkeypatch.setitem(bg.BI_GEMM_BUCKETS, (768, 512), ((16, dict(BLOCK_K=128)), (1 << 62, {})))
+    bg.reset_config_cache()
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        bi_gemm_config(768, 512, M=1)
+
+
+def test_heuristic_buckets_keep_small_memory_off_hopper():
+    """Off compute capability 9.0 the heuristic never asks for the 128 x 128 tiles (their shared memory); on it,
+    prefill-sized M gets them when BLOCK_K is 64."""
+    cfg = bg.heuristic_config(3584, 18944, 132)
+    assert all(t.get("BLOCK_M", cfg.BLOCK_M) <= 64 for _, t in bg.heuristic_buckets(cfg, hopper=False))
+    assert bg.heuristic_buckets(cfg, hopper=True)[-1][1] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8)
+    assert bg.heuristic_buckets(cfg, hopper=True)[0][1]["BLOCK_M"] == 16

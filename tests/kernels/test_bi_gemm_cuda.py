@@ -39,14 +39,15 @@ def test_row_bits_do_not_depend_on_m(shape):
     N, K, has_bias = SHAPES[shape]
     w, b, row, gen = _weights(N, K, has_bias, torch.bfloat16)
     alone = bi_gemm(row[None], w, b)[0]
-    cfg = bi_gemm_config(N, K, num_sms(torch.device("cuda")))
+    sms = num_sms(torch.device("cuda"))
     for M in SIZES[1:]:
+        cfg = bi_gemm_config(N, K, sms, M)      # M's bucket: its tiles, the shape's BLOCK_K and CHUNK_K
         x = torch.randn(M, K, device="cuda", generator=gen, dtype=torch.bfloat16)
         for at in sorted({0, M // 2, M - 1}):
             saved = x[at].clone()
             x[at] = row
             assert torch.equal(bi_gemm(x, w, b)[at], alone), \
-                (shape, M, at, cfg, "split" if bi_gemm_splits(M, N, K, cfg, num_sms(x.device)) else "unsplit")
+                (shape, M, at, cfg, "split" if bi_gemm_splits(M, N, K, cfg, sms) else "unsplit")
             x[at] = saved
     ref = F.linear(row[None].float(), w.float(), None if b is None else b.float())[0]
     torch.testing.assert_close(alone.float(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())

@@ -55,7 +55,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402,F401  (the interpreter wants it visible from jit functions)
 
 PDL_MODULES = ("activation", "fused_norm", "rope_store_kv", "paged_attention", "small_m_linear", "fused_act_quant",
-               "fp8_quant", "fp8_gemv")
+               "fp8_quant", "fp8_gemv", "bi_gemm")
 
 
 _STUB_CALLS: list[int] = []
@@ -97,6 +97,7 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
     if device != "cpu":
         pytest.skip("the interpreter's check; on a GPU test_pdl_cuda.py runs the real instructions")
     from hayabusa.kernels.activation import silu_and_mul
+    from hayabusa.kernels.bi_gemm import BiGemmConfig, bi_gemm
     from hayabusa.kernels.fp8_gemv import fp8_small_m_linear
     from hayabusa.kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8_ref
     from hayabusa.kernels.fused_act_quant import rms_norm_quant, silu_and_mul_quant
@@ -126,6 +127,7 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
     split = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
     whole = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
     gemv = LaunchConfig("gemv", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=1)
+    bi_cfg = BiGemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK_K=64)
     attn = make_case([(5, 1), (30, 1), (0, 3)], 4, 2, 64, 16, bf, device)
     rope = _case(4, 2, 64, 11, bf, bf, 2, 16, device)
 
@@ -153,6 +155,8 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
         "fp8_gemv": lambda: fp8_small_m_linear(x, wq, sw, b, cfg=gemv),
         "wo_small_m_int8": lambda: wo_small_m_linear(x, q8, s8, None, None, b, cfg=split),
         "wo_small_m_int4": lambda: wo_small_m_linear(x128, q4, s4, z4, 128, b),
+        "bi_gemm_split": lambda: bi_gemm(x, w, b, config=bi_cfg, split=True),      # and its partial-sum kernel
+        "bi_gemm_unsplit": lambda: bi_gemm(x, w, b, config=bi_cfg, split=False),
     }
     _STUB_CALLS.clear()
     off, on = _run_both(monkeypatch, lambda: {k: f() for k, f in cases.items()})
