@@ -374,6 +374,91 @@ def _bi_gemm_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, S, HAS_BIAS: tl.constexpr,
     tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _bi_gemm_silu_kernel(x_ptr, w_ptr, y_ptr, M, D, K, stride_xm, stride_wn, stride_ym, CHUNK_K,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    # y [M, D] = silu(g) * u with g = x w[:D]^T and u = x w[D:]^T (an MLP's gate_up rows [gate | up]): one program per
+    # output tile holds BLOCK_N gate and the same BLOCK_N up columns, each summed exactly as _bi_gemm_kernel's
+    # unsplit launch sums it (from 0 per chunk, the chunks added in index order), rounded to y's dtype, then
+    # combined by activation._silu_and_mul_kernel's operations: the bits of the two launches
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < D
+    offs_m64 = offs_m.to(tl.int64)
+    x_rows = x_ptr + offs_m64[:, None] * stride_xm
+    w_gate = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    w_up = w_gate + tl.cast(D, tl.int64) * stride_wn
+    total_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pdl_wait(PDL)
+    for c in range(0, tl.cdiv(K, CHUNK_K)):
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(c * CHUNK_K, tl.minimum(c * CHUNK_K + CHUNK_K, K), BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            wg = tl.load(w_gate + (k0 + offs_k)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            wu = tl.load(w_up + (k0 + offs_k)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                x = x.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            acc_g = tl.dot(x, wg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(x, wu, acc_u, input_precision="ieee")
+        total_g = total_g + acc_g
+        total_u = total_u + acc_u
+    dtype = y_ptr.dtype.element_ty
+    g = total_g.to(dtype).to(tl.float32)
+    u = total_u.to(dtype)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype)
+    y = (s.to(tl.float32) * u.to(tl.float32)).to(dtype)
+    tl.store(y_ptr + offs_m64[:, None] * stride_ym + offs_n[None, :], y, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def silu_and_mul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    config: BiGemmConfig | None = None) -> torch.Tensor | None:
+    """An MLP's gate_up projection and SiLU-and-mul in one launch, batch-invariant: silu(x W[:D]^T) * (x W[D:]^T),
+    the bits of ``activation.silu_and_mul(bi_gemm(x, weight))``.
+
+    Args:
+        x: [M, K] (or [..., K]) fp16 / bf16 (fp32 in the interpreter).
+        weight: [2D, K] rows [gate | up], x's dtype, unit last stride.
+        bias: must be None (a gate_up with a bias takes the two launches: the return is None).
+        config: the launch (default ``bi_gemm_config(2D, K, SMs, M)``, its BLOCK_N halved per half so a program
+            covers as many columns as the GEMM's).
+    Returns:
+        [M, D] (x's leading shape) in x's dtype, or None where this one launch does not apply: a bias, or M's launch
+        splits K into separate programs (``bi_gemm_splits``); the caller then runs ``bi_gemm`` and the activation.
+    Raises:
+        ValueError: shape, dtype or stride mismatch, an odd number of weight rows.
+    """
+    if bias is not None:
+        return None
+    lead, x2, _ = linear_operands(x, weight, None)
+    (M, K), N = x2.shape, weight.shape[0]
+    if N % 2:
+        raise ValueError(f"weight must have an even number of rows [gate | up], got {tuple(weight.shape)}")
+    sms = num_sms(x.device)
+    cfg = config or bi_gemm_config(N, K, sms, M, x.device)
+    if M > 0 and bi_gemm_splits(M, N, K, cfg, sms):
+        return None
+    D = N // 2
+    y = torch.empty((M, D), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.view(*lead, D)
+    block_n = cfg.BLOCK_N if config is not None else max(16, cfg.BLOCK_N // 2)
+    _bi_gemm_silu_kernel[(triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(D, block_n),)](
+        x2, weight, y, M, D, K, x2.stride(0), weight.stride(0), y.stride(0), cfg.CHUNK_K,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        DOT_FP32=x.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
+    return y.view(*lead, D)
+
+
 def bi_gemm_splits(M: int, N: int, K: int, cfg: BiGemmConfig, sms: int) -> bool:
     """Whether a step of M rows runs split (one program per (tile, chunk)): when its output tiles are fewer than
     ``cfg.SPLIT_BELOW_TILES`` (0: the SM count, i.e. the tiles alone would not give every SM a program). The
@@ -452,4 +537,5 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 __all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_CONFIGS", "SPLIT", "TILE_FIELDS", "UNSPLIT",
            "bi_gemm", "bi_gemm_config", "bi_gemm_splits", "grouped_tile", "heuristic_buckets", "heuristic_config",
-           "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "TILE_COUNTERS"]
+           "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "silu_and_mul_bi",
+           "TILE_COUNTERS"]

@@ -190,6 +190,16 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
 
         return linear_bi(x, layer.weight, layer.bias)
 
+    def apply_silu_and_mul(self, layer, x):
+        """On CUDA, an MLP's gate_up layer and its SiLU-and-mul in one launch (``bi_gemm.silu_and_mul_bi``: the
+        two launches' bits) where it applies, else None (the caller runs ``apply`` and the activation; the CPU path
+        is the mode's torch reference)."""
+        if not x.is_cuda:
+            return None
+        from hayabusa.kernels.bi_gemm import silu_and_mul_bi
+
+        return silu_and_mul_bi(x, layer.weight, layer.bias)
+
 
 class SmallMLinearMethod(UnquantizedLinearMethod):
     """The small-M kernels' Linear (loader.use_small_m_linears): the same weight; 1-16 rows multiplied by

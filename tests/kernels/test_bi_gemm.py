@@ -268,3 +268,30 @@ def test_heuristic_buckets_keep_small_memory_off_hopper():
     assert all(t.get("BLOCK_M", cfg.BLOCK_M) <= 64 for _, t in bg.heuristic_buckets(cfg, hopper=False))
     assert bg.heuristic_buckets(cfg, hopper=True)[-1][1] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8)
     assert bg.heuristic_buckets(cfg, hopper=True)[0][1]["BLOCK_M"] == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [SMALL, BiGemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, CHUNK_K=32)],
+                         ids=["chunks-of-64", "chunks-of-32"])
+def test_silu_and_mul_bi_has_the_two_launches_bits(device, dtype, cfg):
+    """gate_up + SiLU-and-mul in one launch (the mode's MLP on CUDA) gives the bits of bi_gemm's unsplit launch and
+    activation.silu_and_mul, at any M (a row alone included), with K in several chunks (K = 200 over chunks of 64 or
+    32: partial last chunk and BLOCK_K step); it declines (None) a bias and a split launch."""
+    from hayabusa.kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(5)
+    D, K = 40, 200
+    w = (torch.randn(2 * D, K, generator=gen) / K ** 0.5).to(dtype).to(device)
+    unsplit = BiGemmConfig(**{**cfg.__dict__, "SPLIT_BELOW_TILES": bg.UNSPLIT})
+    for M in (1, 3, 17, 40):
+        x = (torch.randn(M, K, generator=gen) * 2).to(dtype).to(device)
+        fused = bg.silu_and_mul_bi(x, w, config=unsplit)
+        two = silu_and_mul(bi_gemm(x, w, config=unsplit, split=False))
+        assert fused.shape == (M, D) and torch.equal(fused, two), (M, (fused.float() - two.float()).abs().max())
+        assert torch.equal(bg.silu_and_mul_bi(x[M // 2:M // 2 + 1], w, config=unsplit)[0], fused[M // 2])
+    ref = F.silu(F.linear(x.float(), w.float())[:, :D]) * F.linear(x.float(), w.float())[:, D:]
+    torch.testing.assert_close(fused.float(), ref, rtol=4e-2, atol=4e-2 * ref.abs().max().item())
+    assert bg.silu_and_mul_bi(x, w, torch.zeros(2 * D, dtype=dtype, device=device), config=unsplit) is None
+    assert bg.silu_and_mul_bi(x, w, config=BiGemmConfig(**{**cfg.__dict__, "SPLIT_BELOW_TILES": bg.SPLIT})) is None
+    with pytest.raises(ValueError, match="even number of rows"):
+        bg.silu_and_mul_bi(x, w[1:], config=unsplit)

@@ -1,7 +1,8 @@
 """On a GPU, with the real tile configurations (bi_gemm_config at the device's SM count): the split-K
 batch-invariant GEMM gives one row the same bits alone and among other rows at M = 1 .. 2048 (split launches for
 decode-sized M, unsplit for prefill-sized M), the two launches agree bit for bit at any M, a CUDA-graph replay equals
-the eager call, and the result matches F.linear within bf16 / fp16 tolerance. Shapes: the qwen2.5-0.5b and 7b
+the eager call, and the result matches F.linear within bf16 / fp16 tolerance; the MLP's one-launch gate_up +
+SiLU-and-mul has the bits of the two launches. Shapes: the qwen2.5-0.5b and 7b
 linears (bench/models.linear_shapes: qkv, o, gate_up, down, lm_head) and a 128 x 896 weight (one k_proj).
 
 Run: pytest -q tests/kernels/test_bi_gemm_cuda.py
@@ -98,3 +99,31 @@ def test_cuda_graph_replay_equals_eager(shape, sum_in_kernel):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, bi_gemm(x, w, b, split=False))
+
+
+@pytest.mark.parametrize("shape", ["qwen2.5-0.5b-gate_up", "qwen2.5-7b-gate_up"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_bi_has_the_two_launches_bits(shape, dtype):
+    """The mode's MLP launch (gate_up + SiLU-and-mul, its BLOCK_N halved per half) against bi_gemm + the activation
+    kernel at every M where it applies (an unsplit launch; on the 0.5b gate_up, K in one chunk, that is every M):
+    the same bits, a row alone included."""
+    from hayabusa.kernels.activation import silu_and_mul
+    from hayabusa.kernels.bi_gemm import silu_and_mul_bi
+
+    N, K, _ = SHAPES[shape]
+    w, _, row, gen = _weights(N, K, False, dtype, seed=2)
+    alone = silu_and_mul_bi(row[None], w)
+    if alone is None:                          # M = 1 splits K on this shape: the two launches
+        alone = silu_and_mul(bi_gemm(row[None], w))
+    ran = 0
+    for M in (1, 7, 16, 33, 64, 256, 2048):
+        x = torch.randn(M, K, device="cuda", generator=gen, dtype=dtype)
+        x[M // 2] = row
+        fused = silu_and_mul_bi(x, w)
+        if fused is None:
+            continue
+        ran += 1
+        two = silu_and_mul(bi_gemm(x, w))
+        assert torch.equal(fused, two), (shape, M, (fused.float() - two.float()).abs().max().item())
+        assert torch.equal(alone, fused[M // 2: M // 2 + 1]), (shape, M)
+    assert ran >= (7 if shape == "qwen2.5-0.5b-gate_up" else 1)

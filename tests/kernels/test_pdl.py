@@ -97,7 +97,7 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
     if device != "cpu":
         pytest.skip("the interpreter's check; on a GPU test_pdl_cuda.py runs the real instructions")
     from hayabusa.kernels.activation import silu_and_mul
-    from hayabusa.kernels.bi_gemm import BiGemmConfig, bi_gemm
+    from hayabusa.kernels.bi_gemm import UNSPLIT, BiGemmConfig, bi_gemm, silu_and_mul_bi
     from hayabusa.kernels.fp8_gemv import fp8_small_m_linear
     from hayabusa.kernels.fp8_quant import per_token_quant_fp8, per_token_quant_fp8_ref
     from hayabusa.kernels.fused_act_quant import rms_norm_quant, silu_and_mul_quant
@@ -127,7 +127,7 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
     split = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
     whole = LaunchConfig("dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
     gemv = LaunchConfig("gemv", BLOCK_N=16, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=1)
-    bi_cfg = BiGemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK_K=64)
+    bi_cfg = BiGemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK_K=64, SPLIT_BELOW_TILES=UNSPLIT)
     attn = make_case([(5, 1), (30, 1), (0, 3)], 4, 2, 64, 16, bf, device)
     rope = _case(4, 2, 64, 11, bf, bf, 2, 16, device)
 
@@ -157,6 +157,7 @@ def test_every_pdl_kernel_gives_the_same_bits_with_its_pdl_branch(device, monkey
         "wo_small_m_int4": lambda: wo_small_m_linear(x128, q4, s4, z4, 128, b),
         "bi_gemm_split": lambda: bi_gemm(x, w, b, config=bi_cfg, split=True),      # and its partial-sum kernel
         "bi_gemm_unsplit": lambda: bi_gemm(x, w, b, config=bi_cfg, split=False),
+        "bi_gemm_silu": lambda: silu_and_mul_bi(x, w, config=bi_cfg),             # gate_up + SiLU-and-mul, D = 36
     }
     _STUB_CALLS.clear()
     off, on = _run_both(monkeypatch, lambda: {k: f() for k, f in cases.items()})
