@@ -1058,6 +1058,33 @@ g_bi23b() {  # issue #23 after the per-M launches and PDL: the GEMM's and the mo
     --json "$OUT/bi_bucket7.json"
 }
 
+g_bi23c() {  # issue #23 with the one-launch MLP: the CUDA tests, the cost on W3 / W1, launches per M re-swept at the
+             # shapes' own arithmetic and the cost again with them (HAYABUSA_BI_GEMM_BUCKETS), W1's kernel families,
+             # the bit-identity experiment, then the 7b shapes' launches
+  ensure_q05
+  step bi_tests "${BITESTS_S:-200}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_bi_gemm_cuda.py tests/test_batch_invariant_cuda.py 2>&1 | tail -25"
+  bench_step q05_W3_bi23c 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
+  bench_step q05_W1_bi23c 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+  step bi_bucket05 "${BIBUCKET05_S:-150}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --keep-arith --models qwen2.5-0.5b-shape --layers gate_up,lm_head,down,qkv,o --m 1,16,64,256,2048 \
+    --json "$OUT/bi_bucket05.json" --buckets-out "$OUT/buckets05.json"
+  if [ -s "$OUT/buckets05.json" ]; then
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets05.json" bench_step q05_W3_bi23c_swept 40 15 --workload W3 --model "$Q05" \
+      --batch-invariant
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets05.json" bench_step q05_W1_bi23c_swept 50 15 --workload W1 --model "$Q05" \
+      --batch-invariant
+  fi
+  for bi in false true; do
+    step "prof_w1_bi_$bi" 45 20 bash -c "python benchmarks/profile_decode.py --model '$Q05' --workload W1 --scale 0.25 \
+      --engine-args '{\"batch_invariant\": $bi}' --json '$OUT/prof_w1_bi_$bi.json' 2>&1 | tail -24"
+  done
+  step bi_q05 "${BI_S:-90}" 20 bash -c "python benchmarks/batch_invariance.py '$Q05' --json '$OUT/bi_q05.json' 2>&1 | tail -40"
+  step bi_bucket7 "${BIBUCKET7_S:-240}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --keep-arith --models qwen2.5-7b-shape --layers "${BIBUCKET7_LAYERS:-gate_up,down,o,qkv}" --m 1,16,64,256,2048 \
+    --json "$OUT/bi_bucket7.json" --buckets-out "$OUT/buckets7.json"
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

@@ -260,14 +260,18 @@ def probe_tiles(N: int, K: int, has_bias: bool, device: str, dtype=DTYPE, M: int
     return out
 
 
-def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: str) -> dict:
+def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: str, keep_arith: bool = False) -> dict:
     """The fastest launch per M that keeps one arithmetic per shape. For each arithmetic (BLOCK_K 64 / 128, K in 1 /
-    2 / 4 / 8 chunks) and each M: the best of ``tile_variants`` x (split, unsplit); then the arithmetic with the
-    smallest mean of best / torch time over M. Returns that arithmetic, the per-M winners and times."""
+    2 / 4 / 8 chunks; ``keep_arith``: only the shape's own, bi_gemm_config's) and each M: the best of
+    ``tile_variants`` x (split, unsplit); then the arithmetic with the smallest mean of best / torch time over M.
+    Returns that arithmetic, the per-M winners and times."""
     inputs = {M: make_inputs(N, K, M, has_bias, device) for M in ms}
     torch_us = {M: time_us(lambda x=x, w=w, b=b: F.linear(x, w, b), device, 10) for M, (x, w, b) in inputs.items()}
     ariths = {}
-    for bk in (64, 128):
+    if keep_arith:
+        own = bg.bi_gemm_config(N, K, bg.num_sms(torch.device(device)))
+        ariths[(own.BLOCK_K, own.CHUNK_K)] = None
+    for bk in () if keep_arith else (64, 128):
         for splits in (1, 2, 4, 8):
             chunk = -(-(-(-K // splits)) // bk) * bk
             ariths[(bk, chunk)] = None
@@ -300,6 +304,21 @@ def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: st
                 arith_means={f"{a[1][0]}/{a[1][1]}": a[0] for a in results})
 
 
+def buckets_json(found: list[dict]) -> dict:
+    """The sweep's winners as a HAYABUSA_BI_GEMM_BUCKETS file: per "NxK", [[largest M, the launch's tile fields],
+    ...] with M's bucket (the previous measured M, this one], the last one open-ended."""
+    out = {}
+    for r in found:
+        rows = []
+        for i, p in enumerate(r["per_m"]):
+            c = p["cfg"]
+            tile = {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+            tile["SPLIT_BELOW_TILES"] = bg.SPLIT if p["split"] else bg.UNSPLIT
+            rows.append([p["M"] if i < len(r["per_m"]) - 1 else 1 << 62, tile])
+        out[f"{r['N']}x{r['K']}"] = rows
+    return out
+
+
 def print_bucket_sweep(best: list[dict]) -> None:
     print("# bucket sweep: per shape one arithmetic (BLOCK_K / CHUNK_K), the fastest tiles per M, us bi / torch")
     for r in best:
@@ -325,6 +344,10 @@ def main(argv: list[str] | None = None) -> None:
                              "and CHUNK_K (bf16 and fp16), then exit")
     parser.add_argument("--bucket-sweep", action="store_true",
                         help="only search, per shape, one arithmetic and the fastest tiles per M (slow)")
+    parser.add_argument("--keep-arith", action="store_true",
+                        help="--bucket-sweep: only the shape's own BLOCK_K / CHUNK_K (8x faster)")
+    parser.add_argument("--buckets-out", type=Path,
+                        help=f"--bucket-sweep: also write the winners as a {bg.ENV_BUCKETS} file")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_bi_gemm --device cuda needs a CUDA GPU (--device cpu: the Triton interpreter, tiny shapes)")
@@ -341,11 +364,13 @@ def main(argv: list[str] | None = None) -> None:
                           f"{r['failed']} did not run", flush=True)
                     found.append(r)
             else:
-                found.append(bucket_sweep_shape(N, K, has_bias, ms, args.device))
+                found.append(bucket_sweep_shape(N, K, has_bias, ms, args.device, args.keep_arith))
                 print_bucket_sweep(found[-1:])
                 sys.stdout.flush()
             if args.json:                          # after every shape: a run cut short keeps what it measured
                 args.json.write_text(json.dumps(found, indent=2))
+            if args.buckets_out and not args.probe_tiles:
+                args.buckets_out.write_text(json.dumps(buckets_json(found), indent=1))
         return
     rows, best = [], []
     for model, layer, N, K, has_bias in shapes_to_run(args):

@@ -57,6 +57,7 @@ from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.pdl import HOPPER, capability_at_least, pdl_kwargs, pdl_wait
 
 ENV_CONFIGS = "HAYABUSA_BI_GEMM_CONFIGS"
+ENV_BUCKETS = "HAYABUSA_BI_GEMM_BUCKETS"   # a JSON file of launches per M (bench_bi_gemm.py --bucket-sweep writes one)
 MIN_CHUNK_K = 128        # the heuristic never splits K finer than this (two BLOCK_K = 64 steps per program)
 MAX_SPLITS = 32
 PROGRAMS_PER_SM = 2      # the heuristic's target for a one-row-tile (decode) step
@@ -191,8 +192,24 @@ def _env_overrides(raw: str) -> dict[tuple[int, int], dict]:
                                       parameter=ENV_CONFIGS, value=raw) from None
 
 
+@functools.lru_cache(maxsize=4)
+def _bucket_file(path: str) -> dict[tuple[int, int], tuple[tuple[int, dict], ...]]:
+    try:
+        with open(path) as f:
+            parsed = json.load(f)
+        out = {}
+        for key, buckets in parsed.items():
+            n, k = (int(v) for v in key.lower().split("x"))
+            out[(n, k)] = tuple((int(m_max), dict(tile)) for m_max, tile in buckets)
+        return out
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise HayabusaValidationError(f"{ENV_BUCKETS}={path!r} must name a JSON file like "
+                                      f'{{"896x896": [[16, {{"BLOCK_M": 16}}], [4611686018427387904, {{}}]]}} ({e}).',
+                                      parameter=ENV_BUCKETS, value=path) from None
+
+
 @functools.lru_cache(maxsize=256)
-def _fields(N: int, K: int, num_sms: int, env: str, hopper: bool) -> tuple[BiGemmConfig, tuple[tuple[int, dict], ...], dict]:
+def _fields(N: int, K: int, num_sms: int, env: str, hopper: bool, bucket_env: str) -> tuple:
     cfg = BI_GEMM_TABLE.get((N, K)) or heuristic_config(N, K, num_sms)
     overrides = _env_overrides(env) if env else {}
     fields = {**overrides.get((0, 0), {}), **overrides.get((N, K), {})}     # "*" for every shape, then "NxK"
@@ -202,17 +219,20 @@ def _fields(N: int, K: int, num_sms: int, env: str, hopper: bool) -> tuple[BiGem
             raise HayabusaValidationError(f"{ENV_CONFIGS}: unknown field(s) {sorted(unknown)} for {N}x{K}.",
                                           parameter=ENV_CONFIGS, value=env)
         cfg = dataclasses.replace(cfg, **fields)
-    buckets = BI_GEMM_BUCKETS.get((N, K)) or heuristic_buckets(cfg, hopper)
+    buckets = (_bucket_file(bucket_env).get((N, K)) if bucket_env else None) \
+        or BI_GEMM_BUCKETS.get((N, K)) or heuristic_buckets(cfg, hopper)
     for _, tile in buckets:
         if set(tile) - TILE_FIELDS:
-            raise ValueError(f"bi_gemm bucket of {N}x{K} changes {sorted(set(tile) - TILE_FIELDS)}: only "
-                             f"{sorted(TILE_FIELDS)} may change with M")
+            raise HayabusaValidationError(
+                f"bi_gemm bucket of {N}x{K} changes {sorted(set(tile) - TILE_FIELDS)}: only {sorted(TILE_FIELDS)} "
+                f"may change with M", parameter=ENV_BUCKETS if bucket_env else "BI_GEMM_BUCKETS", value=tile)
+        dataclasses.replace(cfg, **tile)                   # a bad value refused now, naming its field
     return cfg, buckets, fields
 
 
 @functools.lru_cache(maxsize=1024)
-def _config(N: int, K: int, num_sms: int, env: str, M: int | None, hopper: bool) -> BiGemmConfig:
-    cfg, buckets, fields = _fields(N, K, num_sms, env, hopper)
+def _config(N: int, K: int, num_sms: int, env: str, M: int | None, hopper: bool, bucket_env: str) -> BiGemmConfig:
+    cfg, buckets, fields = _fields(N, K, num_sms, env, hopper, bucket_env)
     if M is None:
         return cfg
     tile = next(t for m_max, t in buckets if M <= m_max or m_max == buckets[-1][0])
@@ -226,13 +246,17 @@ def bi_gemm_config(N: int, K: int, num_sms: int = 132, M: int | None = None,
     ``heuristic_config``, with the fields of ``HAYABUSA_BI_GEMM_CONFIGS`` for "*" (every shape), then for "NxK",
     over it (``{"*": {"SUM_IN_KERNEL": true}, "896x896": {"CHUNK_K": 128}}``). Its BLOCK_K and CHUNK_K (the
     arithmetic) are never a function of M. With ``M``: the launch for a step of M rows, i.e. that configuration with
-    the ``TILE_FIELDS`` of M's bucket (``BI_GEMM_BUCKETS``, else ``heuristic_buckets``: its large tiles only where
-    ``device`` is a CUDA device of compute capability 9.0+), then the environment's fields again.
+    the ``TILE_FIELDS`` of M's bucket (the shape's entry in the JSON file ``HAYABUSA_BI_GEMM_BUCKETS`` names, for
+    an experiment; else ``BI_GEMM_BUCKETS``; else ``heuristic_buckets``: its large tiles only where ``device`` is a
+    CUDA device of compute capability 9.0+), then the environment's fields again.
 
     Raises:
-        HayabusaValidationError: a malformed ``HAYABUSA_BI_GEMM_CONFIGS`` or a bad field value in it."""
+        HayabusaValidationError: a malformed ``HAYABUSA_BI_GEMM_CONFIGS`` or a bad field value in it; a
+            ``HAYABUSA_BI_GEMM_BUCKETS`` file that cannot be read, or a bucket that changes a field outside
+            ``TILE_FIELDS`` (BLOCK_K, CHUNK_K) or sets a bad value."""
     hopper = device is not None and capability_at_least(device, HOPPER)
-    return _config(N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip(), M, hopper)
+    return _config(N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip(), M, hopper,
+                   os.environ.get(ENV_BUCKETS, "").strip())
 
 
 TILE_COUNTERS = 1 << 16   # per device: one int32 arrival counter per output tile of a SUM_IN_KERNEL launch
@@ -267,6 +291,7 @@ def reset_config_cache() -> None:
     """Forget the configurations chosen so far (after ``BI_GEMM_TABLE`` or ``BI_GEMM_BUCKETS`` changed; the
     environment variable is part of the cache key already). Tests and benchmarks only: a running engine must keep
     its configurations."""
+    _bucket_file.cache_clear()
     _fields.cache_clear()
     _config.cache_clear()
 
@@ -535,7 +560,7 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return y.view(*lead, N)
 
 
-__all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_CONFIGS", "SPLIT", "TILE_FIELDS", "UNSPLIT",
+__all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_BUCKETS", "ENV_CONFIGS", "SPLIT", "TILE_FIELDS", "UNSPLIT",
            "bi_gemm", "bi_gemm_config", "bi_gemm_splits", "grouped_tile", "heuristic_buckets", "heuristic_config",
            "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "silu_and_mul_bi",
            "TILE_COUNTERS"]

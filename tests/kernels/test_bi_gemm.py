@@ -225,6 +225,33 @@ def test_bench_bi_gemm_runs(device, tmp_path):
         BiGemmConfig(**best["best"])
 
 
+def test_bench_bi_gemm_probe_and_bucket_sweep(monkeypatch, fresh_config_cache, tmp_path):
+    """--probe-tiles counts launches whose rows differ (none in the interpreter either); --bucket-sweep --keep-arith
+    keeps the shape's BLOCK_K / CHUNK_K and writes a bucket file that bi_gemm_config then reads."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_bi_gemm.py"),
+                           run_name="bench_bi_gemm")
+    probe = tmp_path / "probe.json"
+    bench["main"](["--device", "cpu", "--shapes", "40x200", "--probe-tiles", "--json", str(probe)])
+    found = json.loads(probe.read_text())
+    assert [r["dtype"] for r in found] == ["torch.bfloat16", "torch.float16"]
+    assert all(r["compared"] >= 8 and r["differ"] == [] for r in found)
+    out, buckets = tmp_path / "sweep.json", tmp_path / "buckets.json"
+    bench["main"](["--device", "cpu", "--shapes", "40x200", "--m", "1,20", "--bucket-sweep", "--keep-arith",
+                   "--json", str(out), "--buckets-out", str(buckets)])
+    (r,) = json.loads(out.read_text())
+    own = bi_gemm_config(40, 200, 4)
+    assert (r["BLOCK_K"], r["CHUNK_K"]) == (own.BLOCK_K, own.CHUNK_K) and len(r["arith_means"]) == 1
+    monkeypatch.setenv(bg.ENV_BUCKETS, str(buckets))
+    for M, p in zip((1, 5000), r["per_m"]):
+        cfg = bi_gemm_config(40, 200, 4, M)
+        assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == (p["cfg"]["BLOCK_M"], p["cfg"]["BLOCK_N"], own.BLOCK_K)
+
+
 @pytest.mark.parametrize("shape", [*bg.BI_GEMM_BUCKETS, (768, 512), (3584, 18944)])
 def test_buckets_change_only_the_launch(monkeypatch, fresh_config_cache, shape):
     """Every M's launch keeps the shape's BLOCK_K and CHUNK_K (the order a row's products are added in) and differs
@@ -257,8 +284,32 @@ def test_buckets_table_and_env(monkeypatch, fresh_config_cache):
     monkeypatch.delenv(bg.ENV_CONFIGS)
     monkeypatch.setitem(bg.BI_GEMM_BUCKETS, (768, 512), ((16, dict(BLOCK_K=128)), (1 << 62, {})))
     bg.reset_config_cache()
-    with pytest.raises(ValueError, match="BLOCK_K"):
+    with pytest.raises(HayabusaValidationError, match="BLOCK_K"):
         bi_gemm_config(768, 512, M=1)
+
+
+def test_bucket_file_from_the_environment(monkeypatch, fresh_config_cache, tmp_path):
+    """HAYABUSA_BI_GEMM_BUCKETS (what bench_bi_gemm.py --bucket-sweep --buckets-out writes): its shapes' launches
+    over the table's, other shapes untouched; a missing file, or a bucket changing BLOCK_K or setting a bad value,
+    refused naming the variable."""
+    monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
+    path = tmp_path / "buckets.json"
+    path.write_text('{"896x896": [[8, {"BLOCK_M": 16, "BLOCK_N": 64}], [99, {"BLOCK_M": 128, "num_warps": 8}]]}')
+    monkeypatch.setenv(bg.ENV_BUCKETS, str(path))
+    assert (bi_gemm_config(896, 896, M=8).BLOCK_M, bi_gemm_config(896, 896, M=8).BLOCK_N) == (16, 64)
+    assert (bi_gemm_config(896, 896, M=5000).BLOCK_M, bi_gemm_config(896, 896, M=5000).num_warps) == (128, 8)
+    assert bi_gemm_config(896, 896, M=8).CHUNK_K == bg.BI_GEMM_TABLE[(896, 896)].CHUNK_K
+    assert bi_gemm_config(9728, 896, M=1).BLOCK_M == 16                                    # the table's buckets
+    for text, match in (("{not json", "must name a JSON file"), ('{"896x896": [[8, {"CHUNK_K": 128}]]}', "CHUNK_K"),
+                        ('{"896x896": [[8, {"BLOCK_M": 48}]]}', "BLOCK_M")):
+        path.write_text(text)
+        bg.reset_config_cache()
+        with pytest.raises(HayabusaValidationError, match=match):
+            bi_gemm_config(896, 896, M=8)
+    monkeypatch.setenv(bg.ENV_BUCKETS, str(tmp_path / "missing.json"))
+    with pytest.raises(HayabusaValidationError) as info:
+        bi_gemm_config(896, 896, M=8)
+    assert info.value.parameter == bg.ENV_BUCKETS
 
 
 def test_heuristic_buckets_keep_small_memory_off_hopper():
