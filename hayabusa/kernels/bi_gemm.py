@@ -133,21 +133,29 @@ def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False
 
 
 # (N, K) -> ((largest M, the launch's TILE_FIELDS), ...), M ascending; the last bucket also takes every larger M.
-# Measured on an H200 by `bench_bi_gemm.py --bucket-sweep --models qwen2.5-0.5b-shape --m 1,16,64,256,2048` (run of
-# 2026-12-04, commit 789ed26, BENCHMARKS.md "twenty-third session"): per M the fastest launch keeping the table's
-# BLOCK_K / CHUNK_K (which that sweep chose too), us with it / with the table's one launch / cuBLAS in the comments.
+# Measured on an H200 (BENCHMARKS.md "twenty-third session"), each at the shape's own BLOCK_K / CHUNK_K
+# (BI_GEMM_TABLE's); us per launch, this launch / BI_GEMM_TABLE's one launch (run AC) / cuBLAS, in the comments:
+# - up to 16 rows (decode): `bench_bi_gemm.py --bucket-sweep` of commit 789ed26, then W3 with these launches (1.13 ms
+#   a token against 1.35 with the one launch per shape, commits e51c98d / 273592c); gate_up keeps 128 columns here,
+#   as the one-launch MLP (silu_and_mul_bi) halves them per half: with 32 (the GEMM alone's best) W3 took 1.165 ms;
+# - above 16 rows: `--bucket-sweep --keep-arith` of commit 273592c (W1's decode steps at 256 rows, its prefill at
+#   2048 and more).
 BI_GEMM_BUCKETS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
-    # qkv: M=1 4.2 / 4.2 / 3.9, M=16 4.1 / 4.1 / 3.7, M=256 5.1 / 5.7 / 4.2, M=2048 17.4 / 21.4 / 9.3
+    # qkv: M=1 4.2 / 4.2 / 3.9, M=16 4.1 / 4.1 / 3.7, M=256 4.6 / 5.7 / 4.3, M=2048 17.4 / 21.4 / 9.7
     (1152, 896): ((1, _tile(16, 32)), (16, _tile(64, 32, stages=4)), (64, _tile(64, 32)), (1 << 62, _tile(64, 64))),
-    # o_proj: M=1 4.1 / 3.9 / 4.4, M=256 4.2 / 4.1 / 4.0, M=2048 10.7 / 16.8 / 7.0
+    # o_proj: M=1 4.1 / 3.9 / 4.4, M=256 3.7 / 4.1 / 4.0, M=2048 10.3 / 16.8 / 6.9
     (896, 896): ((1, _tile(16, 32, stages=4)), (256, _tile(64, 32)), (1 << 62, _tile(128, 128, 8))),
-    # gate_up: M=1 5.6 / 7.1 / 5.1, M=16 5.7 / 7.2 / 4.8, M=64 7.1 / 7.2 / 5.8, M=256 17.0 / 15.4 / 9.6,
-    # M=2048 95.6 / 112 / 56.0 (at M=256 the table's 64 x 64 x 64 launch measured 15.4 in run AC; this BLOCK_K = 128
-    # run's best 64 x 64 took 17.0)
-    (9728, 896): ((16, _tile(16, 128)), (64, _tile(64, 128, 8)), (256, _tile(64, 64)), (1 << 62, _tile(128, 128, 8))),
-    # down: M=1 6.7 / 7.5 / 6.7, M=16 6.5 / 7.7 / 6.8, M=256 11.1 / 11.8 / 9.7, M=2048 41.5 / 58.7 / 25.1
+    # gate_up: M=1 5.6 / 7.1 / 5.1 (the 128-column launch at BLOCK_K 128 in the first sweep), M=64 6.7 / 7.2 / 5.5,
+    # M=256 15.3 / 15.4 / 9.6, M=2048 92.7 / 112 / 56.5
+    (9728, 896): ((16, _tile(16, 128)), (64, _tile(64, 128, 8)), (256, _tile(64, 64, stages=4)),
+                  (1 << 62, _tile(128, 128, 8, 4))),
+    # down: M=1 6.7 / 7.5 / 6.7, M=16 5.6 / 7.7 / 6.8, M=64 5.9 / - / 7.1, M=256 11.0 / 11.8 / 9.4,
+    # M=2048 41.7 / 58.7 / 26.6
     (896, 4864): ((1, _tile(16, 32, split=True)), (16, _tile(64, 32, split=True)), (64, _tile(64, 32, 4, 4, True)),
                   (256, _tile(64, 128, 8, split=True)), (1 << 62, _tile(128, 128, 8))),
+    # lm_head: up to 16 rows heuristic_buckets' 16 x 128 (what W3 ran; the sweep's 16 x 64: 65.4 us at M=1 against
+    # cuBLAS 67.5), M=64 80.1 / 81.0 / 77.0, M=256 188 / 208 / 123, M=2048 1,379 / 1,591 / 876
+    (151936, 896): ((16, _tile(16, 128)), (64, _tile(64, 64, stages=4)), (1 << 62, _tile(128, 128, 8, 4))),
 }
 
 
@@ -219,8 +227,9 @@ def _fields(N: int, K: int, num_sms: int, env: str, hopper: bool, bucket_env: st
             raise HayabusaValidationError(f"{ENV_CONFIGS}: unknown field(s) {sorted(unknown)} for {N}x{K}.",
                                           parameter=ENV_CONFIGS, value=env)
         cfg = dataclasses.replace(cfg, **fields)
+    # BI_GEMM_BUCKETS were measured on an H200: their 128 x 128 tiles need more shared memory than other GPUs have
     buckets = (_bucket_file(bucket_env).get((N, K)) if bucket_env else None) \
-        or BI_GEMM_BUCKETS.get((N, K)) or heuristic_buckets(cfg, hopper)
+        or (BI_GEMM_BUCKETS.get((N, K)) if hopper else None) or heuristic_buckets(cfg, hopper)
     for _, tile in buckets:
         if set(tile) - TILE_FIELDS:
             raise HayabusaValidationError(
@@ -247,8 +256,9 @@ def bi_gemm_config(N: int, K: int, num_sms: int = 132, M: int | None = None,
     over it (``{"*": {"SUM_IN_KERNEL": true}, "896x896": {"CHUNK_K": 128}}``). Its BLOCK_K and CHUNK_K (the
     arithmetic) are never a function of M. With ``M``: the launch for a step of M rows, i.e. that configuration with
     the ``TILE_FIELDS`` of M's bucket (the shape's entry in the JSON file ``HAYABUSA_BI_GEMM_BUCKETS`` names, for
-    an experiment; else ``BI_GEMM_BUCKETS``; else ``heuristic_buckets``: its large tiles only where ``device`` is a
-    CUDA device of compute capability 9.0+), then the environment's fields again.
+    an experiment; else, where ``device`` is a CUDA device of compute capability 9.0+ (where they were measured),
+    ``BI_GEMM_BUCKETS``; else ``heuristic_buckets``, its large tiles only on such a device), then the environment's
+    fields again.
 
     Raises:
         HayabusaValidationError: a malformed ``HAYABUSA_BI_GEMM_CONFIGS`` or a bad field value in it; a

@@ -253,15 +253,19 @@ def test_bench_bi_gemm_probe_and_bucket_sweep(monkeypatch, fresh_config_cache, t
 
 
 @pytest.mark.parametrize("shape", [*bg.BI_GEMM_BUCKETS, (768, 512), (3584, 18944)])
-def test_buckets_change_only_the_launch(monkeypatch, fresh_config_cache, shape):
+@pytest.mark.parametrize("hopper", [True, False])
+def test_buckets_change_only_the_launch(monkeypatch, fresh_config_cache, shape, hopper):
     """Every M's launch keeps the shape's BLOCK_K and CHUNK_K (the order a row's products are added in) and differs
-    from the shape's configuration only in TILE_FIELDS; M picks the first bucket whose bound it does not pass."""
+    from the shape's configuration only in TILE_FIELDS; M picks the first bucket whose bound it does not pass: the
+    measured buckets on a compute capability 9.0 device (as if on one here), heuristic_buckets without their large
+    tiles on any other."""
     monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
+    monkeypatch.setattr(bg, "capability_at_least", lambda device, capability: hopper)
     base = bi_gemm_config(*shape)
-    buckets = bg.BI_GEMM_BUCKETS.get(shape) or bg.heuristic_buckets(base, hopper=False)
+    buckets = (bg.BI_GEMM_BUCKETS.get(shape) if hopper else None) or bg.heuristic_buckets(base, hopper)
     seen = set()
     for M in (1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 2048, 100_000):
-        cfg = bi_gemm_config(*shape, M=M)
+        cfg = bi_gemm_config(*shape, M=M, device=torch.device("cuda"))
         assert (cfg.BLOCK_K, cfg.CHUNK_K) == (base.BLOCK_K, base.CHUNK_K), (shape, M)
         changed = {f for f in BiGemmConfig.__dataclass_fields__ if getattr(cfg, f) != getattr(base, f)}
         assert changed <= bg.TILE_FIELDS, (shape, M, changed)
@@ -275,17 +279,21 @@ def test_buckets_table_and_env(monkeypatch, fresh_config_cache):
     """The measured buckets are what the launch reads; the environment's tile fields win over a bucket (an
     experiment sets every M); a bucket that changes BLOCK_K or CHUNK_K is refused naming the fields."""
     monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
-    assert bi_gemm_config(9728, 896, M=1).BLOCK_M == 16 and bi_gemm_config(9728, 896, M=2048).BLOCK_M == 128
-    assert bi_gemm_splits(1, 896, 4864, bi_gemm_config(896, 4864, M=1), 132)          # measured: split at 1 row
-    assert not bi_gemm_splits(2048, 896, 4864, bi_gemm_config(896, 4864, M=2048), 132)
+    monkeypatch.setattr(bg, "capability_at_least", lambda device, capability: True)
+    gpu = torch.device("cuda")
+    assert bi_gemm_config(9728, 896, M=1, device=gpu).BLOCK_M == 16
+    assert bi_gemm_config(9728, 896, M=2048, device=gpu).BLOCK_M == 128
+    assert bi_gemm_config(9728, 896, M=2048).BLOCK_M == 64        # no device (or not Hopper): no 128-row tiles
+    assert bi_gemm_splits(1, 896, 4864, bi_gemm_config(896, 4864, M=1, device=gpu), 132)   # measured: split at 1 row
+    assert not bi_gemm_splits(2048, 896, 4864, bi_gemm_config(896, 4864, M=2048, device=gpu), 132)
     monkeypatch.setenv(bg.ENV_CONFIGS, '{"9728x896": {"BLOCK_M": 32, "num_warps": 2}}')
-    assert {(bi_gemm_config(9728, 896, M=m).BLOCK_M, bi_gemm_config(9728, 896, M=m).num_warps)
+    assert {(bi_gemm_config(9728, 896, M=m, device=gpu).BLOCK_M, bi_gemm_config(9728, 896, M=m, device=gpu).num_warps)
             for m in (1, 64, 4096)} == {(32, 2)}
     monkeypatch.delenv(bg.ENV_CONFIGS)
     monkeypatch.setitem(bg.BI_GEMM_BUCKETS, (768, 512), ((16, dict(BLOCK_K=128)), (1 << 62, {})))
     bg.reset_config_cache()
     with pytest.raises(HayabusaValidationError, match="BLOCK_K"):
-        bi_gemm_config(768, 512, M=1)
+        bi_gemm_config(768, 512, M=1, device=gpu)
 
 
 def test_bucket_file_from_the_environment(monkeypatch, fresh_config_cache, tmp_path):
@@ -299,7 +307,7 @@ def test_bucket_file_from_the_environment(monkeypatch, fresh_config_cache, tmp_p
     assert (bi_gemm_config(896, 896, M=8).BLOCK_M, bi_gemm_config(896, 896, M=8).BLOCK_N) == (16, 64)
     assert (bi_gemm_config(896, 896, M=5000).BLOCK_M, bi_gemm_config(896, 896, M=5000).num_warps) == (128, 8)
     assert bi_gemm_config(896, 896, M=8).CHUNK_K == bg.BI_GEMM_TABLE[(896, 896)].CHUNK_K
-    assert bi_gemm_config(9728, 896, M=1).BLOCK_M == 16                                    # the table's buckets
+    assert bi_gemm_config(9728, 896, M=1).BLOCK_M == 16                       # another shape: heuristic buckets
     for text, match in (("{not json", "must name a JSON file"), ('{"896x896": [[8, {"CHUNK_K": 128}]]}', "CHUNK_K"),
                         ('{"896x896": [[8, {"BLOCK_M": 48}]]}', "BLOCK_M")):
         path.write_text(text)

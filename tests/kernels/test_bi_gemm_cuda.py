@@ -42,7 +42,7 @@ def test_row_bits_do_not_depend_on_m(shape):
     alone = bi_gemm(row[None], w, b)[0]
     sms = num_sms(torch.device("cuda"))
     for M in SIZES[1:]:
-        cfg = bi_gemm_config(N, K, sms, M)      # M's bucket: its tiles, the shape's BLOCK_K and CHUNK_K
+        cfg = bi_gemm_config(N, K, sms, M, w.device)   # M's bucket: its tiles, the shape's BLOCK_K and CHUNK_K
         x = torch.randn(M, K, device="cuda", generator=gen, dtype=torch.bfloat16)
         for at in sorted({0, M // 2, M - 1}):
             saved = x[at].clone()
