@@ -199,7 +199,12 @@ def main() -> None:
                         help="print the table (and --table-json) from the rows a --sweep --json run wrote; no GPU")
     args = parser.parse_args()
     if args.from_json:
-        print_table(json.loads(args.from_json.read_text())["rows"], args.table_json)
+        try:
+            rows = json.loads(args.from_json.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"--from-json {args.from_json}: not a file written by --sweep --json ({type(e).__name__}: {e}); "
+                     "pass the --json file of a --sweep run")
+        print_table(rows, args.table_json)
         return
     if not torch.cuda.is_available():
         sys.exit("bench_small_m_linear needs a CUDA GPU")

@@ -40,7 +40,8 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     for name, typ in SAMPLING_FLAGS.items():
         if name != "seed":
-            g.add_argument("--" + name.replace("_", "-"), dest="sp_" + name, type=typ, default=None)
+            g.add_argument("--" + name.replace("_", "-"), dest="sp_" + name, type=typ, default=None,
+                           help=f"SamplingParams.{name} for every line that does not set \"{name}\" itself")
     g.add_argument("--stop", dest="sp_stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", dest="sp_ignore_eos", action="store_true", default=None)
     g.add_argument("--chat-template", default=None, help="Jinja chat template (string or file) for \"messages\" "

@@ -106,7 +106,16 @@ def get_quantization_config(quantization: str | None, hf_config: Any) -> Quantiz
     qc = checkpoint_quantization_config(hf_config)
     name = normalize_method_name(quantization) if quantization is not None else None
     if qc is None:
-        return None if name is None else QUANTIZATION_METHODS[name].online()
+        if name is None:
+            return None
+        try:
+            return QUANTIZATION_METHODS[name].online()
+        except HayabusaValidationError as e:
+            if str(quantization).strip().lower() == name:
+                raise
+            # an alias (vLLM's "awq_marlin"): the message names what the user wrote, then the format it means
+            raise HayabusaValidationError(f"quantization={quantization!r} (the {name!r} format): {e}",
+                                          parameter="quantization", value=quantization) from None
     if "quant_method" not in qc:
         raise HayabusaValidationError("the checkpoint's quantization_config has no quant_method.",
                                       parameter="quantization", value=qc)

@@ -64,6 +64,11 @@ def test_checkpoint_formats_need_a_checkpoint_in_that_format():
         with pytest.raises(HayabusaValidationError, match=f"quantization='{name}' needs a checkpoint saved in that "
                                                           "format"):
             get_quantization_config(name, {})
+    for alias, name in (("awq_marlin", "awq"), ("GPTQ_Marlin", "gptq")):       # vLLM's names: the user's spelling first
+        with pytest.raises(HayabusaValidationError, match=f"quantization='{alias}' \\(the '{name}' format\\): "
+                                                          f"quantization='{name}' needs a checkpoint") as e:
+            get_quantization_config(alias, {})
+        assert e.value.parameter == "quantization" and e.value.value == alias
 
 
 def test_detected_from_the_checkpoint():
