@@ -330,6 +330,20 @@ def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _bi_tile(tile, x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             GROUP_M: tl.constexpr):
+    # output tile number `tile` of an [M, N] result (grouped order): its rows (int64) and columns, their masks, and
+    # the x rows / w columns pointers the K loop offsets; index arithmetic only, the same for every launch
+    pid_m, pid_n = grouped_tile(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m64 = offs_m.to(tl.int64)
+    x_rows = x_ptr + offs_m64[:, None] * stride_xm
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    return offs_m64, offs_n, offs_m < M, offs_n < N, x_rows, w_cols
+
+
+@triton.jit
 def _bi_epilogue(total, b_ptr, y_ptr, offs_m64, offs_n, n_mask, mask, stride_ym, HAS_BIAS: tl.constexpr):
     # y = total (+ b) rounded once to y's dtype; the one epilogue of both ways a tile is finished in this kernel
     if HAS_BIAS:
@@ -346,21 +360,13 @@ def _bi_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, str
     # (tile, chunk); writes the chunk's fp32 partial to part [S, M, N]; then either _bi_gemm_sum_kernel finishes,
     # or, SUM_IN_KERNEL, the tile's last program to finish (a counter per tile in lock_ptr) does the same sum)
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
     num_chunks = tl.cdiv(K, CHUNK_K)
     progs_per_tile = num_chunks // CHUNKS_PER_PROG          # 1 (unsplit) or S (split)
     tile = pid // progs_per_tile
     c_lo = (pid % progs_per_tile) * CHUNKS_PER_PROG
-    pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m64, offs_n, m_mask, n_mask, x_rows, w_cols = _bi_tile(tile, x_ptr, w_ptr, M, N, stride_xm, stride_wn,
+                                                                BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    offs_m64 = offs_m.to(tl.int64)
-    x_rows = x_ptr + offs_m64[:, None] * stride_xm
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     pdl_wait(PDL)                    # kernels/pdl.py: x (and part / y) are the previous kernels' outputs
     for c in range(c_lo, c_lo + CHUNKS_PER_PROG):
@@ -417,16 +423,9 @@ def _bi_gemm_silu_kernel(x_ptr, w_ptr, y_ptr, M, D, K, stride_xm, stride_wn, str
     # output tile holds BLOCK_N gate and the same BLOCK_N up columns, each summed exactly as _bi_gemm_kernel's
     # unsplit launch sums it (from 0 per chunk, the chunks added in index order), rounded to y's dtype, then
     # combined by activation._silu_and_mul_kernel's operations: the bits of the two launches
-    pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(D, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m64, offs_n, m_mask, n_mask, x_rows, w_gate = _bi_tile(tl.program_id(0), x_ptr, w_ptr, M, D, stride_xm,
+                                                                stride_wn, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < D
-    offs_m64 = offs_m.to(tl.int64)
-    x_rows = x_ptr + offs_m64[:, None] * stride_xm
-    w_gate = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     w_up = w_gate + tl.cast(D, tl.int64) * stride_wn
     total_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     total_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
