@@ -306,7 +306,7 @@ def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: st
 
 def buckets_json(found: list[dict]) -> dict:
     """The sweep's winners as a HAYABUSA_BI_GEMM_BUCKETS file: per "NxK", [[largest M, the launch's tile fields],
-    ...] with M's bucket (the previous measured M, this one], the last one open-ended."""
+    ...] with M's bucket (the previous measured M, this one], the last one's bound null (every larger M)."""
     out = {}
     for r in found:
         rows = []
@@ -314,7 +314,7 @@ def buckets_json(found: list[dict]) -> dict:
             c = p["cfg"]
             tile = {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
             tile["SPLIT_BELOW_TILES"] = bg.SPLIT if p["split"] else bg.UNSPLIT
-            rows.append([p["M"] if i < len(r["per_m"]) - 1 else 1 << 62, tile])
+            rows.append([p["M"] if i < len(r["per_m"]) - 1 else None, tile])     # null: every larger M
         out[f"{r['N']}x{r['K']}"] = rows
     return out
 

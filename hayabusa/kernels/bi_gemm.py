@@ -81,21 +81,25 @@ class BiGemmConfig:
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
+            if not _is_int(v) or v < 16 or v & (v - 1):
                 raise _bad_config(name, v, "must be a power of two >= 16")
-        if not isinstance(self.CHUNK_K, int) or self.CHUNK_K <= 0 or self.CHUNK_K % self.BLOCK_K:
+        if not _is_int(self.CHUNK_K) or self.CHUNK_K <= 0 or self.CHUNK_K % self.BLOCK_K:
             raise _bad_config("CHUNK_K", self.CHUNK_K, f"must be a positive multiple of BLOCK_K={self.BLOCK_K}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
+        if not _is_int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
             raise _bad_config("num_warps", self.num_warps, "must be 1, 2, 4, 8 or 16")
         if not isinstance(self.SUM_IN_KERNEL, bool):
             raise _bad_config("SUM_IN_KERNEL", self.SUM_IN_KERNEL, "must be true or false")
         for name, least in (("GROUP_M", 1), ("num_stages", 1), ("SPLIT_BELOW_TILES", 0)):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < least:
                 raise _bad_config(name, getattr(self, name), f"must be an int >= {least}")
 
     def num_chunks(self, K: int) -> int:
         """S, the number of K chunks (fixed by K and CHUNK_K)."""
         return triton.cdiv(K, self.CHUNK_K)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)      # JSON's true / 4.0 are not tile sizes
 
 
 def _bad_config(field: str, value, why: str) -> HayabusaValidationError:
@@ -126,6 +130,7 @@ BI_GEMM_TABLE: dict[tuple[int, int], BiGemmConfig] = {
 TILE_FIELDS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_BELOW_TILES",
                          "SUM_IN_KERNEL"})
 SPLIT, UNSPLIT = 1 << 30, 1     # SPLIT_BELOW_TILES values: always / never run the K chunks as separate programs
+NO_BOUND = 1 << 62              # the last bucket's bound in BI_GEMM_BUCKETS (a bucket file writes null)
 
 
 def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False) -> dict:
@@ -142,20 +147,20 @@ def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False
 #   2048 and more).
 BI_GEMM_BUCKETS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
     # qkv: M=1 4.2 / 4.2 / 3.9, M=16 4.1 / 4.1 / 3.7, M=256 4.6 / 5.7 / 4.3, M=2048 17.4 / 21.4 / 9.7
-    (1152, 896): ((1, _tile(16, 32)), (16, _tile(64, 32, stages=4)), (64, _tile(64, 32)), (1 << 62, _tile(64, 64))),
+    (1152, 896): ((1, _tile(16, 32)), (16, _tile(64, 32, stages=4)), (64, _tile(64, 32)), (NO_BOUND, _tile(64, 64))),
     # o_proj: M=1 4.1 / 3.9 / 4.4, M=256 3.7 / 4.1 / 4.0, M=2048 10.3 / 16.8 / 6.9
-    (896, 896): ((1, _tile(16, 32, stages=4)), (256, _tile(64, 32)), (1 << 62, _tile(128, 128, 8))),
+    (896, 896): ((1, _tile(16, 32, stages=4)), (256, _tile(64, 32)), (NO_BOUND, _tile(128, 128, 8))),
     # gate_up: M=1 5.6 / 7.1 / 5.1 (the 128-column launch at BLOCK_K 128 in the first sweep), M=64 6.7 / 7.2 / 5.5,
     # M=256 15.3 / 15.4 / 9.6, M=2048 92.7 / 112 / 56.5
     (9728, 896): ((16, _tile(16, 128)), (64, _tile(64, 128, 8)), (256, _tile(64, 64, stages=4)),
-                  (1 << 62, _tile(128, 128, 8, 4))),
+                  (NO_BOUND, _tile(128, 128, 8, 4))),
     # down: M=1 6.7 / 7.5 / 6.7, M=16 5.6 / 7.7 / 6.8, M=64 5.9 / - / 7.1, M=256 11.0 / 11.8 / 9.4,
     # M=2048 41.7 / 58.7 / 26.6
     (896, 4864): ((1, _tile(16, 32, split=True)), (16, _tile(64, 32, split=True)), (64, _tile(64, 32, 4, 4, True)),
-                  (256, _tile(64, 128, 8, split=True)), (1 << 62, _tile(128, 128, 8))),
+                  (256, _tile(64, 128, 8, split=True)), (NO_BOUND, _tile(128, 128, 8))),
     # lm_head: up to 16 rows heuristic_buckets' 16 x 128 (what W3 ran; the sweep's 16 x 64: 65.4 us at M=1 against
     # cuBLAS 67.5), M=64 80.1 / 81.0 / 77.0, M=256 188 / 208 / 123, M=2048 1,379 / 1,591 / 876
-    (151936, 896): ((16, _tile(16, 128)), (64, _tile(64, 64, stages=4)), (1 << 62, _tile(128, 128, 8, 4))),
+    (151936, 896): ((16, _tile(16, 128)), (64, _tile(64, 64, stages=4)), (NO_BOUND, _tile(128, 128, 8, 4))),
 }
 
 
@@ -166,7 +171,7 @@ def heuristic_buckets(cfg: BiGemmConfig, hopper: bool) -> tuple[tuple[int, dict]
     (their shared memory, 2 x 128 x BLOCK_K x 2 bytes a stage, is what other GPUs may not have)."""
     small = dict(BLOCK_M=16, num_warps=4)
     big = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8) if hopper and cfg.BLOCK_K <= 64 else {}
-    return ((16, small), (256, {}), (1 << 62, big))
+    return ((16, small), (256, {}), (NO_BOUND, big))
 
 
 def heuristic_config(N: int, K: int, num_sms: int) -> BiGemmConfig:
@@ -208,12 +213,37 @@ def _bucket_file(path: str) -> dict[tuple[int, int], tuple[tuple[int, dict], ...
         out = {}
         for key, buckets in parsed.items():
             n, k = (int(v) for v in key.lower().split("x"))
-            out[(n, k)] = tuple((int(m_max), dict(tile)) for m_max, tile in buckets)
+            out[(n, k)] = tuple((NO_BOUND if m_max is None else m_max, dict(tile)) for m_max, tile in buckets)
         return out
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise HayabusaValidationError(f"{ENV_BUCKETS}={path!r} must name a JSON file like "
-                                      f'{{"896x896": [[16, {{"BLOCK_M": 16}}], [4611686018427387904, {{}}]]}} ({e}).',
+                                      f'{{"896x896": [[16, {{"BLOCK_M": 16}}], [null, {{}}]]}} (per "NxK" weight '
+                                      f"shape, [largest M, launch fields] with M ascending, null for no bound; "
+                                      f"`bench_bi_gemm.py --bucket-sweep --buckets-out FILE` writes one) ({e}).",
                                       parameter=ENV_BUCKETS, value=path) from None
+
+
+def _checked_buckets(N: int, K: int, cfg: BiGemmConfig, buckets, source: str) -> tuple[tuple[int, dict], ...]:
+    # each bucket's bound an int above the previous one, its fields TILE_FIELDS with valid values; ``source`` is
+    # what the message names (the environment variable, or the table)
+    where = f"{source}: the launches of {N}x{K}"
+    last = 0
+    for m_max, tile in buckets:
+        if not _is_int(m_max) or m_max <= last:
+            raise HayabusaValidationError(f"{where} must have increasing int bounds of M (>= 1); got {m_max!r} "
+                                          f"after {last}", parameter=source, value=m_max)
+        last = m_max
+        if set(tile) - TILE_FIELDS:
+            raise HayabusaValidationError(
+                f"{where} change {sorted(set(tile) - TILE_FIELDS)}; only {sorted(TILE_FIELDS)} may change with M "
+                f"(BLOCK_K and CHUNK_K fix the order a row's products are added in: set them for every M with "
+                f"{ENV_CONFIGS})", parameter=source, value=tile)
+        try:
+            dataclasses.replace(cfg, **tile)
+        except HayabusaValidationError as e:
+            raise HayabusaValidationError(f"{where}, bucket up to M={m_max}: {e}", parameter=source,
+                                          value=tile) from None
+    return tuple(buckets)
 
 
 @functools.lru_cache(maxsize=256)
@@ -226,16 +256,19 @@ def _fields(N: int, K: int, num_sms: int, env: str, hopper: bool, bucket_env: st
         if unknown:
             raise HayabusaValidationError(f"{ENV_CONFIGS}: unknown field(s) {sorted(unknown)} for {N}x{K}.",
                                           parameter=ENV_CONFIGS, value=env)
-        cfg = dataclasses.replace(cfg, **fields)
-    # BI_GEMM_BUCKETS were measured on an H200: their 128 x 128 tiles need more shared memory than other GPUs have
-    buckets = (_bucket_file(bucket_env).get((N, K)) if bucket_env else None) \
-        or (BI_GEMM_BUCKETS.get((N, K)) if hopper else None) or heuristic_buckets(cfg, hopper)
-    for _, tile in buckets:
-        if set(tile) - TILE_FIELDS:
-            raise HayabusaValidationError(
-                f"bi_gemm bucket of {N}x{K} changes {sorted(set(tile) - TILE_FIELDS)}: only {sorted(TILE_FIELDS)} "
-                f"may change with M", parameter=ENV_BUCKETS if bucket_env else "BI_GEMM_BUCKETS", value=tile)
-        dataclasses.replace(cfg, **tile)                   # a bad value refused now, naming its field
+        try:
+            cfg = dataclasses.replace(cfg, **fields)
+        except HayabusaValidationError as e:
+            raise HayabusaValidationError(f"{ENV_CONFIGS}, shape {N}x{K}: {e}", parameter=ENV_CONFIGS,
+                                          value=env) from None
+    from_file = _bucket_file(bucket_env).get((N, K)) if bucket_env else None
+    if from_file:
+        buckets = _checked_buckets(N, K, cfg, from_file, ENV_BUCKETS)
+    elif hopper and (N, K) in BI_GEMM_BUCKETS:
+        # BI_GEMM_BUCKETS were measured on an H200: their 128 x 128 tiles need more shared memory than others have
+        buckets = _checked_buckets(N, K, cfg, BI_GEMM_BUCKETS[(N, K)], "BI_GEMM_BUCKETS")
+    else:
+        buckets = heuristic_buckets(cfg, hopper)
     return cfg, buckets, fields
 
 
@@ -244,7 +277,7 @@ def _config(N: int, K: int, num_sms: int, env: str, M: int | None, hopper: bool,
     cfg, buckets, fields = _fields(N, K, num_sms, env, hopper, bucket_env)
     if M is None:
         return cfg
-    tile = next(t for m_max, t in buckets if M <= m_max or m_max == buckets[-1][0])
+    tile = next(t for m_max, t in buckets if M <= m_max or m_max == buckets[-1][0])   # the last: every larger M
     # the bucket's launch over the shape's, then the environment's fields over both (an experiment sets all M)
     return dataclasses.replace(cfg, **{**tile, **{k: v for k, v in fields.items() if k in TILE_FIELDS}})
 
@@ -569,7 +602,8 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return y.view(*lead, N)
 
 
-__all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_BUCKETS", "ENV_CONFIGS", "SPLIT", "TILE_FIELDS", "UNSPLIT",
+__all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_BUCKETS", "ENV_CONFIGS", "NO_BOUND", "SPLIT",
+           "TILE_FIELDS", "UNSPLIT",
            "bi_gemm", "bi_gemm_config", "bi_gemm_splits", "grouped_tile", "heuristic_buckets", "heuristic_config",
            "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "silu_and_mul_bi",
            "TILE_COUNTERS"]

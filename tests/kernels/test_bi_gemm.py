@@ -167,15 +167,21 @@ def test_table_and_env_override_the_heuristic(monkeypatch, fresh_config_cache):
     assert bi_gemm_config(768, 512).SUM_IN_KERNEL and bi_gemm_config(768, 512).num_stages == 4
 
 
-@pytest.mark.parametrize("raw,field", [("not json", bg.ENV_CONFIGS), ('{"896": {}}', bg.ENV_CONFIGS),
-                                       ('{"896x896": {"BLOCK_Q": 1}}', bg.ENV_CONFIGS),
-                                       ('{"896x896": {"CHUNK_K": 100}}', "BiGemmConfig.CHUNK_K"),
-                                       ('{"*": {"SUM_IN_KERNEL": 1}}', "BiGemmConfig.SUM_IN_KERNEL")])
+@pytest.mark.parametrize("raw,field", [("not json", None), ('{"896": {}}', None), ('{"896x896": {"BLOCK_Q": 1}}', "BLOCK_Q"),
+                                       ('{"896x896": {"CHUNK_K": 100}}', "BiGemmConfig.CHUNK_K=100"),
+                                       ('{"*": {"SUM_IN_KERNEL": 1}}', "BiGemmConfig.SUM_IN_KERNEL=1"),
+                                       ('{"*": {"num_warps": 4.0}}', "BiGemmConfig.num_warps=4.0"),
+                                       ('{"*": {"num_stages": true}}', "BiGemmConfig.num_stages=True"),
+                                       ('{"*": {"BLOCK_N": 48}}', "BiGemmConfig.BLOCK_N=48")])
 def test_bad_env_config_is_refused_by_name(monkeypatch, fresh_config_cache, raw, field):
+    """The variable is the parameter; the message names the shape and the field (JSON's 4.0 and true are no tile
+    sizes)."""
     monkeypatch.setenv(bg.ENV_CONFIGS, raw)
     with pytest.raises(HayabusaValidationError) as info:
         bi_gemm_config(896, 896)
-    assert info.value.parameter == field
+    assert info.value.parameter == bg.ENV_CONFIGS and bg.ENV_CONFIGS in str(info.value)
+    if field:
+        assert field in str(info.value) and "896x896" in str(info.value)
 
 
 def test_config_fields_are_checked():
@@ -303,17 +309,27 @@ def test_bucket_file_from_the_environment(monkeypatch, fresh_config_cache, tmp_p
     monkeypatch.delenv(bg.ENV_CONFIGS, raising=False)
     path = tmp_path / "buckets.json"
     path.write_text('{"896x896": [[8, {"BLOCK_M": 16, "BLOCK_N": 64}], [99, {"BLOCK_M": 128, "num_warps": 8}]]}')
+    bg.reset_config_cache()
     monkeypatch.setenv(bg.ENV_BUCKETS, str(path))
     assert (bi_gemm_config(896, 896, M=8).BLOCK_M, bi_gemm_config(896, 896, M=8).BLOCK_N) == (16, 64)
     assert (bi_gemm_config(896, 896, M=5000).BLOCK_M, bi_gemm_config(896, 896, M=5000).num_warps) == (128, 8)
     assert bi_gemm_config(896, 896, M=8).CHUNK_K == bg.BI_GEMM_TABLE[(896, 896)].CHUNK_K
     assert bi_gemm_config(9728, 896, M=1).BLOCK_M == 16                       # another shape: heuristic buckets
-    for text, match in (("{not json", "must name a JSON file"), ('{"896x896": [[8, {"CHUNK_K": 128}]]}', "CHUNK_K"),
-                        ('{"896x896": [[8, {"BLOCK_M": 48}]]}', "BLOCK_M")):
+    path.write_text('{"896x896": [[8, {"BLOCK_M": 16}], [null, {"BLOCK_M": 128, "num_warps": 8}]]}')   # null: no bound
+    bg.reset_config_cache()
+    assert bi_gemm_config(896, 896, M=9).BLOCK_M == 128 and bi_gemm_config(896, 896, M=1 << 40).BLOCK_M == 128
+    for text, match in (("{not json", "must name a JSON file"),
+                        ('{"896x896": [[8, {"CHUNK_K": 128}]]}', "CHUNK_K.*set them for every M with "
+                                                                   "HAYABUSA_BI_GEMM_CONFIGS"),
+                        ('{"896x896": [[8, {"BLOCK_M": 48}]]}', "896x896, bucket up to M=8: BiGemmConfig.BLOCK_M=48"),
+                        ('{"896x896": [[8, {"num_stages": true}]]}', "num_stages=True"),
+                        ('{"896x896": [[64, {}], [8, {"BLOCK_M": 16}]]}', "increasing int bounds.*got 8 after 64"),
+                        ('{"896x896": [[-1, {}]]}', "increasing int bounds")):
         path.write_text(text)
         bg.reset_config_cache()
-        with pytest.raises(HayabusaValidationError, match=match):
+        with pytest.raises(HayabusaValidationError, match=match) as info:
             bi_gemm_config(896, 896, M=8)
+        assert info.value.parameter == bg.ENV_BUCKETS and bg.ENV_BUCKETS in str(info.value)
     monkeypatch.setenv(bg.ENV_BUCKETS, str(tmp_path / "missing.json"))
     with pytest.raises(HayabusaValidationError) as info:
         bi_gemm_config(896, 896, M=8)
