@@ -96,7 +96,7 @@ def check(x, w, b, cfg: bg.BiGemmConfig) -> None:
 def bench_case(model: str, layer: str, N: int, K: int, has_bias: bool, M: int, device: str) -> dict:
     x, w, b = make_inputs(N, K, M, has_bias, device)
     sms = bg.num_sms(torch.device(device))
-    cfg = bg.bi_gemm_config(N, K, sms, M, torch.device(device))   # M's launch: its bucket's tiles, the shape's arithmetic
+    cfg = bg.bi_gemm_config(N, K, sms, M, torch.device(device))   # M's bucket's tiles, the shape's arithmetic
     check(x, w, b, cfg)
     fns = {"torch": lambda: F.linear(x, w, b), "unsplit": lambda: matmul_bi_unsplit(x, w, b),
            "bi": lambda: bg.bi_gemm(x, w, b, config=cfg),

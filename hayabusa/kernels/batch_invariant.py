@@ -2,12 +2,12 @@
 
 Kernel + launcher + reference for each op the mode swaps in:
 
-- ``matmul_bi``: y = x W^T + b on CUDA by ``kernels/bi_gemm.bi_gemm``: one tile configuration per weight shape
-  (N, K) and GPU (never a function of M) and a fixed split of K into chunks (also from (N, K) and the SM count),
-  the chunk partials summed in index order in fp32, the bias added before the one rounding; decode steps run the
-  chunks as separate programs (parallelism for a handful of output tiles), prefill steps one program per tile, the
-  same float operations either way (why: bi_gemm's docstring). cuBLAS, in contrast, picks its algorithm (tiles,
-  split-K) by M, so F.linear's bits depend on the batch.
+- ``matmul_bi``: y = x W^T + b on CUDA by ``kernels/bi_gemm.bi_gemm``: one K step (BLOCK_K) and one split of K into
+  chunks per weight shape (N, K) and GPU (never a function of M; the tile shape, warps and stages are chosen per M,
+  measured not to change a bit), the chunk partials summed in index order in fp32, the bias added before the one
+  rounding; decode steps run the chunks as separate programs (parallelism for a handful of output tiles), prefill
+  steps one program per tile, the same float operations either way (why: bi_gemm's docstring). cuBLAS, in
+  contrast, picks its K split by M, so F.linear's bits depend on the batch.
   ``matmul_bi_unsplit`` is the mode's first GEMM (no split-K: every output one program's fp32 accumulator walking
   K from 0 in BLOCK_K steps), kept for the benchmark's comparison (benchmarks/kernels/bench_bi_gemm.py).
   Reference ``matmul_bi_ref`` (the CPU path): each output is ``sum(x_row * w_row)`` over the contiguous K dim in

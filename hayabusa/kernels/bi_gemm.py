@@ -134,7 +134,8 @@ NO_BOUND = 1 << 62              # the last bucket's bound in BI_GEMM_BUCKETS (a 
 
 
 def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False) -> dict:
-    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_BELOW_TILES=SPLIT if split else UNSPLIT)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+                SPLIT_BELOW_TILES=SPLIT if split else UNSPLIT)
 
 
 # (N, K) -> ((largest M, the launch's TILE_FIELDS), ...), M ascending; the last bucket also takes every larger M.

@@ -19,9 +19,10 @@ CUDA suite green with it and HAYABUSA_SMALL_M_LINEAR on); ``HAYABUSA_PDL=0`` tur
 devices of compute capability 9.0+ and only to the kernels whose launchers pass
 ``pdl_kwargs(device)``: fused add + RMSNorm, SiLU-and-mul, fused RoPE + KV write, paged attention and its merge,
 the small-M linears (kernels/small_m_linear.py), the weight-only int4 / int8 small-M kernel (kernels/wo_small_m.py),
-batch-invariant mode's GEMM and its partial sum (kernels/bi_gemm.py) and, for FP8 / INT8 W8A8, the producers that quantize their output
-(kernels/fused_act_quant.py), per_token_quant_fp8 and the FP8 small-M kernels (kernels/fp8_gemv.py). A kernel that
-is not among them (cuBLAS, torch's own) runs as before: a PDL kernel after it waits for it to end, as without PDL.
+batch-invariant mode's GEMMs and partial sum (kernels/bi_gemm.py) and, for FP8 / INT8 W8A8, the producers that
+quantize their output (kernels/fused_act_quant.py), per_token_quant_fp8 and the FP8 small-M kernels
+(kernels/fp8_gemv.py). A kernel that is not among them (cuBLAS, torch's own) runs as before: a PDL kernel after it
+waits for it to end, as without PDL.
 """
 
 from __future__ import annotations

@@ -181,9 +181,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class BatchInvariantLinearMethod(UnquantizedLinearMethod):
-    """Batch-invariant mode's Linear: the same weight, multiplied by ``kernels/batch_invariant.linear_bi`` (one tile
-    configuration and one split of K per weight shape, never per M), so a row's output does not depend on the other
-    rows."""
+    """Batch-invariant mode's Linear: the same weight, multiplied by ``kernels/batch_invariant.linear_bi`` (one K step
+    and one split of K per weight shape, never per M; the launch's tiles per M), so a row's output does not depend on
+    the other rows."""
 
     def apply(self, layer, x):
         from hayabusa.kernels.batch_invariant import linear_bi

@@ -167,7 +167,8 @@ def test_table_and_env_override_the_heuristic(monkeypatch, fresh_config_cache):
     assert bi_gemm_config(768, 512).SUM_IN_KERNEL and bi_gemm_config(768, 512).num_stages == 4
 
 
-@pytest.mark.parametrize("raw,field", [("not json", None), ('{"896": {}}', None), ('{"896x896": {"BLOCK_Q": 1}}', "BLOCK_Q"),
+@pytest.mark.parametrize("raw,field", [("not json", None), ('{"896": {}}', None),
+                                       ('{"896x896": {"BLOCK_Q": 1}}', "BLOCK_Q"),
                                        ('{"896x896": {"CHUNK_K": 100}}', "BiGemmConfig.CHUNK_K=100"),
                                        ('{"*": {"SUM_IN_KERNEL": 1}}', "BiGemmConfig.SUM_IN_KERNEL=1"),
                                        ('{"*": {"num_warps": 4.0}}', "BiGemmConfig.num_warps=4.0"),
