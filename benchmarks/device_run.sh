@@ -1085,6 +1085,25 @@ g_bi23c() {  # issue #23 with the one-launch MLP: the CUDA tests, the cost on W3
     --json "$OUT/bi_bucket7.json" --buckets-out "$OUT/buckets7.json"
 }
 
+g_bi24() {  # issue #23, what the twenty-third session left: the final table's cost on W3 / W1 side by side (three
+            # W1 repeats: it is host-bound and noisy), the 10-setting bit-identity experiment on it, the 7b shapes'
+            # launches per M at their own arithmetic (a bucket file), then the 7b W3 in the mode with that file
+  ensure_q05
+  bench_step q05_W3_bi24 60 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
+  for r in 1 2 3; do
+    bench_step "q05_W1_bi24_$r" 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+  done
+  step bi_q05 "${BI_S:-120}" 20 bash -c "python benchmarks/batch_invariance.py '$Q05' --json '$OUT/bi_q05.json' 2>&1 | tail -40"
+  step bi_bucket7 "${BIBUCKET7_S:-200}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --keep-arith --models qwen2.5-7b-shape --layers "${BIBUCKET7_LAYERS:-gate_up,down,o,qkv,lm_head}" \
+    --m 1,16,64,256,2048 --json "$OUT/bi_bucket7.json" --buckets-out "$OUT/buckets7.json"
+  ensure_q7
+  if [ -s "$OUT/buckets7.json" ]; then
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets7.json" bench_step q7_W3_bi24 90 30 --workload W3 --model "$Q7" --scale 0.5 \
+      --sweep batch_invariant=false,true
+  fi
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi
