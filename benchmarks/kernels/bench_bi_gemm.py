@@ -25,6 +25,11 @@ timed on a GPU: about 700 timings per shape (~70 configs x 5 M x both launches, 
 thousands of launches for the microsecond-sized ones), so expect two to four minutes per shape: run one or two
 --layers per command (e.g. --models qwen2.5-0.5b-shape --layers qkv,o) to stay under a 10-minute limit.
 Without --sweep the table alone takes about 2-4 minutes for both models (300 timings).
+--probe-tiles: only checks, per shape in bf16 and fp16, that a row's bits do not depend on the launch's tile shape,
+warps, stages or split once BLOCK_K and CHUNK_K are fixed (what lets the mode pick its launch per M), and prints how
+many launches differ. --bucket-sweep: only searches, per shape, the fastest launch per M under one arithmetic
+(--keep-arith: the shape's own BLOCK_K / CHUNK_K) and prints it; --buckets-out FILE writes the winners as a
+HAYABUSA_BI_GEMM_BUCKETS file (kernels/bi_gemm.py) for the engine to run with.
 --device cpu runs the Triton interpreter (tiny --shapes only; times meaningless: a smoke test of this script).
 """
 
@@ -75,12 +80,17 @@ def shapes_to_run(args) -> list[tuple[str, str, int, int, bool]]:
             for layer, (n, k, bias) in linear_shapes(model).items() if layer in layers]
 
 
-def make_inputs(N: int, K: int, M: int, has_bias: bool, device: str):
-    gen = torch.Generator(device=device).manual_seed(0)
-    w = (torch.randn(N, K, device=device, generator=gen) / K ** 0.5).to(DTYPE)
-    b = torch.randn(N, device=device, generator=gen).to(DTYPE) if has_bias else None
-    x = torch.randn(M, K, device=device, generator=gen).to(DTYPE)
+def make_inputs(N: int, K: int, M: int, has_bias: bool, device: str, dtype: torch.dtype = DTYPE, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = (torch.randn(N, K, device=device, generator=gen) / K ** 0.5).to(dtype)
+    b = torch.randn(N, device=device, generator=gen).to(dtype) if has_bias else None
+    x = torch.randn(M, K, device=device, generator=gen).to(dtype)
     return x, w, b
+
+
+def chunk_of(K: int, splits: int, block_k: int) -> int:
+    """CHUNK_K that cuts K into ``splits`` chunks, rounded up to whole BLOCK_K steps."""
+    return -(-(-(-K // splits)) // block_k) * block_k
 
 
 def check(x, w, b, cfg: bg.BiGemmConfig) -> None:
@@ -145,7 +155,7 @@ def sweep_configs(N: int, K: int, device: str) -> list[bg.BiGemmConfig]:
         for bn in (32, 64, 128):
             for bk in (64, 128):
                 for splits in (1, 2, 4, 8, 16):
-                    chunk = -(-(-(-K // splits)) // bk) * bk
+                    chunk = chunk_of(K, splits, bk)
                     for warps in ((4, 8) if bm * bn >= 64 * 128 else (4,)):
                         out[bg.BiGemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK_K=chunk, num_warps=warps)] = 0
     return list(out)
@@ -233,10 +243,7 @@ def probe_tiles(N: int, K: int, has_bias: bool, device: str, dtype=DTYPE, M: int
     """Whether a row's bits depend on the tile shape, warps or stages once BLOCK_K and CHUNK_K are fixed: x [M, K]
     through every ``tile_variants`` launch (split and unsplit) of two arithmetics (the shape's configuration, and
     BLOCK_K 64 with one chunk), each compared bit for bit with the first. Returns counts and the differing launches."""
-    gen = torch.Generator(device=device).manual_seed(3)
-    w = (torch.randn(N, K, device=device, generator=gen) / K ** 0.5).to(dtype)
-    b = torch.randn(N, device=device, generator=gen).to(dtype) if has_bias else None
-    x = torch.randn(M, K, device=device, generator=gen).to(dtype)
+    x, w, b = make_inputs(N, K, M, has_bias, device, dtype, seed=3)
     base = bg.bi_gemm_config(N, K, bg.num_sms(torch.device(device)))
     arith = [base, dataclasses.replace(base, BLOCK_K=64, CHUNK_K=-(-K // 64) * 64)]
     out = dict(N=N, K=K, dtype=str(dtype), compared=0, differ=[], failed=0)
@@ -273,7 +280,7 @@ def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: st
         ariths[(own.BLOCK_K, own.CHUNK_K)] = None
     for bk in () if keep_arith else (64, 128):
         for splits in (1, 2, 4, 8):
-            chunk = -(-(-(-K // splits)) // bk) * bk
+            chunk = chunk_of(K, splits, bk)
             ariths[(bk, chunk)] = None
     results = []
     for bk, chunk in ariths:

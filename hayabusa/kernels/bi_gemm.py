@@ -274,13 +274,10 @@ def _fields(N: int, K: int, num_sms: int, env: str, hopper: bool, bucket_env: st
 
 
 @functools.lru_cache(maxsize=1024)
-def _config(N: int, K: int, num_sms: int, env: str, M: int | None, hopper: bool, bucket_env: str) -> BiGemmConfig:
+def _launch(N: int, K: int, num_sms: int, env: str, hopper: bool, bucket_env: str, bucket: int) -> BiGemmConfig:
     cfg, buckets, fields = _fields(N, K, num_sms, env, hopper, bucket_env)
-    if M is None:
-        return cfg
-    tile = next(t for m_max, t in buckets if M <= m_max or m_max == buckets[-1][0])   # the last: every larger M
     # the bucket's launch over the shape's, then the environment's fields over both (an experiment sets all M)
-    return dataclasses.replace(cfg, **{**tile, **{k: v for k, v in fields.items() if k in TILE_FIELDS}})
+    return dataclasses.replace(cfg, **{**buckets[bucket][1], **{k: v for k, v in fields.items() if k in TILE_FIELDS}})
 
 
 def bi_gemm_config(N: int, K: int, num_sms: int = 132, M: int | None = None,
@@ -299,8 +296,12 @@ def bi_gemm_config(N: int, K: int, num_sms: int = 132, M: int | None = None,
             ``HAYABUSA_BI_GEMM_BUCKETS`` file that cannot be read, or a bucket that changes a field outside
             ``TILE_FIELDS`` (BLOCK_K, CHUNK_K) or sets a bad value."""
     hopper = device is not None and capability_at_least(device, HOPPER)
-    return _config(N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip(), M, hopper,
-                   os.environ.get(ENV_BUCKETS, "").strip())
+    key = (N, K, num_sms, os.environ.get(ENV_CONFIGS, "").strip(), hopper, os.environ.get(ENV_BUCKETS, "").strip())
+    cfg, buckets, _ = _fields(*key)
+    if M is None:
+        return cfg
+    # M's bucket: the first whose bound M does not pass, the last for every larger M (cached per bucket, not per M)
+    return _launch(*key, next((i for i, (m_max, _) in enumerate(buckets) if M <= m_max), len(buckets) - 1))
 
 
 TILE_COUNTERS = 1 << 16   # per device: one int32 arrival counter per output tile of a SUM_IN_KERNEL launch
@@ -337,7 +338,7 @@ def reset_config_cache() -> None:
     its configurations."""
     _bucket_file.cache_clear()
     _fields.cache_clear()
-    _config.cache_clear()
+    _launch.cache_clear()
 
 
 @functools.lru_cache(maxsize=8)
@@ -507,7 +508,7 @@ def silu_and_mul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """
     if bias is not None:
         return None
-    lead, x2, _ = linear_operands(x, weight, None)
+    lead, x2 = checked_operands(x, weight, None)     # y is [M, D], allocated below once the launch applies
     (M, K), N = x2.shape, weight.shape[0]
     if N % 2:
         raise ValueError(f"weight must have an even number of rows [gate | up], got {tuple(weight.shape)}")
@@ -535,10 +536,9 @@ def bi_gemm_splits(M: int, N: int, K: int, cfg: BiGemmConfig, sms: int) -> bool:
     return cfg.num_chunks(K) > 1 and tiles < (cfg.SPLIT_BELOW_TILES or sms)
 
 
-def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                    ) -> tuple[torch.Size, torch.Tensor, torch.Tensor]:
-    """A batch-invariant linear's checked operands: (x's leading shape, x as [M, K] with unit last stride, the
-    output y [M, N] in x's dtype, uninitialised).
+def checked_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                     ) -> tuple[torch.Size, torch.Tensor]:
+    """A batch-invariant linear's checked inputs: (x's leading shape, x as [M, K] with unit last stride).
 
     Raises:
         ValueError: weight not [N, K] of x's dtype with unit last stride, or bias not [N].
@@ -547,14 +547,24 @@ def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    M, K = x2.shape
+    K = x2.shape[1]
     if weight.dim() != 2 or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(-1) != 1:
         raise ValueError(f"need x [M, K] and weight [N, K] of one dtype with unit last strides; got "
                          f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
-    N = weight.shape[0]
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias must be [N={N}], got {tuple(bias.shape)}")
-    return lead, x2, torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [N={weight.shape[0]}], got {tuple(bias.shape)}")
+    return lead, x2
+
+
+def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> tuple[torch.Size, torch.Tensor, torch.Tensor]:
+    """``checked_operands`` and the output y [M, N] in x's dtype, uninitialised.
+
+    Raises:
+        ValueError: as ``checked_operands``.
+    """
+    lead, x2 = checked_operands(x, weight, bias)
+    return lead, x2, torch.empty((x2.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
 
 
 def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -606,5 +616,5 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 __all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_BUCKETS", "ENV_CONFIGS", "NO_BOUND", "SPLIT",
            "TILE_FIELDS", "UNSPLIT",
            "bi_gemm", "bi_gemm_config", "bi_gemm_splits", "grouped_tile", "heuristic_buckets", "heuristic_config",
-           "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "silu_and_mul_bi",
+           "checked_operands", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "silu_and_mul_bi",
            "TILE_COUNTERS"]
