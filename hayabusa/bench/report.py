@@ -166,9 +166,10 @@ def _variant_label(rec: dict[str, Any]) -> str:
     if rec.get("engine") == "hf" and "hf_batch_size" not in v and extra.get("hf_batch_size"):
         v["batch"] = extra["hf_batch_size"]
     parts = [f"{k}={val}" for k, val in v.items()]
-    # numerics given outside a sweep (`--quantization fp8`): otherwise the cell reads "-" as a bf16 run's does
+    # numerics given outside a sweep (`--quantization fp8`, `--batch-invariant`): otherwise the cell reads "-" as a
+    # default run's does
     args = rec.get("engine_args") or {}
-    for key, default in (("quantization", None), ("kv_cache_dtype", "auto")):
+    for key, default in (("quantization", None), ("kv_cache_dtype", "auto"), ("batch_invariant", False)):
         val = args.get(key)
         if val not in (default, None, "none") and key not in v:
             parts.append(f"{key}={val}")

@@ -152,14 +152,15 @@ def _run_tasks(ns: argparse.Namespace) -> int:
 
     model = _model(ns)
     items = data.load_items(ns.data, ns.task)[: ns.limit]
-    parse_sweeps(ns.sweep)                              # bad sweep specs fail before anything loads
+    grid = parse_sweeps(ns.sweep)                       # bad sweep specs fail before anything loads
     engine_args = EngineArgs.cli_kwargs(ns)
     tok = data.load_tokenizer(model, engine_args.get("tokenizer"), bool(engine_args.get("trust_remote_code")))
     data.render_items(items, tok)
     schemas = _schemas(ns, items)
     sampling = {**TASK_DEFAULTS[ns.task],
                 **{k[3:]: v for k, v in vars(ns).items() if k.startswith("sp_") and v is not None}}
-    engine_line = report.engine_settings_line(engine_args)   # a bad HAYABUSA_BATCH_INVARIANT fails before any run
+    # a bad HAYABUSA_BATCH_INVARIANT fails before any run
+    engine_line = report.engine_settings_line(engine_args, {k for g in grid for k in g})
     res = evaluate(model, items, ns.task, engine_args, sampling, ns.sweep, ns.reference, ns.tolerance, tok,
                    ns.hf_batch_size, ns.sampling_seed, warmup=not ns.no_warmup, use_tqdm=not ns.no_tqdm,
                    schemas=schemas)

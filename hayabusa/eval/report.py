@@ -43,14 +43,16 @@ def flag_rows(rows: list[dict[str, Any]], reference_accuracy: float | None, tole
             r["flag"] = f"DROP >{tolerance:g}"
 
 
-def engine_settings_line(engine_args: dict[str, Any]) -> str:
+def engine_settings_line(engine_args: dict[str, Any], swept: set[str] = frozenset()) -> str:
     """The header's engine settings: the engine arguments given (``key=value``, as the setting column writes
     them) and always the batch-invariant mode as it resolves (``batch_invariant=True`` from ``--batch-invariant``
-    or ``HAYABUSA_BATCH_INVARIANT``). Raises HayabusaValidationError for a bad value of that variable."""
+    or ``HAYABUSA_BATCH_INVARIANT``); a key in ``swept`` (the --sweep keys) reads ``key=per setting``. Raises
+    HayabusaValidationError for a bad value of that variable."""
     from hayabusa.batch_invariant import batch_invariant_requested
 
     shown = {k: v for k, v in engine_args.items() if k != "batch_invariant"}
     shown["batch_invariant"] = batch_invariant_requested(engine_args.get("batch_invariant"))
+    shown.update({k: "per setting" for k in swept if k in shown})
     return "engine: " + ", ".join(f"{k}={v}" for k, v in shown.items())
 
 

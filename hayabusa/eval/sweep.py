@@ -32,6 +32,9 @@ from hayabusa.sampling_params import ENGINE_FILLED_FIELDS, SamplingParams
 
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
 SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - ENGINE_FILLED_FIELDS
+# true / false switches: a sweep's 1 / 0 for them means on / off (as HAYABUSA_BATCH_INVARIANT=1 does)
+BOOL_KEYS = {f.name for f in (*dataclasses.fields(EngineArgs), *dataclasses.fields(SamplingParams))
+             if str(f.type).replace(" ", "") in ("bool", "bool|None")}
 
 
 def parse_value(text: str) -> Any:
@@ -71,6 +74,8 @@ def parse_sweeps(specs: list[str] | None) -> list[dict[str, Any]]:
                 f"{', '.join(sorted(ENGINE_KEYS))}. Sampling: {', '.join(sorted(SAMPLING_KEYS))}.",
                 parameter="sweep", value=key)
         vals = [parse_value(v) for v in values.split(",") if v.strip()]
+        if key in BOOL_KEYS:
+            vals = [bool(v) if type(v) is int and v in (0, 1) else v for v in vals]
         if not vals:
             raise HayabusaValidationError(f"--sweep {spec!r} has no values.", parameter="sweep", value=spec)
         axes.append((key, vals))

@@ -204,6 +204,12 @@ def test_config_cell_names_a_quantization_or_kv_cache_dtype_given_outside_a_swee
     rows = report.table_rows([fp8, both, swept, plain])
     assert [r[3] for r in rows] == ["quantization=fp8", "quantization=fp8,kv_cache_dtype=fp8", "quantization=fp8",
                                     "-"]
+    # and batch-invariant mode from --batch-invariant (a fresh user, twenty-third session: the cell read "-")
+    bi = {**_rec("W3", {}, {}), "engine_args": {"batch_invariant": True}}
+    off = {**_rec("W3", {}, {}), "engine_args": {"batch_invariant": False}}
+    swept_bi = {**_rec("W3", {"batch_invariant": True}, {}), "engine_args": {"batch_invariant": True}}
+    assert [r[3] for r in report.table_rows([bi, off, swept_bi])] == ["batch_invariant=True", "-",
+                                                                      "batch_invariant=True"]
 
 
 def test_records_and_config_cell_keep_the_hayabusa_switches_of_the_run(monkeypatch):

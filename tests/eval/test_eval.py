@@ -121,6 +121,11 @@ def test_parse_sweeps_is_a_grid():
     assert parse_value("off") is False and parse_value("0.7") == 0.7 and parse_value("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="neither an engine argument nor a sampling parameter"):
         parse_sweeps(["max_num_seq=1"])
+    # a switch's 1 / 0 means on / off (as HAYABUSA_BATCH_INVARIANT=1 does); other values pass through to be refused
+    assert parse_sweeps(["batch_invariant=1,0,2", "ignore_eos=0"]) == [
+        {"batch_invariant": True, "ignore_eos": False}, {"batch_invariant": False, "ignore_eos": False},
+        {"batch_invariant": 2, "ignore_eos": False}]
+    assert parse_sweeps(["max_num_seqs=1"]) == [{"max_num_seqs": 1}]          # an int argument keeps its 1
 
 
 def test_score_runs_flags_drops_and_keeps_error_rows():
@@ -332,6 +337,8 @@ def test_engine_settings_line_resolves_the_mode(monkeypatch):
     monkeypatch.setenv("HAYABUSA_BATCH_INVARIANT", "1")
     assert engine_settings_line({"dtype": "float32"}) == "engine: dtype=float32, batch_invariant=True"
     assert engine_settings_line({"batch_invariant": False}) == "engine: batch_invariant=False"   # the flag wins
+    assert engine_settings_line({"dtype": "float32"}, {"batch_invariant", "max_num_seqs"}) == \
+        "engine: dtype=float32, batch_invariant=per setting"                     # --sweep batch_invariant=...
     monkeypatch.setenv("HAYABUSA_BATCH_INVARIANT", "maybe")
     with pytest.raises(HayabusaValidationError) as e:
         engine_settings_line({})
