@@ -1104,6 +1104,25 @@ g_bi24() {  # issue #23, what the twenty-third session left: the final table's c
   fi
 }
 
+g_bi25a() {  # issue #23, session 24: the persistent TMA kernel's bits (CUDA tests), launches per M re-swept with it as
+             # a candidate from 64 rows on, W1 side by side with the swept launches (two repeats), and W3 side by side
+             # with the down projection's split partials summed in the GEMM's own launch (SUM_IN_KERNEL)
+  ensure_q05
+  step bi_tests "${BITESTS_S:-150}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_bi_gemm_cuda.py -k 'tma or row_bits' 2>&1 | tail -25"
+  step bi_bucket05 "${BIBUCKET05_S:-220}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --keep-arith --models qwen2.5-0.5b-shape --layers gate_up,lm_head,down,qkv,o --m 1,16,64,256,2048 \
+    --json "$OUT/bi_bucket05.json" --buckets-out "$OUT/buckets05.json"
+  if [ -s "$OUT/buckets05.json" ]; then
+    for r in 1 2; do
+      HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets05.json" bench_step "q05_W1_bi25a_$r" 60 30 --workload W1 --model "$Q05" \
+        --sweep batch_invariant=false,true
+    done
+  fi
+  HAYABUSA_BI_GEMM_CONFIGS='{"896x4864": {"SUM_IN_KERNEL": true}}' bench_step q05_W3_bi25a_sik 50 20 --workload W3 \
+    --model "$Q05" --sweep batch_invariant=false,true
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

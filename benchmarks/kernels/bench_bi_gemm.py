@@ -28,8 +28,9 @@ Without --sweep the table alone takes about 2-4 minutes for both models (300 tim
 --probe-tiles: only checks, per shape in bf16 and fp16, that a row's bits do not depend on the launch's tile shape,
 warps, stages or split once BLOCK_K and CHUNK_K are fixed (what lets the mode pick its launch per M), and prints how
 many launches differ. --bucket-sweep: only searches, per shape, the fastest launch per M under one arithmetic
-(--keep-arith: the shape's own BLOCK_K / CHUNK_K) and prints it; --buckets-out FILE writes the winners as a
-HAYABUSA_BI_GEMM_BUCKETS file (kernels/bi_gemm.py) for the engine to run with.
+(--keep-arith: the shape's own BLOCK_K / CHUNK_K) and prints it; from M = 64 on the candidates include the
+persistent TMA kernel's tiles (on CUDA); --buckets-out FILE writes the winners as a HAYABUSA_BI_GEMM_BUCKETS file
+(kernels/bi_gemm.py) for the engine to run with.
 --device cpu runs the Triton interpreter (tiny --shapes only; times meaningless: a smoke test of this script).
 """
 
@@ -220,10 +221,12 @@ def print_sweep(best: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------- tiles that share the arithmetic
-def tile_variants(cfg: bg.BiGemmConfig, device: str, probe: bool = False) -> list[bg.BiGemmConfig]:
+def tile_variants(cfg: bg.BiGemmConfig, device: str, probe: bool = False,
+                  tma: bool = False) -> list[bg.BiGemmConfig]:
     """Launches that keep ``cfg``'s arithmetic (BLOCK_K, CHUNK_K: the order a row's products are added in) and change
     everything else: BLOCK_M 16 / 64 / 128, BLOCK_N 32 / 64 / 128 / 256, 4 / 8 warps (8 only for tiles of 64 x 64 or
-    more, and the only choice above 128 x 128), 3 / 4 stages (``probe``: 3, and 2 / 4 on one tile)."""
+    more, and the only choice above 128 x 128), 3 / 4 stages (``probe``: 3, and 2 / 4 on one tile); ``tma`` (CUDA):
+    also the persistent TMA kernel's tiles of 64 / 128 x 64 / 128 / 256, 2-4 stages (8 warps from 128 x 128 on)."""
     if device != "cuda":
         return [dataclasses.replace(cfg, BLOCK_M=bm, BLOCK_N=bn) for bm in (16, 32) for bn in (16, 32)]
     out = []
@@ -236,6 +239,10 @@ def tile_variants(cfg: bg.BiGemmConfig, device: str, probe: bool = False) -> lis
                     out.append(dataclasses.replace(cfg, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages))
     if probe:
         out += [dataclasses.replace(cfg, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=st) for st in (2, 4)]
+    elif tma:
+        out += [dataclasses.replace(cfg, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, TMA=True)
+                for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (2, 3, 4)
+                if (warps == 8) == (bm * bn >= 128 * 128) and not (bm == 64 and bn == 256 and stages < 3)]
     return out
 
 
@@ -287,12 +294,12 @@ def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: st
         per_m = {}
         for M, (x, w, b) in inputs.items():
             best = (float("inf"), None, None)
-            for cfg in tile_variants(bg.BiGemmConfig(BLOCK_K=bk, CHUNK_K=chunk), device):
+            for cfg in tile_variants(bg.BiGemmConfig(BLOCK_K=bk, CHUNK_K=chunk), device, tma=M >= 64):
                 if (cfg.BLOCK_M == 16 and M > 64) or (cfg.BLOCK_M >= 64 and M <= 16 and cfg.BLOCK_M > 64) \
                         or (cfg.BLOCK_M > 16 and M == 1):
                     continue                       # pruned: tiles far from M's size
                 S = cfg.num_chunks(K)
-                for split in ((False, True) if S > 1 else (False,)):
+                for split in ((False, True) if S > 1 and not cfg.TMA else (False,)):
                     if split and S * M * N * 4 > MAX_PARTIAL_BYTES or not split and S > 1 and M <= 16:
                         continue
                     try:
@@ -319,7 +326,7 @@ def buckets_json(found: list[dict]) -> dict:
         rows = []
         for i, p in enumerate(r["per_m"]):
             c = p["cfg"]
-            tile = {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+            tile = {k: c[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA")}
             tile["SPLIT_BELOW_TILES"] = bg.SPLIT if p["split"] else bg.UNSPLIT
             rows.append([p["M"] if i < len(r["per_m"]) - 1 else None, tile])     # null: every larger M
         out[f"{r['N']}x{r['K']}"] = rows
@@ -330,7 +337,8 @@ def print_bucket_sweep(best: list[dict]) -> None:
     print("# bucket sweep: per shape one arithmetic (BLOCK_K / CHUNK_K), the fastest tiles per M, us bi / torch")
     for r in best:
         per = " ".join(f"M{p['M']}:{b:.1f}/{t:.1f}({p['cfg']['BLOCK_M']}x{p['cfg']['BLOCK_N']} w{p['cfg']['num_warps']}"
-                       f" s{p['cfg']['num_stages']}{' split' if p['split'] else ''})"
+                       f" s{p['cfg']['num_stages']}{' split' if p['split'] else ''}"
+                       f"{' tma' if p['cfg'].get('TMA') else ''})"
                        for p, b, t in zip(r["per_m"], r["best_us"], r["torch_us"]))
         print(f"  {r['N']}x{r['K']} BK {r['BLOCK_K']} CHUNK {r['CHUNK_K']} mean {r['mean_ratio']:.2f}x: {per}")
 

@@ -56,6 +56,11 @@ from hayabusa.errors import HayabusaValidationError
 from hayabusa.kernels._triton import tl, triton
 from hayabusa.kernels.pdl import HOPPER, capability_at_least, pdl_kwargs, pdl_wait
 
+try:  # host-side TMA descriptors (Triton 3.4+); without them the TMA launch is never chosen
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 ENV_CONFIGS = "HAYABUSA_BI_GEMM_CONFIGS"
 ENV_BUCKETS = "HAYABUSA_BI_GEMM_BUCKETS"   # a JSON file of launches per M (bench_bi_gemm.py --bucket-sweep writes one)
 MIN_CHUNK_K = 128        # the heuristic never splits K finer than this (two BLOCK_K = 64 steps per program)
@@ -77,6 +82,7 @@ class BiGemmConfig:
     num_stages: int = 3
     SPLIT_BELOW_TILES: int = 0   # a step runs split when its output tiles are fewer than this (0: the SM count)
     SUM_IN_KERNEL: bool = False  # split: the tile's last program sums the partials (one launch), else a 2nd kernel
+    TMA: bool = False            # unsplit: the persistent TMA kernel (compute capability 9.0+, aligned operands)
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
@@ -87,8 +93,9 @@ class BiGemmConfig:
             raise _bad_config("CHUNK_K", self.CHUNK_K, f"must be a positive multiple of BLOCK_K={self.BLOCK_K}")
         if not _is_int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
             raise _bad_config("num_warps", self.num_warps, "must be 1, 2, 4, 8 or 16")
-        if not isinstance(self.SUM_IN_KERNEL, bool):
-            raise _bad_config("SUM_IN_KERNEL", self.SUM_IN_KERNEL, "must be true or false")
+        for name in ("SUM_IN_KERNEL", "TMA"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad_config(name, getattr(self, name), "must be true or false")
         for name, least in (("GROUP_M", 1), ("num_stages", 1), ("SPLIT_BELOW_TILES", 0)):
             if not _is_int(getattr(self, name)) or getattr(self, name) < least:
                 raise _bad_config(name, getattr(self, name), f"must be an int >= {least}")
@@ -128,14 +135,14 @@ BI_GEMM_TABLE: dict[tuple[int, int], BiGemmConfig] = {
 # The fields a launch may change with M (module docstring: they leave a row's bits alone). BLOCK_K and CHUNK_K are
 # not among them: they fix the order a row's products are added in.
 TILE_FIELDS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "GROUP_M", "SPLIT_BELOW_TILES",
-                         "SUM_IN_KERNEL"})
+                         "SUM_IN_KERNEL", "TMA"})
 SPLIT, UNSPLIT = 1 << 30, 1     # SPLIT_BELOW_TILES values: always / never run the K chunks as separate programs
 NO_BOUND = 1 << 62              # the last bucket's bound in BI_GEMM_BUCKETS (a bucket file writes null)
 
 
-def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False) -> dict:
+def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False, tma: bool = False) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-                SPLIT_BELOW_TILES=SPLIT if split else UNSPLIT)
+                SPLIT_BELOW_TILES=SPLIT if split else UNSPLIT, TMA=tma)
 
 
 # (N, K) -> ((largest M, the launch's TILE_FIELDS), ...), M ascending; the last bucket also takes every larger M.
@@ -481,16 +488,82 @@ def _bi_gemm_silu_kernel(x_ptr, w_ptr, y_ptr, M, D, K, stride_xm, stride_wn, str
             acc_u = tl.dot(x, wu, acc_u, input_precision="ieee")
         total_g = total_g + acc_g
         total_u = total_u + acc_u
-    dtype = y_ptr.dtype.element_ty
-    g = total_g.to(dtype).to(tl.float32)
-    u = total_u.to(dtype)
-    s = (g / (1.0 + tl.exp(-g))).to(dtype)
-    y = (s.to(tl.float32) * u.to(tl.float32)).to(dtype)
+    y = _silu_mul(total_g, total_u, y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m64[:, None] * stride_ym + offs_n[None, :], y, mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _silu_mul(total_g, total_u, dtype: tl.constexpr):
+    # silu(g) * u of two fp32 sums, each rounded to dtype first: activation._silu_and_mul_kernel's operations
+    g = total_g.to(dtype).to(tl.float32)
+    u = total_u.to(dtype)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _tma_dot(x_desc, w_desc, om, on, k0, acc, DOT_FP32: tl.constexpr):
+    # acc + x[om:, k0:] w[on:, k0:]^T for one BLOCK_K step (TMA loads; out-of-bounds rows and K zero-filled, as the
+    # pointer kernel's masked loads fill them)
+    x = x_desc.load([om, k0])
+    w = w_desc.load([on, k0])
+    if DOT_FP32:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(x, w.T, acc, input_precision="ieee")
+
+
+@triton.jit(do_not_specialize=["M", "NUM_PROGS"])
+def _bi_gemm_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, CHUNK_K, NUM_PROGS, HAS_BIAS: tl.constexpr,
+                        SILU: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    # The unsplit launch as a persistent grid of NUM_PROGS programs with TMA loads and stores: program p finishes
+    # output tiles p, p + NUM_PROGS, ... (grouped order). Each tile's arithmetic is _bi_gemm_kernel's unsplit one:
+    # per chunk a partial from 0 in BLOCK_K steps, the partials added in index order to a total from 0 (ONE_CHUNK:
+    # K is one chunk, so the loop over chunks is left out and the tile loop can be flattened by the pipeliner,
+    # which then loads the next tile while this one's epilogue runs), + bias, rounded once. SILU: the weight is
+    # [2N, K] rows [gate | up], y [M, N] = silu(gate) * up as _bi_gemm_silu_kernel computes it.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pdl_wait(PDL)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGS, flatten=ONE_CHUNK):
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        total_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if ONE_CHUNK:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                acc = _tma_dot(x_desc, w_desc, om, on, k0, acc, DOT_FP32)
+                if SILU:
+                    acc_u = _tma_dot(x_desc, w_desc, om, N + on, k0, acc_u, DOT_FP32)
+            total = total + acc
+            if SILU:
+                total_u = total_u + acc_u
+        else:
+            for c in range(0, tl.cdiv(K, CHUNK_K)):
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(c * CHUNK_K, tl.minimum(c * CHUNK_K + CHUNK_K, K), BLOCK_K):
+                    acc = _tma_dot(x_desc, w_desc, om, on, k0, acc, DOT_FP32)
+                    if SILU:
+                        acc_u = _tma_dot(x_desc, w_desc, om, N + on, k0, acc_u, DOT_FP32)
+                total = total + acc
+                if SILU:
+                    total_u = total_u + acc_u
+        if SILU:
+            y_desc.store([om, on], _silu_mul(total, total_u, y_desc.dtype))
+        else:
+            if HAS_BIAS:
+                offs_n = on + tl.arange(0, BLOCK_N)
+                total = total + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            y_desc.store([om, on], total.to(y_desc.dtype))
+
+
 def silu_and_mul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    config: BiGemmConfig | None = None) -> torch.Tensor | None:
+                    config: BiGemmConfig | None = None, tma: bool | None = None) -> torch.Tensor | None:
     """An MLP's gate_up projection and SiLU-and-mul in one launch, batch-invariant: silu(x W[:D]^T) * (x W[D:]^T),
     the bits of ``activation.silu_and_mul(bi_gemm(x, weight))``.
 
@@ -500,6 +573,7 @@ def silu_and_mul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         bias: must be None (a gate_up with a bias takes the two launches: the return is None).
         config: the launch (default ``bi_gemm_config(2D, K, SMs, M)``, its BLOCK_N halved per half so a program
             covers as many columns as the GEMM's).
+        tma: force (True) or forbid (False) the persistent TMA kernel; default ``uses_tma`` (the launch's TMA).
     Returns:
         [M, D] (x's leading shape) in x's dtype, or None where this one launch does not apply: a bias, or M's launch
         splits K into separate programs (``bi_gemm_splits``); the caller then runs ``bi_gemm`` and the activation.
@@ -521,11 +595,53 @@ def silu_and_mul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if M == 0:
         return y.view(*lead, D)
     block_n = cfg.BLOCK_N if config is not None else max(16, cfg.BLOCK_N // 2)
+    if uses_tma(cfg, tma, x2, weight, y):
+        _tma_launch(x2, weight, None, y, dataclasses.replace(cfg, BLOCK_N=block_n), silu=True)
+        return y.view(*lead, D)
     _bi_gemm_silu_kernel[(triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(D, block_n),)](
         x2, weight, y, M, D, K, x2.stride(0), weight.stride(0), y.stride(0), cfg.CHUNK_K,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         DOT_FP32=x.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
     return y.view(*lead, D)
+
+
+def tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these 2-D tensors: Triton's descriptors present, each tensor's base
+    address and row stride (in bytes) a multiple of 16 and its last stride 1 (the TMA unit's requirements)."""
+    return TensorDescriptor is not None and all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(-1) == 1
+        for t in tensors)
+
+
+def uses_tma(cfg: BiGemmConfig, force: bool | None, *tensors: torch.Tensor) -> bool:
+    """Whether an unsplit launch runs the persistent TMA kernel: ``force`` where given (tests and benchmarks; the
+    interpreter runs it too), else ``cfg.TMA`` on a CUDA device of compute capability 9.0+ with ``tma_aligned``
+    operands. Either kernel gives the same bits (the tile's arithmetic is the same).
+
+    Raises:
+        ValueError: ``force`` True with operands TMA cannot address."""
+    if force and not tma_aligned(*tensors):
+        raise ValueError(f"tma=True needs 16-byte-aligned operands with unit last strides (and Triton's "
+                         f"TensorDescriptor); got shapes {[tuple(t.shape) for t in tensors]}, strides "
+                         f"{[t.stride() for t in tensors]}")
+    if force is not None:
+        return force
+    return cfg.TMA and capability_at_least(tensors[0].device, HOPPER) and tma_aligned(*tensors)
+
+
+def _tma_launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                cfg: BiGemmConfig, silu: bool) -> None:
+    # _bi_gemm_tma_kernel on min(tiles, SMs) programs; descriptors over x [M, K], weight [N or 2N, K], y [M, N]
+    (M, K), N = x2.shape, y.shape[1]
+    progs = min(triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), num_sms(x2.device))
+    _bi_gemm_tma_kernel[(progs,)](
+        TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K]),
+        TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K]),
+        TensorDescriptor(y, [M, N], [y.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_N]),
+        bias if bias is not None else y, M, N, K, cfg.CHUNK_K, progs, HAS_BIAS=bias is not None, SILU=silu,
+        ONE_CHUNK=cfg.num_chunks(K) == 1, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M, DOT_FP32=x2.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kwargs(x2.device))
 
 
 def bi_gemm_splits(M: int, N: int, K: int, cfg: BiGemmConfig, sms: int) -> bool:
@@ -568,7 +684,7 @@ def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-            config: BiGemmConfig | None = None, split: bool | None = None) -> torch.Tensor:
+            config: BiGemmConfig | None = None, split: bool | None = None, tma: bool | None = None) -> torch.Tensor:
     """Batch-invariant y = x W^T + b with a fixed split-K (see the module docstring).
 
     Args:
@@ -579,6 +695,7 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             weight's for invariance (its other fields change no bit).
         split: force (True) or forbid (False) the split launch; default: ``bi_gemm_splits`` (benchmarks and the
             tests that compare the two launches bit for bit).
+        tma: an unsplit launch: force (True) or forbid (False) the persistent TMA kernel; default ``uses_tma``.
     Returns:
         y [M, N] (x's leading shape) in x's dtype; row m depends only on x[m], W, b and the configuration.
     Raises:
@@ -594,6 +711,9 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if split is None:
         split = bi_gemm_splits(M, N, K, cfg, sms)
     split = split and S > 1
+    if not split and uses_tma(cfg, tma, x2, weight, y):
+        _tma_launch(x2, weight, bias, y, cfg, silu=False)
+        return y.view(*lead, N)
     tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
     # fp32 partials [S, M, N]; unsplit, a 1-element fp32 stand-in (never touched) so that both launches pass the
     # same argument types and run one compiled kernel
@@ -616,5 +736,5 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 __all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_BUCKETS", "ENV_CONFIGS", "NO_BOUND", "SPLIT",
            "TILE_FIELDS", "UNSPLIT",
            "bi_gemm", "bi_gemm_config", "bi_gemm_splits", "grouped_tile", "heuristic_buckets", "heuristic_config",
-           "checked_operands", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache", "silu_and_mul_bi",
-           "TILE_COUNTERS"]
+           "checked_operands", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache",
+           "silu_and_mul_bi", "tma_aligned", "uses_tma", "TILE_COUNTERS"]

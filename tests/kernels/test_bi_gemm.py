@@ -8,6 +8,8 @@ Triton kernels run under TRITON_INTERPRET on CPU (its "GPU" has 4 SMs: bi_gemm.n
 interpreter casts fp32 to bf16 / fp16 by truncation (the GPU rounds to nearest), hence the tolerance of 2 ulps.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -371,3 +373,50 @@ def test_silu_and_mul_bi_has_the_two_launches_bits(device, dtype, cfg):
     assert bg.silu_and_mul_bi(x, w, config=BiGemmConfig(**{**cfg.__dict__, "SPLIT_BELOW_TILES": bg.SPLIT})) is None
     with pytest.raises(ValueError, match="even number of rows"):
         bg.silu_and_mul_bi(x, w[1:], config=unsplit)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["small-tiles", "one-chunk"])
+def test_tma_kernel_rows_do_not_depend_on_m(device, dtype, case):
+    """The persistent TMA kernel (TMA=True in M's bucket on Hopper; forced here, in the interpreter too): a row's bits
+    alone and among other rows at every M, with a bias, with K in several chunks (K = 200: partial last chunk) and in
+    one (the flattened tile loop); close to the pointer kernel (bit equality of the two is a GPU claim,
+    test_bi_gemm_cuda.py: the interpreter's fp32 dot sums a transposed operand in another order), and the MLP's
+    SiLU launch through it close to the two launches."""
+    from hayabusa.kernels.activation import silu_and_mul
+
+    N, K, cfg = CASES["small-tiles"]
+    if case == "one-chunk":
+        cfg = BiGemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK_K=224, GROUP_M=2)
+    w, b, row = _weights(N, K, dtype, bias=True, seed=7)
+    w, b = w.to(device), b.to(device)
+    outs = _row_in_batches(lambda x: bi_gemm(x.to(device), w, b, config=cfg, split=False, tma=True).cpu(), row,
+                           sizes=(1, 3, 16, 33, 70))
+    for i, o in enumerate(outs[1:], 1):
+        assert torch.equal(o, outs[0]), f"variant {i} differs by {(o.float() - outs[0].float()).abs().max()}"
+    x = torch.randn(37, K, generator=torch.Generator().manual_seed(8)).to(dtype).to(device)
+    tma = bi_gemm(x, w, b, config=cfg, split=False, tma=True)
+    pointer = bi_gemm(x, w, b, config=cfg, split=False, tma=False)
+    tol = 2 * ULP[dtype] * pointer.abs().max().item() + 1e-5
+    torch.testing.assert_close(tma.float(), pointer.float(), rtol=0, atol=tol)
+    assert not torch.equal(tma, bi_gemm(x, w, None, config=cfg, split=False, tma=True))   # the bias is added
+    gate_up = w[:64]                                    # D = 32: the output's rows 16-byte aligned
+    fused = bg.silu_and_mul_bi(x, gate_up, config=dataclasses.replace(cfg, SPLIT_BELOW_TILES=bg.UNSPLIT), tma=True)
+    two = silu_and_mul(bi_gemm(x, gate_up, config=cfg, split=False, tma=False))
+    torch.testing.assert_close(fused.float(), two.float(), rtol=0, atol=4 * ULP[dtype] * two.abs().max().item() + 1e-5)
+    alone = bg.silu_and_mul_bi(x[5:6], gate_up, config=dataclasses.replace(cfg, SPLIT_BELOW_TILES=bg.UNSPLIT),
+                               tma=True)
+    assert torch.equal(alone[0], fused[5])
+
+
+def test_tma_is_chosen_only_where_it_applies():
+    """uses_tma: the launch's TMA field on a Hopper GPU with 16-byte-aligned operands, or what the caller forces;
+    never on the CPU by default (the interpreter runs it only when forced)."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    on = BiGemmConfig(TMA=True)
+    assert not bg.uses_tma(on, None, x) and not bg.uses_tma(BiGemmConfig(), None, x)
+    assert bg.uses_tma(BiGemmConfig(), True, x) and not bg.uses_tma(on, False, x)
+    assert bg.tma_aligned(x) and not bg.tma_aligned(torch.zeros(4, 65, dtype=torch.bfloat16)[:, :64])
+    assert not bg.tma_aligned(torch.zeros(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64))
+    with pytest.raises(HayabusaValidationError, match="TMA"):
+        BiGemmConfig(TMA=1)

@@ -2,8 +2,9 @@
 batch-invariant GEMM gives one row the same bits alone and among other rows at M = 1 .. 2048 (split launches for
 decode-sized M, unsplit for prefill-sized M), the two launches agree bit for bit at any M, a CUDA-graph replay equals
 the eager call, and the result matches F.linear within bf16 / fp16 tolerance; the MLP's one-launch gate_up +
-SiLU-and-mul has the bits of the two launches. Shapes: the qwen2.5-0.5b and 7b
-linears (bench/models.linear_shapes: qkv, o, gate_up, down, lm_head) and a 128 x 896 weight (one k_proj).
+SiLU-and-mul has the bits of the two launches; the persistent TMA kernel has the pointer kernel's bits. Shapes: the
+qwen2.5-0.5b and 7b linears (bench/models.linear_shapes: qkv, o, gate_up, down, lm_head) and a 128 x 896 weight
+(one k_proj).
 
 Run: pytest -q tests/kernels/test_bi_gemm_cuda.py
 """
@@ -127,3 +128,56 @@ def test_silu_and_mul_bi_has_the_two_launches_bits(shape, dtype):
         assert torch.equal(fused, two), (shape, M, (fused.float() - two.float()).abs().max().item())
         assert torch.equal(alone, fused[M // 2: M // 2 + 1]), (shape, M)
     assert ran >= (7 if shape == "qwen2.5-0.5b-gate_up" else 1)
+
+
+def _tma_tiles(cfg) -> list:
+    # two TMA launches of the shape's arithmetic: 64 x 64 (mma of 64 rows), 128 x 128 of 8 warps (its stages fitting
+    # the shared memory with BLOCK_K 128)
+    return [dataclasses.replace(cfg, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True),
+            dataclasses.replace(cfg, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3 if cfg.BLOCK_K <= 64 else 2,
+                                TMA=True)]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tma_kernel_has_the_pointer_kernels_bits(shape, dtype):
+    """The persistent TMA kernel (TMA loads and stores, a grid of min(tiles, SMs) programs, the tile loop flattened
+    when K is one chunk) against the pointer kernel's unsplit launch: the same bits at M = 1 .. 2048, bias included;
+    on the gate_up shapes the MLP's SiLU launch through it too."""
+    from hayabusa.kernels.bi_gemm import silu_and_mul_bi
+
+    N, K, has_bias = SHAPES[shape]
+    w, b, _, gen = _weights(N, K, has_bias, dtype, seed=4)
+    base = bi_gemm_config(N, K, num_sms(w.device))
+    for M in (1, 33, 300, 2048):
+        x = torch.randn(M, K, device="cuda", generator=gen, dtype=dtype)
+        want = bi_gemm(x, w, b, split=False, tma=False)
+        for cfg in _tma_tiles(base):
+            got = bi_gemm(x, w, b, config=cfg, split=False, tma=True)
+            assert torch.equal(got, want), (shape, M, cfg, (got.float() - want.float()).abs().max().item())
+            if shape.endswith("gate_up"):
+                unsplit = dataclasses.replace(cfg, SPLIT_BELOW_TILES=1)
+                got = silu_and_mul_bi(x, w, config=unsplit, tma=True)
+                assert torch.equal(got, silu_and_mul_bi(x, w, config=unsplit, tma=False)), (shape, M, cfg, "silu")
+
+
+def test_tma_kernel_in_a_cuda_graph():
+    """The TMA launch's descriptors are kernel arguments captured by value: replays on new inputs (same buffers)
+    give the eager bits."""
+    N, K, has_bias = SHAPES["qwen2.5-0.5b-qkv"]
+    w, b, _, gen = _weights(N, K, has_bias, torch.bfloat16, seed=5)
+    x = torch.randn(300, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cfg = _tma_tiles(bi_gemm_config(N, K, num_sms(x.device)))[1]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        bi_gemm(x, w, b, config=cfg, split=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = bi_gemm(x, w, b, config=cfg, split=False)
+    for _ in range(3):
+        x.copy_(torch.randn(300, K, device="cuda", generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, bi_gemm(x, w, b, split=False, tma=False))
