@@ -1123,6 +1123,23 @@ g_bi25a() {  # issue #23, session 24: the persistent TMA kernel's bits (CUDA tes
     --model "$Q05" --sweep batch_invariant=false,true
 }
 
+g_bi25b() {  # issue #23, session 24, with the TMA launches in BI_GEMM_BUCKETS: the row-bits / MLP CUDA tests, W1 mode /
+             # default / mode in one process (does the first mode run pay for something the second does not?), and
+             # where W1's and W3's time goes in each mode (kernel families, host time per step)
+  ensure_q05
+  step bi_tests "${BITESTS_S:-100}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_bi_gemm_cuda.py -k 'row_bits or silu' 2>&1 | tail -25"
+  bench_step q05_W1_bi25b 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=true,false,true
+  for bi in false true; do
+    step "prof_w1s1_bi_$bi" 70 20 bash -c "python benchmarks/profile_decode.py --model '$Q05' --workload W1 --scale 1 \
+      --engine-args '{\"batch_invariant\": $bi}' --json '$OUT/prof_w1s1_bi_$bi.json' 2>&1 | tail -30"
+  done
+  for bi in false true; do
+    step "prof_w3_bi_$bi" 45 20 bash -c "python benchmarks/profile_decode.py --model '$Q05' --workload W3 --scale 0.5 \
+      --engine-args '{\"batch_invariant\": $bi}' --json '$OUT/prof_w3_bi_$bi.json' 2>&1 | tail -30"
+  done
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi
