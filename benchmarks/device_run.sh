@@ -1140,6 +1140,22 @@ g_bi25b() {  # issue #23, session 24, with the TMA launches in BI_GEMM_BUCKETS: 
   done
 }
 
+g_bi25c() {  # issue #23, session 24: the same W1 / W3 questions with PDL off (HAYABUSA_PDL=0), where a kernel's profiled
+             # time is its own (with PDL it starts early and the profiler counts its wait for the previous kernel)
+  ensure_q05
+  HAYABUSA_PDL=0 bench_step q05_W1_bi25c_nopdl 90 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+  for bi in false true; do
+    step "prof_w1s1_nopdl_bi_$bi" 70 20 bash -c "HAYABUSA_PDL=0 python benchmarks/profile_decode.py --model '$Q05' \
+      --workload W1 --scale 1 --engine-args '{\"batch_invariant\": $bi}' --json '$OUT/prof_w1s1_nopdl_bi_$bi.json' \
+      2>&1 | tail -30"
+  done
+  for bi in false true; do
+    step "prof_w3_nopdl_bi_$bi" 45 20 bash -c "HAYABUSA_PDL=0 python benchmarks/profile_decode.py --model '$Q05' \
+      --workload W3 --scale 0.5 --engine-args '{\"batch_invariant\": $bi}' --json '$OUT/prof_w3_nopdl_bi_$bi.json' \
+      2>&1 | tail -30"
+  done
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi
