@@ -1156,6 +1156,20 @@ g_bi25c() {  # issue #23, session 24: the same W1 / W3 questions with PDL off (H
   done
 }
 
+g_bi25d() {  # issue #23, session 24, final: the GEMM's and the mode's CUDA tests with the TMA launches (no PDL on
+             # them), the cost on W3 and W1 side by side (two W1 repeats), then the issue's bit-identity grid on the
+             # 0.5b shape (256 tokens, 1 / 15 / 63 / 255 others, max_num_seqs 14 / 16 / 256, chunks, prefix hit)
+  ensure_q05
+  step bi_tests "${BITESTS_S:-170}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_bi_gemm_cuda.py tests/test_batch_invariant_cuda.py 2>&1 | tail -25"
+  bench_step q05_W3_bi25d 50 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
+  for r in 1 2; do
+    bench_step "q05_W1_bi25d_$r" 60 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+  done
+  step bi_q05_full "${BI_S:-240}" 60 bash -c "python benchmarks/batch_invariance.py '$Q05' --full --num-tokens 256 \
+    --json '$OUT/bi_q05_full.json' 2>&1 | tail -60"
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi
