@@ -31,6 +31,12 @@ second kernel: each chunk program stores its partial and bumps its tile's arriva
 barrier), and whichever program arrives last sums the S partials in index order and applies the epilogue, the same
 operations again (which program is last varies; what it computes does not).
 
+An unsplit launch whose bucket sets ``TMA`` (compute capability 9.0+, 16-byte-aligned operands: ``uses_tma``) runs
+``_bi_gemm_tma_kernel`` instead: a persistent grid of min(tiles, SMs) programs, x and W tiles loaded by TMA
+(out-of-bounds rows and K zero-filled, as the masked loads fill them), y stored by TMA, each tile's chunks and sum the
+operations above. On an H200 it gave the pointer kernel's bits at every shape, M and dtype tested
+(``tests/kernels/test_bi_gemm_cuda.py``) and took gate_up at 2,048 rows from 92.7 to 55.5 us (cuBLAS 55.8).
+
 Splitting K thus buys decode its parallelism (S x the programs of an unsplit GEMM: a 896-wide weight has 14 column
 tiles of 64, far below the SM count) without making the result depend on M, and prefill pays no partial traffic.
 Why not simply pick a different BLOCK_K or split count per M (as cuBLAS does): either changes the order in which a
