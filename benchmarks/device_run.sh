@@ -1170,6 +1170,32 @@ g_bi25d() {  # issue #23, session 24, final: the GEMM's and the mode's CUDA test
     --json '$OUT/bi_q05_full.json' 2>&1 | tail -60"
 }
 
+g_bi26() {  # issue #23, what the twenty-fourth session left: launches per M chosen as the engine sees them (weights
+            # from HBM, gate_up with its SiLU), the cost on W1 (three repeats) / W3 with them, W1 with PDL off for
+            # comparison, then the 7b shapes' launches and the 7b W3 in the mode
+  ensure_q05
+  step bi_bucket05c "${BIBUCKET05_S:-260}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --keep-arith --cold-l2 --gate-up-silu --models qwen2.5-0.5b-shape --layers gate_up,qkv,o,down,lm_head \
+    --m 1,16,64,256,2048 --json "$OUT/bi_bucket05c.json" --buckets-out "$OUT/buckets05c.json"
+  if [ -s "$OUT/buckets05c.json" ]; then
+    for r in 1 2 3; do
+      HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets05c.json" bench_step "q05_W1_bi26_$r" 60 30 --workload W1 --model "$Q05" \
+        --sweep batch_invariant=false,true
+    done
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets05c.json" bench_step q05_W3_bi26 50 20 --workload W3 --model "$Q05" \
+      --sweep batch_invariant=false,true
+  fi
+  HAYABUSA_PDL=0 bench_step q05_W1_bi26_nopdl 60 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+  step bi_bucket7c "${BIBUCKET7_S:-240}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --keep-arith --cold-l2 --gate-up-silu --models qwen2.5-7b-shape --layers "${BIBUCKET7_LAYERS:-gate_up,down,o,qkv}" \
+    --m 1,16,64,256,2048 --json "$OUT/bi_bucket7c.json" --buckets-out "$OUT/buckets7c.json"
+  ensure_q7
+  if [ -s "$OUT/buckets7c.json" ]; then
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets7c.json" bench_step q7_W3_bi26 90 30 --workload W3 --model "$Q7" --scale 0.5 \
+      --sweep batch_invariant=false,true
+  fi
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

@@ -30,7 +30,10 @@ warps, stages or split once BLOCK_K and CHUNK_K are fixed (what lets the mode pi
 many launches differ. --bucket-sweep: only searches, per shape, the fastest launch per M under one arithmetic
 (--keep-arith: the shape's own BLOCK_K / CHUNK_K) and prints it; from M = 64 on the candidates include the
 persistent TMA kernel's tiles (on CUDA); --buckets-out FILE writes the winners as a HAYABUSA_BI_GEMM_BUCKETS file
-(kernels/bi_gemm.py) for the engine to run with.
+(kernels/bi_gemm.py) for the engine to run with; --cold-l2 times each launch over copies of the weight that do not
+fit in L2 (each engine layer reads its weight from HBM; one launch replayed alone finds it in L2, which made the
+twenty-fourth session's decode launches look 1.8x faster than they ran in the engine), --gate-up-silu times gate_up
+with its SiLU-and-mul as the engine launches it.
 --device cpu runs the Triton interpreter (tiny --shapes only; times meaningless: a smoke test of this script).
 """
 
@@ -50,6 +53,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 from hayabusa.kernels import bi_gemm as bg  # noqa: E402
+from hayabusa.kernels.activation import silu_and_mul  # noqa: E402
 from hayabusa.kernels.batch_invariant import matmul_bi_unsplit  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -274,13 +278,51 @@ def probe_tiles(N: int, K: int, has_bias: bool, device: str, dtype=DTYPE, M: int
     return out
 
 
-def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: str, keep_arith: bool = False) -> dict:
+def cold_copies(w: torch.Tensor, device: str) -> list[torch.Tensor]:
+    """``w`` and copies of it whose bytes together exceed twice the GPU's L2 (2 on CPU, at most COLD_MAX_COPIES):
+    a launch timed over them in turn reads its weight from HBM, as each layer of the engine does (one launch replayed
+    on one weight would find it in L2: a 17 MB gate_up fits in an H200's 50 MB)."""
+    l2 = torch.cuda.get_device_properties(w.device).L2_cache_size if device == "cuda" else 0
+    n = min(COLD_MAX_COPIES, max(2, -(-2 * l2 // (w.numel() * w.element_size()))))
+    return [w] + [w.clone() for _ in range(n - 1)]
+
+
+COLD_MAX_COPIES = 64
+
+
+def engine_launch(x, w, b, cfg: bg.BiGemmConfig, split: bool, silu: bool) -> torch.Tensor:
+    """The launch the engine runs for a bucket candidate ``cfg``: ``bi_gemm``, or, ``silu`` (an MLP's gate_up), the
+    one-launch gate_up + SiLU-and-mul with BLOCK_N halved per half (what ``silu_and_mul_bi`` does with the bucket's
+    launch), its split launches through ``bi_gemm`` and the activation kernel (the engine's fallback)."""
+    if not silu:
+        return bg.bi_gemm(x, w, b, config=cfg, split=split)
+    if split:
+        return silu_and_mul(bg.bi_gemm(x, w, b, config=cfg, split=True))
+    half = dataclasses.replace(cfg, BLOCK_N=max(16, cfg.BLOCK_N // 2), SPLIT_BELOW_TILES=bg.UNSPLIT)
+    y = bg.silu_and_mul_bi(x, w, b, config=half)            # None with a bias: the two launches
+    return y if y is not None else silu_and_mul(bg.bi_gemm(x, w, b, config=cfg, split=False))
+
+
+def timed_us(launch, x, ws: list[torch.Tensor], b, device: str) -> float:
+    """Median us of ``launch(x, w, b)`` per weight, over the weights ``ws`` in turn (one weight: replays of one
+    launch)."""
+    if len(ws) == 1:
+        return time_us(lambda: launch(x, ws[0], b), device, 10)
+    return time_us(lambda: [launch(x, w, b) for w in ws], device, 10) / len(ws)
+
+
+def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: str, keep_arith: bool = False,
+                       cold_l2: bool = False, silu: bool = False) -> dict:
     """The fastest launch per M that keeps one arithmetic per shape. For each arithmetic (BLOCK_K 64 / 128, K in 1 /
     2 / 4 / 8 chunks; ``keep_arith``: only the shape's own, bi_gemm_config's) and each M: the best of
     ``tile_variants`` x (split, unsplit); then the arithmetic with the smallest mean of best / torch time over M.
+    ``cold_l2``: every launch (torch's too) timed over ``cold_copies`` of the weight; ``silu``: the shape is an MLP's
+    gate_up, timed as the engine runs it (``engine_launch``; torch: F.linear + the SiLU-and-mul kernel).
     Returns that arithmetic, the per-M winners and times."""
     inputs = {M: make_inputs(N, K, M, has_bias, device) for M in ms}
-    torch_us = {M: time_us(lambda x=x, w=w, b=b: F.linear(x, w, b), device, 10) for M, (x, w, b) in inputs.items()}
+    weights = {M: cold_copies(w, device) if cold_l2 else [w] for M, (_x, w, _b) in inputs.items()}
+    ref = (lambda x, w, b: silu_and_mul(F.linear(x, w, b))) if silu else F.linear
+    torch_us = {M: timed_us(ref, x, weights[M], b, device) for M, (x, _w, b) in inputs.items()}
     ariths = {}
     if keep_arith:
         own = bg.bi_gemm_config(N, K, bg.num_sms(torch.device(device)))
@@ -303,7 +345,8 @@ def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: st
                     if split and S * M * N * 4 > MAX_PARTIAL_BYTES or not split and S > 1 and M <= 16:
                         continue
                     try:
-                        us = time_us(lambda: bg.bi_gemm(x, w, b, config=cfg, split=split), device, 10)
+                        us = timed_us(lambda x, w, b: engine_launch(x, w, b, cfg, split, silu), x, weights[M], b,
+                                      device)
                     except Exception:  # noqa: BLE001 - out of resources: not a candidate
                         continue
                     if us < best[0]:
@@ -312,7 +355,7 @@ def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: st
         mean = sum(per_m[M][0] / torch_us[M] for M in ms) / len(ms)
         results.append((mean, (bk, chunk), per_m))
     mean, (bk, chunk), per_m = min(results, key=lambda r: r[0])
-    return dict(N=N, K=K, BLOCK_K=bk, CHUNK_K=chunk, mean_ratio=mean, ms=ms,
+    return dict(N=N, K=K, BLOCK_K=bk, CHUNK_K=chunk, mean_ratio=mean, ms=ms, cold_l2=cold_l2, silu=silu,
                 torch_us=[torch_us[M] for M in ms], best_us=[per_m[M][0] for M in ms],
                 per_m=[dict(M=M, split=per_m[M][2], cfg=dataclasses.asdict(per_m[M][1])) for M in ms],
                 arith_means={f"{a[1][0]}/{a[1][1]}": a[0] for a in results})
@@ -363,6 +406,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="--bucket-sweep: only the shape's own BLOCK_K / CHUNK_K (8x faster)")
     parser.add_argument("--buckets-out", type=Path,
                         help=f"--bucket-sweep: also write the winners as a {bg.ENV_BUCKETS} file")
+    parser.add_argument("--cold-l2", action="store_true",
+                        help="--bucket-sweep: time every launch over copies of the weight larger than twice the L2 "
+                             "(weights from HBM, as in the engine)")
+    parser.add_argument("--gate-up-silu", action="store_true",
+                        help="--bucket-sweep: time gate_up as the engine runs it (with its SiLU-and-mul)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_bi_gemm --device cuda needs a CUDA GPU (--device cpu: the Triton interpreter, tiny shapes)")
@@ -371,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     ms = [int(m) for m in args.m.split(",")]
     if args.probe_tiles or args.bucket_sweep:
         found = []
-        for _model, _layer, N, K, has_bias in shapes_to_run(args):
+        for _model, layer, N, K, has_bias in shapes_to_run(args):
             if args.probe_tiles:
                 for dtype in (torch.bfloat16, torch.float16):
                     r = probe_tiles(N, K, has_bias, args.device, dtype)
@@ -379,7 +427,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"{r['failed']} did not run", flush=True)
                     found.append(r)
             else:
-                found.append(bucket_sweep_shape(N, K, has_bias, ms, args.device, args.keep_arith))
+                found.append(bucket_sweep_shape(N, K, has_bias, ms, args.device, args.keep_arith, args.cold_l2,
+                                                silu=args.gate_up_silu and layer == "gate_up"))
                 print_bucket_sweep(found[-1:])
                 sys.stdout.flush()
             if args.json:                          # after every shape: a run cut short keeps what it measured

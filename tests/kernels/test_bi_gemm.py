@@ -420,3 +420,26 @@ def test_tma_is_chosen_only_where_it_applies():
     assert not bg.tma_aligned(torch.zeros(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64))
     with pytest.raises(HayabusaValidationError, match="TMA"):
         BiGemmConfig(TMA=1)
+
+
+def test_bench_bi_gemm_cold_l2_and_gate_up_silu(fresh_config_cache):
+    """The bucket sweep as the engine sees it: --cold-l2 times each launch over copies of the weight (2 on CPU,
+    the copies equal to the weight); --gate-up-silu times gate_up through engine_launch, whose results are the
+    engine's (silu_and_mul_bi's bits for an unsplit launch, bi_gemm + the activation kernel for a split one)."""
+    import runpy
+    from pathlib import Path
+
+    from hayabusa.kernels.activation import silu_and_mul
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_bi_gemm.py"),
+                           run_name="bench_bi_gemm")
+    x, w, b = bench["make_inputs"](64, 96, 5, False, "cpu")
+    copies = bench["cold_copies"](w, "cpu")
+    assert len(copies) == 2 and copies[0] is w and torch.equal(copies[1], w) and copies[1].data_ptr() != w.data_ptr()
+    cfg = BiGemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK_K=32)
+    two = silu_and_mul(bi_gemm(x, w, config=cfg, split=False))
+    for split in (False, True):
+        assert torch.equal(bench["engine_launch"](x, w, None, cfg, split, True), two)
+    assert torch.equal(bench["engine_launch"](x, w, None, cfg, True, False), bi_gemm(x, w, config=cfg, split=False))
+    r = bench["bucket_sweep_shape"](64, 96, False, [1, 20], "cpu", keep_arith=True, cold_l2=True, silu=True)
+    assert r["cold_l2"] and r["silu"] and len(r["per_m"]) == 2 and all(t > 0 for t in r["torch_us"])
