@@ -1186,6 +1186,10 @@ g_bi26() {  # issue #23, what the twenty-fourth session left: launches per M cho
       --sweep batch_invariant=false,true
   fi
   HAYABUSA_PDL=0 bench_step q05_W1_bi26_nopdl 60 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+  # K in chunks for the K = 896 shapes (today one chunk: no split at decode), timed with weights from HBM
+  step bi_arith05c "${BIARITH05_S:-200}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --cold-l2 --block-ks 128 --splits 1,2,4 --models qwen2.5-0.5b-shape --layers qkv,o --m 1,16,256,2048 \
+    --json "$OUT/bi_arith05c.json"
   step bi_bucket7c "${BIBUCKET7_S:-240}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
     --keep-arith --cold-l2 --gate-up-silu --models qwen2.5-7b-shape --layers "${BIBUCKET7_LAYERS:-gate_up,down,o,qkv}" \
     --m 1,16,64,256,2048 --json "$OUT/bi_bucket7c.json" --buckets-out "$OUT/buckets7c.json"

@@ -33,8 +33,11 @@ persistent TMA kernel's tiles (on CUDA); --buckets-out FILE writes the winners a
 (kernels/bi_gemm.py) for the engine to run with; --cold-l2 times each launch over copies of the weight that do not
 fit in L2 (each engine layer reads its weight from HBM; one launch replayed alone finds it in L2, which made the
 twenty-fourth session's decode launches look 1.8x faster than they ran in the engine), --gate-up-silu times gate_up
-with its SiLU-and-mul as the engine launches it.
---device cpu runs the Triton interpreter (tiny --shapes only; times meaningless: a smoke test of this script).
+with its SiLU-and-mul as the engine launches it; --block-ks / --splits narrow the arithmetics tried (without
+--keep-arith), e.g. ``--block-ks 128 --splits 1,2,4`` to ask whether K in chunks (decode split into more programs)
+pays once weights come from HBM.
+--device cpu runs the Triton interpreter (``TRITON_INTERPRET=1`` in the environment; tiny --shapes only; times
+meaningless: a smoke test of this script).
 """
 
 from __future__ import annotations
@@ -312,9 +315,11 @@ def timed_us(launch, x, ws: list[torch.Tensor], b, device: str) -> float:
 
 
 def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: str, keep_arith: bool = False,
-                       cold_l2: bool = False, silu: bool = False) -> dict:
+                       cold_l2: bool = False, silu: bool = False, block_ks: tuple[int, ...] = (64, 128),
+                       splits: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
     """The fastest launch per M that keeps one arithmetic per shape. For each arithmetic (BLOCK_K 64 / 128, K in 1 /
-    2 / 4 / 8 chunks; ``keep_arith``: only the shape's own, bi_gemm_config's) and each M: the best of
+    2 / 4 / 8 chunks, or ``block_ks`` x ``splits``; ``keep_arith``: only the shape's own, bi_gemm_config's) and each
+    M: the best of
     ``tile_variants`` x (split, unsplit); then the arithmetic with the smallest mean of best / torch time over M.
     ``cold_l2``: every launch (torch's too) timed over ``cold_copies`` of the weight; ``silu``: the shape is an MLP's
     gate_up, timed as the engine runs it (``engine_launch``; torch: F.linear + the SiLU-and-mul kernel).
@@ -327,11 +332,10 @@ def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: st
     if keep_arith:
         own = bg.bi_gemm_config(N, K, bg.num_sms(torch.device(device)))
         ariths[(own.BLOCK_K, own.CHUNK_K)] = None
-    for bk in () if keep_arith else (64, 128):
-        for splits in (1, 2, 4, 8):
-            chunk = chunk_of(K, splits, bk)
-            ariths[(bk, chunk)] = None
-    results = []
+    for bk in () if keep_arith else block_ks:
+        for n in splits:
+            ariths[(bk, chunk_of(K, n, bk))] = None
+    results, failure = [], None
     for bk, chunk in ariths:
         per_m = {}
         for M, (x, w, b) in inputs.items():
@@ -347,10 +351,14 @@ def bucket_sweep_shape(N: int, K: int, has_bias: bool, ms: list[int], device: st
                     try:
                         us = timed_us(lambda x, w, b: engine_launch(x, w, b, cfg, split, silu), x, weights[M], b,
                                       device)
-                    except Exception:  # noqa: BLE001 - out of resources: not a candidate
+                    except Exception as e:  # noqa: BLE001 - out of resources: not a candidate
+                        failure = e
                         continue
                     if us < best[0]:
                         best = (us, cfg, split)
+            if best[1] is None:
+                raise RuntimeError(f"no launch of {N}x{K} at BLOCK_K {bk} / CHUNK_K {chunk} ran at M={M}; the last "
+                                   f"one failed with {failure!r}")
             per_m[M] = best
         mean = sum(per_m[M][0] / torch_us[M] for M in ms) / len(ms)
         results.append((mean, (bk, chunk), per_m))
@@ -411,9 +419,14 @@ def main(argv: list[str] | None = None) -> None:
                              "(weights from HBM, as in the engine)")
     parser.add_argument("--gate-up-silu", action="store_true",
                         help="--bucket-sweep: time gate_up as the engine runs it (with its SiLU-and-mul)")
+    parser.add_argument("--block-ks", default="64,128", help="--bucket-sweep: the BLOCK_K candidates")
+    parser.add_argument("--splits", default="1,2,4,8", help="--bucket-sweep: how many K chunks to try")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_bi_gemm --device cuda needs a CUDA GPU (--device cpu: the Triton interpreter, tiny shapes)")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("bench_bi_gemm --device cpu runs Triton's CPU interpreter, which must be on before Triton is "
+                 "imported: run it as TRITON_INTERPRET=1 python benchmarks/kernels/bench_bi_gemm.py --device cpu ...")
     if args.config:
         os.environ[bg.ENV_CONFIGS] = args.config
     ms = [int(m) for m in args.m.split(",")]
@@ -427,8 +440,11 @@ def main(argv: list[str] | None = None) -> None:
                           f"{r['failed']} did not run", flush=True)
                     found.append(r)
             else:
-                found.append(bucket_sweep_shape(N, K, has_bias, ms, args.device, args.keep_arith, args.cold_l2,
-                                                silu=args.gate_up_silu and layer == "gate_up"))
+                found.append(bucket_sweep_shape(
+                    N, K, has_bias, ms, args.device, args.keep_arith, args.cold_l2,
+                    silu=args.gate_up_silu and layer == "gate_up",
+                    block_ks=tuple(int(v) for v in args.block_ks.split(",")),
+                    splits=tuple(int(v) for v in args.splits.split(","))))
                 print_bucket_sweep(found[-1:])
                 sys.stdout.flush()
             if args.json:                          # after every shape: a run cut short keeps what it measured
