@@ -522,6 +522,20 @@ def _tma_dot(x_desc, w_desc, om, on, k0, acc, DOT_FP32: tl.constexpr):
     return tl.dot(x, w.T, acc, input_precision="ieee")
 
 
+@triton.jit
+def _tma_chunk(x_desc, w_desc, om, on, N, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SILU: tl.constexpr, DOT_FP32: tl.constexpr):
+    # one K chunk's partials of output tile (om, on): from 0, BLOCK_K steps over [k_lo, k_hi); SILU: also the up
+    # half's (weight rows N + on ...), else that one stays 0 (never stored)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        acc = _tma_dot(x_desc, w_desc, om, on, k0, acc, DOT_FP32)
+        if SILU:
+            acc_u = _tma_dot(x_desc, w_desc, om, N + on, k0, acc_u, DOT_FP32)
+    return acc, acc_u
+
+
 @triton.jit(do_not_specialize=["M", "NUM_PROGS"])
 def _bi_gemm_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, CHUNK_K, NUM_PROGS, HAS_BIAS: tl.constexpr,
                         SILU: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -542,26 +556,15 @@ def _bi_gemm_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K, CHUNK_K, NUM_PRO
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         total_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ONE_CHUNK:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                acc = _tma_dot(x_desc, w_desc, om, on, k0, acc, DOT_FP32)
-                if SILU:
-                    acc_u = _tma_dot(x_desc, w_desc, om, N + on, k0, acc_u, DOT_FP32)
+            acc, acc_u = _tma_chunk(x_desc, w_desc, om, on, N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, SILU, DOT_FP32)
             total = total + acc
-            if SILU:
-                total_u = total_u + acc_u
+            total_u = total_u + acc_u
         else:
             for c in range(0, tl.cdiv(K, CHUNK_K)):
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for k0 in range(c * CHUNK_K, tl.minimum(c * CHUNK_K + CHUNK_K, K), BLOCK_K):
-                    acc = _tma_dot(x_desc, w_desc, om, on, k0, acc, DOT_FP32)
-                    if SILU:
-                        acc_u = _tma_dot(x_desc, w_desc, om, N + on, k0, acc_u, DOT_FP32)
+                acc, acc_u = _tma_chunk(x_desc, w_desc, om, on, N, c * CHUNK_K, tl.minimum(c * CHUNK_K + CHUNK_K, K),
+                                        BLOCK_M, BLOCK_N, BLOCK_K, SILU, DOT_FP32)
                 total = total + acc
-                if SILU:
-                    total_u = total_u + acc_u
+                total_u = total_u + acc_u
         if SILU:
             y_desc.store([om, on], _silu_mul(total, total_u, y_desc.dtype))
         else:
