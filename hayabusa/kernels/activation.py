@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, next_power_of_2, tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 
 
@@ -31,8 +31,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    BLOCK = min(1024, triton.next_power_of_2(D))
-    _silu_and_mul_kernel[(T, triton.cdiv(D, BLOCK))](x, out, x.stride(0), out.stride(0), D, BLOCK=BLOCK,
+    BLOCK = min(1024, next_power_of_2(D))
+    _silu_and_mul_kernel[(T, cdiv(D, BLOCK))](x, out, x.stride(0), out.stride(0), D, BLOCK=BLOCK,
                                                      **pdl_kwargs(x.device))
     return out
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, tl, triton
 from hayabusa.kernels.bi_gemm import bi_gemm, grouped_tile, linear_operands, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -77,7 +77,7 @@ def matmul_bi_unsplit_config(N: int, K: int, num_sms: int = 132) -> dict:
     gives one program per SM at a single M tile (decode is bound by reading W: spread it over the SMs), 32 for
     narrow weights; BLOCK_K 64; 4 warps, 3 stages.
     """
-    block_n = next((b for b in (128, 64) if triton.cdiv(N, b) >= num_sms), 32)
+    block_n = next((b for b in (128, 64) if cdiv(N, b) >= num_sms), 32)
     return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
 
 
@@ -98,7 +98,7 @@ def matmul_bi_unsplit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if M == 0:
         return y.view(*lead, N)
     cfg = matmul_bi_unsplit_config(N, K, num_sms(x.device) if x.is_cuda else 132)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     _matmul_bi_kernel[grid](x2, weight, bias if bias is not None else weight, y, M, N, K, x2.stride(0),
                             weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                             # the CPU interpreter computes bf16 tl.dot on raw bits: fp32 operands there

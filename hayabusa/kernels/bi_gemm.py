@@ -59,7 +59,7 @@ import os
 import torch
 
 from hayabusa.errors import HayabusaValidationError
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, tl, triton
 from hayabusa.kernels.pdl import HOPPER, capability_at_least, pdl_kwargs, pdl_wait
 
 try:  # host-side TMA descriptors (Triton 3.4+); without them the TMA launch is never chosen
@@ -108,7 +108,7 @@ class BiGemmConfig:
 
     def num_chunks(self, K: int) -> int:
         """S, the number of K chunks (fixed by K and CHUNK_K)."""
-        return triton.cdiv(K, self.CHUNK_K)
+        return cdiv(K, self.CHUNK_K)
 
 
 def _is_int(v) -> bool:
@@ -196,11 +196,11 @@ def heuristic_config(N: int, K: int, num_sms: int) -> BiGemmConfig:
     column tile per SM, else 64; K split into S chunks (each a multiple of BLOCK_K = 64, at least MIN_CHUNK_K) so a
     one-row-tile step has about PROGRAMS_PER_SM programs per SM; BLOCK_M 64, 4 warps, 3 stages; split launches sum
     their partials as DEFAULT_SUM_IN_KERNEL says (flip it once the GPU run shows the one launch faster)."""
-    block_n = 128 if triton.cdiv(N, 128) >= num_sms else 64
+    block_n = 128 if cdiv(N, 128) >= num_sms else 64
     block_k = 64
-    want = max(1, PROGRAMS_PER_SM * num_sms // triton.cdiv(N, block_n))
+    want = max(1, PROGRAMS_PER_SM * num_sms // cdiv(N, block_n))
     splits = max(1, min(want, K // MIN_CHUNK_K, MAX_SPLITS))
-    chunk = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    chunk = cdiv(cdiv(K, splits), block_k) * block_k
     return BiGemmConfig(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK_K=chunk,
                         SUM_IN_KERNEL=DEFAULT_SUM_IN_KERNEL)
 
@@ -610,7 +610,7 @@ def silu_and_mul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if uses_tma(cfg, tma, x2, weight, y):
         _tma_launch(x2, weight, None, y, dataclasses.replace(cfg, BLOCK_N=block_n), silu=True)
         return y.view(*lead, D)
-    _bi_gemm_silu_kernel[(triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(D, block_n),)](
+    _bi_gemm_silu_kernel[(cdiv(M, cfg.BLOCK_M) * cdiv(D, block_n),)](
         x2, weight, y, M, D, K, x2.stride(0), weight.stride(0), y.stride(0), cfg.CHUNK_K,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         DOT_FP32=x.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
@@ -648,7 +648,7 @@ def _tma_launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     # programs, and W1 (where these launches run) was slower with PDL on every kernel of the mode than with PDL
     # off (0.5b shape, H200, session 24: 58,065 against 62,843 out tok/s, the default mode 74,960 / 74,497).
     (M, K), N = x2.shape, y.shape[1]
-    progs = min(triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), num_sms(x2.device))
+    progs = min(cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), num_sms(x2.device))
     _bi_gemm_tma_kernel[(progs,)](
         TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K]),
         TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K]),
@@ -663,7 +663,7 @@ def bi_gemm_splits(M: int, N: int, K: int, cfg: BiGemmConfig, sms: int) -> bool:
     """Whether a step of M rows runs split (one program per (tile, chunk)): when its output tiles are fewer than
     ``cfg.SPLIT_BELOW_TILES`` (0: the SM count, i.e. the tiles alone would not give every SM a program). The
     arithmetic is the same either way (module docstring); this only trades parallelism for partial traffic."""
-    tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    tiles = cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
     return cfg.num_chunks(K) > 1 and tiles < (cfg.SPLIT_BELOW_TILES or sms)
 
 
@@ -729,7 +729,7 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if not split and uses_tma(cfg, tma, x2, weight, y):
         _tma_launch(x2, weight, bias, y, cfg, silu=False)
         return y.view(*lead, N)
-    tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    tiles = cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
     # fp32 partials [S, M, N]; unsplit, a 1-element fp32 stand-in (never touched) so that both launches pass the
     # same argument types and run one compiled kernel
     part = torch.empty((S, M, N) if split else (1,), dtype=torch.float32, device=x.device)
@@ -743,7 +743,7 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         DOT_FP32=x.device.type == "cpu",   # the CPU interpreter computes bf16 tl.dot on raw bits: fp32 operands
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
     if split and not in_kernel:
-        _bi_gemm_sum_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](part, b, y, M, N, S, HAS_BIAS=bias is not None,
+        _bi_gemm_sum_kernel[(cdiv(M * N, SUM_BLOCK),)](part, b, y, M, N, S, HAS_BIAS=bias is not None,
                                                               BLOCK=SUM_BLOCK, num_warps=4, **pdl_kwargs(x.device))
     return y.view(*lead, N)
 

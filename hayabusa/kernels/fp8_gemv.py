@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, next_power_of_2, tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
@@ -491,7 +491,7 @@ def fp8_launch(entry: tuple[str, int, int, int, int, int, int], M: int, N: int, 
     kind, bm, bn, bk, split, warps, stages = entry
     if split == 0:
         sms, _ = device_limits(device)
-        split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), FP8_AUTO_SPLIT_WAVES * sms)
+        split = split_k_for(cdiv(M, bm) * cdiv(N, bn), cdiv(K, bk), FP8_AUTO_SPLIT_WAVES * sms)
     return LaunchConfig(kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                         num_stages=stages)
 
@@ -537,10 +537,10 @@ class SplitKPlan:
     def of(cls, M: int, N: int, K: int, cfg: LaunchConfig, out: torch.Tensor) -> "SplitKPlan":
         """The plan of cfg's tiles and SPLIT_K for [M, K] x [K, N] into ``out`` (also the unused workspace
         pointer without a split)."""
-        k_tiles = triton.cdiv(K, cfg.BLOCK_K)
-        tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
-        splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
-        grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(N, cfg.BLOCK_N), splits)
+        k_tiles = cdiv(K, cfg.BLOCK_K)
+        tiles_per_split = cdiv(k_tiles, max(1, cfg.SPLIT_K))
+        splits = cdiv(k_tiles, tiles_per_split)  # no empty split
+        grid = (cdiv(M, cfg.BLOCK_M), cdiv(N, cfg.BLOCK_N), splits)
         part, locks = out, out
         if splits > 1:
             part = torch.empty((splits, M, N), dtype=torch.float32, device=out.device)
@@ -647,8 +647,8 @@ def fp8_small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     dot = cfg.kind == "dot"
     bm = cfg.BLOCK_M
     plan = SplitKPlan.of(M, N, K, cfg, out)
-    amax_block = min(triton.next_power_of_2(K), _MAX_AMAX_ELEMS // bm)
-    amax_iters = triton.cdiv(K, amax_block)
+    amax_block = min(next_power_of_2(K), _MAX_AMAX_ELEMS // bm)
+    amax_iters = cdiv(K, amax_block)
     common = dict(
         STATIC=input_scale is not None, XQ=xq, HAS_BIAS=bias is not None, SPLIT=plan.splits > 1,
         FUSED_REDUCE=plan.locks is not None, SOFT_ROUND=x.device.type == "cpu", BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import next_power_of_2, tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, quantize_fp8_ref, round_to_fp8_grid
 from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs, per_token_scales_ref
@@ -116,7 +116,7 @@ def per_token_quant_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = Non
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M == 0:
         return xq, s
-    block = min(triton.next_power_of_2(cols), MAX_BLOCK)
+    block = min(next_power_of_2(cols), MAX_BLOCK)
     _per_token_quant_fp8_kernel[(M,)](
         x, xq, s, s if static_scale is None else static_scale,   # the scale pointer is unread when dynamic
         x.stride(0),

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, next_power_of_2, tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, round_to_fp8_grid
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, per_token_quant_fp8_ref
@@ -135,8 +135,8 @@ def _quantize_cols(h: torch.Tensor, amax: torch.Tensor, qdtype: torch.dtype, con
     parts = amax.shape[1]
     xq = torch.empty(T, D, dtype=qdtype, device=h.device)
     s = torch.empty(T, 1, dtype=torch.float32, device=h.device)
-    _quantize_cols_kernel[(T, triton.cdiv(D, COL_BLOCK))](h, amax, xq, s, D, parts,
-                                                          PARTS_P2=triton.next_power_of_2(parts), BLOCK=COL_BLOCK,
+    _quantize_cols_kernel[(T, cdiv(D, COL_BLOCK))](h, amax, xq, s, D, parts,
+                                                          PARTS_P2=next_power_of_2(parts), BLOCK=COL_BLOCK,
                                                           num_warps=4, **consts)
     return xq, s
 
@@ -227,7 +227,7 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     res_out = torch.empty_like(x) if residual is not None else None
     if T == 0:
         return xq, s, res_out
-    BLOCK = triton.next_power_of_2(N)
+    BLOCK = next_power_of_2(N)
     r = residual if residual is not None else x
     ro = res_out if res_out is not None else x      # unwritten without a residual
     cols = T <= COLUMN_PARALLEL_MAX_T               # the norm's row (its warps: its bits), then the quantize launch
@@ -270,7 +270,7 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     qdtype, consts = _kind_args(kind, x.device)     # after x's check: a non-tensor x is named, not x.device
     T, D = x.shape[0], x.shape[1] // 2
     if 0 < T <= COLUMN_PARALLEL_MAX_T:
-        parts = triton.cdiv(D, COL_BLOCK)
+        parts = cdiv(D, COL_BLOCK)
         h = torch.empty(T, D, dtype=x.dtype, device=x.device)
         amax = torch.empty(T, parts, dtype=torch.float32, device=x.device)
         _silu_and_mul_amax_kernel[(T, parts)](x, h, amax, x.stride(0), D, parts, BLOCK=COL_BLOCK, num_warps=4,
@@ -280,7 +280,7 @@ def silu_and_mul_quant(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     s = torch.empty(T, 1, dtype=torch.float32, device=x.device)
     if T == 0:
         return xq, s
-    block = min(triton.next_power_of_2(D), MAX_BLOCK)
+    block = min(next_power_of_2(D), MAX_BLOCK)
     _silu_and_mul_quant_kernel[(T,)](x, xq, s, x.stride(0), D, BLOCK=block, ONE_BLOCK=D <= block,
                                      num_warps=max(1, min(8, block // 256)), **consts)
     return xq, s

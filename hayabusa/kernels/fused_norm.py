@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import next_power_of_2, tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 
 
@@ -67,7 +67,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     res_out = torch.empty_like(x) if residual is not None else None
     if T == 0:
         return out, res_out
-    BLOCK = triton.next_power_of_2(N)
+    BLOCK = next_power_of_2(N)
     r = residual if residual is not None else x
     ro = res_out if res_out is not None else out
     _fused_add_rms_norm_kernel[(T,)](x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0),

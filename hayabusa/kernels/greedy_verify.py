@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from hayabusa.errors import HayabusaValidationError
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import next_power_of_2, tl, triton
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def greedy_verify(argmax_ids: torch.Tensor, plan: torch.Tensor, drafts: torch.Te
     _greedy_verify_kernel[(R,)](
         argmax_ids, plan, drafts if drafts is not None else plan, bonus if bonus is not None else argmax_ids, out,
         plan.stride(0), drafts.stride(0) if drafts is not None else 0,
-        W=W, BLOCK_W=triton.next_power_of_2(W), DRAFTS_ON_DEVICE=drafts is not None, HAS_BONUS=bonus is not None)
+        W=W, BLOCK_W=next_power_of_2(W), DRAFTS_ON_DEVICE=drafts is not None, HAS_BONUS=bonus is not None)
     return out
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from hayabusa.errors import HayabusaValidationError
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, tl, triton
 from hayabusa.kernels.quant_linear import bf16_rne, gemm_shape_class
 
 # From this many rows (tokens) on, the CUDA path multiplies with torch._int_mm (cuBLASLt) instead of the Triton
@@ -199,8 +199,8 @@ def int8_table_launch(entry: tuple[int, int, int, int, int, int], M: int, N: int
                                       parameter="entry", value=entry)
     if split == 0:
         sms = _num_sms(device)
-        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        split = 1 if tiles >= sms else max(1, min(16, triton.cdiv(K, bk) // 2, triton.cdiv(2 * sms, tiles)))
+        tiles = cdiv(M, bm) * cdiv(N, bn)
+        split = 1 if tiles >= sms else max(1, min(16, cdiv(K, bk) // 2, cdiv(2 * sms, tiles)))
     return Int8GemmConfig(bm, bn, bk, split, warps, stages)
 
 
@@ -221,7 +221,7 @@ def _bf16_by_hand(out: torch.Tensor) -> bool:
 def _epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor) -> torch.Tensor:
     M, N = out.shape
-    _int8_epilogue_kernel[(triton.cdiv(M, 32), triton.cdiv(N, 128))](
+    _int8_epilogue_kernel[(cdiv(M, 32), cdiv(N, 128))](
         acc, sx, sw, bias if bias is not None else out, out, M, N, acc.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BF16_BY_HAND=_bf16_by_hand(out), BLOCK_M=32, BLOCK_N=128, num_warps=4)
     return out
@@ -238,11 +238,11 @@ def int8_gemm_triton(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: t
     if M == 0:
         return out
     cfg = cfg or pick_int8_config(M, N, K, xq.device)
-    k_tiles = triton.cdiv(K, cfg.BLOCK_K)
-    tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
-    splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
+    k_tiles = cdiv(K, cfg.BLOCK_K)
+    tiles_per_split = cdiv(k_tiles, max(1, cfg.SPLIT_K))
+    splits = cdiv(k_tiles, tiles_per_split)  # no empty split
     acc = torch.zeros((M, N), dtype=torch.int32, device=xq.device) if splits > 1 else out
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), splits)
+    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), splits)
     _int8_gemm_kernel[grid](
         xq, wq, sx, sw, bias if bias is not None else out, out, acc,
         M, N, K, tiles_per_split * cfg.BLOCK_K, xq.stride(0), wq.stride(0), out.stride(0),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import next_power_of_2, tl, triton
 from hayabusa.kernels.per_token_quant import check_per_token_quant_inputs, per_token_scales_ref
 
 INT8_MAX = 127.0
@@ -98,7 +98,7 @@ def per_token_quant_int8(x: torch.Tensor,
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M == 0:
         return xq, s
-    block = min(triton.next_power_of_2(K), MAX_BLOCK)
+    block = min(next_power_of_2(K), MAX_BLOCK)
     _per_token_quant_int8_kernel[(M,)](
         x, xq, s, s if static_scale is None else static_scale,   # the scale pointer is unread when dynamic
         x.stride(0), K=K, BLOCK=block, STATIC=static_scale is not None, MIN_SCALE=MIN_SCALE_INT8,

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 
 from hayabusa.envs import env_flag
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, next_power_of_2, tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import check_scale, dequantize_fp8_ref, is_fp8, unit_scale
 
@@ -330,7 +330,7 @@ def is_short_query(max_query_len: int, group: int, num_programs: int | None = No
     if not (SHORT_QUERY_SPLIT and 1 < max_query_len <= SHORT_QUERY_MAX
             and max_query_len * group <= SHORT_QUERY_MAX_ROWS):
         return False
-    rows = triton.next_power_of_2(max_query_len * group)
+    rows = next_power_of_2(max_query_len * group)
     return rows <= SHORT_QUERY_WIDE_ROWS or num_programs is None or num_programs <= SHORT_QUERY_WIDE_MAX_PROGRAMS
 
 
@@ -346,7 +346,7 @@ def _auto_num_splits(num_programs: int, max_query_len: int, device: torch.device
     sms = _num_sms(device)
     if num_programs >= sms:
         return 1
-    return min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, num_programs)))
+    return min(_MAX_SPLITS, next_power_of_2(cdiv(2 * sms, num_programs)))
 
 
 def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int, short_query: bool = False) -> dict:
@@ -359,11 +359,11 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int, sho
     at least 16) and decode's key tiles, stages and warps.
     """
     if max_query_len == 1:
-        block_m = max(16, triton.next_power_of_2(group))
+        block_m = max(16, next_power_of_2(group))
     elif short_query:
-        block_m = max(16, triton.next_power_of_2(max_query_len * group))
+        block_m = max(16, next_power_of_2(max_query_len * group))
     else:  # one prefill tile size whatever the length: a new length compiles no new variant
-        block_m = max(64, triton.next_power_of_2(group))
+        block_m = max(64, next_power_of_2(group))
     tile_n, num_stages = (128, 2) if max_query_len == 1 or short_query else (32, 2)
     while tile_n > 16 and 2 * tile_n * d_pad * elem_size * num_stages > 160 * 1024:  # K + V tiles in smem
         tile_n //= 2
@@ -379,7 +379,7 @@ def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int) -> dict:
     masked loop body: ALL_MASKED); tiles a row cannot see (past its position, or before its window) add exact
     zeros (p = 0, alpha = 1), so whether the tile is visited (which depends on the other rows of the query tile)
     changes nothing."""
-    block_m = max(64, triton.next_power_of_2(group))
+    block_m = max(64, next_power_of_2(group))
     tile_n = 64
     while tile_n > 16 and 2 * tile_n * d_pad * elem_size * 2 > 160 * 1024:
         tile_n //= 2
@@ -439,13 +439,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
-    d_pad = max(16, triton.next_power_of_2(D))
+    d_pad = max(16, next_power_of_2(D))
     short_query = not batch_invariant and is_short_query(max_query_len, H // H_kv, R * H_kv)
     if batch_invariant:
         cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size())
     else:
         cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size(), short_query)
-    num_q_tiles = triton.cdiv(max_query_len, cfg["BLOCK_Q"])
+    num_q_tiles = cdiv(max_query_len, cfg["BLOCK_Q"])
     splits = 1 if batch_invariant else (
         num_kv_splits or _auto_num_splits(R * num_q_tiles * H_kv, max_query_len, q.device, short_query))
     if splits > 1:
@@ -479,7 +479,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
-            NUM_HEADS=H, HEAD_DIM=D, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
+            NUM_HEADS=H, HEAD_DIM=D, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=next_power_of_2(splits),
             num_warps=4, **pdl_kwargs(q.device))
 
 

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.envs import env_flag
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, tl, triton
 from hayabusa.kernels.pdl import HOPPER, capability_at_least
 from hayabusa.kernels.quant_ref import (  # noqa: F401  (re-exported: callers import the quantizers from here)
     dequantize_int4, dequantize_int4_to_ref, dequantize_int8, dequantize_int8_to_ref, int4_weight_only_linear_ref,
@@ -475,7 +475,7 @@ def split_k_for(num_tiles: int, k_tiles: int, target_programs: int) -> int:
     """K splits so that num_tiles * splits reaches target_programs, each split keeping >= 2 K tiles."""
     if num_tiles >= target_programs:
         return 1
-    return max(1, min(_MAX_SPLIT_K, k_tiles // 2, triton.cdiv(target_programs, num_tiles)))
+    return max(1, min(_MAX_SPLIT_K, k_tiles // 2, cdiv(target_programs, num_tiles)))
 
 
 def _gemm_stages(bm: int, bn: int, bk: int, x_bytes: int, w_bits: int, smem: int) -> int:
@@ -503,7 +503,7 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
     k_cap = pow2_divisor(group_size, 128) if group_size is not None else 128
     if M <= _GEMV_MAX_M or k_cap < 16:
         bn, bk, warps = (128, k_cap, 4) if group_size is not None else (64, 128, 8)
-        split = split_k_for(M * triton.cdiv(N, bn), triton.cdiv(K, bk), 4 * sms)
+        split = split_k_for(M * cdiv(N, bn), cdiv(K, bk), 4 * sms)
         return LaunchConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=1)
     if USE_GEMM_T and x_bytes == 2 and M <= GEMM_M_BUCKETS[-1]:
         scheme = "int8" if group_size is None else "int4"
@@ -511,7 +511,7 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
         return gemm_t_launch(entry, M, N, K, group_size, device)
     bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
     bn, bk = 128, min(k_cap, 64)
-    split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), sms)
+    split = split_k_for(cdiv(M, bm) * cdiv(N, bn), cdiv(K, bk), sms)
     stages = _gemm_stages(bm, bn, bk, x_bytes, 4 if group_size is not None else 8, smem)
     return LaunchConfig("gemm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                         num_warps=8 if bm == 128 else 4, num_stages=stages)
@@ -528,7 +528,7 @@ def gemm_t_launch(entry: tuple[int, int, int, int, int, int], M: int, N: int, K:
     if group_size is not None:
         bk = min(bk, pow2_divisor(group_size, 128))
     if split == 0:
-        split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk), device_limits(device)[0])
+        split = split_k_for(cdiv(M, bm) * cdiv(N, bn), cdiv(K, bk), device_limits(device)[0])
     return LaunchConfig("gemm_t", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                         num_stages=stages)
 
@@ -543,9 +543,9 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         return out
     int4 = group_size is not None
     cfg = cfg or pick_config(M, N, K, group_size, x.device, x.element_size())
-    k_tiles = triton.cdiv(K, cfg.BLOCK_K)
-    tiles_per_split = triton.cdiv(k_tiles, max(1, cfg.SPLIT_K))
-    splits = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
+    k_tiles = cdiv(K, cfg.BLOCK_K)
+    tiles_per_split = cdiv(k_tiles, max(1, cfg.SPLIT_K))
+    splits = cdiv(k_tiles, tiles_per_split)  # no empty split
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     args = (x, qweight, scales, zeros if int4 else scales, bias if bias is not None else out, out, part,
             M, N, K, tiles_per_split * cfg.BLOCK_K, x.stride(0), x.stride(1), out.stride(0))
@@ -553,15 +553,15 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                  SPLIT=splits > 1, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages)
     if cfg.kind == "gemv":
-        _wo_gemv_kernel[(M, triton.cdiv(N, cfg.BLOCK_N), splits)](*args, 0x3F800000, **flags)
+        _wo_gemv_kernel[(M, cdiv(N, cfg.BLOCK_N), splits)](*args, 0x3F800000, **flags)
     elif cfg.kind == "gemm_t":
         assert x.dtype in (torch.float16, torch.bfloat16), "gemm_t takes fp16 / bf16 activations"
-        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), splits)
+        grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), splits)
         _wo_gemm_t_kernel[grid](*args, **flags, BLOCK_M=cfg.BLOCK_M,
                                 MAGIC=0x6400 if x.dtype == torch.float16 else 0x4300,
                                 BY_HAND=x.dtype == torch.bfloat16 and x.device.type == "cpu")
     else:
-        grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), splits)
+        grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), splits)
         _wo_gemm_kernel[grid](*args, **flags, BLOCK_M=cfg.BLOCK_M, GROUP_M=8,
                               DOT_FP32=x.dtype == torch.bfloat16 and x.device.type == "cpu",
                               DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
@@ -574,7 +574,7 @@ def splitk_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tens
     """out [M, N] (unit last stride) = the fp32 partials part [splits, M, N] summed in split order (+ bias [N]),
     cast to out's dtype: splitk_reduce_kernel, the second pass of a split-K launch (also kernels/fp8_gemv.py's)."""
     splits, M, N = part.shape
-    splitk_reduce_kernel[(M, triton.cdiv(N, 512))](
+    splitk_reduce_kernel[(M, cdiv(N, 512))](
         part, bias if bias is not None else out, out, M, N, splits, out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=512, num_warps=4)
 
@@ -590,7 +590,7 @@ def _dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
         return out
     bk = pow2_divisor(group_size, 128) if int4 else 128   # int4: a tile lies in one group (G % 8 == 0: bk >= 8)
     bn = _DEQUANT_TILE // bk
-    _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+    _dequant_kernel[(cdiv(N, bn), cdiv(K, bk))](
         qweight, scales, zeros if int4 else scales, out, N, K, INT4=int4, GROUP_SIZE=group_size or 1,
         BF16_BY_HAND=dtype == torch.bfloat16 and qweight.device.type == "cpu", BLOCK_N=bn, BLOCK_K=bk,
         num_warps=4)

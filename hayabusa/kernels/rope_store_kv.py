@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import next_power_of_2, tl, triton
 from hayabusa.kernels.pdl import pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8 import FP8_FORMATS, check_scale, unit_scale
 from hayabusa.kernels.rotary import check_rotary_inputs, rope_in_place, rotary_embedding_ref, rotated_halves
@@ -115,8 +115,8 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         unit if k_scale is None else k_scale, unit if v_scale is None else v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2), cos.stride(0),
-        NQ=NQ, NK=NK, HALF=HALF, HQ_PAD=triton.next_power_of_2(NQ), HK_PAD=triton.next_power_of_2(NK),
-        HALF_PAD=triton.next_power_of_2(HALF),
+        NQ=NQ, NK=NK, HALF=HALF, HQ_PAD=next_power_of_2(NQ), HK_PAD=next_power_of_2(NK),
+        HALF_PAD=next_power_of_2(HALF),
         FP8_MAX=fp8_max, FP8_MANT=mant, FP8_EMIN=emin, SOFT_ROUND=k_cache.device.type == "cpu",
         num_warps=4, **pdl_kwargs(q.device),
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import next_power_of_2, tl, triton
 
 
 @triton.jit
@@ -81,8 +81,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         return
     NK, HALF = k.shape[1], D // 2
     _rope_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       cos.stride(0), NQ=NQ, NK=NK, HALF=HALF, H_PAD=triton.next_power_of_2(max(NQ, NK)),
-                       HALF_PAD=triton.next_power_of_2(HALF))
+                       cos.stride(0), NQ=NQ, NK=NK, HALF=HALF, H_PAD=next_power_of_2(max(NQ, NK)),
+                       HALF_PAD=next_power_of_2(HALF))
 
 
 def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -42,7 +42,7 @@ import os
 import torch
 
 from hayabusa.envs import env_flag
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, tl, triton
 from hayabusa.kernels.pdl import HOPPER, capability_at_least, pdl_kwargs, pdl_wait
 from hayabusa.kernels.fp8_gemv import (
     FP8_M_BUCKETS, SplitKPlan, dot_tile_setup, fp8_launch, fp8_m_bucket, load_launch_tables, load_w_tile,
@@ -349,7 +349,7 @@ def small_m_silu_linear(x: torch.Tensor, weight: torch.Tensor, cfg: LaunchConfig
     if cfg.kind != "dot" or cfg.SPLIT_K != 1 or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16:
         raise ValueError(f"cfg must be a 'dot' launch with tiles >= 16 and SPLIT_K 1, got {cfg}")
     on_cpu = x.device.type == "cpu"
-    grid = (triton.cdiv(M, cfg.BLOCK_M), triton.cdiv(D, cfg.BLOCK_N))
+    grid = (cdiv(M, cfg.BLOCK_M), cdiv(D, cfg.BLOCK_N))
     _small_m_silu_dot_kernel[grid](
         x, weight, out, M, D, K, x.stride(0), weight.stride(0), out.stride(0),
         EVEN_K=K % cfg.BLOCK_K == 0, DOT_FP32=on_cpu, BF16_BY_HAND=on_cpu and x.dtype == torch.bfloat16,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import next_power_of_2, tl, triton
 from hayabusa.kernels.fp8 import FP8_FORMATS, check_scale, is_fp8, quantize_fp8_ref, round_to_fp8_grid, unit_scale
 
 
@@ -111,7 +111,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(1), k_cache.stride(2),
         unit if k_scale is None else k_scale, unit if v_scale is None else v_scale,
         NUM_KV_HEADS=H_kv, HEAD_DIM=D,
-        H_PAD=triton.next_power_of_2(H_kv), D_PAD=triton.next_power_of_2(D),
+        H_PAD=next_power_of_2(H_kv), D_PAD=next_power_of_2(D),
         FP8_MAX=fp8_max, FP8_MANT=mant, FP8_EMIN=emin, SOFT_ROUND=k_cache.device.type == "cpu",
         num_warps=4 if H_kv * D >= 1024 else 2,
     )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from hayabusa.errors import HayabusaValidationError
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import next_power_of_2, tl, triton
 
 FP16_MAX = torch.finfo(torch.float16).max
 # transformers' limit once an inf appeared, as torch.clamp applies it to an fp16 tensor (cast to fp16: 64512.0)
@@ -170,7 +170,7 @@ def t5_fp16_add_norm(delta: torch.Tensor, residual: torch.Tensor | None, weight:
         sync = _sync_buffer(delta.device)
         if sync is None:
             return t5_fp16_add_norm_ref(delta, residual, weight, eps)
-    BLOCK = triton.next_power_of_2(N)
+    BLOCK = next_power_of_2(N)
     ro = res_out if res_out is not None else delta                   # (not stored: the stream stays delta)
     r = residual if residual is not None else delta
     _t5_fp16_add_norm_kernel[(T,)](

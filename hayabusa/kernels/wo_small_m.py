@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from hayabusa.kernels._triton import tl, triton
+from hayabusa.kernels._triton import cdiv, tl, triton
 from hayabusa.kernels.fp8_gemv import (
     FP8_AUTO_SPLIT_WAVES, SplitKPlan, dot_tile_setup, load_w_tile, load_x_tile, splitk_finish,
 )
@@ -254,7 +254,7 @@ def wo_small_m_launch(entry: tuple, M: int, N: int, K: int, group_size: int | No
     elif kind == "slab" and K % 4:
         kind = "dot"
     if split == 0:
-        split = split_k_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), triton.cdiv(K, bk),
+        split = split_k_for(cdiv(M, bm) * cdiv(N, bn), cdiv(K, bk),
                             FP8_AUTO_SPLIT_WAVES * device_limits(device)[0])
     return LaunchConfig(kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
                         num_stages=stages)

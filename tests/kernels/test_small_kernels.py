@@ -114,3 +114,15 @@ def test_rotary_in_place_on_fused_qkv_views(dtype, H, H_kv, D):
     rotary_embedding_ref(pos, *views(b), cos, sin)
     torch.testing.assert_close(a, b, **_tol(dtype))
     assert torch.equal(a[:, (H + H_kv) * D:], qkv[:, (H + H_kv) * D:])   # v untouched
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    """kernels/_triton.cdiv / next_power_of_2 (the launch wrappers' host arithmetic, without Triton's
+    constexpr-function call) give triton.cdiv's and triton.next_power_of_2's values."""
+    triton = pytest.importorskip("triton")
+    from hayabusa.kernels._triton import cdiv, next_power_of_2
+
+    for a in (*range(0, 300), 4095, 4096, 4097, 151936, 2 ** 31 - 1, 2 ** 40 + 3):
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 64, 128, 1000):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
