@@ -18,15 +18,24 @@ def env_flag(name: str, default: bool) -> bool:
         HayabusaValidationError: any other value, naming the variable and the values it takes.
     """
     raw = os.environ.get(name)
-    if raw is None:
-        return default
+    return default if raw is None else parse_switch(raw, name, f"environment variable {name}")
+
+
+def parse_switch(raw: str, parameter: str, what: str | None = None) -> bool:
+    """An on/off value as the environment variables take it: 1 / true / yes / on and 0 / false / no / off (any case,
+    spaces ignored; empty = off). ``parameter`` is what the error names (``what``: how it reads in the message,
+    default the parameter).
+
+    Raises:
+        HayabusaValidationError: any other value, naming the parameter and the values it takes.
+    """
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise HayabusaValidationError(f"environment variable {name}={raw!r}: use 1 / true / yes / on (on) or "
-                                  f"0 / false / no / off or empty (off), any case.", parameter=name, value=raw)
+    raise HayabusaValidationError(f"{what or parameter}={raw!r}: use 1 / true / yes / on (on) or "
+                                  f"0 / false / no / off or empty (off), any case.", parameter=parameter, value=raw)
 
 
-__all__ = ["env_flag"]
+__all__ = ["env_flag", "parse_switch"]

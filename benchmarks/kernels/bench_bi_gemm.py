@@ -78,7 +78,13 @@ def shapes_to_run(args) -> list[tuple[str, str, int, int, bool]]:
     if args.shapes:
         out = []
         for spec in args.shapes.split(","):
-            n, k = (int(v) for v in spec.lower().split("x"))
+            try:
+                n, k = (int(v) for v in spec.lower().split("x"))
+                if n < 1 or k < 1:
+                    raise ValueError
+            except ValueError:
+                sys.exit(f"bench_bi_gemm: --shapes {spec!r}: write weight shapes NxK (N output features, K input), "
+                         f"comma-separated, e.g. --shapes 896x896,9728x896")
             out.append(("-", spec, n, k, False))
         return out
     from hayabusa.bench.models import linear_shapes
@@ -429,7 +435,12 @@ def main(argv: list[str] | None = None) -> None:
                  "imported: run it as TRITON_INTERPRET=1 python benchmarks/kernels/bench_bi_gemm.py --device cpu ...")
     if args.config:
         os.environ[bg.ENV_CONFIGS] = args.config
-    ms = [int(m) for m in args.m.split(",")]
+    try:
+        ms = [int(m) for m in args.m.split(",")]
+        if not ms or min(ms) < 1:
+            raise ValueError
+    except ValueError:
+        sys.exit(f"bench_bi_gemm: --m {args.m!r}: give row counts >= 1, comma-separated, e.g. --m 1,16,256,2048")
     if args.probe_tiles or args.bucket_sweep:
         found = []
         for _model, layer, N, K, has_bias in shapes_to_run(args):

@@ -29,6 +29,7 @@ from hayabusa.bench.runner import payoff_state
 from hayabusa.bench.vl_models import VL_SHAPES, make_vl_model, vl_shape_config
 from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, fit_to_vocab, get_workload
 from hayabusa.config import NOT_CLI_ARGS, EngineArgs, cli_arg_type
+from hayabusa.envs import parse_switch
 
 HF_ONLY_KEYS = ("hf_batch_size",)
 
@@ -75,7 +76,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------------ variants
 def _parse_bool(s: str) -> bool:
-    return s.strip().lower() in ("1", "true", "on", "yes")
+    return parse_switch(s, "--sweep")     # 1 / true / yes / on, 0 / false / no / off; anything else is refused
 
 
 def _parse_quantization(s: str) -> str | None:
@@ -109,7 +110,8 @@ def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
         try:
             out.append(typ(v))
         except ValueError:
-            raise ValueError(f"--sweep {spec!r}: {v!r} is not a valid {key} (expected {typ.__name__}).") from None
+            expected = "1 / true / yes / on or 0 / false / no / off" if typ is _parse_bool else typ.__name__
+            raise ValueError(f"--sweep {spec!r}: {v!r} is not a valid {key} (expected {expected}).") from None
     if key == "hf_batch_size":
         for v in out:
             _check_hf_batch_size(v, f"--sweep {spec!r}: hf_batch_size")

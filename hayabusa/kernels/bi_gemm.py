@@ -245,11 +245,17 @@ def _checked_buckets(N: int, K: int, cfg: BiGemmConfig, buckets, source: str) ->
     # what the message names (the environment variable, or the table)
     where = f"{source}: the launches of {N}x{K}"
     last = 0
+    known = {f.name for f in dataclasses.fields(BiGemmConfig)}
     for m_max, tile in buckets:
         if not _is_int(m_max) or m_max <= last:
-            raise HayabusaValidationError(f"{where} must have increasing int bounds of M (>= 1); got {m_max!r} "
-                                          f"after {last}", parameter=source, value=m_max)
+            raise HayabusaValidationError(f"{where} must have increasing int bounds of M (>= 1, null for no bound "
+                                          f"last); got {_bound(m_max)} after {_bound(last)}", parameter=source,
+                                          value=m_max)
         last = m_max
+        if set(tile) - known:
+            raise HayabusaValidationError(f"{where}, bucket up to M={_bound(m_max)}: unknown field(s) "
+                                          f"{sorted(set(tile) - known)}; a bucket sets {sorted(TILE_FIELDS)}",
+                                          parameter=source, value=tile)
         if set(tile) - TILE_FIELDS:
             raise HayabusaValidationError(
                 f"{where} change {sorted(set(tile) - TILE_FIELDS)}; only {sorted(TILE_FIELDS)} may change with M "
@@ -258,9 +264,14 @@ def _checked_buckets(N: int, K: int, cfg: BiGemmConfig, buckets, source: str) ->
         try:
             dataclasses.replace(cfg, **tile)
         except HayabusaValidationError as e:
-            raise HayabusaValidationError(f"{where}, bucket up to M={m_max}: {e}", parameter=source,
+            raise HayabusaValidationError(f"{where}, bucket up to M={_bound(m_max)}: {e}", parameter=source,
                                           value=tile) from None
     return tuple(buckets)
+
+
+def _bound(m_max) -> str:
+    # a bucket's bound as a message shows it: NO_BOUND (a file's null) as "no bound"
+    return "no bound (null)" if m_max == NO_BOUND else repr(m_max)
 
 
 @functools.lru_cache(maxsize=256)
@@ -271,7 +282,8 @@ def _fields(N: int, K: int, num_sms: int, env: str, hopper: bool, bucket_env: st
     if fields:
         unknown = set(fields) - {f.name for f in dataclasses.fields(BiGemmConfig)}
         if unknown:
-            raise HayabusaValidationError(f"{ENV_CONFIGS}: unknown field(s) {sorted(unknown)} for {N}x{K}.",
+            raise HayabusaValidationError(f"{ENV_CONFIGS}: unknown field(s) {sorted(unknown)} for {N}x{K}; the "
+                                          f"fields are {[f.name for f in dataclasses.fields(BiGemmConfig)]}.",
                                           parameter=ENV_CONFIGS, value=env)
         try:
             cfg = dataclasses.replace(cfg, **fields)

@@ -234,3 +234,15 @@ def test_records_and_config_cell_keep_the_hayabusa_switches_of_the_run(monkeypat
     assert "sk-secret" not in json.dumps(env)
     monkeypatch.delenv("HAYABUSA_FP8_PREQUANT")
     assert report.environment("cpu")["switches"] == {}
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "ture"])
+def test_a_switch_in_a_sweep_takes_only_on_off_values(tiny_bench_model, capsys, value):
+    """--sweep batch_invariant=VALUE: 1 / true / yes / on and 0 / false / no / off as the environment variables;
+    anything else is refused before a run (it once ran as False: a typo measured default against default)."""
+    assert cli._parse_sweep("batch_invariant=1,off,YES") == ("batch_invariant", [True, False, True])
+    assert cli.main(["--workload", "W3", "--model", tiny_bench_model, "--device", "cpu", "--sweep",
+                     f"batch_invariant=false,{value}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{value!r} is not a valid batch_invariant (expected 1 / true / yes / on or 0 / false / no / off)" in err
+    assert "Traceback" not in err

@@ -170,7 +170,8 @@ def test_table_and_env_override_the_heuristic(monkeypatch, fresh_config_cache):
 
 
 @pytest.mark.parametrize("raw,field", [("not json", None), ('{"896": {}}', None),
-                                       ('{"896x896": {"BLOCK_Q": 1}}', "BLOCK_Q"),
+                                       ('{"896x896": {"BLOCK_Q": 1}}', "['BLOCK_Q'] for 896x896; the fields are "
+                                                                       "['BLOCK_M', 'BLOCK_N', 'BLOCK_K', 'CHUNK_K'"),
                                        ('{"896x896": {"CHUNK_K": 100}}', "BiGemmConfig.CHUNK_K=100"),
                                        ('{"*": {"SUM_IN_KERNEL": 1}}', "BiGemmConfig.SUM_IN_KERNEL=1"),
                                        ('{"*": {"num_warps": 4.0}}', "BiGemmConfig.num_warps=4.0"),
@@ -327,7 +328,11 @@ def test_bucket_file_from_the_environment(monkeypatch, fresh_config_cache, tmp_p
                         ('{"896x896": [[8, {"BLOCK_M": 48}]]}', "896x896, bucket up to M=8: BiGemmConfig.BLOCK_M=48"),
                         ('{"896x896": [[8, {"num_stages": true}]]}', "num_stages=True"),
                         ('{"896x896": [[64, {}], [8, {"BLOCK_M": 16}]]}', "increasing int bounds.*got 8 after 64"),
-                        ('{"896x896": [[-1, {}]]}', "increasing int bounds")):
+                        ('{"896x896": [[-1, {}]]}', "increasing int bounds"),
+                        ('{"896x896": [[null, {}], [64, {}]]}', r"got 64 after no bound \(null\)"),
+                        ('{"896x896": [[null, {"TMA": "yes"}]]}', r"bucket up to M=no bound \(null\): "
+                                                                  "BiGemmConfig.TMA='yes' must be true or false"),
+                        ('{"896x896": [[8, {"BLOK_M": 16}]]}', r"unknown field\(s\) \['BLOK_M'\]; a bucket sets")):
         path.write_text(text)
         bg.reset_config_cache()
         with pytest.raises(HayabusaValidationError, match=match) as info:
