@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from typing import Any
 
 from hayabusa.eval.runner import RunOutput
@@ -60,12 +61,16 @@ def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+ERROR_WIDTH = 100   # characters of an error row's message per line (continued under the number columns)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width text table; an error row carries its message in place of the numbers."""
+    """A fixed-width text table; an error row carries its whole message in place of the numbers, wrapped at word
+    boundaries into lines of ERROR_WIDTH characters (what to do next usually ends the message)."""
     lines: list[list[str] | tuple[str, str, str, str]] = [list(COLUMNS)]
     for r in rows:
         if r.get("error"):
-            lines.append((r["setting"], r["engine"], "error: " + str(r["error"])[:160], r["flag"]))
+            lines.append((r["setting"], r["engine"], "error: " + str(r["error"]), r["flag"]))
             continue
         peak = r["peak_memory_bytes"] / 2**30 if r.get("peak_memory_bytes") else None
         lines.append([r["setting"], r["engine"], _fmt(r["seconds_per_item"], ".3f"),
@@ -77,8 +82,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         widths[i] = max(len(line[i]) for line in lines)
     out = []
     for line in lines:
-        if isinstance(line, tuple):   # error row: the message spans the number columns
-            out.append(f"{line[0].ljust(widths[0])}  {line[1].ljust(widths[1])}  {line[2]}  {line[3]}".rstrip())
+        if isinstance(line, tuple):   # error row: the whole message in the number columns, wrapped at words
+            indent = widths[0] + widths[1] + 4
+            wrapped = textwrap.wrap(f"{line[2]}  {line[3]}".rstrip(), ERROR_WIDTH, break_long_words=False,
+                                    break_on_hyphens=False) or [""]
+            out.append(f"{line[0].ljust(widths[0])}  {line[1].ljust(widths[1])}  {wrapped[0]}".rstrip())
+            out.extend(" " * indent + w for w in wrapped[1:])
             continue
         last = len(line) - 1       # setting, engine and flag read left to right; the numbers right-aligned
         out.append("  ".join(c.ljust(w) if j < 2 or j == last else c.rjust(w)

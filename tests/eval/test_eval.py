@@ -162,6 +162,17 @@ def test_score_runs_flags_drops_and_keeps_error_rows():
     # the flag column starts where its header does (left-aligned), rows carry no trailing blanks
     drop = next(line for line in body if "DROP" in line)
     assert drop.index("DROP") == header.index("flag") and all(line == line.rstrip() for line in body)
+    # a long error keeps every word (what to do next ends it), wrapped under the number columns, never mid-word
+    advice = ("HayabusaValidationError: quantization='awq' needs an AWQ checkpoint (config.json's quantization_config "
+              "with quant_method 'awq'); this folder has none: pass quantization=None or an AWQ model folder")
+    long_failed = RunOutput("quantization=awq", "hayabusa", {}, texts=[None] * 4, error=advice)
+    table = format_table(_score_runs("extraction", items, [ref, long_failed], tolerance=0.02).rows)
+    header, _, *body = table.splitlines()
+    error_lines = body[body.index(next(line for line in body if "error: " in line)):]
+    col = header.index("s/item")
+    assert " ".join(line[col:].strip() for line in error_lines).startswith("error: " + advice)
+    assert len(error_lines) > 1 and all(line[:col].strip() == "" for line in error_lines[1:])
+    assert all(len(line) <= col + 100 for line in error_lines)
 
 
 def test_plot_and_wandb_say_what_is_missing(monkeypatch, tmp_path):
