@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hayabusa.envs import env_flag
 from hayabusa.errors import HayabusaValidationError
 
 ENV_VAR = "HAYABUSA_BATCH_INVARIANT"
@@ -26,13 +27,7 @@ def batch_invariant_requested(value: bool | None) -> bool:
         HayabusaValidationError: any other value of the variable, naming it."""
     if value is not None:
         return bool(value)
-    raw = os.environ.get(ENV_VAR, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise HayabusaValidationError(f"{ENV_VAR}={raw!r}: set it to 1 / true / yes / on or 0 / false / no / off, or "
-                                  "unset it.", parameter=ENV_VAR, value=raw)
+    return env_flag(ENV_VAR, False)
 
 
 def _refuse(parameter: str, value: Any, why: str) -> HayabusaValidationError:

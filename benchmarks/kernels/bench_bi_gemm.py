@@ -56,6 +56,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 from hayabusa.kernels import bi_gemm as bg  # noqa: E402
+from hayabusa.kernels._triton import cdiv  # noqa: E402
 from hayabusa.kernels.activation import silu_and_mul  # noqa: E402
 from hayabusa.kernels.batch_invariant import matmul_bi_unsplit  # noqa: E402
 
@@ -292,7 +293,7 @@ def cold_copies(w: torch.Tensor, device: str) -> list[torch.Tensor]:
     a launch timed over them in turn reads its weight from HBM, as each layer of the engine does (one launch replayed
     on one weight would find it in L2: a 17 MB gate_up fits in an H200's 50 MB)."""
     l2 = torch.cuda.get_device_properties(w.device).L2_cache_size if device == "cuda" else 0
-    n = min(COLD_MAX_COPIES, max(2, -(-2 * l2 // (w.numel() * w.element_size()))))
+    n = min(COLD_MAX_COPIES, max(2, cdiv(2 * l2, w.numel() * w.element_size())))
     return [w] + [w.clone() for _ in range(n - 1)]
 
 
@@ -307,7 +308,7 @@ def engine_launch(x, w, b, cfg: bg.BiGemmConfig, split: bool, silu: bool) -> tor
         return bg.bi_gemm(x, w, b, config=cfg, split=split)
     if split:
         return silu_and_mul(bg.bi_gemm(x, w, b, config=cfg, split=True))
-    half = dataclasses.replace(cfg, BLOCK_N=max(16, cfg.BLOCK_N // 2), SPLIT_BELOW_TILES=bg.UNSPLIT)
+    half = bg.silu_launch_config(dataclasses.replace(cfg, SPLIT_BELOW_TILES=bg.UNSPLIT))
     y = bg.silu_and_mul_bi(x, w, b, config=half)            # None with a bias: the two launches
     return y if y is not None else silu_and_mul(bg.bi_gemm(x, w, b, config=cfg, split=False))
 

@@ -595,8 +595,8 @@ def silu_and_mul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         x: [M, K] (or [..., K]) fp16 / bf16 (fp32 in the interpreter).
         weight: [2D, K] rows [gate | up], x's dtype, unit last stride.
         bias: must be None (a gate_up with a bias takes the two launches: the return is None).
-        config: the launch (default ``bi_gemm_config(2D, K, SMs, M)``, its BLOCK_N halved per half so a program
-            covers as many columns as the GEMM's).
+        config: the launch, used as given (default ``silu_launch_config(bi_gemm_config(2D, K, SMs, M))``: M's
+            bucket with BLOCK_N halved per half, so a program covers as many columns as the GEMM's).
         tma: force (True) or forbid (False) the persistent TMA kernel; default ``uses_tma`` (the launch's TMA).
     Returns:
         [M, D] (x's leading shape) in x's dtype, or None where this one launch does not apply: a bias, or M's launch
@@ -618,15 +618,24 @@ def silu_and_mul_bi(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, D)
-    block_n = cfg.BLOCK_N if config is not None else max(16, cfg.BLOCK_N // 2)
+    if config is None:
+        cfg = silu_launch_config(cfg)
     if uses_tma(cfg, tma, x2, weight, y):
-        _tma_launch(x2, weight, None, y, dataclasses.replace(cfg, BLOCK_N=block_n), silu=True)
+        _tma_launch(x2, weight, None, y, cfg, silu=True)
         return y.view(*lead, D)
-    _bi_gemm_silu_kernel[(cdiv(M, cfg.BLOCK_M) * cdiv(D, block_n),)](
+    _bi_gemm_silu_kernel[(cdiv(M, cfg.BLOCK_M) * cdiv(D, cfg.BLOCK_N),)](
         x2, weight, y, M, D, K, x2.stride(0), weight.stride(0), y.stride(0), cfg.CHUNK_K,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         DOT_FP32=x.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
     return y.view(*lead, D)
+
+
+@functools.lru_cache(maxsize=256)
+def silu_launch_config(cfg: BiGemmConfig) -> BiGemmConfig:
+    """The one-launch MLP's configuration for a gate_up launch ``cfg`` (M's bucket of the [2D, K] weight): BLOCK_N
+    halved (at least 16) so a program covers as many columns, gate and up together, as the GEMM's. Cached: a
+    frozen configuration maps to one object, built once."""
+    return dataclasses.replace(cfg, BLOCK_N=max(16, cfg.BLOCK_N // 2))
 
 
 def tma_aligned(*tensors: torch.Tensor) -> bool:
@@ -764,4 +773,4 @@ __all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_BUCKETS", "E
            "TILE_FIELDS", "UNSPLIT",
            "bi_gemm", "bi_gemm_config", "bi_gemm_splits", "grouped_tile", "heuristic_buckets", "heuristic_config",
            "checked_operands", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache",
-           "silu_and_mul_bi", "tma_aligned", "uses_tma", "TILE_COUNTERS"]
+           "silu_and_mul_bi", "silu_launch_config", "tma_aligned", "uses_tma", "TILE_COUNTERS"]
