@@ -1200,6 +1200,25 @@ g_bi26() {  # issue #23, what the twenty-fourth session left: launches per M cho
   fi
 }
 
+g_bi26a() {  # issue #23, session 25, call 1: may the mode's decode steps take a smaller attention tile (bits of
+             # candidate tiles against the mode's own)? Launches per M chosen as the engine sees them (weights from
+             # HBM, gate_up with its SiLU: --cold-l2 --gate-up-silu), then W1 (two repeats) and W3 side by side with them
+  ensure_q05
+  step bi_tiles 90 20 bash -c "python benchmarks/kernels/bench_attention.py --bi-tiles --json '$OUT/bi_tiles.json' \
+    2>&1 | tail -45"
+  step bi_bucket05c "${BIBUCKET05_S:-250}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --keep-arith --cold-l2 --gate-up-silu --models qwen2.5-0.5b-shape --layers gate_up,qkv,o,down,lm_head \
+    --m 1,16,64,256,2048 --json "$OUT/bi_bucket05c.json" --buckets-out "$OUT/buckets05c.json"
+  if [ -s "$OUT/buckets05c.json" ]; then
+    for r in 1 2; do
+      HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets05c.json" bench_step "q05_W1_bi26_$r" 60 30 --workload W1 --model "$Q05" \
+        --sweep batch_invariant=false,true
+    done
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets05c.json" bench_step q05_W3_bi26 50 20 --workload W3 --model "$Q05" \
+      --sweep batch_invariant=false,true
+  fi
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

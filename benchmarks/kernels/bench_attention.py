@@ -18,6 +18,14 @@ captures); 'eager us' adds the Python launch cost. Needs CUDA (the Triton interp
 256 / 700 / 2048 / 4096 keys, SmolLM2-135M's heads (9 q / 3 kv, D 64) and Qwen2.5-7B's (28 / 4, D 128): the old
 choice (prefill tile, no split-KV: SHORT_QUERY_SPLIT off) vs the new one (short-query tile, split-KV), CUDA-graph
 replay µs and the speedup; about 30 s on an H200.
+
+    python benchmarks/kernels/bench_attention.py --bi-tiles [--json FILE]
+
+--bi-tiles (issue #23): batch-invariant mode runs one tile for prefill and decode (``batch_invariant_tile_config``:
+64 query rows x 64 keys). Decode steps with smaller tiles would be cheaper, but may keep the mode's bits only if a
+row's arithmetic does not depend on BLOCK_M or num_warps. For Qwen2.5-0.5B's and -7B's heads, decode batches of
+mixed context lengths: each candidate tile's output against the mode's own, bit for bit (and the largest
+difference), and its CUDA-graph replay µs next to the mode's and the default decode kernel's.
 """
 
 from __future__ import annotations
@@ -194,6 +202,61 @@ def bench_verify(block_size: int, dtype: torch.dtype, q_len: int = 5) -> list[di
     return rows
 
 
+BI_TILE_CANDIDATES = [  # (BLOCK_M, TILE_N, num_warps, num_stages); TILE_N 128 is the control: it must differ
+    (16, 64, 1, 2), (16, 64, 2, 2), (16, 64, 4, 2), (32, 64, 2, 2), (32, 64, 4, 2), (64, 64, 8, 2),
+    (64, 64, 4, 3), (16, 128, 4, 2)]
+
+
+def bench_bi_tiles(block_size: int, dtype: torch.dtype) -> list[dict]:
+    """Batch-invariant decode: candidate tiles' bits and µs against the mode's tile (see --bi-tiles)."""
+    rows = []
+    mode_cfg = pa.batch_invariant_tile_config
+    try:
+        for model, heads in ROPE_SHAPES.items():
+            group = heads[0] // heads[1]
+            d_pad = max(16, triton.next_power_of_2(heads[2]))
+            for R, lo, hi in ((64, 20, 2000), (256, 300, 900)):
+                gen = torch.Generator().manual_seed(R)
+                ctx = torch.randint(lo, hi, (R,), generator=gen).tolist()
+                batch = make_batch([1] * R, ctx, block_size, dtype, heads=heads)
+                pa.batch_invariant_tile_config = mode_cfg
+                paged_attention(**batch, batch_invariant=True)
+                ref = batch["out"].clone()
+                mode_us = 1e3 * triton.testing.do_bench_cudagraph(
+                    lambda: paged_attention(**batch, batch_invariant=True), rep=20, return_mode="median")
+                default_us = 1e3 * triton.testing.do_bench_cudagraph(
+                    lambda: paged_attention(**batch), rep=20, return_mode="median")
+                for block_m, tile_n, warps, stages in BI_TILE_CANDIDATES:
+                    cfg = dict(BLOCK_M=max(block_m, triton.next_power_of_2(group)), TILE_N=tile_n,
+                               num_warps=warps, num_stages=stages)
+                    cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
+                    pa.batch_invariant_tile_config = lambda *a, c=cfg: dict(c)
+                    batch["out"].zero_()
+                    paged_attention(**batch, batch_invariant=True)
+                    out = batch["out"].clone()
+                    us = 1e3 * triton.testing.do_bench_cudagraph(
+                        lambda: paged_attention(**batch, batch_invariant=True), rep=20, return_mode="median")
+                    rows.append(dict(model=model, R=R, ctx=f"{lo}-{hi}", mode_cfg=mode_cfg(group, d_pad, 2),
+                                     cfg=cfg, bits_equal=bool(torch.equal(out, ref)),
+                                     rows_differ=int((out != ref).any(-1).any(-1).sum()),
+                                     max_abs_diff=float((out.float() - ref.float()).abs().max()),
+                                     us=us, mode_us=mode_us, default_us=default_us))
+    finally:
+        pa.batch_invariant_tile_config = mode_cfg
+    return rows
+
+
+def print_bi_tiles_table(rows: list[dict]) -> None:
+    print(f"{'heads':<5} {'R':>4} {'ctx':>9} {'M x N / warps / stages':<24} {'bits':>5} {'rows!=':>6} "
+          f"{'max diff':>9} {'us':>7} {'mode us':>8} {'default':>8}")
+    for r in rows:
+        c = r["cfg"]
+        tile = f"{c['BLOCK_M']} x {c['TILE_N']} / {c['num_warps']} / {c['num_stages']}"
+        print(f"{r['model']:<5} {r['R']:>4} {r['ctx']:>9} {tile:<24} {'same' if r['bits_equal'] else 'DIFF':>5} "
+              f"{r['rows_differ']:>6} {r['max_abs_diff']:>9.2e} {r['us']:>7.1f} {r['mode_us']:>8.1f} "
+              f"{r['default_us']:>8.1f}")
+
+
 def print_verify_table(rows: list[dict]) -> None:
     print(f"{'heads':<11} {'R':>3} {'ctx':>5} {'q_len':>5} {'old us':>8} {'new us':>8} {'splits':>6} {'speedup':>8}")
     for r in rows:
@@ -234,9 +297,20 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--verify", action="store_true",
                         help="only the verify-step table (q_len 5): old choice vs short-query split-KV")
+    parser.add_argument("--bi-tiles", action="store_true",
+                        help="only batch-invariant decode: candidate tiles' bits and µs against the mode's tile")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU")
+    if args.bi_tiles:
+        rows = bench_bi_tiles(args.block_size, DTYPES[args.dtype])
+        print(f"# {torch.cuda.get_device_name()}  triton {triton.__version__}  {args.dtype} "
+              f"block_size={args.block_size}  batch-invariant decode tiles (CUDA-graph replay, median)")
+        print_bi_tiles_table(rows)
+        if args.json:
+            args.json.write_text(json.dumps(dict(setup=dict(device=torch.cuda.get_device_name(), dtype=args.dtype,
+                                                            block_size=args.block_size), rows=rows), indent=2))
+        return
     if args.verify:
         t0 = time.perf_counter()
         rows = bench_verify(args.block_size, DTYPES[args.dtype])
