@@ -1219,6 +1219,31 @@ g_bi26a() {  # issue #23, session 25, call 1: may the mode's decode steps take a
   fi
 }
 
+g_bi26b() {  # issue #23, session 25, call 2: the cold-L2 launches in BI_GEMM_BUCKETS and the small decode tile for
+             # large decode steps (BI_DECODE_MIN_PROGRAMS_PER_SM): their CUDA tests and the engine's bit grid (mode only,
+             # 0.5b), the tile probe with the engine's choice, then W1 (two repeats, both orders) and W3 side by side
+  ensure_q05
+  step bi_tests "${BITESTS_S:-150}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_batch_invariant_kernels.py tests/test_batch_invariant_cuda.py -m cuda 2>&1 | tail -25; \
+    python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_bi_gemm_cuda.py -k row_bits 2>&1 | tail -8"
+  step bi_tiles 60 20 bash -c "BI_TILE_QUICK=1 python benchmarks/kernels/bench_attention.py --bi-tiles \
+    --json '$OUT/bi_tiles.json' 2>&1 | tail -30"
+  bench_step q05_W1_bi26b_1 60 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
+  bench_step q05_W1_bi26b_2 60 30 --workload W1 --model "$Q05" --sweep batch_invariant=true,false
+  bench_step q05_W3_bi26b 50 20 --workload W3 --model "$Q05" --sweep batch_invariant=false,true
+  step bi_q05_grid "${BI_S:-200}" 60 bash -c "python benchmarks/batch_invariance.py '$Q05' --full --num-tokens 256 \
+    --mode batch_invariant --json '$OUT/bi_q05_grid.json' 2>&1 | tail -25"
+}
+
+g_bi26c() {  # issue #23, session 25, call 3: the 7b shape: the issue's bit grid in both modes, then W3 and W1 side by
+             # side (launches: heuristic_buckets, no measured table for the 7b shapes yet)
+  ensure_q7
+  step bi_q7_grid "${BI7_S:-300}" 60 bash -c "python benchmarks/batch_invariance.py '$Q7' --full --num-tokens 256 \
+    --json '$OUT/bi_q7_grid.json' 2>&1 | tail -40"
+  bench_step q7_W3_bi26c 90 30 --workload W3 --model "$Q7" --scale 0.5 --sweep batch_invariant=false,true
+  bench_step q7_W1_bi26c 120 30 --workload W1 --model "$Q7" --sweep batch_invariant=false,true
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -205,31 +206,41 @@ def bench_verify(block_size: int, dtype: torch.dtype, q_len: int = 5) -> list[di
 BI_TILE_CANDIDATES = [  # (BLOCK_M, TILE_N, num_warps, num_stages); TILE_N 128 is the control: it must differ
     (16, 64, 1, 2), (16, 64, 2, 2), (16, 64, 4, 2), (32, 64, 2, 2), (32, 64, 4, 2), (64, 64, 8, 2),
     (64, 64, 4, 3), (16, 128, 4, 2)]
+BI_TILE_BATCHES = ((64, 20, 2000), (128, 300, 900), (192, 300, 900), (256, 300, 900))  # (requests, context range)
+if os.environ.get("BI_TILE_QUICK"):   # device_run.sh's second look: one-warp tiles and the engine's choice only
+    BI_TILE_CANDIDATES = [(16, 64, 1, 2), (16, 64, 2, 2)]
 
 
 def bench_bi_tiles(block_size: int, dtype: torch.dtype) -> list[dict]:
     """Batch-invariant decode: candidate tiles' bits and µs against the mode's tile (see --bi-tiles)."""
     rows = []
     mode_cfg = pa.batch_invariant_tile_config
+    pinned = lambda group, d_pad, elem, *_: mode_cfg(group, d_pad, elem)  # noqa: E731  the mode's one tile
     try:
         for model, heads in ROPE_SHAPES.items():
             group = heads[0] // heads[1]
             d_pad = max(16, triton.next_power_of_2(heads[2]))
-            for R, lo, hi in ((64, 20, 2000), (256, 300, 900)):
+            for R, lo, hi in BI_TILE_BATCHES:
                 gen = torch.Generator().manual_seed(R)
                 ctx = torch.randint(lo, hi, (R,), generator=gen).tolist()
                 batch = make_batch([1] * R, ctx, block_size, dtype, heads=heads)
-                pa.batch_invariant_tile_config = mode_cfg
+                pa.batch_invariant_tile_config = pinned
                 paged_attention(**batch, batch_invariant=True)
                 ref = batch["out"].clone()
                 mode_us = 1e3 * triton.testing.do_bench_cudagraph(
                     lambda: paged_attention(**batch, batch_invariant=True), rep=20, return_mode="median")
                 default_us = 1e3 * triton.testing.do_bench_cudagraph(
                     lambda: paged_attention(**batch), rep=20, return_mode="median")
-                for block_m, tile_n, warps, stages in BI_TILE_CANDIDATES:
-                    cfg = dict(BLOCK_M=max(block_m, triton.next_power_of_2(group)), TILE_N=tile_n,
-                               num_warps=warps, num_stages=stages)
-                    cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                engine = mode_cfg(group, d_pad, batch["q"].element_size(), R * heads[1], sms)
+                for cand in [*BI_TILE_CANDIDATES, "engine"]:
+                    if cand == "engine":   # what paged_attention picks for this step (batch_invariant_tile_config)
+                        cfg = dict(engine)
+                    else:
+                        block_m, tile_n, warps, stages = cand
+                        cfg = dict(BLOCK_M=max(block_m, triton.next_power_of_2(group)), TILE_N=tile_n,
+                                   num_warps=warps, num_stages=stages)
+                        cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group
                     pa.batch_invariant_tile_config = lambda *a, c=cfg: dict(c)
                     batch["out"].zero_()
                     paged_attention(**batch, batch_invariant=True)
@@ -237,7 +248,7 @@ def bench_bi_tiles(block_size: int, dtype: torch.dtype) -> list[dict]:
                     us = 1e3 * triton.testing.do_bench_cudagraph(
                         lambda: paged_attention(**batch, batch_invariant=True), rep=20, return_mode="median")
                     rows.append(dict(model=model, R=R, ctx=f"{lo}-{hi}", mode_cfg=mode_cfg(group, d_pad, 2),
-                                     cfg=cfg, bits_equal=bool(torch.equal(out, ref)),
+                                     cfg=cfg, engine=cand == "engine", bits_equal=bool(torch.equal(out, ref)),
                                      rows_differ=int((out != ref).any(-1).any(-1).sum()),
                                      max_abs_diff=float((out.float() - ref.float()).abs().max()),
                                      us=us, mode_us=mode_us, default_us=default_us))
@@ -252,6 +263,7 @@ def print_bi_tiles_table(rows: list[dict]) -> None:
     for r in rows:
         c = r["cfg"]
         tile = f"{c['BLOCK_M']} x {c['TILE_N']} / {c['num_warps']} / {c['num_stages']}"
+        tile += " (engine)" if r.get("engine") else ""
         print(f"{r['model']:<5} {r['R']:>4} {r['ctx']:>9} {tile:<24} {'same' if r['bits_equal'] else 'DIFF':>5} "
               f"{r['rows_differ']:>6} {r['max_abs_diff']:>9.2e} {r['us']:>7.1f} {r['mode_us']:>8.1f} "
               f"{r['default_us']:>8.1f}")

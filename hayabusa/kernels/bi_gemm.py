@@ -152,31 +152,29 @@ def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False
 
 
 # (N, K) -> ((largest M, the launch's TILE_FIELDS), ...), M ascending; the last bucket also takes every larger M.
-# Measured on an H200 (BENCHMARKS.md "twenty-third session" and "twenty-fourth session"), each at the shape's own
-# BLOCK_K / CHUNK_K (BI_GEMM_TABLE's); us per launch, this launch / cuBLAS, in the comments:
-# - up to 16 rows (decode): `bench_bi_gemm.py --bucket-sweep` of commit 789ed26, then W3 with these launches (1.13 ms
-#   a token against 1.35 with one launch per shape, commits e51c98d / 273592c); gate_up keeps 128 columns here, as
-#   the one-launch MLP (silu_and_mul_bi) halves them per half: with 32 (the GEMM alone's best) W3 took 1.165 ms;
-# - above 16 rows: `--bucket-sweep --keep-arith` of commit b78db33, the persistent TMA kernel (tma=True) among the
-#   candidates from 64 rows on: it won every shape from 256 rows on (64 on gate_up and lm_head).
+# Measured on an H200 (BENCHMARKS.md "twenty-fifth session"), each at the shape's own BLOCK_K / CHUNK_K
+# (BI_GEMM_TABLE's): `bench_bi_gemm.py --bucket-sweep --keep-arith --cold-l2 --gate-up-silu` of commit 50b9d14, which
+# times each launch as the engine runs it: the weight read from HBM (L2 flushed between replays; the twenty-fourth
+# session's sweep replayed one weight out of L2, and its launches took 1.8x their sweep times in the engine), and
+# gate_up with its SiLU-and-mul (silu_and_mul_bi, BLOCK_N halved per half). The persistent TMA kernel (tma=True) is
+# a candidate from 64 rows on. With these launches W3 took 1.03 ms a token against the default's 0.95 (0.92x; the
+# last session's launches: 1.11 against 0.95). us per launch, this launch / cuBLAS (gate_up: + torch's SiLU-and-mul
+# not counted), cold L2:
 BI_GEMM_BUCKETS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
-    # qkv: M=1 3.7 / 3.9, M=64 3.7 / 3.8, M=256 4.0 / 4.2, M=2048 11.9 / 9.4 (the pointer kernel's best: 17.4)
-    (1152, 896): ((1, _tile(16, 32)), (16, _tile(64, 32, stages=4)), (64, _tile(64, 32)),
-                  (256, _tile(64, 64, tma=True)), (NO_BOUND, _tile(64, 128, stages=4, tma=True))),
-    # o_proj: M=1 3.7 / 4.4, M=64 3.6 / 3.6, M=256 3.6 / 4.1, M=2048 7.8 / 7.0 (pointer: 10.3)
-    (896, 896): ((1, _tile(16, 32, stages=4)), (64, _tile(64, 32)), (256, _tile(64, 64, stages=4, tma=True)),
-                 (NO_BOUND, _tile(128, 128, 8, tma=True))),
-    # gate_up: M=1 5.6 / 5.1 (23rd session), M=64 5.3 / 5.7, M=256 12.0 / 9.6 (pointer: 15.3),
-    # M=2048 55.5 / 55.8 (pointer: 92.7)
-    (9728, 896): ((16, _tile(16, 128)), (256, _tile(64, 128, stages=4, tma=True)),
+    # qkv: M=1 4.3 / 4.4, M=16 4.2 / 4.6, M=64 4.4 / 4.7, M=256 5.2 / 5.2, M=2048 12.6 / 10.2
+    (1152, 896): ((1, _tile(16, 32, stages=4)), (64, _tile(64, 32, stages=4)),
+                  (256, _tile(64, 64, stages=4, tma=True)), (NO_BOUND, _tile(64, 128, stages=4, tma=True))),
+    # o_proj: M=1 4.1 / 4.7, M=16 4.1 / 4.3, M=64 4.2 / 4.3, M=256 4.3 / 4.7, M=2048 8.9 / 7.3
+    (896, 896): ((64, _tile(16, 32, stages=4)), (256, _tile(64, 32, stages=4)),
+                 (NO_BOUND, _tile(64, 128, stages=4, tma=True))),
+    # gate_up + SiLU: M=1 7.6 / 9.1, M=16 7.8 / 9.4, M=64 9.1 / 10.0, M=256 16.8 / 13.7, M=2048 74.3 / 72.8
+    (9728, 896): ((16, _tile(16, 64, stages=4)), (64, _tile(64, 64, stages=4)), (256, _tile(64, 128, stages=4)),
                   (NO_BOUND, _tile(128, 256, 8, tma=True))),
-    # down: M=1 6.3 / 6.8, M=16 5.7 / 6.8, M=64 6.1 / 7.2, M=256 11.0 / 9.6 (split, the pointer kernel),
-    # M=2048 32.9 / 24.5 (pointer: 41.7)
-    (896, 4864): ((1, _tile(16, 32, split=True)), (16, _tile(64, 32, split=True)), (64, _tile(64, 32, 4, 4, True)),
-                  (256, _tile(64, 128, 8, split=True)), (NO_BOUND, _tile(128, 128, 8, tma=True))),
-    # lm_head: up to 16 rows 16 x 128 (what W3 ran; 64.0 / 65.4 at M=1 with 16 x 64), M=64 72.0 / 75.0,
-    # M=256 123.5 / 107.5 (pointer: 188), M=2048 892 / 901 (pointer: 1,379)
-    (151936, 896): ((16, _tile(16, 128)), (64, _tile(64, 128, stages=4, tma=True)),
+    # down: M=1 6.8 / 8.1, M=16 6.9 / 8.4, M=64 7.3 / 8.7, M=256 11.7 / 10.6 (split), M=2048 34.1 / 26.2
+    (896, 4864): ((1, _tile(16, 32, stages=4, split=True)), (64, _tile(64, 32, stages=4, split=True)),
+                  (256, _tile(64, 128, stages=4, split=True)), (NO_BOUND, _tile(128, 128, 8, tma=True))),
+    # lm_head: M=1 65.4 / 67.5, M=16 68.5 / 71.3, M=64 73.9 / 76.9, M=256 125.1 / 125.3, M=2048 803 / 883
+    (151936, 896): ((16, _tile(16, 64)), (64, _tile(64, 128, stages=4, tma=True)),
                     (NO_BOUND, _tile(128, 256, 8, tma=True))),
 }
 

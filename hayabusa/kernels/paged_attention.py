@@ -372,17 +372,37 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int, sho
                 num_stages=num_stages)
 
 
-def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int) -> dict:
-    """The one tile configuration of batch-invariant mode (``batch_invariant=True``): the same for prefill
-    chunks and decode, a function of the model's head shape only. Every query row then walks its keys in TILE_N
-    tiles from position 0 with the same tl.dot shapes and the same online-softmax steps (every tile through the
-    masked loop body: ALL_MASKED); tiles a row cannot see (past its position, or before its window) add exact
-    zeros (p = 0, alpha = 1), so whether the tile is visited (which depends on the other rows of the query tile)
-    changes nothing."""
-    block_m = max(64, next_power_of_2(group))
+# Batch-invariant decode tile (issue #23): a decode-only step (max_query_len 1) whose grid has at least
+# BI_DECODE_MIN_PROGRAMS_PER_SM programs (requests x KV heads) per SM, on heads of d_pad <= 64 and GQA groups up to
+# 16, takes 16 query rows and one warp instead of the mode's 64 rows and 4 warps, at the same TILE_N. Measured on an
+# H200 (bench_attention.py --bi-tiles, commit 50b9d14, BENCHMARKS.md "twenty-fifth session"): a row's output under
+# 16 x 64 / 1 warp equals the mode tile's to the bit in 320 of 320 rows of Qwen2.5-0.5B's heads (D 64) and 7B's
+# (D 128); with 2 or 4 warps some rows differ (up to 5 of 256: the warps split the key tile, so a row's sums are
+# added in another order). Speed, µs per layer: 0.5B heads at 256 requests (512 programs), contexts 300-900,
+# 43.2 -> 32.7 (the default decode kernel: 32.3); at 64 requests (128 programs), contexts 20-2,000, 40.5 -> 46.6,
+# slower: too few programs. 7B heads: 114.6 -> 150.8 at 256 requests, slower: one warp holds a [16, 128] fp32
+# accumulator and loads 128-wide rows alone; so D 128 keeps the mode's tile.
+BI_DECODE_MIN_PROGRAMS_PER_SM = 2
+
+
+def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int, decode_programs: int = 0,
+                                num_sms: int = 0) -> dict:
+    """The tile configuration of batch-invariant mode (``batch_invariant=True``): the same for prefill chunks and
+    decode, a function of the model's head shape only. Every query row then walks its keys in TILE_N tiles from
+    position 0 with the same tl.dot shapes and the same online-softmax steps (every tile through the masked loop
+    body: ALL_MASKED); tiles a row cannot see (past its position, or before its window) add exact zeros (p = 0,
+    alpha = 1), so whether the tile is visited (which depends on the other rows of the query tile) changes nothing.
+
+    ``decode_programs`` (a decode-only step's requests x KV heads; 0 for any other step) and ``num_sms``: a decode
+    step with at least BI_DECODE_MIN_PROGRAMS_PER_SM programs per SM on small heads takes the 16-row, one-warp tile
+    that was measured to give every row the same bits (see BI_DECODE_MIN_PROGRAMS_PER_SM); host ints only, so a
+    CUDA graph's capture and replay agree."""
     tile_n = 64
     while tile_n > 16 and 2 * tile_n * d_pad * elem_size * 2 > 160 * 1024:
         tile_n //= 2
+    if 0 < num_sms * BI_DECODE_MIN_PROGRAMS_PER_SM <= decode_programs and d_pad <= 64 and group <= 16:
+        return dict(BLOCK_M=16, BLOCK_Q=16 // group, TILE_N=tile_n, num_warps=1, num_stages=2)
+    block_m = max(64, next_power_of_2(group))
     return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n,
                 num_warps=8 if block_m * d_pad >= 64 * 256 else 4, num_stages=2)
 
@@ -421,9 +441,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         position_bias: [H, L] fp32 contiguous (T5's relative position bias): bias[h, p - j] is added to the
             score of query head h at position p and key j (before the softmax; distances >= L use column L - 1).
             Not combined with softcap. None = none.
-        batch_invariant: one tile configuration for every step (``batch_invariant_tile_config``) and no split-KV
-            (num_kv_splits ignored): a query row's output bits depend only on its request's queries' positions and
-            K/V, not on the other requests nor on how its prompt was chunked.
+        batch_invariant: one tile configuration for every step (``batch_invariant_tile_config``; large decode
+            steps on small heads a smaller tile measured to give the same bits) and no split-KV (num_kv_splits
+            ignored): a query row's output bits depend only on its request's queries' positions and K/V, not on
+            the other requests nor on how its prompt was chunked.
     Raises:
         ValueError: on a shape, dtype, stride or device mismatch.
     The grid depends only on (num_seqs, max_query_len, H_kv, num_kv_splits), all per-request lengths are read
@@ -442,7 +463,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     d_pad = max(16, next_power_of_2(D))
     short_query = not batch_invariant and is_short_query(max_query_len, H // H_kv, R * H_kv)
     if batch_invariant:
-        cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size())
+        decode = max_query_len == 1 and q.device.type == "cuda"
+        cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size(), R * H_kv if decode else 0,
+                                          _num_sms(q.device) if decode else 0)
     else:
         cfg = _tile_config(max_query_len, H // H_kv, d_pad, q.element_size(), short_query)
     num_q_tiles = cdiv(max_query_len, cfg["BLOCK_Q"])

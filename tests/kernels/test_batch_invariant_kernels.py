@@ -244,3 +244,68 @@ def test_cpu_attention_rows_identical_at_every_chunk_split():
     full = run(q, 31)
     for cut in range(1, 31):
         assert torch.equal(torch.cat([run(q[:cut], cut), run(q[cut:], 31)]), full), cut
+
+
+def test_bi_decode_tile_rule():
+    """Which steps take the mode's small decode tile: decode-only steps with at least BI_DECODE_MIN_PROGRAMS_PER_SM
+    programs per SM, heads of d_pad <= 64, GQA groups up to 16; everything else the one mode tile."""
+    from hayabusa.kernels import paged_attention as pa
+
+    sms, need = 132, 132 * pa.BI_DECODE_MIN_PROGRAMS_PER_SM
+    mode = pa.batch_invariant_tile_config(7, 64, 2)
+    assert (mode["BLOCK_M"], mode["num_warps"]) == (64, 4)
+    small = pa.batch_invariant_tile_config(7, 64, 2, need, sms)
+    assert (small["BLOCK_M"], small["BLOCK_Q"], small["num_warps"]) == (16, 2, 1)
+    assert small["TILE_N"] == mode["TILE_N"]           # the key tiles (the online softmax's steps) stay
+    assert pa.batch_invariant_tile_config(7, 64, 2, need - 1, sms) == mode
+    assert pa.batch_invariant_tile_config(7, 128, 2, 10 * need, sms) == pa.batch_invariant_tile_config(7, 128, 2)
+    assert pa.batch_invariant_tile_config(32, 64, 2, 10 * need, sms) == pa.batch_invariant_tile_config(32, 64, 2)
+    assert pa.batch_invariant_tile_config(7, 64, 2, 10 * need, 0) == mode   # no SM count (CPU): never
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the small tile is chosen on CUDA only)")
+@pytest.mark.parametrize("heads", [(14, 2, 64), (8, 2, 64), (9, 3, 64), (16, 16, 64), (28, 4, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bi_decode_tile_rows_equal_mixed_step_rows(heads, dtype):
+    """The mode's large decode steps take a smaller tile (BI_DECODE_MIN_PROGRAMS_PER_SM); a decode row must keep
+    the bits it gets when the same query runs in a step with a prefill (the mode's one tile): R requests of random
+    contexts (1-1,500 keys) as a decode-only step, then the same R queries with one 20-token prompt after them."""
+    from hayabusa.kernels import paged_attention as pa
+
+    H, H_kv, D = heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    R = -(-sms * pa.BI_DECODE_MIN_PROGRAMS_PER_SM // H_kv) + 5
+    gen = torch.Generator().manual_seed(H * D)
+    seq_lens = torch.randint(1, 1500, (R,), generator=gen).tolist() + [20]
+    need = [-(-s // BS) for s in seq_lens]
+    table = torch.zeros(R + 1, max(need), dtype=torch.int32)
+    perm = torch.randperm(sum(need), generator=gen).to(torch.int32)
+    off = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[off:off + n]
+        off += n
+    k_cache = torch.randn(sum(need), BS, H_kv, D, generator=gen).to(dtype).cuda()
+    v_cache = torch.randn(sum(need), BS, H_kv, D, generator=gen).to(dtype).cuda()
+    q = torch.randn(R + 20, H, D, generator=gen).to(dtype).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    table = table.cuda()
+
+    def run(num_seqs: int, max_query_len: int) -> torch.Tensor:
+        q_lens = [1] * R + [20][: num_seqs - R]
+        qsl = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+        out = torch.zeros(sum(q_lens), H, D, dtype=dtype, device="cuda")
+        pa.paged_attention(q[: sum(q_lens)], k_cache, v_cache, out, qsl, lens[:num_seqs], table[:num_seqs],
+                           D ** -0.5, max_query_len, batch_invariant=True)
+        return out[:R]
+
+    small = H_kv * R >= sms * pa.BI_DECODE_MIN_PROGRAMS_PER_SM and D <= 64 and H // H_kv <= 16
+    cfg = pa.batch_invariant_tile_config(H // H_kv, max(16, D), 2, R * H_kv, sms)
+    assert (cfg["BLOCK_M"] == 16) == small
+    decode, mixed = run(R, 1), run(R + 1, 20)
+    differ = (decode != mixed).flatten(1).any(1)
+    assert not differ.any(), f"{int(differ.sum())} of {R} decode rows differ from the mixed step's ({cfg})"
+    ref = torch.empty_like(decode)
+    pa.paged_attention_ref(q[:R], k_cache, v_cache, ref, torch.arange(R + 1, dtype=torch.int32, device="cuda"),
+                           lens[:R], table[:R], D ** -0.5, 1)
+    torch.testing.assert_close(decode.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
