@@ -1244,6 +1244,14 @@ g_bi26c() {  # issue #23, session 25, call 3: the 7b shape: the issue's bit grid
   bench_step q7_W1_bi26c 120 30 --workload W1 --model "$Q7" --sweep batch_invariant=false,true
 }
 
+g_bi26d() {  # issue #23, session 25, call 4: the GEMM's row-bits tests with the new launches (BI_GEMM_BUCKETS of
+             # 04408ba; the 7b shapes' heuristic_buckets now TMA from 257 rows), then the 7b W1 side by side
+  step bi_tests "${BITESTS_S:-140}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_bi_gemm_cuda.py -k 'row_bits or silu' 2>&1 | tail -12"
+  ensure_q7
+  bench_step q7_W1_bi26d 90 40 --workload W1 --model "$Q7" --sweep batch_invariant=false,true
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi

@@ -375,14 +375,16 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int, sho
 # Batch-invariant decode tile (issue #23): a decode-only step (max_query_len 1) whose grid has at least
 # BI_DECODE_MIN_PROGRAMS_PER_SM programs (requests x KV heads) per SM, on heads of d_pad <= 64 and GQA groups up to
 # 16, takes 16 query rows and one warp instead of the mode's 64 rows and 4 warps, at the same TILE_N. Measured on an
-# H200 (bench_attention.py --bi-tiles, commit 50b9d14, BENCHMARKS.md "twenty-fifth session"): a row's output under
-# 16 x 64 / 1 warp equals the mode tile's to the bit in 320 of 320 rows of Qwen2.5-0.5B's heads (D 64) and 7B's
-# (D 128); with 2 or 4 warps some rows differ (up to 5 of 256: the warps split the key tile, so a row's sums are
-# added in another order). Speed, µs per layer: 0.5B heads at 256 requests (512 programs), contexts 300-900,
-# 43.2 -> 32.7 (the default decode kernel: 32.3); at 64 requests (128 programs), contexts 20-2,000, 40.5 -> 46.6,
-# slower: too few programs. 7B heads: 114.6 -> 150.8 at 256 requests, slower: one warp holds a [16, 128] fp32
-# accumulator and loads 128-wide rows alone; so D 128 keeps the mode's tile.
-BI_DECODE_MIN_PROGRAMS_PER_SM = 2
+# H200 (bench_attention.py --bi-tiles, commits 50b9d14 / 04408ba, BENCHMARKS.md "twenty-fifth session"):
+# - bits: a row's output under 16 x 64 / 1 warp equals the mode tile's in every row (1,280 rows: Qwen2.5-0.5B's
+#   heads, D 64, and 7B's, D 128; 64-256 requests); with 2 or 4 warps some rows differ on 7B's heads (up to 5 of
+#   256: the warps split the key tile, so a row's sums are added in another order);
+# - µs per layer, 0.5B heads: 256 requests (512 programs), contexts 300-900: 43.2 -> 32.7 (the default decode
+#   kernel: 32.3); 192 requests (384 programs) 30.4 -> 31.3 and 128 requests 25.4 -> 24.9 (even); 64 requests,
+#   contexts 20-2,000: 40.5 -> 46.6 (too few programs). Hence 3 programs per SM;
+# - 7B heads: 114.6 -> 150.8 at 256 requests: one warp holds a [16, 128] fp32 accumulator and loads 128-wide rows
+#   alone; so D 128 keeps the mode's tile.
+BI_DECODE_MIN_PROGRAMS_PER_SM = 3
 
 
 def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int, decode_programs: int = 0,
