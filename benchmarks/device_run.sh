@@ -1244,12 +1244,21 @@ g_bi26c() {  # issue #23, session 25, call 3: the 7b shape: the issue's bit grid
   bench_step q7_W1_bi26c 120 30 --workload W1 --model "$Q7" --sweep batch_invariant=false,true
 }
 
-g_bi26d() {  # issue #23, session 25, call 4: the GEMM's row-bits tests with the new launches (BI_GEMM_BUCKETS of
-             # 04408ba; the 7b shapes' heuristic_buckets now TMA from 257 rows), then the 7b W1 side by side
-  step bi_tests "${BITESTS_S:-140}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
+g_bi27() {  # issue #23, what the twenty-fifth session left: the GEMM's row-bits tests with BI_GEMM_BUCKETS of 04408ba
+            # (call 2 ran out of time before them), the 7b shapes' launches swept as the engine sees them, then the
+            # 7b W1 / W3 side by side with them (the 7b W1 in the mode was 0.665x with heuristic_buckets)
+  step bi_tests "${BITESTS_S:-150}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
     tests/kernels/test_bi_gemm_cuda.py -k 'row_bits or silu' 2>&1 | tail -12"
+  step bi_bucket7c "${BIBUCKET7_S:-240}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
+    --keep-arith --cold-l2 --gate-up-silu --models qwen2.5-7b-shape --layers "${BIBUCKET7_LAYERS:-gate_up,down,o,qkv}" \
+    --m 1,16,64,256,2048 --json "$OUT/bi_bucket7c.json" --buckets-out "$OUT/buckets7c.json"
   ensure_q7
-  bench_step q7_W1_bi26d 90 40 --workload W1 --model "$Q7" --sweep batch_invariant=false,true
+  if [ -s "$OUT/buckets7c.json" ]; then
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets7c.json" bench_step q7_W1_bi27 90 40 --workload W1 --model "$Q7" \
+      --sweep batch_invariant=false,true
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets7c.json" bench_step q7_W3_bi27 90 30 --workload W3 --model "$Q7" --scale 0.5 \
+      --sweep batch_invariant=false,true
+  fi
 }
 
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}

@@ -183,11 +183,9 @@ def heuristic_buckets(cfg: BiGemmConfig, hopper: bool) -> tuple[tuple[int, dict]
     """Launches per M for a shape without measured buckets, around its configuration ``cfg``: 16-row tiles up to
     M = 16 (a decode step's rows; the 64-row tile there is 3/4 masked), ``cfg``'s tile up to 256, and 128 x 128 tiles
     of 8 warps above that on compute capability 9.0+ (``hopper``), where every measured shape's prefill chose them
-    (their shared memory, 2 x 128 x BLOCK_K x 2 bytes a stage, is what other GPUs may not have), through the
-    persistent TMA kernel (the same bits as the pointer kernel's unsplit launch; on the 0.5b shapes it won every
-    launch from 256 rows on: BI_GEMM_BUCKETS)."""
+    (their shared memory, 2 x 128 x BLOCK_K x 2 bytes a stage, is what other GPUs may not have)."""
     small = dict(BLOCK_M=16, num_warps=4)
-    big = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, TMA=True) if hopper and cfg.BLOCK_K <= 64 else {}
+    big = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8) if hopper and cfg.BLOCK_K <= 64 else {}
     return ((16, small), (256, {}), (NO_BOUND, big))
 
 

@@ -349,7 +349,7 @@ def test_heuristic_buckets_keep_small_memory_off_hopper():
     prefill-sized M gets them when BLOCK_K is 64."""
     cfg = bg.heuristic_config(3584, 18944, 132)
     assert all(t.get("BLOCK_M", cfg.BLOCK_M) <= 64 for _, t in bg.heuristic_buckets(cfg, hopper=False))
-    assert bg.heuristic_buckets(cfg, hopper=True)[-1][1] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, TMA=True)
+    assert bg.heuristic_buckets(cfg, hopper=True)[-1][1] == dict(BLOCK_M=128, BLOCK_N=128, num_warps=8)
     assert bg.heuristic_buckets(cfg, hopper=True)[0][1]["BLOCK_M"] == 16
 
 
