@@ -1254,11 +1254,15 @@ g_bi27() {  # issue #23, what the twenty-fifth session left: the GEMM's row-bits
     --m 1,16,64,256,2048 --json "$OUT/bi_bucket7c.json" --buckets-out "$OUT/buckets7c.json"
   ensure_q7
   if [ -s "$OUT/buckets7c.json" ]; then
-    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets7c.json" bench_step q7_W1_bi27 90 40 --workload W1 --model "$Q7" \
-      --sweep batch_invariant=false,true
+    HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets7c.json" bench_step q7_W1_bi27 120 40 --workload W1 --model "$Q7" \
+      --repeats 3 --sweep batch_invariant=false,true
     HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets7c.json" bench_step q7_W3_bi27 90 30 --workload W3 --model "$Q7" --scale 0.5 \
       --sweep batch_invariant=false,true
   fi
+  # the 0.5b W1, five timed runs per engine (bench --repeats), both orders
+  ensure_q05
+  bench_step q05_W1_bi27_1 70 30 --workload W1 --model "$Q05" --repeats 5 --sweep batch_invariant=false,true
+  bench_step q05_W1_bi27_2 70 30 --workload W1 --model "$Q05" --repeats 5 --sweep batch_invariant=true,false
 }
 
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}

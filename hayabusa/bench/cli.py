@@ -34,6 +34,17 @@ from hayabusa.envs import parse_switch
 HF_ONLY_KEYS = ("hf_batch_size",)
 
 
+def _positive_int(s: str) -> int:
+    """argparse type of --repeats: an int >= 1, else argparse's usage error naming the value."""
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an int >= 1")
+    return v
+
+
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", help=f"comma-separated: {', '.join(WORKLOADS)} (see --list)")
     p.add_argument("--model", help="checkpoint folder (make one with --make-model SHAPE DIR)")
@@ -55,6 +66,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ceilings-from", metavar="FILE",
                    help="reuse ceilings from a JSON file written by an earlier --ceilings --json run")
     p.add_argument("--no-warmup", action="store_true", help="time the very first requests too")
+    p.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
+                   help="time each hayabusa run N times on one engine (prefix cache reset between runs) and record "
+                        "the median run, with every run's throughput in extra.repeat_output_throughput (default 1; "
+                        "HF baseline runs are timed once)")
     p.add_argument("--structured-output", choices=("json",), default=None,
                    help="json: constrain every request to the bundled receipt JSON schema (needs the model's "
                         "tokenizer, or --tokenizer DIR, and xgrammar)")
@@ -199,7 +214,8 @@ def _run_one(ns: argparse.Namespace, engine: str, workload: Workload, variant: d
         return res, hf_args
     args = _engine_args(ns, workload, variant)
     return run_hayabusa(ns.model, workload, args, warmup=not ns.no_warmup, use_tqdm=tqdm_on,
-                        structured_output=getattr(ns, "structured_output", None)), args
+                        structured_output=getattr(ns, "structured_output", None),
+                        repeats=getattr(ns, "repeats", 1)), args
 
 
 HAYABUSA_ONLY_FLAGS = ("quantization", "kv_cache_dtype")
@@ -230,8 +246,16 @@ def _summary(rec: dict[str, Any]) -> str:
             f"{rec['total_throughput']:.1f} total tok/s, TTFT {ttft}, TPOT {tpot}, "
             f"{rec['elapsed_s']:.2f} s, startup {rec['startup_s']:.2f} s"
             + (f", {100 * frac:.1f}% of {rec['ceiling_kind']} ceiling" if frac is not None else "")
-            + _spec_summary(rec.get("extra") or {}) + _tier_summary(rec)
+            + _repeats_summary(rec.get("extra") or {}) + _spec_summary(rec.get("extra") or {}) + _tier_summary(rec)
             + _host_summary(rec.get("extra") or {}, on_cpu=rec.get("gpu") == "cpu"))
+
+
+def _repeats_summary(extra: dict[str, Any]) -> str:
+    """', median of N runs (out tok/s A, B, C)' for a run timed --repeats N > 1 times, else ''."""
+    tps = extra.get("repeat_output_throughput")
+    if not tps:
+        return ""
+    return f", median of {len(tps)} runs (out tok/s {', '.join(f'{t:.1f}' for t in tps)})"
 
 
 def _spec_summary(extra: dict[str, Any]) -> str:

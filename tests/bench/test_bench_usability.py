@@ -246,3 +246,38 @@ def test_a_switch_in_a_sweep_takes_only_on_off_values(tiny_bench_model, capsys, 
     err = capsys.readouterr().err
     assert f"{value!r} is not a valid batch_invariant (expected 1 / true / yes / on or 0 / false / no / off)" in err
     assert "Traceback" not in err
+
+
+def test_repeats_time_the_workload_n_times_on_one_engine_and_record_the_median(tiny_bench_model):
+    """--repeats 3: three timed runs on one engine; the record is the median run, every run's throughput is kept, and
+    the prefix cache is reset between runs (W1's prompts are unique: without the reset the second and third runs
+    would hit the first's cached prompts)."""
+    w = get_workload("W1", 0.1)        # 25 prompts of 51 tokens: three full 16-token blocks each to cache
+    assert min(len(r.prompt_token_ids) for r in w.requests) >= 32
+    args = {**w.engine_defaults, "device": "cpu", "skip_tokenizer_init": True, "dtype": "float32",
+            "enable_prefix_caching": True}
+    res = run_hayabusa(tiny_bench_model, w, args, use_tqdm=False, repeats=3)
+    x = res.extra
+    assert x["repeats"] == 3 and len(x["repeat_elapsed_s"]) == len(x["repeat_output_throughput"]) == 3
+    assert round(res.elapsed_s, 6) == sorted(x["repeat_elapsed_s"])[1]
+    tokens = sum(r.max_tokens for r in w.requests)
+    assert res.output_tokens == tokens
+    for e, tps in zip(x["repeat_elapsed_s"], x["repeat_output_throughput"]):
+        assert tps == pytest.approx(tokens / e, rel=1e-3)
+    assert x["prefix_cache_hit_rate"] < 0.05, x["prefix_cache_hit_rate"]
+    assert x["timed_steps"] > 0
+    with pytest.raises(ValueError, match="repeats=0"):
+        run_hayabusa(tiny_bench_model, w, args, use_tqdm=False, repeats=0)
+
+
+def test_repeats_flag_in_the_record_and_the_line(tmp_path, tiny_bench_model, capsys):
+    path = tmp_path / "out.json"
+    assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--scale", "0.02", "--device", "cpu",
+                     "--no-tqdm", "--json", str(path), "--repeats", "2"]) == 0
+    rec, = json.loads(path.read_text())
+    tps = rec["extra"]["repeat_output_throughput"]
+    assert rec["extra"]["repeats"] == 2 and len(tps) == 2
+    assert rec["output_throughput"] == pytest.approx(max(tps), rel=1e-3)   # even N: the lower middle time
+    assert f", median of 2 runs (out tok/s {tps[0]:.1f}, {tps[1]:.1f})" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["--workload", "W1", "--model", tiny_bench_model, "--repeats", "0"])
