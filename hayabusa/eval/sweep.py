@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hayabusa.config import EngineArgs
+from hayabusa.envs import parse_switch
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.eval import report, tasks
 from hayabusa.eval.data import EvalItem
@@ -58,8 +59,9 @@ def parse_sweeps(specs: list[str] | None) -> list[dict[str, Any]]:
     """["max_num_seqs=1,16", "enforce_eager=true,false"] -> the grid of overrides ([{}] without sweeps).
 
     Raises:
-        HayabusaValidationError: a spec without "=", no values, or a key that is neither an engine argument nor
-            a sampling parameter.
+        HayabusaValidationError: a spec without "=", no values, a key that is neither an engine argument nor
+            a sampling parameter, or a switch's value that is not on / off (1 / true / yes / on, 0 / false / no /
+            off, or none for the engine's default).
     """
     axes: list[tuple[str, list[Any]]] = []
     for spec in specs or []:
@@ -73,9 +75,11 @@ def parse_sweeps(specs: list[str] | None) -> list[dict[str, Any]]:
                 f"--sweep key {key!r} is neither an engine argument nor a sampling parameter. Engine: "
                 f"{', '.join(sorted(ENGINE_KEYS))}. Sampling: {', '.join(sorted(SAMPLING_KEYS))}.",
                 parameter="sweep", value=key)
-        vals = [parse_value(v) for v in values.split(",") if v.strip()]
-        if key in BOOL_KEYS:
-            vals = [bool(v) if type(v) is int and v in (0, 1) else v for v in vals]
+        if key in BOOL_KEYS:   # on / off as the environment variables take them; none = the engine's default
+            vals = [None if v.strip().lower() in ("none", "null") else parse_switch(v, "sweep", f"--sweep {key}")
+                    for v in values.split(",") if v.strip()]
+        else:
+            vals = [parse_value(v) for v in values.split(",") if v.strip()]
         if not vals:
             raise HayabusaValidationError(f"--sweep {spec!r} has no values.", parameter="sweep", value=spec)
         axes.append((key, vals))

@@ -121,10 +121,14 @@ def test_parse_sweeps_is_a_grid():
     assert parse_value("off") is False and parse_value("0.7") == 0.7 and parse_value("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="neither an engine argument nor a sampling parameter"):
         parse_sweeps(["max_num_seq=1"])
-    # a switch's 1 / 0 means on / off (as HAYABUSA_BATCH_INVARIANT=1 does); other values pass through to be refused
-    assert parse_sweeps(["batch_invariant=1,0,2", "ignore_eos=0"]) == [
+    # a switch takes the environment variables' spellings (as HAYABUSA_BATCH_INVARIANT=1 does), none = default
+    assert parse_sweeps(["batch_invariant=1,Off,none", "ignore_eos=0"]) == [
         {"batch_invariant": True, "ignore_eos": False}, {"batch_invariant": False, "ignore_eos": False},
-        {"batch_invariant": 2, "ignore_eos": False}]
+        {"batch_invariant": None, "ignore_eos": False}]
+    # anything else is refused before any run, naming the flag and listing the spellings (bench --sweep does too)
+    for bad in ("batch_invariant=true,nope", "batch_invariant=2", "enforce_eager=maybe"):
+        with pytest.raises(ValueError, match=r"--sweep \w+='(nope|2|maybe)': use 1 / true / yes / on"):
+            parse_sweeps([bad])
     assert parse_sweeps(["max_num_seqs=1"]) == [{"max_num_seqs": 1}]          # an int argument keeps its 1
 
 
