@@ -266,11 +266,12 @@ def test_bi_decode_tile_rule():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the small tile is chosen on CUDA only)")
 @pytest.mark.parametrize("heads", [(14, 2, 64), (8, 2, 64), (9, 3, 64), (16, 16, 64), (28, 4, 128)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_bi_decode_tile_rows_equal_mixed_step_rows(heads, dtype):
+@pytest.mark.parametrize("dtype,kv_fp8", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
+def test_bi_decode_tile_rows_equal_mixed_step_rows(heads, dtype, kv_fp8):
     """The mode's large decode steps take a smaller tile (BI_DECODE_MIN_PROGRAMS_PER_SM); a decode row must keep
     the bits it gets when the same query runs in a step with a prefill (the mode's one tile): R requests of random
-    contexts (1-1,500 keys) as a decode-only step, then the same R queries with one 20-token prompt after them."""
+    contexts (1-1,500 keys) as a decode-only step, then the same R queries with one 20-token prompt after them.
+    kv_fp8: an fp8 e4m3 KV cache (kv_cache_dtype="fp8"), which the mode accepts."""
     from hayabusa.kernels import paged_attention as pa
 
     H, H_kv, D = heads
@@ -285,8 +286,9 @@ def test_bi_decode_tile_rows_equal_mixed_step_rows(heads, dtype):
     for i, n in enumerate(need):
         table[i, :n] = perm[off:off + n]
         off += n
-    k_cache = torch.randn(sum(need), BS, H_kv, D, generator=gen).to(dtype).cuda()
-    v_cache = torch.randn(sum(need), BS, H_kv, D, generator=gen).to(dtype).cuda()
+    cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
+    k_cache = torch.randn(sum(need), BS, H_kv, D, generator=gen).to(cache_dtype).cuda()
+    v_cache = torch.randn(sum(need), BS, H_kv, D, generator=gen).to(cache_dtype).cuda()
     q = torch.randn(R + 20, H, D, generator=gen).to(dtype).cuda()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     table = table.cuda()
