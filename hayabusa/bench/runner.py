@@ -267,8 +267,9 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
 
     ``repeats`` = N > 1: the workload is timed N times on the one engine, the prefix cache reset before each run
     after the first (so each starts as the first did); the result is the run of median elapsed time (for even N
-    the lower of the two middle times: the faster run), and ``extra`` lists every run's ``repeat_elapsed_s`` and ``repeat_output_throughput``. A
-    workload of about a second (W1 on a small model) swings by 10-20 % between runs; its median is the claim.
+    the lower of the two middle times: the faster run), and ``extra`` lists every run's ``repeat_elapsed_s`` and
+    ``repeat_output_throughput``. A workload of about a second (W1 on a small model) swings by 10-20 % between
+    runs; its median is the claim.
 
     The engine is deleted (and CUDA memory released) before returning, so sweeps can build the next one.
 

@@ -376,9 +376,9 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int, sho
 # BI_DECODE_MIN_PROGRAMS_PER_SM programs (requests x KV heads) per SM, on heads of d_pad <= 64 and GQA groups up to
 # 16, takes 16 query rows and one warp instead of the mode's 64 rows and 4 warps, at the same TILE_N. Measured on an
 # H200 (bench_attention.py --bi-tiles, commits 50b9d14 / 04408ba, BENCHMARKS.md "twenty-fifth session"):
-# - bits: a row's output under 16 x 64 / 1 warp equals the mode tile's in every row (1,280 rows: Qwen2.5-0.5B's
-#   heads, D 64, and 7B's, D 128; 64-256 requests); with 2 or 4 warps some rows differ on 7B's heads (up to 5 of
-#   256: the warps split the key tile, so a row's sums are added in another order);
+# - bits: a row's output under 16 x 64 / 1 warp equals the mode tile's in every row of both runs (1,920 rows:
+#   Qwen2.5-0.5B's heads, D 64, and 7B's, D 128; 64-256 requests); with 4 warps (both) or 2 (7B's heads) some
+#   rows differ (up to 5 of 256: the warps split the key tile, so a row's sums are added in another order);
 # - µs per layer, 0.5B heads: 256 requests (512 programs), contexts 300-900: 43.2 -> 32.7 (the default decode
 #   kernel: 32.3); 192 requests (384 programs) 30.4 -> 31.3 and 128 requests 25.4 -> 24.9 (even); 64 requests,
 #   contexts 20-2,000: 40.5 -> 46.6 (too few programs). Hence 3 programs per SM;
