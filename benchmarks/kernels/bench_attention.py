@@ -43,8 +43,10 @@ try:
     import triton
     import triton.testing
 except ImportError:  # a CPU-only install: the engine runs plain torch there, and there is no kernel to time
-    sys.exit(f"{sys.argv[0]}: times Triton kernels on a CUDA GPU and needs Triton (a CUDA build of torch installs "
-             "it: pip install torch)")
+    triton = None
+NEEDS_GPU = (f"{sys.argv[0]}: times the Triton attention kernels on a CUDA GPU; this machine has no CUDA device (or "
+             "no Triton), and the CPU path runs plain torch, so there is nothing to time here. Run it on a GPU "
+             "machine (a CUDA build of torch brings Triton).")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
@@ -312,8 +314,8 @@ def main() -> None:
     parser.add_argument("--bi-tiles", action="store_true",
                         help="only batch-invariant decode: candidate tiles' bits and µs against the mode's tile")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_attention needs a CUDA GPU")
+    if triton is None or not torch.cuda.is_available():
+        sys.exit(NEEDS_GPU)
     if args.bi_tiles:
         rows = bench_bi_tiles(args.block_size, DTYPES[args.dtype])
         print(f"# {torch.cuda.get_device_name()}  triton {triton.__version__}  {args.dtype} "

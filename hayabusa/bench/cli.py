@@ -323,7 +323,8 @@ def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[
                     traceback.print_exc()
                     print(f"hayabusa bench: {workload.name} on {engine} failed: {e}\n  next: {_hint(e)}",
                           file=sys.stderr, flush=True)
-                    rec = report.error_record(workload.name, engine=engine, model=name, engine_args={}, env=env,
+                    rec = report.error_record(workload.name, engine=engine, model=name,
+                                              engine_args=_failed_run_args(ns, engine, workload, variant), env=env,
                                               variant=variant, error=f"{type(e).__name__}: {e}")
                     failures += 1
                 if workload.name == "W9" and not rec.get("error"):   # requests/s and ms per request
@@ -337,6 +338,18 @@ def _run_workloads(ns: argparse.Namespace, ceilings: dict | None, records: list[
         if workload.name == "W9":
             print(w9_summary(records), flush=True)
     return failures
+
+
+def _failed_run_args(ns: argparse.Namespace, engine: str, workload: Workload, variant: dict[str, Any]
+                     ) -> dict[str, Any]:
+    """The engine arguments of a hayabusa run that failed, for its error row's config cell (`--quantization int8`
+    given outside the sweep shows there as in the good rows); {} for HF runs or when they cannot be built."""
+    if engine != "hayabusa":
+        return {}
+    try:
+        return _engine_args(ns, workload, variant)
+    except Exception:  # noqa: BLE001 -- the row's error already says what failed
+        return {}
 
 
 def w9_summary(records: list[dict[str, Any]]) -> str:
@@ -531,6 +544,12 @@ def run_bench(ns: argparse.Namespace) -> int:
     if "W6" in [w.upper() for w in workloads]:
         from hayabusa.bench.serve_bench import run_w6
 
+        try:
+            import httpx  # noqa: F401  (the client W6 drives the server with)
+        except ImportError:
+            print("hayabusa bench: W6 is an HTTP client of a running server and needs httpx: "
+                  "pip install 'hayabusa[serve]' (the server needs it too).", file=sys.stderr)
+            return 2
         return run_w6(ns)     # a client of a running server: --model is its served name, not a folder
     if not ns.workload and not ns.ceilings:
         print("hayabusa bench: give --workload W1|W2|W3|W4|W5|W7|W8|W9|W11|startup with --model DIR, --ceilings, or "

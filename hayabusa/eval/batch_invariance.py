@@ -115,9 +115,11 @@ def compare(ref: tuple[list[int], list[float]], got: tuple[list[int], list[float
 
 def run_experiment(model: str, settings: list[Setting], modes: tuple[bool, ...] = (True, False),
                    num_tokens: int = 64, target_len: int = 200, base: dict[str, Any] | None = None,
-                   log: Any = None) -> list[Outcome]:
+                   log: Any = None, progress: Any = None) -> list[Outcome]:
     """For each mode: the alone run (max_num_seqs=1, no chunking, no prefix cache) and every setting compared
     with it. Returns one Outcome per (mode, setting), the alone run itself included as the first.
+    ``log(line)`` gets each setting's line as it finishes, ``progress(outcomes)`` the outcomes so far (a caller
+    writes its file there, so a run cut short keeps what it measured).
 
     ``base["max_model_len"]`` (default 2048) is capped by the model's own context length, and the target's prompt
     by ``max_model_len - num_tokens``. Raises ValueError (naming num_tokens) when the context has no room for a
@@ -140,6 +142,8 @@ def run_experiment(model: str, settings: list[Setting], modes: tuple[bool, ...] 
             results.append(out)
             if log is not None:
                 log(format_outcome(out))
+            if progress is not None:
+                progress(list(results))
     return results
 
 

@@ -281,3 +281,24 @@ def test_repeats_flag_in_the_record_and_the_line(tmp_path, tiny_bench_model, cap
     assert f", median of 2 runs (out tok/s {tps[0]:.1f}, {tps[1]:.1f})" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["--workload", "W1", "--model", tiny_bench_model, "--repeats", "0"])
+
+
+def test_a_failed_sweep_row_names_the_flags_given_outside_the_sweep(tmp_path, tiny_bench_model):
+    """`--sweep batch_invariant=false,true --quantization int8`: the mode refuses quantization; the error row's
+    config cell reads like the good row's (quantization=int8 included), not as if run unquantized."""
+    path = tmp_path / "out.json"
+    assert cli.main(["--workload", "W1", "--model", tiny_bench_model, "--scale", "0.02", "--device", "cpu",
+                     "--no-tqdm", "--json", str(path), "--quantization", "int8",
+                     "--sweep", "batch_invariant=false,true"]) == 1
+    good, bad = json.loads(path.read_text())
+    assert good.get("error") is None and "quantization" in bad["error"]
+    assert report._variant_label(good) == "batch_invariant=False,quantization=int8"
+    assert report._variant_label(bad) == "batch_invariant=True,quantization=int8"
+
+
+def test_w6_without_httpx_says_which_extra(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "httpx", None)     # as on an install without the serve extra
+    assert cli.main(["--workload", "W6", "--base-url", "http://127.0.0.1:9", "--model", "m"]) == 2
+    assert "pip install 'hayabusa[serve]'" in capsys.readouterr().err

@@ -57,3 +57,21 @@ def test_target_prompt_capped_and_too_many_tokens_refused(tiny_llama, monkeypatc
     with pytest.raises(HayabusaValidationError, match="num_tokens=256") as e:
         batch_invariance.run_experiment(tiny_llama, [], modes=(False,), num_tokens=256)
     assert e.value.parameter == "num_tokens" and e.value.value == 256
+
+
+def test_json_is_rewritten_after_every_setting(tiny_llama, tmp_path, monkeypatch):
+    """A run cut short (here the second setting fails) keeps the records it measured in --json."""
+    bench = _load_script()
+    monkeypatch.setattr(bench, "default_settings", lambda full: [Setting("a", 1, {}), Setting("b", 2, {})])
+
+    def run(model, setting, target, num_tokens, mode, base=None):
+        if setting.name == "b":
+            raise RuntimeError("killed")
+        return [1, 2], [-0.5, -0.25]
+
+    monkeypatch.setattr(batch_invariance, "run_setting", run)
+    out = tmp_path / "bi.json"
+    with pytest.raises(RuntimeError, match="killed"):
+        bench.main([tiny_llama, "--mode", "default", "--num-tokens", "8", "--json", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["setting"], r["identical"]) for r in records] == [("alone, max_num_seqs=1", True), ("a", True)]
