@@ -374,8 +374,9 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int, sho
 
 # Batch-invariant decode tile (issue #23): a decode-only step (max_query_len 1) whose grid has at least
 # BI_DECODE_MIN_PROGRAMS_PER_SM programs (requests x KV heads) per SM, on heads of d_pad <= 64 and GQA groups up to
-# 16, takes 16 query rows and one warp instead of the mode's 64 rows and 4 warps, at the same TILE_N. Measured on an
-# H200 (bench_attention.py --bi-tiles, commits 50b9d14 / 04408ba, BENCHMARKS.md "twenty-fifth session"):
+# 16, in bf16 / fp16, takes 16 query rows and one warp instead of the mode's 64 rows and 4 warps, at the same
+# TILE_N. Measured on an H200 (bench_attention.py --bi-tiles, commits 50b9d14 / 04408ba, BENCHMARKS.md "twenty-fifth
+# session"):
 # - bits: a row's output under 16 x 64 / 1 warp equals the mode tile's in every row of both runs (1,920 rows:
 #   Qwen2.5-0.5B's heads, D 64, and 7B's, D 128; 64-256 requests); with 4 warps (both) or 2 (7B's heads) some
 #   rows differ (up to 5 of 256: the warps split the key tile, so a row's sums are added in another order);
@@ -402,7 +403,8 @@ def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int, decode_p
     tile_n = 64
     while tile_n > 16 and 2 * tile_n * d_pad * elem_size * 2 > 160 * 1024:
         tile_n //= 2
-    if 0 < num_sms * BI_DECODE_MIN_PROGRAMS_PER_SM <= decode_programs and d_pad <= 64 and group <= 16:
+    if (0 < num_sms * BI_DECODE_MIN_PROGRAMS_PER_SM <= decode_programs and d_pad <= 64 and group <= 16
+            and elem_size == 2):   # measured in bf16 / fp16; fp32's tl.dot is another instruction path
         return dict(BLOCK_M=16, BLOCK_Q=16 // group, TILE_N=tile_n, num_warps=1, num_stages=2)
     block_m = max(64, next_power_of_2(group))
     return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n,

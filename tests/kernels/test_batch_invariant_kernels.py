@@ -261,6 +261,7 @@ def test_bi_decode_tile_rule():
     assert pa.batch_invariant_tile_config(7, 128, 2, 10 * need, sms) == pa.batch_invariant_tile_config(7, 128, 2)
     assert pa.batch_invariant_tile_config(32, 64, 2, 10 * need, sms) == pa.batch_invariant_tile_config(32, 64, 2)
     assert pa.batch_invariant_tile_config(7, 64, 2, 10 * need, 0) == mode   # no SM count (CPU): never
+    assert pa.batch_invariant_tile_config(7, 64, 4, 10 * need, sms) == pa.batch_invariant_tile_config(7, 64, 4)  # fp32
 
 
 @pytest.mark.cuda
