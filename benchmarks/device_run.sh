@@ -1244,11 +1244,9 @@ g_bi26c() {  # issue #23, session 25, call 3: the 7b shape: the issue's bit grid
   bench_step q7_W1_bi26c 120 30 --workload W1 --model "$Q7" --sweep batch_invariant=false,true
 }
 
-g_bi27() {  # issue #23, what the twenty-fifth session left: the GEMM's row-bits tests with BI_GEMM_BUCKETS of 04408ba
-            # (call 2 ran out of time before them), the 7b shapes' launches swept as the engine sees them, then the
-            # 7b W1 / W3 side by side with them (the 7b W1 in the mode was 0.665x with heuristic_buckets)
-  step bi_tests "${BITESTS_S:-150}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
-    tests/kernels/test_bi_gemm_cuda.py -k 'row_bits or silu' 2>&1 | tail -12"
+g_bi27a() {  # issue #23, what the twenty-fifth session left (call 1 of 2, ~520 s): the 7b shapes' launches swept as the
+             # engine sees them (weights from HBM, gate_up with its SiLU), then the 7b W1 (--repeats 3) / W3 side by
+             # side with them (the 7b W1 in the mode was 0.665x with heuristic_buckets)
   step bi_bucket7c "${BIBUCKET7_S:-240}" 20 python benchmarks/kernels/bench_bi_gemm.py --device cuda --bucket-sweep \
     --keep-arith --cold-l2 --gate-up-silu --models qwen2.5-7b-shape --layers "${BIBUCKET7_LAYERS:-gate_up,down,o,qkv}" \
     --m 1,16,64,256,2048 --json "$OUT/bi_bucket7c.json" --buckets-out "$OUT/buckets7c.json"
@@ -1259,7 +1257,14 @@ g_bi27() {  # issue #23, what the twenty-fifth session left: the GEMM's row-bits
     HAYABUSA_BI_GEMM_BUCKETS="$OUT/buckets7c.json" bench_step q7_W3_bi27 90 30 --workload W3 --model "$Q7" --scale 0.5 \
       --sweep batch_invariant=false,true
   fi
-  # the 0.5b W1, five timed runs per engine (bench --repeats), both orders
+}
+
+g_bi27b() {  # (call 2 of 2, ~330 s): the GEMM's row-bits tests with BI_GEMM_BUCKETS of 04408ba (the twenty-fifth
+             # session's call 2 ran out of time before them), the decode-tile tests with an fp8 cache, then the 0.5b W1,
+             # five timed runs per engine (bench --repeats), both orders
+  step bi_tests "${BITESTS_S:-170}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_bi_gemm_cuda.py -k 'row_bits or silu' 2>&1 | tail -12; python -m pytest -q -rfE \
+    -p no:cacheprovider tests/kernels/test_batch_invariant_kernels.py -m cuda 2>&1 | tail -6"
   ensure_q05
   bench_step q05_W1_bi27_1 70 30 --workload W1 --model "$Q05" --repeats 5 --sweep batch_invariant=false,true
   bench_step q05_W1_bi27_2 70 30 --workload W1 --model "$Q05" --repeats 5 --sweep batch_invariant=true,false
