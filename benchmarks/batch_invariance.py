@@ -11,8 +11,8 @@ random requests, max_num_seqs 14 / 16 / 256, prefill chunks 64 / 512 / 8192, a p
 in batch-invariant mode and in the default mode. Prints, per (mode, setting): identical to the alone run (token ids
 and the sampled tokens' logprobs, bitwise)?, the first token index whose id differs, the first whose logprob
 differs, and the largest logprob difference before the ids part; ``--json`` writes the same as records, rewritten
-after every setting. On CPU each setting builds an engine and runs up to 256 requests: `--mode batch_invariant`
-halves the time, `--num-tokens 16` shortens each run.
+after every setting ("complete": false until the last). On CPU each setting builds an engine and runs up to 256
+requests: `--mode batch_invariant` halves the time, `--num-tokens 16` shortens each run.
 Exit status 1 when a batch-invariant setting differs.
 """
 
@@ -36,16 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     modes = {"both": (True, False), "batch_invariant": (True,), "default": (False,)}[ns.mode]
     base = {"kv_cache_memory_bytes": ns.kv_cache_memory_bytes, "max_model_len": 2048 + ns.num_tokens}
-    def write(outcomes) -> None:   # after every setting, so a run cut short keeps what it measured
+    def write(outcomes, complete: bool = False) -> None:   # after every setting: a run cut short keeps its records
         if ns.json:
             with open(ns.json, "w", encoding="utf-8") as f:
-                json.dump({"model": ns.model, "num_tokens": ns.num_tokens, "records": as_records(outcomes)}, f,
-                          indent=1)
+                json.dump({"model": ns.model, "num_tokens": ns.num_tokens, "complete": complete,
+                           "records": as_records(outcomes)}, f, indent=1)
 
     outcomes = run_experiment(ns.model, default_settings(ns.full), modes=modes, num_tokens=ns.num_tokens,
                               base=base, log=lambda line: print(line, file=sys.stderr, flush=True), progress=write)
     print(format_table(outcomes))
-    write(outcomes)
+    write(outcomes, complete=True)
     return 1 if any(o.batch_invariant and not o.identical for o in outcomes) else 0
 
 

@@ -1226,7 +1226,7 @@ g_bi26b() {  # issue #23, session 25, call 2: the cold-L2 launches in BI_GEMM_BU
   step bi_tests "${BITESTS_S:-150}" 20 bash -c "HAYABUSA_Q05_DIR='$Q05' python -m pytest -q -rfE -p no:cacheprovider \
     tests/kernels/test_batch_invariant_kernels.py tests/test_batch_invariant_cuda.py -m cuda 2>&1 | tail -25; \
     python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_bi_gemm_cuda.py -k row_bits 2>&1 | tail -8"
-  step bi_tiles 60 20 bash -c "BI_TILE_QUICK=1 python benchmarks/kernels/bench_attention.py --bi-tiles \
+  step bi_tiles 60 20 bash -c "python benchmarks/kernels/bench_attention.py --bi-tiles --quick \
     --json '$OUT/bi_tiles.json' 2>&1 | tail -30"
   bench_step q05_W1_bi26b_1 60 30 --workload W1 --model "$Q05" --sweep batch_invariant=false,true
   bench_step q05_W1_bi26b_2 60 30 --workload W1 --model "$Q05" --sweep batch_invariant=true,false

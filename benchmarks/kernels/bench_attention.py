@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -208,13 +207,13 @@ def bench_verify(block_size: int, dtype: torch.dtype, q_len: int = 5) -> list[di
 BI_TILE_CANDIDATES = [  # (BLOCK_M, TILE_N, num_warps, num_stages); TILE_N 128 is the control: it must differ
     (16, 64, 1, 2), (16, 64, 2, 2), (16, 64, 4, 2), (32, 64, 2, 2), (32, 64, 4, 2), (64, 64, 8, 2),
     (64, 64, 4, 3), (16, 128, 4, 2)]
+BI_TILE_QUICK_CANDIDATES = [(16, 64, 1, 2), (16, 64, 2, 2)]   # --quick: one- and two-warp 16-row tiles
 BI_TILE_BATCHES = ((64, 20, 2000), (128, 300, 900), (192, 300, 900), (256, 300, 900))  # (requests, context range)
-if os.environ.get("BI_TILE_QUICK"):   # device_run.sh's second look: one-warp tiles and the engine's choice only
-    BI_TILE_CANDIDATES = [(16, 64, 1, 2), (16, 64, 2, 2)]
 
 
-def bench_bi_tiles(block_size: int, dtype: torch.dtype) -> list[dict]:
-    """Batch-invariant decode: candidate tiles' bits and µs against the mode's tile (see --bi-tiles)."""
+def bench_bi_tiles(block_size: int, dtype: torch.dtype, quick: bool = False) -> list[dict]:
+    """Batch-invariant decode: candidate tiles' bits and µs against the mode's tile (see --bi-tiles); ``quick``:
+    BI_TILE_QUICK_CANDIDATES instead of BI_TILE_CANDIDATES (the engine's own choice is timed either way)."""
     rows = []
     mode_cfg = pa.batch_invariant_tile_config
     pinned = lambda group, d_pad, elem, *_: mode_cfg(group, d_pad, elem)  # noqa: E731  the mode's one tile
@@ -235,7 +234,7 @@ def bench_bi_tiles(block_size: int, dtype: torch.dtype) -> list[dict]:
                     lambda: paged_attention(**batch), rep=20, return_mode="median")
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
                 engine = mode_cfg(group, d_pad, batch["q"].element_size(), R * heads[1], sms)
-                for cand in [*BI_TILE_CANDIDATES, "engine"]:
+                for cand in [*(BI_TILE_QUICK_CANDIDATES if quick else BI_TILE_CANDIDATES), "engine"]:
                     if cand == "engine":   # what paged_attention picks for this step (batch_invariant_tile_config)
                         cfg = dict(engine)
                     else:
@@ -249,7 +248,8 @@ def bench_bi_tiles(block_size: int, dtype: torch.dtype) -> list[dict]:
                     out = batch["out"].clone()
                     us = 1e3 * triton.testing.do_bench_cudagraph(
                         lambda: paged_attention(**batch, batch_invariant=True), rep=20, return_mode="median")
-                    rows.append(dict(model=model, R=R, ctx=f"{lo}-{hi}", mode_cfg=mode_cfg(group, d_pad, 2),
+                    rows.append(dict(model=model, R=R, ctx=f"{lo}-{hi}",
+                                     mode_cfg=mode_cfg(group, d_pad, batch["q"].element_size()),
                                      cfg=cfg, engine=cand == "engine", bits_equal=bool(torch.equal(out, ref)),
                                      rows_differ=int((out != ref).any(-1).any(-1).sum()),
                                      max_abs_diff=float((out.float() - ref.float()).abs().max()),
@@ -313,11 +313,12 @@ def main() -> None:
                         help="only the verify-step table (q_len 5): old choice vs short-query split-KV")
     parser.add_argument("--bi-tiles", action="store_true",
                         help="only batch-invariant decode: candidate tiles' bits and µs against the mode's tile")
+    parser.add_argument("--quick", action="store_true", help="--bi-tiles with the one- and two-warp 16-row tiles only")
     args = parser.parse_args()
     if triton is None or not torch.cuda.is_available():
         sys.exit(NEEDS_GPU)
     if args.bi_tiles:
-        rows = bench_bi_tiles(args.block_size, DTYPES[args.dtype])
+        rows = bench_bi_tiles(args.block_size, DTYPES[args.dtype], args.quick)
         print(f"# {torch.cuda.get_device_name()}  triton {triton.__version__}  {args.dtype} "
               f"block_size={args.block_size}  batch-invariant decode tiles (CUDA-graph replay, median)")
         print_bi_tiles_table(rows)

@@ -68,8 +68,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true", help="time the very first requests too")
     p.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
                    help="time each hayabusa run N times on one engine (prefix cache reset between runs) and record "
-                        "the median run, with every run's throughput in extra.repeat_output_throughput (default 1; "
-                        "HF baseline runs are timed once)")
+                        "the median run (even N: the faster middle one; odd N is the plain median), with every "
+                        "run's throughput in extra.repeat_output_throughput (default 1; HF runs are timed once)")
     p.add_argument("--structured-output", choices=("json",), default=None,
                    help="json: constrain every request to the bundled receipt JSON schema (needs the model's "
                         "tokenizer, or --tokenizer DIR, and xgrammar)")
@@ -251,11 +251,13 @@ def _summary(rec: dict[str, Any]) -> str:
 
 
 def _repeats_summary(extra: dict[str, Any]) -> str:
-    """', median of N runs (out tok/s A, B, C)' for a run timed --repeats N > 1 times, else ''."""
+    """', median of N runs (out tok/s A, B, C)' for a run timed --repeats N > 1 times (even N: ', faster middle run
+    of N runs (...)', as it is), else ''."""
     tps = extra.get("repeat_output_throughput")
     if not tps:
         return ""
-    return f", median of {len(tps)} runs (out tok/s {', '.join(f'{t:.1f}' for t in tps)})"
+    which = "median" if len(tps) % 2 else "faster middle run"
+    return f", {which} of {len(tps)} runs (out tok/s {', '.join(f'{t:.1f}' for t in tps)})"
 
 
 def _spec_summary(extra: dict[str, Any]) -> str:

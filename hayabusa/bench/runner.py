@@ -13,7 +13,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -234,11 +234,12 @@ def tier_counters(engine: Any) -> dict[str, int]:
     return {k: int(out.get(k, 0)) for k in TIMED_COUNTERS}
 
 
-def timed_counters(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """``{name: after - before}`` for the timed run, plus ``{"warmup_" + name: before}`` where the warm-up's count is
-    not 0."""
+def timed_counters(before: dict[str, int], after: dict[str, int],
+                   warmup: dict[str, int] | None = None) -> dict[str, int]:
+    """``{name: after - before}`` for the timed run, plus ``{"warmup_" + name: count}`` where the warm-up's count
+    (``warmup``, default ``before``: the counters when the first timed run started) is not 0."""
     out = {k: after[k] - before[k] for k in TIMED_COUNTERS}
-    out.update({f"warmup_{k}": v for k, v in before.items() if v})
+    out.update({f"warmup_{k}": v for k, v in (before if warmup is None else warmup).items() if v})
     return out
 
 
@@ -266,10 +267,13 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
     warm-up compiles the grammar; its compile time is reported in ``extra["grammar_compile_s"]``.
 
     ``repeats`` = N > 1: the workload is timed N times on the one engine, the prefix cache reset before each run
-    after the first (so each starts as the first did); the result is the run of median elapsed time (for even N
-    the lower of the two middle times: the faster run), and ``extra`` lists every run's ``repeat_elapsed_s`` and
+    after the first (so no run finds another's prompts cached; state the engine keeps on purpose, such as
+    speculative decoding's measured turn-off rule, carries over). The result is the run of median elapsed time (for
+    even N the faster of the two middle runs), and ``extra`` lists every run's ``repeat_elapsed_s`` and
     ``repeat_output_throughput``. A workload of about a second (W1 on a small model) swings by 10-20 % between
-    runs; its median is the claim.
+    runs; its median is the claim. The run's preemption / tier counters are its own, the ``warmup_*`` ones the
+    warm-up's; ``prefix_cache_hit_rate`` and speculative decoding's acceptance counts are the engine's since it
+    started (all runs).
 
     The engine is deleted (and CUDA memory released) before returning, so sweeps can build the next one.
 
@@ -294,32 +298,29 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
                 if part:
                     _generate(llm, part, use_tqdm=False, structured_output=structured_output)
         prompts = bench_prompts(llm.get_tokenizer(), workload.requests)   # templates and PIL images: not timed
-        runs = []
+        runs: list[_TimedRun] = []
         for i in range(repeats):
             if i and not llm.reset_prefix_cache():
                 raise RuntimeError("repeats: the prefix cache could not be reset between runs (requests still "
                                    "running); rerun with --repeats 1")
             runs.append(_timed_run(llm, workload, cuda, use_tqdm, structured_output, prompts))
-        elapsed = [r[0] for r in runs]
-        elapsed_s, outs, ttft, tpot, stats0, stats1, counters0, counters1 = sorted(runs, key=lambda r: r[0])[
-            (repeats - 1) // 2]
+        run = sorted(runs, key=lambda r: r.elapsed_s)[(repeats - 1) // 2]
+        outs = run.outputs
         notes, extra = _engine_notes(llm, engine_args)
-        extra.update(step_time_breakdown(stats0, stats1))
-        extra.update(timed_counters(counters0, counters1))
-        output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        extra.update(step_time_breakdown(run.stats_before, run.stats_after))
+        extra.update(timed_counters(run.counters_before, run.counters_after, warmup=runs[0].counters_before))
         if repeats > 1:
-            extra.update(repeats=repeats, repeat_elapsed_s=[round(e, 6) for e in elapsed],
-                         repeat_output_throughput=[round(sum(len(c.token_ids) for o in r[1] for c in o.outputs)
-                                                         / r[0], 2) for r in runs])
+            extra.update(repeats=repeats, repeat_elapsed_s=[round(r.elapsed_s, 6) for r in runs],
+                         repeat_output_throughput=[round(_output_tokens(r.outputs) / r.elapsed_s, 2) for r in runs])
         if structured_output:
             extra["structured_output"] = structured_output
             extra["grammar_compile_s"] = sum(llm.llm_engine.structured_output.compile_seconds.values())
             notes.append(f"structured output: {structured_output} (bundled receipt schema on every request)")
         return RunResult(
-            elapsed_s=elapsed_s, num_requests=len(outs), num_sequences=sum(len(o.outputs) for o in outs),
+            elapsed_s=run.elapsed_s, num_requests=len(outs), num_sequences=sum(len(o.outputs) for o in outs),
             prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
-            output_tokens=output_tokens, startup_s=startup_s,
-            ttft_ms=_median(ttft), tpot_ms=_median(tpot), tpot_mean_ms=_mean(tpot),
+            output_tokens=_output_tokens(outs), startup_s=startup_s,
+            ttft_ms=_median(run.ttft), tpot_ms=_median(run.tpot), tpot_mean_ms=_mean(run.tpot),
             peak_memory_bytes=peak_memory_bytes(cuda),
             kv_cache_tokens=int(llm.llm_engine.kv_cache_capacity_tokens), notes=notes, extra=extra)
     finally:
@@ -327,10 +328,24 @@ def run_hayabusa(model_dir: str, workload: Workload, engine_args: dict[str, Any]
         reset_peak_memory(cuda)
 
 
+class _TimedRun(NamedTuple):
+    elapsed_s: float
+    outputs: list[Any]
+    ttft: list[float]
+    tpot: list[float]
+    stats_before: dict[str, Any]
+    stats_after: dict[str, Any]
+    counters_before: dict[str, int]
+    counters_after: dict[str, int]
+
+
+def _output_tokens(outs: list[Any]) -> int:
+    return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
 def _timed_run(llm: Any, workload: Workload, cuda: bool, use_tqdm: bool, structured_output: str | None,
-               prompts: Any) -> tuple:
-    """One timed ``generate`` over the workload: (elapsed s, outputs, TTFTs, TPOTs, engine stats before / after,
-    tier counters before / after)."""
+               prompts: Any) -> _TimedRun:
+    """One timed ``generate`` over the workload, with the engine's stats and tier counters before and after."""
     synchronize(cuda)
     stats0 = dict(llm.llm_engine.stats)
     counters0 = tier_counters(llm.llm_engine)
@@ -339,8 +354,8 @@ def _timed_run(llm: Any, workload: Workload, cuda: bool, use_tqdm: bool, structu
     synchronize(cuda)
     elapsed = time.perf_counter() - t1
     ttft, tpot = _engine_latencies(outs, t_mono)
-    return (elapsed, outs, ttft, tpot, stats0, dict(llm.llm_engine.stats), counters0,
-            tier_counters(llm.llm_engine))
+    return _TimedRun(elapsed, outs, ttft, tpot, stats0, dict(llm.llm_engine.stats), counters0,
+                     tier_counters(llm.llm_engine))
 
 
 # ---------------------------------------------------------------------------------------------------- HF

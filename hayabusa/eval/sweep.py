@@ -36,6 +36,9 @@ SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} -
 # true / false switches: a sweep's 1 / 0 for them means on / off (as HAYABUSA_BATCH_INVARIANT=1 does)
 BOOL_KEYS = {f.name for f in (*dataclasses.fields(EngineArgs), *dataclasses.fields(SamplingParams))
              if str(f.type).replace(" ", "") in ("bool", "bool|None")}
+# ... of which these also take none (their default, e.g. batch_invariant=None: the environment variable decides)
+NULLABLE_BOOL_KEYS = {f.name for f in (*dataclasses.fields(EngineArgs), *dataclasses.fields(SamplingParams))
+                      if str(f.type).replace(" ", "") == "bool|None"}
 
 
 def parse_value(text: str) -> Any:
@@ -61,7 +64,7 @@ def parse_sweeps(specs: list[str] | None) -> list[dict[str, Any]]:
     Raises:
         HayabusaValidationError: a spec without "=", no values, a key that is neither an engine argument nor
             a sampling parameter, or a switch's value that is not on / off (1 / true / yes / on, 0 / false / no /
-            off, or none for the engine's default).
+            off; none too for a switch whose default is None).
     """
     axes: list[tuple[str, list[Any]]] = []
     for spec in specs or []:
@@ -75,9 +78,9 @@ def parse_sweeps(specs: list[str] | None) -> list[dict[str, Any]]:
                 f"--sweep key {key!r} is neither an engine argument nor a sampling parameter. Engine: "
                 f"{', '.join(sorted(ENGINE_KEYS))}. Sampling: {', '.join(sorted(SAMPLING_KEYS))}.",
                 parameter="sweep", value=key)
-        if key in BOOL_KEYS:   # on / off as the environment variables take them; none = the engine's default
-            vals = [None if v.strip().lower() in ("none", "null") else parse_switch(v, "sweep", f"--sweep {key}")
-                    for v in values.split(",") if v.strip()]
+        if key in BOOL_KEYS:   # on / off as the environment variables take them; none where None is the default
+            vals = [None if key in NULLABLE_BOOL_KEYS and v.strip().lower() in ("none", "null")
+                    else parse_switch(v, "sweep", f"--sweep {key}") for v in values.split(",") if v.strip()]
         else:
             vals = [parse_value(v) for v in values.split(",") if v.strip()]
         if not vals:

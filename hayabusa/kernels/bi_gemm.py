@@ -155,11 +155,12 @@ def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False
 # Measured on an H200 (BENCHMARKS.md "twenty-fifth session"), each at the shape's own BLOCK_K / CHUNK_K
 # (BI_GEMM_TABLE's): `bench_bi_gemm.py --bucket-sweep --keep-arith --cold-l2 --gate-up-silu` of commit 50b9d14, which
 # times each launch as the engine runs it: the weight read from HBM (L2 flushed between replays; the twenty-fourth
-# session's sweep replayed one weight out of L2, and its launches took 1.8x their sweep times in the engine), and
-# gate_up with its SiLU-and-mul (silu_and_mul_bi, BLOCK_N halved per half). The persistent TMA kernel (tma=True) is
-# a candidate from 64 rows on. With these launches W3 took 1.03 ms a token against the default's 0.95 (0.92x; the
-# last session's launches: 1.11 against 0.95). us per launch, this launch / cuBLAS (gate_up: + torch's SiLU-and-mul
-# not counted), cold L2:
+# session's sweep replayed one weight out of L2, and its W1 decode launches took 1.06 ms a step in the engine against
+# 0.59 summed from that sweep: BENCHMARKS.md "twenty-fourth session"), and gate_up with its SiLU-and-mul
+# (silu_and_mul_bi, BLOCK_N halved per half). The persistent TMA kernel (tma=True) is a candidate from 64 rows on.
+# With these launches W3 took 1.03-1.05 ms a token against the default's 0.95-0.96 (0.91-0.92x; the twenty-fourth
+# session's launches: 1.11 against 0.95). Not yet run with them: test_bi_gemm_cuda.py -k row_bits (the engine's bit
+# grid was). us per launch, this launch / cuBLAS (gate_up: + torch's SiLU-and-mul not counted), cold L2:
 BI_GEMM_BUCKETS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
     # qkv: M=1 4.3 / 4.4, M=16 4.2 / 4.6, M=64 4.4 / 4.7, M=256 5.2 / 5.2, M=2048 12.6 / 10.2
     (1152, 896): ((1, _tile(16, 32, stages=4)), (64, _tile(64, 32, stages=4)),

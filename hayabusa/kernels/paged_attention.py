@@ -373,17 +373,19 @@ def _tile_config(max_query_len: int, group: int, d_pad: int, elem_size: int, sho
 
 
 # Batch-invariant decode tile (issue #23): a decode-only step (max_query_len 1) whose grid has at least
-# BI_DECODE_MIN_PROGRAMS_PER_SM programs (requests x KV heads) per SM, on heads of d_pad <= 64 and GQA groups up to
-# 16, in bf16 / fp16, takes 16 query rows and one warp instead of the mode's 64 rows and 4 warps, at the same
-# TILE_N. Measured on an H200 (bench_attention.py --bi-tiles, commits 50b9d14 / 04408ba, BENCHMARKS.md "twenty-fifth
-# session"):
+# BI_DECODE_MIN_PROGRAMS_PER_SM programs (requests x KV heads) per SM takes 16 query rows and one warp instead of the
+# mode's 64 rows and 4 warps, at the same TILE_N, where its bits were measured: bf16 / fp16 q and cache (not fp8),
+# head dim 64 (d_pad 64), GQA groups up to 7, no sliding window, soft-cap or position bias. Measured on an H200
+# (bench_attention.py --bi-tiles, commits 50b9d14 / 04408ba, BENCHMARKS.md "twenty-fifth session", call 2's numbers):
 # - bits: a row's output under 16 x 64 / 1 warp equals the mode tile's in every row of both runs (1,920 rows:
-#   Qwen2.5-0.5B's heads, D 64, and 7B's, D 128; 64-256 requests); with 4 warps (both) or 2 (7B's heads) some
-#   rows differ (up to 5 of 256: the warps split the key tile, so a row's sums are added in another order);
-# - µs per layer, 0.5B heads: 256 requests (512 programs), contexts 300-900: 43.2 -> 32.7 (the default decode
-#   kernel: 32.3); 192 requests (384 programs) 30.4 -> 31.3 and 128 requests 25.4 -> 24.9 (even); 64 requests,
-#   contexts 20-2,000: 40.5 -> 46.6 (too few programs). Hence 3 programs per SM;
-# - 7B heads: 114.6 -> 150.8 at 256 requests: one warp holds a [16, 128] fp32 accumulator and loads 128-wide rows
+#   Qwen2.5-0.5B's heads, D 64, and 7B's, D 128; 64-256 requests), and in the CUDA test on groups 1 / 3 / 4 / 7;
+#   with 4 warps (both head shapes) or 2 (7B's) some rows differ (up to 5 of 256: the warps split the key tile, so
+#   a row's sums are added in another order);
+# - us per layer, 0.5B heads: 256 requests (512 programs), contexts 300-900: 43.2 -> 32.9 (the default decode
+#   kernel: 32.4); 192 requests (384 programs) 30.4 -> 31.3 and 128 requests 25.4 -> 24.9 (even); 64 requests,
+#   contexts 20-2,000: 40.0 -> 46.4 (too few programs). Hence 3 programs per SM (the engine runs of that session,
+#   the bit grid among them, used 2: the tile is the same, only the step sizes that take it differ);
+# - 7B heads: 114.5 -> 151 at 256 requests: one warp holds a [16, 128] fp32 accumulator and loads 128-wide rows
 #   alone; so D 128 keeps the mode's tile.
 BI_DECODE_MIN_PROGRAMS_PER_SM = 3
 
@@ -396,14 +398,15 @@ def batch_invariant_tile_config(group: int, d_pad: int, elem_size: int, decode_p
     body: ALL_MASKED); tiles a row cannot see (past its position, or before its window) add exact zeros (p = 0,
     alpha = 1), so whether the tile is visited (which depends on the other rows of the query tile) changes nothing.
 
-    ``decode_programs`` (a decode-only step's requests x KV heads; 0 for any other step) and ``num_sms``: a decode
-    step with at least BI_DECODE_MIN_PROGRAMS_PER_SM programs per SM on small heads takes the 16-row, one-warp tile
-    that was measured to give every row the same bits (see BI_DECODE_MIN_PROGRAMS_PER_SM); host ints only, so a
-    CUDA graph's capture and replay agree."""
+    ``decode_programs`` (a decode-only step's requests x KV heads; 0 for any other step, and for a step with a
+    sliding window, soft-cap, position bias or fp8 cache) and ``num_sms``: a decode step with at least
+    BI_DECODE_MIN_PROGRAMS_PER_SM programs per SM on 64-dim heads takes the 16-row, one-warp tile that was measured
+    to give every row the same bits (see BI_DECODE_MIN_PROGRAMS_PER_SM); host ints only, so a CUDA graph's capture
+    and replay agree."""
     tile_n = 64
     while tile_n > 16 and 2 * tile_n * d_pad * elem_size * 2 > 160 * 1024:
         tile_n //= 2
-    if (0 < num_sms * BI_DECODE_MIN_PROGRAMS_PER_SM <= decode_programs and d_pad <= 64 and group <= 16
+    if (0 < num_sms * BI_DECODE_MIN_PROGRAMS_PER_SM <= decode_programs and d_pad == 64 and group <= 7
             and elem_size == 2):   # measured in bf16 / fp16; fp32's tl.dot is another instruction path
         return dict(BLOCK_M=16, BLOCK_Q=16 // group, TILE_N=tile_n, num_warps=1, num_stages=2)
     block_m = max(64, next_power_of_2(group))
@@ -467,7 +470,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     d_pad = max(16, next_power_of_2(D))
     short_query = not batch_invariant and is_short_query(max_query_len, H // H_kv, R * H_kv)
     if batch_invariant:
-        decode = max_query_len == 1 and q.device.type == "cuda"
+        decode = (max_query_len == 1 and q.device.type == "cuda" and not (use_window or use_softcap)
+                  and position_bias is None and not is_fp8(k_cache.dtype))   # where the small tile was measured
         cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size(), R * H_kv if decode else 0,
                                           _num_sms(q.device) if decode else 0)
     else:

@@ -65,6 +65,9 @@ def test_timed_counters_subtract_the_warmup():
     assert out["num_preemptions"] == 3 and out["num_blocks_swapped_out"] == 42
     assert out["warmup_num_preemptions"] == 2 and out["warmup_num_blocks_swapped_out"] == 14
     assert "warmup_num_blocks_swapped_in" not in out
+    # --repeats: the recorded run may be a later one; its warm-up counts are those before the first timed run
+    later = timed_counters(after, after | {"num_preemptions": 9}, warmup=before)
+    assert later["num_preemptions"] == 4 and later["warmup_num_preemptions"] == 2
 
 
 def _rec(workload, variant, extra, elapsed=4.09):
@@ -278,7 +281,7 @@ def test_repeats_flag_in_the_record_and_the_line(tmp_path, tiny_bench_model, cap
     tps = rec["extra"]["repeat_output_throughput"]
     assert rec["extra"]["repeats"] == 2 and len(tps) == 2
     assert rec["output_throughput"] == pytest.approx(max(tps), rel=1e-3)   # even N: the lower middle time
-    assert f", median of 2 runs (out tok/s {tps[0]:.1f}, {tps[1]:.1f})" in capsys.readouterr().out
+    assert f", faster middle run of 2 runs (out tok/s {tps[0]:.1f}, {tps[1]:.1f})" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["--workload", "W1", "--model", tiny_bench_model, "--repeats", "0"])
 
@@ -302,3 +305,15 @@ def test_w6_without_httpx_says_which_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "httpx", None)     # as on an install without the serve extra
     assert cli.main(["--workload", "W6", "--base-url", "http://127.0.0.1:9", "--model", "m"]) == 2
     assert "pip install 'hayabusa[serve]'" in capsys.readouterr().err
+
+
+def test_repeats_keep_the_warmups_counters_apart(tiny_bench_model):
+    """W1P preempts in its warm-up and in every timed run: with --repeats 2 the warmup_* counters are still the
+    warm-up's alone (not the warm-up's plus the first timed run's), and the recorded run's are its own."""
+    w = get_workload("W1P", SCALE)
+    args = {**w.engine_defaults, "swap_space": 0.25, "device": "cpu", "skip_tokenizer_init": True,
+            "dtype": "float32", "preemption_mode": "recompute"}
+    one = run_hayabusa(tiny_bench_model, w, args, use_tqdm=False).extra
+    two = run_hayabusa(tiny_bench_model, w, args, use_tqdm=False, repeats=2).extra
+    assert two["warmup_num_preemptions"] == one["warmup_num_preemptions"] >= 1
+    assert 1 <= two["num_preemptions"] <= 2 * one["num_preemptions"]

@@ -41,7 +41,9 @@ def test_benchmark_runs_on_a_512_token_model(tiny_llama, tmp_path, monkeypatch):
                      "--kv-cache-memory-bytes", str(64 << 20)])
     assert rc == 0
     assert seen == [(200, 512), (200, 512)]                   # alone, then the setting; 200 + 150 <= 512
-    records = json.loads(out.read_text())["records"]
+    data = json.loads(out.read_text())
+    records = data["records"]
+    assert data["complete"] is True
     assert [r["setting"] for r in records] == ["alone, max_num_seqs=1", "2 others"]
     assert [r["num_tokens"] for r in records] == [150, 150]
     assert records[0]["identical"] is True
@@ -73,5 +75,6 @@ def test_json_is_rewritten_after_every_setting(tiny_llama, tmp_path, monkeypatch
     out = tmp_path / "bi.json"
     with pytest.raises(RuntimeError, match="killed"):
         bench.main([tiny_llama, "--mode", "default", "--num-tokens", "8", "--json", str(out)])
-    records = json.loads(out.read_text())["records"]
-    assert [(r["setting"], r["identical"]) for r in records] == [("alone, max_num_seqs=1", True), ("a", True)]
+    data = json.loads(out.read_text())
+    assert data["complete"] is False
+    assert [(r["setting"], r["identical"]) for r in data["records"]] == [("alone, max_num_seqs=1", True), ("a", True)]

@@ -126,8 +126,8 @@ def test_parse_sweeps_is_a_grid():
         {"batch_invariant": True, "ignore_eos": False}, {"batch_invariant": False, "ignore_eos": False},
         {"batch_invariant": None, "ignore_eos": False}]
     # anything else is refused before any run, naming the flag and listing the spellings (bench --sweep does too)
-    for bad in ("batch_invariant=true,nope", "batch_invariant=2", "enforce_eager=maybe"):
-        with pytest.raises(ValueError, match=r"--sweep \w+='(nope|2|maybe)': use 1 / true / yes / on"):
+    for bad in ("batch_invariant=true,nope", "batch_invariant=2", "enforce_eager=maybe", "detokenize=none"):
+        with pytest.raises(ValueError, match=r"--sweep \w+='(nope|2|maybe|none)': use 1 / true / yes / on"):
             parse_sweeps([bad])
     assert parse_sweeps(["max_num_seqs=1"]) == [{"max_num_seqs": 1}]          # an int argument keeps its 1
 

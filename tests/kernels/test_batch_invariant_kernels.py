@@ -258,8 +258,9 @@ def test_bi_decode_tile_rule():
     assert (small["BLOCK_M"], small["BLOCK_Q"], small["num_warps"]) == (16, 2, 1)
     assert small["TILE_N"] == mode["TILE_N"]           # the key tiles (the online softmax's steps) stay
     assert pa.batch_invariant_tile_config(7, 64, 2, need - 1, sms) == mode
-    assert pa.batch_invariant_tile_config(7, 128, 2, 10 * need, sms) == pa.batch_invariant_tile_config(7, 128, 2)
-    assert pa.batch_invariant_tile_config(32, 64, 2, 10 * need, sms) == pa.batch_invariant_tile_config(32, 64, 2)
+    for group, d_pad in ((7, 128), (8, 64), (32, 64), (7, 32)):   # not measured: the mode's tile
+        assert pa.batch_invariant_tile_config(group, d_pad, 2, 10 * need, sms) == \
+            pa.batch_invariant_tile_config(group, d_pad, 2)
     assert pa.batch_invariant_tile_config(7, 64, 2, 10 * need, 0) == mode   # no SM count (CPU): never
     assert pa.batch_invariant_tile_config(7, 64, 4, 10 * need, sms) == pa.batch_invariant_tile_config(7, 64, 4)  # fp32
 
@@ -268,13 +269,17 @@ def test_bi_decode_tile_rule():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the small tile is chosen on CUDA only)")
 @pytest.mark.parametrize("heads", [(14, 2, 64), (8, 2, 64), (9, 3, 64), (16, 16, 64), (28, 4, 128)])
 @pytest.mark.parametrize("dtype,kv_fp8", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
-def test_bi_decode_tile_rows_equal_mixed_step_rows(heads, dtype, kv_fp8):
+def test_bi_decode_tile_rows_equal_mixed_step_rows(heads, dtype, kv_fp8, monkeypatch):
     """The mode's large decode steps take a smaller tile (BI_DECODE_MIN_PROGRAMS_PER_SM); a decode row must keep
     the bits it gets when the same query runs in a step with a prefill (the mode's one tile): R requests of random
     contexts (1-1,500 keys) as a decode-only step, then the same R queries with one 20-token prompt after them.
-    kv_fp8: an fp8 e4m3 KV cache (kv_cache_dtype="fp8"), which the mode accepts."""
+    The tile paged_attention picked is recorded: the small one exactly where the rule says (64-dim heads, a model
+    dtype cache); an fp8 cache (kv_cache_dtype="fp8", which the mode accepts) keeps the mode's tile."""
     from hayabusa.kernels import paged_attention as pa
 
+    chosen = []
+    rule = pa.batch_invariant_tile_config
+    monkeypatch.setattr(pa, "batch_invariant_tile_config", lambda *a: chosen.append(rule(*a)) or chosen[-1])
     H, H_kv, D = heads
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     R = -(-sms * pa.BI_DECODE_MIN_PROGRAMS_PER_SM // H_kv) + 5
@@ -302,12 +307,11 @@ def test_bi_decode_tile_rows_equal_mixed_step_rows(heads, dtype, kv_fp8):
                            D ** -0.5, max_query_len, batch_invariant=True)
         return out[:R]
 
-    small = H_kv * R >= sms * pa.BI_DECODE_MIN_PROGRAMS_PER_SM and D <= 64 and H // H_kv <= 16
-    cfg = pa.batch_invariant_tile_config(H // H_kv, max(16, D), 2, R * H_kv, sms)
-    assert (cfg["BLOCK_M"] == 16) == small
     decode, mixed = run(R, 1), run(R + 1, 20)
+    small = D == 64 and H // H_kv <= 7 and not kv_fp8
+    assert [c["BLOCK_M"] for c in chosen] == [16 if small else 64, 64], chosen
     differ = (decode != mixed).flatten(1).any(1)
-    assert not differ.any(), f"{int(differ.sum())} of {R} decode rows differ from the mixed step's ({cfg})"
+    assert not differ.any(), f"{int(differ.sum())} of {R} decode rows differ from the mixed step's ({chosen[0]})"
     ref = torch.empty_like(decode)
     pa.paged_attention_ref(q[:R], k_cache, v_cache, ref, torch.arange(R + 1, dtype=torch.int32, device="cuda"),
                            lens[:R], table[:R], D ** -0.5, 1)
