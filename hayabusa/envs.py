@@ -38,4 +38,22 @@ def parse_switch(raw: str, parameter: str, what: str | None = None) -> bool:
                                   f"0 / false / no / off or empty (off), any case.", parameter=parameter, value=raw)
 
 
-__all__ = ["env_flag", "parse_switch"]
+def parse_sweep_switch(raw: str, key: str, nullable: bool = False) -> bool | None:
+    """One value of a switch in ``--sweep KEY=V1,V2`` (``hayabusa bench`` and ``hayabusa eval``): the environment
+    variables' spellings, and none / null (the argument's default, e.g. batch_invariant=None: the environment
+    variable decides) where ``nullable``. Empty entries never get here (a sweep drops them).
+
+    Raises:
+        HayabusaValidationError: any other value, naming ``--sweep KEY`` and the spellings it takes.
+    """
+    value = raw.strip().lower()
+    if nullable and value in ("none", "null"):
+        return None
+    if value and value in _TRUE + _FALSE:
+        return value in _TRUE
+    raise HayabusaValidationError(f"--sweep {key}={raw!r}: use 1 / true / yes / on or 0 / false / no / off (any "
+                                  f"case){', or none (the default)' if nullable else ''}.", parameter="sweep",
+                                  value=raw)
+
+
+__all__ = ["env_flag", "parse_switch", "parse_sweep_switch"]

@@ -30,3 +30,15 @@ def test_env_flag_refusal_lists_every_value_it_takes(monkeypatch):
         env_flag("HAYABUSA_TEST_FLAG", False)
     for word in ("1", "true", "yes", "on", "0", "false", "no", "off", "empty"):
         assert word in str(e.value), (word, str(e.value))
+
+
+def test_parse_sweep_switch_takes_the_environment_spellings_and_none_only_where_the_default_is_none():
+    from hayabusa.envs import parse_sweep_switch
+
+    assert [parse_sweep_switch(v, "k") for v in ("1", " On", "YES", "true", "0", "off", "No", "FALSE")] == \
+        [True] * 4 + [False] * 4
+    assert parse_sweep_switch("null", "k", nullable=True) is None
+    for bad, nullable in (("none", False), ("", True), ("2", True), ("maybe", False)):
+        with pytest.raises(ValueError, match=f"--sweep k={bad!r}: use 1 / true / yes / on") as e:
+            parse_sweep_switch(bad, "k", nullable)
+        assert e.value.parameter == "sweep" and e.value.value == bad

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -29,7 +30,8 @@ from hayabusa.bench.runner import payoff_state
 from hayabusa.bench.vl_models import VL_SHAPES, make_vl_model, vl_shape_config
 from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, fit_to_vocab, get_workload
 from hayabusa.config import NOT_CLI_ARGS, EngineArgs, cli_arg_type
-from hayabusa.envs import parse_switch
+from hayabusa.envs import parse_sweep_switch
+from hayabusa.errors import HayabusaValidationError
 
 HF_ONLY_KEYS = ("hf_batch_size",)
 
@@ -90,17 +92,16 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------------ variants
-def _parse_bool(s: str) -> bool:
-    return parse_switch(s, "--sweep")     # 1 / true / yes / on, 0 / false / no / off; anything else is refused
-
-
 def _parse_quantization(s: str) -> str | None:
     return None if s.strip().lower() == "none" else s.strip()   # quantization=none,fp8,int4: "none" = unquantized
 
 
 # Engine arguments --sweep takes (every flag but the list-valued cuda_graph_sizes) -> how a value parses.
+# A switch takes the environment variables' on / off spellings (envs.parse_sweep_switch), and none where its default
+# is None (eval --sweep reads them the same way).
 SWEEP_TYPES: dict[str, Any] = {
-    f.name: {"bool": _parse_bool, int: int, float: float, str: str}[cli_arg_type(f)]
+    f.name: {int: int, float: float, str: str}[cli_arg_type(f)] if cli_arg_type(f) != "bool" else
+    functools.partial(parse_sweep_switch, key=f.name, nullable=str(f.type).replace(" ", "") == "bool|None")
     for f in dataclasses.fields(EngineArgs) if f.name not in NOT_CLI_ARGS and cli_arg_type(f) != "list"}
 SWEEP_TYPES["quantization"] = _parse_quantization
 SWEEP_TYPES["hf_batch_size"] = int
@@ -124,9 +125,10 @@ def _parse_sweep(spec: str | None) -> tuple[str, list[Any]] | None:
     for v in raw:
         try:
             out.append(typ(v))
+        except HayabusaValidationError:   # a switch: its own message names the key and the spellings
+            raise
         except ValueError:
-            expected = "1 / true / yes / on or 0 / false / no / off" if typ is _parse_bool else typ.__name__
-            raise ValueError(f"--sweep {spec!r}: {v!r} is not a valid {key} (expected {expected}).") from None
+            raise ValueError(f"--sweep {spec!r}: {v!r} is not a valid {key} (expected {typ.__name__}).") from None
     if key == "hf_batch_size":
         for v in out:
             _check_hf_batch_size(v, f"--sweep {spec!r}: hf_batch_size")

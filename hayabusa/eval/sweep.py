@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hayabusa.config import EngineArgs
-from hayabusa.envs import parse_switch
+from hayabusa.envs import parse_sweep_switch
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.eval import report, tasks
 from hayabusa.eval.data import EvalItem
@@ -79,8 +79,7 @@ def parse_sweeps(specs: list[str] | None) -> list[dict[str, Any]]:
                 f"{', '.join(sorted(ENGINE_KEYS))}. Sampling: {', '.join(sorted(SAMPLING_KEYS))}.",
                 parameter="sweep", value=key)
         if key in BOOL_KEYS:   # on / off as the environment variables take them; none where None is the default
-            vals = [None if key in NULLABLE_BOOL_KEYS and v.strip().lower() in ("none", "null")
-                    else parse_switch(v, "sweep", f"--sweep {key}") for v in values.split(",") if v.strip()]
+            vals = [parse_sweep_switch(v, key, key in NULLABLE_BOOL_KEYS) for v in values.split(",") if v.strip()]
         else:
             vals = [parse_value(v) for v in values.split(",") if v.strip()]
         if not vals:

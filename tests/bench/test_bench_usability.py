@@ -244,11 +244,17 @@ def test_a_switch_in_a_sweep_takes_only_on_off_values(tiny_bench_model, capsys, 
     """--sweep batch_invariant=VALUE: 1 / true / yes / on and 0 / false / no / off as the environment variables;
     anything else is refused before a run (it once ran as False: a typo measured default against default)."""
     assert cli._parse_sweep("batch_invariant=1,off,YES") == ("batch_invariant", [True, False, True])
+    # none: the argument's default (None: HAYABUSA_BATCH_INVARIANT decides), as eval --sweep reads it
+    assert cli._parse_sweep("batch_invariant=none,on") == ("batch_invariant", [None, True])
     assert cli.main(["--workload", "W3", "--model", tiny_bench_model, "--device", "cpu", "--sweep",
                      f"batch_invariant=false,{value}"]) == 2
     err = capsys.readouterr().err
-    assert f"{value!r} is not a valid batch_invariant (expected 1 / true / yes / on or 0 / false / no / off)" in err
+    assert (f"--sweep batch_invariant={value!r}: use 1 / true / yes / on or 0 / false / no / off (any case), or none "
+            "(the default).") in err
     assert "Traceback" not in err
+    with pytest.raises(ValueError, match="enforce_eager='none': use 1 / true / yes / on or 0 / false / no / off "
+                                         r"\(any case\)\.$"):
+        cli._parse_sweep("enforce_eager=none")      # a plain switch has no None default
 
 
 def test_repeats_time_the_workload_n_times_on_one_engine_and_record_the_median(tiny_bench_model):

@@ -129,6 +129,8 @@ def test_parse_sweeps_is_a_grid():
     for bad in ("batch_invariant=true,nope", "batch_invariant=2", "enforce_eager=maybe", "detokenize=none"):
         with pytest.raises(ValueError, match=r"--sweep \w+='(nope|2|maybe|none)': use 1 / true / yes / on"):
             parse_sweeps([bad])
+    with pytest.raises(ValueError, match=r"or none \(the default\)\.$"):   # listed where it is accepted
+        parse_sweeps(["batch_invariant=nope"])
     assert parse_sweeps(["max_num_seqs=1"]) == [{"max_num_seqs": 1}]          # an int argument keeps its 1
 
 
