@@ -87,6 +87,12 @@ def cli_arg_type(f: dataclasses.Field) -> Any:
     return {"int": int, "float": float}.get(first, str)
 
 
+def optional_field(f: dataclasses.Field) -> bool:
+    """Whether a field's type admits None (``bool | None``: None is its default, e.g. batch_invariant, where the
+    environment variable decides)."""
+    return str(f.type).replace(" ", "").endswith("|None")
+
+
 def _arg_docs(cls: type) -> dict[str, str]:
     """name -> help text, from the ``Args:`` sections of ``cls``'s and its bases' docstrings (an entry may name
     several arguments: "revision, tokenizer_revision: ..." or "a / b: ...")."""

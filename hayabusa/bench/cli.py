@@ -29,7 +29,7 @@ from hayabusa.bench.models import ARCH_SHAPE_NAMES, SHAPES, make_model, model_na
 from hayabusa.bench.runner import payoff_state
 from hayabusa.bench.vl_models import VL_SHAPES, make_vl_model, vl_shape_config
 from hayabusa.bench.workloads import DESCRIPTIONS, WORKLOADS, Workload, fit_to_vocab, get_workload
-from hayabusa.config import NOT_CLI_ARGS, EngineArgs, cli_arg_type
+from hayabusa.config import NOT_CLI_ARGS, EngineArgs, cli_arg_type, optional_field
 from hayabusa.envs import parse_sweep_switch
 from hayabusa.errors import HayabusaValidationError
 
@@ -101,7 +101,7 @@ def _parse_quantization(s: str) -> str | None:
 # is None (eval --sweep reads them the same way).
 SWEEP_TYPES: dict[str, Any] = {
     f.name: {int: int, float: float, str: str}[cli_arg_type(f)] if cli_arg_type(f) != "bool" else
-    functools.partial(parse_sweep_switch, key=f.name, nullable=str(f.type).replace(" ", "") == "bool|None")
+    functools.partial(parse_sweep_switch, key=f.name, nullable=optional_field(f))
     for f in dataclasses.fields(EngineArgs) if f.name not in NOT_CLI_ARGS and cli_arg_type(f) != "list"}
 SWEEP_TYPES["quantization"] = _parse_quantization
 SWEEP_TYPES["hf_batch_size"] = int

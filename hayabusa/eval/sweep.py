@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from hayabusa.config import EngineArgs
+from hayabusa.config import EngineArgs, cli_arg_type, optional_field
 from hayabusa.envs import parse_sweep_switch
 from hayabusa.errors import HayabusaValidationError
 from hayabusa.eval import report, tasks
@@ -34,11 +34,11 @@ from hayabusa.sampling_params import ENGINE_FILLED_FIELDS, SamplingParams
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
 SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - ENGINE_FILLED_FIELDS
 # true / false switches: a sweep's 1 / 0 for them means on / off (as HAYABUSA_BATCH_INVARIANT=1 does)
-BOOL_KEYS = {f.name for f in (*dataclasses.fields(EngineArgs), *dataclasses.fields(SamplingParams))
-             if str(f.type).replace(" ", "") in ("bool", "bool|None")}
+_SWITCHES = [f for f in (*dataclasses.fields(EngineArgs), *dataclasses.fields(SamplingParams))
+             if cli_arg_type(f) == "bool"]
+BOOL_KEYS = {f.name for f in _SWITCHES}
 # ... of which these also take none (their default, e.g. batch_invariant=None: the environment variable decides)
-NULLABLE_BOOL_KEYS = {f.name for f in (*dataclasses.fields(EngineArgs), *dataclasses.fields(SamplingParams))
-                      if str(f.type).replace(" ", "") == "bool|None"}
+NULLABLE_BOOL_KEYS = {f.name for f in _SWITCHES if optional_field(f)}
 
 
 def parse_value(text: str) -> Any:

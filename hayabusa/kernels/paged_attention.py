@@ -467,11 +467,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = softcap is not None and softcap > 0
+    kv_fp8 = is_fp8(k_cache.dtype)
+    use_bias = position_bias is not None
     d_pad = max(16, next_power_of_2(D))
     short_query = not batch_invariant and is_short_query(max_query_len, H // H_kv, R * H_kv)
     if batch_invariant:
-        decode = (max_query_len == 1 and q.device.type == "cuda" and not (use_window or use_softcap)
-                  and position_bias is None and not is_fp8(k_cache.dtype))   # where the small tile was measured
+        decode = (max_query_len == 1 and q.device.type == "cuda"   # where the small tile was measured
+                  and not (use_window or use_softcap or use_bias or kv_fp8))
         cfg = batch_invariant_tile_config(H // H_kv, d_pad, q.element_size(), R * H_kv if decode else 0,
                                           _num_sms(q.device) if decode else 0)
     else:
@@ -487,9 +489,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_acc = part_m = part_l = out  # unused
     pre_scale = scale / softcap if use_softcap else scale * _LOG2E
     post_scale = softcap * _LOG2E if use_softcap else 1.0
-    kv_fp8 = is_fp8(k_cache.dtype)
     unit = unit_scale(q.device) if kv_fp8 else seq_lens  # never read unless kv_fp8
-    use_bias = position_bias is not None
     if use_bias and (position_bias.dim() != 2 or position_bias.shape[0] != H or position_bias.dtype != torch.float32
                      or not position_bias.is_contiguous() or use_softcap or position_bias.device != q.device):
         raise ValueError(f"position_bias must be [H={H}, L] fp32 contiguous on q's device, without softcap; got "
