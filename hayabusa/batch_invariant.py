@@ -40,20 +40,18 @@ def _refuse(parameter: str, value: Any, why: str) -> HayabusaValidationError:
 def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculative_config: Any) -> None:
     """Refuse, by name, what the mode does not cover (called when the mode is on).
 
+    Encoder-decoder (T5) and vision (Qwen2-VL / Qwen2.5-VL) models are covered: their linears take the mode's
+    GEMM like every other, the runner runs each request's encoder and each image's vision tower on its own (the
+    tower's and encoder's shapes then depend on that request alone), and the attention backend adds T5's
+    position bias in the mode's fixed key order.
+
     Raises:
-        HayabusaValidationError: quantization (its kernels pick tiles / split-K by M), an encoder-decoder (T5)
-            or vision (Qwen2-VL) model, tensor_parallel_size > 1 (NCCL's all-reduce order depends on the message
-            size), speculative decoding.
+        HayabusaValidationError: quantization (its kernels pick tiles / split-K by M), tensor_parallel_size > 1
+            (NCCL's all-reduce order depends on the message size), speculative decoding.
     """
     if model_config.quant_config is not None:
         raise _refuse("quantization", model_config.quantization, "the quantized linears' kernels choose their "
                       "tiling and split-K by the number of rows; use an unquantized checkpoint.")
-    if model_config.is_encoder_decoder:
-        raise _refuse("model", model_config.architecture, "encoder-decoder models (T5) are not covered by the "
-                      "mode yet (encoder and cross-attention kernels).")
-    if model_config.multimodal_config is not None:
-        raise _refuse("model", model_config.architecture, "vision models (Qwen2-VL / Qwen2.5-VL) are not covered "
-                      "by the mode yet (the vision tower's kernels).")
     if tensor_parallel_size > 1:
         raise _refuse("tensor_parallel_size", tensor_parallel_size, "the all-reduce's summation order depends on "
                       "the message size (the number of tokens in the step).")

@@ -184,8 +184,11 @@ def log_softmax_bi_ref(x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------- attention
 def _bi_attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_row: torch.Tensor,
-                   seq_len: int, scale: float, window: int, softcap: float, k_scale, v_scale) -> torch.Tensor:
-    """One request's queries q [n, H, D] -> [n, H, D] fp32, KV walked in BI_TILE_N-key tiles from position 0."""
+                   seq_len: int, scale: float, window: int, softcap: float, k_scale, v_scale,
+                   position_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One request's queries q [n, H, D] -> [n, H, D] fp32, KV walked in BI_TILE_N-key tiles from position 0;
+    ``position_bias`` [H, L] fp32 (T5): bias[h, query_pos - key_pos] (clamped to the table) added to the scores,
+    as the Triton kernel adds it (after the scale, in log2 units)."""
     from hayabusa.kernels.paged_attention import gather_kv
 
     n, H, D = q.shape
@@ -212,6 +215,9 @@ def _bi_attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             s = softcap * torch.tanh(s * (scale / softcap)) * _LOG2E
         else:
             s = s * (scale * _LOG2E)
+        if position_bias is not None:
+            dist = (pos[:, None] - keys[None, :]).clamp(0, position_bias.shape[1] - 1)      # [n, N]
+            s = s + position_bias[:, dist].permute(1, 0, 2).reshape(n, H_kv, G, BI_TILE_N) * _LOG2E
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < seq_len)     # [n, N]
         if window > 0:
             visible &= keys[None, :] > pos[:, None] - window
@@ -237,10 +243,9 @@ def paged_attention_bi_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     A query row at position p gets the same bits whatever else is in the step and however its prompt was chunked:
     its keys are walked in BI_TILE_N tiles from position 0 with the Triton kernel's online-softmax update, every
-    reduction an inner-dim sum of fixed length (D or BI_TILE_N); keys a row cannot see add exact zeros.
-    Raises ValueError for ``position_bias`` (T5 is refused in the mode)."""
-    if position_bias is not None:
-        raise ValueError("position_bias is not supported in batch-invariant mode")
+    reduction an inner-dim sum of fixed length (D or BI_TILE_N); keys a row cannot see add exact zeros. T5's
+    ``position_bias`` [H, L] fp32 is added by distance (query position - key position), which depends on the
+    row's position alone."""
     from hayabusa.kernels.paged_attention import ref_requests, ref_window_softcap
 
     window, cap = ref_window_softcap(sliding_window, softcap)
@@ -252,7 +257,7 @@ def paged_attention_bi_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         first = seq_len - (q_end - q_start)
         for i in range(q_end - q_start):
             o = _bi_attend_one(q[q_start + i:q_start + i + 1], k_cache, v_cache, block_table[r], first + i + 1,
-                               scale, window, cap, k_scale, v_scale)
+                               scale, window, cap, k_scale, v_scale, position_bias)
             out[q_start + i] = o[0].to(out.dtype)
 
 

@@ -105,11 +105,15 @@ class EncoderDecoderRunner:
         max_num_tokens: tokens per step at most (max_num_batched_tokens).
         max_encoder_len: the longest encoder input (the input processor refuses longer ones).
         device: where the model runs.
+        batch_invariant: batch-invariant mode (hayabusa/batch_invariant.py): every request's encoder runs on its
+            own, packed (its shapes then depend on its input alone, not on the step's other inputs or on a
+            bucket's padding); no padded runs, no encoder graphs.
     """
 
     def __init__(self, model, block_size: int, max_num_reqs: int, max_num_tokens: int, max_encoder_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.device = device
         self.max_cross_blocks = cdiv(max_encoder_len, block_size)
@@ -131,7 +135,7 @@ class EncoderDecoderRunner:
         # padded encoder runs (the CUDA-graph shapes): buckets, one input buffer at a fixed address, graphs
         # on CUDA (graphs, or the same shapes eagerly with enforce_eager); on CPU the packed path (padding only
         # costs there), as decode steps take padded graph shapes only on CUDA; tests switch it to compare
-        self.padded_encoder = device.type == "cuda" and USE_ENCODER_GRAPHS
+        self.padded_encoder = device.type == "cuda" and USE_ENCODER_GRAPHS and not batch_invariant
         self.set_buckets(encoder_buckets(max_encoder_len, max_num_reqs))
         self.enc_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}    # empty: run eagerly
         self.enc_graph_pool = None
@@ -183,23 +187,34 @@ class EncoderDecoderRunner:
 
     # ------------------------------------------------------------------ one step
     def run_encoders(self, out: SchedulerOutput, kv_caches, backend) -> None:
-        """Run the encoders of the requests in ``out.scheduled_encoder_prompt_req_ids`` as one varlen batch and
-        write every decoder layer's cross-attention K/V into their cross blocks."""
+        """Run the encoders of the requests in ``out.scheduled_encoder_prompt_req_ids`` as one varlen batch (in
+        batch-invariant mode: one packed run per request) and write every decoder layer's cross-attention K/V
+        into their cross blocks."""
         rids = out.scheduled_encoder_prompt_req_ids
         if not rids:
             return
         new_blocks = {r.req_id: r.cross_block_ids for r in out.scheduled_new_reqs}
         new_blocks.update(out.scheduled_cached_reqs.cross_block_ids)
         enc = [self.encoder_ids[rid] for rid in rids]
+        blocks = [new_blocks[rid] for rid in rids]
+        if self.batch_invariant:
+            for i in range(len(enc)):
+                self._run_packed(enc[i:i + 1], blocks[i:i + 1], kv_caches, backend)
+            return
         lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))          # [R_e]
         bucket = self.bucket_for(len(enc), int(lens.max())) if self.padded_encoder else None
         if bucket is not None:
-            self._run_padded(bucket, enc, lens, [new_blocks[rid] for rid in rids], kv_caches, backend)
+            self._run_padded(bucket, enc, lens, blocks, kv_caches, backend)
             self.num_encoder_tokens += int(lens.sum())
             return
+        self._run_packed(enc, blocks, kv_caches, backend)
+
+    def _run_packed(self, enc: list[np.ndarray], blocks: list[list[int]], kv_caches, backend) -> None:
+        """The packed varlen path: the inputs ``enc`` one after another, each request's cross K/V into ``blocks``."""
         self.num_packed_runs += 1
+        lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))          # [R_e]
         ids = np.concatenate(enc)                                                  # [T_e] int64
-        slots_t = _to_device(self.cross_slots([new_blocks[rid] for rid in rids], lens), self.device)
+        slots_t = _to_device(self.cross_slots(blocks, lens), self.device)
         ids_t = _to_device(ids, self.device)
         enc_out = self.model.encode(ids_t, lens.tolist())                         # [T_e, d_model]
         self.model.store_cross_kv(enc_out, slots_t, ForwardContext(None, kv_caches, backend))

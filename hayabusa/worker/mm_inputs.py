@@ -1,6 +1,6 @@
 """The runner's multimodal state: per request its images, M-RoPE prompt positions and encoder cache (image
 embeddings from the vision tower, kept until the prefill has consumed them); per step the rope positions, the
-vision-tower runs (batched across requests) and the embedding rows that replace the image placeholders.
+vision-tower runs (batched across requests; one image per run in batch-invariant mode) and the embedding rows that replace the image placeholders.
 
 ModelRunner calls ``update`` after applying a SchedulerOutput, ``prepare`` after building a step's host inputs,
 and ``StepMultiModal.run`` instead of the plain forward when a step has image rows or 3-D positions.
@@ -63,10 +63,14 @@ class MultiModalState:
     Args:
         model: the multimodal model (``get_image_embeddings``, ``spatial_merge_size``).
         device: where its tensors live.
+        batch_invariant: batch-invariant mode (hayabusa/batch_invariant.py): the tower runs one image at a time,
+            so an image's embeddings depend on that image alone (every tower op sees the same shapes whatever
+            else the step encodes).
     """
 
-    def __init__(self, model, device: torch.device) -> None:
+    def __init__(self, model, device: torch.device, batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.device = device
         self.merge = int(model.spatial_merge_size)
         self.requests: dict[str, RequestImages] = {}
@@ -167,7 +171,7 @@ class MultiModalState:
 
     def _encode(self, encoder_inputs: dict[str, list[int]]) -> None:
         """One vision-tower call for every distinct image (by content hash) the step encodes, across requests
-        (the n samples of a request share their images)."""
+        (the n samples of a request share their images); in batch-invariant mode one call per distinct image."""
         todo = [(rid, i) for rid, idx in encoder_inputs.items() for i in idx if rid in self.requests]
         if not todo:
             return
@@ -179,8 +183,11 @@ class MultiModalState:
                 unique[img.content_hash] = len(images)
                 images.append(img)
         # pinned, non-blocking, already in the tower's dtype (its first op casts to it: the same numbers)
-        pixels = host_to_device([img.pixel_values for img in images], self.device,
-                                self.model.visual.patch_embed.proj.weight.dtype)
-        embeds = self.model.get_image_embeddings(pixels, [img.grid_thw for img in images])
+        dtype = self.model.visual.patch_embed.proj.weight.dtype
+        calls = [[img] for img in images] if self.batch_invariant else [images]
+        embeds = []
+        for call in calls:
+            pixels = host_to_device([img.pixel_values for img in call], self.device, dtype)
+            embeds += self.model.get_image_embeddings(pixels, [img.grid_thw for img in call])
         for rid, i in todo:
             self.requests[rid].cache[i] = embeds[unique[self.requests[rid].images[i].content_hash]]

@@ -183,7 +183,7 @@ class ModelRunner:
             from hayabusa.worker.encoder_decoder import EncoderDecoderRunner
 
             self.encdec = EncoderDecoderRunner(self.model, self.block_size, self.max_num_reqs, self.max_num_tokens,
-                                               mc.max_encoder_len, self.device)
+                                               mc.max_encoder_len, self.device, batch_invariant=bi)
         self._alloc_staging_buffers()
         self.kv_buffer: torch.Tensor | None = None   # [L, 2, num_blocks, block_size, H_kv, D], this stage's layers
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []   # by layer; None: another stage's
@@ -205,7 +205,7 @@ class ModelRunner:
         if getattr(self.model, "is_multimodal", False):
             from hayabusa.worker.mm_inputs import MultiModalState
 
-            self.mm = MultiModalState(self.model, self.device)
+            self.mm = MultiModalState(self.model, self.device, batch_invariant=bi)
         # prompt_logprobs: request id -> k while its prompt logprobs are incomplete; -> prompt positions done
         self._prompt_lp_wanted: dict[str, int] = {}
         self._prompt_lp_done: dict[str, int] = {}
