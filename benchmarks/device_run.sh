@@ -1259,12 +1259,14 @@ g_bi27a() {  # issue #23, what the twenty-fifth session left (call 1 of 2, ~520 
   fi
 }
 
-g_bi27b() {  # (call 2 of 2, ~330 s): the GEMM's row-bits tests with BI_GEMM_BUCKETS of 04408ba (the twenty-fifth
-             # session's call 2 ran out of time before them), the decode-tile tests with an fp8 cache, then the 0.5b W1,
-             # five timed runs per engine (bench --repeats), both orders
-  step bi_tests "${BITESTS_S:-170}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
-    tests/kernels/test_bi_gemm_cuda.py -k 'row_bits or silu' 2>&1 | tail -12; python -m pytest -q -rfE \
-    -p no:cacheprovider tests/kernels/test_batch_invariant_kernels.py -m cuda 2>&1 | tail -6"
+g_bi27b() {  # (call 2 of 2, ~400 s): the GEMM's row-bits tests with BI_GEMM_BUCKETS of 04408ba (the twenty-fifth
+             # session's call 2 ran out of time before them), the decode-tile tests with an fp8 cache, the mode on
+             # Qwen2.5-VL and T5 (the twenty-sixth session's CPU work: one image / one encoder input per run), then the
+             # 0.5b W1, five timed runs per engine (bench --repeats), both orders
+  step bi_tests "${BITESTS_S:-240}" 20 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
+    tests/engine/test_batch_invariant_encoders.py -m cuda 2>&1 | tail -6; python -m pytest -q -rfE \
+    -p no:cacheprovider tests/kernels/test_bi_gemm_cuda.py -k 'row_bits or silu' 2>&1 | tail -12; python -m pytest \
+    -q -rfE -p no:cacheprovider tests/kernels/test_batch_invariant_kernels.py -m cuda 2>&1 | tail -6"
   ensure_q05
   bench_step q05_W1_bi27_1 70 30 --workload W1 --model "$Q05" --repeats 5 --sweep batch_invariant=false,true
   bench_step q05_W1_bi27_2 70 30 --workload W1 --model "$Q05" --repeats 5 --sweep batch_invariant=true,false

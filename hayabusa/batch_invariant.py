@@ -17,22 +17,34 @@ from hayabusa.envs import env_flag
 from hayabusa.errors import HayabusaValidationError
 
 ENV_VAR = "HAYABUSA_BATCH_INVARIANT"
+# vLLM's variable for its batch-invariant mode (vllm/envs.py): a script or job environment written for vLLM that
+# sets it gets the mode here too; HAYABUSA_BATCH_INVARIANT, when set, decides instead
+VLLM_ENV_VAR = "VLLM_BATCH_INVARIANT"
+
+
+def _deciding_env_var() -> str | None:
+    """The environment variable that decides when the argument is None: HAYABUSA_BATCH_INVARIANT when set (empty
+    included: off), else VLLM_BATCH_INVARIANT when set, else None."""
+    return next((name for name in (ENV_VAR, VLLM_ENV_VAR) if name in os.environ), None)
 
 
 def batch_invariant_requested(value: bool | None) -> bool:
     """The engine argument when given (True / False: an explicit False wins over the environment), else
-    ``HAYABUSA_BATCH_INVARIANT`` (1 / true / yes / on; unset, empty, 0 / false / no / off: off).
+    ``HAYABUSA_BATCH_INVARIANT``, else vLLM's ``VLLM_BATCH_INVARIANT`` (1 / true / yes / on; unset, empty, 0 /
+    false / no / off: off).
 
     Raises:
-        HayabusaValidationError: any other value of the variable, naming it."""
+        HayabusaValidationError: any other value of the deciding variable, naming it."""
     if value is not None:
         return bool(value)
-    return env_flag(ENV_VAR, False)
+    name = _deciding_env_var()
+    return env_flag(name, False) if name else False
 
 
 def _refuse(parameter: str, value: Any, why: str) -> HayabusaValidationError:
-    source = " (from the environment variable HAYABUSA_BATCH_INVARIANT; pass batch_invariant=False to turn the " \
-        "mode off)" if os.environ.get(ENV_VAR, "").strip() else ""
+    name = _deciding_env_var()
+    source = f" (from the environment variable {name}; pass batch_invariant=False to turn the mode off)" \
+        if name and os.environ[name].strip() else ""
     return HayabusaValidationError(f"{parameter}={value!r} is not supported with batch_invariant=True{source}: "
                                    f"{why}", parameter=parameter, value=value)
 

@@ -227,9 +227,9 @@ class EngineArgs:
         batch_invariant: a request's token ids and logprobs do not depend on the other requests in its steps,
             max_num_seqs / max_num_batched_tokens, prompt chunking, prefix-cache hits or CUDA graphs (fixed-tile
             GEMM, one attention configuration, per-row reductions; hayabusa/batch_invariant.py). Also on with
-            the environment variable HAYABUSA_BATCH_INVARIANT=1 when left at None (an explicit False wins over the
-            variable). Quantization, T5, vision models, tensor
-            parallelism and speculative decoding are refused in the mode.
+            the environment variable HAYABUSA_BATCH_INVARIANT=1 (or, when that is unset, vLLM's
+            VLLM_BATCH_INVARIANT=1) when left at None (an explicit False wins over the variables). Quantization,
+            tensor parallelism and speculative decoding are refused in the mode; T5 and vision models run in it.
     """
 
     model: str = ""
@@ -472,7 +472,7 @@ class EngineArgs:
             raise _bad("block_size", self.block_size, "must be 1, 2, 4, 8 or a multiple of 16.")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise _bad("batch_invariant", self.batch_invariant, "must be True or False (or None: "
-                       "HAYABUSA_BATCH_INVARIANT decides).")
+                       "HAYABUSA_BATCH_INVARIANT, else VLLM_BATCH_INVARIANT, decides).")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise _bad("max_logprobs", self.max_logprobs, "must be a non-negative integer.")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
@@ -618,7 +618,7 @@ class ModelConfig:
     max_encoder_len: int | None = None
     multimodal_config: Any = None      # the whole HF config of a model with a vision tower (vision_config), else None
     limit_mm_per_prompt: Any = None    # {modality: most items per prompt} (EngineArgs), None = vLLM's default
-    batch_invariant: bool = False      # EngineArgs.batch_invariant or HAYABUSA_BATCH_INVARIANT=1
+    batch_invariant: bool = False   # EngineArgs.batch_invariant, HAYABUSA_ / VLLM_BATCH_INVARIANT=1
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> "ModelConfig":

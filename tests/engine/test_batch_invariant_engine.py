@@ -195,3 +195,25 @@ def test_logprobs_identical_when_the_prompt_is_chunked_beside_another_request(mn
         return [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
 
     assert beside.outputs[0].token_ids == alone.outputs[0].token_ids and lps(beside) == lps(alone)
+
+
+def test_vllm_variable_turns_the_mode_on_when_ours_is_unset(monkeypatch):
+    """VLLM_BATCH_INVARIANT (vLLM's switch for its mode) decides when HAYABUSA_BATCH_INVARIANT is unset; ours wins
+    when set (empty: off); a bad value is named by its variable; refusals name the variable that turned it on."""
+    from hayabusa.batch_invariant import batch_invariant_requested
+
+    monkeypatch.delenv("HAYABUSA_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert not batch_invariant_requested(None)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert batch_invariant_requested(None) and not batch_invariant_requested(False)
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=demo_model_dir(), device="cpu", quantization="int8").create_engine_config()
+    assert "VLLM_BATCH_INVARIANT" in str(e.value) and e.value.parameter == "quantization"
+    monkeypatch.setenv("HAYABUSA_BATCH_INVARIANT", "")
+    assert not batch_invariant_requested(None)
+    monkeypatch.delenv("HAYABUSA_BATCH_INVARIANT")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "2")
+    with pytest.raises(HayabusaValidationError) as e:
+        batch_invariant_requested(None)
+    assert e.value.parameter == "VLLM_BATCH_INVARIANT"
