@@ -56,9 +56,10 @@ what was measured); --merge prints the tables of several runs' --json files toge
 --small-m instead times kernels/wo_small_m.py (the weight-only int4 / int8 linear on small_m_linear's 16-row tl.dot
 tile loop) per M (default 1,4,8,16,32,64), layer and scheme (int4 at --group-size, int8), CUDA-graph medians in us:
 bf16 F.linear; today's quant_linear path at that M (_kernel_linear with USE_WO_SMALL_M off: GEMV to 4 rows, then
-the tl.dot GEMM, dequantize + cuBLAS from DEQUANT_GEMM_MIN_M*); WO_SMALL_M_TABLE's launch; and 8 candidate launches
+the tl.dot GEMM, dequantize + cuBLAS from DEQUANT_GEMM_MIN_M*); WO_SMALL_M_TABLE's launch; and 8-13 candidate launches
 (small_m_candidates: BLOCK_N 32-256, SPLIT_K 1 / auto, 4 / 8 warps, 3 / 4 stages, the slab and the join / dot tile
-builds; the row tile is M's bucket 16 / 32 / 64), each checked against the reference first (2 ulps of the output scale),
+builds, int4's inline-PTX kinds lop3 / lop3j; the row tile is M's bucket 16-256, at most 128; --m 32,64,128,256
+--schemes int4 times the lop3j launches that HAYABUSA_WO_MID_M would run), each checked against the reference first (2 ulps of the output scale),
 all compiled first in --jobs processes. '%copy' = the quantized weight bytes (int4: nibbles + bf16 scales and zeros;
 int8: bytes + scales) per second over a device copy of that many bytes (read + write counted); the 7b qkv / o
 int4 weights (8-9 MB) stay in L2 between replays, so their figures overstate a decode step's. It prints per (scheme,
@@ -727,16 +728,25 @@ SMALL_M_M = (1, 4, 8, 16, 32, 64)
 def small_m_candidates(scheme: str, M: int) -> list[tuple]:
     """--small-m: the wo_small_m launches timed per case, WO_SMALL_M_TABLE entries (kind, BLOCK_M, BLOCK_N, BLOCK_K,
     SPLIT_K (0: from the SM count), num_warps, num_stages): N tiles 32-256, no split / auto split, 4 / 8 warps,
-    3 / 4 stages; int4 both tile builds (slab: 8 nibble-slab dots; join: the k-ordered tile), int8 both (slab: 4
-    byte-slab dots on int32 words; dot: the byte tile), K tiles 128-256.
-    The row tile is M's bucket (16, 32, 64)."""
+    3 / 4 stages; int4 both tile builds (slab: 8 nibble-slab dots; join: the k-ordered tile) and the inline-PTX
+    kinds (to 16 rows "lop3", the slab with PTX-made slabs; from 17 "lop3j", the scaled slabs joined into one
+    k-ordered tile, also with 64- and 256-wide N tiles), int8 both (slab: 4 byte-slab dots on int32 words; dot: the
+    byte tile), K tiles 128-256. The row tile is M's bucket (16, 32, 64, 128, 256), at most 128 (lop3j: at least 64)."""
     from hayabusa.kernels.wo_small_m import wo_m_bucket
 
-    bm = wo_m_bucket(M)
+    bm = min(wo_m_bucket(M), 128)
+    bm_wgmma = max(bm, 64)   # lop3j: 64 rows is the smallest warpgroup-MMA tile (wo_small_m's table comment)
     if scheme == "int4":
         shapes = [("slab", 64, 128, 1, 4, 3), ("slab", 64, 128, 0, 4, 4), ("slab", 128, 128, 1, 4, 4),
                   ("slab", 128, 128, 0, 8, 3), ("slab", 32, 128, 0, 4, 4), ("slab", 256, 128, 1, 8, 3),
                   ("join", 64, 128, 1, 4, 3), ("join", 128, 128, 0, 4, 4)]
+        if M <= 16:
+            shapes += [("lop3", 128, 128, 0, 8, 3), ("lop3", 64, 128, 1, 4, 3)]
+        else:
+            return [(kind, bm, bn, bk, split, warps, stages) for kind, bn, bk, split, warps, stages in shapes] + [
+                ("lop3j", bm_wgmma, bn, bk, split, warps, stages) for bn, bk, split, warps, stages in
+                ((128, 128, 0, 4, 3), (128, 128, 1, 4, 3), (128, 128, 0, 8, 3), (64, 128, 0, 4, 4),
+                 (256, 128, 0, 8, 3))]
     else:
         shapes = [("slab", 64, 128, 1, 4, 3), ("slab", 64, 128, 0, 4, 4), ("slab", 128, 128, 1, 4, 4),
                   ("slab", 128, 128, 0, 8, 3), ("slab", 32, 128, 0, 4, 4), ("slab", 64, 256, 1, 8, 3),
@@ -896,6 +906,8 @@ def main() -> None:
     parser.add_argument("--small-m", action="store_true",
                         help="time kernels/wo_small_m.py's candidate launches against bf16 F.linear and today's "
                              "path, int4 and int8, M 1,4,8,16,32,64 (prints a WO_SMALL_M_TABLE literal)")
+    parser.add_argument("--schemes", default="int4,int8",
+                        help="--small-m: the weight-only schemes to time (int4, int8, or both)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="--sweep-w8a8 / --small-m: start no new case after this many seconds from the start "
                              "(default 170 / 110)")
@@ -929,11 +941,11 @@ def main() -> None:
     started = time.monotonic()
     if args.small_m and args.jobs > 1:
         small_m_precompile([(layer, int(m), scheme) for m in m_list.split(",") for layer in args.layers.split(",")
-                            for scheme in ("int4", "int8")], args.group_size, args.jobs)
+                            for scheme in args.schemes.split(",")], args.group_size, args.jobs)
     if args.small_m:  # M outer, layers inner: a run cut by the budget keeps whole row counts
         for M in (int(m) for m in m_list.split(",")):
             for layer in args.layers.split(","):
-                for scheme in ("int4", "int8"):
+                for scheme in args.schemes.split(","):
                     if time.monotonic() - started > budget_s:
                         print(f"# --budget-s {budget_s:g} reached: {layer} {scheme} M={M} not run", flush=True)
                         continue

@@ -51,27 +51,36 @@ from __future__ import annotations
 
 import torch
 
+from hayabusa.envs import env_flag
 from hayabusa.kernels._triton import cdiv, tl, triton
 from hayabusa.kernels.fp8_gemv import (
     FP8_AUTO_SPLIT_WAVES, SplitKPlan, dot_tile_setup, load_w_tile, load_x_tile, splitk_finish,
 )
 from hayabusa.kernels.pdl import pdl_wait
 from hayabusa.kernels.quant_linear import (
-    LaunchConfig, check_on_device_contiguous, device_limits, gemm_shape_class, int4_tile_t, pow2_divisor,
+    LaunchConfig, bf16_rne, check_on_device_contiguous, device_limits, gemm_shape_class, int4_tile_t, pow2_divisor,
     register_small_m_kernel, split_k_for,
 )
 from hayabusa.kernels.quant_ref import check_group_size
 from hayabusa.kernels.small_m_linear import dot_acc, split_dot_launch_kwargs
 
-# quant_linear routes at most this many rows here (one 16-row tile); the launcher itself takes any M (tiles of
-# BLOCK_M rows; the table has 32- and 64-row entries for the bench's M = 32, 64)
+# quant_linear routes at most this many rows here (one 16-row tile; int4 up to WO_MID_M_MAX with USE_WO_MID_M); the
+# launcher itself takes any M (tiles of BLOCK_M rows; the table has entries for 32-256 rows)
 WO_SMALL_M_MAX = 16
 # and at least this many (one row: quant_linear's GEMV, faster there; see the module docstring)
 WO_SMALL_M_MIN_M = 2
-WO_M_BUCKETS = (16, 32, 64)
-WO_KINDS = {"int4": ("slab", "join"), "int8": ("slab", "dot")}
-# the smallest BLOCK_K of a "slab" launch: each of its dots has K = BLOCK_K // (weights per int32) >= 16
+WO_M_BUCKETS = (16, 32, 64, 128, 256)
+WO_KINDS = {"int4": ("slab", "join", "lop3", "lop3j"), "int8": ("slab", "dot")}
+# the kinds built from nibble / byte slabs; the smallest BLOCK_K of their launches: each slab has K = BLOCK_K //
+# (weights per int32) >= 16 rows
+_SLAB_KINDS = ("slab", "lop3", "lop3j")
 _SLAB_MIN_BK = {"int4": 128, "int8": 64}
+# HAYABUSA_WO_MID_M=1 (read at import; tests set USE_WO_MID_M): int4 x of WO_SMALL_M_MAX + 1 .. WO_MID_M_MAX rows
+# come here too (by default they take quant_linear's path: its 16-row GEMM below DEQUANT_GEMM_MIN_M_INT4 rows,
+# dequantize + cuBLAS from there). Off until the "lop3" launches are measured on a GPU (issue #24: weight-only int4
+# at 0.55x bf16 on W1, where dequantize + cuBLAS writes and re-reads every weight in bf16 at each batched decode step).
+USE_WO_MID_M = env_flag("HAYABUSA_WO_MID_M", False)
+WO_MID_M_MAX = 256
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # (scheme, shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0:
@@ -80,26 +89,44 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # gate_up / down, int4 G = 128; BENCHMARKS.md "twenty-second session"): per class and bucket the candidate with the
 # least summed time. At 1-16 rows the same launch won every layer and M (int4: slab 16 x 128 x 128, 8 warps; int8:
 # the byte tile 16 x 32 x 128, 4 warps, 4 stages); e.g. gate_up at 16 rows int4 90 us, int8 45.5, bf16 cuBLAS 69.5,
-# the previous path 142 / 62.
+# the previous path 142 / 62. The int4 entries for 32-256 rows are guesses (the "lop3j" kind, twenty-sixth session,
+# no GPU): only the bench and USE_WO_MID_M reach them. Their row tiles are 64 or 128: compiled for sm_90, 64 rows is
+# the smallest tile on warpgroup MMAs (8 back-to-back wgmma per K tile, one wait); a 32-row tile compiles to mma.sync
+# with its B operand re-read from shared memory (893 loop instructions a warp against 512 at 64 rows:
+# benchmarks/kernels/sass_wo_small_m.py, BENCHMARKS.md "twenty-sixth session"). (The measured 32 / 64-row winners they replace were "join"
+# launches, slower than bf16 cuBLAS: BENCHMARKS.md, twenty-second session.) The int8 128 / 256 entries repeat 64's
+# launch on 128-row tiles (the bench's row tile: the bucket, at most 128).
 WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {
     ('int4', 'deep', 16): ('slab', 16, 128, 128, 0, 8, 3),
-    ('int4', 'deep', 32): ('join', 32, 128, 128, 0, 4, 4),
-    ('int4', 'deep', 64): ('join', 64, 128, 128, 0, 4, 4),
+    ('int4', 'deep', 32): ('lop3j', 64, 128, 128, 0, 4, 3),
+    ('int4', 'deep', 64): ('lop3j', 64, 128, 128, 0, 4, 3),
+    ('int4', 'deep', 128): ('lop3j', 128, 128, 128, 0, 8, 3),
+    ('int4', 'deep', 256): ('lop3j', 128, 128, 128, 0, 8, 3),
     ('int4', 'square', 16): ('slab', 16, 128, 128, 0, 8, 3),
-    ('int4', 'square', 32): ('join', 32, 128, 128, 0, 4, 4),
-    ('int4', 'square', 64): ('join', 64, 64, 128, 1, 4, 3),
+    ('int4', 'square', 32): ('lop3j', 64, 128, 128, 0, 4, 3),
+    ('int4', 'square', 64): ('lop3j', 64, 128, 128, 0, 4, 3),
+    ('int4', 'square', 128): ('lop3j', 128, 128, 128, 0, 8, 3),
+    ('int4', 'square', 256): ('lop3j', 128, 128, 128, 0, 8, 3),
     ('int4', 'wide', 16): ('slab', 16, 128, 128, 0, 8, 3),
-    ('int4', 'wide', 32): ('join', 32, 64, 128, 1, 4, 3),
-    ('int4', 'wide', 64): ('join', 64, 64, 128, 1, 4, 3),
+    ('int4', 'wide', 32): ('lop3j', 64, 128, 128, 0, 4, 3),
+    ('int4', 'wide', 64): ('lop3j', 64, 128, 128, 0, 4, 3),
+    ('int4', 'wide', 128): ('lop3j', 128, 128, 128, 0, 8, 3),
+    ('int4', 'wide', 256): ('lop3j', 128, 128, 128, 0, 8, 3),
     ('int8', 'deep', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'deep', 32): ('dot', 32, 32, 128, 0, 4, 4),
     ('int8', 'deep', 64): ('dot', 64, 32, 128, 0, 4, 4),
+    ('int8', 'deep', 128): ('dot', 128, 32, 128, 0, 4, 4),
+    ('int8', 'deep', 256): ('dot', 128, 32, 128, 0, 4, 4),
     ('int8', 'square', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'square', 32): ('dot', 32, 64, 128, 1, 4, 3),
     ('int8', 'square', 64): ('dot', 64, 64, 128, 1, 4, 3),
+    ('int8', 'square', 128): ('dot', 128, 64, 128, 1, 4, 3),
+    ('int8', 'square', 256): ('dot', 128, 64, 128, 1, 4, 3),
     ('int8', 'wide', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'wide', 32): ('dot', 32, 64, 128, 1, 4, 3),
     ('int8', 'wide', 64): ('dot', 64, 64, 128, 1, 4, 3),
+    ('int8', 'wide', 128): ('dot', 128, 64, 128, 1, 4, 3),
+    ('int8', 'wide', 256): ('dot', 128, 64, 128, 1, 4, 3),
 }
 
 
@@ -115,29 +142,140 @@ def _int4_slab(q, s: tl.constexpr, off, MAGIC: tl.constexpr, BY_HAND: tl.constex
     return w
 
 
+def _lop3_asm(magic: str, ty: str, scaled: bool) -> str:
+    """The inline PTX that makes the 8 nibble slabs of two packed int4 words (kinds "lop3*"). Operands are pairs of
+    tile elements (pack=2): $8 / $9 the two int32 words, $10 the pair's offsets 2**e + zero and (``scaled``) $11 the
+    pair's group scales as a bf16x2 / f16x2 (``ty``); $0..$7 slab s of both words as a ``ty``. PRMT puts nibbles
+    0-3 of word 0 in the low half and of word 1 in the high half (0x5410; nibbles 4-7: 0x7632); then per slab a shift,
+    one LOP3 ((t & 0x000F000F) | magic: two numbers 2**e + q at once, LUT 0xEA = (a & b) | c) and one packed subtract
+    (exact: integers below 2**11), and with ``scaled`` one packed multiply by the scales (round((q - zero) *
+    scale), the weight that dequantize + cuBLAS multiplies). 2 + 7 + 8 + 8 (+ 8) instructions for 16 weights, where
+    the Triton-built slab spends a shift, a mask, an OR, a 16-bit move and half a packed subtract per weight. (As
+    FasterTransformer / Marlin convert int4 to fp16 with LOP3; the bf16x2 subtract and multiply need sm_90.)"""
+    lines = ["{ .reg .b32 lo, hi, t;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for s in range(8):
+        src = "lo" if s < 4 else "hi"
+        shift = 4 * (s % 4)
+        lines.append(f"shr.u32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
+        lines.append(f"lop3.b32 t, t, 0x000F000F, {magic}, 0xEA;")
+        if scaled:
+            lines += [f"sub.rn.{ty} t, t, $10;", f"mul.rn.{ty} ${s}, t, $11;"]
+        else:
+            lines.append(f"sub.rn.{ty} ${s}, t, $10;")
+    return " ".join(lines + ["}"])
+
+
+LOP3_ASM_BF16 = tl.constexpr(_lop3_asm("0x43004300", "bf16x2", False))
+LOP3_ASM_FP16 = tl.constexpr(_lop3_asm("0x64006400", "f16x2", False))
+LOP3W_ASM_BF16 = tl.constexpr(_lop3_asm("0x43004300", "bf16x2", True))
+LOP3W_ASM_FP16 = tl.constexpr(_lop3_asm("0x64006400", "f16x2", True))
+_LOP3_CONSTRAINTS = tl.constexpr("=r," * 8 + "r,r,r")
+_LOP3W_CONSTRAINTS = tl.constexpr("=r," * 8 + "r,r,r,r")
+
+
+@triton.jit
+def _int4_slabs_lop3(q, off, FP16: tl.constexpr):
+    """All 8 nibble slabs of q [.., ..] int32 (slab s: k = 8i + s) as the exact integers q - zero in bf16 / fp16
+    (FP16), by _lop3_asm's PTX; off (same shape, that dtype) = 2**e + zero (2**e = 128 / 1024)."""
+    if FP16:   # one return after the if: Triton type-checks every return, even in a branch it does not take
+        ws = tl.inline_asm_elementwise(LOP3_ASM_FP16, _LOP3_CONSTRAINTS, [q, off], dtype=(tl.float16, ) * 8,
+                                       is_pure=True, pack=2)
+    else:
+        ws = tl.inline_asm_elementwise(LOP3_ASM_BF16, _LOP3_CONSTRAINTS, [q, off], dtype=(tl.bfloat16, ) * 8,
+                                       is_pure=True, pack=2)
+    return ws
+
+
+@triton.jit
+def _int4_slabs_lop3_scaled(q, off, sc, FP16: tl.constexpr):
+    """_int4_slabs_lop3's slabs times the group scales sc (same shape, x's dtype), rounded once to that dtype."""
+    if FP16:
+        ws = tl.inline_asm_elementwise(LOP3W_ASM_FP16, _LOP3W_CONSTRAINTS, [q, off, sc], dtype=(tl.float16, ) * 8,
+                                       is_pure=True, pack=2)
+    else:
+        ws = tl.inline_asm_elementwise(LOP3W_ASM_BF16, _LOP3W_CONSTRAINTS, [q, off, sc], dtype=(tl.bfloat16, ) * 8,
+                                       is_pure=True, pack=2)
+    return ws
+
+
+@triton.jit
+def _int4_slab_scaled(q, s: tl.constexpr, off, sc, MAGIC: tl.constexpr, BY_HAND: tl.constexpr,
+                      DTYPE: tl.constexpr):
+    """_int4_slab's slab s times the group scales sc, rounded once to DTYPE (BY_HAND: to bf16 by bf16_rne, the
+    interpreter's cast truncates); q, off, sc broadcast alike (q [.., ..] int32, off / sc fp32)."""
+    u = (q >> (4 * s)) & 0xF | MAGIC
+    if BY_HAND:
+        return bf16_rne(((u << 16).to(tl.float32, bitcast=True) - off) * sc)
+    return ((u.to(tl.int16).to(DTYPE, bitcast=True) - off.to(DTYPE)).to(tl.float32) * sc).to(DTYPE)
+
+
 @triton.jit
 def _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask, offs_n, n_mask, N,
                    GROUP_SIZE: tl.constexpr, SLAB: tl.constexpr, MAGIC: tl.constexpr, BY_HAND: tl.constexpr,
-                   DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + (x[:, k0:k0 + BK] @ (q - zero)[k0:k0 + BK, n]) * scale[g, n] for one group g = k0 // G."""
+                   DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   LOP3: tl.constexpr = False, SCALE_W: tl.constexpr = False):
+    """acc + x[:, k0:k0 + BK] @ W[k0:k0 + BK, n] for the K tile of one group g = k0 // G.
+
+    SLAB (kinds "slab", "lop3"): 8 dots of nibble slabs against x's stride-8 columns; otherwise ("join") one dot of
+    the k-ordered tile. Both take the exact integers q - zero and scale the tile's partial sum once: acc + (x @ (q -
+    zero)) * scale[g, n]. SCALE_W (kind "lop3j"): the 8 slabs times the group scales, rounded to x's dtype (W =
+    round((q - zero) * scale), the weights dequantize + cuBLAS multiplies), joined into the k-ordered tile W^T [BN,
+    BK] (k = 8i + s: tl.join thrice, then a reshape) and dotted with x's contiguous tile into acc itself: one K = BK
+    dot per tile and no per-group rescale, so on sm_90 the tile's wgmma instructions issue back to back into the
+    loop's accumulator (Triton 3.6: one wait per tile, where the slab kinds wait after each of their 8 dots). LOP3:
+    the slabs by _lop3_asm's inline PTX (CUDA only: the interpreter cannot run PTX, so there the launcher passes LOP3
+    False and the same slabs come from _int4_slab / _int4_slab_scaled)."""
     dtype = x_ptr.dtype.element_ty
     g = k0 // GROUP_SIZE
-    sc = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if SLAB:
-        offs_i = tl.arange(0, BLOCK_K // 8)
+    sc = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0)                        # [BN], x's dtype
+    z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    off = z + (128.0 if MAGIC == 0x4300 else 1024.0)                                        # [BN] 2**e + zero
+    offs_i = tl.arange(0, BLOCK_K // 8)
+    if SCALE_W:
+        q = tl.load(qw_ptr + (k0 // 8 + offs_i)[None, :] * N + offs_n[:, None], mask=n_mask[:, None], other=0)
+        shape: tl.constexpr = [BLOCK_N, BLOCK_K // 8]                                      # q^T [BN, BK // 8]
+        if LOP3:
+            w0, w1, w2, w3, w4, w5, w6, w7 = _int4_slabs_lop3_scaled(
+                q, tl.broadcast_to(off.to(dtype)[:, None], shape), tl.broadcast_to(sc[:, None], shape),
+                MAGIC == 0x6400)
+        else:
+            o2 = off[:, None]
+            s2 = sc.to(tl.float32)[:, None]
+            w0 = _int4_slab_scaled(q, 0, o2, s2, MAGIC, BY_HAND, dtype)
+            w1 = _int4_slab_scaled(q, 1, o2, s2, MAGIC, BY_HAND, dtype)
+            w2 = _int4_slab_scaled(q, 2, o2, s2, MAGIC, BY_HAND, dtype)
+            w3 = _int4_slab_scaled(q, 3, o2, s2, MAGIC, BY_HAND, dtype)
+            w4 = _int4_slab_scaled(q, 4, o2, s2, MAGIC, BY_HAND, dtype)
+            w5 = _int4_slab_scaled(q, 5, o2, s2, MAGIC, BY_HAND, dtype)
+            w6 = _int4_slab_scaled(q, 6, o2, s2, MAGIC, BY_HAND, dtype)
+            w7 = _int4_slab_scaled(q, 7, o2, s2, MAGIC, BY_HAND, dtype)
+        # tl.join appends its new dim last, so the innermost join's pair differs in slab bit 2: [BN, BK // 8, 2, 2, 2]
+        # indexed (i, c0, c1, c2) holds slab s = 4 c0 + 2 c1 + c2 -> k = 8i + s after the row-major reshape
+        w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
+        acc = dot_acc(x, tl.trans(w), acc, DOT_FP32)
+    elif SLAB:
         q = tl.load(qw_ptr + (k0 // 8 + offs_i)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        off = z + (128.0 if MAGIC == 0x4300 else 1024.0)
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in tl.static_range(8):
-            w = _int4_slab(q, s, off, MAGIC, BY_HAND, dtype)                             # [BK // 8, BN]
-            xs = tl.load(x_rows + (k0 + s + 8 * offs_i)[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK // 8]
-            part = dot_acc(xs, w, part, DOT_FP32)
+        if LOP3:
+            ws = _int4_slabs_lop3(q, tl.broadcast_to(off.to(dtype)[None, :], [BLOCK_K // 8, BLOCK_N]),
+                                  MAGIC == 0x6400)
+            for s in tl.static_range(8):
+                xs = tl.load(x_rows + (k0 + s + 8 * offs_i)[None, :], mask=m_mask[:, None], other=0.0)
+                part = dot_acc(xs, ws[s], part, DOT_FP32)
+        else:
+            for s in tl.static_range(8):
+                w = _int4_slab(q, s, off, MAGIC, BY_HAND, dtype)                         # [BK // 8, BN]
+                xs = tl.load(x_rows + (k0 + s + 8 * offs_i)[None, :], mask=m_mask[:, None], other=0.0)
+                part = dot_acc(xs, w, part, DOT_FP32)
+        acc = acc + part * sc.to(tl.float32)[None, :]
     else:
         w = tl.trans(int4_tile_t(qw_ptr, zeros_ptr, k0, offs_n, n_mask, N, GROUP_SIZE, BLOCK_K, MAGIC, BY_HAND))
         x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
         part = dot_acc(x, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32)
-    return acc + part * sc[None, :]
+        acc = acc + part * sc.to(tl.float32)[None, :]
+    return acc
 
 
 @triton.jit
@@ -188,7 +326,7 @@ def _wo_small_m_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, 
                        BY_HAND: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                        FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, LOP3: tl.constexpr = False, SCALE_W: tl.constexpr = False):
     """Grid (row tiles, N tiles, K splits), as small_m_linear's _small_m_dot_kernel; int4 tiles lie in one group
     (BLOCK_K divides G and so K: no K mask), int8 tiles may be ragged at K's end (EVEN_K False)."""
     pid_m, pid_n, pid_k, rows, m_mask, offs_n, n_mask, k_start, k_end, w_cols, x_rows = dot_tile_setup(
@@ -198,7 +336,8 @@ def _wo_small_m_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, 
     for k0 in range(k_start, k_end, BLOCK_K):
         if INT4:
             acc = _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask, offs_n, n_mask, N,
-                                 GROUP_SIZE, SLAB, MAGIC, BY_HAND, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                                 GROUP_SIZE, SLAB, MAGIC, BY_HAND, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, LOP3,
+                                 SCALE_W)
         elif SLAB:
             acc = _int8_slab_dot(acc, x_rows, w_cols, k0, k_end, m_mask, n_mask, EVEN_K, BY_HAND, DOT_FP32,
                                  x_ptr.dtype.element_ty, BLOCK_K)
@@ -229,17 +368,18 @@ def check_wo_entry(scheme: str, entry: tuple) -> None:
     if ok:
         kind, bm, bn, bk, split, warps, stages = entry
         ok = min(bm, bn, bk) >= 16 and split >= 0 and stages >= 1 and warps >= 1 \
-            and not any(v & (v - 1) for v in (bm, bn, bk, warps)) and (kind != "slab" or bk >= _SLAB_MIN_BK[scheme])
+            and not any(v & (v - 1) for v in (bm, bn, bk, warps)) \
+            and (kind not in _SLAB_KINDS or bk >= _SLAB_MIN_BK[scheme])
     if not ok:
         raise ValueError(f"{scheme} entry must be ({' | '.join(WO_KINDS[scheme])}, BLOCK_M, BLOCK_N, BLOCK_K, "
-                         f"SPLIT_K >= 0, num_warps, num_stages >= 1) with power-of-two tiles >= 16 (slab: BLOCK_K "
-                         f">= {_SLAB_MIN_BK[scheme]}), got {entry!r}")
+                         f"SPLIT_K >= 0, num_warps, num_stages >= 1) with power-of-two tiles >= 16 (slab kinds: "
+                         f"BLOCK_K >= {_SLAB_MIN_BK[scheme]}), got {entry!r}")
 
 
 def wo_small_m_launch(entry: tuple, M: int, N: int, K: int, group_size: int | None,
                       device: torch.device) -> LaunchConfig | None:
     """The launch of one table entry for [M, K] x [K, N] (int4 when group_size is given): int4's BLOCK_K capped at
-    the largest power-of-two divisor of G (one group per tile); an int4 "slab" entry whose capped BLOCK_K is under
+    the largest power-of-two divisor of G (one group per tile); an int4 slab-kind entry whose capped BLOCK_K is under
     128 becomes "join", an int8 "slab" entry for K % 4 != 0 (no int32 words) "dot"; SPLIT_K 0 resolved on the SM
     count. None where int4's G has no power-of-two divisor >= 16 (the
     dot needs K >= 16): the caller keeps quant_linear's path. Raises ValueError on a malformed entry."""
@@ -249,7 +389,7 @@ def wo_small_m_launch(entry: tuple, M: int, N: int, K: int, group_size: int | No
         bk = min(bk, pow2_divisor(group_size, 128))
         if bk < 16:
             return None
-        if kind == "slab" and bk < 128:
+        if kind in _SLAB_KINDS and bk < 128:
             kind = "join"
     elif kind == "slab" and K % 4:
         kind = "dot"
@@ -319,11 +459,15 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         zeros: int4: [K // G, N] in x's dtype (integers 0..15), contiguous; int8: ignored (None).
         group_size: G (int4: a multiple of 8 dividing K), or None for int8.
         bias: [N] in x's dtype, or None (added in fp32 before the one cast).
-        cfg: a launch (bench, tests): kind "slab" | "join" (int4) or "slab" | "dot" (int8), tiles >= 16, int4's
-            BLOCK_K dividing G ("slab": BLOCK_K >= 128 for int4, >= 64 for int8); default pick_wo_small_m_config's.
+        cfg: a launch (bench, tests): kind "slab" | "join" | "lop3" | "lop3j" (int4) or "slab" | "dot" (int8),
+            tiles >= 16, int4's BLOCK_K dividing G (slab kinds, "lop3j" among them: BLOCK_K >= 128 for int4, >= 64
+            for int8); default pick_wo_small_m_config's. "lop3" and "lop3j" make the slabs by inline PTX on CUDA (the
+            interpreter, which cannot run PTX, makes the same values in Triton); "lop3j" dots the scaled weights
+            round((q - zero) * scale) (dequantize + cuBLAS's rounding) as one k-ordered tile into one accumulator,
+            the others the integers q - zero with the scale applied per K tile (_int4_tile_dot).
     Returns:
         [M, N] in x's dtype: int4_weight_only_linear_ref / int8_weight_only_linear_ref's value up to the fp32
-        summation order (one rounding).
+        summation order (one rounding); "lop3j" also rounds each weight to x's dtype first (as dequantize + cuBLAS).
     Raises:
         ValueError: a bad shape, dtype, stride, contiguity or device (the message names the argument), a group size
             with no tile (G with no power-of-two divisor >= 16), or a cfg that does not fit the scheme.
@@ -342,11 +486,11 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
             raise ValueError(f"group_size {group_size} has no power-of-two divisor >= 16: no tl.dot tile fits")
     scheme = "int4" if int4 else "int8"
     if cfg.kind not in WO_KINDS[scheme] or min(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) < 16 \
-            or (cfg.kind == "slab" and cfg.BLOCK_K < _SLAB_MIN_BK[scheme]) or (int4 and group_size % cfg.BLOCK_K):
-        raise ValueError(f"cfg must be a {' | '.join(WO_KINDS[scheme])} launch with tiles >= 16 (slab: BLOCK_K >= "
-                         f"{_SLAB_MIN_BK[scheme]}){' and BLOCK_K dividing group_size' if int4 else ''}, got {cfg}")
+            or (cfg.kind in _SLAB_KINDS and cfg.BLOCK_K < _SLAB_MIN_BK[scheme]) or (int4 and group_size % cfg.BLOCK_K):
+        raise ValueError(f"cfg must be a {' | '.join(WO_KINDS[scheme])} launch with tiles >= 16 (slab kinds: BLOCK_K "
+                         f">= {_SLAB_MIN_BK[scheme]}){' and BLOCK_K dividing group_size' if int4 else ''}, got {cfg}")
     # int8 "slab" reads qweight as int32 words: where it has none (K % 4, a misaligned view) the byte tile, same sums
-    slab = cfg.kind == "slab" and (int4 or (K % 4 == 0 and qweight.data_ptr() % 4 == 0))
+    slab = cfg.kind in ("slab", "lop3") and (int4 or (K % 4 == 0 and qweight.data_ptr() % 4 == 0))
     if not int4 and slab:
         qweight = qweight.view(torch.int32)
     plan = SplitKPlan.of(M, N, K, cfg, out)
@@ -357,6 +501,7 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         M, N, K, plan.k_per_split, plan.splits, x.stride(0), 1 if int4 else K // 4 if slab else K, out.stride(0),
         INT4=int4, SLAB=slab, GROUP_SIZE=group_size or 1,
         MAGIC=0x6400 if fp16 else 0x4300, BY_HAND=on_cpu and not fp16,
+        LOP3=cfg.kind in ("lop3", "lop3j") and not on_cpu, SCALE_W=cfg.kind == "lop3j",
         **split_dot_launch_kwargs(plan, cfg, K, bias is not None, x.device))
     plan.finish(bias, out)
     return out.to(x.dtype) if on_cpu else out
@@ -364,14 +509,20 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 def wo_small_m_applies(x: torch.Tensor, group_size: int | None) -> bool:
     """Whether quant_linear's dispatch may send x here (checked operands assumed): bf16 / fp16 x with
-    WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows, int4's G tileable (a power-of-two divisor >= 16)."""
-    return x.dtype in _DTYPES and WO_SMALL_M_MIN_M <= x.shape[0] <= WO_SMALL_M_MAX \
-        and (group_size is None or pow2_divisor(group_size, 128) >= 16)
+    WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (int4 with USE_WO_MID_M: ..WO_MID_M_MAX), int4's G tileable (a
+    power-of-two divisor >= 16)."""
+    M = x.shape[0]
+    if x.dtype not in _DTYPES or M < WO_SMALL_M_MIN_M:
+        return False
+    if group_size is None:
+        return M <= WO_SMALL_M_MAX
+    return pow2_divisor(group_size, 128) >= 16 and M <= (WO_MID_M_MAX if USE_WO_MID_M else WO_SMALL_M_MAX)
 
 
 # quant_linear's dispatch reaches this kernel through the registration (the names looked up per call: tests patch them)
 register_small_m_kernel(lambda x, group_size: wo_small_m_applies(x, group_size),
                         lambda *args: wo_small_m_linear(*args))
 
-__all__ = ["WO_KINDS", "WO_M_BUCKETS", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M", "WO_SMALL_M_TABLE", "check_wo_entry",
-           "pick_wo_small_m_config", "wo_m_bucket", "wo_small_m_applies", "wo_small_m_launch", "wo_small_m_linear"]
+__all__ = ["WO_KINDS", "WO_M_BUCKETS", "WO_MID_M_MAX", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M", "WO_SMALL_M_TABLE",
+           "check_wo_entry", "pick_wo_small_m_config", "wo_m_bucket", "wo_small_m_applies",
+           "wo_small_m_launch", "wo_small_m_linear"]

@@ -1,5 +1,7 @@
 """wo_small_m_linear (Triton; CUDA, or the interpreter on CPU) against quant_ref's int4 / int8 weight-only references:
-both int4 kinds ("slab": 8 nibble slabs, 8 dots; "join": the tile rebuilt in k order), int8, 16- and 32-row
+the int4 kinds ("slab": 8 nibble slabs, 8 dots; "join": the tile rebuilt in k order; "lop3" / "lop3j": their
+inline-PTX forms, whose PTX the interpreter cannot run: the same values made in Triton, and the PTX compiled for sm_90
+here), HAYABUSA_WO_MID_M's routing, int8, 16- and 32-row
 tiles, split-K (fused and two-launch reduction), ragged N and (int8) K, bias, bf16 and fp16; the launch table;
 quant_linear's HAYABUSA_WO_SMALL_M routing; bad inputs. The 7B shapes on the GPU: test_wo_small_m_cuda.py."""
 
@@ -26,6 +28,9 @@ INT4_CFGS = {
     "slab_split": LaunchConfig("slab", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2),
     "join": LaunchConfig("join", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1),
     "join_split": LaunchConfig("join", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=3),
+    "lop3": LaunchConfig("lop3", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1),
+    "lop3j": LaunchConfig("lop3j", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1),
+    "lop3j_split": LaunchConfig("lop3j", BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=2),
 }
 INT8_CFGS = {
     "slab": LaunchConfig("slab", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1),
@@ -144,7 +149,8 @@ def test_table_entries_resolve():
     cpu = torch.device("cpu")
     for (scheme, shape, bucket), entry in WO_SMALL_M_TABLE.items():
         check_wo_entry(scheme, entry)
-        assert bucket in WO_M_BUCKETS and entry[1] == bucket
+        assert bucket in WO_M_BUCKETS and entry[1] == (min(max(bucket, 64), 128) if entry[0] == "lop3j"
+                                                        else min(bucket, 128))   # the bench's row tiles
     for N, K in ((4608, 3584), (37888, 3584), (3584, 18944)):
         for M in (5, 16, 32, 64):
             c4 = pick_wo_small_m_config(M, N, K, 128, cpu)
@@ -241,12 +247,12 @@ def test_bench_candidates_and_table_literal(capsys):
     bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks/kernels/bench_quant_linear.py"),
                            run_name="bench_quant_linear")
     for scheme in ("int4", "int8"):
-        for M, bm in ((1, 16), (8, 16), (16, 16), (32, 32), (64, 64)):
+        for M, bm in ((1, 16), (8, 16), (16, 16), (32, 32), (64, 64), (100, 128), (256, 128)):
             cands = bench["small_m_candidates"](scheme, M)
-            assert 6 <= len(cands) <= 10 and len(set(cands)) == len(cands)
+            assert 6 <= len(cands) <= 13 and len(set(cands)) == len(cands)
             for e in cands:
                 check_wo_entry(scheme, e)
-                assert e[1] == bm
+                assert e[1] == (max(bm, 64) if e[0] == "lop3j" else bm)
     a, b = ("slab", 16, 64, 128, 1, 4, 3), ("join", 16, 64, 128, 1, 4, 3)
 
     def row(layer, M, cand_us):
@@ -265,3 +271,101 @@ def test_bench_candidates_and_table_literal(capsys):
     assert table[("int4", "square", 16)] == b and table[("int4", "wide", 16)] == a
     assert {k: v for k, v in table.items() if k not in {("int4", "square", 16), ("int4", "wide", 16)}} == \
         {k: v for k, v in WO_SMALL_M_TABLE.items() if k not in {("int4", "square", 16), ("int4", "wide", 16)}}
+
+
+def test_lop3j_rounds_each_weight_as_dequantize_does(device):
+    """"lop3j" dots round((q - zero) * scale) in x's dtype: its output is F.linear on dequantize_int4_to's weights
+    (the dequantize + cuBLAS path) up to the fp32 summation order (half an ulp, one rounding, where the other kinds
+    differ from it by the weights' rounding too); and with a K split."""
+    from hayabusa.kernels.quant_linear import dequantize_int4_to
+
+    for dtype in (torch.bfloat16, torch.float16):
+        x, q, s, z, b = _int4(72, 384, 128, dtype, device, seed=21, M=32)
+        want = torch.nn.functional.linear(x.float(), dequantize_int4_to(q, s, z, 128, dtype).float(), b.float())
+        for cfg in (LaunchConfig("lop3j", BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1),
+                    LaunchConfig("lop3j", BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, SPLIT_K=3)):
+            y = wo_small_m_linear(x, q, s, z, 128, b, cfg=cfg)
+            err = float((y.float() - want).abs().max()) / float(want.abs().max())
+            assert err <= 0.5 * EPS[dtype] + 1e-6, (dtype, cfg, err)
+
+
+@pytest.mark.parametrize("M", [17, 100, 256])
+def test_mid_m_switch_routes_int4_rows_past_16(device, monkeypatch, M):
+    """HAYABUSA_WO_MID_M (USE_WO_MID_M) sends int4 x of 17..WO_MID_M_MAX rows to wo_small_m_linear (the table's
+    "lop3j" launch, measured against the reference); off (the default), and for int8 or past WO_MID_M_MAX rows,
+    quant_linear's path runs."""
+    import hayabusa.kernels.wo_small_m as wsm
+
+    calls = []
+    real = wsm.wo_small_m_linear
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wsm, "wo_small_m_linear", spy)
+    monkeypatch.setattr(ql, "USE_WO_SMALL_M", True)
+    x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=M, M=M)
+    assert not wsm.USE_WO_MID_M or "HAYABUSA_WO_MID_M" in os.environ    # off unless the variable says so
+    monkeypatch.setattr(wsm, "USE_WO_MID_M", False)
+    ql._kernel_linear(x, q, s, z, b, 40, 128)
+    assert calls == []
+    monkeypatch.setattr(wsm, "USE_WO_MID_M", True)
+    assert pick_wo_small_m_config(M, 40, 256, 128, torch.device(device)).kind == "lop3j"
+    _assert_few_ulps(ql._kernel_linear(x, q, s, z, b, 40, 128), int4_weight_only_linear_ref(x, q, s, z, 128, b))
+    assert calls == [M]
+    x8, q8, s8, b8 = _int8(40, 96, torch.bfloat16, device, seed=M, M=M)
+    ql._kernel_linear(x8, q8, s8, None, b8, 40, None)                          # int8: not routed past 16 rows
+    big = torch.cat([x] * (wsm.WO_MID_M_MAX // M + 1))[:wsm.WO_MID_M_MAX + 1]
+    monkeypatch.setattr(ql, "DEQUANT_GEMM_MIN_M_INT4", 10 ** 6)               # keep the big case off cuBLAS's path
+    ql._kernel_linear(big, q, s, z, b, 40, 128)
+    assert calls == [M]
+
+
+_COMPILE_LOP3_FOR_SM90 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import hayabusa.kernels.wo_small_m as wo
+kind, BM, fp16 = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "fp16"
+fn = wo._wo_small_m_kernel
+dt = "*fp16" if fp16 else "*bf16"
+sig = {"x_ptr": dt, "qw_ptr": "*i32", "scales_ptr": dt, "zeros_ptr": dt, "bias_ptr": dt, "out_ptr": dt,
+       "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
+       "splits": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+consts = dict(INT4=True, SLAB=kind == "lop3", GROUP_SIZE=128, MAGIC=0x6400 if fp16 else 0x4300, BY_HAND=False,
+              HAS_BIAS=True, SPLIT=False, FUSED_REDUCE=False, EVEN_K=True, DOT_FP32=False, BLOCK_M=BM, BLOCK_N=128,
+              BLOCK_K=128, PDL=False, LOP3=True, SCALE_W=kind == "lop3j")
+sig.update({k: "constexpr" for k in consts})
+div16 = ["x_ptr", "qw_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "out_ptr", "N", "K", "k_per_split", "stride_xm"]
+attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+try:
+    import triton.backends.nvidia  # noqa: F401
+except ImportError:
+    sys.exit(77)
+k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": 3})
+ptx = k.asm["ptx"]
+print(ptx.count("lop3.b32"), ptx.count("prmt.b32"), ptx.count("mul.rn."), "wgmma.mma_async" in ptx)
+"""
+
+
+@pytest.mark.parametrize("kind,BM,dt", [("lop3", 16, "bf16"), ("lop3j", 64, "bf16"), ("lop3j", 64, "fp16")])
+def test_lop3_kinds_compile_for_sm90(kind, BM, dt):
+    """The inline PTX (which the interpreter cannot run) compiles for sm_90 with Triton's front end and bundled
+    ptxas, no GPU needed: 8 LOP3s and 2 PRMTs per pair of words, the packed multiply only in "lop3j", and "lop3j" at
+    64 rows on warpgroup MMAs (one K = 128 dot per tile). Its values are checked on the GPU by
+    test_wo_small_m_cuda.py."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_LOP3_FOR_SM90, kind, str(BM), dt], env=env,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode == 77 or "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip("no CUDA compiler in this Triton install")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lop3, prmt, mul, wgmma = r.stdout.split()
+    assert int(lop3) >= 8 and int(prmt) >= 2 and int(lop3) % 8 == 0
+    assert (int(mul) > 0) == (kind == "lop3j") and (wgmma == "True") == (kind == "lop3j")

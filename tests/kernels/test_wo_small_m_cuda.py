@@ -1,6 +1,7 @@
 """On a GPU: wo_small_m_linear at Qwen2.5-7B's linear shapes (int4 group 128 and int8, bf16 and fp16 x) against
 quant_ref's references with the table's launch and every int4 kind, CUDA-graph capture and replay, run-to-run
-determinism, and quant_linear's HAYABUSA_WO_SMALL_M routing (the public int4 / int8 linears)."""
+determinism, and quant_linear's HAYABUSA_WO_SMALL_M routing (the public int4 / int8 linears); the inline-PTX kinds:
+"lop3" gives "slab"'s bits, "lop3j" at 17-256 rows (HAYABUSA_WO_MID_M) dequantize + cuBLAS's value."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def test_matches_reference(weights, layer, scheme, M, dtype):
 
 @pytest.mark.parametrize("scheme,kind,bk,split", [
     ("int4", "slab", 128, 1), ("int4", "slab", 128, 4), ("int4", "join", 128, 1), ("int4", "join", 64, 4),
-    ("int8", "slab", 128, 1), ("int8", "slab", 64, 4), ("int8", "dot", 128, 1), ("int8", "dot", 64, 4)])
+    ("int8", "slab", 128, 1), ("int8", "slab", 64, 4), ("int8", "dot", 128, 1), ("int8", "dot", 64, 4),
+    ("int4", "lop3", 128, 1), ("int4", "lop3", 128, 4), ("int4", "lop3j", 128, 1), ("int4", "lop3j", 128, 4)])
 @pytest.mark.parametrize("layer", ["qkv", "down"])
 def test_kinds(weights, layer, scheme, kind, bk, split):
     """Every tile build of both schemes, with and without a K split, at 16 rows: the reference's value within 2
@@ -131,3 +133,47 @@ def test_public_linears_route_with_the_switch(weights, monkeypatch, layer):
     monkeypatch.setattr(ql, "USE_WO_SMALL_M", False)
     assert _ulps_of_scale(int4_weight_only_linear(x, q4, s4, z4, G, b), on4) <= 2
     assert _ulps_of_scale(int8_weight_only_linear(x, q8, s8, b), on8) <= 2
+
+
+@pytest.mark.parametrize("layer", ["qkv", "down"])
+def test_lop3_gives_the_slab_kernels_bits(weights, layer):
+    """The PTX-made slabs are the Triton-made ones: the same launch of both kinds gives the same bits (bf16, fp16,
+    with a K split)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        q, s, z, group = _ops(weights, layer, "int4", dtype)
+        x, b = _x(layer, 16, dtype, seed=4)
+        for split in (1, 4):
+            cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=split, num_warps=8, num_stages=3)
+            assert torch.equal(wo_small_m_linear(x, q, s, z, group, b, cfg=LaunchConfig("lop3", **cfg)),
+                               wo_small_m_linear(x, q, s, z, group, b, cfg=LaunchConfig("slab", **cfg)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M", [17, 64, 128, 256])
+@pytest.mark.parametrize("layer", list(QWEN_7B))
+def test_lop3j_matches_dequantize_and_cublas(weights, monkeypatch, layer, M, dtype):
+    """The table's 17-256-row int4 launches ("lop3j": round((q - zero) * scale) in x's dtype, as dequantize_int4_to
+    makes the weights cuBLAS multiplies) within 1 ulp of the output scale of F.linear on those weights; replayed
+    from a CUDA graph they give the eager bits; with HAYABUSA_WO_MID_M the public int4 linear gives them too."""
+    from hayabusa.kernels.quant_linear import dequantize_int4_to
+
+    q, s, z, group = _ops(weights, layer, "int4", dtype)
+    x, b = _x(layer, M, dtype, seed=M)
+    cfg = pick_wo_small_m_config(M, *reversed(QWEN_7B[layer]), group, x.device)
+    assert cfg.kind == "lop3j", cfg
+    y = wo_small_m_linear(x, q, s, z, group, b)
+    want = torch.nn.functional.linear(x, dequantize_int4_to(q, s, z, group, dtype), b)
+    assert _ulps_of_scale(y, want) <= 1, cfg
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = wo_small_m_linear(static_x, q, s, z, group, b)
+    static_x.copy_(_x(layer, M, dtype, seed=M + 1)[0])
+    graph.replay()
+    assert torch.equal(static_y, wo_small_m_linear(static_x, q, s, z, group, b))
+    del graph
+    import hayabusa.kernels.wo_small_m as wsm
+
+    monkeypatch.setattr(ql, "USE_WO_SMALL_M", True)
+    monkeypatch.setattr(wsm, "USE_WO_MID_M", True)
+    assert torch.equal(int4_weight_only_linear(x, q, s, z, group, b), y)
