@@ -170,13 +170,11 @@ def test_table_entries_resolve():
             check_wo_entry(scheme, bad)
 
 
-def test_quant_linear_routes_when_switched_on(device, monkeypatch):
-    """quant_linear._kernel_linear sends 2-16 bf16 / fp16 rows to wo_small_m_linear only with USE_WO_SMALL_M (on by
-    default); 1 row (GEMV), 17 rows, fp32 x and an int4 group of 8 keep the old paths; the routed result matches
-    the reference."""
+def _spy_routed_rows(monkeypatch) -> list[int]:
+    """The row counts of every call quant_linear's dispatch makes to wo_small_m_linear from now on."""
     import hayabusa.kernels.wo_small_m as wsm
 
-    calls = []
+    calls: list[int] = []
     real = wsm.wo_small_m_linear
 
     def spy(*args, **kwargs):
@@ -184,6 +182,16 @@ def test_quant_linear_routes_when_switched_on(device, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(wsm, "wo_small_m_linear", spy)
+    return calls
+
+
+def test_quant_linear_routes_when_switched_on(device, monkeypatch):
+    """quant_linear._kernel_linear sends 2-16 bf16 / fp16 rows to wo_small_m_linear only with USE_WO_SMALL_M (on by
+    default); 1 row (GEMV), 17 rows, fp32 x and an int4 group of 8 keep the old paths; the routed result matches
+    the reference."""
+    import hayabusa.kernels.wo_small_m as wsm
+
+    calls = _spy_routed_rows(monkeypatch)
     x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=11, M=16)
     if "HAYABUSA_WO_SMALL_M" not in os.environ:   # unset: on for CUDA devices of compute capability 9.0+ only
         assert ql.USE_WO_SMALL_M is None and not ql.wo_small_m_enabled(torch.device("cpu"))
@@ -296,14 +304,7 @@ def test_mid_m_switch_routes_int4_rows_past_16(device, monkeypatch, M):
     quant_linear's path runs."""
     import hayabusa.kernels.wo_small_m as wsm
 
-    calls = []
-    real = wsm.wo_small_m_linear
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(wsm, "wo_small_m_linear", spy)
+    calls = _spy_routed_rows(monkeypatch)
     monkeypatch.setattr(ql, "USE_WO_SMALL_M", True)
     x, q, s, z, b = _int4(40, 256, 128, torch.bfloat16, device, seed=M, M=M)
     assert not wsm.USE_WO_MID_M or "HAYABUSA_WO_MID_M" in os.environ    # off unless the variable says so
