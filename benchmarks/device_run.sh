@@ -1272,25 +1272,28 @@ g_bi27b() {  # (call 2 of 2, ~400 s): the GEMM's row-bits tests with BI_GEMM_BUC
   bench_step q05_W1_bi27_2 70 30 --workload W1 --model "$Q05" --repeats 5 --sweep batch_invariant=true,false
 }
 
-g_wo27a() {  # issue #24 (call 1 of 2, ~420 s): the inline-PTX int4 kinds of kernels/wo_small_m.py (twenty-sixth
+g_wo27a() {  # issue #24 (call 1 of 2, ~450 s): the inline-PTX int4 kinds of kernels/wo_small_m.py (twenty-sixth
              # session, built without a GPU): their CUDA tests ("lop3" = "slab"'s bits; "lop3j" = dequantize +
              # cuBLAS's value at 17-256 rows, in CUDA graphs, through the public linear with HAYABUSA_WO_MID_M), the
-             # q05 engine with the switch on / off; then the launch sweep at 16-256 rows on the 7B shapes against bf16
-             # cuBLAS and today's path (prints a WO_SMALL_M_TABLE literal to paste)
+             # q05 engine with the switch on / off; then the launch sweep at 16-256 rows on the 7B shapes, int4 and
+             # int8, against bf16 cuBLAS and today's path (prints a WO_SMALL_M_TABLE literal to paste)
   step wo27_tests "${WO27_TESTS_S:-200}" 30 bash -c "python -m pytest -q -rfE -p no:cacheprovider -s \
     tests/kernels/test_wo_small_m_cuda.py -k 'lop3 or kinds' 2>&1 | tail -8; python -m pytest -q -rfE -s \
     -p no:cacheprovider tests/quantization/test_cuda.py -k mid_m 2>&1 | grep -E 'identical|passed|failed|Error' | tail -6"
-  step wo27_sweep "${WO27_SWEEP_S:-220}" 60 python benchmarks/kernels/bench_quant_linear.py --small-m --schemes int4 \
-    --m "${WO27_M:-16,64,256,32,128}" --budget-s "${WO27_BUDGET_S:-170}" --json "$OUT/wo27_sweep.json"
+  step wo27_sweep "${WO27_SWEEP_S:-240}" 60 python benchmarks/kernels/bench_quant_linear.py --small-m \
+    --schemes "${WO27_SCHEMES:-int4,int8}" --m "${WO27_M:-64,256,16,128,32}" --budget-s "${WO27_BUDGET_S:-190}" \
+    --json "$OUT/wo27_sweep.json"
 }
 
-g_wo27b() {  # (call 2 of 2, ~330 s): the 7b int4 engine with HAYABUSA_WO_MID_M on and off, W1 and the seed's W4 at
-             # max_num_seqs 14 (issue #24's targets: >= 1.0x bf16 on both; int4 was 0.55x on W1, 0.64x on W4); bf16 in
-             # the same call. WO27_TABLE (a WO_SMALL_M_TABLE literal file from call 1) is not wired: paste it first.
+g_wo27b() {  # (call 2 of 2, ~500 s): the 7b int4 / int8 engines with HAYABUSA_WO_MID_M on and off, W1 and the seed's
+             # W4 at max_num_seqs 14 (issue #24's targets: >= 1.0x bf16 on both; int4 was 0.55x and int8 0.86x on W1);
+             # bf16 in the same call. WO27_TABLE (a WO_SMALL_M_TABLE literal file from call 1) is not wired: paste it first.
   ensure_q7
   bench_step q7_W1_bf16_wo27 120 40 --workload W1 --model "$Q7" --scale 0.25
   HAYABUSA_WO_MID_M=0 bench_step q7_W1_int4_wo27_off 120 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int4
   HAYABUSA_WO_MID_M=1 bench_step q7_W1_int4_wo27_on 120 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int4
+  HAYABUSA_WO_MID_M=0 bench_step q7_W1_int8_wo27_off 120 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int8
+  HAYABUSA_WO_MID_M=1 bench_step q7_W1_int8_wo27_on 120 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int8
   bench_step q7_W4_bf16_wo27 90 40 --workload W4 --model "$Q7" --scale 0.25 --sweep max_num_seqs=14
   HAYABUSA_WO_MID_M=1 bench_step q7_W4_int4_wo27_on 100 40 --workload W4 --model "$Q7" --scale 0.25 \
     --sweep max_num_seqs=14 --quantization int4

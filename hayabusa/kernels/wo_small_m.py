@@ -64,7 +64,7 @@ from hayabusa.kernels.quant_linear import (
 from hayabusa.kernels.quant_ref import check_group_size
 from hayabusa.kernels.small_m_linear import dot_acc, split_dot_launch_kwargs
 
-# quant_linear routes at most this many rows here (one 16-row tile; int4 up to WO_MID_M_MAX with USE_WO_MID_M); the
+# quant_linear routes at most this many rows here (one 16-row tile; up to WO_MID_M_MAX with USE_WO_MID_M); the
 # launcher itself takes any M (tiles of BLOCK_M rows; the table has entries for 32-256 rows)
 WO_SMALL_M_MAX = 16
 # and at least this many (one row: quant_linear's GEMV, faster there; see the module docstring)
@@ -75,10 +75,11 @@ WO_KINDS = {"int4": ("slab", "join", "lop3", "lop3j"), "int8": ("slab", "dot")}
 # (weights per int32) >= 16 rows
 _SLAB_KINDS = ("slab", "lop3", "lop3j")
 _SLAB_MIN_BK = {"int4": 128, "int8": 64}
-# HAYABUSA_WO_MID_M=1 (read at import; tests set USE_WO_MID_M): int4 x of WO_SMALL_M_MAX + 1 .. WO_MID_M_MAX rows
-# come here too (by default they take quant_linear's path: its 16-row GEMM below DEQUANT_GEMM_MIN_M_INT4 rows,
-# dequantize + cuBLAS from there). Off until the "lop3" launches are measured on a GPU (issue #24: weight-only int4
-# at 0.55x bf16 on W1, where dequantize + cuBLAS writes and re-reads every weight in bf16 at each batched decode step).
+# HAYABUSA_WO_MID_M=1 (read at import; tests set USE_WO_MID_M): x of WO_SMALL_M_MAX + 1 .. WO_MID_M_MAX rows come
+# here too, int4 and int8 (by default they take quant_linear's path: its 16-row GEMM below DEQUANT_GEMM_MIN_M(_INT4)
+# rows, dequantize + cuBLAS from there). Off until these launches are measured on a GPU (issue #24: weight-only int4
+# at 0.55x and int8 at 0.86x bf16 on W1, where dequantize + cuBLAS writes and re-reads every weight in bf16 at each
+# batched decode step).
 USE_WO_MID_M = env_flag("HAYABUSA_WO_MID_M", False)
 WO_MID_M_MAX = 256
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -94,8 +95,10 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # the smallest tile on warpgroup MMAs (8 back-to-back wgmma per K tile, one wait); a 32-row tile compiles to mma.sync
 # with its B operand re-read from shared memory (893 loop instructions a warp against 512 at 64 rows:
 # benchmarks/kernels/sass_wo_small_m.py, BENCHMARKS.md "twenty-sixth session"). (The measured 32 / 64-row winners they replace were "join"
-# launches, slower than bf16 cuBLAS: BENCHMARKS.md, twenty-second session.) The int8 128 / 256 entries repeat 64's
-# launch on 128-row tiles (the bench's row tile: the bucket, at most 128).
+# launches, slower than bf16 cuBLAS: BENCHMARKS.md, twenty-second session.) The int8 128 / 256 entries are 64's
+# launch on 128-row tiles with 8 warps (the bench's row tile: the bucket, at most 128), also guesses; compiled for
+# sm_90 the int8 byte tile at 64 / 128 rows is one K = 128 wgmma dot per tile with one wait (394 / 250 loop
+# instructions a warp for a 128 x 64 tile).
 WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {
     ('int4', 'deep', 16): ('slab', 16, 128, 128, 0, 8, 3),
     ('int4', 'deep', 32): ('lop3j', 64, 128, 128, 0, 4, 3),
@@ -115,18 +118,18 @@ WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int,
     ('int8', 'deep', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'deep', 32): ('dot', 32, 32, 128, 0, 4, 4),
     ('int8', 'deep', 64): ('dot', 64, 32, 128, 0, 4, 4),
-    ('int8', 'deep', 128): ('dot', 128, 32, 128, 0, 4, 4),
-    ('int8', 'deep', 256): ('dot', 128, 32, 128, 0, 4, 4),
+    ('int8', 'deep', 128): ('dot', 128, 32, 128, 0, 8, 3),
+    ('int8', 'deep', 256): ('dot', 128, 32, 128, 0, 8, 3),
     ('int8', 'square', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'square', 32): ('dot', 32, 64, 128, 1, 4, 3),
     ('int8', 'square', 64): ('dot', 64, 64, 128, 1, 4, 3),
-    ('int8', 'square', 128): ('dot', 128, 64, 128, 1, 4, 3),
-    ('int8', 'square', 256): ('dot', 128, 64, 128, 1, 4, 3),
+    ('int8', 'square', 128): ('dot', 128, 64, 128, 1, 8, 3),
+    ('int8', 'square', 256): ('dot', 128, 64, 128, 1, 8, 3),
     ('int8', 'wide', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'wide', 32): ('dot', 32, 64, 128, 1, 4, 3),
     ('int8', 'wide', 64): ('dot', 64, 64, 128, 1, 4, 3),
-    ('int8', 'wide', 128): ('dot', 128, 64, 128, 1, 4, 3),
-    ('int8', 'wide', 256): ('dot', 128, 64, 128, 1, 4, 3),
+    ('int8', 'wide', 128): ('dot', 128, 64, 128, 1, 8, 3),
+    ('int8', 'wide', 256): ('dot', 128, 64, 128, 1, 8, 3),
 }
 
 
@@ -509,14 +512,11 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 def wo_small_m_applies(x: torch.Tensor, group_size: int | None) -> bool:
     """Whether quant_linear's dispatch may send x here (checked operands assumed): bf16 / fp16 x with
-    WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (int4 with USE_WO_MID_M: ..WO_MID_M_MAX), int4's G tileable (a
-    power-of-two divisor >= 16)."""
+    WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (with USE_WO_MID_M: ..WO_MID_M_MAX), int4's G tileable (a power-of-two
+    divisor >= 16)."""
     M = x.shape[0]
-    if x.dtype not in _DTYPES or M < WO_SMALL_M_MIN_M:
-        return False
-    if group_size is None:
-        return M <= WO_SMALL_M_MAX
-    return pow2_divisor(group_size, 128) >= 16 and M <= (WO_MID_M_MAX if USE_WO_MID_M else WO_SMALL_M_MAX)
+    return x.dtype in _DTYPES and WO_SMALL_M_MIN_M <= M <= (WO_MID_M_MAX if USE_WO_MID_M else WO_SMALL_M_MAX) \
+        and (group_size is None or pow2_divisor(group_size, 128) >= 16)
 
 
 # quant_linear's dispatch reaches this kernel through the registration (the names looked up per call: tests patch them)

@@ -298,10 +298,10 @@ def test_lop3j_rounds_each_weight_as_dequantize_does(device):
 
 
 @pytest.mark.parametrize("M", [17, 100, 256])
-def test_mid_m_switch_routes_int4_rows_past_16(device, monkeypatch, M):
-    """HAYABUSA_WO_MID_M (USE_WO_MID_M) sends int4 x of 17..WO_MID_M_MAX rows to wo_small_m_linear (the table's
-    "lop3j" launch, measured against the reference); off (the default), and for int8 or past WO_MID_M_MAX rows,
-    quant_linear's path runs."""
+def test_mid_m_switch_routes_rows_past_16(device, monkeypatch, M):
+    """HAYABUSA_WO_MID_M (USE_WO_MID_M) sends x of 17..WO_MID_M_MAX rows to wo_small_m_linear (int4: the table's
+    "lop3j" launch; int8: its "dot" launch; both measured against the reference); off (the default), and past
+    WO_MID_M_MAX rows, quant_linear's path runs."""
     import hayabusa.kernels.wo_small_m as wsm
 
     calls = _spy_routed_rows(monkeypatch)
@@ -316,11 +316,12 @@ def test_mid_m_switch_routes_int4_rows_past_16(device, monkeypatch, M):
     _assert_few_ulps(ql._kernel_linear(x, q, s, z, b, 40, 128), int4_weight_only_linear_ref(x, q, s, z, 128, b))
     assert calls == [M]
     x8, q8, s8, b8 = _int8(40, 96, torch.bfloat16, device, seed=M, M=M)
-    ql._kernel_linear(x8, q8, s8, None, b8, 40, None)                          # int8: not routed past 16 rows
+    _assert_few_ulps(ql._kernel_linear(x8, q8, s8, None, b8, 40, None), int8_weight_only_linear_ref(x8, q8, s8, b8))
+    assert calls == [M, M]                                                    # int8 too (its "dot" launches)
     big = torch.cat([x] * (wsm.WO_MID_M_MAX // M + 1))[:wsm.WO_MID_M_MAX + 1]
     monkeypatch.setattr(ql, "DEQUANT_GEMM_MIN_M_INT4", 10 ** 6)               # keep the big case off cuBLAS's path
     ql._kernel_linear(big, q, s, z, b, 40, 128)
-    assert calls == [M]
+    assert calls == [M, M]
 
 
 _COMPILE_LOP3_FOR_SM90 = """

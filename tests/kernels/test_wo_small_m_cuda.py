@@ -61,7 +61,7 @@ def _ulps_of_scale(y, ref) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("M", [1, 5, 16, 32, 64])
+@pytest.mark.parametrize("M", [1, 5, 16, 32, 64, 256])
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 @pytest.mark.parametrize("layer", list(QWEN_7B))
 def test_matches_reference(weights, layer, scheme, M, dtype):
