@@ -1278,7 +1278,7 @@ g_wo27a() {  # issue #24 (call 1 of 2, ~450 s): the inline-PTX int4 kinds of ker
              # q05 engine with the switch on / off; then the launch sweep at 16-256 rows on the 7B shapes, int4 and
              # int8, against bf16 cuBLAS and today's path (prints a WO_SMALL_M_TABLE literal to paste)
   step wo27_tests "${WO27_TESTS_S:-200}" 30 bash -c "python -m pytest -q -rfE -p no:cacheprovider -s \
-    tests/kernels/test_wo_small_m_cuda.py -k 'lop3 or kinds' 2>&1 | tail -8; python -m pytest -q -rfE -s \
+    tests/kernels/test_wo_small_m_cuda.py -k 'lop3 or kinds or 256' 2>&1 | tail -8; python -m pytest -q -rfE -s \
     -p no:cacheprovider tests/quantization/test_cuda.py -k mid_m 2>&1 | grep -E 'identical|passed|failed|Error' | tail -6"
   step wo27_sweep "${WO27_SWEEP_S:-240}" 60 python benchmarks/kernels/bench_quant_linear.py --small-m \
     --schemes "${WO27_SCHEMES:-int4,int8}" --m "${WO27_M:-64,256,16,128,32}" --budget-s "${WO27_BUDGET_S:-190}" \

@@ -30,21 +30,26 @@ def _deciding_env_var() -> str | None:
 
 def batch_invariant_requested(value: bool | None) -> bool:
     """The engine argument when given (True / False: an explicit False wins over the environment), else
-    ``HAYABUSA_BATCH_INVARIANT``, else vLLM's ``VLLM_BATCH_INVARIANT`` (1 / true / yes / on; unset, empty, 0 /
-    false / no / off: off).
+    ``HAYABUSA_BATCH_INVARIANT`` (1 / true / yes / on; unset, empty, 0 / false / no / off: off), else vLLM's
+    ``VLLM_BATCH_INVARIANT`` read as vLLM reads it (an integer, nonzero = on; unset or empty: off) or in our
+    spellings.
 
     Raises:
         HayabusaValidationError: any other value of the deciding variable, naming it."""
     if value is not None:
         return bool(value)
     name = _deciding_env_var()
+    if name == VLLM_ENV_VAR:
+        raw = os.environ[name].strip()
+        if raw.lstrip("+-").isdigit():      # vllm/envs.py: bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0")))
+            return int(raw) != 0
     return env_flag(name, False) if name else False
 
 
 def _refuse(parameter: str, value: Any, why: str) -> HayabusaValidationError:
     name = _deciding_env_var()
     source = f" (from the environment variable {name}; pass batch_invariant=False to turn the mode off)" \
-        if name and os.environ[name].strip() else ""
+        if name and os.environ[name].strip() not in ("", "0") else ""
     return HayabusaValidationError(f"{parameter}={value!r} is not supported with batch_invariant=True{source}: "
                                    f"{why}", parameter=parameter, value=value)
 
@@ -58,12 +63,17 @@ def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculat
     position bias in the mode's fixed key order.
 
     Raises:
-        HayabusaValidationError: quantization (its kernels pick tiles / split-K by M), tensor_parallel_size > 1
-            (NCCL's all-reduce order depends on the message size), speculative decoding.
+        HayabusaValidationError: quantization (its kernels pick tiles / split-K by M), an encoder-decoder model in
+            float16 (transformers' overflow clamp, decided per step), tensor_parallel_size > 1 (NCCL's all-reduce
+            order depends on the message size), speculative decoding.
     """
     if model_config.quant_config is not None:
         raise _refuse("quantization", model_config.quantization, "the quantized linears' kernels choose their "
                       "tiling and split-K by the number of rows; use an unquantized checkpoint.")
+    if model_config.is_encoder_decoder and str(model_config.dtype) == "torch.float16":
+        raise _refuse("dtype", "float16", "T5 in float16 clamps its residual stream as transformers does, and "
+                      "whether a step clamps depends on every row of the step (an inf anywhere lowers every row's "
+                      "limit); use dtype='bfloat16' or 'float32'.")
     if tensor_parallel_size > 1:
         raise _refuse("tensor_parallel_size", tensor_parallel_size, "the all-reduce's summation order depends on "
                       "the message size (the number of tokens in the step).")

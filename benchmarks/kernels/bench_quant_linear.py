@@ -59,7 +59,8 @@ bf16 F.linear; today's quant_linear path at that M (_kernel_linear with USE_WO_S
 the tl.dot GEMM, dequantize + cuBLAS from DEQUANT_GEMM_MIN_M*); WO_SMALL_M_TABLE's launch; and 8-13 candidate launches
 (small_m_candidates: BLOCK_N 32-256, SPLIT_K 1 / auto, 4 / 8 warps, 3 / 4 stages, the slab and the join / dot tile
 builds, int4's inline-PTX kinds lop3 / lop3j; the row tile is M's bucket 16-256, at most 128; --m 32,64,128,256
---schemes int4 times the lop3j launches that HAYABUSA_WO_MID_M would run), each checked against the reference first (2 ulps of the output scale),
+--schemes int4 times the lop3j launches that HAYABUSA_WO_MID_M would run), each checked against the reference
+first (2 ulps of the output scale),
 all compiled first in --jobs processes. '%copy' = the quantized weight bytes (int4: nibbles + bf16 scales and zeros;
 int8: bytes + scales) per second over a device copy of that many bytes (read + write counted); the 7b qkv / o
 int4 weights (8-9 MB) stay in L2 between replays, so their figures overstate a decode step's. It prints per (scheme,

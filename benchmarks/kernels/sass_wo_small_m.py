@@ -112,7 +112,8 @@ def main() -> None:
     if bad:
         sys.exit(f"--kinds: unknown {bad}; choose from {list(KIND_FLAGS)}")
     rows = []
-    print(f"{'kind':<6} {'BM':>4} {'warps':>5} {'smem KB':>7} {'loop instr':>10} {'MMA':>4} {'waits':>5}  largest kinds")
+    print(f"{'kind':<6} {'BM':>4} {'warps':>5} {'smem KB':>7} {'loop instr':>10} {'MMA':>4} {'waits':>5}  "
+          "largest kinds")
     for spec in args.rows.split(","):
         bm, warps = (int(v) for v in spec.split(":"))
         for kind in kinds:

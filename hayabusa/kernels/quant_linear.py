@@ -426,7 +426,8 @@ _SMALL_M_KERNEL: tuple | None = None
 
 
 def register_small_m_kernel(applies, linear) -> None:
-    """Set the kernel _kernel_linear sends 2-16 rows to where wo_small_m_enabled (kernels/wo_small_m.py calls it)."""
+    """Set the kernel _kernel_linear sends 2-16 rows (17-256 with HAYABUSA_WO_MID_M) to where wo_small_m_enabled
+    (kernels/wo_small_m.py calls it; its ``applies`` decides)."""
     global _SMALL_M_KERNEL
     _SMALL_M_KERNEL = (applies, linear)
 GEMM_SHAPE_CLASSES = ("square", "wide", "deep")
@@ -601,8 +602,8 @@ def _kernel_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None, N: int, group_size: int | None) -> torch.Tensor:
     """The CUDA path (inputs already checked; runs on CPU under the interpreter): from DEQUANT_GEMM_MIN_M rows on,
     W dequantized to x's dtype by one kernel, then F.linear (cuBLAS); below, the fused Triton GEMV / GEMM; with
-    wo_small_m_enabled, fp16 / bf16 x of wo_small_m.WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (unit last stride) takes
-    kernels/wo_small_m.py's 16-row tl.dot kernel instead."""
+    wo_small_m_enabled, fp16 / bf16 x of wo_small_m.WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (..WO_MID_M_MAX with
+    HAYABUSA_WO_MID_M; unit last stride) takes kernels/wo_small_m.py's tl.dot kernel instead."""
     threshold = DEQUANT_GEMM_MIN_M if group_size is None else min(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_INT4)
     if _SMALL_M_KERNEL is not None and x.shape[0] > 1 and x.stride(1) == 1 and wo_small_m_enabled(x.device) \
             and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -670,8 +671,8 @@ def int8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     """y = x @ W.T + bias with W = qweight * scales[:, None] (W8A16; Triton on CUDA, the reference on CPU).
 
     On CUDA, M < DEQUANT_GEMM_MIN_M (256, vLLM's AWQ threshold) runs the fused Triton GEMV / GEMM (2-16 fp16 / bf16
-    rows: kernels/wo_small_m.py, USE_WO_SMALL_M); from there on W is dequantized to x's dtype (dequantize_int8_to, a
-    temporary [N, K]) and F.linear (cuBLAS) multiplies.
+    rows, 2-256 with HAYABUSA_WO_MID_M: kernels/wo_small_m.py, USE_WO_SMALL_M); from there on W is dequantized to
+    x's dtype (dequantize_int8_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
 
     Args:
         x: [M, K] float16/bfloat16/float32, any strides; M may be 0.
@@ -694,8 +695,8 @@ def int4_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     """y = x @ W + bias with W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] (W4A16, GPTQ packing).
 
     On CUDA, M < DEQUANT_GEMM_MIN_M_INT4 (64, measured: see the constant) runs the fused Triton GEMV / GEMM (2-16
-    fp16 / bf16 rows: kernels/wo_small_m.py, USE_WO_SMALL_M); from there on W is dequantized to x's dtype
-    (dequantize_int4_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
+    fp16 / bf16 rows, 2-256 with HAYABUSA_WO_MID_M: kernels/wo_small_m.py, USE_WO_SMALL_M); from there on W is
+    dequantized to x's dtype (dequantize_int4_to, a temporary [N, K]) and F.linear (cuBLAS) multiplies.
 
     Args:
         x: [M, K] float16/bfloat16/float32, any strides; K a multiple of 8 and of group_size.

@@ -28,15 +28,25 @@ sweep chose for every int8 entry). Either way a byte becomes the exact integer q
 0xFF) ^ 0x6480 is the half 1152 + q: one LOP3 and one subtract; for bf16 x one exact fp16 -> bf16 conversion), and
 the channel scale multiplies the fp32 sum at the end. Compiled for sm_90 (ptxas -v, Triton 3.6, bf16, 16 x 64 x 128
 tiles, 4 warps): int4 slab 72 registers, join 158; int8 byte tile 255 with spills (4-byte pointers per weight byte),
-which the word slabs avoid. x is bf16 / fp16; BLOCK_M 16 (32 / 64 tiles for 17-64 rows).
+which the word slabs avoid. x is bf16 / fp16; BLOCK_M 16 (16- to 128-row tiles for the bench and HAYABUSA_WO_MID_M).
+
+int4 kinds "lop3" and "lop3j" (twenty-sixth session, built without a GPU; not measured yet): the slabs made by inline
+PTX, two packed words at a time (_lop3_asm: PRMT + LOP3 + packed FMA, as FasterTransformer / Marlin convert int4).
+"lop3" is "slab" with those slabs (the same values). "lop3j" multiplies each slab by its group scales in the same
+PTX (round((q - zero) * scale) in x's dtype, the weights dequantize + cuBLAS multiplies), joins the 8 slabs into the
+k-ordered tile and runs one K = BLOCK_K dot into the loop's accumulator: on sm_90 the tile's 8 wgmma instructions
+issue back to back with one wait, where the slab kinds wait after each of their dots and rescale a partial
+(benchmarks/kernels/sass_wo_small_m.py prints the loop's SASS without a GPU; BENCHMARKS.md "twenty-sixth session").
 
 Numerics: the dot operands are exact integers and x's values, so the products are exact and summed in fp32; only
 the order of the sums differs from quant_ref's references (and the scale is applied per tile / split): fp32
-rounding before one cast. In the interpreter (CPU tests) the dot takes fp32 operands (DOT_FP32, as
-small_m_linear) and the kernel writes fp32, rounded once by torch (the interpreter's bf16 cast truncates).
+rounding before one cast. "lop3j" rounds each weight to x's dtype first, as dequantize + cuBLAS does. In the
+interpreter (CPU tests) the dot takes fp32 operands (DOT_FP32, as small_m_linear) and the kernel writes fp32, rounded
+once by torch (the interpreter's bf16 cast truncates).
 
 Switch: quant_linear._kernel_linear (this module registers with it at import) sends x with WO_SMALL_M_MIN_M <= M <=
-WO_SMALL_M_MAX rows (fp16 / bf16, CUDA or the interpreter) here where quant_linear.wo_small_m_enabled: on by default
+WO_SMALL_M_MAX rows (up to WO_MID_M_MAX with HAYABUSA_WO_MID_M=1; fp16 / bf16, CUDA or the interpreter) here where
+quant_linear.wo_small_m_enabled: on by default
 on CUDA devices of compute capability 9.0+ (where the table was measured); ``HAYABUSA_WO_SMALL_M=0`` / ``=1`` (read
 at import) turns it off / on for any CUDA device (off: the GEMV to 4 rows and the 16-row GEMM above, as before).
 Measured on an H200 (``benchmarks/kernels/bench_quant_linear.py --small-m``, BENCHMARKS.md "twenty-second session"),
@@ -71,9 +81,9 @@ WO_SMALL_M_MAX = 16
 WO_SMALL_M_MIN_M = 2
 WO_M_BUCKETS = (16, 32, 64, 128, 256)
 WO_KINDS = {"int4": ("slab", "join", "lop3", "lop3j"), "int8": ("slab", "dot")}
-# the kinds built from nibble / byte slabs; the smallest BLOCK_K of their launches: each slab has K = BLOCK_K //
-# (weights per int32) >= 16 rows
-_SLAB_KINDS = ("slab", "lop3", "lop3j")
+# the kinds that dot nibble / byte slabs one by one; the smallest BLOCK_K of their launches: each dot has K = BLOCK_K
+# // (weights per int32) >= 16 ("lop3j" joins its slabs into one K = BLOCK_K tile: any BLOCK_K >= 16, as "join")
+_SLAB_KINDS = ("slab", "lop3")
 _SLAB_MIN_BK = {"int4": 128, "int8": 64}
 # HAYABUSA_WO_MID_M=1 (read at import; tests set USE_WO_MID_M): x of WO_SMALL_M_MAX + 1 .. WO_MID_M_MAX rows come
 # here too, int4 and int8 (by default they take quant_linear's path: its 16-row GEMM below DEQUANT_GEMM_MIN_M(_INT4)
@@ -93,12 +103,12 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # the previous path 142 / 62. The int4 entries for 32-256 rows are guesses (the "lop3j" kind, twenty-sixth session,
 # no GPU): only the bench and USE_WO_MID_M reach them. Their row tiles are 64 or 128: compiled for sm_90, 64 rows is
 # the smallest tile on warpgroup MMAs (8 back-to-back wgmma per K tile, one wait); a 32-row tile compiles to mma.sync
-# with its B operand re-read from shared memory (893 loop instructions a warp against 512 at 64 rows:
-# benchmarks/kernels/sass_wo_small_m.py, BENCHMARKS.md "twenty-sixth session"). (The measured 32 / 64-row winners they replace were "join"
-# launches, slower than bf16 cuBLAS: BENCHMARKS.md, twenty-second session.) The int8 128 / 256 entries are 64's
-# launch on 128-row tiles with 8 warps (the bench's row tile: the bucket, at most 128), also guesses; compiled for
-# sm_90 the int8 byte tile at 64 / 128 rows is one K = 128 wgmma dot per tile with one wait (394 / 250 loop
-# instructions a warp for a 128 x 64 tile).
+# with its B operand re-read from shared memory (884 loop instructions a warp against 511 at 64 rows:
+# benchmarks/kernels/sass_wo_small_m.py, BENCHMARKS.md "twenty-sixth session"). (The measured 32 / 64-row winners
+# they replace were "join" launches, slower than bf16 cuBLAS: BENCHMARKS.md, twenty-second session.) The int8 128 /
+# 256 entries are 64's launch on 128-row tiles with 8 warps (the bench's row tile: the bucket, at most 128), also
+# guesses; compiled for sm_90 the int8 byte tile at 64 / 128 rows is one K = 128 wgmma dot per tile with one wait
+# (394 / 250 loop instructions a warp for a 128 x 64 tile).
 WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {
     ('int4', 'deep', 16): ('slab', 16, 128, 128, 0, 8, 3),
     ('int4', 'deep', 32): ('lop3j', 64, 128, 128, 0, 4, 3),
@@ -145,59 +155,60 @@ def _int4_slab(q, s: tl.constexpr, off, MAGIC: tl.constexpr, BY_HAND: tl.constex
     return w
 
 
-def _lop3_asm(magic: str, ty: str, scaled: bool) -> str:
-    """The inline PTX that makes the 8 nibble slabs of two packed int4 words (kinds "lop3*"). Operands are pairs of
-    tile elements (pack=2): $8 / $9 the two int32 words, $10 the pair's offsets 2**e + zero and (``scaled``) $11 the
-    pair's group scales as a bf16x2 / f16x2 (``ty``); $0..$7 slab s of both words as a ``ty``. PRMT puts nibbles
-    0-3 of word 0 in the low half and of word 1 in the high half (0x5410; nibbles 4-7: 0x7632); then per slab a shift,
-    one LOP3 ((t & 0x000F000F) | magic: two numbers 2**e + q at once, LUT 0xEA = (a & b) | c) and one packed subtract
-    (exact: integers below 2**11), and with ``scaled`` one packed multiply by the scales (round((q - zero) *
-    scale), the weight that dequantize + cuBLAS multiplies). 2 + 7 + 8 + 8 (+ 8) instructions for 16 weights, where
-    the Triton-built slab spends a shift, a mask, an OR, a 16-bit move and half a packed subtract per weight. (As
-    FasterTransformer / Marlin convert int4 to fp16 with LOP3; the bf16x2 subtract and multiply need sm_90.)"""
-    lines = ["{ .reg .b32 lo, hi, t;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+def _lop3_asm(magic: str, one: str, ty: str, scaled: bool) -> str:
+    """The inline PTX that makes the 8 nibble slabs of two packed int4 words (kinds "lop3" and "lop3j"). Operands are
+    pairs of tile elements (pack=2): $8 / $9 the two int32 words, $10 the pair's negated offsets -(2**e + zero) and
+    (``scaled``) $11 the pair's group scales, as a bf16x2 / f16x2 (``ty``; ``one`` its 1.0 pair); $0..$7 slab s of
+    both words as a ``ty``. PRMT puts nibbles 0-3 of word 0 in the low half and of word 1 in the high half (0x5410;
+    nibbles 4-7: 0x7632); then per slab a shift (none for slabs 0 and 4), one LOP3 ((t & 0x000F000F) | magic: two
+    numbers 2**e + q at once, LUT 0xEA = (a & b) | c), one packed FMA t * 1 - (2**e + zero) (exact: integers below
+    2**11) and with ``scaled`` one packed FMA t * scale + (-0) (round((q - zero) * scale): the weight dequantize +
+    cuBLAS multiplies). 2 PRMT + 6 shifts + 8 LOP3 + 8 (+ 8) FMA for 16 weights, where the Triton-built slab spends a
+    shift, a mask, an OR, a 16-bit move and half a packed subtract per weight. FMA rather than sub / mul: the bf16x2
+    forms of those need sm_90, fma.rn.bf16x2 sm_80 (HAYABUSA_WO_SMALL_M=1 runs the kernel on any CUDA GPU). (As
+    FasterTransformer / Marlin convert int4 to fp16 with LOP3.)"""
+    lines = ["{ .reg .b32 lo, hi, t, one, nz;", f"mov.b32 one, {one};", "mov.b32 nz, 0x80008000;",
+             "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
     for s in range(8):
         src = "lo" if s < 4 else "hi"
         shift = 4 * (s % 4)
         lines.append(f"shr.u32 t, {src}, {shift};" if shift else f"mov.b32 t, {src};")
         lines.append(f"lop3.b32 t, t, 0x000F000F, {magic}, 0xEA;")
         if scaled:
-            lines += [f"sub.rn.{ty} t, t, $10;", f"mul.rn.{ty} ${s}, t, $11;"]
+            lines += [f"fma.rn.{ty} t, t, one, $10;", f"fma.rn.{ty} ${s}, t, $11, nz;"]
         else:
-            lines.append(f"sub.rn.{ty} ${s}, t, $10;")
+            lines.append(f"fma.rn.{ty} ${s}, t, one, $10;")
     return " ".join(lines + ["}"])
 
 
-LOP3_ASM_BF16 = tl.constexpr(_lop3_asm("0x43004300", "bf16x2", False))
-LOP3_ASM_FP16 = tl.constexpr(_lop3_asm("0x64006400", "f16x2", False))
-LOP3W_ASM_BF16 = tl.constexpr(_lop3_asm("0x43004300", "bf16x2", True))
-LOP3W_ASM_FP16 = tl.constexpr(_lop3_asm("0x64006400", "f16x2", True))
+LOP3_ASM_BF16 = tl.constexpr(_lop3_asm("0x43004300", "0x3F803F80", "bf16x2", False))
+LOP3_ASM_FP16 = tl.constexpr(_lop3_asm("0x64006400", "0x3C003C00", "f16x2", False))
+LOP3S_ASM_BF16 = tl.constexpr(_lop3_asm("0x43004300", "0x3F803F80", "bf16x2", True))
+LOP3S_ASM_FP16 = tl.constexpr(_lop3_asm("0x64006400", "0x3C003C00", "f16x2", True))
 _LOP3_CONSTRAINTS = tl.constexpr("=r," * 8 + "r,r,r")
-_LOP3W_CONSTRAINTS = tl.constexpr("=r," * 8 + "r,r,r,r")
+_LOP3S_CONSTRAINTS = tl.constexpr("=r," * 8 + "r,r,r,r")
 
 
 @triton.jit
-def _int4_slabs_lop3(q, off, FP16: tl.constexpr):
-    """All 8 nibble slabs of q [.., ..] int32 (slab s: k = 8i + s) as the exact integers q - zero in bf16 / fp16
-    (FP16), by _lop3_asm's PTX; off (same shape, that dtype) = 2**e + zero (2**e = 128 / 1024)."""
-    if FP16:   # one return after the if: Triton type-checks every return, even in a branch it does not take
-        ws = tl.inline_asm_elementwise(LOP3_ASM_FP16, _LOP3_CONSTRAINTS, [q, off], dtype=(tl.float16, ) * 8,
-                                       is_pure=True, pack=2)
+def _int4_slabs_lop3(q, neg_off, sc, FP16: tl.constexpr, SCALED: tl.constexpr):
+    """All 8 nibble slabs of q [.., ..] int32 (slab s: k = 8i + s) by _lop3_asm's PTX, in bf16 / fp16 (FP16): the
+    exact integers q - zero, or (SCALED) round((q - zero) * sc). neg_off (q's shape, that dtype) = -(2**e + zero)
+    (2**e = 128 / 1024); sc (q's shape, that dtype): the group scales, read only when SCALED."""
+    # one return after the ifs: Triton type-checks every return, even in a branch it does not take
+    if SCALED:
+        if FP16:
+            ws = tl.inline_asm_elementwise(LOP3S_ASM_FP16, _LOP3S_CONSTRAINTS, [q, neg_off, sc],
+                                           dtype=(tl.float16, ) * 8, is_pure=True, pack=2)
+        else:
+            ws = tl.inline_asm_elementwise(LOP3S_ASM_BF16, _LOP3S_CONSTRAINTS, [q, neg_off, sc],
+                                           dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=2)
     else:
-        ws = tl.inline_asm_elementwise(LOP3_ASM_BF16, _LOP3_CONSTRAINTS, [q, off], dtype=(tl.bfloat16, ) * 8,
-                                       is_pure=True, pack=2)
-    return ws
-
-
-@triton.jit
-def _int4_slabs_lop3_scaled(q, off, sc, FP16: tl.constexpr):
-    """_int4_slabs_lop3's slabs times the group scales sc (same shape, x's dtype), rounded once to that dtype."""
-    if FP16:
-        ws = tl.inline_asm_elementwise(LOP3W_ASM_FP16, _LOP3W_CONSTRAINTS, [q, off, sc], dtype=(tl.float16, ) * 8,
-                                       is_pure=True, pack=2)
-    else:
-        ws = tl.inline_asm_elementwise(LOP3W_ASM_BF16, _LOP3W_CONSTRAINTS, [q, off, sc], dtype=(tl.bfloat16, ) * 8,
-                                       is_pure=True, pack=2)
+        if FP16:
+            ws = tl.inline_asm_elementwise(LOP3_ASM_FP16, _LOP3_CONSTRAINTS, [q, neg_off], dtype=(tl.float16, ) * 8,
+                                           is_pure=True, pack=2)
+        else:
+            ws = tl.inline_asm_elementwise(LOP3_ASM_BF16, _LOP3_CONSTRAINTS, [q, neg_off],
+                                           dtype=(tl.bfloat16, ) * 8, is_pure=True, pack=2)
     return ws
 
 
@@ -238,9 +249,9 @@ def _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask
         q = tl.load(qw_ptr + (k0 // 8 + offs_i)[None, :] * N + offs_n[:, None], mask=n_mask[:, None], other=0)
         shape: tl.constexpr = [BLOCK_N, BLOCK_K // 8]                                      # q^T [BN, BK // 8]
         if LOP3:
-            w0, w1, w2, w3, w4, w5, w6, w7 = _int4_slabs_lop3_scaled(
-                q, tl.broadcast_to(off.to(dtype)[:, None], shape), tl.broadcast_to(sc[:, None], shape),
-                MAGIC == 0x6400)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _int4_slabs_lop3(
+                q, tl.broadcast_to((-off).to(dtype)[:, None], shape), tl.broadcast_to(sc[:, None], shape),
+                MAGIC == 0x6400, True)
         else:
             o2 = off[:, None]
             s2 = sc.to(tl.float32)[:, None]
@@ -262,8 +273,8 @@ def _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask
         q = tl.load(qw_ptr + (k0 // 8 + offs_i)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if LOP3:
-            ws = _int4_slabs_lop3(q, tl.broadcast_to(off.to(dtype)[None, :], [BLOCK_K // 8, BLOCK_N]),
-                                  MAGIC == 0x6400)
+            ws = _int4_slabs_lop3(q, tl.broadcast_to((-off).to(dtype)[None, :], [BLOCK_K // 8, BLOCK_N]), sc,
+                                  MAGIC == 0x6400, False)
             for s in tl.static_range(8):
                 xs = tl.load(x_rows + (k0 + s + 8 * offs_i)[None, :], mask=m_mask[:, None], other=0.0)
                 part = dot_acc(xs, ws[s], part, DOT_FP32)
@@ -463,7 +474,7 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         group_size: G (int4: a multiple of 8 dividing K), or None for int8.
         bias: [N] in x's dtype, or None (added in fp32 before the one cast).
         cfg: a launch (bench, tests): kind "slab" | "join" | "lop3" | "lop3j" (int4) or "slab" | "dot" (int8),
-            tiles >= 16, int4's BLOCK_K dividing G (slab kinds, "lop3j" among them: BLOCK_K >= 128 for int4, >= 64
+            tiles >= 16, int4's BLOCK_K dividing G (the slab kinds "slab" / "lop3": BLOCK_K >= 128 for int4, >= 64
             for int8); default pick_wo_small_m_config's. "lop3" and "lop3j" make the slabs by inline PTX on CUDA (the
             interpreter, which cannot run PTX, makes the same values in Triton); "lop3j" dots the scaled weights
             round((q - zero) * scale) (dequantize + cuBLAS's rounding) as one k-ordered tile into one accumulator,
@@ -493,7 +504,7 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         raise ValueError(f"cfg must be a {' | '.join(WO_KINDS[scheme])} launch with tiles >= 16 (slab kinds: BLOCK_K "
                          f">= {_SLAB_MIN_BK[scheme]}){' and BLOCK_K dividing group_size' if int4 else ''}, got {cfg}")
     # int8 "slab" reads qweight as int32 words: where it has none (K % 4, a misaligned view) the byte tile, same sums
-    slab = cfg.kind in ("slab", "lop3") and (int4 or (K % 4 == 0 and qweight.data_ptr() % 4 == 0))
+    slab = cfg.kind in _SLAB_KINDS and (int4 or (K % 4 == 0 and qweight.data_ptr() % 4 == 0))
     if not int4 and slab:
         qweight = qweight.view(torch.int32)
     plan = SplitKPlan.of(M, N, K, cfg, out)

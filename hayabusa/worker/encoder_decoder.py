@@ -3,7 +3,8 @@
 Per request the runner keeps the encoder input's token ids (from NewRequestData, kept across preemption); per row
 its cross-attention block table and encoder length. A step that admits (or resumes) requests runs their encoders in
 one varlen pass, and each decoder layer's cross-attention K/V of that output are written into the requests' cross
-blocks of the paged KV cache (``model.store_cross_kv``); later steps only read them.
+blocks of the paged KV cache (``model.store_cross_kv``); later steps only read them. In batch-invariant mode each
+request's encoder runs alone on the packed path (``batch_invariant``), never padded or from a graph.
 
 Cross-attention of a step's decoder tokens is paged attention with one one-token "sequence" per query token:
 
@@ -144,7 +145,7 @@ class EncoderDecoderRunner:
         self.enc_capture_seconds = 0.0
         self.num_padded_runs = 0          # encoder steps run on a bucket's padded shapes
         self.num_encoder_replays = 0      # of those, replayed from a CUDA graph
-        self.num_packed_runs = 0          # encoder steps run on the packed varlen path
+        self.num_packed_runs = 0          # packed varlen runs (a step's; in batch-invariant mode a request's)
 
     # ------------------------------------------------------------------ state
     def update_states(self, out: SchedulerOutput, row_of: dict[str, int]) -> None:

@@ -1,6 +1,7 @@
 """The runner's multimodal state: per request its images, M-RoPE prompt positions and encoder cache (image
 embeddings from the vision tower, kept until the prefill has consumed them); per step the rope positions, the
-vision-tower runs (batched across requests; one image per run in batch-invariant mode) and the embedding rows that replace the image placeholders.
+vision-tower runs (batched across requests; one image per run in batch-invariant mode) and the embedding rows that
+replace the image placeholders.
 
 ModelRunner calls ``update`` after applying a SchedulerOutput, ``prepare`` after building a step's host inputs,
 and ``StepMultiModal.run`` instead of the plain forward when a step has image rows or 3-D positions.

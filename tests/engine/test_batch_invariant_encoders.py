@@ -85,11 +85,15 @@ def test_vl_request_alone_batched_chunked_and_prefix_hit_agree(vl_dir, tok, monk
     outs = llm.generate(_vl_others(tok, 3, 1) + [target] + _vl_others(tok, 4, 2), PARAMS, use_tqdm=False)
     got["7 others, max_num_seqs=8"] = _key(outs[3])
     # the same engine again: the target's full blocks (image hashes in their keys) are a prefix-cache hit
+    kv = llm.llm_engine.kv_cache_manager
+    hits = kv.num_hit_tokens
     outs = llm.generate(_vl_others(tok, 2, 3) + [target], PARAMS, use_tqdm=False)
+    assert kv.num_hit_tokens >= hits + 16, (hits, kv.num_hit_tokens)
     got["prefix hit, 2 others"] = _key(outs[2])
     # prefill in 24-token chunks (the encoder budget still fits one image: each step encodes what it reaches)
-    outs = _vl_llm(vl_dir, device, max_num_seqs=4, max_num_batched_tokens=24).generate(
-        [target] + _vl_others(tok, 3, 4), PARAMS, use_tqdm=False)
+    chunked = _vl_llm(vl_dir, device, max_num_seqs=4, max_num_batched_tokens=24)
+    assert len(target["prompt_token_ids"]) + 8 > 24    # with its image tokens the prompt spans several chunks
+    outs = chunked.generate([target] + _vl_others(tok, 3, 4), PARAMS, use_tqdm=False)
     got["3 others, chunks of 24"] = _key(outs[0])
     if device == "cuda":   # decode steps replayed from CUDA graphs above; eagerly here
         outs = _vl_llm(vl_dir, device, max_num_seqs=8, enforce_eager=True).generate(
@@ -172,15 +176,31 @@ def test_t5_default_mode_batches_the_encoder(t5_dir, monkeypatch):
 
 
 def test_t5_mode_never_pads_the_encoder(t5_dir):
-    """No bucket padding (its length would come from the step's longest input) and no encoder graphs."""
-    runner = _t5_llm(t5_dir).llm_engine.runner
-    assert runner.encdec.batch_invariant and not runner.encdec.padded_encoder
-    assert runner.backend.name == "torch-batch-invariant"
+    """No bucket padding (its length would come from the step's longest input) and no encoder graphs: even with the
+    padded path switched on (as on CUDA), every encoder input runs alone on the packed path."""
+    llm = _t5_llm(t5_dir, max_num_seqs=16)
+    encdec = llm.llm_engine.runner.encdec
+    assert encdec.batch_invariant and not encdec.padded_encoder
+    assert llm.llm_engine.runner.backend.name == "torch-batch-invariant"
+    encdec.padded_encoder = True
+    llm.generate(T5_OTHERS, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert encdec.num_padded_runs == 0 and encdec.num_packed_runs == len(T5_OTHERS)
+
+
+def test_t5_in_float16_is_refused_in_the_mode(t5_dir):
+    """transformers' fp16 overflow clamp (kernels/t5_fp16_norm.py) is decided over the whole step: refused by name."""
+    from hayabusa.config import EngineArgs
+    from hayabusa.errors import HayabusaValidationError
+
+    with pytest.raises(HayabusaValidationError, match="bfloat16") as e:
+        EngineArgs.from_kwargs(t5_dir, device="cpu", dtype="float16", batch_invariant=True).create_engine_config()
+    assert e.value.parameter == "dtype"
 
 
 def test_bi_attention_reference_adds_the_position_bias_by_distance():
     """paged_attention_bi_ref with T5's bias equals the plain reference (the same scores, another sum order) to
-    fp32 rounding, and a query row's bits do not change with the rows around it."""
+    fp32 rounding, distances past the table clamped as there, and a query row's bits do not change with the rows
+    around it."""
     import torch
 
     from hayabusa.kernels.batch_invariant import paged_attention_bi_ref
@@ -190,7 +210,7 @@ def test_bi_attention_reference_adds_the_position_bias_by_distance():
     H, D, bs, S = 4, 16, 4, 23
     k_cache = torch.randn(8, bs, H, D, generator=g)
     v_cache = torch.randn(8, bs, H, D, generator=g)
-    bias = torch.randn(H, 32, generator=g)
+    bias = torch.randn(H, 16, generator=g)      # shorter than S: distances past 15 take the table's last entry
     table = torch.arange(8, dtype=torch.int32)[None]
     q = torch.randn(S, H, D, generator=g)
 

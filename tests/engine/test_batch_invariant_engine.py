@@ -198,8 +198,9 @@ def test_logprobs_identical_when_the_prompt_is_chunked_beside_another_request(mn
 
 
 def test_vllm_variable_turns_the_mode_on_when_ours_is_unset(monkeypatch):
-    """VLLM_BATCH_INVARIANT (vLLM's switch for its mode) decides when HAYABUSA_BATCH_INVARIANT is unset; ours wins
-    when set (empty: off); a bad value is named by its variable; refusals name the variable that turned it on."""
+    """VLLM_BATCH_INVARIANT (vLLM's switch for its mode) decides when HAYABUSA_BATCH_INVARIANT is unset, read as vLLM
+    reads it (an integer: nonzero on) or in our spellings; ours wins when set (empty: off); a bad value is named by
+    its variable; refusals name the variable that turned it on."""
     from hayabusa.batch_invariant import batch_invariant_requested
 
     monkeypatch.delenv("HAYABUSA_BATCH_INVARIANT", raising=False)
@@ -213,7 +214,10 @@ def test_vllm_variable_turns_the_mode_on_when_ours_is_unset(monkeypatch):
     monkeypatch.setenv("HAYABUSA_BATCH_INVARIANT", "")
     assert not batch_invariant_requested(None)
     monkeypatch.delenv("HAYABUSA_BATCH_INVARIANT")
-    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "2")
+    for raw, on in (("2", True), ("0", False), ("true", True), ("off", False), ("", False)):   # vLLM's int(), ours
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", raw)
+        assert batch_invariant_requested(None) == on, raw
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "maybe")
     with pytest.raises(HayabusaValidationError) as e:
         batch_invariant_requested(None)
     assert e.value.parameter == "VLLM_BATCH_INVARIANT"

@@ -326,48 +326,124 @@ def test_mid_m_switch_routes_rows_past_16(device, monkeypatch, M):
 
 _COMPILE_LOP3_FOR_SM90 = """
 import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import hayabusa.kernels.wo_small_m as wo
-kind, BM, fp16 = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "fp16"
-fn = wo._wo_small_m_kernel
-dt = "*fp16" if fp16 else "*bf16"
-sig = {"x_ptr": dt, "qw_ptr": "*i32", "scales_ptr": dt, "zeros_ptr": dt, "bias_ptr": dt, "out_ptr": dt,
-       "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
-       "splits": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
-consts = dict(INT4=True, SLAB=kind == "lop3", GROUP_SIZE=128, MAGIC=0x6400 if fp16 else 0x4300, BY_HAND=False,
-              HAS_BIAS=True, SPLIT=False, FUSED_REDUCE=False, EVEN_K=True, DOT_FP32=False, BLOCK_M=BM, BLOCK_N=128,
-              BLOCK_K=128, PDL=False, LOP3=True, SCALE_W=kind == "lop3j")
-sig.update({k: "constexpr" for k in consts})
-div16 = ["x_ptr", "qw_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "out_ptr", "N", "K", "k_per_split", "stride_xm"]
-attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+sys.path.insert(0, sys.argv[4])
 try:
     import triton.backends.nvidia  # noqa: F401
 except ImportError:
     sys.exit(77)
-k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "num_stages": 3})
-ptx = k.asm["ptx"]
-print(ptx.count("lop3.b32"), ptx.count("prmt.b32"), ptx.count("mul.rn."), "wgmma.mma_async" in ptx)
+from sass_wo_small_m import compile_launch
+ptx = compile_launch(sys.argv[1], int(sys.argv[2]), 4, fp16=sys.argv[3] == "fp16").asm["ptx"]
+print(ptx.count("lop3.b32"), ptx.count("prmt.b32"), ptx.count("fma.rn.bf16x2") + ptx.count("fma.rn.f16x2"),
+      "wgmma.mma_async" in ptx)
 """
 
 
 @pytest.mark.parametrize("kind,BM,dt", [("lop3", 16, "bf16"), ("lop3j", 64, "bf16"), ("lop3j", 64, "fp16")])
 def test_lop3_kinds_compile_for_sm90(kind, BM, dt):
     """The inline PTX (which the interpreter cannot run) compiles for sm_90 with Triton's front end and bundled
-    ptxas, no GPU needed: 8 LOP3s and 2 PRMTs per pair of words, the packed multiply only in "lop3j", and "lop3j" at
-    64 rows on warpgroup MMAs (one K = 128 dot per tile). Its values are checked on the GPU by
-    test_wo_small_m_cuda.py."""
+    ptxas, no GPU needed (benchmarks/kernels/sass_wo_small_m.py's compile_launch): 8 LOP3s and 2 PRMTs per pair of
+    words, a second packed FMA (the scale) only in "lop3j", and "lop3j" at 64 rows on warpgroup MMAs (one K = 128 dot
+    per tile). Its values: test_lop3_ptx_computes_the_slabs here, and on the GPU test_wo_small_m_cuda.py."""
     import subprocess
     import sys
 
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels")   # sass_wo_small_m.compile_launch
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_LOP3_FOR_SM90, kind, str(BM), dt], env=env,
+    r = subprocess.run([sys.executable, "-c", _COMPILE_LOP3_FOR_SM90, kind, str(BM), dt, tools], env=env,
                        capture_output=True, text=True, timeout=300)
     if r.returncode == 77 or "ptxas" in r.stderr and "not found" in r.stderr:
         pytest.skip("no CUDA compiler in this Triton install")
     assert r.returncode == 0, r.stderr[-3000:]
-    lop3, prmt, mul, wgmma = r.stdout.split()
-    assert int(lop3) >= 8 and int(prmt) >= 2 and int(lop3) % 8 == 0
-    assert (int(mul) > 0) == (kind == "lop3j") and (wgmma == "True") == (kind == "lop3j")
+    lop3, prmt, fma, wgmma = (int(v) if v.isdigit() else v for v in r.stdout.split())
+    assert lop3 >= 8 and lop3 % 8 == 0 and prmt >= 2 * (lop3 // 8)
+    assert fma == lop3 * (2 if kind == "lop3j" else 1)           # the scale's FMA only in "lop3j"
+    assert (wgmma == "True") == (kind == "lop3j")
+
+
+def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
+    """Interpret _lop3_asm's PTX on 32-bit ints (mov / prmt / shr / lop3 / fma.rn.{bf16x2,f16x2}; the FMA in fp32 then
+    rounded once to the half type, exact for its inputs here: float products of <= 11-bit significands)."""
+    import re
+
+    import numpy as np
+
+    def halves(v: int, ty: str) -> list[float]:
+        parts = [(v >> 16 * i) & 0xFFFF for i in (0, 1)]
+        if ty == "bf16x2":
+            return [float(np.array([p << 16], dtype=np.uint32).view(np.float32)[0]) for p in parts]
+        return [float(np.array([p], dtype=np.uint16).view(np.float16)[0]) for p in parts]
+
+    def pack(xs: list[float], ty: str) -> int:
+        if ty == "bf16x2":
+            bits = [int(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).view(torch.int16)) & 0xFFFF for x in xs]
+        else:
+            bits = [int(np.array([x], dtype=np.float16).view(np.uint16)[0]) for x in xs]
+        return bits[0] | bits[1] << 16
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return int(tok, 16) if tok.startswith("0x") else regs[tok]
+
+    for ins in filter(None, (i.strip() for i in asm.strip("{} ").split(";"))):
+        if ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        a = [t.strip() for t in args.split(",")]
+        if op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        elif op == "prmt.b32":
+            src = val(a[1]) | val(a[2]) << 32
+            sel = val(a[3])
+            regs[a[0]] = sum(((src >> 8 * ((sel >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "shr.u32":
+            regs[a[0]] = val(a[1]) >> int(a[2])
+        elif op == "lop3.b32":
+            x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), int(a[4], 16)
+            regs[a[0]] = sum(((lut >> (((x >> i) & 1) << 2 | ((y >> i) & 1) << 1 | ((z >> i) & 1))) & 1) << i
+                             for i in range(32))
+        else:
+            m = re.fullmatch(r"fma\.rn\.(bf16x2|f16x2)", op)
+            assert m, op
+            ty = m.group(1)
+            x, y, z = (halves(val(t), ty) for t in a[1:4])
+            regs[a[0]] = pack([x[i] * y[i] + z[i] for i in (0, 1)], ty)
+    return regs
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
+def test_lop3_ptx_computes_the_slabs(fp16):
+    """_lop3_asm's PTX, interpreted instruction by instruction on random packed words, zeros and scales: slab s of
+    each word is q - zero (exact), and with the scale round((q - zero) * scale) in the half type, for both words of
+    the pair: nibble order (PRMT selectors), LUT, magic numbers and the FMA forms, which the interpreter-run kernel
+    tests never execute."""
+    import numpy as np
+
+    import hayabusa.kernels.wo_small_m as wo
+
+    dt = torch.float16 if fp16 else torch.bfloat16
+    base = 1024.0 if fp16 else 128.0
+    asm = {False: (wo.LOP3_ASM_FP16 if fp16 else wo.LOP3_ASM_BF16).value,     # the strings the kernel compiles
+           True: (wo.LOP3S_ASM_FP16 if fp16 else wo.LOP3S_ASM_BF16).value}
+    rng = np.random.default_rng(0)
+
+    def pair_bits(xs) -> int:
+        b = torch.tensor(xs, dtype=dt).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+        return int(b[0] | b[1] << 16)
+
+    for _ in range(50):
+        w = [int(v) for v in rng.integers(0, 2 ** 32, size=2)]
+        z = [float(v) for v in rng.integers(0, 16, size=2)]
+        sc = torch.tensor(rng.uniform(1e-3, 0.05, size=2), dtype=dt).float().tolist()
+        regs = {"$8": w[0], "$9": w[1], "$10": pair_bits([-(base + z[0]), -(base + z[1])]), "$11": pair_bits(sc)}
+        for scaled in (False, True):
+            out = _run_ptx(asm[scaled], dict(regs))
+            for s in range(8):
+                got = torch.tensor([out[f"${s}"] & 0xFFFF, out[f"${s}"] >> 16], dtype=torch.int32).to(torch.int16)
+                got = got.view(dt).float().tolist()
+                q = [(w[j] >> 4 * s) & 0xF for j in (0, 1)]
+                want = [q[j] - z[j] for j in (0, 1)]
+                if scaled:
+                    want = torch.tensor([want[j] * sc[j] for j in (0, 1)]).to(dt).float().tolist()
+                assert got == want, (s, scaled, w, z, sc)
