@@ -103,7 +103,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # the previous path 142 / 62. The int4 entries for 32-256 rows are guesses (the "lop3j" kind, twenty-sixth session,
 # no GPU): only the bench and USE_WO_MID_M reach them. Their row tiles are 64 or 128: compiled for sm_90, 64 rows is
 # the smallest tile on warpgroup MMAs (8 back-to-back wgmma per K tile, one wait); a 32-row tile compiles to mma.sync
-# with its B operand re-read from shared memory (884 loop instructions a warp against 511 at 64 rows:
+# with its B operand re-read from shared memory (894 loop instructions a warp against 521 at 64 rows:
 # benchmarks/kernels/sass_wo_small_m.py, BENCHMARKS.md "twenty-sixth session"). (The measured 32 / 64-row winners
 # they replace were "join" launches, slower than bf16 cuBLAS: BENCHMARKS.md, twenty-second session.) The int8 128 /
 # 256 entries are 64's launch on 128-row tiles with 8 warps (the bench's row tile: the bucket, at most 128), also
