@@ -12,7 +12,10 @@ in batch-invariant mode and in the default mode. Prints, per (mode, setting): id
 and the sampled tokens' logprobs, bitwise)?, the first token index whose id differs, the first whose logprob
 differs, and the largest logprob difference before the ids part; ``--json`` writes the same as records, rewritten
 after every setting ("complete": false until the last). On CPU each setting builds an engine and runs up to 256
-requests: `--mode batch_invariant` halves the time, `--num-tokens 16` shortens each run.
+requests: `--mode batch_invariant` halves the time, `--num-tokens 16` shortens each run. The prompts are token ids:
+on a vision model (Qwen2-VL / Qwen2.5-VL) they carry no images (tests/engine/test_batch_invariant_encoders.py has
+the image cases), and on T5 they are encoder inputs, whose "prefix-cache hit" row runs without a hit (prefix caching
+is off for encoder-decoder models).
 Exit status 1 when a batch-invariant setting differs.
 """
 

@@ -46,21 +46,23 @@ def batch_invariant_requested(value: bool | None) -> bool:
     return env_flag(name, False) if name else False
 
 
-def _refuse(parameter: str, value: Any, why: str) -> HayabusaValidationError:
-    name = _deciding_env_var()
-    source = f" (from the environment variable {name}; pass batch_invariant=False to turn the mode off)" \
-        if name and os.environ[name].strip() not in ("", "0") else ""
+def _refuse(parameter: str, value: Any, why: str, from_env: bool) -> HayabusaValidationError:
+    name = _deciding_env_var() if from_env else None
+    source = f" (from the environment variable {name}; pass batch_invariant=False or --no-batch-invariant to turn " \
+        "the mode off)" if name else ""
     return HayabusaValidationError(f"{parameter}={value!r} is not supported with batch_invariant=True{source}: "
                                    f"{why}", parameter=parameter, value=value)
 
 
-def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculative_config: Any) -> None:
+def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculative_config: Any,
+                          from_env: bool = False) -> None:
     """Refuse, by name, what the mode does not cover (called when the mode is on).
 
     Encoder-decoder (T5) and vision (Qwen2-VL / Qwen2.5-VL) models are covered: their linears take the mode's
     GEMM like every other, the runner runs each request's encoder and each image's vision tower on its own (the
     tower's and encoder's shapes then depend on that request alone), and the attention backend adds T5's
-    position bias in the mode's fixed key order.
+    position bias in the mode's fixed key order. ``from_env``: the environment variable turned the mode on (the
+    argument was None): the refusal says so.
 
     Raises:
         HayabusaValidationError: quantization (its kernels pick tiles / split-K by M), an encoder-decoder model in
@@ -69,14 +71,14 @@ def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculat
     """
     if model_config.quant_config is not None:
         raise _refuse("quantization", model_config.quantization, "the quantized linears' kernels choose their "
-                      "tiling and split-K by the number of rows; use an unquantized checkpoint.")
+                      "tiling and split-K by the number of rows; use an unquantized checkpoint.", from_env)
     if model_config.is_encoder_decoder and str(model_config.dtype) == "torch.float16":
         raise _refuse("dtype", "float16", "T5 in float16 clamps its residual stream as transformers does, and "
                       "whether a step clamps depends on every row of the step (an inf anywhere lowers every row's "
-                      "limit); use dtype='bfloat16' or 'float32'.")
+                      "limit); use dtype='bfloat16' or 'float32'.", from_env)
     if tensor_parallel_size > 1:
         raise _refuse("tensor_parallel_size", tensor_parallel_size, "the all-reduce's summation order depends on "
-                      "the message size (the number of tokens in the step).")
+                      "the message size (the number of tokens in the step).", from_env)
     if speculative_config is not None:
         raise _refuse("speculative_config", speculative_config, "speculative decoding is not covered by the mode "
-                      "yet.")
+                      "yet.", from_env)

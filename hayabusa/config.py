@@ -355,7 +355,8 @@ class EngineArgs:
         if model_config.batch_invariant:
             from hayabusa.batch_invariant import check_batch_invariant
 
-            check_batch_invariant(model_config, self.tensor_parallel_size, self.speculative_config)
+            check_batch_invariant(model_config, self.tensor_parallel_size, self.speculative_config,
+                                  from_env=self.batch_invariant is None)
         if model_config.is_encoder_decoder and self.enable_prefix_caching:
             logger.warning("enable_prefix_caching is off for encoder-decoder models (%s): a decoder's KV depends on "
                            "its encoder input, so equal decoder prefixes share nothing.", model_config.architecture)

@@ -6,7 +6,8 @@ waits on them, and the shared memory a block takes.
     python benchmarks/kernels/sass_wo_small_m.py                       # every int4 kind at 16 / 64 / 128 rows
     python benchmarks/kernels/sass_wo_small_m.py --kinds lop3j,join --rows 64:4,128:8 --json out.json
 
-Static counts, not timings: a loop body with fewer instructions issues faster, but latency, occupancy and the overlap
+Counts depend on the Triton version (BENCHMARKS.md's were taken with Triton 3.6.0, the device's; a newer Triton
+compiles the same launch to other counts). Static counts, not timings: a loop body with fewer instructions issues faster, but latency, occupancy and the overlap
 of dequantization with the MMAs decide the time, which only `bench_quant_linear.py --small-m` measures (on a GPU).
 Pointer and size arguments are compiled as the JIT specializes them for 7B shapes (divisible by 16); BLOCK_N and
 BLOCK_K 128, G 128, bf16 (--fp16: fp16). Needs a Triton with the NVIDIA backend (ptxas, nvdisasm); no CUDA device.
@@ -94,12 +95,24 @@ def loop_report(kind: str, block_m: int, num_warps: int, num_stages: int = 3, fp
                 wgmma_waits=len(re.findall(r"WARPGROUP\.DEPBAR", text)), ops=dict(ops.most_common()))
 
 
+def parse_rows(spec: str) -> tuple[int, int]:
+    """One --rows entry "BLOCK_M:num_warps" -> (BLOCK_M, num_warps): powers of two, BLOCK_M 16-256, warps 1-16;
+    anything else exits naming the entry."""
+    parts = spec.split(":")
+    ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+    bm, warps = (int(p) for p in parts) if ok else (0, 0)
+    if not (ok and 16 <= bm <= 256 and 1 <= warps <= 16 and not bm & (bm - 1) and not warps & (warps - 1)):
+        sys.exit(f"--rows: {spec!r} is not BLOCK_M:num_warps with powers of two, BLOCK_M 16-256 and num_warps 1-16 "
+                 "(e.g. 64:4)")
+    return bm, warps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", default=",".join(KIND_FLAGS), help=f"comma-separated subset of {list(KIND_FLAGS)}")
     parser.add_argument("--rows", default="16:8,64:4,128:8",
                         help="comma-separated BLOCK_M:num_warps launches (default 16:8,64:4,128:8)")
-    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--stages", type=int, default=3, help="num_stages, >= 1 (default 3)")
     parser.add_argument("--fp16", action="store_true", help="fp16 x (default bf16)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
@@ -111,11 +124,15 @@ def main() -> None:
     bad = [k for k in kinds if k not in KIND_FLAGS]
     if bad:
         sys.exit(f"--kinds: unknown {bad}; choose from {list(KIND_FLAGS)}")
+    launches = [parse_rows(spec) for spec in args.rows.split(",")]
+    if args.stages < 1:
+        sys.exit(f"--stages must be >= 1, got {args.stages}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        sys.exit(f"--json {args.json}: no such directory")
     rows = []
     print(f"{'kind':<6} {'BM':>4} {'warps':>5} {'smem KB':>7} {'loop instr':>10} {'MMA':>4} {'waits':>5}  "
           "largest kinds")
-    for spec in args.rows.split(","):
-        bm, warps = (int(v) for v in spec.split(":"))
+    for bm, warps in launches:
         for kind in kinds:
             r = loop_report(kind, bm, warps, args.stages, args.fp16)
             rows.append(r)

@@ -80,7 +80,7 @@ def run_setting(model: str, setting: Setting, target: list[int], num_tokens: int
         hi = min(300, mc.max_model_len - 2 * num_tokens + 1)
         others = random_prompts(setting.num_others, seed, mc.vocab_size, min(8, hi - 1), hi)
         rng = random.Random(seed + 1)
-        other_params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 2 * num_tokens),
+        other_params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(min(8, num_tokens), 2 * num_tokens),
                                        ignore_eos=True) for _ in others]
         half = len(others) // 2
         prompts = [{"prompt_token_ids": p} for p in others[:half] + [target] + others[half:]]
@@ -125,6 +125,9 @@ def run_experiment(model: str, settings: list[Setting], modes: tuple[bool, ...] 
     by ``max_model_len - num_tokens``. Raises ValueError (naming num_tokens) when the context has no room for a
     prompt and 2 * num_tokens output tokens (the other requests' longest)."""
     max_len = min(int((base or {}).get("max_model_len", 2048)), _model_max_len(model))
+    if not isinstance(num_tokens, int) or num_tokens < 1:
+        raise HayabusaValidationError(f"num_tokens must be a positive int, got {num_tokens!r}",
+                                      parameter="num_tokens", value=num_tokens)
     if max_len - 2 * num_tokens < 2:
         raise HayabusaValidationError(
             f"num_tokens={num_tokens} leaves no room for prompts in the model's context of {max_len} tokens "

@@ -221,3 +221,18 @@ def test_vllm_variable_turns_the_mode_on_when_ours_is_unset(monkeypatch):
     with pytest.raises(HayabusaValidationError) as e:
         batch_invariant_requested(None)
     assert e.value.parameter == "VLLM_BATCH_INVARIANT"
+
+
+def test_refusal_names_the_variable_only_when_it_turned_the_mode_on(monkeypatch):
+    """batch_invariant=True given explicitly: a refusal does not blame an environment variable that is set (even to
+    off); left at None with the variable on, it does, and says how to turn the mode off."""
+    monkeypatch.delenv("HAYABUSA_BATCH_INVARIANT", raising=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=demo_model_dir(), device="cpu", quantization="int8",
+                   batch_invariant=True).create_engine_config()
+    assert "environment" not in str(e.value) and e.value.parameter == "quantization"
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=demo_model_dir(), device="cpu", quantization="int8").create_engine_config()
+    assert "VLLM_BATCH_INVARIANT" in str(e.value) and "--no-batch-invariant" in str(e.value)
