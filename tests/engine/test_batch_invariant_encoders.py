@@ -164,6 +164,36 @@ def test_t5_request_alone_and_among_other_encoder_lengths_agree(t5_dir, monkeypa
     assert runs and set(runs) == {1}, runs       # the mode's encoder runs: one request each
 
 
+@pytest.mark.cuda
+def test_t5_cross_attention_small_decode_tile_same_bits(tmp_path, monkeypatch):
+    """On a GPU: cross-attention is a decode-form paged attention (one query per "sequence"), so on 64-dim heads a
+    step with enough programs takes the mode's 16-row one-warp tile (paged_attention.batch_invariant_tile_config,
+    measured on decoder heads). The threshold lowered to 6 programs: the target alone (4 heads, one token a step)
+    keeps the mode's tile, among 15 others its steps take the small one; ids and logprobs stay identical."""
+    import torch
+
+    import hayabusa.kernels.paged_attention as pa
+
+    t5_64 = save_tiny_t5(tmp_path, "v1.1", n_positions=256, d_kv=64)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.setattr(pa, "BI_DECODE_MIN_PROGRAMS_PER_SM", 6 / sms)
+    tiles: list[int] = []
+    real = pa.batch_invariant_tile_config
+
+    def spy(*args, **kwargs):
+        cfg = real(*args, **kwargs)
+        tiles.append(cfg["num_warps"])
+        return cfg
+
+    monkeypatch.setattr(pa, "batch_invariant_tile_config", spy)
+    alone = _key(_t5_llm(t5_64, "cuda", max_num_seqs=1).generate([T5_TARGET], PARAMS, use_tqdm=False)[0])
+    assert 1 not in tiles
+    outs = _t5_llm(t5_64, "cuda", max_num_seqs=16, enforce_eager=True).generate(
+        T5_OTHERS * 2 + [T5_TARGET], PARAMS, use_tqdm=False)
+    assert 1 in tiles                                    # the small tile ran
+    assert _key(outs[-1]) == alone
+
+
 def test_t5_default_mode_batches_the_encoder(t5_dir, monkeypatch):
     """The control: without the mode, one encoder run takes several requests."""
     from hayabusa.model.t5 import T5ForConditionalGeneration

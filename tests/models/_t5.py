@@ -28,19 +28,20 @@ T5_JA_PROMPTS = [
 
 
 def save_tiny_t5(out: Path, version: str, num_decoder_layers: int = 3, initializer_factor: float = 4.0,
-                 n_positions: int = 512) -> str:
+                 n_positions: int = 512, d_kv: int = 8) -> str:
     """A random 2-layer T5 in `out`: version "v1.0" (ReLU FFN, head tied to the embedding, decoder output scaled
     by d_model ** -0.5) or "v1.1" (gated-GELU FFN, its own lm_head, no scaling). vocab_size = the tokenizer's.
     2 encoder layers and 3 decoder layers by default (transformers' generate needs use_cache=False then: its cache
     is sized by num_layers); num_decoder_layers=2 for code that runs generate with its cache. n_positions: the
     model's length limit in config.json (transformers ignores it; hayabusa's encoder limit and default
-    max_model_len)."""
+    max_model_len). d_kv: the head size (64 in the released checkpoints)."""
     from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
     from safetensors.torch import load_file, save_file
 
     tok = AutoTokenizer.from_pretrained(str(require_asset(TOKENIZERS / "llm-jp-v2.2")))
     v11 = version == "v1.1"
-    cfg = T5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=num_decoder_layers, num_heads=4,
+    cfg = T5Config(vocab_size=len(tok), d_model=32, d_kv=d_kv, d_ff=64, num_layers=2,
+                   num_decoder_layers=num_decoder_layers, num_heads=4,
                    relative_attention_num_buckets=8, relative_attention_max_distance=16,
                    feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
