@@ -343,6 +343,9 @@ class EngineArgs:
 
     def create_engine_config(self) -> "EngineConfig":
         """Validate and derive every config. Reads the model's config.json (no weights)."""
+        from hayabusa.envs import check_switches
+
+        check_switches()   # a bad on/off environment switch is named now, whatever the model loads
         self._verify_args()
         self._warn_ignored_args()
         device = resolve_device(self.device)

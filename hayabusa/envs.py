@@ -56,4 +56,25 @@ def parse_sweep_switch(raw: str, key: str, nullable: bool = False) -> bool | Non
                                   value=raw)
 
 
-__all__ = ["env_flag", "parse_switch", "parse_sweep_switch"]
+# Every on/off switch hayabusa reads with env_flag (where each is read: docs/structure.md). Most are read when their
+# module is imported, which for the kernels of one scheme or model kind happens only when that scheme or model
+# loads; check_switches reads them all when an engine's config is made, so a value that is not a switch is refused
+# at once whatever the model (tests/test_envs.py checks the list against the code).
+SWITCHES = (
+    "HAYABUSA_BATCH_INVARIANT", "HAYABUSA_DRAFT_MIRROR_GRAPHS", "HAYABUSA_EAGLE_GRAPHS", "HAYABUSA_FP8_PREQUANT",
+    "HAYABUSA_FP8_SMALL_M", "HAYABUSA_FUSED_ACT_QUANT", "HAYABUSA_GREEDY_VERIFY_TRITON", "HAYABUSA_MIXED_GRAPHS",
+    "HAYABUSA_PDL", "HAYABUSA_SHORT_QUERY_SPLIT", "HAYABUSA_SMALL_M_LINEAR", "HAYABUSA_T5_ENCODER_GRAPHS",
+    "HAYABUSA_T5_FP16_FUSED_NORM", "HAYABUSA_WO_GEMM_T", "HAYABUSA_WO_MID_M", "HAYABUSA_WO_SMALL_M",
+)
+
+
+def check_switches() -> None:
+    """Parse every SWITCHES variable that is set.
+
+    Raises:
+        HayabusaValidationError: the first one whose value is not a switch, naming it (env_flag's message)."""
+    for name in SWITCHES:
+        env_flag(name, False)
+
+
+__all__ = ["SWITCHES", "check_switches", "env_flag", "parse_switch", "parse_sweep_switch"]

@@ -42,3 +42,34 @@ def test_parse_sweep_switch_takes_the_environment_spellings_and_none_only_where_
         with pytest.raises(ValueError, match=f"--sweep k={bad!r}: use 1 / true / yes / on") as e:
             parse_sweep_switch(bad, "k", nullable)
         assert e.value.parameter == "sweep" and e.value.value == bad
+
+
+def test_switches_list_every_switch_the_code_reads():
+    """envs.SWITCHES holds every HAYABUSA_* variable the package reads as an on/off switch: each env_flag("...")
+    literal, and the module constants that name a switch (PDL_SWITCH, SMALL_M_SWITCH, batch_invariant.ENV_VAR)."""
+    import re
+    from pathlib import Path
+
+    from hayabusa.envs import SWITCHES
+
+    root = Path(__file__).resolve().parents[1] / "hayabusa"
+    read = set()
+    for path in root.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        read |= set(re.findall(r'env_flag\("(HAYABUSA_[A-Z0-9_]+)"', text))
+        read |= set(re.findall(r'^(?:PDL_SWITCH|SMALL_M_SWITCH|ENV_VAR) = "(HAYABUSA_[A-Z0-9_]+)"', text, re.M))
+    assert len(read) >= 16 and read == set(SWITCHES), read ^ set(SWITCHES)
+
+
+def test_a_bad_switch_is_refused_when_an_engine_is_configured(monkeypatch):
+    """A switch read only by a scheme's kernels (HAYABUSA_WO_MID_M: int4 / int8) is refused by name for an
+    unquantized model too, when its config is made."""
+    from hayabusa.assets import demo_model_dir
+    from hayabusa.config import EngineArgs
+
+    monkeypatch.setenv("HAYABUSA_WO_MID_M", "maybe")
+    with pytest.raises(HayabusaValidationError, match="HAYABUSA_WO_MID_M") as e:
+        EngineArgs(model=demo_model_dir(), device="cpu").create_engine_config()
+    assert e.value.parameter == "HAYABUSA_WO_MID_M"
+    monkeypatch.setenv("HAYABUSA_WO_MID_M", "1")
+    EngineArgs(model=demo_model_dir(), device="cpu").create_engine_config()
