@@ -340,7 +340,7 @@ def test_batch_invariant_flag_and_sweep_turn_the_mode_on(tmp_path, tiny_bench_mo
 
     calls = []
     real = bi.check_batch_invariant
-    monkeypatch.setattr(bi, "check_batch_invariant", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(bi, "check_batch_invariant", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     (rec,) = _bench(tmp_path, "--workload", "W3", "--model", tiny_bench_model, "--scale", "0.02", "--batch-invariant")
     assert rec["engine_args"]["batch_invariant"] is True and len(calls) == 1
     off, on = _bench(tmp_path, "--workload", "W3", "--model", tiny_bench_model, "--scale", "0.02",
