@@ -67,8 +67,12 @@ def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculat
     Raises:
         HayabusaValidationError: quantization (its kernels pick tiles / split-K by M), an encoder-decoder model in
             float16 (transformers' overflow clamp, decided per step), tensor_parallel_size > 1 (NCCL's all-reduce
-            order depends on the message size), speculative decoding.
+            order depends on the message size), speculative decoding; a malformed HAYABUSA_BI_GEMM_CONFIGS or
+            HAYABUSA_BI_GEMM_BUCKETS (kernels/bi_gemm.check_env_files).
     """
+    from hayabusa.kernels.bi_gemm import check_env_files
+
+    check_env_files()   # the GEMM's tuning variables, on any device
     if model_config.quant_config is not None:
         raise _refuse("quantization", model_config.quantization, "the quantized linears' kernels choose their "
                       "tiling and split-K by the number of rows; use an unquantized checkpoint.", from_env)

@@ -239,6 +239,21 @@ def _bucket_file(path: str) -> dict[tuple[int, int], tuple[tuple[int, dict], ...
                                       parameter=ENV_BUCKETS, value=path) from None
 
 
+def check_env_files() -> None:
+    """Parse HAYABUSA_BI_GEMM_CONFIGS and the file HAYABUSA_BI_GEMM_BUCKETS names, where set, on any device (the CPU
+    path ignores them, so a typo would otherwise surface only on a GPU). Per-shape field values are checked when a
+    shape's launch is made.
+
+    Raises:
+        HayabusaValidationError: either is malformed or the file cannot be read, naming the variable."""
+    raw = os.environ.get(ENV_CONFIGS, "").strip()
+    if raw:
+        _env_overrides(raw)
+    path = os.environ.get(ENV_BUCKETS, "").strip()
+    if path:
+        _bucket_file(path)
+
+
 def _checked_buckets(N: int, K: int, cfg: BiGemmConfig, buckets, source: str) -> tuple[tuple[int, dict], ...]:
     # each bucket's bound an int above the previous one, its fields TILE_FIELDS with valid values; ``source`` is
     # what the message names (the environment variable, or the table)
@@ -769,6 +784,7 @@ def bi_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 __all__ = ["BiGemmConfig", "BI_GEMM_BUCKETS", "BI_GEMM_TABLE", "ENV_BUCKETS", "ENV_CONFIGS", "NO_BOUND", "SPLIT",
+           "check_env_files",
            "TILE_FIELDS", "UNSPLIT",
            "bi_gemm", "bi_gemm_config", "bi_gemm_splits", "grouped_tile", "heuristic_buckets", "heuristic_config",
            "checked_operands", "linear_operands", "num_sms", "reserve_tile_counters", "reset_config_cache",

@@ -236,3 +236,15 @@ def test_refusal_names_the_variable_only_when_it_turned_the_mode_on(monkeypatch)
     with pytest.raises(HayabusaValidationError) as e:
         EngineArgs(model=demo_model_dir(), device="cpu", quantization="int8").create_engine_config()
     assert "VLLM_BATCH_INVARIANT" in str(e.value) and "--no-batch-invariant" in str(e.value)
+
+
+@pytest.mark.parametrize("name,value", [("HAYABUSA_BI_GEMM_CONFIGS", "notjson"),
+                                        ("HAYABUSA_BI_GEMM_BUCKETS", "/nonexistent/buckets.json")])
+def test_bad_gemm_tuning_variables_are_refused_on_any_device(monkeypatch, name, value):
+    """The CPU path ignores the GEMM's tuning variables, but a malformed one is refused by name when the mode is
+    configured, so a typo does not wait for a GPU to show."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(HayabusaValidationError) as e:
+        EngineArgs(model=demo_model_dir(), device="cpu", batch_invariant=True).create_engine_config()
+    assert e.value.parameter == name
+    EngineArgs(model=demo_model_dir(), device="cpu").create_engine_config()     # the mode off: not read
