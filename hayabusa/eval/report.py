@@ -48,7 +48,7 @@ def engine_settings_line(engine_args: dict[str, Any], swept: set[str] = frozense
     """The header's engine settings: the engine arguments given (``key=value``, as the setting column writes
     them) and always the batch-invariant mode as it resolves (``batch_invariant=True`` from ``--batch-invariant``,
     ``HAYABUSA_BATCH_INVARIANT`` or ``VLLM_BATCH_INVARIANT``); a key in ``swept`` (the --sweep keys) reads
-    ``key=per setting``. Raises HayabusaValidationError for a bad value of those variables.
+    ``key=per setting``. Raises HayabusaValidationError for a bad value of those variables."""
     from hayabusa.batch_invariant import batch_invariant_requested
 
     shown = {k: v for k, v in engine_args.items() if k != "batch_invariant"}
