@@ -145,13 +145,14 @@ WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int,
 
 @triton.jit
 def _int4_slab(q, s: tl.constexpr, off, MAGIC: tl.constexpr, BY_HAND: tl.constexpr, DTYPE: tl.constexpr):
-    """Nibble slab s of the packed tile q [BK // 8, BN] int32 as the exact integers q - zero: in DTYPE, or (BY_HAND,
-    the interpreter with bf16: its bf16 arithmetic works on raw bits) in fp32. off [BN] fp32 = 2**e + zero."""
+    """Nibble slab s of the packed tile q (int32; [BK // 8, BN], or its transpose) as the exact integers q - zero:
+    in DTYPE, or (BY_HAND, the interpreter with bf16: its bf16 arithmetic works on raw bits) in fp32. off fp32 =
+    2**e + zero, already shaped to broadcast against q ([None, :] or [:, None])."""
     u = (q >> (4 * s)) & 0xF | MAGIC
     if BY_HAND:
-        w = (u << 16).to(tl.float32, bitcast=True) - off[None, :]
+        w = (u << 16).to(tl.float32, bitcast=True) - off
     else:
-        w = u.to(tl.int16).to(DTYPE, bitcast=True) - off.to(DTYPE)[None, :]
+        w = u.to(tl.int16).to(DTYPE, bitcast=True) - off.to(DTYPE)
     return w
 
 
@@ -215,12 +216,10 @@ def _int4_slabs_lop3(q, neg_off, sc, FP16: tl.constexpr, SCALED: tl.constexpr):
 @triton.jit
 def _int4_slab_scaled(q, s: tl.constexpr, off, sc, MAGIC: tl.constexpr, BY_HAND: tl.constexpr,
                       DTYPE: tl.constexpr):
-    """_int4_slab's slab s times the group scales sc, rounded once to DTYPE (BY_HAND: to bf16 by bf16_rne, the
-    interpreter's cast truncates); q, off, sc broadcast alike (q [.., ..] int32, off / sc fp32)."""
-    u = (q >> (4 * s)) & 0xF | MAGIC
-    if BY_HAND:
-        return bf16_rne(((u << 16).to(tl.float32, bitcast=True) - off) * sc)
-    return ((u.to(tl.int16).to(DTYPE, bitcast=True) - off.to(DTYPE)).to(tl.float32) * sc).to(DTYPE)
+    """_int4_slab's slab s times the group scales sc (fp32, shaped as off), rounded once to DTYPE (BY_HAND: to bf16
+    by bf16_rne, the interpreter's cast truncates)."""
+    w = _int4_slab(q, s, off, MAGIC, BY_HAND, DTYPE).to(tl.float32) * sc
+    return bf16_rne(w) if BY_HAND else w.to(DTYPE)
 
 
 @triton.jit
@@ -242,9 +241,10 @@ def _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask
     dtype = x_ptr.dtype.element_ty
     g = k0 // GROUP_SIZE
     sc = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0)                        # [BN], x's dtype
-    z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    off = z + (128.0 if MAGIC == 0x4300 else 1024.0)                                        # [BN] 2**e + zero
     offs_i = tl.arange(0, BLOCK_K // 8)
+    if SCALE_W or SLAB:   # ("join": int4_tile_t reads the zeros itself)
+        z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        off = z + (128.0 if MAGIC == 0x4300 else 1024.0)                                    # [BN] 2**e + zero
     if SCALE_W:
         q = tl.load(qw_ptr + (k0 // 8 + offs_i)[None, :] * N + offs_n[:, None], mask=n_mask[:, None], other=0)
         shape: tl.constexpr = [BLOCK_N, BLOCK_K // 8]                                      # q^T [BN, BK // 8]
@@ -280,7 +280,7 @@ def _int4_tile_dot(acc, x_ptr, x_rows, qw_ptr, scales_ptr, zeros_ptr, k0, m_mask
                 part = dot_acc(xs, ws[s], part, DOT_FP32)
         else:
             for s in tl.static_range(8):
-                w = _int4_slab(q, s, off, MAGIC, BY_HAND, dtype)                         # [BK // 8, BN]
+                w = _int4_slab(q, s, off[None, :], MAGIC, BY_HAND, dtype)               # [BK // 8, BN]
                 xs = tl.load(x_rows + (k0 + s + 8 * offs_i)[None, :], mask=m_mask[:, None], other=0.0)
                 part = dot_acc(xs, w, part, DOT_FP32)
         acc = acc + part * sc.to(tl.float32)[None, :]
