@@ -29,7 +29,8 @@ def _deciding_env_var() -> str | None:
 
 
 def batch_invariant_requested(value: bool | None) -> bool:
-    """The engine argument when given (True / False: an explicit False wins over the environment), else
+    """The engine argument when given (True / False: an explicit False wins over the environment's value; a value
+    that is not a switch is still refused when an engine is configured, by envs.check_switches), else
     ``HAYABUSA_BATCH_INVARIANT`` (1 / true / yes / on; unset, empty, 0 / false / no / off: off), else vLLM's
     ``VLLM_BATCH_INVARIANT`` read as vLLM reads it (an integer, nonzero = on; unset or empty: off) or in our
     spellings.
@@ -46,10 +47,9 @@ def batch_invariant_requested(value: bool | None) -> bool:
     return env_flag(name, False) if name else False
 
 
-def _refuse(parameter: str, value: Any, why: str, from_env: bool) -> HayabusaValidationError:
-    name = _deciding_env_var() if from_env else None
-    source = f" (from the environment variable {name}; pass batch_invariant=False or --no-batch-invariant to turn " \
-        "the mode off)" if name else ""
+def _refuse(parameter: str, value: Any, why: str, env_var: str | None) -> HayabusaValidationError:
+    source = f" (from the environment variable {env_var}; pass batch_invariant=False or --no-batch-invariant to " \
+        "turn the mode off)" if env_var else ""
     return HayabusaValidationError(f"{parameter}={value!r} is not supported with batch_invariant=True{source}: "
                                    f"{why}", parameter=parameter, value=value)
 
@@ -73,16 +73,17 @@ def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculat
     from hayabusa.kernels.bi_gemm import check_env_files
 
     check_env_files()   # the GEMM's tuning variables, on any device
+    env_var = _deciding_env_var() if from_env else None   # what a refusal names as having turned the mode on
     if model_config.quant_config is not None:
         raise _refuse("quantization", model_config.quantization, "the quantized linears' kernels choose their "
-                      "tiling and split-K by the number of rows; use an unquantized checkpoint.", from_env)
+                      "tiling and split-K by the number of rows; use an unquantized checkpoint.", env_var)
     if model_config.is_encoder_decoder and str(model_config.dtype) == "torch.float16":
         raise _refuse("dtype", "float16", "T5 in float16 clamps its residual stream as transformers does, and "
                       "whether a step clamps depends on every row of the step (an inf anywhere lowers every row's "
-                      "limit); use dtype='bfloat16' or 'float32'.", from_env)
+                      "limit); use dtype='bfloat16' or 'float32'.", env_var)
     if tensor_parallel_size > 1:
         raise _refuse("tensor_parallel_size", tensor_parallel_size, "the all-reduce's summation order depends on "
-                      "the message size (the number of tokens in the step).", from_env)
+                      "the message size (the number of tokens in the step).", env_var)
     if speculative_config is not None:
         raise _refuse("speculative_config", speculative_config, "speculative decoding is not covered by the mode "
-                      "yet.", from_env)
+                      "yet.", env_var)

@@ -927,6 +927,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("bench_quant_linear needs a CUDA GPU")
+    bad_schemes = [v for v in args.schemes.split(",") if v not in ("int4", "int8")]
+    if bad_schemes:
+        sys.exit(f"--schemes: unknown {bad_schemes}; choose from int4, int8")
     modes = args.dequant + args.w8a8 + args.sweep_gemm + args.sweep_w8a8 + args.small_m
     budget_s = args.budget_s if args.budget_s is not None else 110.0 if args.small_m else 170.0
     if args.sweep + modes > 1 or args.fp8 + modes > 1:

@@ -26,10 +26,6 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)   # compile for the GPU target even where tests set the interpreter
 
-KIND_FLAGS = {  # kind -> (SLAB, LOP3, SCALE_W) as wo_small_m_linear passes them on CUDA
-    "slab": (True, False, False), "join": (False, False, False), "lop3": (True, True, False),
-    "lop3j": (False, True, True),
-}
 _OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
@@ -41,7 +37,7 @@ def compile_launch(kind: str, block_m: int, num_warps: int, num_stages: int = 3,
 
     import hayabusa.kernels.wo_small_m as wo
 
-    slab, lop3, scale_w = KIND_FLAGS[kind]
+    slab, lop3, scale_w = wo.KIND_FLAGS[kind]
     fn = wo._wo_small_m_kernel
     dt = "*fp16" if fp16 else "*bf16"
     sig = {"x_ptr": dt, "qw_ptr": "*i32", "scales_ptr": dt, "zeros_ptr": dt, "bias_ptr": dt, "out_ptr": dt,
@@ -109,7 +105,8 @@ def parse_rows(spec: str) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", default=",".join(KIND_FLAGS), help=f"comma-separated subset of {list(KIND_FLAGS)}")
+    parser.add_argument("--kinds", default=None, help="comma-separated int4 kinds of wo_small_m.WO_KINDS (default: all: "
+                        "slab, join, lop3, lop3j)")
     parser.add_argument("--rows", default="16:8,64:4,128:8",
                         help="comma-separated BLOCK_M:num_warps launches (default 16:8,64:4,128:8)")
     parser.add_argument("--stages", type=int, default=3, help="num_stages, >= 1 (default 3)")
@@ -120,10 +117,12 @@ def main() -> None:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         sys.exit("this Triton has no NVIDIA backend (ptxas, nvdisasm): install the triton wheel from PyPI")
-    kinds = args.kinds.split(",")
-    bad = [k for k in kinds if k not in KIND_FLAGS]
+    from hayabusa.kernels.wo_small_m import WO_KINDS
+
+    kinds = list(WO_KINDS["int4"]) if args.kinds is None else args.kinds.split(",")
+    bad = [k for k in kinds if k not in WO_KINDS["int4"]]
     if bad:
-        sys.exit(f"--kinds: unknown {bad}; choose from {list(KIND_FLAGS)}")
+        sys.exit(f"--kinds: unknown {bad}; choose from {list(WO_KINDS['int4'])}")
     launches = [parse_rows(spec) for spec in args.rows.split(",")]
     if args.stages < 1:
         sys.exit(f"--stages must be >= 1, got {args.stages}")

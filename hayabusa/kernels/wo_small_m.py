@@ -81,9 +81,14 @@ WO_SMALL_M_MAX = 16
 WO_SMALL_M_MIN_M = 2
 WO_M_BUCKETS = (16, 32, 64, 128, 256)
 WO_KINDS = {"int4": ("slab", "join", "lop3", "lop3j"), "int8": ("slab", "dot")}
+# kind -> the kernel's (SLAB, LOP3, SCALE_W) constexprs as the launcher passes them on CUDA (wo_small_m_linear: int8's
+# "slab" falls to the byte tile where qweight has no int32 words; LOP3 is off in the interpreter);
+# benchmarks/kernels/sass_wo_small_m.py compiles launches from it
+KIND_FLAGS = {"slab": (True, False, False), "join": (False, False, False), "dot": (False, False, False),
+              "lop3": (True, True, False), "lop3j": (False, True, True)}
 # the kinds that dot nibble / byte slabs one by one; the smallest BLOCK_K of their launches: each dot has K = BLOCK_K
 # // (weights per int32) >= 16 ("lop3j" joins its slabs into one K = BLOCK_K tile: any BLOCK_K >= 16, as "join")
-_SLAB_KINDS = ("slab", "lop3")
+_SLAB_KINDS = tuple(k for k, (slab, _, _) in KIND_FLAGS.items() if slab)
 _SLAB_MIN_BK = {"int4": 128, "int8": 64}
 # HAYABUSA_WO_MID_M=1 (read at import; tests set USE_WO_MID_M): x of WO_SMALL_M_MAX + 1 .. WO_MID_M_MAX rows come
 # here too, int4 and int8 (by default they take quant_linear's path: its 16-row GEMM below DEQUANT_GEMM_MIN_M(_INT4)
@@ -91,7 +96,7 @@ _SLAB_MIN_BK = {"int4": 128, "int8": 64}
 # at 0.55x and int8 at 0.86x bf16 on W1, where dequantize + cuBLAS writes and re-reads every weight in bf16 at each
 # batched decode step).
 USE_WO_MID_M = env_flag("HAYABUSA_WO_MID_M", False)
-WO_MID_M_MAX = 256
+WO_MID_M_MAX = WO_M_BUCKETS[-1]
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # (scheme, shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0:
@@ -504,7 +509,8 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         raise ValueError(f"cfg must be a {' | '.join(WO_KINDS[scheme])} launch with tiles >= 16 (slab kinds: BLOCK_K "
                          f">= {_SLAB_MIN_BK[scheme]}){' and BLOCK_K dividing group_size' if int4 else ''}, got {cfg}")
     # int8 "slab" reads qweight as int32 words: where it has none (K % 4, a misaligned view) the byte tile, same sums
-    slab = cfg.kind in _SLAB_KINDS and (int4 or (K % 4 == 0 and qweight.data_ptr() % 4 == 0))
+    slab, lop3, scale_w = KIND_FLAGS[cfg.kind]
+    slab = slab and (int4 or (K % 4 == 0 and qweight.data_ptr() % 4 == 0))
     if not int4 and slab:
         qweight = qweight.view(torch.int32)
     plan = SplitKPlan.of(M, N, K, cfg, out)
@@ -515,7 +521,7 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         M, N, K, plan.k_per_split, plan.splits, x.stride(0), 1 if int4 else K // 4 if slab else K, out.stride(0),
         INT4=int4, SLAB=slab, GROUP_SIZE=group_size or 1,
         MAGIC=0x6400 if fp16 else 0x4300, BY_HAND=on_cpu and not fp16,
-        LOP3=cfg.kind in ("lop3", "lop3j") and not on_cpu, SCALE_W=cfg.kind == "lop3j",
+        LOP3=lop3 and not on_cpu, SCALE_W=scale_w,
         **split_dot_launch_kwargs(plan, cfg, K, bias is not None, x.device))
     plan.finish(bias, out)
     return out.to(x.dtype) if on_cpu else out
@@ -534,6 +540,6 @@ def wo_small_m_applies(x: torch.Tensor, group_size: int | None) -> bool:
 register_small_m_kernel(lambda x, group_size: wo_small_m_applies(x, group_size),
                         lambda *args: wo_small_m_linear(*args))
 
-__all__ = ["WO_KINDS", "WO_M_BUCKETS", "WO_MID_M_MAX", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M", "WO_SMALL_M_TABLE",
+__all__ = ["KIND_FLAGS", "WO_KINDS", "WO_M_BUCKETS", "WO_MID_M_MAX", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M", "WO_SMALL_M_TABLE",
            "check_wo_entry", "pick_wo_small_m_config", "wo_m_bucket", "wo_small_m_applies",
            "wo_small_m_launch", "wo_small_m_linear"]

@@ -198,22 +198,23 @@ class EncoderDecoderRunner:
         new_blocks.update(out.scheduled_cached_reqs.cross_block_ids)
         enc = [self.encoder_ids[rid] for rid in rids]
         blocks = [new_blocks[rid] for rid in rids]
+        lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))          # [R_e]
         if self.batch_invariant:
             for i in range(len(enc)):
-                self._run_packed(enc[i:i + 1], blocks[i:i + 1], kv_caches, backend)
+                self._run_packed(enc[i:i + 1], lens[i:i + 1], blocks[i:i + 1], kv_caches, backend)
             return
-        lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))          # [R_e]
         bucket = self.bucket_for(len(enc), int(lens.max())) if self.padded_encoder else None
         if bucket is not None:
             self._run_padded(bucket, enc, lens, blocks, kv_caches, backend)
             self.num_encoder_tokens += int(lens.sum())
             return
-        self._run_packed(enc, blocks, kv_caches, backend)
+        self._run_packed(enc, lens, blocks, kv_caches, backend)
 
-    def _run_packed(self, enc: list[np.ndarray], blocks: list[list[int]], kv_caches, backend) -> None:
-        """The packed varlen path: the inputs ``enc`` one after another, each request's cross K/V into ``blocks``."""
+    def _run_packed(self, enc: list[np.ndarray], lens: np.ndarray, blocks: list[list[int]], kv_caches,
+                    backend) -> None:
+        """The packed varlen path: the inputs ``enc`` (lengths ``lens`` [R_e] int64) one after another, each
+        request's cross K/V into ``blocks``."""
         self.num_packed_runs += 1
-        lens = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))          # [R_e]
         ids = np.concatenate(enc)                                                  # [T_e] int64
         slots_t = _to_device(self.cross_slots(blocks, lens), self.device)
         ids_t = _to_device(ids, self.device)
