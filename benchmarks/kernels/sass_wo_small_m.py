@@ -7,11 +7,11 @@ waits on them, and the shared memory a block takes.
     python benchmarks/kernels/sass_wo_small_m.py --kinds lop3j,join --rows 64:4,128:8 --json out.json
 
 Counts depend on the Triton version (BENCHMARKS.md's were taken with Triton 3.6.0, the device's; a newer Triton
-compiles the same launch to other counts). Static counts, not timings: a loop body with fewer instructions issues faster, but latency, occupancy and the overlap
-of dequantization with the MMAs decide the time, which only `bench_quant_linear.py --small-m` measures (on a GPU).
-Pointer and size arguments are compiled as the JIT specializes them for 7B shapes (divisible by 16); BLOCK_N and
-BLOCK_K 128, G 128, bf16 (--fp16: fp16). Needs a Triton with the NVIDIA backend (ptxas, nvdisasm); no CUDA device.
-"""
+compiles the same launch to other counts). Static counts, not timings: a loop body with fewer instructions issues
+faster, but latency, occupancy and the overlap of dequantization with the MMAs decide the time, which only
+`bench_quant_linear.py --small-m` measures (on a GPU). Pointer and size arguments are compiled as the JIT
+specializes them for 7B shapes (divisible by 16); BLOCK_N and BLOCK_K 128, G 128, bf16 (--fp16: fp16). Needs a
+Triton with the NVIDIA backend (ptxas, nvdisasm); no CUDA device."""
 
 from __future__ import annotations
 
@@ -105,8 +105,8 @@ def parse_rows(spec: str) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", default=None, help="comma-separated int4 kinds of wo_small_m.WO_KINDS (default: all: "
-                        "slab, join, lop3, lop3j)")
+    parser.add_argument("--kinds", default=None,
+                        help="comma-separated int4 kinds of wo_small_m.WO_KINDS (default all: slab, join, lop3, lop3j)")
     parser.add_argument("--rows", default="16:8,64:4,128:8",
                         help="comma-separated BLOCK_M:num_warps launches (default 16:8,64:4,128:8)")
     parser.add_argument("--stages", type=int, default=3, help="num_stages, >= 1 (default 3)")

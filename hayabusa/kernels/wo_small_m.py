@@ -540,6 +540,7 @@ def wo_small_m_applies(x: torch.Tensor, group_size: int | None) -> bool:
 register_small_m_kernel(lambda x, group_size: wo_small_m_applies(x, group_size),
                         lambda *args: wo_small_m_linear(*args))
 
-__all__ = ["KIND_FLAGS", "WO_KINDS", "WO_M_BUCKETS", "WO_MID_M_MAX", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M", "WO_SMALL_M_TABLE",
+__all__ = ["KIND_FLAGS", "WO_KINDS", "WO_M_BUCKETS", "WO_MID_M_MAX", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M",
+           "WO_SMALL_M_TABLE",
            "check_wo_entry", "pick_wo_small_m_config", "wo_m_bucket", "wo_small_m_applies",
            "wo_small_m_launch", "wo_small_m_linear"]
