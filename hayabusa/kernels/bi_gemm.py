@@ -159,8 +159,9 @@ def _tile(bm: int, bn: int, warps: int = 4, stages: int = 3, split: bool = False
 # 0.59 summed from that sweep: BENCHMARKS.md "twenty-fourth session"), and gate_up with its SiLU-and-mul
 # (silu_and_mul_bi, BLOCK_N halved per half). The persistent TMA kernel (tma=True) is a candidate from 64 rows on.
 # With these launches W3 took 1.03-1.05 ms a token against the default's 0.95-0.96 (0.91-0.92x; the twenty-fourth
-# session's launches: 1.11 against 0.95). Not yet run with them: test_bi_gemm_cuda.py -k row_bits (the engine's bit
-# grid was). us per launch, this launch / cuBLAS (gate_up: + torch's SiLU-and-mul not counted), cold L2:
+# session's launches: 1.11 against 0.95). test_bi_gemm_cuda.py -k 'row_bits or silu' passed with them (15 tests,
+# commit 4758af8, twenty-seventh session). us per launch, this launch / cuBLAS (gate_up: + torch's SiLU-and-mul not
+# counted), cold L2:
 BI_GEMM_BUCKETS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
     # qkv: M=1 4.3 / 4.4, M=16 4.2 / 4.6, M=64 4.4 / 4.7, M=256 5.2 / 5.2, M=2048 12.6 / 10.2
     (1152, 896): ((1, _tile(16, 32, stages=4)), (64, _tile(64, 32, stages=4)),
@@ -177,6 +178,22 @@ BI_GEMM_BUCKETS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
     # lm_head: M=1 65.4 / 67.5, M=16 68.5 / 71.3, M=64 73.9 / 76.9, M=256 125.1 / 125.3, M=2048 803 / 883
     (151936, 896): ((16, _tile(16, 64)), (64, _tile(64, 128, stages=4, tma=True)),
                     (NO_BOUND, _tile(128, 256, 8, tma=True))),
+    # Qwen2.5-7B's shapes at heuristic_config's BLOCK_K / CHUNK_K (the same sweep's --keep-arith, run on commit
+    # 4758af8, 2026-12-05, BENCHMARKS.md "twenty-seventh session"; before it they took heuristic_buckets, and 7b W1
+    # in the mode was 0.665x default; with these 0.83x, W3 4.86 against 4.32 ms a token, 0.89x).
+    # qkv (CHUNK 1216): M=1 12.5 / 11.2, M=16 12.7 / 11.3, M=64 14.9 / 11.7, M=256 27.3 / 17.0, M=2048 130 / 99
+    (4608, 3584): ((1, _tile(16, 64, stages=4, split=True)), (16, _tile(16, 32, stages=4, split=True)),
+                   (64, _tile(64, 64, 8, stages=4, split=True)), (NO_BOUND, _tile(128, 128, 8, stages=4, tma=True))),
+    # o_proj (CHUNK 896): M=1 10.2 / 11.7, M=16 10.8 / 12.1, M=64 12.3 / 9.8, M=256 24.2 / 13.8, M=2048 92.9 / 82.6
+    (3584, 3584): ((16, _tile(16, 64, stages=4, split=True)), (64, _tile(64, 32, stages=4, split=True)),
+                   (256, _tile(64, 128, stages=4, tma=True)), (NO_BOUND, _tile(128, 256, 8, tma=True))),
+    # gate_up + SiLU (CHUNK 3584): M=1 65.7 / 73.0, M=16 66.7 / 74.6, M=64 76.8 / 78.1, M=256 164 / 117,
+    # M=2048 927 / 857
+    (37888, 3584): ((16, _tile(16, 128)), (64, _tile(64, 64, stages=4)), (NO_BOUND, _tile(128, 256, 8, tma=True))),
+    # down (CHUNK 4736): M=1 38.5 / 38.4, M=16 39.8 / 40.1, M=64 43.0 / 42.9, M=256 92.3 / 63.8 (split),
+    # M=2048 442 / 444
+    (3584, 18944): ((16, _tile(16, 32, stages=4, split=True)), (64, _tile(64, 64, 8, stages=4, split=True)),
+                    (256, _tile(128, 128, 8, stages=4, split=True)), (NO_BOUND, _tile(128, 256, 8, tma=True))),
 }
 
 
