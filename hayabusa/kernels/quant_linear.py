@@ -418,7 +418,7 @@ USE_GEMM_T = env_flag("HAYABUSA_WO_GEMM_T", False)
 # False / True (read per call: tests) turns it off / on for any CUDA device (the CPU path is the torch reference).
 USE_WO_SMALL_M: bool | None = (env_flag("HAYABUSA_WO_SMALL_M", False) if "HAYABUSA_WO_SMALL_M" in os.environ
                                else None)
-# That kernel, as kernels/wo_small_m.py registers it when imported (register_small_m_kernel): (applies(x,
+# That kernel, as kernels/wo_small_m.py registers it when imported (register_small_m_kernel): (applies(x, N,
 # group_size) -> bool, linear(x, qweight, scales, zeros, group_size, bias) -> y). A registration, not an import
 # here: wo_small_m builds on this module's launch configs and tiles, so importing it from here would close a circle.
 # quantization/packed.quant_kernels, through which every weight-only method reaches these kernels, imports both.
@@ -426,8 +426,8 @@ _SMALL_M_KERNEL: tuple | None = None
 
 
 def register_small_m_kernel(applies, linear) -> None:
-    """Set the kernel _kernel_linear sends 2-16 rows (17-256 with HAYABUSA_WO_MID_M) to where wo_small_m_enabled
-    (kernels/wo_small_m.py calls it; its ``applies`` decides)."""
+    """Set the kernel _kernel_linear sends 2-16 rows (17-256 with HAYABUSA_WO_MID_M, where measured to win) to where
+    wo_small_m_enabled (kernels/wo_small_m.py calls it; its ``applies`` decides)."""
     global _SMALL_M_KERNEL
     _SMALL_M_KERNEL = (applies, linear)
 GEMM_SHAPE_CLASSES = ("square", "wide", "deep")
@@ -608,7 +608,7 @@ def _kernel_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if _SMALL_M_KERNEL is not None and x.shape[0] > 1 and x.stride(1) == 1 and wo_small_m_enabled(x.device) \
             and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         applies, linear = _SMALL_M_KERNEL
-        if applies(x, group_size):
+        if applies(x, N, group_size):
             return linear(x, qweight, scales, zeros, group_size, bias)
     if x.shape[0] >= threshold:
         return F.linear(x, _dequantize(qweight, scales, zeros, group_size, x.dtype), bias)

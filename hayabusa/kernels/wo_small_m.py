@@ -45,9 +45,8 @@ interpreter (CPU tests) the dot takes fp32 operands (DOT_FP32, as small_m_linear
 once by torch (the interpreter's bf16 cast truncates).
 
 Switch: quant_linear._kernel_linear (this module registers with it at import) sends x with WO_SMALL_M_MIN_M <= M <=
-WO_SMALL_M_MAX rows (up to WO_MID_M_MAX with HAYABUSA_WO_MID_M=1; fp16 / bf16, CUDA or the interpreter) here where
-quant_linear.wo_small_m_enabled: on by default
-on CUDA devices of compute capability 9.0+ (where the table was measured); ``HAYABUSA_WO_SMALL_M=0`` / ``=1`` (read
+WO_SMALL_M_MAX rows (up to WO_MID_M_MAX with HAYABUSA_WO_MID_M=1, at the keys of WO_MID_M_WINS; fp16 / bf16, CUDA
+or the interpreter) here where quant_linear.wo_small_m_enabled: on by default on CUDA devices of compute capability 9.0+ (where the table was measured); ``HAYABUSA_WO_SMALL_M=0`` / ``=1`` (read
 at import) turns it off / on for any CUDA device (off: the GEMV to 4 rows and the 16-row GEMM above, as before).
 Measured on an H200 (``benchmarks/kernels/bench_quant_linear.py --small-m``, BENCHMARKS.md "twenty-second session"),
 us summed over a 7B layer's qkv + o + gate_up + down: int4 at 4 rows 110 against the 4-row GEMV's 231, at 16 rows
@@ -91,60 +90,71 @@ KIND_FLAGS = {"slab": (True, False, False), "join": (False, False, False), "dot"
 _SLAB_KINDS = tuple(k for k, (slab, _, _) in KIND_FLAGS.items() if slab)
 _SLAB_MIN_BK = {"int4": 128, "int8": 64}
 # HAYABUSA_WO_MID_M=1 (read at import; tests set USE_WO_MID_M): x of WO_SMALL_M_MAX + 1 .. WO_MID_M_MAX rows come
-# here too, int4 and int8 (by default they take quant_linear's path: its 16-row GEMM below DEQUANT_GEMM_MIN_M(_INT4)
-# rows, dequantize + cuBLAS from there). Off until these launches are measured on a GPU (issue #24: weight-only int4
-# at 0.55x and int8 at 0.86x bf16 on W1, where dequantize + cuBLAS writes and re-reads every weight in bf16 at each
-# batched decode step).
+# here too, for the (scheme, shape class, M bucket) keys of WO_MID_M_WINS only (by default, and at every other key,
+# they take quant_linear's path: its 16-row GEMM below DEQUANT_GEMM_MIN_M(_INT4) rows, dequantize + cuBLAS from
+# there). Off until the engine runs with it are measured on a GPU (issue #24).
 USE_WO_MID_M = env_flag("HAYABUSA_WO_MID_M", False)
 WO_MID_M_MAX = WO_M_BUCKETS[-1]
+# The mid-M keys where WO_SMALL_M_TABLE's launch beat quant_linear's path (dequantize + cuBLAS at these rows) in
+# time summed over the class's Qwen2.5-7B layers. Measured on an H200 (2026-12-05, commit 4758af8,
+# `bench_quant_linear.py --small-m --schemes int4,int8 --m 64,256,16,128,32`, CUDA-graph medians, int4 G = 128;
+# BENCHMARKS.md "twenty-seventh session"), us this table's launch / dequantize + cuBLAS (bf16 cuBLAS):
+# - int4 32 rows: qkv 18.7 / 34.9 (8.0), o 18.8 / 25.3 (8.5), gate_up 97.3 / 168 (73.8), down 51.5 / 126 (40.0);
+# - int4 64: gate_up 98.4 / 171 (72.4), down 60.3 / 91.8 (43.0); lost on qkv 21.2 / 20.7, o 21.6 / 16.5;
+# - int4 128: gate_up 147 / 170 (72.7); lost on down 101 / 94.7, qkv 37.2 / 21.9, o 36.4 / 17.3;
+# - int4 256: lost everywhere (gate_up 252 / 191, down 174 / 107; bf16 103 / 58);
+# - int8 32: gate_up 57.9 / 73.8 (73.8); lost on qkv 16.0 / 15.8, o 15.5 / 12.8, down 58.4 / 51.5; lost at 64-256.
+# Even where they win, both lose to bf16 cuBLAS from 32 rows on: dequantizing in the K loop keeps the tensor cores
+# waiting (the "lop3j" loop is 521 instructions a warp per 128-deep tile at 64 rows, BENCHMARKS.md "twenty-sixth
+# session"); the bench prints this set with the table (print_small_m_table).
+WO_MID_M_WINS: frozenset[tuple[str, str, int]] = frozenset({
+    ("int4", "deep", 32), ("int4", "square", 32), ("int4", "wide", 32),
+    ("int4", "deep", 64), ("int4", "wide", 64),
+    ("int4", "wide", 128),
+    ("int8", "wide", 32),
+})
 _DTYPES = (torch.bfloat16, torch.float16)
 
 # (scheme, shape class, M bucket) -> (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0:
-# as many K splits as give FP8_AUTO_SPLIT_WAVES programs per SM (split_k_for). Measured on an H200 (2026-12-04,
-# commit 21d4d34, `bench_quant_linear.py --small-m`, CUDA-graph replay medians over the Qwen2.5-7B qkv / o /
-# gate_up / down, int4 G = 128; BENCHMARKS.md "twenty-second session"): per class and bucket the candidate with the
-# least summed time. At 1-16 rows the same launch won every layer and M (int4: slab 16 x 128 x 128, 8 warps; int8:
-# the byte tile 16 x 32 x 128, 4 warps, 4 stages); e.g. gate_up at 16 rows int4 90 us, int8 45.5, bf16 cuBLAS 69.5,
-# the previous path 142 / 62. The int4 entries for 32-256 rows are guesses (the "lop3j" kind, twenty-sixth session,
-# no GPU): only the bench and USE_WO_MID_M reach them. Their row tiles are 64 or 128: compiled for sm_90, 64 rows is
-# the smallest tile on warpgroup MMAs (8 back-to-back wgmma per K tile, one wait); a 32-row tile compiles to mma.sync
-# with its B operand re-read from shared memory (894 loop instructions a warp against 521 at 64 rows:
-# benchmarks/kernels/sass_wo_small_m.py, BENCHMARKS.md "twenty-sixth session"). (The measured 32 / 64-row winners
-# they replace were "join" launches, slower than bf16 cuBLAS: BENCHMARKS.md, twenty-second session.) The int8 128 /
-# 256 entries are 64's launch on 128-row tiles with 8 warps (the bench's row tile: the bucket, at most 128), also
-# guesses; compiled for sm_90 the int8 byte tile at 64 / 128 rows is one K = 128 wgmma dot per tile with one wait
-# (394 / 250 loop instructions a warp for a 128 x 64 tile).
+# as many K splits as give FP8_AUTO_SPLIT_WAVES programs per SM (split_k_for). Per class and bucket the candidate
+# with the least time summed over the class's Qwen2.5-7B layers (qkv / o: square, gate_up: wide, down: deep), CUDA-
+# graph replay medians, int4 G = 128: `bench_quant_linear.py --small-m` on an H200, 2026-12-05, commit 4758af8
+# (--schemes int4,int8 --m 64,256,16,128,32; BENCHMARKS.md "twenty-seventh session"); the twenty-second session's
+# (commit 21d4d34) at 16 rows had chosen the same launches but "slab" where "lop3" (its slabs made by inline PTX, the
+# same values) now wins. E.g. at 16 rows, us this launch / bf16 cuBLAS: int4 qkv 15.5 / 7.7, down 39.2 / 39.9,
+# gate_up 88.9 / 73.2; int8 gate_up 45.6 / 73.2, down 29.6 / 39.9. 32-256 rows: only the bench, direct calls and
+# USE_WO_MID_M at WO_MID_M_WINS's keys reach them (see there for their times).
 WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {
-    ('int4', 'deep', 16): ('slab', 16, 128, 128, 0, 8, 3),
+    ('int4', 'deep', 16): ('lop3', 16, 128, 128, 0, 8, 3),
     ('int4', 'deep', 32): ('lop3j', 64, 128, 128, 0, 4, 3),
-    ('int4', 'deep', 64): ('lop3j', 64, 128, 128, 0, 4, 3),
-    ('int4', 'deep', 128): ('lop3j', 128, 128, 128, 0, 8, 3),
+    ('int4', 'deep', 64): ('lop3j', 64, 128, 128, 0, 8, 3),
+    ('int4', 'deep', 128): ('lop3j', 128, 64, 128, 0, 4, 4),
     ('int4', 'deep', 256): ('lop3j', 128, 128, 128, 0, 8, 3),
-    ('int4', 'square', 16): ('slab', 16, 128, 128, 0, 8, 3),
-    ('int4', 'square', 32): ('lop3j', 64, 128, 128, 0, 4, 3),
-    ('int4', 'square', 64): ('lop3j', 64, 128, 128, 0, 4, 3),
-    ('int4', 'square', 128): ('lop3j', 128, 128, 128, 0, 8, 3),
-    ('int4', 'square', 256): ('lop3j', 128, 128, 128, 0, 8, 3),
-    ('int4', 'wide', 16): ('slab', 16, 128, 128, 0, 8, 3),
-    ('int4', 'wide', 32): ('lop3j', 64, 128, 128, 0, 4, 3),
-    ('int4', 'wide', 64): ('lop3j', 64, 128, 128, 0, 4, 3),
-    ('int4', 'wide', 128): ('lop3j', 128, 128, 128, 0, 8, 3),
+    ('int4', 'square', 16): ('lop3', 16, 128, 128, 0, 8, 3),
+    ('int4', 'square', 32): ('lop3j', 64, 64, 128, 0, 4, 4),
+    ('int4', 'square', 64): ('lop3j', 64, 64, 128, 0, 4, 4),
+    ('int4', 'square', 128): ('lop3j', 128, 64, 128, 0, 4, 4),
+    ('int4', 'square', 256): ('lop3j', 128, 64, 128, 0, 4, 4),
+    ('int4', 'wide', 16): ('slab', 16, 256, 128, 1, 8, 3),
+    ('int4', 'wide', 32): ('lop3j', 64, 128, 128, 0, 8, 3),
+    ('int4', 'wide', 64): ('lop3j', 64, 128, 128, 0, 8, 3),
+    ('int4', 'wide', 128): ('lop3j', 128, 64, 128, 0, 4, 4),
     ('int4', 'wide', 256): ('lop3j', 128, 128, 128, 0, 8, 3),
     ('int8', 'deep', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'deep', 32): ('dot', 32, 32, 128, 0, 4, 4),
     ('int8', 'deep', 64): ('dot', 64, 32, 128, 0, 4, 4),
-    ('int8', 'deep', 128): ('dot', 128, 32, 128, 0, 8, 3),
-    ('int8', 'deep', 256): ('dot', 128, 32, 128, 0, 8, 3),
+    ('int8', 'deep', 128): ('dot', 128, 32, 128, 0, 4, 4),
+    ('int8', 'deep', 256): ('dot', 128, 64, 128, 1, 4, 3),
     ('int8', 'square', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'square', 32): ('dot', 32, 64, 128, 1, 4, 3),
     ('int8', 'square', 64): ('dot', 64, 64, 128, 1, 4, 3),
-    ('int8', 'square', 128): ('dot', 128, 64, 128, 1, 8, 3),
-    ('int8', 'square', 256): ('dot', 128, 64, 128, 1, 8, 3),
+    ('int8', 'square', 128): ('dot', 128, 64, 128, 1, 4, 3),
+    ('int8', 'square', 256): ('dot', 128, 64, 128, 1, 4, 3),
     ('int8', 'wide', 16): ('dot', 16, 32, 128, 0, 4, 4),
     ('int8', 'wide', 32): ('dot', 32, 64, 128, 1, 4, 3),
     ('int8', 'wide', 64): ('dot', 64, 64, 128, 1, 4, 3),
-    ('int8', 'wide', 128): ('dot', 128, 64, 128, 1, 8, 3),
-    ('int8', 'wide', 256): ('dot', 128, 64, 128, 1, 8, 3),
+    ('int8', 'wide', 128): ('dot', 128, 64, 128, 1, 4, 3),
+    ('int8', 'wide', 256): ('dot', 128, 64, 128, 1, 4, 3),
 }
 
 
@@ -527,20 +537,24 @@ def wo_small_m_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return out.to(x.dtype) if on_cpu else out
 
 
-def wo_small_m_applies(x: torch.Tensor, group_size: int | None) -> bool:
-    """Whether quant_linear's dispatch may send x here (checked operands assumed): bf16 / fp16 x with
-    WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (with USE_WO_MID_M: ..WO_MID_M_MAX), int4's G tileable (a power-of-two
-    divisor >= 16)."""
-    M = x.shape[0]
-    return x.dtype in _DTYPES and WO_SMALL_M_MIN_M <= M <= (WO_MID_M_MAX if USE_WO_MID_M else WO_SMALL_M_MAX) \
-        and (group_size is None or pow2_divisor(group_size, 128) >= 16)
+def wo_small_m_applies(x: torch.Tensor, N: int, group_size: int | None) -> bool:
+    """Whether quant_linear's dispatch may send x ([M, K]; N output features) here (checked operands assumed): bf16 /
+    fp16 x with WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows, or with USE_WO_MID_M up to WO_MID_M_MAX rows where
+    (scheme, gemm_shape_class(N, K), wo_m_bucket(M)) is in WO_MID_M_WINS; int4's G tileable (a power-of-two divisor
+    >= 16)."""
+    M, K = x.shape
+    if x.dtype not in _DTYPES or not WO_SMALL_M_MIN_M <= M <= WO_MID_M_MAX \
+            or (group_size is not None and pow2_divisor(group_size, 128) < 16):
+        return False
+    return M <= WO_SMALL_M_MAX or (USE_WO_MID_M and ("int8" if group_size is None else "int4", gemm_shape_class(N, K),
+                                                     wo_m_bucket(M)) in WO_MID_M_WINS)
 
 
 # quant_linear's dispatch reaches this kernel through the registration (the names looked up per call: tests patch them)
-register_small_m_kernel(lambda x, group_size: wo_small_m_applies(x, group_size),
+register_small_m_kernel(lambda x, N, group_size: wo_small_m_applies(x, N, group_size),
                         lambda *args: wo_small_m_linear(*args))
 
-__all__ = ["KIND_FLAGS", "WO_KINDS", "WO_M_BUCKETS", "WO_MID_M_MAX", "WO_SMALL_M_MAX", "WO_SMALL_M_MIN_M",
-           "WO_SMALL_M_TABLE",
+__all__ = ["KIND_FLAGS", "WO_KINDS", "WO_M_BUCKETS", "WO_MID_M_MAX", "WO_MID_M_WINS", "WO_SMALL_M_MAX",
+           "WO_SMALL_M_MIN_M", "WO_SMALL_M_TABLE",
            "check_wo_entry", "pick_wo_small_m_config", "wo_m_bucket", "wo_small_m_applies",
            "wo_small_m_launch", "wo_small_m_linear"]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hayabusa.kernels.small_m_linear import SMALL_M_MAX, pick_small_m_config, small_m_linear, small_m_linear_ref
+from tests.helpers import assert_runs_agree
 from tests.kernels.conftest import QWEN_7B
 
 pytestmark = [pytest.mark.cuda,
@@ -142,16 +143,7 @@ def test_engine_greedy_with_the_switch_on_and_off(monkeypatch, request, model):
     monkeypatch.setenv("HAYABUSA_SMALL_M_LINEAR", "0")
     off, n_off = _generate(model_dir)
     assert n_on > 0 and n_off == 0
-    worst, diverged, same = 0.0, 0, 0
-    for a, b in zip(on, off):
-        assert len(a.token_ids) == len(b.token_ids) == 32
-        for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)):
-            if s != t:
-                diverged += 1
-                assert s in b.logprobs[i] and t in a.logprobs[i], (i, s, t, a.logprobs[i], b.logprobs[i])
-                break
-            worst = max(worst, abs(a.logprobs[i][s].logprob - b.logprobs[i][s].logprob))
-        same += list(a.token_ids) == list(b.token_ids)
+    assert all(len(o.token_ids) == 32 for o in on + off)
+    same, diverged, worst = assert_runs_agree(on, off, MAX_LOGPROB_DIFF)
     print(f"{model}: {same} of {len(on)} sequences identical, {diverged} diverge; max |logprob on - off| before: "
           f"{worst:.4f}")
-    assert worst <= MAX_LOGPROB_DIFF, worst

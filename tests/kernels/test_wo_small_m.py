@@ -19,7 +19,8 @@ from hayabusa.kernels.quant_linear import (
     quantize_int8_per_channel,
 )
 from hayabusa.kernels.wo_small_m import (
-    WO_M_BUCKETS, WO_SMALL_M_TABLE, check_wo_entry, pick_wo_small_m_config, wo_small_m_launch, wo_small_m_linear,
+    WO_M_BUCKETS, WO_MID_M_WINS, WO_SMALL_M_TABLE, check_wo_entry, pick_wo_small_m_config, wo_small_m_launch,
+    wo_small_m_linear,
 )
 
 EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}   # 1 ulp at 1.0
@@ -157,8 +158,8 @@ def test_table_entries_resolve():
             c8 = pick_wo_small_m_config(M, N, K, None, cpu)
             assert c4.BLOCK_K == 128 and c4.SPLIT_K >= 1 and c4.BLOCK_M >= min(M, 16)
             assert c8.SPLIT_K >= 1 and c8.BLOCK_K == 128
-            if M <= 16:   # the measured launches of the engine's rows (BENCHMARKS.md, twenty-second session)
-                assert (c4.kind, c4.BLOCK_N, c4.num_warps) == ("slab", 128, 8)
+            if M <= 16:   # the measured launches of the engine's rows (BENCHMARKS.md, twenty-seventh session)
+                assert c4.kind in ("slab", "lop3") and c4.BLOCK_N >= 128 and c4.num_warps == 8
                 assert (c8.kind, c8.BLOCK_N, c8.num_warps, c8.num_stages) == ("dot", 32, 4, 4)
     assert wo_small_m_launch(("slab", 16, 64, 128, 0, 4, 4), 16, 64, 256, 8, cpu) is None  # G = 8: no 16-k tile
     assert wo_small_m_launch(("slab", 16, 64, 128, 0, 4, 4), 16, 64, 202, None, cpu).kind == "dot"  # no words
@@ -275,10 +276,24 @@ def test_bench_candidates_and_table_literal(capsys):
     bench["print_small_m_table"](rows)
     out = capsys.readouterr().out
     literal = out[out.index("WO_SMALL_M_TABLE"):]
-    table = ast.literal_eval(literal[literal.index("{"):])
+    table = ast.literal_eval(literal[literal.index("{"):literal.index("WO_MID_M_WINS")])
     assert table[("int4", "square", 16)] == b and table[("int4", "wide", 16)] == a
     assert {k: v for k, v in table.items() if k not in {("int4", "square", 16), ("int4", "wide", 16)}} == \
         {k: v for k, v in WO_SMALL_M_TABLE.items() if k not in {("int4", "square", 16), ("int4", "wide", 16)}}
+    wins = out[out.index("WO_MID_M_WINS"):]
+    assert set(ast.literal_eval(wins[wins.index("{"):wins.rindex("}") + 1])) == set(WO_MID_M_WINS)  # none swept
+
+    # mid-M: a key is printed as a win where its best launch's summed time beats today's path's (dequantize + cuBLAS)
+    mid = [row("qkv", 32, {repr(a): 10.0}), row("o", 32, {repr(a): 95.0}),       # square 32: 105 < 200 -> win
+           row("down", 64, {repr(a): 120.0}),                                    # deep 64: 120 > 100 -> not
+           row("gate_up", 100, {repr(a): 99.0})]                                 # wide 128: 99 < 100 -> win
+    bench["print_small_m_table"](mid)
+    out = capsys.readouterr().out
+    wins = out[out.index("WO_MID_M_WINS"):]
+    got = set(ast.literal_eval(wins[wins.index("{"):wins.rindex("}") + 1]))
+    swept = {("int4", "square", 32), ("int4", "deep", 64), ("int4", "wide", 128)}
+    assert got - swept == set(WO_MID_M_WINS) - swept
+    assert got & swept == {("int4", "square", 32), ("int4", "wide", 128)}
 
 
 def test_lop3j_rounds_each_weight_as_dequantize_does(device):
@@ -299,9 +314,9 @@ def test_lop3j_rounds_each_weight_as_dequantize_does(device):
 
 @pytest.mark.parametrize("M", [17, 100, 256])
 def test_mid_m_switch_routes_rows_past_16(device, monkeypatch, M):
-    """HAYABUSA_WO_MID_M (USE_WO_MID_M) sends x of 17..WO_MID_M_MAX rows to wo_small_m_linear (int4: the table's
-    "lop3j" launch; int8: its "dot" launch; both measured against the reference); off (the default), and past
-    WO_MID_M_MAX rows, quant_linear's path runs."""
+    """HAYABUSA_WO_MID_M (USE_WO_MID_M) sends x of 17..WO_MID_M_MAX rows to wo_small_m_linear where (scheme, shape
+    class, M bucket) is in WO_MID_M_WINS (int4: the table's "lop3j" launch; int8: its "dot" launch; both measured
+    against the reference); at other keys, off (the default), and past WO_MID_M_MAX rows, quant_linear's path runs."""
     import hayabusa.kernels.wo_small_m as wsm
 
     calls = _spy_routed_rows(monkeypatch)
@@ -312,6 +327,14 @@ def test_mid_m_switch_routes_rows_past_16(device, monkeypatch, M):
     ql._kernel_linear(x, q, s, z, b, 40, 128)
     assert calls == []
     monkeypatch.setattr(wsm, "USE_WO_MID_M", True)
+    key4 = ("int4", "deep", wsm.wo_m_bucket(M))                              # [256] -> [40]: a deep layer
+    ql._kernel_linear(x, q, s, z, b, 40, 128)                                # the measured set decides
+    assert calls == ([M] if key4 in wsm.WO_MID_M_WINS else []), (key4, calls)
+    calls.clear()
+    monkeypatch.setattr(wsm, "WO_MID_M_WINS", frozenset())
+    ql._kernel_linear(x, q, s, z, b, 40, 128)
+    assert calls == []
+    monkeypatch.setattr(wsm, "WO_MID_M_WINS", frozenset({key4, ("int8", "square", wsm.wo_m_bucket(M))}))
     assert pick_wo_small_m_config(M, 40, 256, 128, torch.device(device)).kind == "lop3j"
     _assert_few_ulps(ql._kernel_linear(x, q, s, z, b, 40, 128), int4_weight_only_linear_ref(x, q, s, z, 128, b))
     assert calls == [M]
