@@ -1299,6 +1299,20 @@ g_wo27b() {  # (call 2 of 2, ~500 s): the 7b int4 / int8 engines with HAYABUSA_W
     --sweep max_num_seqs=14 --quantization int4
 }
 
+g_s27() {  # twenty-seventh session's last call (~430 s): issue #24 after the measured WO_SMALL_M_TABLE / WO_MID_M_WINS
+           # of b610dd9: the wo_small_m CUDA tests with the new table, the mid-M engine test's top-5 / logprob form,
+           # then the seed's W4 at max_num_seqs 14 (bf16, int4, int8: issue #24's >= 1.0x bf16 target) and the 7b W1
+           # int4 with HAYABUSA_WO_MID_M on / off
+  step s27_tests "${S27_TESTS_S:-130}" 30 bash -c "python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_wo_small_m_cuda.py 2>&1 | tail -4; python -m pytest -q -rfE -s -p no:cacheprovider \
+    tests/quantization/test_cuda.py -k mid_m 2>&1 | grep -E 'identical|passed|failed|Error' | tail -6"
+  ensure_q7
+  bench_step q7_W4_s27 200 60 --workload W4 --model "$Q7" --scale 0.25 --max-num-seqs 14 \
+    --sweep quantization=none,int8,int4
+  HAYABUSA_WO_MID_M=1 bench_step q7_W1_int4_s27_on 70 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int4
+  HAYABUSA_WO_MID_M=0 bench_step q7_W1_int4_s27_off 70 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int4
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi
