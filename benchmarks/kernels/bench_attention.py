@@ -26,14 +26,6 @@ replay µs and the speedup; about 30 s on an H200.
 row's arithmetic does not depend on BLOCK_M or num_warps. For Qwen2.5-0.5B's and -7B's heads, decode batches of
 mixed context lengths: each candidate tile's output against the mode's own, bit for bit (and the largest
 difference), and its CUDA-graph replay µs next to the mode's and the default decode kernel's.
-
-    python benchmarks/kernels/bench_attention.py --fused-merge [--json FILE]
-
---fused-merge: split-KV decode steps with the partials merged by a second kernel (_merge_splits_kernel, the
-default) vs by each tile's last split program (paged_attention.FUSED_MERGE, HAYABUSA_ATTN_FUSED_MERGE): R in 1, 4,
-16 decode requests over 256 / 2048 / 8192 keys, Qwen2.5-0.5B's heads (14 q / 2 kv, D 64) and Qwen2.5-7B's (28 / 4,
-D 128), the split count the launcher picks; CUDA-graph replay µs of both, the µs saved per layer, and whether the
-outputs are bit-equal (they must be).
 """
 
 from __future__ import annotations
@@ -212,43 +204,6 @@ def bench_verify(block_size: int, dtype: torch.dtype, q_len: int = 5) -> list[di
     return rows
 
 
-MERGE_HEADS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-7b": (28, 4, 128)}  # (H, H_kv, D)
-
-
-def bench_fused_merge(block_size: int, dtype: torch.dtype) -> list[dict]:
-    """Decode steps: the merge kernel (FUSED_MERGE off) vs the fused merge (on); see --fused-merge."""
-    rows = []
-    saved = pa.FUSED_MERGE
-    try:
-        for model, heads in MERGE_HEADS.items():
-            for R in (1, 4, 16):
-                for ctx in (256, 2048, 8192):
-                    batch = make_batch([1] * R, [ctx] * R, block_size, dtype, heads=heads)
-                    us, outs = {}, {}
-                    for on in (False, True):
-                        pa.FUSED_MERGE = on
-                        batch["out"].zero_()
-                        paged_attention(**batch)       # compiles, and allocates the counters outside the capture
-                        outs[on] = batch["out"].clone()
-                        us[on] = 1e3 * triton.testing.do_bench_cudagraph(lambda: paged_attention(**batch), rep=50,
-                                                                          return_mode="median")
-                    splits = pa._auto_num_splits(R * heads[1], 1, torch.device("cuda"))
-                    rows.append(dict(model=model, R=R, ctx=ctx, splits=splits, off_us=us[False], on_us=us[True],
-                                     saved_us=us[False] - us[True], speedup=us[False] / us[True],
-                                     bits_equal=bool(torch.equal(outs[False], outs[True]))))
-    finally:
-        pa.FUSED_MERGE = saved
-    return rows
-
-
-def print_fused_merge_table(rows: list[dict]) -> None:
-    print(f"{'heads':<13} {'R':>3} {'ctx':>5} {'splits':>6} {'2 kernels us':>12} {'fused us':>9} {'saved us':>9} "
-          f"{'speedup':>8} {'bits':>5}")
-    for r in rows:
-        print(f"{r['model']:<13} {r['R']:>3} {r['ctx']:>5} {r['splits']:>6} {r['off_us']:>12.2f} {r['on_us']:>9.2f} "
-              f"{r['saved_us']:>9.2f} {r['speedup']:>7.2f}x {'same' if r['bits_equal'] else 'DIFF':>5}")
-
-
 BI_TILE_CANDIDATES = [  # (BLOCK_M, TILE_N, num_warps, num_stages); TILE_N 128 is the control: it must differ
     (16, 64, 1, 2), (16, 64, 2, 2), (16, 64, 4, 2), (32, 64, 2, 2), (32, 64, 4, 2), (64, 64, 8, 2),
     (64, 64, 4, 3), (16, 128, 4, 2)]
@@ -359,24 +314,9 @@ def main() -> None:
     parser.add_argument("--bi-tiles", action="store_true",
                         help="only batch-invariant decode: candidate tiles' bits and µs against the mode's tile")
     parser.add_argument("--quick", action="store_true", help="--bi-tiles with the one- and two-warp 16-row tiles only")
-    parser.add_argument("--fused-merge", action="store_true",
-                        help="only split-KV decode: merge kernel vs the fused merge (HAYABUSA_ATTN_FUSED_MERGE)")
     args = parser.parse_args()
     if triton is None or not torch.cuda.is_available():
         sys.exit(NEEDS_GPU)
-    if args.fused_merge:
-        t0 = time.perf_counter()
-        rows = bench_fused_merge(args.block_size, DTYPES[args.dtype])
-        print(f"# {torch.cuda.get_device_name()}  triton {triton.__version__}  {args.dtype} "
-              f"block_size={args.block_size}  decode, split-KV merge (CUDA-graph replay, median)")
-        print_fused_merge_table(rows)
-        print(f"# {time.perf_counter() - t0:.1f} s")
-        if args.json:
-            args.json.write_text(json.dumps(dict(setup=dict(device=torch.cuda.get_device_name(), dtype=args.dtype,
-                                                            block_size=args.block_size), rows=rows), indent=2))
-        if not all(r["bits_equal"] for r in rows):
-            sys.exit("the fused merge's output differs from the merge kernel's (rows marked DIFF)")
-        return
     if args.bi_tiles:
         rows = bench_bi_tiles(args.block_size, DTYPES[args.dtype], args.quick)
         print(f"# {torch.cuda.get_device_name()}  triton {triton.__version__}  {args.dtype} "

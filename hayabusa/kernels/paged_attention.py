@@ -20,26 +20,6 @@ Positions of request r after this step (the new tokens' K/V are already in the c
 Split-KV ("flash decoding"): when the grid is too small to fill the GPU (few requests, decode), each
 (request, tile, KV head) is cut into NUM_SPLITS ranges of key tiles, partial (m, l, acc) go to fp32 scratch,
 and a second kernel merges them. The split count depends only on host ints, so both paths are CUDA-graph safe.
-Both merges below run ``_merge_partials``: splits in order 0..NUM_SPLITS-1, one fma per split, so the sum's order
-is fixed by the code, not by how a tl.sum over splits is laid out on threads (which differs between the two
-kernels' tile shapes), and the two paths give the same bits.
-
-Fused merge (``FUSED_MERGE``, switch ``HAYABUSA_ATTN_FUSED_MERGE``; off by default: slower on an H200 in most
-decode shapes, see FUSED_MERGE): no second launch. This is the "last block reduces" form of serial split-K and
-stream-K GEMMs (CUTLASS; Osama et al., "Stream-K", 2023; fp8_gemv.py and small_m_linear.py reduce their split-K
-so here); FlashDecoding++ (Hong et al., 2023) also attacks the cost of flash decoding's separate merge, while vLLM
-and FlashInfer merge split-KV partials in a second kernel, as the default path here does. Each split program
-stores its partials, then adds 1 to an int32 counter of its (query tile, KV head); the program that gets back
-NUM_SPLITS - 1 arrived last: it merges the tile's partials, writes out, and puts the counter back to 0 (the buffer
-is zero between launches: CUDA-graph replays need no memset). Memory ordering (PTX model): each thread's partial
-stores precede, in program order, a tl.debug_barrier (bar.sync, which synchronizes the CTA's threads), which
-precedes the atomic (one thread's atom.acq_rel.gpu); every split's atomic is an acq_rel RMW of one address, so the
-last split's acquire synchronizes with every earlier split's release, and a second bar.sync after it orders all
-of the last CTA's threads' loads after it: every partial store is in causality order before every merge load.
-The merge loads also use cache_modifier ".cg" (served by L2, never by the SM's non-coherent L1), as fp8_gemv's
-do. No program waits for another (no spin), so any schedule of the programs finishes. The counters
-(``split_counters``) are per device and shared by every layer and launch: one stream at a time runs attention on a
-device (the engine's forward), and with PDL a kernel waits for the whole previous grid before touching anything.
 
 Short-query steps (speculative decoding's verify steps: every request has at most SHORT_QUERY_MAX = 8 query
 tokens, 1 + k proposals) are decode-like: few programs, each walking a whole context. They take a tile of
@@ -84,20 +64,6 @@ SHORT_QUERY_WIDE_MAX_PROGRAMS = 4
 # HAYABUSA_SHORT_QUERY_SPLIT=0 in the environment (read at import) or SHORT_QUERY_SPLIT = False (read at call
 # time) gives short-query steps the prefill tile and no split-KV again, for A/B runs.
 SHORT_QUERY_SPLIT = env_flag("HAYABUSA_SHORT_QUERY_SPLIT", True)
-# HAYABUSA_ATTN_FUSED_MERGE=1 (read at import) or FUSED_MERGE = True (read at call time): split-KV steps merge in
-# the attention kernel's last split program instead of _merge_splits_kernel (module docstring). Off: measured on an
-# H200 (bench_attention.py --fused-merge, bf16, block size 16, PDL on, graph replay, us two kernels -> fused) it lost
-# 14 of 18 decode shapes: Qwen2.5-7B heads at R = 1 8.5 -> 9.6 (256 keys), 8.9 -> 10.3 (2,048), 11.8 -> 13.3
-# (8,192); R = 4 10.5 -> 14.1 at 256 keys; 0.5B heads at R = 1 5.8 -> 7.1 (256). It won only at R = 16 from 2,048
-# keys (7B 86.4 -> 79.8 at 8,192; 0.5B 11.2 -> 9.9 at 2,048). PDL already hides the merge kernel's launch, and the
-# fused form merges in one program per (query tile, KV head): 4 programs at 7B's R = 1, each reading 7 rows x 32
-# splits of partials, where the merge kernel spreads that over R x H (28) programs.
-FUSED_MERGE = env_flag("HAYABUSA_ATTN_FUSED_MERGE", False)
-# The fused merge's per-device int32 counters (one per (query tile, KV head) of a launch), zero between launches;
-# a buffer grown past is kept in _RETIRED_COUNTERS: a CUDA graph captured with it still points at it.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
-_MIN_COUNTERS = 1024   # auto splits need fewer than one per SM: the first buffer is the last one in practice
 
 
 @triton.jit
@@ -211,7 +177,6 @@ def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,                  # [R + 1] int32, [R] int32, [R, max_blocks] int32
     part_acc_ptr, part_m_ptr, part_l_ptr,            # split scratch [T, H, S, D_PAD] / [T, H, S] fp32
-    counter_ptr,                                     # [>= R * num_q_tiles * H_kv] int32 zeros, when FUSED_MERGE
     k_scale_ptr, v_scale_ptr,                        # [1] fp32 each, read only when KV_FP8
     bias_ptr, stride_bias, bias_len,                 # [H, bias_len] fp32 position bias, read only when USE_BIAS
     pre_scale, post_scale, window, num_q_tiles,
@@ -221,7 +186,7 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr, USE_BIAS: tl.constexpr = False, ALL_MASKED: tl.constexpr = False,
-    PDL: tl.constexpr = False, FUSED_MERGE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the previous kernel here (nothing is read before)
     r = tl.program_id(0) // num_q_tiles
@@ -286,52 +251,6 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + idx, m_i, mask=row_mask)
         tl.store(part_l_ptr + idx, l_i, mask=row_mask)
         tl.store(part_acc_ptr + idx[:, None] * D_PAD + offs_d[None, :], acc, mask=row_mask[:, None])
-        if FUSED_MERGE:
-            tile_id = tl.program_id(0) * (NUM_HEADS // GROUP) + kv_head
-            _last_split_merges(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, counter_ptr + tile_id,
-                               idx - split, row_mask, t64 * stride_ot + head * stride_oh, offs_d, d_mask,
-                               NUM_SPLITS)
-
-
-@triton.jit
-def _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, idx0, row_mask, offs_d,
-                    NUM_SPLITS: tl.constexpr, CACHE: tl.constexpr):
-    """Merged output [ROWS, D_PAD] fp32 of rows whose split-0 partials are at idx0 [ROWS] ((token, head) x
-    NUM_SPLITS); the one merge of both paths. Max over splits (exact in any order), then splits 0..NUM_SPLITS-1
-    summed in order by fma, so a row's bits do not depend on the tile shape. CACHE: the loads' cache_modifier
-    (".cg", through L2, for partials other SMs wrote during this launch; "" the default)."""
-    m_max = tl.load(part_m_ptr + idx0, mask=row_mask, other=float("-inf"), cache_modifier=CACHE)
-    for s in tl.static_range(1, NUM_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + idx0 + s, mask=row_mask, other=float("-inf"),
-                                          cache_modifier=CACHE))
-    m_safe = tl.where(m_max > float("-inf"), m_max, 0.0)   # empty split: m = -inf -> weight 0
-    denom = tl.zeros(m_max.shape, tl.float32)
-    o = tl.zeros([m_max.shape[0], offs_d.shape[0]], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m = tl.load(part_m_ptr + idx0 + s, mask=row_mask, other=float("-inf"), cache_modifier=CACHE)
-        l = tl.load(part_l_ptr + idx0 + s, mask=row_mask, other=0.0, cache_modifier=CACHE)
-        acc = tl.load(part_acc_ptr + (idx0 + s)[:, None] * offs_d.shape[0] + offs_d[None, :],
-                      mask=row_mask[:, None], other=0.0, cache_modifier=CACHE)
-        w = tl.exp2(m - m_safe)
-        denom = tl.fma(l, w, denom)
-        o = tl.fma(acc, w[:, None], o)
-    return o / tl.where(denom > 0.0, denom, 1.0)[:, None]
-
-
-@triton.jit
-def _last_split_merges(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, counter, idx0, row_mask, out_off, offs_d,
-                       d_mask, NUM_SPLITS: tl.constexpr):
-    """Fused merge (module docstring): count this split in; the tile's last split merges every partial of its
-    rows (idx0 [BLOCK_M], split 0's index), writes out rows (out_off [BLOCK_M] element offsets) and zeroes the
-    counter for the next launch."""
-    tl.debug_barrier()   # every thread's partial stores issued before the release below
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_SPLITS - 1:   # the other splits have released their partials; this acquire sees them
-        tl.debug_barrier()          # ... and so do all this program's threads, not only the one that added
-        o = _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, idx0, row_mask, offs_d, NUM_SPLITS, ".cg")
-        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & d_mask[None, :])
-        tl.atomic_xchg(counter, 0)   # nobody else touches it in this launch: every split has arrived
 
 
 @triton.jit
@@ -339,7 +258,7 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr, seq_lens_ptr,
     max_query_len, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)   # kernels/pdl.py: with PDL, wait for the attention kernel here (nothing is read before)
     r = tl.program_id(0) // max_query_len
@@ -351,11 +270,19 @@ def _merge_splits_kernel(
     if (i >= q_len) | (seq_len <= 0):  # same rows the attention kernel skipped
         return
     t64 = (q_start + i).to(tl.int64)
+    offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
-    idx0 = (t64 * NUM_HEADS + h) * NUM_SPLITS + tl.zeros([1], tl.int64)   # [1]: one row, the fused merge's math
-    o = _merge_partials(part_acc_ptr, part_m_ptr, part_l_ptr, idx0, idx0 >= 0, offs_d, NUM_SPLITS, "")
-    tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=(offs_d < HEAD_DIM)[None, :])
+    s_mask = offs_s < NUM_SPLITS
+    idx = (t64 * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + idx, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + idx, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + idx[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0))  # empty split: m = -inf -> weight 0
+    denom = tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + t64 * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 def _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, num_seqs) -> None:
@@ -386,23 +313,6 @@ def _check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     devices = {t.device for t in (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
-
-
-def split_counters(device: torch.device, num_tiles: int) -> torch.Tensor | None:
-    """The fused merge's int32 counters on ``device``, at least ``num_tiles`` (a launch's query tiles x KV heads),
-    all zero between launches (each tile's last split resets its own). Grown with torch.zeros when short, except
-    while a CUDA graph is being captured: None then (allocating there would take the graph's private pool and
-    record the zeroing as a memset node of that graph), and that launch merges with _merge_splits_kernel instead,
-    the same bits. A buffer grown past stays alive (_RETIRED_COUNTERS): a graph captured with it replays on it."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < num_tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if counters is not None:
-            _RETIRED_COUNTERS.append(counters)
-        counters = torch.zeros(max(num_tiles, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 @functools.lru_cache(maxsize=8)
@@ -532,8 +442,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         softcap: c; scores = c * tanh(scale * q.k / c) before softmax (Gemma 2). None or <= 0 = off.
         num_kv_splits: split-KV count (1 = single pass); None picks one from (R, max_query_len, H_kv) on CUDA:
             decode-only and short-query steps (``is_short_query``: verify steps) split when their grid is smaller
-            than the GPU, steps with longer queries never. A split step merges its partials in a second kernel,
-            or, with FUSED_MERGE, in the attention kernel's last split program (the same bits).
+            than the GPU, steps with longer queries never.
         k_scale, v_scale: [1] fp32 device tensors, the fp8 cache's dequantization scales (None = 1.0); read on
             the device (CUDA-graph safe); ignored unless the caches are fp8.
         position_bias: [H, L] fp32 contiguous (T5's relative position bias): bias[h, p - j] is added to the
@@ -578,7 +487,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_l = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_m = part_l = out  # unused
-    counters = split_counters(q.device, R * num_q_tiles * H_kv) if splits > 1 and FUSED_MERGE else None
     pre_scale = scale / softcap if use_softcap else scale * _LOG2E
     post_scale = softcap * _LOG2E if use_softcap else 1.0
     unit = unit_scale(q.device) if kv_fp8 else seq_lens  # never read unless kv_fp8
@@ -588,7 +496,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"{tuple(position_bias.shape)} {position_bias.dtype}")
     _paged_attn_kernel[(R * num_q_tiles, H_kv, splits)](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, part_acc, part_m, part_l,
-        seq_lens if counters is None else counters,   # int32 either way: one specialization
         unit if k_scale is None else k_scale, unit if v_scale is None else v_scale,
         position_bias if use_bias else seq_lens, position_bias.stride(0) if use_bias else 0,
         position_bias.shape[1] if use_bias else 1,
@@ -599,11 +506,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, NUM_SPLITS=splits,
         # the CPU interpreter (numpy) computes bf16 tl.dot on raw bits: give it fp32 operands instead
         DOT_FP32=q.dtype == torch.bfloat16 and q.device.type == "cpu", KV_FP8=kv_fp8, USE_BIAS=use_bias,
-        ALL_MASKED=batch_invariant, FUSED_MERGE=counters is not None, **cfg, **pdl_kwargs(q.device))
-    if splits > 1 and counters is None:
+        ALL_MASKED=batch_invariant, **cfg, **pdl_kwargs(q.device))
+    if splits > 1:
         _merge_splits_kernel[(R * max_query_len, H)](
             out, part_acc, part_m, part_l, query_start_loc, seq_lens, max_query_len, out.stride(0), out.stride(1),
-            NUM_HEADS=H, HEAD_DIM=D, D_PAD=d_pad, NUM_SPLITS=splits, num_warps=4, **pdl_kwargs(q.device))
+            NUM_HEADS=H, HEAD_DIM=D, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=next_power_of_2(splits),
+            num_warps=4, **pdl_kwargs(q.device))
 
 
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, lo: int, hi: int, scale) -> torch.Tensor:
