@@ -1307,10 +1307,10 @@ g_s27() {  # twenty-seventh session's last call (~430 s): issue #24 after the me
     tests/kernels/test_wo_small_m_cuda.py 2>&1 | tail -4; python -m pytest -q -rfE -s -p no:cacheprovider \
     tests/quantization/test_cuda.py -k mid_m 2>&1 | grep -E 'identical|passed|failed|Error' | tail -6"
   ensure_q7
+  HAYABUSA_WO_MID_M=1 bench_step q7_W1_int4_s27_on 90 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int4
+  HAYABUSA_WO_MID_M=0 bench_step q7_W1_int4_s27_off 90 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int4
   bench_step q7_W4_s27 200 60 --workload W4 --model "$Q7" --scale 0.25 --max-num-seqs 14 \
     --sweep quantization=none,int8,int4
-  HAYABUSA_WO_MID_M=1 bench_step q7_W1_int4_s27_on 70 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int4
-  HAYABUSA_WO_MID_M=0 bench_step q7_W1_int4_s27_off 70 40 --workload W1 --model "$Q7" --scale 0.25 --quantization int4
 }
 
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
