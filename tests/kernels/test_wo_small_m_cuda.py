@@ -154,7 +154,8 @@ def test_lop3_gives_the_slab_kernels_bits(weights, layer):
 def test_lop3j_matches_dequantize_and_cublas(weights, monkeypatch, layer, M, dtype):
     """The table's 17-256-row int4 launches ("lop3j": round((q - zero) * scale) in x's dtype, as dequantize_int4_to
     makes the weights cuBLAS multiplies) within 1 ulp of the output scale of F.linear on those weights; replayed
-    from a CUDA graph they give the eager bits; with HAYABUSA_WO_MID_M the public int4 linear gives them too."""
+    from a CUDA graph they give the eager bits; with HAYABUSA_WO_MID_M the public int4 linear gives them too (at
+    every key: WO_MID_M_WINS, which limits the routing to the keys that won, is patched to all of them here)."""
     from hayabusa.kernels.quant_linear import dequantize_int4_to
 
     q, s, z, group = _ops(weights, layer, "int4", dtype)
@@ -176,4 +177,5 @@ def test_lop3j_matches_dequantize_and_cublas(weights, monkeypatch, layer, M, dty
 
     monkeypatch.setattr(ql, "USE_WO_SMALL_M", True)
     monkeypatch.setattr(wsm, "USE_WO_MID_M", True)
+    monkeypatch.setattr(wsm, "WO_MID_M_WINS", frozenset(wsm.WO_SMALL_M_TABLE))
     assert torch.equal(int4_weight_only_linear(x, q, s, z, group, b), y)
