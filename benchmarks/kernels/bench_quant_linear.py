@@ -312,9 +312,9 @@ FP8_SPLITS = (1, 2, 4, 8, 16)
 def fp8_sweep_configs(M: int, N: int, K: int, sms: int) -> list[LaunchConfig]:
     """--fp8 --sweep candidates, 20-30 per case, the same for every layer of a shape class (so the table can keep
     the one with the least time over the class). Pruned by what a bandwidth-bound small-M kernel needs:
-      * GEMV (M <= 4, all rows in one program): 16-byte vectors, 64-128 weight bytes per thread per step (4-8 loads in flight: less starves
-        HBM, more spills) in 8-32 KB tiles; 4 or 8 warps; num_stages 1 (the loads of one step are independent, and
-        Triton 3.6 does not pipeline loads that feed no tl.dot);
+      * GEMV (M <= 4, all rows in one program): 16-byte vectors, 64-128 weight bytes per thread per step (4-8 loads
+        in flight: less starves HBM, more spills) in 8-32 KB tiles; 4 or 8 warps; num_stages 1 (the loads of one
+        step are independent, and Triton 3.6 does not pipeline loads that feed no tl.dot);
       * dot (M = 16, and a few at M = 1 and 4): 16-row tiles, 32-128 wide, BLOCK_K 128-256, 3-4 stages (cp.async);
       * K splits from FP8_SPLITS that put 1-12 programs per SM (fewer leave SMs idle, more only add partials)."""
     from hayabusa.kernels.fp8_gemv import fp8_launch
@@ -856,8 +856,9 @@ def small_m_case(layer: str, M: int, scheme: str, G: int) -> dict:
 def print_small_m_table(rows: list[dict]) -> None:
     """The --small-m rows, then per (scheme, shape class, M bucket) the candidate with the least time summed over
     the class's rows (a row missing it is charged its slowest) as a WO_SMALL_M_TABLE literal, and the mid-M keys
-    (buckets past WO_SMALL_M_MAX) where that sum beat today's path's (dequantize + cuBLAS there) as a WO_MID_M_WINS
-    literal; keys not swept keep the module's entries."""
+    (buckets past WO_SMALL_M_MAX) where that sum beat today's path's (small_m_case's "today_us": quant_linear's
+    tl.dot GEMM below DEQUANT_GEMM_MIN_M(_INT4) rows, dequantize + cuBLAS from there) as a WO_MID_M_WINS literal;
+    keys not swept keep the module's entries."""
     from hayabusa.kernels.wo_small_m import WO_MID_M_WINS, WO_SMALL_M_MAX, WO_SMALL_M_TABLE, wo_m_bucket
 
     print(f"{'layer':<8} {'scheme':<6} {'M':>3} {'bf16 us':>8} {'today us':>9} {'table us':>9} {'best us':>8} "

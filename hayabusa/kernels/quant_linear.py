@@ -496,9 +496,9 @@ def pick_config(M: int, N: int, K: int, group_size: int | None, device: torch.de
 
     GEMV (M <= _GEMV_MAX_M): about 4 programs per SM, 8 KB of weights per program and step (int4 128 k x 128 n,
     int8 128 k x 64 n). With USE_GEMM_T, fp16 / bf16 x up to M = 256: the swapped-operand GEMM (_wo_gemm_t_kernel)
-    with the tiles of GEMM_T_TABLE (see there: unmeasured until the sweep's table is pasted). Otherwise (fp32 x, larger M) the
-    original GEMM: 128-row tiles for prefill, 16-64 rows with split-K when the tiles do not fill the SMs. int4 K
-    tiles stay inside one group (tl.dot also needs K >= 16).
+    with the tiles of GEMM_T_TABLE (see there: unmeasured until the sweep's table is pasted). Otherwise (fp32 x,
+    larger M) the original GEMM: 128-row tiles for prefill, 16-64 rows with split-K when the tiles do not fill the
+    SMs. int4 K tiles stay inside one group (tl.dot also needs K >= 16).
     """
     sms, smem = device_limits(device)
     k_cap = pow2_divisor(group_size, 128) if group_size is not None else 128
@@ -603,7 +603,8 @@ def _kernel_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """The CUDA path (inputs already checked; runs on CPU under the interpreter): from DEQUANT_GEMM_MIN_M rows on,
     W dequantized to x's dtype by one kernel, then F.linear (cuBLAS); below, the fused Triton GEMV / GEMM; with
     wo_small_m_enabled, fp16 / bf16 x of wo_small_m.WO_SMALL_M_MIN_M..WO_SMALL_M_MAX rows (..WO_MID_M_MAX with
-    HAYABUSA_WO_MID_M; unit last stride) takes kernels/wo_small_m.py's tl.dot kernel instead."""
+    HAYABUSA_WO_MID_M, at wo_small_m.WO_MID_M_WINS's keys; unit last stride) takes kernels/wo_small_m.py's tl.dot
+    kernel instead."""
     threshold = DEQUANT_GEMM_MIN_M if group_size is None else min(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_INT4)
     if _SMALL_M_KERNEL is not None and x.shape[0] > 1 and x.stride(1) == 1 and wo_small_m_enabled(x.device) \
             and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):

@@ -11,7 +11,7 @@ Why (issue #24): at M = 5-64 the weight-only linears lost to bf16 cuBLAS on the 
 fused split-K reduction (fp8_gemv.SplitKPlan / splitk_finish). Int4 weights are a quarter of bf16's bytes, so that
 loop streaming them with cheap in-register dequantization could beat bf16 by up to ~3x at M <= 16.
 
-int4, kind "slab" (the default): the packed tile [BLOCK_K // 8, BLOCK_N] int32 is NOT rebuilt in k order (the nibble
+int4, kind "slab": the packed tile [BLOCK_K // 8, BLOCK_N] int32 is NOT rebuilt in k order (the nibble
 interleave costs Triton layout conversions). A dot product sums over k in any order, so the tile is split into its 8
 nibble slabs: slab s holds k = k0 + 8i + s, i < BLOCK_K // 8. Each becomes exact integers in x's dtype by
 quant_linear's magic number (a nibble q OR 0x4300 is the bf16 128 + q, OR 0x6400 the fp16 1024 + q; minus (128 +
@@ -30,13 +30,15 @@ the channel scale multiplies the fp32 sum at the end. Compiled for sm_90 (ptxas 
 tiles, 4 warps): int4 slab 72 registers, join 158; int8 byte tile 255 with spills (4-byte pointers per weight byte),
 which the word slabs avoid. x is bf16 / fp16; BLOCK_M 16 (16- to 128-row tiles for the bench and HAYABUSA_WO_MID_M).
 
-int4 kinds "lop3" and "lop3j" (twenty-sixth session, built without a GPU; not measured yet): the slabs made by inline
-PTX, two packed words at a time (_lop3_asm: PRMT + LOP3 + packed FMA, as FasterTransformer / Marlin convert int4).
-"lop3" is "slab" with those slabs (the same values). "lop3j" multiplies each slab by its group scales in the same
-PTX (round((q - zero) * scale) in x's dtype, the weights dequantize + cuBLAS multiplies), joins the 8 slabs into the
-k-ordered tile and runs one K = BLOCK_K dot into the loop's accumulator: on sm_90 the tile's 8 wgmma instructions
-issue back to back with one wait, where the slab kinds wait after each of their dots and rescale a partial
-(benchmarks/kernels/sass_wo_small_m.py prints the loop's SASS without a GPU; BENCHMARKS.md "twenty-sixth session").
+int4 kinds "lop3" and "lop3j" (built in the twenty-sixth session without a GPU, measured on an H200 in the
+twenty-seventh: "lop3" is the table's 16-row launch for square and deep layers, "lop3j" its 32-256-row one): the
+slabs made by inline PTX, two packed words at a time (_lop3_asm: PRMT + LOP3 + packed FMA, as FasterTransformer /
+Marlin convert int4). "lop3" is "slab" with those slabs (the same values). "lop3j" multiplies each slab by its group
+scales in the same PTX (round((q - zero) * scale) in x's dtype, the weights dequantize + cuBLAS multiplies), joins
+the 8 slabs into the k-ordered tile and runs one K = BLOCK_K dot into the loop's accumulator: on sm_90 the tile's 8
+wgmma instructions issue back to back with one wait, where the slab kinds wait after each of their dots and rescale
+a partial (benchmarks/kernels/sass_wo_small_m.py prints the loop's SASS without a GPU; BENCHMARKS.md "twenty-sixth
+session").
 
 Numerics: the dot operands are exact integers and x's values, so the products are exact and summed in fp32; only
 the order of the sums differs from quant_ref's references (and the scale is applied per tile / split): fp32
@@ -46,8 +48,9 @@ once by torch (the interpreter's bf16 cast truncates).
 
 Switch: quant_linear._kernel_linear (this module registers with it at import) sends x with WO_SMALL_M_MIN_M <= M <=
 WO_SMALL_M_MAX rows (up to WO_MID_M_MAX with HAYABUSA_WO_MID_M=1, at the keys of WO_MID_M_WINS; fp16 / bf16, CUDA
-or the interpreter) here where quant_linear.wo_small_m_enabled: on by default on CUDA devices of compute capability 9.0+ (where the table was measured); ``HAYABUSA_WO_SMALL_M=0`` / ``=1`` (read
-at import) turns it off / on for any CUDA device (off: the GEMV to 4 rows and the 16-row GEMM above, as before).
+or the interpreter) here where quant_linear.wo_small_m_enabled: on by default on CUDA devices of compute capability
+9.0+ (where the table was measured); ``HAYABUSA_WO_SMALL_M=0`` / ``=1`` (read at import) turns it off / on for any
+CUDA device (off: the GEMV to 4 rows and the 16-row GEMM above, as before).
 Measured on an H200 (``benchmarks/kernels/bench_quant_linear.py --small-m``, BENCHMARKS.md "twenty-second session"),
 us summed over a 7B layer's qkv + o + gate_up + down: int4 at 4 rows 110 against the 4-row GEMV's 231, at 16 rows
 171 against 301 (bf16 cuBLAS 126); int8 at 4 rows 92 against 325, at 16 rows 93 against 132 (bf16 126). At one row
@@ -95,18 +98,20 @@ _SLAB_MIN_BK = {"int4": 128, "int8": 64}
 # there). Off until the engine runs with it are measured on a GPU (issue #24).
 USE_WO_MID_M = env_flag("HAYABUSA_WO_MID_M", False)
 WO_MID_M_MAX = WO_M_BUCKETS[-1]
-# The mid-M keys where WO_SMALL_M_TABLE's launch beat quant_linear's path (dequantize + cuBLAS at these rows) in
-# time summed over the class's Qwen2.5-7B layers. Measured on an H200 (2026-12-05, commit 4758af8,
+# The mid-M keys where WO_SMALL_M_TABLE's launch beat quant_linear's path without the switch ("today": its tl.dot
+# GEMM below DEQUANT_GEMM_MIN_M_INT4 = 64 rows for int4 and DEQUANT_GEMM_MIN_M = 256 for int8, dequantize + cuBLAS
+# from there) in time summed over the class's Qwen2.5-7B layers. Measured on an H200 (2026-12-05, commit 4758af8,
 # `bench_quant_linear.py --small-m --schemes int4,int8 --m 64,256,16,128,32`, CUDA-graph medians, int4 G = 128;
-# BENCHMARKS.md "twenty-seventh session"), us this table's launch / dequantize + cuBLAS (bf16 cuBLAS):
-# - int4 32 rows: qkv 18.7 / 34.9 (8.0), o 18.8 / 25.3 (8.5), gate_up 97.3 / 168 (73.8), down 51.5 / 126 (40.0);
+# BENCHMARKS.md "twenty-seventh session"), us this table's launch / today (bf16 cuBLAS):
+# - int4 32 rows: qkv 18.7 / 34.9 (8.0), o 18.9 / 25.3 (8.5), gate_up 97.3 / 168 (73.8), down 51.5 / 126 (40.0);
 # - int4 64: gate_up 98.4 / 171 (72.4), down 60.3 / 91.8 (43.0); lost on qkv 21.2 / 20.7, o 21.6 / 16.5;
 # - int4 128: gate_up 147 / 170 (72.7); lost on down 101 / 94.7, qkv 37.2 / 21.9, o 36.4 / 17.3;
 # - int4 256: lost everywhere (gate_up 252 / 191, down 174 / 107; bf16 103 / 58);
-# - int8 32: gate_up 57.9 / 73.8 (73.8); lost on qkv 16.0 / 15.8, o 15.5 / 12.8, down 58.4 / 51.5; lost at 64-256.
-# Even where they win, both lose to bf16 cuBLAS from 32 rows on: dequantizing in the K loop keeps the tensor cores
-# waiting (the "lop3j" loop is 521 instructions a warp per 128-deep tile at 64 rows, BENCHMARKS.md "twenty-sixth
-# session"); the bench prints this set with the table (print_small_m_table).
+# - int8 32: gate_up 57.9 / 73.8 (73.8); lost on qkv 16.0 / 15.8, o 16.0 / 12.8, down 58.4 / 51.5; lost at 64-256.
+# From 32 rows on the int4 launches lose to bf16 cuBLAS everywhere (0.24-0.78x its speed), int8's everywhere but
+# gate_up at 32 rows: dequantizing in the K loop keeps the tensor cores waiting (the "lop3j" loop is 521
+# instructions a warp per 128-deep tile at 64 rows, BENCHMARKS.md "twenty-sixth session"); the bench prints this
+# set with the table (print_small_m_table).
 WO_MID_M_WINS: frozenset[tuple[str, str, int]] = frozenset({
     ("int4", "deep", 32), ("int4", "square", 32), ("int4", "wide", 32),
     ("int4", "deep", 64), ("int4", "wide", 64),
@@ -119,9 +124,12 @@ _DTYPES = (torch.bfloat16, torch.float16)
 # as many K splits as give FP8_AUTO_SPLIT_WAVES programs per SM (split_k_for). Per class and bucket the candidate
 # with the least time summed over the class's Qwen2.5-7B layers (qkv / o: square, gate_up: wide, down: deep), CUDA-
 # graph replay medians, int4 G = 128: `bench_quant_linear.py --small-m` on an H200, 2026-12-05, commit 4758af8
-# (--schemes int4,int8 --m 64,256,16,128,32; BENCHMARKS.md "twenty-seventh session"); the twenty-second session's
-# (commit 21d4d34) at 16 rows had chosen the same launches but "slab" where "lop3" (its slabs made by inline PTX, the
-# same values) now wins. E.g. at 16 rows, us this launch / bf16 cuBLAS: int4 qkv 15.5 / 7.7, down 39.2 / 39.9,
+# (--schemes int4,int8 --m 64,256,16,128,32; BENCHMARKS.md "twenty-seventh session"). At 16 rows int4 "lop3" (the
+# "slab" launch with its slabs made by inline PTX, the same values) won on qkv and down (on o "slab" did, 12.9
+# against 15.4 us; the square class's sum chose "lop3", 30.9 against 31.4), and gate_up took a 256-wide "slab" tile
+# without a K split (SPLIT_K 1; the twenty-second session, commit 21d4d34, had "slab" 16 x 128 x 128, SPLIT_K 0, for
+# every int4 class).
+# E.g. at 16 rows, us this launch / bf16 cuBLAS: int4 qkv 15.5 / 7.7, down 39.2 / 39.9,
 # gate_up 88.9 / 73.2; int8 gate_up 45.6 / 73.2, down 29.6 / 39.9. 32-256 rows: only the bench, direct calls and
 # USE_WO_MID_M at WO_MID_M_WINS's keys reach them (see there for their times).
 WO_SMALL_M_TABLE: dict[tuple[str, str, int], tuple[str, int, int, int, int, int, int]] = {

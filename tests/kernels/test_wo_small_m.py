@@ -283,7 +283,7 @@ def test_bench_candidates_and_table_literal(capsys):
     wins = out[out.index("WO_MID_M_WINS"):]
     assert set(ast.literal_eval(wins[wins.index("{"):wins.rindex("}") + 1])) == set(WO_MID_M_WINS)  # none swept
 
-    # mid-M: a key is printed as a win where its best launch's summed time beats today's path's (dequantize + cuBLAS)
+    # mid-M: a key is printed as a win where its best launch's summed time beats today's path's (rows' today_us)
     mid = [row("qkv", 32, {repr(a): 10.0}), row("o", 32, {repr(a): 95.0}),       # square 32: 105 < 200 -> win
            row("down", 64, {repr(a): 120.0}),                                    # deep 64: 120 > 100 -> not
            row("gate_up", 100, {repr(a): 99.0})]                                 # wide 128: 99 < 100 -> win

@@ -158,11 +158,13 @@ def test_quantized_fidelity_on_cuda(stories_dir, scheme):
 def test_int4_mid_m_kernel_in_the_engine(q05_dir, monkeypatch):
     """HAYABUSA_WO_MID_M on (int4 x of 17-256 rows through wo_small_m's "lop3j" launches at every key, as if each had
     won its measurement; 24 requests of up to 200 prompt tokens, so decode steps of 17-24 rows and prefill chunks past
-    64): CUDA graphs give the eager tokens; against the switch off (dequantize + cuBLAS), tests.helpers.
-    assert_runs_agree: ids equal up to a first difference where each side's token is in the other's top-5, chosen
-    tokens' logprobs within 0.25 before it (24 random-weight layers). The kernel dots dequantize's own bf16 weights,
-    so only the fp32 summation order differs; random weights make near-ties, so whole sequences may still part (the
-    H200 run of commit 4758af8 had 7 of 24 identical; the count is printed)."""
+    64): CUDA graphs give the eager tokens; against the switch off (quant_linear's tl.dot GEMM below
+    DEQUANT_GEMM_MIN_M_INT4 = 64 rows, dequantize + cuBLAS from there), tests.helpers.assert_runs_agree: ids equal up
+    to a first difference where each side's token is in the other's top-5, chosen tokens' logprobs within 0.25 before
+    it (24 random-weight layers). "lop3j" dots dequantize's own bf16 weights, so from 64 rows only the fp32 summation
+    order differs; below, the GEMM dots the exact integers q - zero and scales their fp32 sums, so the weights'
+    rounding differs too. Random weights make near-ties, so whole sequences may still part (the H200 run of commit
+    4758af8 had 7 of 24 identical; the count is printed)."""
     import hayabusa.kernels.wo_small_m as wsm
 
     monkeypatch.setattr(wsm, "USE_WO_MID_M", True)
