@@ -505,17 +505,23 @@ def pick_fp8_config(M: int, N: int, K: int, device: torch.device, prequantized: 
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
+# Buffers split_locks grew past: a CUDA graph captured with one still points at it, so it must stay allocated (freed,
+# its memory could be handed to another tensor and the graph's counters would read someone else's bytes).
+_RETIRED_LOCKS: list[torch.Tensor] = []
 
 
 def split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The per-device int32 counters of the fused split-K reduction (zero between launches: each tile's last
     program resets its own), at least `tiles` of them; None while a CUDA graph is being captured and the buffer is
     missing or too small (allocating there would tie it to the graph's pool): that launch reduces with
-    splitk_reduce instead, the same sum. One stream at a time uses them (the engine's forward is on one stream)."""
+    splitk_reduce instead, the same sum. One stream at a time uses them (the engine's forward is on one stream). A
+    buffer grown past stays allocated (_RETIRED_LOCKS) for the graphs captured with it."""
     locks = _LOCKS.get(device)
     if locks is None or locks.numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if locks is not None:
+            _RETIRED_LOCKS.append(locks)
         locks = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
         _LOCKS[device] = locks
     return locks

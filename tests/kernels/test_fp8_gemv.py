@@ -424,3 +424,18 @@ def test_sweep_tables_reach_the_engine_through_the_json(tmp_path, monkeypatch, c
     monkeypatch.setattr(fg, "FP8Q_TABLE", dict(FP8Q_TABLE))
     assert fg.load_fp8_tables(str(out)) == {"FP8_TABLE": 1, "FP8Q_TABLE": 1}
     assert fg.FP8_TABLE[("square", 1)] == a and fg.FP8Q_TABLE[("square", 1)] == b
+
+
+def test_split_locks_grow_and_keep_the_old_buffer(monkeypatch):
+    """split_locks grows its buffer when a launch needs more counters, zeroed, and keeps the one it replaces alive
+    (a CUDA graph captured with it replays on it)."""
+    import hayabusa.kernels.fp8_gemv as fg
+
+    monkeypatch.setattr(fg, "_LOCKS", {})
+    monkeypatch.setattr(fg, "_RETIRED_LOCKS", [])
+    cpu = torch.device("cpu")
+    first = fg.split_locks(cpu, 10)
+    assert first.numel() >= 10 and fg.split_locks(cpu, first.numel()) is first
+    bigger = fg.split_locks(cpu, first.numel() + 1)
+    assert bigger.numel() > first.numel() and int(bigger.abs().sum()) == 0
+    assert fg._RETIRED_LOCKS == [first] and fg.split_locks(cpu, 5) is bigger
