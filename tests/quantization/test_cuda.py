@@ -167,13 +167,19 @@ def test_int4_mid_m_kernel_in_the_engine(q05_dir, monkeypatch):
     4758af8 had 7 of 24 identical; the count is printed)."""
     import hayabusa.kernels.wo_small_m as wsm
 
+    rows: list[int] = []    # the row counts quant_linear's dispatch sends to wo_small_m_linear (looked up per call)
+    real = wsm.wo_small_m_linear
+    monkeypatch.setattr(wsm, "wo_small_m_linear", lambda *args: rows.append(args[0].shape[0]) or real(*args))
     monkeypatch.setattr(wsm, "USE_WO_MID_M", True)
     monkeypatch.setattr(wsm, "WO_MID_M_WINS", frozenset(k for k in wsm.WO_SMALL_M_TABLE if k[0] == "int4"))
     eager = _greedy(q05_dir, logprobs=5, quantization="int4", enforce_eager=True)
+    assert max(rows) > wsm.WO_SMALL_M_MAX, sorted(set(rows))       # else on vs off below would compare nothing
     graphs = _greedy(q05_dir, logprobs=5, quantization="int4", enforce_eager=False)
     assert [o.token_ids for o in graphs] == [o.token_ids for o in eager]
     monkeypatch.setattr(wsm, "USE_WO_MID_M", False)
+    rows.clear()
     off = _greedy(q05_dir, logprobs=5, quantization="int4", enforce_eager=False)
+    assert all(m <= wsm.WO_SMALL_M_MAX for m in rows), sorted(set(rows))
     same, diverged, worst = assert_runs_agree(graphs, off, 0.25)
     print(f"int4, HAYABUSA_WO_MID_M on vs off: {same} of {len(off)} sequences identical, {diverged} diverge; max "
           f"|logprob on - off| before: {worst:.4f}")
