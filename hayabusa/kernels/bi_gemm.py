@@ -180,9 +180,9 @@ BI_GEMM_BUCKETS: dict[tuple[int, int], tuple[tuple[int, dict], ...]] = {
                     (NO_BOUND, _tile(128, 256, 8, tma=True))),
     # Qwen2.5-7B's shapes at heuristic_config's BLOCK_K / CHUNK_K (the same sweep's --keep-arith, run on commit
     # 4758af8, 2026-12-05, BENCHMARKS.md "twenty-seventh session"; before it they took heuristic_buckets, and 7b W1
-    # in the mode was 0.665x default; with these 0.83x, W3 4.86 against 4.32 ms a token, 0.89x). Not yet run with
-    # them: test_bi_gemm_cuda.py on the 7b shapes (its 4758af8 run had heuristic_buckets there) and the engine's bit
-    # grid on the 7b shape.
+    # in the mode was 0.665x default; with these 0.83x, W3 4.86 against 4.32 ms a token, 0.89x). With them
+    # test_bi_gemm_cuda.py -k 'row_bits or silu' passed (15, commit da656be); the engine's bit grid on the 7b shape
+    # has not run with them yet.
     # qkv (CHUNK 1216): M=1 12.5 / 11.2, M=16 12.7 / 11.3, M=64 14.9 / 11.7, M=256 27.3 / 17.0, M=2048 130 / 99
     (4608, 3584): ((1, _tile(16, 64, stages=4, split=True)), (16, _tile(16, 32, stages=4, split=True)),
                    (64, _tile(64, 64, 8, stages=4, split=True)), (NO_BOUND, _tile(128, 128, 8, stages=4, tma=True))),
