@@ -13,6 +13,7 @@ import torch
 
 from hayabusa.kernels.fp8_gemv import FP8_SMALL_M_MAX, fp8_small_m_linear, fp8_small_m_linear_ref, pick_fp8_config
 from hayabusa.kernels.fp8_quant import FP8_DTYPE, per_token_quant_fp8, per_token_quant_fp8_ref
+from tests.helpers import assert_runs_agree
 from tests.kernels.conftest import QWEN_7B
 
 pytestmark = [
@@ -233,14 +234,7 @@ def test_fp8_engine_greedy_with_prequantized_rows_on_and_off(monkeypatch, reques
 
 
 def _assert_parity(model: str, on: list, off: list) -> None:
-    worst, diverged = 0.0, 0
-    for a, b in zip(on, off):
-        assert len(a.token_ids) == len(b.token_ids) == 24
-        for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)):
-            if s != t:
-                diverged += 1
-                assert s in b.logprobs[i] and t in a.logprobs[i], (i, s, t, a.logprobs[i], b.logprobs[i])
-                break
-            worst = max(worst, abs(a.logprobs[i][s].logprob - b.logprobs[i][s].logprob))
-    print(f"{model}: {diverged} of {len(on)} sequences diverge; max |logprob on - off| before: {worst:.3f}")
-    assert worst <= MAX_LOGPROB_DIFF, worst
+    assert all(len(o.token_ids) == 24 for o in on + off)
+    same, diverged, worst = assert_runs_agree(on, off, MAX_LOGPROB_DIFF)
+    print(f"{model}: {diverged} of {len(on)} sequences diverge ({same} identical); max |logprob on - off| before: "
+          f"{worst:.3f}")
