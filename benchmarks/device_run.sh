@@ -1299,7 +1299,8 @@ g_wo27b() {  # (call 2 of 2, ~500 s): the 7b int4 / int8 engines with HAYABUSA_W
     --sweep max_num_seqs=14 --quantization int4
 }
 
-g_s27() {  # twenty-seventh session's last call (~600 s; that session had 300 s and only the row-bits tests and W1 int4 on ran): issue #24 after the measured WO_SMALL_M_TABLE / WO_MID_M_WINS
+g_s27() {  # (~600 s; the twenty-seventh session had 300 s left for it: only the row-bits tests and W1 int4 "on" ran)
+           # issue #24 after the measured WO_SMALL_M_TABLE / WO_MID_M_WINS
            # of b610dd9: the wo_small_m CUDA tests with the new table, the mid-M engine test's top-5 / logprob form,
            # then the seed's W4 at max_num_seqs 14 (bf16, int4, int8: issue #24's >= 1.0x bf16 target) and the 7b W1
            # int4 with HAYABUSA_WO_MID_M on / off
