@@ -1315,6 +1315,14 @@ g_s27() {  # (~600 s; the twenty-seventh session had 300 s left for it: only the
     --sweep quantization=none,int8,int4
 }
 
+g_bi28() {  # issue #23 (~420 s): the 7b shape's bit grid in the mode with BI_GEMM_BUCKETS' 7b launches (2978079; the
+            # twenty-fifth session's grid ran with heuristic_buckets), then W1 in both modes, both orders
+  ensure_q7
+  step bi_q7_grid28 "${BI7_S:-240}" 60 bash -c "python benchmarks/batch_invariance.py '$Q7' --full --num-tokens 256 \
+    --mode batch_invariant --json '$OUT/bi_q7_grid28.json' 2>&1 | tail -25"
+  bench_step q7_W1_bi28 120 40 --workload W1 --model "$Q7" --repeats 3 --sweep batch_invariant=true,false
+}
+
 PLAN=${PLAN:-gpu_tests ceilings q05 q7 hf05 prefix q7more hf7 w6 arch profile}
 for g in $PLAN; do
   if declare -F "g_$g" > /dev/null; then "g_$g"; else echo "=== unknown PLAN group $g"; fi
