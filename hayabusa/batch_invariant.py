@@ -76,7 +76,8 @@ def check_batch_invariant(model_config: Any, tensor_parallel_size: int, speculat
     env_var = _deciding_env_var() if from_env else None   # what a refusal names as having turned the mode on
     if model_config.quant_config is not None:
         raise _refuse("quantization", model_config.quantization, "the quantized linears' kernels choose their "
-                      "tiling and split-K by the number of rows; use an unquantized checkpoint.", env_var)
+                      "tiling and split-K by the number of rows; drop quantization= (for a quantized checkpoint: "
+                      "load an unquantized one), or turn the mode off.", env_var)
     if model_config.is_encoder_decoder and str(model_config.dtype) == "torch.float16":
         raise _refuse("dtype", "float16", "T5 in float16 clamps its residual stream as transformers does, and "
                       "whether a step clamps depends on every row of the step (an inf anywhere lowers every row's "

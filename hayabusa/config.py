@@ -114,6 +114,11 @@ def _arg_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _is_int(v: Any) -> bool:
+    """An integer that is not a bool (True is an int in Python, never a count)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:
     return HayabusaValidationError(f"{parameter}={value!r}: {why}", parameter=parameter, value=value)
 
@@ -467,24 +472,46 @@ class EngineArgs:
     def _verify_args(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise _bad("model", self.model, "give a model folder or a Hugging Face Hub id.")
+        for f in dataclasses.fields(self):   # on / off arguments: a string such as "no" must not read as on
+            v = getattr(self, f.name)
+            if str(f.type) in ("bool", "bool | None") and not (isinstance(v, bool) or (v is None and "None" in
+                                                                                       str(f.type))):
+                raise _bad(f.name, v, "must be True or False" + (" (or None: derived)." if "None" in str(f.type)
+                                                                  else "."))
         positive = ("max_num_seqs", "block_size")
         for name in positive:
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise _bad(name, v, "must be a positive integer.")
         if self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise _bad("block_size", self.block_size, "must be 1, 2, 4, 8 or a multiple of 16.")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise _bad("batch_invariant", self.batch_invariant, "must be True or False (or None: "
                        "HAYABUSA_BATCH_INVARIANT, else VLLM_BATCH_INVARIANT, decides).")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+        if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise _bad("max_logprobs", self.max_logprobs, "must be a non-negative integer.")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (not _is_int(v) or v < 1):
                 raise _bad(name, v, "must be a positive integer or None.")
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1].")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2 ** 63) <= self.seed < 2 ** 64):
+            # torch.manual_seed's range (a 64-bit seed, negative values wrapped)
+            raise _bad("seed", self.seed, "must be an integer in [-2**63, 2**64) or None.")
+        gmu = self.gpu_memory_utilization
+        if not isinstance(gmu, (int, float)) or isinstance(gmu, bool) or not 0.0 < gmu <= 1.0:
+            raise _bad("gpu_memory_utilization", gmu, "must be a number in (0, 1].")
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and (not isinstance(sizes, (list, tuple)) or not sizes
+                                  or not all(_is_int(n) and n >= 1 for n in sizes)):
+            raise _bad("cuda_graph_sizes", sizes, "must be a non-empty list of positive integers (batch sizes to "
+                       "capture) or None.")
+        if self.download_dir is not None and not isinstance(self.download_dir, (str, os.PathLike)):
+            raise _bad("download_dir", self.download_dir, "must be a folder path or None.")
+        domains = self.allowed_media_domains
+        if domains is not None and (not isinstance(domains, (list, tuple)) or not all(isinstance(d, str)
+                                                                                      for d in domains)):
+            raise _bad("allowed_media_domains", domains, "must be a list of host names (e.g. ['example.com']) "
+                       "or None.")
         from hayabusa.distributed.config import check_parallel_args
 
         check_parallel_args(self.tensor_parallel_size, self.pipeline_parallel_size,

@@ -106,3 +106,38 @@ def test_one_default_and_one_formula_for_the_engine_and_plan(tiny_qwen2):
         plan = make_plan(load_config(tiny_qwen2), PlanInputs(dtype="bfloat16", max_num_seqs=seqs), gpu_memory_gib=16)
         assert plan["max_num_batched_tokens"] == cfg.scheduler_config.max_num_batched_tokens
         assert plan["kv_bytes_per_token"] == cfg.model_config.kv_bytes_per_token()
+
+
+@pytest.mark.parametrize("kw, parameter", [
+    (dict(seed="abc"), "seed"), (dict(seed=2 ** 70), "seed"), (dict(seed=1.5), "seed"), (dict(seed=True), "seed"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=None), "gpu_memory_utilization"),
+    (dict(max_num_seqs=True), "max_num_seqs"), (dict(block_size=True), "block_size"),
+    (dict(max_model_len=True), "max_model_len"), (dict(cuda_graph_sizes="abc"), "cuda_graph_sizes"),
+    (dict(cuda_graph_sizes=[4, 0]), "cuda_graph_sizes"), (dict(enable_prefix_caching="no"), "enable_prefix_caching"),
+    (dict(enforce_eager="no"), "enforce_eager"), (dict(async_scheduling="on"), "async_scheduling"),
+    (dict(trust_remote_code="yes"), "trust_remote_code"), (dict(skip_tokenizer_init="false"), "skip_tokenizer_init"),
+    (dict(download_dir=5), "download_dir"), (dict(allowed_media_domains="example.com"), "allowed_media_domains"),
+])
+def test_engine_arguments_of_the_wrong_type_are_refused_by_name(stories_dir, kw, parameter):
+    """A value of the wrong type is refused naming the argument and the value, before any model is read (a
+    string "no" for an on / off argument would otherwise read as on; True as a count would be 1)."""
+    from hayabusa.config import EngineArgs
+    from hayabusa.errors import HayabusaValidationError
+
+    with pytest.raises(HayabusaValidationError) as err:
+        EngineArgs.from_kwargs(stories_dir, **kw).create_engine_config()
+    assert err.value.parameter == parameter and str(err.value).startswith(f"{parameter}=")
+    # the right types pass the same checks
+    EngineArgs.from_kwargs(stories_dir, seed=None, gpu_memory_utilization=1, cuda_graph_sizes=[1, 8],
+                           enable_prefix_caching=None, enforce_eager=True, download_dir=None,
+                           allowed_media_domains=["example.com"])._verify_args()
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_refuses_a_port_outside_0_65535_before_loading(port, capsys):
+    from hayabusa.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", port])
+    assert exit_.value.code == 2 and "--port" in capsys.readouterr().err

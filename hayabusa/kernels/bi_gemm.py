@@ -259,18 +259,19 @@ def _bucket_file(path: str) -> dict[tuple[int, int], tuple[tuple[int, dict], ...
 
 
 def check_env_files() -> None:
-    """Parse HAYABUSA_BI_GEMM_CONFIGS and the file HAYABUSA_BI_GEMM_BUCKETS names, where set, on any device (the CPU
-    path ignores them, so a typo would otherwise surface only on a GPU). Per-shape field values are checked when a
-    shape's launch is made.
+    """Check HAYABUSA_BI_GEMM_CONFIGS and the file HAYABUSA_BI_GEMM_BUCKETS names, where set, on any device (the CPU
+    path ignores them, so a typo would otherwise surface only on a GPU): their syntax, and every shape they name
+    resolved as a launch would resolve it on an H200 (field names, values, buckets), "*" on a 4096 x 4096 weight.
 
     Raises:
-        HayabusaValidationError: either is malformed or the file cannot be read, naming the variable."""
+        HayabusaValidationError: either is malformed, names an unknown field or a bad value, or the file cannot be
+            read, naming the variable."""
     raw = os.environ.get(ENV_CONFIGS, "").strip()
-    if raw:
-        _env_overrides(raw)
     path = os.environ.get(ENV_BUCKETS, "").strip()
-    if path:
-        _bucket_file(path)
+    shapes = set(_env_overrides(raw)) if raw else set()
+    shapes |= set(_bucket_file(path)) if path else set()
+    for n, k in sorted(shapes):
+        _fields(n or 4096, k or 4096, 132, raw, True, path)
 
 
 def _checked_buckets(N: int, K: int, cfg: BiGemmConfig, buckets, source: str) -> tuple[tuple[int, dict], ...]:

@@ -3,6 +3,7 @@ other requests, split into prefill chunks, and after a prefix-cache hit; the mod
 
 The model is the trained stories260K-qwen2 asset (5 layers, qkv biases, tied embeddings) in bfloat16."""
 
+import json
 import random
 
 import pytest
@@ -239,10 +240,19 @@ def test_refusal_names_the_variable_only_when_it_turned_the_mode_on(monkeypatch)
 
 
 @pytest.mark.parametrize("name,value", [("HAYABUSA_BI_GEMM_CONFIGS", "notjson"),
-                                        ("HAYABUSA_BI_GEMM_BUCKETS", "/nonexistent/buckets.json")])
-def test_bad_gemm_tuning_variables_are_refused_on_any_device(monkeypatch, name, value):
-    """The CPU path ignores the GEMM's tuning variables, but a malformed one is refused by name when the mode is
-    configured, so a typo does not wait for a GPU to show."""
+                                        ("HAYABUSA_BI_GEMM_CONFIGS", '{"*": {"FOO": 1}}'),
+                                        ("HAYABUSA_BI_GEMM_CONFIGS", '{"*": {"BLOCK_K": -3}}'),
+                                        ("HAYABUSA_BI_GEMM_CONFIGS", '{"896x896": {"BLOCK_K": "big"}}'),
+                                        ("HAYABUSA_BI_GEMM_BUCKETS", "/nonexistent/buckets.json"),
+                                        ("HAYABUSA_BI_GEMM_BUCKETS", {"896x896": [[16, {"BLOCK_Q": 16}]]}),
+                                        ("HAYABUSA_BI_GEMM_BUCKETS", {"896x896": [[16, {"BLOCK_K": 32}]]})])
+def test_bad_gemm_tuning_variables_are_refused_on_any_device(monkeypatch, tmp_path, name, value):
+    """The CPU path ignores the GEMM's tuning variables, but a malformed one (syntax, an unknown field, a bad
+    value, a bucket that changes the summation order) is refused by name when the mode is configured, so a typo
+    does not wait for a GPU to show."""
+    if isinstance(value, dict):
+        (tmp_path / "buckets.json").write_text(json.dumps(value))
+        value = str(tmp_path / "buckets.json")
     monkeypatch.setenv(name, value)
     with pytest.raises(HayabusaValidationError) as e:
         EngineArgs(model=demo_model_dir(), device="cpu", batch_invariant=True).create_engine_config()

@@ -21,6 +21,17 @@ from hayabusa.entrypoints.openai import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT
                                          REQUEST_CHAT_TEMPLATE_TIME_LIMIT)
 
 
+def _port(text: str) -> int:
+    """--port's type: an integer in 0-65535 (0: the OS picks one), refused by argparse before the model loads."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (an integer in 0-65535)")
+    return port
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to an argparse subparsers object; dispatch to ``run_serve(ns)``."""
     p = subparsers.add_parser("serve", allow_abbrev=False, help="run the OpenAI-compatible HTTP server",
@@ -29,7 +40,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="HF model folder or Hub id (default: the bundled demo model stories260K)")
     p.add_argument("--model", dest="serve_model", metavar="MODEL", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port to listen on, 0-65535 (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("HAYABUSA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HAYABUSA_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
