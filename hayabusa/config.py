@@ -505,6 +505,11 @@ class EngineArgs:
                                   or not all(_is_int(n) and n >= 1 for n in sizes)):
             raise _bad("cuda_graph_sizes", sizes, "must be a non-empty list of positive integers (batch sizes to "
                        "capture) or None.")
+        for name in ("tokenizer", "revision", "tokenizer_revision"):   # else a Hub lookup retries for a minute
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise _bad(name, v, "must be a string (a folder or Hub id; a revision: a branch, tag or commit) "
+                           "or None.")
         if self.download_dir is not None and not isinstance(self.download_dir, (str, os.PathLike)):
             raise _bad("download_dir", self.download_dir, "must be a folder path or None.")
         domains = self.allowed_media_domains

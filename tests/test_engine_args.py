@@ -117,7 +117,8 @@ def test_one_default_and_one_formula_for_the_engine_and_plan(tiny_qwen2):
     (dict(cuda_graph_sizes=[4, 0]), "cuda_graph_sizes"), (dict(enable_prefix_caching="no"), "enable_prefix_caching"),
     (dict(enforce_eager="no"), "enforce_eager"), (dict(async_scheduling="on"), "async_scheduling"),
     (dict(trust_remote_code="yes"), "trust_remote_code"), (dict(skip_tokenizer_init="false"), "skip_tokenizer_init"),
-    (dict(download_dir=5), "download_dir"), (dict(allowed_media_domains="example.com"), "allowed_media_domains"),
+    (dict(download_dir=5), "download_dir"), (dict(tokenizer=123), "tokenizer"), (dict(revision=1), "revision"),
+    (dict(allowed_media_domains="example.com"), "allowed_media_domains"),
 ])
 def test_engine_arguments_of_the_wrong_type_are_refused_by_name(stories_dir, kw, parameter):
     """A value of the wrong type is refused naming the argument and the value, before any model is read (a
