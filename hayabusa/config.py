@@ -18,7 +18,7 @@ from typing import Any, Collection, Iterator
 
 import torch
 
-from hayabusa.errors import HayabusaValidationError
+from hayabusa.errors import HayabusaValidationError, is_int as _is_int
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +112,6 @@ def _arg_docs(cls: type) -> dict[str, str]:
                 for n in names:
                     docs[n] += " " + line.strip()
     return docs
-
-
-def _is_int(v: Any) -> bool:
-    """An integer that is not a bool (True is an int in Python, never a count)."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _bad(parameter: str, value: Any, why: str) -> HayabusaValidationError:

@@ -9,6 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 
+def is_int(v: Any) -> bool:
+    """An integer that is not a bool (True is an int in Python, never a count or a tile size; JSON's true / 4.0 are
+    not integers either)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class HayabusaValidationError(ValueError):
     """A user-supplied value is invalid.
 

@@ -58,7 +58,7 @@ import os
 
 import torch
 
-from hayabusa.errors import HayabusaValidationError
+from hayabusa.errors import HayabusaValidationError, is_int as _is_int
 from hayabusa.kernels._triton import cdiv, tl, triton
 from hayabusa.kernels.pdl import HOPPER, capability_at_least, pdl_kwargs, pdl_wait
 
@@ -109,10 +109,6 @@ class BiGemmConfig:
     def num_chunks(self, K: int) -> int:
         """S, the number of K chunks (fixed by K and CHUNK_K)."""
         return cdiv(K, self.CHUNK_K)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)      # JSON's true / 4.0 are not tile sizes
 
 
 def _bad_config(field: str, value, why: str) -> HayabusaValidationError:
