@@ -467,6 +467,9 @@ class EngineArgs:
     def _verify_args(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise _bad("model", self.model, "give a model folder or a Hugging Face Hub id.")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise _bad("batch_invariant", self.batch_invariant, "must be True or False (or None: "
+                       "HAYABUSA_BATCH_INVARIANT, else VLLM_BATCH_INVARIANT, decides).")
         for f in dataclasses.fields(self):   # on / off arguments: a string such as "no" must not read as on
             v = getattr(self, f.name)
             if str(f.type) in ("bool", "bool | None") and not (isinstance(v, bool) or (v is None and "None" in
@@ -480,9 +483,6 @@ class EngineArgs:
                 raise _bad(name, v, "must be a positive integer.")
         if self.block_size % 16 and self.block_size not in (1, 2, 4, 8):
             raise _bad("block_size", self.block_size, "must be 1, 2, 4, 8 or a multiple of 16.")
-        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
-            raise _bad("batch_invariant", self.batch_invariant, "must be True or False (or None: "
-                       "HAYABUSA_BATCH_INVARIANT, else VLLM_BATCH_INVARIANT, decides).")
         if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise _bad("max_logprobs", self.max_logprobs, "must be a non-negative integer.")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
